@@ -1,0 +1,43 @@
+"""flodl: train one PyTorch model across unlike GPUs and hosts that may fail.
+
+Every rank runs its own training loop (Local SGD); an asyncio controller
+decides when replicas are averaged, which samples each rank trains, and what
+happens when a rank dies. Start with ``Task`` and ``Trainer.builder``, or
+``python -m flodl.controller --task file.py:task --nproc-per-node 2``.
+"""
+
+__version__ = "0.1.0"
+
+from .config import (  # noqa: E402
+    ApplyPolicy,
+    AverageBackend,
+    DdpRunConfig,
+    ElCheConfig,
+    ElCheMode,
+    EpochCallbackPolicy,
+    MaxFailureThreshold,
+    Reduction,
+)
+from .errors import ConfigError, FlodlError, RunAborted, TaskError  # noqa: E402
+from .scalars import record_scalar  # noqa: E402
+from .task import Task  # noqa: E402
+from .trainer import Trainer  # noqa: E402
+
+__all__ = [
+    "ApplyPolicy",
+    "AverageBackend",
+    "ConfigError",
+    "DdpRunConfig",
+    "ElCheConfig",
+    "ElCheMode",
+    "EpochCallbackPolicy",
+    "FlodlError",
+    "MaxFailureThreshold",
+    "Reduction",
+    "RunAborted",
+    "Task",
+    "TaskError",
+    "Trainer",
+    "__version__",
+    "record_scalar",
+]

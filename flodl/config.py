@@ -1,0 +1,1083 @@
+"""Run options: what a user may tune about *how* a distributed run trains.
+
+``DdpRunConfig`` is the single, immutable description of a run's options; its
+``elche`` member (``ElCheConfig``) holds the coordination strategy (mode,
+cadence tuning, guards). Both are frozen dataclasses: builders
+(``with_<field>``) return a new config, so a config can be shared between
+threads, hashed, and shipped to ranks (``to_dict`` / ``from_dict``) without
+anyone changing it underneath.
+
+Each field carries its own checker in its metadata. The checker runs at
+construction, so a bad value fails at the builder call (or the ``from_dict``
+call) that introduced it, naming the field. Checks that relate fields to each
+other or to the world size live in ``validate()``, so builders can be chained
+in any order.
+
+This module is pure (no I/O, no environment): the CLI and TOML faces of the
+same options live in ``options.py``. Which options this version actually
+honours is ``AVAILABLE_FIELDS`` / ``AVAILABLE_MODES``; ``check_available``
+refuses anything else, so no option is ever silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import decimal
+import enum
+import math
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from .errors import ConfigError
+
+# Documented fallbacks for options whose ``None`` means "use the built-in value".
+DEFAULT_HEARTBEAT_TIMEOUT_SECS = 30
+DEFAULT_MAX_LOG_BYTES = 32 * 1024 * 1024
+DEFAULT_DIVERGENCE_THRESHOLD = 0.05
+EASGD_DIVERGENCE_THRESHOLD = 0.3  # elastic blending tolerates more drift
+SYNC_PRESET_ANCHOR = 1
+CADENCE_PRESET_ANCHOR = 10
+
+
+# ---------------------------------------------------------------------------
+# Enums
+# ---------------------------------------------------------------------------
+
+
+def _squash(text: str) -> str:
+    """Spelling-insensitive key: ``"Nccl-Sync"`` and ``"nccl_sync"`` both give ``"ncclsync"``."""
+    return "".join(ch for ch in text.lower() if ch.isalnum())
+
+
+class _TextEnum(str, enum.Enum):
+    """A str-valued enum whose text form is its value and that parses leniently."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, text: Any, *, field_name: str | None = None) -> Any:
+        """Return the member named or valued ``text`` (case, ``-`` and ``_`` ignored)."""
+        if isinstance(text, cls):
+            return text
+        name = field_name or _snake(cls.__name__)
+        if isinstance(text, str):
+            key = _squash(text)
+            for member in cls:
+                if key in (_squash(member.name), _squash(member.value)):
+                    return member
+        raise ConfigError(name, f"unknown value {text!r}; valid values: {cls.spellings()}")
+
+    @classmethod
+    def spellings(cls) -> str:
+        """The valid values for messages, e.g. ``nccl-sync (NcclSync), cpu-sync (CpuSync)``."""
+        return ", ".join(
+            m.value if m.name.lower() == m.value else f"{m.value} ({m.name})" for m in cls
+        )
+
+
+def _snake(camel: str) -> str:
+    """``ApplyPolicy`` -> ``apply_policy`` (used to name the option in parse errors)."""
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in camel).lstrip("_")
+
+
+class ApplyPolicy(_TextEnum):
+    """WHEN replicas are averaged: every step, every ``anchor`` batches, or free-running."""
+
+    SYNC = "sync"
+    CADENCE = "cadence"
+    ASYNC = "async"
+
+
+class AverageBackend(_TextEnum):
+    """HOW replicas are averaged.
+
+    ``NCCL`` is the collective backend: an in-place all-reduce of the
+    parameters (NCCL on CUDA ranks, gloo otherwise). ``CPU`` sends snapshots
+    to the coordinator, which averages them and pushes the result back.
+    """
+
+    NCCL = "nccl"
+    CPU = "cpu"
+
+
+class ElCheMode(_TextEnum):
+    """One name for an (ApplyPolicy, AverageBackend) pair.
+
+    "Nccl" is the collective backend (NCCL on CUDA ranks, gloo otherwise);
+    "Cpu" is coordinator-side averaging. ``NcclAsync`` exists so every pair
+    has a name (``from_parts``/``split`` are exact inverses), although the
+    reference runtime dropped it in 0.6; ``AVAILABLE_MODES`` says which modes
+    this version can run.
+    """
+
+    NcclSync = "nccl-sync"
+    NcclCadence = "nccl-cadence"
+    NcclAsync = "nccl-async"
+    CpuSync = "cpu-sync"
+    CpuCadence = "cpu-cadence"
+    CpuAsync = "cpu-async"
+
+    @classmethod
+    def parse(cls, text: Any, *, field_name: str | None = "mode") -> ElCheMode:
+        """Accept ``NcclSync``, ``nccl-sync``, ``nccl_sync``, ``ncclsync`` (any case)."""
+        return super().parse(text, field_name=field_name)
+
+    @classmethod
+    def from_parts(cls, policy: ApplyPolicy | str, backend: AverageBackend | str) -> ElCheMode:
+        """The mode for ``(policy, backend)``; the inverse of ``split``."""
+        pair = (
+            ApplyPolicy.parse(policy, field_name="policy"),
+            AverageBackend.parse(backend, field_name="backend"),
+        )
+        return _MODE_BY_PARTS[pair]
+
+    def split(self) -> tuple[ApplyPolicy, AverageBackend]:
+        """``(policy, backend)`` of this mode."""
+        return _PARTS_BY_MODE[self]
+
+    @property
+    def policy(self) -> ApplyPolicy:
+        return self.split()[0]
+
+    @property
+    def backend(self) -> AverageBackend:
+        return self.split()[1]
+
+    @property
+    def preset_anchor(self) -> int:
+        """Initial anchor when none is given: 1 for Sync (every batch), 10 otherwise."""
+        return SYNC_PRESET_ANCHOR if self.policy is ApplyPolicy.SYNC else CADENCE_PRESET_ANCHOR
+
+
+_PARTS_BY_MODE: dict[ElCheMode, tuple[ApplyPolicy, AverageBackend]] = {
+    ElCheMode.NcclSync: (ApplyPolicy.SYNC, AverageBackend.NCCL),
+    ElCheMode.NcclCadence: (ApplyPolicy.CADENCE, AverageBackend.NCCL),
+    ElCheMode.NcclAsync: (ApplyPolicy.ASYNC, AverageBackend.NCCL),
+    ElCheMode.CpuSync: (ApplyPolicy.SYNC, AverageBackend.CPU),
+    ElCheMode.CpuCadence: (ApplyPolicy.CADENCE, AverageBackend.CPU),
+    ElCheMode.CpuAsync: (ApplyPolicy.ASYNC, AverageBackend.CPU),
+}
+_MODE_BY_PARTS = {parts: mode for mode, parts in _PARTS_BY_MODE.items()}
+
+
+class Reduction(_TextEnum):
+    """How one metric key rolls up across ranks in the record tree."""
+
+    MEAN = "mean"
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+    LAST = "last"
+
+    @classmethod
+    def parse(cls, text: Any, *, field_name: str | None = "scalar_reductions") -> Reduction:
+        return super().parse(text, field_name=field_name)
+
+
+#: Keys whose roll-up is fixed by the runtime; user declarations cannot change them.
+CORE_REDUCTIONS: Mapping[str, Reduction] = {
+    "loss": Reduction.MEAN,
+    "throughput": Reduction.SUM,
+    "batch_share": Reduction.SUM,
+    "data_starve": Reduction.MAX,
+    "compute_only_ms": Reduction.MAX,
+}
+
+
+# ---------------------------------------------------------------------------
+# Small value types
+# ---------------------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class MaxFailureThreshold:
+    """How many dead ranks make a cluster run unrecoverable.
+
+    ``absolute(n)``: the run stops once ``n`` ranks have died (``n`` may
+    exceed the world size, meaning "never by count"). ``percent(p)``: the
+    limit is ``ceil(p * world_size)``, so ``percent(0)`` stops at the first
+    death and ``percent(1)`` only when every rank is dead. Text form: ``"3"``
+    or ``"20%"``.
+    """
+
+    kind: str  # "absolute" | "percent"
+    value: int | float
+
+    def __post_init__(self) -> None:
+        if self.kind == "absolute":
+            if not _is_int(self.value) or self.value < 0:
+                raise ConfigError("max_failure", f"must be a whole number of ranks >= 0, got {self.value!r}")
+        elif self.kind == "percent":
+            ok = _is_real(self.value) and math.isfinite(self.value) and 0.0 <= self.value <= 1.0
+            if not ok:
+                raise ConfigError("max_failure", f"percent must be a fraction in [0, 1], got {self.value!r}")
+            object.__setattr__(self, "value", float(self.value))
+        else:
+            raise ConfigError("max_failure", f"kind must be 'absolute' or 'percent', got {self.kind!r}")
+
+    @classmethod
+    def absolute(cls, n: int) -> MaxFailureThreshold:
+        return cls("absolute", n)
+
+    @classmethod
+    def percent(cls, p: float) -> MaxFailureThreshold:
+        """``p`` is a fraction: ``percent(0.2)`` is 20 %."""
+        return cls("percent", p)
+
+    def limit_for(self, world_size: int) -> int:
+        """Dead-rank count at which the run is declared unrecoverable."""
+        if self.kind == "absolute":
+            return int(self.value)
+        exact = min(max(self.value, 0.0), 1.0) * world_size
+        # Round away float noise first: 0.3 * 10 is 3.0000000000000004 in binary,
+        # and "30% of 10 ranks" must mean 3, not 4.
+        return math.ceil(round(exact, 9))
+
+    @classmethod
+    def parse(cls, text: Any) -> MaxFailureThreshold:
+        """``"3"`` -> absolute(3); ``"20%"`` -> percent(0.2)."""
+        if isinstance(text, MaxFailureThreshold):
+            return text
+        if _is_int(text):
+            return cls.absolute(text)
+        if not isinstance(text, str):
+            raise ConfigError("max_failure", f"expected a rank count like '3' or a percentage like '20%', got {text!r}")
+        body = text.strip()
+        try:
+            if body.endswith("%"):
+                # Decimal keeps "12.5%" -> 0.125 exact, so str() round-trips bit for bit.
+                fraction = decimal.Decimal(body[:-1].strip()) / 100
+                if not fraction.is_finite():
+                    raise decimal.InvalidOperation
+                return cls.percent(float(fraction))
+            return cls.absolute(int(body))
+        except (ValueError, decimal.InvalidOperation):
+            raise ConfigError(
+                "max_failure", f"expected a rank count like '3' or a percentage like '20%', got {text!r}"
+            ) from None
+
+    def __str__(self) -> str:
+        if self.kind == "absolute":
+            return str(self.value)
+        # repr() is the shortest decimal that reads back as this float; scaling it
+        # by 100 in decimal is exact, so parse(str(x)) == x.
+        percent = decimal.Decimal(repr(self.value)) * 100
+        return f"{percent.normalize():f}%"
+
+
+@dataclass(frozen=True, slots=True)
+class EpochCallbackPolicy:
+    """Which rank runs the user's per-epoch callbacks (epoch, checkpoint, eval).
+
+    ``EpochCallbackPolicy.FASTEST`` (the default, ``rank is None``) elects the
+    live rank with the lowest smoothed ms/batch; ``EpochCallbackPolicy.on_rank(n)``
+    pins global rank ``n``. Text form: ``"fastest"`` or ``"rank:N"``.
+    """
+
+    rank: int | None = None
+
+    FASTEST: ClassVar[EpochCallbackPolicy]
+
+    def __post_init__(self) -> None:
+        if self.rank is not None and (not _is_int(self.rank) or self.rank < 0):
+            raise ConfigError("epoch_callback_policy", f"rank must be an integer >= 0, got {self.rank!r}")
+
+    @classmethod
+    def on_rank(cls, n: int) -> EpochCallbackPolicy:
+        return cls(rank=n)
+
+    @property
+    def is_fastest(self) -> bool:
+        return self.rank is None
+
+    @classmethod
+    def parse(cls, text: Any) -> EpochCallbackPolicy:
+        """``"fastest"``, ``"rank:2"`` or ``"2"`` (case-insensitive)."""
+        if isinstance(text, EpochCallbackPolicy):
+            return text
+        if _is_int(text):
+            return cls.on_rank(text)
+        body = text.strip().lower() if isinstance(text, str) else None
+        if body == "fastest":
+            return cls.FASTEST
+        if body is not None:
+            digits = body.removeprefix("rank:").strip()
+            if digits.isdecimal():
+                return cls.on_rank(int(digits))
+        raise ConfigError("epoch_callback_policy", f"expected 'fastest' or 'rank:N', got {text!r}")
+
+    def validate(self, world_size: int) -> None:
+        """A pinned rank must exist in a world of ``world_size`` ranks."""
+        if self.rank is not None and self.rank >= world_size:
+            raise ConfigError(
+                "epoch_callback_policy",
+                f"rank {self.rank} does not exist in a world of {world_size} ranks (valid: 0..{world_size - 1})",
+            )
+
+    def __str__(self) -> str:
+        return "fastest" if self.rank is None else f"rank:{self.rank}"
+
+
+EpochCallbackPolicy.FASTEST = EpochCallbackPolicy()
+
+
+# ---------------------------------------------------------------------------
+# Field checkers. Each takes (field name, value) and returns the normalised
+# value or raises ConfigError naming the field. They run at construction and
+# again in validate().
+# ---------------------------------------------------------------------------
+
+Check = Callable[[str, Any], Any]
+
+
+def _count(minimum: int = 0, *, optional: bool = True, zero_is_none: bool = False) -> Check:
+    """A whole number >= ``minimum``; ``zero_is_none`` maps 0 to "off" (None)."""
+
+    def check(name: str, value: Any) -> Any:
+        if value is None and optional:
+            return None
+        if zero_is_none and value == 0 and _is_int(value):
+            return None
+        if not _is_int(value) or value < minimum:
+            raise ConfigError(name, f"must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    return check
+
+
+def _multiplicity(name: str, value: Any) -> int:
+    """A count that is at least 1; 0 is lifted to 1 like the reference setter does."""
+    if not _is_int(value) or value < 0:
+        raise ConfigError(name, f"must be an integer >= 1, got {value!r}")
+    return max(value, 1)
+
+
+def _real(name: str, value: Any, what: str) -> float:
+    if not _is_real(value) or not math.isfinite(value):
+        raise ConfigError(name, f"must be {what}, got {value!r}")
+    return float(value)
+
+
+def _positive(*, optional: bool = True) -> Check:
+    def check(name: str, value: Any) -> float | None:
+        if value is None and optional:
+            return None
+        number = _real(name, value, "a positive finite number")
+        if number <= 0:
+            raise ConfigError(name, f"must be a positive finite number, got {value!r}")
+        return number
+
+    return check
+
+
+def _non_negative(name: str, value: Any) -> float:
+    number = _real(name, value, "a finite number >= 0")
+    if number < 0:
+        raise ConfigError(name, f"must be a finite number >= 0, got {value!r}")
+    return number
+
+
+def _within(low: float, high: float) -> Check:
+    """A finite number in ``[low, high]``; anything else is an error."""
+
+    def check(name: str, value: Any) -> float:
+        number = _real(name, value, f"a number in [{low}, {high}]")
+        if not low <= number <= high:
+            raise ConfigError(name, f"must be a number in [{low}, {high}], got {value!r}")
+        return number
+
+    return check
+
+
+def _clamped(low: float, high: float) -> Check:
+    """A finite number, clamped into ``[low, high]`` (the reference runtime's behaviour)."""
+
+    def check(name: str, value: Any) -> float:
+        return min(max(_real(name, value, f"a number (clamped to [{low}, {high}])"), low), high)
+
+    return check
+
+
+def _alpha(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    number = _real(name, value, "a number in (0, 1]")
+    if not 0.0 < number <= 1.0:
+        raise ConfigError(name, f"must be a number in (0, 1], got {value!r}")
+    return number
+
+
+def _flag(*, optional: bool = False) -> Check:
+    def check(name: str, value: Any) -> bool | None:
+        if value is None and optional:
+            return None
+        if not isinstance(value, bool):
+            raise ConfigError(name, f"must be true or false, got {value!r}")
+        return value
+
+    return check
+
+
+def _text(name: str, value: Any) -> str | None:
+    """An optional non-empty string; paths (``os.PathLike``) are stored as strings."""
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(name, f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def _choice(*choices: str) -> Check:
+    def check(name: str, value: Any) -> str | None:
+        if value is None:
+            return None
+        if not isinstance(value, str) or value.strip().lower() not in choices:
+            raise ConfigError(name, f"must be one of {', '.join(choices)}, got {value!r}")
+        return value.strip().lower()
+
+    return check
+
+
+def _mode(name: str, value: Any) -> ElCheMode:
+    return ElCheMode.parse(value, field_name=name)
+
+
+def _max_failure(name: str, value: Any) -> MaxFailureThreshold | None:
+    return None if value is None else MaxFailureThreshold.parse(value)
+
+
+def _callback_policy(name: str, value: Any) -> EpochCallbackPolicy:
+    return EpochCallbackPolicy.parse(value)
+
+
+def _transform(name: str, value: Any) -> Any:
+    """None, an importable ``"module:function"`` spec, or a callable."""
+    if value is None or callable(value):
+        return value
+    if isinstance(value, str):
+        module, sep, function = value.partition(":")
+        if sep and module.strip() and function.strip():
+            return value
+    raise ConfigError(name, f"must be a 'module:function' string or a callable, got {value!r}")
+
+
+def _ratios(name: str, value: Any) -> tuple[float, ...] | None:
+    """Per-rank shares, normalised to sum to 1 (left alone when they already do,
+    so normalising is idempotent and ``from_dict(to_dict())`` is exact)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ConfigError(name, f"must be a list of numbers like [0.7, 0.3], got {value!r}")
+    ratios = tuple(value)
+    if not ratios:
+        raise ConfigError(name, "must not be empty")
+    for ratio in ratios:
+        if not _is_real(ratio) or not math.isfinite(ratio) or ratio < 0:
+            raise ConfigError(name, f"every ratio must be a finite number >= 0, got {ratio!r}")
+    total = math.fsum(ratios)
+    if total <= 0:
+        raise ConfigError(name, f"ratios must not all be zero, got {list(ratios)!r}")
+    if abs(total - 1.0) > 1e-9:
+        return tuple(float(r) / total for r in ratios)
+    return tuple(float(r) for r in ratios)
+
+
+def _reductions(name: str, value: Any) -> tuple[tuple[str, Reduction], ...]:
+    """A key -> Reduction map, stored as key-sorted pairs so the config stays hashable
+    and two equal maps compare equal whatever order they were declared in."""
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+        items = list(value)
+    else:
+        raise ConfigError(name, f"must map metric keys to reductions, got {value!r}")
+    declared: dict[str, Reduction] = {}
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ConfigError(name, f"expected (key, reduction) pairs, got {item!r}")
+        key, reduction = item
+        if not isinstance(key, str) or not key.strip():
+            raise ConfigError(name, f"metric key must be a non-empty string, got {key!r}")
+        if key in CORE_REDUCTIONS:
+            # The reference silently keeps the core roll-up; we say so instead.
+            raise ConfigError(
+                name, f"{key!r} is a core metric (always {CORE_REDUCTIONS[key].value}); its reduction cannot be changed"
+            )
+        declared[key] = Reduction.parse(reduction, field_name=name)  # later declaration wins
+    return tuple(sorted(declared.items()))
+
+
+def _elche(name: str, value: Any) -> ElCheConfig:
+    if not isinstance(value, ElCheConfig):
+        raise ConfigError(name, f"must be an ElCheConfig, got {type(value).__name__}")
+    return value
+
+
+def _option(default: Any = dataclasses.MISSING, *, check: Check, kind: str, help: str,
+            default_text: str | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field that knows how to check itself and how to describe itself.
+
+    ``kind`` names the value's shape ("int", "float", "bool", "text", "path",
+    "mode", ...), which ``options.py`` maps to a CLI/TOML parser; ``help`` and
+    ``default_text`` feed the CLI help and docs/options.md.
+    """
+    meta = {"check": check, "kind": kind, "help": help, "default_text": default_text}
+    return field(default=default, default_factory=default_factory, metadata=meta)
+
+
+def _normalise_fields(obj: Any) -> None:
+    """Run every field's checker and store its normalised value (frozen-safe)."""
+    for f in dataclasses.fields(obj):
+        value = f.metadata["check"](f.name, getattr(obj, f.name))
+        object.__setattr__(obj, f.name, value)
+
+
+def _check_fields(obj: Any) -> None:
+    for f in dataclasses.fields(obj):
+        f.metadata["check"](f.name, getattr(obj, f.name))
+
+
+# ---------------------------------------------------------------------------
+# ElCheConfig
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ElCheConfig:
+    """The DDP coordination strategy: mode, cadence tuning and convergence guards.
+
+    ElChe ("elastic cadence") lets the slowest rank anchor each averaging
+    window (``anchor`` batches) while faster ranks do proportionally more.
+    ``None`` in a field means "the mode's preset / auto"; the ``effective_*``
+    properties give the value the runtime will use.
+    """
+
+    # The reference default is NcclCadence; this version implements NcclSync
+    # only, so that is the default. Move it to NcclCadence when cadence lands.
+    mode: ElCheMode = _option(ElCheMode.NcclSync, check=_mode, kind="mode",
+                              help="When replicas average (sync, cadence, async) x how (nccl: the collective "
+                                   "backend, NCCL on CUDA or gloo; cpu: through the coordinator).")
+    anchor: int | None = _option(None, check=_count(1), kind="int", default_text="mode preset (1 Sync, 10 otherwise)",
+                                 help="Initial batches per averaging window on the slowest rank.")
+    min_anchor: int | None = _option(None, check=_count(1), kind="int", default_text="the initial anchor",
+                                     help="Floor for the anchor auto-tune.")
+    max_anchor: int = _option(1000, check=_count(1, optional=False), kind="int",
+                              help="Ceiling for the anchor auto-tune.")
+    overhead_target: float = _option(0.05, check=_within(0.01, 0.5), kind="float",
+                                     help="Target averaging overhead as a fraction of compute time, in [0.01, 0.5].")
+    max_batch_diff: int | None = _option(None, check=_count(0), kind="int", default_text="unlimited",
+                                         help="Max batch lead of the fastest over the slowest rank (0 = lockstep).")
+    max_overshoot: int | None = _option(None, check=_count(0), kind="int", default_text="auto",
+                                        help="Max batches a rank may stream past the planned sync point "
+                                             "(0 = no cross-epoch streaming).")
+    divergence_threshold: float | None = _option(None, check=_positive(), kind="float",
+                                                 default_text="0.05 (0.3 with easgd_alpha)",
+                                                 help="Replica drift above which the guard stops anchor growth.")
+    no_divergence_guard: bool = _option(False, check=_flag(), kind="bool",
+                                        help="Disable the divergence guard; cadence follows overhead alone.")
+    convergence_guard: str | None = _option(None, check=_choice("trend", "none"), kind="guard", default_text="auto",
+                                            help="Convergence guard override: trend or none.")
+    partition_ratios: tuple[float, ...] | None = _option(None, check=_ratios, kind="ratios",
+                                                         default_text="auto (throughput-based)",
+                                                         help="Fixed per-rank data shares, normalised to sum 1; "
+                                                              "one per rank.")
+    # The reference presets 0.5 for CpuAsync; that preset belongs with cpu-async
+    # when it lands. Until then None (full overwrite) is the only default.
+    easgd_alpha: float | None = _option(None, check=_alpha, kind="float", default_text="off (full overwrite)",
+                                        help="Elastic averaging weight, in (0, 1].")
+    meta_controller: bool = _option(True, check=_flag(), kind="bool",
+                                    help="LR-aware meta-controller that shrinks the anchor on LR drops "
+                                         "and convergence.")
+    relax_up: bool = _option(False, check=_flag(), kind="bool",
+                             help="Grow the anchor by one on each stable convergence verdict.")
+
+    def __post_init__(self) -> None:
+        _normalise_fields(self)
+
+    @property
+    def effective_anchor(self) -> int:
+        """The initial anchor: the explicit one, else the mode preset."""
+        return self.anchor if self.anchor is not None else self.mode.preset_anchor
+
+    @property
+    def effective_divergence_threshold(self) -> float:
+        if self.divergence_threshold is not None:
+            return self.divergence_threshold
+        return EASGD_DIVERGENCE_THRESHOLD if self.easgd_alpha is not None else DEFAULT_DIVERGENCE_THRESHOLD
+
+    def validate(self) -> None:
+        """Per-field checks plus the anchor bounds relating fields to each other."""
+        _check_fields(self)
+        if self.min_anchor is not None and self.min_anchor > self.max_anchor:
+            raise ConfigError("min_anchor", f"must not exceed max_anchor ({self.max_anchor}), got {self.min_anchor}")
+        if self.effective_anchor > self.max_anchor:
+            origin = "" if self.anchor is not None else f" (the {self.mode.value} preset)"
+            raise ConfigError(
+                "anchor", f"{self.effective_anchor}{origin} exceeds max_anchor ({self.max_anchor}); lower it"
+            )
+
+
+# ---------------------------------------------------------------------------
+# DdpRunConfig
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DdpRunConfig:
+    """Every option of a framework-managed DDP run, with the reference defaults.
+
+    ``elche`` is the coordination strategy; every other field is run scope
+    (checkpoints, data plane, failure handling, telemetry). Build one with
+    ``DdpRunConfig()`` and ``with_<field>`` builders, from the CLI/TOML via
+    ``options.resolve_run_config``, or from a rank's welcome via ``from_dict``.
+    Call ``validate(world_size)`` once the world size is known and
+    ``check_available()`` before starting a run.
+    """
+
+    elche: ElCheConfig = _option(default_factory=ElCheConfig, check=_elche, kind="elche",
+                                 help="Coordination strategy (its fields are options of their own).")
+    checkpoint_every: int | None = _option(None, check=_count(1, zero_is_none=True), kind="int", default_text="off",
+                                           help="Save a checkpoint every N global epochs (0 = off).")
+    snapshot_timeout_secs: int = _option(5, check=_count(1, optional=False), kind="int",
+                                         help="Seconds to collect CPU-averaging snapshots (cpu backend only).")
+    progressive_dispatch: bool | None = _option(None, check=_flag(optional=True), kind="bool",
+                                                default_text="auto (on for Cadence/Async, off for Sync)",
+                                                help="Stream work in small chunks sized to measured throughput.")
+    max_grad_norm: float | None = _option(None, check=_positive(), kind="float", default_text="off",
+                                          help="Clip each rank's gradient L2 norm to this before averaging.")
+    vram_pool: bool = _option(True, check=_flag(), kind="bool",
+                              help="Keep samples in leftover VRAM so later epochs skip re-uploading them.")
+    augment: int = _option(1, check=_multiplicity, kind="int",
+                           help="Augmentation multiplicity: each sample appears k times per epoch.")
+    epoch_splits: int = _option(1, check=_multiplicity, kind="int",
+                                help="Slice one data pass into N epochs.")
+    transform: Any = _option(None, check=_transform, kind="transform", default_text="none",
+                             help="Delivery transform applied on each rank, as 'module:function'.")
+    vram_max_usage: float = _option(0.90, check=_clamped(0.50, 0.99), kind="float",
+                                    help="VRAM share for each rank's data plane, clamped to [0.50, 0.99].")
+    ram_max_usage: float = _option(0.50, check=_clamped(0.0, 0.90), kind="float",
+                                   help="Host-RAM share for each rank's staging tiers, clamped to [0, 0.90] "
+                                        "(0 = no retention).")
+    gpu_ram_share: float | None = _option(None, check=_positive(), kind="float",
+                                          default_text="what the device reports",
+                                          help="Share of host RAM reserved for an integrated GPU (APU only).")
+    sample_cache: bool = _option(True, check=_flag(), kind="bool",
+                                 help="Retain samples in pinned host RAM.")
+    disk_stage_gb: int = _option(0, check=_count(0, optional=False), kind="int",
+                                 help="Local-disk overflow tier per rank, in GB (0 = off).")
+    disk_stage_dir: str | None = _option(None, check=_text, kind="path", default_text="system temp dir",
+                                         help="Directory for the disk-stage pack file.")
+    timeline: str | None = _option(None, check=_text, kind="path", default_text="off",
+                                   help="Write a Chrome-trace JSON timeline of sync/epoch/anchor events here.")
+    lr_scale_ratio: float = _option(1.0, check=_non_negative, kind="float",
+                                    help="LR scaling with world size: factor = 1 + (W - 1) * ratio.")
+    save_path: str | None = _option(None, check=_text, kind="path", default_text="none",
+                                    help="Checkpoint bundle stem (on shared storage for multi-host).")
+    max_failure: MaxFailureThreshold | None = _option(None, check=_max_failure, kind="max_failure",
+                                                      default_text="none (backend limits only)",
+                                                      help="Dead ranks that make the run unrecoverable: "
+                                                           "a count (3) or a share (20%).")
+    heartbeat_timeout_secs: int | None = _option(None, check=_count(1), kind="int",
+                                                 default_text=f"{DEFAULT_HEARTBEAT_TIMEOUT_SECS}",
+                                                 help="Seconds without a heartbeat before a rank is declared dead.")
+    epoch_callback_policy: EpochCallbackPolicy = _option(EpochCallbackPolicy.FASTEST, check=_callback_policy,
+                                                         kind="epoch_callback_policy",
+                                                         help="Rank that runs per-epoch callbacks: fastest or rank:N.")
+    eval_every_epochs: int | None = _option(None, check=_count(1, zero_is_none=True), kind="int", default_text="off",
+                                            help="Run the eval function every N epochs (0 = off).")
+    reports_per_epoch: int | None = _option(None, check=_count(1, zero_is_none=True), kind="int",
+                                            default_text="off",
+                                            help="Sub-epoch monitor reports per epoch (0 = off).")
+    record_log_dir: str | None = _option(None, check=_text, kind="path", default_text="live only",
+                                         help="Persist the monitor record stream as JSONL under this directory.")
+    max_log_size: int | None = _option(None, check=_count(1, zero_is_none=True), kind="int",
+                                       default_text=f"{DEFAULT_MAX_LOG_BYTES} (32 MiB)",
+                                       help="Per-node byte cap of the persisted record stream (0 = default).")
+    dashboard_html: str | None = _option(None, check=_text, kind="path", default_text="live only",
+                                         help="Write the self-contained dashboard archive here at teardown.")
+    dashboard_theme: str | None = _option(None, check=_choice("light", "dark", "auto"), kind="theme",
+                                          default_text="reader's preference",
+                                          help="Theme the saved dashboard opens with: light, dark or auto.")
+    scalar_reductions: tuple[tuple[str, Reduction], ...] = _option((), check=_reductions, kind="reductions",
+                                                                   default_text="mean for every key",
+                                                                   help="How a metric key rolls up across ranks "
+                                                                        "(KEY=mean|sum|max|min|last).")
+    resume_from: str | None = _option(None, check=_text, kind="path", default_text="fresh run",
+                                      help="Checkpoint bundle stem to resume the trajectory from.")
+    checkpoint_at_epoch: int | None = _option(None, check=_count(0), kind="int", default_text="none",
+                                              help="One-shot checkpoint when the cohort reaches this epoch "
+                                                   "(Cadence/Async).")
+
+    def __post_init__(self) -> None:
+        _normalise_fields(self)
+
+    @classmethod
+    def new(cls) -> DdpRunConfig:
+        """A config with every default (same as ``DdpRunConfig()``)."""
+        return cls()
+
+    # -- derived values -------------------------------------------------------
+
+    @property
+    def effective_heartbeat_timeout_secs(self) -> int:
+        if self.heartbeat_timeout_secs is None:
+            return DEFAULT_HEARTBEAT_TIMEOUT_SECS
+        return self.heartbeat_timeout_secs
+
+    @property
+    def effective_max_log_size(self) -> int:
+        return DEFAULT_MAX_LOG_BYTES if self.max_log_size is None else self.max_log_size
+
+    @property
+    def effective_progressive_dispatch(self) -> bool:
+        if self.progressive_dispatch is not None:
+            return self.progressive_dispatch
+        return self.elche.mode.policy is not ApplyPolicy.SYNC
+
+    def lr_factor(self, world_size: int) -> float:
+        """Learning-rate multiplier for ``world_size`` ranks."""
+        return 1.0 + (world_size - 1) * self.lr_scale_ratio
+
+    @property
+    def scalar_reduction_map(self) -> dict[str, Reduction]:
+        return dict(self.scalar_reductions)
+
+    def reduction_for(self, key: str) -> Reduction:
+        """Core keys keep their fixed reduction; declared keys theirs; anything else Mean."""
+        if key in CORE_REDUCTIONS:
+            return CORE_REDUCTIONS[key]
+        return self.scalar_reduction_map.get(key, Reduction.MEAN)
+
+    # -- validation -----------------------------------------------------------
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Check every field, the rules relating fields, and (if given) the world size."""
+        _check_fields(self)
+        self.elche.validate()
+        if self.checkpoint_at_epoch is not None:
+            if self.elche.mode.policy is ApplyPolicy.SYNC:
+                raise ConfigError("checkpoint_at_epoch", "needs a Cadence or Async mode "
+                                  f"(a {self.elche.mode.value} run has no chunk pools to snapshot)")
+            if self.save_path is None:
+                raise ConfigError("checkpoint_at_epoch", "needs save_path (the bundle stem to write)")
+        if world_size is not None:
+            self._validate_world(world_size)
+
+    def _validate_world(self, world_size: int) -> None:
+        if not _is_int(world_size) or world_size < 1:
+            raise ConfigError("world_size", f"must be an integer >= 1, got {world_size!r}")
+        ratios = self.elche.partition_ratios
+        if ratios is not None and len(ratios) != world_size:
+            raise ConfigError("partition_ratios", f"has {len(ratios)} entries but the world has {world_size} ranks")
+        self.epoch_callback_policy.validate(world_size)
+
+    def check_available(self) -> None:
+        """Refuse options this version does not implement (see ``check_available``)."""
+        check_available(self)
+
+    # -- serialisation ----------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat JSON/msgpack-ready dict: run fields and ElChe fields side by side."""
+        return {name: _to_plain(name, value) for name, value in _flat_items(self)}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> DdpRunConfig:
+        """Inverse of ``to_dict``; also accepts a subset (missing keys keep defaults)."""
+        run: dict[str, Any] = {}
+        elche: dict[str, Any] = {}
+        for key, value in values.items():
+            if key in ELCHE_FIELDS:
+                elche[key] = value
+            elif key in RUN_FIELDS:
+                run[key] = value
+            else:
+                raise ConfigError(str(key), f"unknown option {key!r}")
+        return cls(elche=ElCheConfig(**elche), **run)
+
+    # -- builders: each returns a new, checked config ---------------------------
+
+    def _replace(self, **changes: Any) -> DdpRunConfig:
+        return dataclasses.replace(self, **changes)
+
+    def _replace_elche(self, **changes: Any) -> DdpRunConfig:
+        return dataclasses.replace(self, elche=dataclasses.replace(self.elche, **changes))
+
+    def with_elche(self, elche: ElCheConfig) -> DdpRunConfig:
+        return self._replace(elche=elche)
+
+    def with_checkpoint_every(self, n: int) -> DdpRunConfig:
+        """Checkpoint every ``n`` global epochs; 0 turns it off."""
+        return self._replace(checkpoint_every=n)
+
+    def with_snapshot_timeout_secs(self, secs: int) -> DdpRunConfig:
+        return self._replace(snapshot_timeout_secs=secs)
+
+    def with_snapshot_timeout(self, secs: int) -> DdpRunConfig:
+        """Seed spelling of ``with_snapshot_timeout_secs``."""
+        return self.with_snapshot_timeout_secs(secs)
+
+    def with_progressive_dispatch(self, enabled: bool | None) -> DdpRunConfig:
+        """True/False forces it; None restores auto."""
+        return self._replace(progressive_dispatch=enabled)
+
+    def with_max_grad_norm(self, max_norm: float | None) -> DdpRunConfig:
+        return self._replace(max_grad_norm=max_norm)
+
+    def with_vram_pool(self, enabled: bool) -> DdpRunConfig:
+        return self._replace(vram_pool=enabled)
+
+    def with_augment(self, k: int) -> DdpRunConfig:
+        return self._replace(augment=k)
+
+    def with_epoch_splits(self, n: int) -> DdpRunConfig:
+        return self._replace(epoch_splits=n)
+
+    def with_transform(self, transform: str | Callable[..., Any] | None) -> DdpRunConfig:
+        return self._replace(transform=transform)
+
+    def with_vram_max_usage(self, max_usage: float) -> DdpRunConfig:
+        return self._replace(vram_max_usage=max_usage)
+
+    def with_ram_max_usage(self, max_usage: float) -> DdpRunConfig:
+        return self._replace(ram_max_usage=max_usage)
+
+    def with_gpu_ram_share(self, share: float | None) -> DdpRunConfig:
+        return self._replace(gpu_ram_share=share)
+
+    def with_sample_cache(self, enabled: bool) -> DdpRunConfig:
+        return self._replace(sample_cache=enabled)
+
+    def with_disk_stage_gb(self, gb: int) -> DdpRunConfig:
+        return self._replace(disk_stage_gb=gb)
+
+    def with_disk_stage(self, gb: int) -> DdpRunConfig:
+        """Seed spelling of ``with_disk_stage_gb``."""
+        return self.with_disk_stage_gb(gb)
+
+    def with_disk_stage_dir(self, directory: str | os.PathLike[str] | None) -> DdpRunConfig:
+        return self._replace(disk_stage_dir=directory)
+
+    def with_timeline(self, path: str | os.PathLike[str] | None) -> DdpRunConfig:
+        return self._replace(timeline=path)
+
+    def with_lr_scale_ratio(self, ratio: float) -> DdpRunConfig:
+        return self._replace(lr_scale_ratio=ratio)
+
+    def with_save_path(self, stem: str | os.PathLike[str] | None) -> DdpRunConfig:
+        return self._replace(save_path=stem)
+
+    def with_max_failure(self, threshold: MaxFailureThreshold | str | int | None) -> DdpRunConfig:
+        """A ``MaxFailureThreshold``, or its text (``"3"``, ``"20%"``), or a rank count."""
+        return self._replace(max_failure=threshold)
+
+    def with_heartbeat_timeout_secs(self, secs: int | None) -> DdpRunConfig:
+        return self._replace(heartbeat_timeout_secs=secs)
+
+    def with_epoch_callback_policy(self, policy: EpochCallbackPolicy | str) -> DdpRunConfig:
+        return self._replace(epoch_callback_policy=policy)
+
+    def with_eval_every_epochs(self, n: int) -> DdpRunConfig:
+        return self._replace(eval_every_epochs=n)
+
+    def with_reports_per_epoch(self, n: int) -> DdpRunConfig:
+        return self._replace(reports_per_epoch=n)
+
+    def with_record_log_dir(self, directory: str | os.PathLike[str] | None) -> DdpRunConfig:
+        return self._replace(record_log_dir=directory)
+
+    def with_max_log_size(self, max_bytes: int | None) -> DdpRunConfig:
+        return self._replace(max_log_size=max_bytes)
+
+    def with_record_log(self, directory: str | os.PathLike[str], max_bytes: int = 0) -> DdpRunConfig:
+        """Persist the record stream under ``directory``; ``max_bytes`` 0 means the 32 MiB default."""
+        return self._replace(record_log_dir=directory, max_log_size=max_bytes)
+
+    def with_dashboard_html(self, path: str | os.PathLike[str] | None) -> DdpRunConfig:
+        return self._replace(dashboard_html=path)
+
+    def with_dashboard_theme(self, theme: str | None) -> DdpRunConfig:
+        return self._replace(dashboard_theme=theme)
+
+    def with_scalar_reductions(self, reductions: Mapping[str, Reduction | str]) -> DdpRunConfig:
+        """Replace every declaration at once."""
+        return self._replace(scalar_reductions=reductions)
+
+    def with_scalar_reduction(self, key: str, reduction: Reduction | str) -> DdpRunConfig:
+        """Declare one key's roll-up; a later declaration for the same key wins."""
+        return self._replace(scalar_reductions=(*self.scalar_reductions, (key, reduction)))
+
+    def with_resume_from(self, stem: str | os.PathLike[str] | None) -> DdpRunConfig:
+        return self._replace(resume_from=stem)
+
+    def with_checkpoint_at_epoch(self, epoch: int | None) -> DdpRunConfig:
+        return self._replace(checkpoint_at_epoch=epoch)
+
+    # ElChe passthroughs.
+
+    def with_mode(self, mode: ElCheMode | str) -> DdpRunConfig:
+        return self._replace_elche(mode=mode)
+
+    def with_policy(self, policy: ApplyPolicy | str) -> DdpRunConfig:
+        """Change when averaging fires, keeping the backend."""
+        return self.with_mode(ElCheMode.from_parts(policy, self.elche.mode.backend))
+
+    def with_backend(self, backend: AverageBackend | str) -> DdpRunConfig:
+        """Change how averaging is done, keeping the policy."""
+        return self.with_mode(ElCheMode.from_parts(self.elche.mode.policy, backend))
+
+    def with_anchor(self, anchor: int | None) -> DdpRunConfig:
+        return self._replace_elche(anchor=anchor)
+
+    def with_min_anchor(self, min_anchor: int | None) -> DdpRunConfig:
+        return self._replace_elche(min_anchor=min_anchor)
+
+    def with_max_anchor(self, max_anchor: int) -> DdpRunConfig:
+        return self._replace_elche(max_anchor=max_anchor)
+
+    def with_overhead_target(self, target: float) -> DdpRunConfig:
+        return self._replace_elche(overhead_target=target)
+
+    def with_max_batch_diff(self, max_diff: int | None) -> DdpRunConfig:
+        return self._replace_elche(max_batch_diff=max_diff)
+
+    def with_max_overshoot(self, max_overshoot: int | None) -> DdpRunConfig:
+        return self._replace_elche(max_overshoot=max_overshoot)
+
+    def with_divergence_threshold(self, threshold: float | None) -> DdpRunConfig:
+        return self._replace_elche(divergence_threshold=threshold)
+
+    def with_no_divergence_guard(self, disabled: bool = True) -> DdpRunConfig:
+        """Disable the divergence guard (pass False to re-enable it)."""
+        return self._replace_elche(no_divergence_guard=disabled)
+
+    def with_convergence_guard(self, guard: str | None) -> DdpRunConfig:
+        return self._replace_elche(convergence_guard=guard)
+
+    def with_partition_ratios(self, ratios: Iterable[float] | None) -> DdpRunConfig:
+        """Fixed per-rank shares (normalised to sum 1); disables auto rebalancing."""
+        return self._replace_elche(partition_ratios=ratios)
+
+    def with_easgd_alpha(self, alpha: float | None) -> DdpRunConfig:
+        return self._replace_elche(easgd_alpha=alpha)
+
+    def with_meta_controller(self, enabled: bool) -> DdpRunConfig:
+        return self._replace_elche(meta_controller=enabled)
+
+    def with_relax_up(self, enabled: bool) -> DdpRunConfig:
+        return self._replace_elche(relax_up=enabled)
+
+    def with_elche_relax_up(self, enabled: bool) -> DdpRunConfig:
+        """Seed spelling of ``with_relax_up``."""
+        return self.with_relax_up(enabled)
+
+
+# ---------------------------------------------------------------------------
+# Flattened view (one name per option) and serialisation helpers
+# ---------------------------------------------------------------------------
+
+#: ElCheConfig's fields: options of their own, flattened next to the run fields.
+ELCHE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ElCheConfig))
+#: DdpRunConfig's own option fields (everything but ``elche``).
+RUN_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(DdpRunConfig) if f.name != "elche")
+
+# A flat namespace only works while the two sets of names stay disjoint.
+assert not set(ELCHE_FIELDS) & set(RUN_FIELDS), "ElCheConfig and DdpRunConfig field names collide"
+
+
+def option_fields() -> tuple[dataclasses.Field, ...]:
+    """Every option's dataclass field, ElChe's in place of ``elche`` (the flat order)."""
+    result: list[dataclasses.Field] = []
+    for f in dataclasses.fields(DdpRunConfig):
+        result.extend(dataclasses.fields(ElCheConfig) if f.name == "elche" else [f])
+    return tuple(result)
+
+
+def _flat_items(config: DdpRunConfig) -> Iterator[tuple[str, Any]]:
+    for f in option_fields():
+        owner = config.elche if f.name in ELCHE_FIELDS else config
+        yield f.name, getattr(owner, f.name)
+
+
+def _to_plain(name: str, value: Any) -> Any:
+    """One option value as JSON-ready data (the text form for structured values)."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, (enum.Enum, MaxFailureThreshold, EpochCallbackPolicy)):
+        return str(value)
+    if name == "scalar_reductions":
+        return {key: reduction.value for key, reduction in value}
+    if name == "partition_ratios":
+        return list(value)
+    if name == "transform" and callable(value):
+        return _callable_spec(value)
+    return value
+
+
+def _callable_spec(function: Callable[..., Any]) -> str:
+    """``module:qualname`` of an importable callable (ranks import it by that name)."""
+    module = getattr(function, "__module__", None)
+    qualname = getattr(function, "__qualname__", None)
+    if not module or not qualname or "<" in qualname:
+        raise ConfigError("transform", f"{function!r} cannot be imported by name (lambda or local function); "
+                          "define it at module level or pass a 'module:function' string")
+    return f"{module}:{qualname}"
+
+
+# ---------------------------------------------------------------------------
+# Feature gating
+# ---------------------------------------------------------------------------
+
+#: Options this version honours. Any other option must stay at its default.
+#: Widen this as features land (and docs/options.md follows via gen_options.py).
+AVAILABLE_FIELDS: frozenset[str] = frozenset({"lr_scale_ratio", "max_grad_norm", "heartbeat_timeout_secs", "mode"})
+#: Modes this version can run.
+AVAILABLE_MODES: frozenset[ElCheMode] = frozenset({ElCheMode.NcclSync})
+
+NOT_AVAILABLE = "is not available yet in this version of flodl (planned); leave it at its default"
+
+
+def check_available(config: DdpRunConfig) -> None:
+    """Raise ConfigError for the first option set to something this version cannot do."""
+    defaults = dict(_flat_items(DdpRunConfig()))
+    for name, value in _flat_items(config):
+        if name == "mode" and value not in AVAILABLE_MODES:
+            available = ", ".join(sorted(mode.value for mode in AVAILABLE_MODES))
+            raise ConfigError("mode", f"{value.value} is not available yet in this version of flodl (planned); "
+                              f"available: {available}")
+        if name not in AVAILABLE_FIELDS and value != defaults[name]:
+            raise ConfigError(name, NOT_AVAILABLE)
+
+
+__all__ = [
+    "AVAILABLE_FIELDS",
+    "AVAILABLE_MODES",
+    "CORE_REDUCTIONS",
+    "DEFAULT_HEARTBEAT_TIMEOUT_SECS",
+    "DEFAULT_MAX_LOG_BYTES",
+    "ELCHE_FIELDS",
+    "RUN_FIELDS",
+    "ApplyPolicy",
+    "AverageBackend",
+    "DdpRunConfig",
+    "ElCheConfig",
+    "ElCheMode",
+    "EpochCallbackPolicy",
+    "MaxFailureThreshold",
+    "Reduction",
+    "check_available",
+    "option_fields",
+]

@@ -1,0 +1,71 @@
+"""The controller process (``python -m flodl.controller``); see ``core.py``.
+
+``main()`` is the CLI: parse flags (and ``--config`` TOML), configure
+logging, run the ``Controller`` on uvloop, print and optionally save the
+summary, and exit with a code that says how the run ended.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, ConfigError, RunAborted
+from .core import Controller
+from .launch import LaunchOptions, build_parser, resolve
+
+__all__ = ["Controller", "LaunchOptions", "main", "run_controller"]
+
+
+def run_loop(coro: Any) -> Any:
+    """Run a coroutine on uvloop where available (it is faster), else asyncio."""
+    try:
+        import uvloop
+    except ImportError:
+        import asyncio
+
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def write_summary(path: str | None, summary: dict) -> None:
+    if path:
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(target.suffix + ".tmp")
+        tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        tmp.replace(target)  # atomic: a reader never sees half a summary
+
+
+def run_controller(controller: Controller) -> dict:
+    """Run to the end; write the summary file either way; raise RunAborted on failure."""
+    try:
+        summary = run_loop(controller.run())
+    except RunAborted as exc:
+        write_summary(controller.launch.summary_json, exc.summary)
+        raise
+    write_summary(controller.launch.summary_json, summary)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="[controller] %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        launch, config = resolve(args)
+        config.check_available()
+    except ConfigError as exc:
+        print(f"flodl: bad option {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        run_controller(Controller(launch, config))
+    except RunAborted as exc:
+        return exc.exit_code
+    except Exception:
+        logging.getLogger("flodl.controller").exception("controller failed")
+        return EXIT_FAILED
+    return EXIT_OK

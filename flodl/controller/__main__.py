@@ -1,0 +1,7 @@
+"""``python -m flodl.controller``."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,81 @@
+"""What the controller prints: a header, live progress, one line per epoch, the end.
+
+On a terminal the progress line rewrites itself in place a few times a
+second; anywhere else (a log file, CI) it degrades to a plain line every few
+seconds, so logs stay readable. Epoch lines and the final line always print.
+Time is injected so tests need not sleep.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable, TextIO
+
+from ..metrics import EpochStats
+
+
+def _fmt_rate(samples_per_s: float) -> str:
+    return f"{samples_per_s:,.0f} samples/s"
+
+
+class Console:
+    """Human-readable run output on one stream."""
+
+    def __init__(self, out: TextIO | None = None, *, live: bool | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.out = out or sys.stdout
+        self.live = self.out.isatty() if live is None else live
+        self.clock = clock
+        self.interval_s = 0.25 if self.live else 5.0
+        self._last = 0.0
+        self._dirty = False  # a live line is on screen and must be cleared first
+
+    def _write(self, text: str) -> None:
+        if self._dirty:
+            self.out.write("\r\033[K")
+            self._dirty = False
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def line(self, text: str) -> None:
+        self._write(text)
+
+    def header(self, *, run_id: str, mode: str, task: str, ranks: list[str], dataset_len: int, batch_size: int, epochs: int) -> None:
+        self._write(f"flodl run {run_id} | mode {mode} | task {task}")
+        self._write(f"  {len(ranks)} rank(s): {', '.join(ranks)}")
+        self._write(f"  {dataset_len} samples, batch {batch_size} per rank, {epochs} epoch(s)")
+        self._last = self.clock()  # the first progress line comes one interval in
+
+    def progress(self, *, epoch: int, epochs: int, done: int, total: int, rate: float, loss: float | None) -> None:
+        """Show progress within an epoch (throttled)."""
+        now = self.clock()
+        if now - self._last < self.interval_s:
+            return
+        self._last = now
+        pct = 100.0 * done / total if total else 0.0
+        left = (total - done) / rate if rate > 0 else 0.0
+        loss_text = f"  loss {loss:.4f}" if loss is not None else ""
+        text = f"epoch {epoch + 1}/{epochs}  {pct:5.1f}%  {done}/{total}  {_fmt_rate(rate)}  eta {left:4.0f} s{loss_text}"
+        if self.live:
+            self.out.write("\r\033[K" + text)
+            self.out.flush()
+            self._dirty = True
+        elif done < total:
+            self._write(text)
+
+    def epoch(self, stats: EpochStats, epochs: int, metric: str | None) -> None:
+        loss = f"loss {stats.avg_loss:.4f}" if stats.avg_loss is not None else "loss -"
+        ev = f"  {metric} {stats.eval_value:.4f}" if metric and stats.eval_value is not None else ""
+        self._write(f"epoch {stats.epoch + 1}/{epochs}  {loss}{ev}  {_fmt_rate(stats.samples_per_s)}  {stats.wall_ms / 1000:.1f} s")
+
+    def done(self, summary: dict) -> None:
+        parts = [f"done in {summary['wall_s']:.1f} s"]
+        if summary.get("final_eval") is not None:
+            parts.append(f"final {summary['eval_metric_name']} {summary['final_eval']:.4f}")
+        if summary.get("final_loss") is not None:
+            parts.append(f"final loss {summary['final_loss']:.4f}")
+        parts.append(_fmt_rate(summary["samples_per_s"]))
+        self._write(": ".join(parts[:2]) + (", " + ", ".join(parts[2:]) if len(parts) > 2 else ""))
+
+    def failed(self, message: str) -> None:
+        self._write(f"flodl: run stopped: {message}")

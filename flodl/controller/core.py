@@ -1,0 +1,617 @@
+"""The controller: the only process with global state, one asyncio loop.
+
+It owns one ROUTER socket (every worker and rank dials it), the TCPStore the
+ranks build their process group from, and, in the embedded default, the
+local worker process. One ``TaskGroup`` owns its actors: the conductor (the
+run as a sequence of phases: gather → join → epochs → final eval →
+shutdown), the liveness watch (heartbeats out, silence and deaths in), and
+the embedded worker's supervisor. Incoming frames are handled synchronously
+as they are drained; handlers only record facts and wake the conductor.
+
+Any failure (a rank killed, silent, or raising) latches one ``RunAborted``
+with a message naming the rank and host; the conductor then aborts every
+peer (``Shutdown(abort=True)``), waits for processes to go, and raises it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any, Callable
+
+import zmq
+
+from .. import __version__
+from ..config import DdpRunConfig
+from ..env import PARENT_PID, child_environ, credentials_env, new_run_id, new_run_secret
+from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_RANK_LOST, EXIT_TASK_ERROR, RunAborted
+from ..membership import Membership, PeerState, WorkerInfo, describe_exit
+from ..metrics import EpochStats, aggregate
+from ..protocol import messages as m
+from ..protocol.codec import Envelope
+from ..protocol.messages import PROTOCOL_VERSION
+from ..proc import terminate_then_kill
+from ..schedule import Slice, equal_slices, sync_rounds
+from ..transport import ControlEndpoint, make_router
+from .console import Console
+from .launch import LaunchOptions
+
+log = logging.getLogger("flodl.controller")
+
+HEARTBEAT_INTERVAL_S = 1.0
+LIVENESS_TICK_S = 0.2
+#: A collective error on one rank usually means a peer died; wait this long for
+#: the death report so the message names the dead rank, not the witness.
+COLLECTIVE_ERROR_GRACE_S = 1.0
+SHUTDOWN_WAIT_S = 40.0
+ABORT_WAIT_S = 10.0
+
+
+class Controller:
+    """Runs one training run from start to summary (``await run()``)."""
+
+    def __init__(
+        self,
+        launch: LaunchOptions,
+        config: DdpRunConfig,
+        *,
+        secret: bytes | None = None,
+        run_id: str | None = None,
+        console: Console | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.launch = launch
+        self.config = config
+        self.secret = secret or new_run_secret()
+        self.run_id = run_id or new_run_id()
+        self.console = console or Console(live=launch.progress)
+        self.clock = clock
+        self.heartbeat_timeout_s = float(config.effective_heartbeat_timeout_secs)
+        self.members = Membership(self.heartbeat_timeout_s)
+        self.endpoint: ControlEndpoint | None = None
+        self.port: int | None = None
+        self.ready = asyncio.Event()  # set once the socket is bound (tests read .port)
+        self.store = None
+        self.worker_proc: asyncio.subprocess.Process | None = None
+        self.failure: RunAborted | None = None
+        self.phase = "starting"
+        self._changed = asyncio.Event()
+        # join
+        self.expected_workers = 1 if launch.embedded else launch.workers
+        self.hellos: dict[int, m.RankHello] = {}
+        self.task_info: m.RankHello | None = None
+        # training
+        self.epoch_reports: dict[int, list[m.EpochDone]] = {}
+        self.history: list[EpochStats] = []
+        self.evals: dict[int, m.EvalResult] = {}
+        self.epoch_samples = 0
+        self.epoch_loss: float | None = None
+        self.current_epoch = -1
+        self.global_step = 0
+        self.collective_error: tuple[float, int, m.RankError] | None = None
+        self.started_at = 0.0
+        self.finished_at = 0.0
+        self._printed = 0  # epochs whose line is out
+
+    # ================================================================ run
+
+    async def run(self) -> dict:
+        """Run to completion and return the summary.
+
+        Raises:
+            RunAborted: the run failed or was interrupted; ``exit_code`` says
+                why and ``summary`` holds what was done.
+        """
+        self.started_at = self.clock()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self._on_signal, sig)
+            except (RuntimeError, ValueError):  # not the main thread (tests): no signal handling
+                pass
+        try:
+            self._open()
+            async with asyncio.TaskGroup() as tg:
+                helpers = [tg.create_task(self._liveness())]
+                if self.launch.embedded:
+                    helpers.append(tg.create_task(self._embedded_worker()))
+                try:
+                    return await self._conduct()
+                except RunAborted as exc:
+                    await self._abort(exc)
+                    raise
+                finally:
+                    for task in helpers:
+                        task.cancel()
+        except* RunAborted as group:
+            raise group.exceptions[0] from None
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                try:
+                    loop.remove_signal_handler(sig)
+                except (RuntimeError, ValueError):
+                    pass
+            await self._close()
+
+    def _open(self) -> None:
+        import torch.distributed as dist
+
+        ctx = zmq.Context.instance()
+        sock, self.port = make_router(ctx, self.launch.bind, self.launch.port)
+        self.endpoint = ControlEndpoint(sock, secret=self.secret, run_id=self.run_id, sender="controller", on_message=self._on_message)
+        self.endpoint.start()
+        # the ranks' rendezvous; survives membership generations (each gets a key prefix)
+        self.store = dist.TCPStore(self.launch.bind, 0, is_master=True, wait_for_workers=False)
+        self.ready.set()
+        log.info("controller listening on tcp://%s:%d (store port %d)", self.launch.bind, self.port, self.store.port)
+
+    async def _close(self) -> None:
+        if self.worker_proc is not None and self.worker_proc.returncode is None:
+            await terminate_then_kill([self.worker_proc], 3.0)
+        if self.endpoint is not None:
+            self.endpoint.close()
+        self.store = None
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.launch.advertise_host}:{self.port}"
+
+    # =========================================================== conductor
+
+    async def _conduct(self) -> dict:
+        self.phase = "gathering"
+        await self._until(lambda: len(self.members.workers) >= self.expected_workers, self.launch.join_timeout_secs, "workers to connect")
+        self._welcome_workers()
+        self.phase = "joining"
+        await self._until(lambda: len(self.hellos) == self.members.world_size, self.launch.join_timeout_secs, "ranks to start and say hello")
+        self._welcome_ranks()
+        await self._until(lambda: self.members.all_in(PeerState.READY), self.launch.join_timeout_secs, "ranks to join the collective")
+        self.phase = "training"
+        info = self.task_info
+        self.console.header(
+            run_id=self.run_id,
+            mode=str(self.config.elche.mode.name),
+            task=self.launch.task,
+            ranks=[f"rank{r.rank} {r.device}@{r.host}" for r in sorted(self.members.ranks.values(), key=lambda r: r.rank)],
+            dataset_len=info.dataset_len,
+            batch_size=info.batch_size,
+            epochs=self.launch.epochs,
+        )
+        self.started_at = self.clock()
+        for epoch in range(self.launch.epochs):
+            await self._run_epoch(epoch)
+        if info.has_eval:
+            await self._until(lambda: self.launch.epochs - 1 in self.evals, self.launch.eval_timeout_secs, "the final eval")
+        self.finished_at = self.clock()
+        self._flush_epoch_lines()
+        await self._shutdown_peers()
+        summary = self.summary("completed", 0)
+        self.console.done(summary)
+        return summary
+
+    async def _run_epoch(self, epoch: int) -> None:
+        self.current_epoch = epoch
+        self.epoch_samples = 0
+        self.epoch_loss = None
+        world = self.members.world_size
+        slices = equal_slices(self.task_info.dataset_len, world)
+        rounds = sync_rounds(slices, self.task_info.batch_size)
+        for piece in slices:
+            self._send_rank(piece.rank, m.StartEpoch(epoch=epoch, seed=self.launch.seed, offset=piece.offset, size=piece.size, rounds=rounds, sync_every=1))
+        await self._until(lambda: self._epoch_complete(epoch, slices), None, f"epoch {epoch + 1}")
+        stats = aggregate(epoch, self.epoch_reports.pop(epoch))
+        self.history.append(stats)
+        self.global_step += stats.batches
+        if self.task_info.has_eval:
+            # the eval rank scores the averaged model, then takes its next plan
+            self._send_rank(self._eval_rank(), m.RunEval(epoch=epoch, final=epoch == self.launch.epochs - 1))
+        self._flush_epoch_lines()
+
+    def _epoch_complete(self, epoch: int, slices: list[Slice]) -> bool:
+        reports = self.epoch_reports.get(epoch, [])
+        return {r.rank for r in reports} >= {s.rank for s in slices}
+
+    def _eval_rank(self) -> int:
+        policy = self.config.epoch_callback_policy
+        if not policy.is_fastest and policy.rank in self.members.ranks:
+            return policy.rank
+        return min(r.rank for r in self.members.live_ranks())
+
+    def _flush_epoch_lines(self) -> None:
+        """Print each finished epoch once its eval (if any) is in, in order."""
+        metric = self.task_info.eval_metric if self.task_info.has_eval else None
+        while self._printed < len(self.history):
+            stats = self.history[self._printed]
+            if metric is not None:
+                result = self.evals.get(stats.epoch)
+                if result is None:
+                    return
+                stats.eval_value = result.value
+                if result.error:
+                    self.console.line(f"epoch {stats.epoch + 1}: eval failed on rank {result.rank}: {result.error}")
+            self.console.epoch(stats, self.launch.epochs, metric)
+            self._printed += 1
+
+    async def _until(self, predicate: Callable[[], bool], timeout_s: float | None, what: str) -> None:
+        """Wait for ``predicate`` (re-checked on every state change).
+
+        Raises:
+            RunAborted: a failure was latched, or ``timeout_s`` passed.
+        """
+        deadline = None if timeout_s is None else self.clock() + timeout_s
+        while True:
+            if self.failure is not None:
+                raise self.failure
+            if predicate():
+                return
+            if deadline is not None and self.clock() > deadline:
+                self._fail(f"timed out after {timeout_s:g} s waiting for {what} ({self.members.assess(self.clock()).reason})", EXIT_RANK_LOST)
+                continue
+            self._changed.clear()
+            try:
+                async with asyncio.timeout(0.5):
+                    await self._changed.wait()
+            except TimeoutError:
+                pass
+
+    def _fail(self, message: str, code: int) -> None:
+        """Latch the run's failure (the first one wins) and wake the conductor."""
+        if self.failure is None:
+            log.error("%s", message)
+            self.failure = RunAborted(message, code)
+        self._changed.set()
+
+    def _on_signal(self, sig: int) -> None:
+        self._fail(f"interrupted by {signal.Signals(sig).name}", EXIT_INTERRUPTED)
+
+    # ============================================================ welcome
+
+    def _welcome_workers(self) -> None:
+        next_rank = 0
+        for worker in self.members.workers.values():
+            worker.ranks = list(range(next_rank, next_rank + len(worker.devices)))
+            next_rank += len(worker.devices)
+        now = self.clock()
+        for worker in self.members.workers.values():
+            for rank, device in zip(worker.ranks, worker.devices):
+                self.members.expect_rank(rank, worker.host, device, now)
+        devices = {d.split(":")[0] for w in self.members.workers.values() for d in w.devices}
+        if len(devices) > 1:
+            self._fail(f"ranks mix device types {sorted(devices)}; the collective backend needs one type (the CPU averaging backend is planned)", EXIT_FAILED)
+            return
+        for worker in self.members.workers.values():
+            self.endpoint.send(
+                m.WorkerWelcome(ranks=worker.ranks, world_size=next_rank, task=self.launch.task, heartbeat_timeout_s=self.heartbeat_timeout_s),
+                worker.identity,
+            )
+        self._changed.set()
+
+    def _check_hello(self, hello: m.RankHello) -> str | None:
+        """Why ``hello`` cannot join this run, or None."""
+        if hello.versions.get("protocol") != str(PROTOCOL_VERSION):
+            return f"protocol {hello.versions.get('protocol')} != controller's {PROTOCOL_VERSION}"
+        if hello.versions.get("flodl") != __version__:
+            return f"flodl {hello.versions.get('flodl')} != controller's {__version__}"
+        first = self.task_info
+        if first is None:
+            return None
+        checks = [
+            ("model signature", hello.model_signature, first.model_signature),
+            ("dataset length", hello.dataset_len, first.dataset_len),
+            ("shuffle signature (torch RNG differs)", hello.shuffle_signature, first.shuffle_signature),
+            ("batch size", hello.batch_size, first.batch_size),
+        ]
+        for what, mine, theirs in checks:
+            if mine != theirs:
+                return f"its {what} {mine} differs from rank {first.rank}'s {theirs}"
+        return None
+
+    def _welcome_ranks(self) -> None:
+        world = self.members.world_size
+        prefix = f"{self.run_id}/gen{self.members.generation}"
+        config = self.config.to_dict()
+        for rank in sorted(self.hellos):
+            self._send_rank(
+                rank,
+                m.RankWelcome(
+                    rank=rank,
+                    world_size=world,
+                    generation=self.members.generation,
+                    store_host=self.launch.advertise_host,
+                    store_port=self.store.port,
+                    store_prefix=prefix,
+                    collective_timeout_s=self.heartbeat_timeout_s,
+                    config=config,
+                ),
+            )
+
+    # ============================================================ handlers
+
+    def _on_message(self, identity: bytes, env: Envelope) -> None:
+        now = self.clock()
+        msg = env.msg
+        handler = _HANDLERS.get(type(msg))
+        if handler is None:
+            return  # a message we never act on in this direction
+        rank = getattr(msg, "rank", None)
+        if rank is not None and rank >= 0 and type(msg) is not m.RankExited:
+            if not self._is_rank_sender(rank, identity, msg):
+                return
+            self.members.seen_rank(rank, now)
+        else:
+            self.members.seen_worker(env.sender, now)
+            if rank is None:
+                self._seen_by_identity(identity, now)
+        handler(self, identity, env, msg)
+
+    def _is_rank_sender(self, rank: int, identity: bytes, msg: Any) -> bool:
+        """A rank message must come from the identity that said that rank's hello."""
+        info = self.members.ranks.get(rank)
+        if info is None:
+            return False
+        if isinstance(msg, m.RankHello):
+            return True
+        return info.identity == identity
+
+    def _seen_by_identity(self, identity: bytes, now: float) -> None:
+        for info in self.members.ranks.values():
+            if info.identity == identity:
+                info.last_seen = now
+                return
+
+    def _h_worker_hello(self, identity: bytes, env: Envelope, msg: m.WorkerHello) -> None:
+        if self.phase != "gathering" or env.sender in self.members.workers:
+            self.endpoint.send(m.Reject(reason="this run has all its workers"), identity)
+            return
+        if msg.versions.get("protocol") != str(PROTOCOL_VERSION):
+            self.endpoint.send(m.Reject(reason=f"protocol {msg.versions.get('protocol')} != {PROTOCOL_VERSION}"), identity)
+            return
+        if not msg.devices:
+            self.endpoint.send(m.Reject(reason="no devices"), identity)
+            return
+        self.members.add_worker(WorkerInfo(env.sender, identity, msg.host, msg.pid, list(msg.devices)), self.clock())
+        self._changed.set()
+
+    def _h_rank_hello(self, identity: bytes, env: Envelope, msg: m.RankHello) -> None:
+        info = self.members.ranks[msg.rank]
+        if info.identity and info.identity != identity:
+            return  # a second process claiming a rank that already said hello
+        problem = self._check_hello(msg)
+        if problem:
+            self.endpoint.send(m.Reject(reason=problem), identity)
+            self._fail(f"rank {msg.rank} on host {msg.host} (pid {msg.pid}) cannot join: {problem}", EXIT_TASK_ERROR)
+            return
+        info.identity, info.host, info.pid, info.device = identity, msg.host, msg.pid, msg.device
+        self.hellos[msg.rank] = msg
+        if self.task_info is None:
+            self.task_info = msg
+        self._changed.set()
+
+    def _h_rank_ready(self, identity: bytes, env: Envelope, msg: m.RankReady) -> None:
+        self.members.ranks[msg.rank].state = PeerState.READY
+        self._changed.set()
+
+    def _h_batch_done(self, identity: bytes, env: Envelope, msg: m.BatchDone) -> None:
+        if msg.epoch != self.current_epoch:
+            return
+        self.epoch_samples += msg.samples
+        self.epoch_loss = msg.loss if self.epoch_loss is None else 0.9 * self.epoch_loss + 0.1 * msg.loss
+        total = self.task_info.dataset_len
+        elapsed = max(1e-9, self.clock() - self.started_at)
+        done_total = sum(s.samples for s in self.history) + self.epoch_samples
+        self.console.progress(epoch=msg.epoch, epochs=self.launch.epochs, done=self.epoch_samples, total=total, rate=done_total / elapsed, loss=self.epoch_loss)
+
+    def _h_epoch_done(self, identity: bytes, env: Envelope, msg: m.EpochDone) -> None:
+        self.epoch_reports.setdefault(msg.epoch, []).append(msg)
+        self._changed.set()
+
+    def _h_eval_result(self, identity: bytes, env: Envelope, msg: m.EvalResult) -> None:
+        self.evals[msg.epoch] = msg
+        self._flush_epoch_lines()
+        self._changed.set()
+
+    def _h_rank_error(self, identity: bytes, env: Envelope, msg: m.RankError) -> None:
+        info = self.members.ranks[msg.rank]
+        if msg.stage == "collective":
+            # usually a symptom of a peer's death: give the death report a moment to arrive
+            if self.collective_error is None:
+                self.collective_error = (self.clock(), msg.rank, msg)
+            return
+        if self.failure is None:
+            sys.stderr.write(f"--- traceback from {info.where()} ---\n{msg.detail}\n")
+        self._fail(f"{info.where()} failed during {msg.stage}: {msg.error}", EXIT_TASK_ERROR)
+
+    def _h_rank_exited(self, identity: bytes, env: Envelope, msg: m.RankExited) -> None:
+        if self.phase in ("shutting down", "aborting", "done"):
+            # we told it to go: leaving now is not a death, whatever the code
+            info = self.members.ranks.get(msg.rank)
+            if info is not None:
+                info.exit_code = msg.code
+                self.members.rank_left(msg.rank)
+            self._changed.set()
+            return
+        info = self.members.rank_exited(msg.rank, msg.code)
+        if info is not None and info.pid == 0:
+            info.pid = msg.pid
+        self._judge()
+
+    def _h_exiting(self, identity: bytes, env: Envelope, msg: m.Exiting) -> None:
+        if msg.rank >= 0:
+            self.members.rank_left(msg.rank)
+        else:
+            worker = self.members.workers.get(env.sender)
+            if worker is not None:
+                worker.exited = True
+        self._changed.set()
+
+    def _h_ping(self, identity: bytes, env: Envelope, msg: m.Ping) -> None:
+        self.endpoint.send(m.Pong(nonce=msg.nonce, sent_at=msg.sent_at), identity)
+
+    def _h_heartbeat(self, identity: bytes, env: Envelope, msg: m.Heartbeat) -> None:
+        pass  # liveness was recorded in _on_message
+
+    # ============================================================ liveness
+
+    async def _liveness(self) -> None:
+        """Beat to every peer every second; judge silence and deaths several times a second."""
+        next_beat = 0.0
+        while True:
+            now = self.clock()
+            if now >= next_beat:
+                frame = self.endpoint.writer.encode(m.Heartbeat(step=self.global_step, sent_at=time.time()))
+                for identity in self._peer_identities():
+                    self.endpoint.send_frame(frame, identity)
+                next_beat = now + HEARTBEAT_INTERVAL_S
+            self._judge()
+            await asyncio.sleep(LIVENESS_TICK_S)
+
+    def _peer_identities(self) -> list[bytes]:
+        ids = [w.identity for w in self.members.workers.values() if not w.exited]
+        ids += [r.identity for r in self.members.ranks.values() if r.identity and r.state not in (PeerState.EXITED, PeerState.DEAD)]
+        return ids
+
+    def _judge(self) -> None:
+        """Turn deaths, silence and lingering collective errors into a failure."""
+        if self.phase in ("shutting down", "aborting", "done"):
+            return
+        now = self.clock()
+        # a rank that never said hello is judged by the join timeout, not by heartbeats
+        for info in self.members.ranks.values():
+            if not info.identity and info.death is None:
+                info.last_seen = now
+        verdict = self.members.assess(now)
+        if not verdict.healthy:
+            self._fail(f"{verdict.reason}. The run cannot continue without it (elastic recovery is not enabled in this version).", EXIT_RANK_LOST)
+            return
+        for worker in self.members.silent_workers(now):
+            self._fail(f"worker on host {worker.host} (pid {worker.pid}) sent nothing for {now - worker.last_seen:.1f} s", EXIT_RANK_LOST)
+            return
+        if self.collective_error is not None and now - self.collective_error[0] > COLLECTIVE_ERROR_GRACE_S:
+            _, rank, err = self.collective_error
+            self._fail(f"{self.members.ranks[rank].where()} saw its collective fail: {err.error}", EXIT_RANK_LOST)
+
+    # ======================================================= embedded worker
+
+    async def _embedded_worker(self) -> None:
+        """Start the local worker and treat its unexpected exit as a failure."""
+        cmd = [sys.executable, "-m", "flodl.worker", "--controller", self.address]
+        if self.launch.nproc_per_node is not None:
+            cmd += ["--nproc", str(self.launch.nproc_per_node)]
+        if self.launch.devices:
+            cmd += ["--devices", self.launch.devices]
+        env = child_environ({**credentials_env(self.secret, self.run_id), PARENT_PID: str(os.getpid())})
+        # its own session: a terminal's Ctrl-C reaches the controller alone, which
+        # then stops everyone in order instead of racing the children's deaths
+        self.worker_proc = await asyncio.create_subprocess_exec(*cmd, env=env, start_new_session=True)
+        code = await self.worker_proc.wait()
+        if self.phase not in ("shutting down", "aborting", "done"):
+            self._fail(f"the local worker (pid {self.worker_proc.pid}) {describe_exit(code)} before the run finished", EXIT_RANK_LOST if code else EXIT_FAILED)
+
+    # ============================================================ teardown
+
+    def _broadcast(self, msg: Any) -> None:
+        frame = self.endpoint.writer.encode(msg)
+        for identity in self._peer_identities():
+            self.endpoint.send_frame(frame, identity)
+
+    def _send_rank(self, rank: int, msg: Any) -> None:
+        self.endpoint.send(msg, self.members.ranks[rank].identity)
+
+    async def _shutdown_peers(self) -> None:
+        """Clean end: Shutdown to everyone, then wait (bounded) for them to leave."""
+        self.phase = "shutting down"
+        self._broadcast(m.Shutdown(reason="run complete", abort=False))
+        await self._wait_peers_gone(SHUTDOWN_WAIT_S)
+        self.phase = "done"
+
+    async def _abort(self, exc: RunAborted) -> None:
+        """Failure: tell everyone to stop now, then wait (bounded) for them to go."""
+        self.phase = "aborting"
+        self.finished_at = self.finished_at or self.clock()
+        self.console.failed(str(exc))
+        if self.endpoint is not None:
+            self._broadcast(m.Shutdown(reason=str(exc)[:500], abort=True))
+        await self._wait_peers_gone(ABORT_WAIT_S)
+        exc.summary = self.summary(str(exc), exc.exit_code)
+        self.phase = "done"
+
+    async def _wait_peers_gone(self, timeout_s: float) -> None:
+        def gone() -> bool:
+            ranks = all(r.state in (PeerState.EXITED, PeerState.DEAD) or r.exit_code is not None for r in self.members.ranks.values())
+            if self.worker_proc is not None:
+                return ranks and self.worker_proc.returncode is not None
+            return ranks and all(w.exited for w in self.members.workers.values())
+
+        deadline = self.clock() + timeout_s
+        while not gone() and self.clock() < deadline:
+            self._changed.clear()
+            try:
+                async with asyncio.timeout(0.2):
+                    await self._changed.wait()
+            except TimeoutError:
+                pass
+        if not gone():
+            log.warning("peers still running %.0f s after shutdown; stopping the local worker", timeout_s)
+
+    # ============================================================= summary
+
+    def summary(self, exit_reason: str, exit_code: int) -> dict:
+        """The run summary (also ``--summary-json`` and ``Trainer.run()``'s result)."""
+        wall = max(0.0, (self.finished_at or self.clock()) - self.started_at)
+        samples = sum(s.samples for s in self.history)
+        per_rank: dict[int, dict] = {}
+        for rank, info in sorted(self.members.ranks.items()):
+            per_rank[rank] = {"rank": rank, "host": info.host, "device": info.device, "pid": info.pid, "samples": 0, "batches": 0, "sync_ms": 0.0}
+        for stats in self.history:
+            for rank, part in stats.per_rank.items():
+                row = per_rank.setdefault(rank, {"rank": rank, "samples": 0, "batches": 0, "sync_ms": 0.0})
+                row["samples"] += part.samples
+                row["batches"] += part.batches
+                row["sync_ms"] += part.sync_ms
+        last = self.history[-1] if self.history else None
+        has_eval = self.task_info is not None and self.task_info.has_eval
+        final_eval = self.evals.get(self.launch.epochs - 1)
+        return {
+            "run_id": self.run_id,
+            "mode": self.config.elche.mode.name,
+            "world_size": self.members.world_size,
+            "epochs": self.launch.epochs,
+            "epochs_completed": len(self.history),
+            "wall_s": wall,
+            "samples_per_s": samples / wall if wall > 0 else 0.0,
+            "samples": samples,
+            "per_rank": list(per_rank.values()),
+            "syncs": sum(s.syncs for s in self.history),
+            "final_loss": last.avg_loss if last else None,
+            "final_eval": final_eval.value if final_eval else None,
+            "eval_metric_name": self.task_info.eval_metric if has_eval else None,
+            "history": [s.to_dict() for s in self.history],
+            "deaths": [
+                {"rank": r.rank, "host": r.host, "pid": r.pid, "reason": r.death}
+                for r in self.members.ranks.values()
+                if r.state is PeerState.DEAD
+            ],
+            "exit_reason": exit_reason,
+            "exit_code": exit_code,
+            "dropped_frames": dict(self.endpoint.drops) if self.endpoint else {},
+            "config": self.config.to_dict(),
+        }
+
+
+_HANDLERS: dict[type, Callable[[Controller, bytes, Envelope, Any], None]] = {
+    m.WorkerHello: Controller._h_worker_hello,
+    m.RankHello: Controller._h_rank_hello,
+    m.RankReady: Controller._h_rank_ready,
+    m.BatchDone: Controller._h_batch_done,
+    m.EpochDone: Controller._h_epoch_done,
+    m.EvalResult: Controller._h_eval_result,
+    m.RankError: Controller._h_rank_error,
+    m.RankExited: Controller._h_rank_exited,
+    m.Exiting: Controller._h_exiting,
+    m.Ping: Controller._h_ping,
+    m.Heartbeat: Controller._h_heartbeat,
+}

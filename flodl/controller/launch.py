@@ -1,0 +1,149 @@
+"""Launch options: what to run and where, as opposed to how it trains.
+
+``DdpRunConfig`` (``config.py``) says how a run trains; ``LaunchOptions``
+says which task, for how long, on which ranks, and where the controller
+listens. The CLI reads both the same way: flags, then a TOML file
+(``--config``), then defaults; flags win. Flags are the field names in
+kebab-case and TOML keys are the field names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import DdpRunConfig
+from ..errors import ConfigError
+from ..options import add_run_options, load_toml, resolve_run_config
+from ..schedule import DEFAULT_SEED
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Where and what to run. Every field has a ``--kebab-case`` flag and a TOML key."""
+
+    task: str = ""
+    epochs: int = 1
+    nproc_per_node: int | None = None
+    devices: str | None = None
+    workers: int = 0
+    bind: str = "127.0.0.1"
+    port: int = 0
+    advertise: str | None = None
+    seed: int = DEFAULT_SEED
+    summary_json: str | None = None
+    join_timeout_secs: float = 120.0
+    eval_timeout_secs: float = 600.0
+    progress: bool | None = None
+
+    def validate(self) -> None:
+        """Raises: ConfigError naming the first bad field."""
+        if not self.task or ":" not in self.task:
+            raise ConfigError("task", "needs a task spec such as examples/digits.py:task or mypkg.train:task")
+        if self.epochs < 1:
+            raise ConfigError("epochs", f"must be >= 1, got {self.epochs}")
+        if self.nproc_per_node is not None and self.nproc_per_node < 1:
+            raise ConfigError("nproc_per_node", f"must be >= 1, got {self.nproc_per_node}")
+        if self.workers < 0:
+            raise ConfigError("workers", f"must be >= 0, got {self.workers}")
+        if self.workers and (self.nproc_per_node is not None or self.devices):
+            raise ConfigError("workers", "external workers choose their own devices; drop --nproc-per-node / --devices")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("port", f"must be a TCP port, got {self.port}")
+        if self.join_timeout_secs <= 0 or self.eval_timeout_secs <= 0:
+            raise ConfigError("join_timeout_secs", "timeouts must be positive")
+
+    @property
+    def embedded(self) -> bool:
+        """No external workers: the controller starts a local worker itself."""
+        return self.workers == 0
+
+    @property
+    def advertise_host(self) -> str:
+        """The address peers dial: ``advertise``, else the bind address (loopback for 0.0.0.0)."""
+        if self.advertise:
+            return self.advertise
+        return "127.0.0.1" if self.bind in ("0.0.0.0", "*", "") else self.bind
+
+
+_HELP = {
+    "task": "task factory to train: path/to/file.py:function or package.module:function",
+    "epochs": "number of epochs (passes over the dataset)",
+    "nproc_per_node": "ranks on this host for the embedded worker (default: one per GPU, else 1 CPU rank)",
+    "devices": "explicit devices for the embedded worker, e.g. cuda:0,cuda:1 or cpu,cpu",
+    "workers": "number of external workers to wait for (python -m flodl.worker); 0 starts one locally",
+    "bind": "address the controller listens on (default loopback; use an interface address for multi-host)",
+    "port": "control port (0 picks a free one and prints it)",
+    "advertise": "address workers and ranks use to reach the controller (default: the bind address)",
+    "seed": "shuffle seed; epoch e uses the permutation seeded seed + e",
+    "summary_json": "write the run summary (the dict run() returns) to this JSON file",
+    "join_timeout_secs": "seconds to wait for every worker and rank to join",
+    "eval_timeout_secs": "seconds an eval may take before the run is stopped",
+    "progress": "live progress line (default: on when stdout is a terminal)",
+}
+LAUNCH_KEYS = frozenset(f.name for f in dataclasses.fields(LaunchOptions))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The controller's CLI: launch options, run options, and ``--config``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m flodl.controller",
+        description="Train a flodl task on local or remote ranks. Flags win over --config TOML, which wins over defaults.",
+    )
+    parser.add_argument("--config", default=None, help="TOML file of options (keys are the option names)")
+    parser.add_argument("--log-level", default="WARNING", help="logging level: DEBUG, INFO, WARNING")
+    group = parser.add_argument_group("launch options")
+    for f in dataclasses.fields(LaunchOptions):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool | None",):
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=_HELP[f.name])
+        else:
+            group.add_argument(flag, dest=f.name, type=_parser_of(f), default=argparse.SUPPRESS, help=_HELP[f.name])
+    add_run_options(parser)
+    return parser
+
+
+def _parser_of(f: dataclasses.Field) -> Any:
+    text = str(f.type)
+    if text.startswith("int"):
+        return int
+    if text.startswith("float"):
+        return float
+    return str
+
+
+def resolve(args: argparse.Namespace) -> tuple[LaunchOptions, DdpRunConfig]:
+    """Flags > TOML > defaults, for both launch and run options.
+
+    Raises:
+        ConfigError: a bad value or an unknown TOML key, naming it.
+    """
+    toml_values = load_toml(args.config) if args.config else {}
+    launch: dict[str, Any] = {}
+    for name in LAUNCH_KEYS:
+        if hasattr(args, name):
+            launch[name] = getattr(args, name)
+        elif name in toml_values:
+            launch[name] = _coerce(name, toml_values[name])
+    options = LaunchOptions(**launch)
+    options.validate()
+    config = resolve_run_config(args, toml_values, LAUNCH_KEYS, source=args.config or "config.toml")
+    return options, config
+
+
+def _coerce(name: str, value: Any) -> Any:
+    field = {f.name: f for f in dataclasses.fields(LaunchOptions)}[name]
+    want = _parser_of(field)
+    if "bool" in str(field.type):
+        if not isinstance(value, bool):
+            raise ConfigError(name, f"must be true or false, got {value!r}")
+        return value
+    if want is int and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ConfigError(name, f"must be an integer, got {value!r}")
+    if want is float and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+        raise ConfigError(name, f"must be a number, got {value!r}")
+    if want is str and not isinstance(value, str):
+        raise ConfigError(name, f"must be a string, got {value!r}")
+    return float(value) if want is float else value

@@ -1,0 +1,113 @@
+"""The environment variables flodl passes from parent to child process.
+
+The only module that reads or writes ``FLODL_*`` variables. The run secret
+travels here, never on a command line (``ps`` shows command lines to every
+user on a host). ``RankEnv`` is what a worker hands each rank process.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+
+RUN_SECRET = "FLODL_RUN_SECRET"  # hex; authenticates every control frame
+RUN_ID = "FLODL_RUN_ID"
+CONTROLLER = "FLODL_CONTROLLER"  # tcp://host:port of the controller's ROUTER
+RANK = "FLODL_RANK"
+DEVICE = "FLODL_DEVICE"
+TASK = "FLODL_TASK"
+LOCAL_WORLD = "FLODL_LOCAL_WORLD"  # ranks on this host, to share CPU threads
+HEARTBEAT_TIMEOUT = "FLODL_HEARTBEAT_TIMEOUT"
+PARENT_PID = "FLODL_PARENT_PID"  # a child exits if its parent is no longer this pid
+
+
+def new_run_secret() -> bytes:
+    """32 random bytes from the OS CSPRNG."""
+    return secrets.token_bytes(32)
+
+
+def new_run_id() -> str:
+    return secrets.token_hex(6)
+
+
+def read_run_credentials() -> tuple[bytes | None, str | None]:
+    """The run secret and id handed down by a parent or launcher, if any.
+
+    Raises:
+        ValueError: FLODL_RUN_SECRET is set but is not hex of at least 16 bytes.
+    """
+    raw = os.environ.get(RUN_SECRET)
+    secret = None
+    if raw:
+        try:
+            secret = bytes.fromhex(raw)
+        except ValueError:
+            raise ValueError(f"{RUN_SECRET} must be hex") from None
+        if len(secret) < 16:
+            raise ValueError(f"{RUN_SECRET} must hold at least 16 bytes (32 hex digits)")
+    return secret, os.environ.get(RUN_ID) or None
+
+
+def credentials_env(secret: bytes, run_id: str) -> dict[str, str]:
+    return {RUN_SECRET: secret.hex(), RUN_ID: run_id}
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """Everything a rank process is told at spawn."""
+
+    controller: str
+    secret: bytes
+    run_id: str
+    rank: int
+    device: str
+    task: str
+    local_world: int
+    heartbeat_timeout_s: float
+    parent_pid: int
+
+    def to_env(self) -> dict[str, str]:
+        return {
+            CONTROLLER: self.controller,
+            **credentials_env(self.secret, self.run_id),
+            RANK: str(self.rank),
+            DEVICE: self.device,
+            TASK: self.task,
+            LOCAL_WORLD: str(self.local_world),
+            HEARTBEAT_TIMEOUT: repr(self.heartbeat_timeout_s),
+            PARENT_PID: str(self.parent_pid),
+        }
+
+    @classmethod
+    def from_environ(cls) -> "RankEnv":
+        """Read the rank's spawn environment.
+
+        Raises:
+            KeyError: a variable is missing (the rank was not started by a worker).
+        """
+        secret, run_id = read_run_credentials()
+        if secret is None or run_id is None:
+            raise KeyError(f"{RUN_SECRET} / {RUN_ID}")
+        env = os.environ
+        return cls(
+            controller=env[CONTROLLER],
+            secret=secret,
+            run_id=run_id,
+            rank=int(env[RANK]),
+            device=env[DEVICE],
+            task=env[TASK],
+            local_world=int(env.get(LOCAL_WORLD, "1")),
+            heartbeat_timeout_s=float(env[HEARTBEAT_TIMEOUT]),
+            parent_pid=int(env.get(PARENT_PID, "0")),
+        )
+
+
+def child_environ(extra: dict[str, str]) -> dict[str, str]:
+    """This process's environment plus ``extra``, for a child process."""
+    return {**os.environ, **extra}
+
+
+def vram_pool_disabled() -> bool:
+    """FLODL_VRAM_POOL=off|0 kill-switch (read by the data plane)."""
+    return os.environ.get("FLODL_VRAM_POOL", "").lower() in ("off", "0")

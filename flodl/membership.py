@@ -1,0 +1,172 @@
+"""Who is in the run, who is alive, and what to do about those who are not.
+
+Pure logic: no sockets, no event loop, time passed in. The controller feeds
+it facts (a frame arrived, a worker reported an exit, a peer said goodbye)
+and asks ``assess(now)`` for a verdict; the verdict carries a reason string
+that goes straight into the log, so a membership decision is always
+explained. Tests drive it with a fake clock instead of sleeping.
+
+This version keeps the world fixed: any rank death stops the run (elastic
+shrinking comes with the fault-handling work and plugs into ``assess``).
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class PeerState(str, Enum):
+    JOINING = "joining"  # hello received, not yet ready to train
+    READY = "ready"  # in the collective, trains when told
+    EXITED = "exited"  # left cleanly (sent Exiting): silence is not death
+    DEAD = "dead"  # exited unexpectedly or went silent
+
+
+@dataclass
+class RankInfo:
+    """What the controller knows of one rank."""
+
+    rank: int
+    host: str = "?"
+    pid: int = 0
+    device: str = "?"
+    identity: bytes = b""
+    state: PeerState = PeerState.JOINING
+    last_seen: float = 0.0
+    exit_code: int | None = None
+    death: str | None = None
+
+    def where(self) -> str:
+        """``rank 1 on host h (pid 42)`` — how every message names a rank."""
+        return f"rank {self.rank} on host {self.host} (pid {self.pid})"
+
+
+@dataclass
+class WorkerInfo:
+    """What the controller knows of one worker (one per host)."""
+
+    sender: str
+    identity: bytes
+    host: str
+    pid: int
+    devices: list[str]
+    ranks: list[int] = field(default_factory=list)
+    last_seen: float = 0.0
+    exited: bool = False
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of one membership assessment."""
+
+    dead: tuple[int, ...]
+    reason: str
+
+    @property
+    def healthy(self) -> bool:
+        return not self.dead
+
+
+def describe_exit(code: int) -> str:
+    """``exited with code 1`` / ``was killed by SIGKILL``."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with code {code}"
+
+
+class Membership:
+    """Registry of workers and ranks with liveness bookkeeping."""
+
+    def __init__(self, heartbeat_timeout_s: float) -> None:
+        if heartbeat_timeout_s <= 0:
+            raise ValueError("heartbeat_timeout_s must be positive")
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.generation = 0
+        self.workers: dict[str, WorkerInfo] = {}
+        self.ranks: dict[int, RankInfo] = {}
+
+    # ---------------------------------------------------------------- facts
+
+    def add_worker(self, info: WorkerInfo, now: float) -> None:
+        info.last_seen = now
+        self.workers[info.sender] = info
+
+    def expect_rank(self, rank: int, host: str, device: str, now: float) -> RankInfo:
+        """A worker was told to spawn ``rank``; silence counts from now."""
+        info = self.ranks[rank] = RankInfo(rank=rank, host=host, device=device, last_seen=now)
+        return info
+
+    def seen_worker(self, sender: str, now: float) -> None:
+        worker = self.workers.get(sender)
+        if worker is not None:
+            worker.last_seen = now
+
+    def seen_rank(self, rank: int, now: float) -> None:
+        info = self.ranks.get(rank)
+        if info is not None:
+            info.last_seen = now
+
+    def rank_exited(self, rank: int, code: int) -> RankInfo | None:
+        """The worker reaped the rank's process (the fast death path)."""
+        info = self.ranks.get(rank)
+        if info is None:
+            return None
+        info.exit_code = code
+        if info.state is not PeerState.EXITED and info.death is None:
+            info.death = describe_exit(code)
+        return info
+
+    def rank_left(self, rank: int) -> None:
+        """The rank said goodbye (Exiting): it is done, not dead."""
+        info = self.ranks.get(rank)
+        if info is not None and info.state is not PeerState.DEAD:
+            info.state = PeerState.EXITED
+            info.death = None
+
+    # -------------------------------------------------------------- verdict
+
+    def assess(self, now: float) -> Verdict:
+        """Declare dead every rank that exited uncleanly or fell silent.
+
+        Pure apart from marking those ranks DEAD; returns the newly dead and
+        a reason naming each, e.g. ``rank 1 on host h (pid 42) was killed by
+        SIGKILL``.
+        """
+        newly, reasons = [], []
+        for rank in sorted(self.ranks):
+            info = self.ranks[rank]
+            if info.state in (PeerState.EXITED, PeerState.DEAD):
+                continue
+            if info.death is None and now - info.last_seen > self.heartbeat_timeout_s:
+                info.death = f"sent nothing for {now - info.last_seen:.1f} s (heartbeat timeout {self.heartbeat_timeout_s:g} s)"
+            if info.death is not None:
+                info.state = PeerState.DEAD
+                newly.append(rank)
+                reasons.append(f"{info.where()} {info.death}")
+        if newly:
+            self.generation += 1
+        alive = sum(1 for r in self.ranks.values() if r.state is PeerState.READY)
+        reason = "; ".join(reasons) if reasons else f"[{alive}/{len(self.ranks)} ranks ready]"
+        return Verdict(tuple(newly), reason)
+
+    def silent_workers(self, now: float) -> list[WorkerInfo]:
+        """Workers silent past the timeout (their ranks will be judged on their own)."""
+        return [w for w in self.workers.values() if not w.exited and now - w.last_seen > self.heartbeat_timeout_s]
+
+    # --------------------------------------------------------------- views
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def all_in(self, state: PeerState) -> bool:
+        return bool(self.ranks) and all(r.state is state for r in self.ranks.values())
+
+    def live_ranks(self) -> list[RankInfo]:
+        return [r for r in self.ranks.values() if r.state not in (PeerState.DEAD, PeerState.EXITED)]

@@ -1,0 +1,130 @@
+"""Per-epoch metrics: folding the ranks' ``EpochDone`` reports into one row.
+
+Pure logic. Loss is batch-weighted across ranks; user scalars (sum, count
+pairs) are averaged per rank, then batch-weighted across the ranks that
+recorded them; an epoch's wall time is its slowest rank's. Golden values from
+the reference runtime are in ``tests/test_metrics.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from .protocol.messages import EpochDone
+
+
+@dataclass
+class RankEpoch:
+    """One rank's share of one epoch."""
+
+    rank: int
+    batches: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0
+    wall_ms: float = 0.0
+    compute_ms: float = 0.0
+    data_ms: float = 0.0
+    sync_ms: float = 0.0
+    syncs: int = 0
+    scalars: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, report: EpochDone) -> None:
+        """Fold in one plan's report (a rank may send several per epoch)."""
+        self.batches += report.batches
+        self.samples += report.samples
+        self.loss_sum += report.loss_sum
+        self.wall_ms += report.wall_ms  # plans of one epoch run back to back: time adds up
+        self.compute_ms += report.compute_ms
+        self.data_ms += report.data_ms
+        self.sync_ms += report.sync_ms
+        self.syncs += report.syncs
+        for key, (total, count) in report.scalars.items():
+            acc = self.scalars.setdefault(key, [0.0, 0.0])
+            acc[0] += total
+            acc[1] += count
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second over this rank's wall time in the epoch."""
+        return self.samples * 1000.0 / self.wall_ms if self.wall_ms > 0 else 0.0
+
+
+@dataclass
+class EpochStats:
+    """The aggregated row of one epoch."""
+
+    epoch: int
+    avg_loss: float | None
+    batches: int
+    samples: int
+    wall_ms: float
+    syncs: int
+    per_rank: dict[int, RankEpoch]
+    scalars: dict[str, float]
+    eval_value: float | None = None
+
+    @property
+    def batch_share(self) -> dict[int, float]:
+        """Each rank's fraction of the epoch's samples."""
+        return {r: (p.samples / self.samples if self.samples else 0.0) for r, p in self.per_rank.items()}
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples * 1000.0 / self.wall_ms if self.wall_ms > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "loss": self.avg_loss,
+            "eval": self.eval_value,
+            "samples": self.samples,
+            "batches": self.batches,
+            "wall_s": self.wall_ms / 1000.0,
+            "samples_per_s": self.samples_per_s,
+            "syncs": self.syncs,
+            "scalars": self.scalars,
+            "per_rank": {
+                str(r): {
+                    "samples": p.samples,
+                    "batches": p.batches,
+                    "samples_per_s": p.throughput,
+                    "batch_share": self.batch_share[r],
+                    "compute_ms": p.compute_ms,
+                    "data_ms": p.data_ms,
+                    "sync_ms": p.sync_ms,
+                }
+                for r, p in sorted(self.per_rank.items())
+            },
+        }
+
+
+def aggregate(epoch: int, reports: Iterable[EpochDone]) -> EpochStats:
+    """Fold every report of ``epoch`` into an ``EpochStats``."""
+    per_rank: dict[int, RankEpoch] = {}
+    for report in reports:
+        per_rank.setdefault(report.rank, RankEpoch(report.rank)).add(report)
+    batches = sum(p.batches for p in per_rank.values())
+    loss_sum = sum(p.loss_sum for p in per_rank.values())
+    scalars: dict[str, float] = {}
+    keys = sorted({k for p in per_rank.values() for k in p.scalars})
+    for key in keys:
+        num = den = 0.0
+        for p in per_rank.values():
+            total, count = p.scalars.get(key, (0.0, 0.0))
+            if count > 0 and p.batches > 0:
+                num += total / count * p.batches
+                den += p.batches
+        if den > 0:
+            scalars[key] = num / den
+    return EpochStats(
+        epoch=epoch,
+        avg_loss=loss_sum / batches if batches else None,
+        batches=batches,
+        samples=sum(p.samples for p in per_rank.values()),
+        wall_ms=max((p.wall_ms for p in per_rank.values()), default=0.0),
+        # every rank joins every round of a plan, so one rank's count is the plan's
+        syncs=max((p.syncs for p in per_rank.values()), default=0),
+        per_rank=per_rank,
+        scalars=scalars,
+    )

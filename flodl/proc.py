@@ -1,0 +1,61 @@
+"""Process hygiene: no orphan survives its parent, no child outlives a teardown.
+
+``die_with_parent`` makes the kernel signal this process when its parent
+dies (Linux ``PR_SET_PDEATHSIG``) and closes the race where the parent died
+before the call. ``terminate_then_kill`` is the one teardown everybody uses:
+SIGTERM, a grace period, SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(expected_parent: int, sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send ``sig`` when the parent exits; exit now if it already has.
+
+    A no-op where ``prctl`` is unavailable (non-Linux); there the heartbeat
+    timeout still ends the process.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        except OSError:
+            log.debug("prctl unavailable; relying on heartbeats")
+    if expected_parent and os.getppid() != expected_parent:
+        # the parent died between fork and prctl: nobody would ever signal us
+        os._exit(1)
+
+
+async def terminate_then_kill(procs: list[asyncio.subprocess.Process], grace_s: float) -> None:
+    """SIGTERM every live process, wait up to ``grace_s``, SIGKILL the rest, reap all."""
+    live = [p for p in procs if p.returncode is None]
+    for p in live:
+        _signal(p, signal.SIGTERM)
+    if live:
+        try:
+            async with asyncio.timeout(grace_s):
+                await asyncio.gather(*(p.wait() for p in live))
+        except TimeoutError:
+            for p in live:
+                if p.returncode is None:
+                    log.warning("pid %d ignored SIGTERM for %.1f s: SIGKILL", p.pid, grace_s)
+                    _signal(p, signal.SIGKILL)
+            await asyncio.gather(*(p.wait() for p in live))
+
+
+def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,435 @@
+"""Frame codec of the control protocol: bounded, authenticated, schema-checked.
+
+Pure functions and two small stateful helpers; no sockets. ``pack_frame`` /
+``unpack_frame`` implement the byte layout of ``proto/README.md``;
+``FrameWriter`` numbers a sender's frames; ``FrameReader`` is what every
+receiving actor holds: it turns bytes into an ``Envelope`` or drops the frame,
+counting the reason and logging it once per peer, so a bad frame can never
+raise into an actor's loop or change its state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import itertools
+import logging
+import struct
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgpack
+
+from ..errors import ProtocolError
+from .messages import PROTOCOL_VERSION, SCHEMA
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"\xf1\x0d"
+HEADER = struct.Struct("<2sHHI")  # magic, version, kind, body length
+TAG_LEN = 16
+MIN_FRAME = HEADER.size + TAG_LEN
+DEFAULT_MAX_FRAME = 1 << 20  # control frames are small; bulk data has its own plane
+
+MAX_STR = 64 * 1024
+MAX_BIN = 1 << 20
+MAX_ARRAY = 65_536
+MAX_MAP = 4_096
+MAX_DEPTH = 8
+MAX_SENDER = 256
+REPLAY_WINDOW = 1024
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
+
+#: Every reason a frame can be dropped for, in the order they are checked.
+DROP_REASONS = (
+    "truncated",
+    "oversized",
+    "bad_magic",
+    "unknown_version",
+    "bad_tag",
+    "unknown_kind",
+    "malformed",
+    "schema",
+    "wrong_run",
+    "replayed",
+)
+
+
+class _Invalid(Exception):
+    """Internal: a value does not match its wire type (becomes reason ``schema``)."""
+
+
+# ---------------------------------------------------------------- validators
+# Each wire type compiles to a function that returns the normalised value
+# (floats widened, map keys sorted) or raises _Invalid. The same functions run
+# on encode (so we never emit a frame our peers would drop) and on decode.
+
+
+def _check_int(x: Any) -> int:
+    if type(x) is int and _INT_MIN <= x <= _INT_MAX:
+        return x
+    raise _Invalid(f"expected int, got {type(x).__name__}")
+
+
+def _check_float(x: Any) -> float:
+    tx = type(x)
+    if tx is float:
+        return x
+    if tx is int:  # another encoder may write 0 for 0.0
+        return float(x)
+    raise _Invalid(f"expected float, got {tx.__name__}")
+
+
+def _check_bool(x: Any) -> bool:
+    if type(x) is bool:
+        return x
+    raise _Invalid(f"expected bool, got {type(x).__name__}")
+
+
+def _check_str(x: Any) -> str:
+    if type(x) is str and len(x) <= MAX_STR:
+        return x
+    raise _Invalid(f"expected str of at most {MAX_STR} chars, got {type(x).__name__}")
+
+
+def _check_bytes(x: Any) -> bytes:
+    if type(x) in (bytes, bytearray) and len(x) <= MAX_BIN:
+        return bytes(x)
+    raise _Invalid(f"expected bytes of at most {MAX_BIN}, got {type(x).__name__}")
+
+
+def _check_value(x: Any, depth: int = 0) -> Any:
+    """Any plain msgpack value, nesting bounded by MAX_DEPTH."""
+    if x is None or type(x) in (bool, float):
+        return x
+    if type(x) is int:
+        return _check_int(x)
+    if type(x) is str:
+        return _check_str(x)
+    if type(x) in (bytes, bytearray):
+        return _check_bytes(x)
+    if depth >= MAX_DEPTH:
+        raise _Invalid(f"value nested deeper than {MAX_DEPTH}")
+    if type(x) in (list, tuple):
+        if len(x) > MAX_ARRAY:
+            raise _Invalid("array too long")
+        return [_check_value(i, depth + 1) for i in x]
+    if type(x) is dict:
+        if len(x) > MAX_MAP:
+            raise _Invalid("map too large")
+        return {_check_str(k): _check_value(x[k], depth + 1) for k in sorted(x, key=_map_key)}
+    raise _Invalid(f"unsupported value type {type(x).__name__}")
+
+
+def _map_key(k: Any) -> str:
+    if type(k) is not str:
+        raise _Invalid("map keys must be strings")
+    return k
+
+
+_SCALAR_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "int": _check_int,
+    "float": _check_float,
+    "bool": _check_bool,
+    "str": _check_str,
+    "bytes": _check_bytes,
+    "value": _check_value,
+}
+
+
+def compile_type(wire_type: str) -> Callable[[Any], Any]:
+    """Return the validator of a schema type such as ``map<str,list<float>>``."""
+    if wire_type in _SCALAR_CHECKS:
+        return _SCALAR_CHECKS[wire_type]
+    if wire_type.startswith("opt<") and wire_type.endswith(">"):
+        inner = compile_type(wire_type[4:-1])
+        return lambda x: None if x is None else inner(x)
+    if wire_type.startswith("list<") and wire_type.endswith(">"):
+        item = compile_type(wire_type[5:-1])
+
+        def check_list(x: Any) -> list:
+            if type(x) not in (list, tuple) or len(x) > MAX_ARRAY:
+                raise _Invalid(f"expected array of at most {MAX_ARRAY}")
+            return [item(i) for i in x]
+
+        return check_list
+    if wire_type.startswith("map<str,") and wire_type.endswith(">"):
+        val = compile_type(wire_type[8:-1])
+
+        def check_map(x: Any) -> dict:
+            if type(x) is not dict or len(x) > MAX_MAP:
+                raise _Invalid(f"expected map of at most {MAX_MAP}")
+            return {k: val(x[k]) for k in sorted(x, key=_map_key)}
+
+        return check_map
+    raise ValueError(f"unknown wire type {wire_type!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    kind: int
+    name: str
+    cls: type
+    names: tuple[str, ...]
+    checks: tuple[Callable[[Any], Any], ...]
+
+
+_SPECS: dict[int, _Spec] = {
+    kind: _Spec(kind, name, cls, tuple(f for f, _ in fields), tuple(compile_type(t) for _, t in fields))
+    for kind, (name, cls, fields) in SCHEMA.items()
+}
+_SPEC_BY_CLASS: dict[type, _Spec] = {spec.cls: spec for spec in _SPECS.values()}
+
+
+def message_types() -> dict[str, type]:
+    """Name → class of every message in the schema."""
+    return {spec.name: spec.cls for spec in _SPECS.values()}
+
+
+# ------------------------------------------------------------------ framing
+
+
+@dataclass(slots=True)
+class Envelope:
+    """A decoded, authenticated frame."""
+
+    version: int
+    kind: int
+    sender: str
+    seq: int
+    run_id: str
+    msg: Any
+
+
+class Signer:
+    """HMAC-SHA256 with the key schedule done once (RFC 2104, exact).
+
+    ``hmac.digest`` re-derives the padded keys on every call; on the
+    controller's ingest path that is a third of a frame's cost, so the inner
+    and outer hash states are kept primed and copied per message.
+    """
+
+    __slots__ = ("_inner", "_outer")
+
+    def __init__(self, secret: bytes) -> None:
+        key = secret if len(secret) <= 64 else hashlib.sha256(secret).digest()
+        key = key.ljust(64, b"\0")
+        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in key))
+        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in key))
+
+    def tag(self, data: bytes | memoryview) -> bytes:
+        """The frame tag: the first 16 bytes of HMAC-SHA256(secret, data)."""
+        inner = self._inner.copy()
+        inner.update(data)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.digest()[:TAG_LEN]
+
+
+_signers: dict[bytes, Signer] = {}
+
+
+def signer_for(secret: bytes) -> Signer:
+    """A cached ``Signer`` per secret (a process holds one or two secrets)."""
+    signer = _signers.get(secret)
+    if signer is None:
+        if len(_signers) > 64:  # tests make many secrets; keep the cache bounded
+            _signers.clear()
+        signer = _signers[secret] = Signer(secret)
+    return signer
+
+
+def sign(secret: bytes, data: bytes | memoryview) -> bytes:
+    """The frame tag: the first 16 bytes of HMAC-SHA256(secret, data)."""
+    return signer_for(secret).tag(data)
+
+
+def message_fields(msg: Any) -> tuple[int, list]:
+    """Validate a message object and return ``(kind, wire field values)``.
+
+    Raises:
+        ProtocolError: ``schema`` if the object is not a valid message (a local bug).
+    """
+    spec = _SPEC_BY_CLASS.get(type(msg))
+    if spec is None:
+        raise ProtocolError("schema", f"{type(msg).__name__} is not a protocol message")
+    try:
+        return spec.kind, [check(getattr(msg, name)) for name, check in zip(spec.names, spec.checks)]
+    except _Invalid as exc:
+        raise ProtocolError("schema", f"{spec.name}: {exc}") from None
+
+
+def pack_frame(secret: bytes | Signer, msg: Any, *, sender: str, seq: int, run_id: str, version: int = PROTOCOL_VERSION) -> bytes:
+    """Encode one message into a signed frame.
+
+    Raises:
+        ProtocolError: ``schema`` if ``msg`` does not validate against the schema.
+    """
+    kind, fields = message_fields(msg)
+    body = msgpack.packb([sender, seq, run_id, *fields], use_bin_type=True)
+    unsigned = HEADER.pack(MAGIC, version, kind, len(body)) + body
+    signer = secret if type(secret) is Signer else signer_for(secret)
+    return unsigned + signer.tag(unsigned)
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError("msgpack ext types are not allowed")
+
+
+def unpack_frame(
+    secret: bytes | Signer,
+    data: bytes,
+    *,
+    run_id: str | None = None,
+    max_frame: int = DEFAULT_MAX_FRAME,
+) -> Envelope:
+    """Decode and verify one frame; checks run in the order of ``DROP_REASONS``.
+
+    Raises:
+        ProtocolError: with ``reason`` in ``DROP_REASONS`` (never ``replayed``:
+            replay needs state, see ``FrameReader``).
+    """
+    n = len(data)
+    if n > max_frame:
+        raise ProtocolError("oversized", f"{n} bytes > {max_frame}")
+    if n < MIN_FRAME:
+        raise ProtocolError("truncated", f"{n} bytes")
+    magic, version, kind, body_len = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise ProtocolError("bad_magic", magic.hex())
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError("unknown_version", str(version))
+    end = HEADER.size + body_len
+    if end + TAG_LEN > max_frame:
+        raise ProtocolError("oversized", f"body length {body_len}")
+    if n < end + TAG_LEN:
+        raise ProtocolError("truncated", f"{n} bytes, header says {end + TAG_LEN}")
+    view = memoryview(data)
+    signer = secret if type(secret) is Signer else signer_for(secret)
+    if not hmac.compare_digest(signer.tag(view[:end]), view[end : end + TAG_LEN]):
+        raise ProtocolError("bad_tag")
+    if n > end + TAG_LEN:
+        raise ProtocolError("malformed", f"{n - end - TAG_LEN} bytes after the tag")
+    spec = _SPECS.get(kind)
+    if spec is None:
+        raise ProtocolError("unknown_kind", str(kind))
+    try:
+        body = msgpack.unpackb(
+            view[HEADER.size : end],
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_no_ext,
+            max_str_len=MAX_STR,
+            max_bin_len=MAX_BIN,
+            max_array_len=MAX_ARRAY,
+            max_map_len=MAX_MAP,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types; all mean the same here
+        raise ProtocolError("malformed", f"{type(exc).__name__}: {exc}") from None
+    return _envelope(spec, version, body, run_id)
+
+
+def _envelope(spec: _Spec, version: int, body: Any, run_id: str | None) -> Envelope:
+    if type(body) is not list or len(body) != 3 + len(spec.checks):
+        raise ProtocolError("schema", f"{spec.name}: expected {3 + len(spec.checks)} items")
+    sender, seq, frame_run = body[0], body[1], body[2]
+    if type(sender) is not str or not sender or len(sender) > MAX_SENDER:
+        raise ProtocolError("schema", "bad sender")
+    if type(seq) is not int or not 1 <= seq <= _INT_MAX or type(frame_run) is not str:
+        raise ProtocolError("schema", "bad seq or run id")
+    try:
+        values = [check(v) for check, v in zip(spec.checks, body[3:])]
+    except _Invalid as exc:
+        raise ProtocolError("schema", f"{spec.name}: {exc}") from None
+    if run_id is not None and frame_run != run_id:
+        raise ProtocolError("wrong_run", frame_run[:64])
+    return Envelope(version, spec.kind, sender, seq, frame_run, spec.cls(*values))
+
+
+# ------------------------------------------------------------ stateful ends
+
+
+class ReplayWindow:
+    """Accepts each sequence number of one sender at most once.
+
+    A sliding bitmap over the last ``REPLAY_WINDOW`` numbers (as in IPsec):
+    frames may arrive slightly out of order (a rank's heartbeat thread and its
+    training thread number frames from one counter) but never twice.
+    """
+
+    __slots__ = ("top", "mask")
+
+    def __init__(self) -> None:
+        self.top = 0
+        self.mask = 0
+
+    def accept(self, seq: int) -> bool:
+        if seq > self.top:
+            shift = seq - self.top
+            self.mask = ((self.mask << shift) | 1) & ((1 << REPLAY_WINDOW) - 1) if shift < REPLAY_WINDOW else 1
+            self.top = seq
+            return True
+        offset = self.top - seq
+        if offset >= REPLAY_WINDOW or self.mask >> offset & 1:
+            return False
+        self.mask |= 1 << offset
+        return True
+
+
+class FrameWriter:
+    """Signs and numbers the frames of one sender. Thread-safe numbering."""
+
+    def __init__(self, secret: bytes, run_id: str, sender: str) -> None:
+        self.signer = Signer(secret)
+        self.run_id = run_id
+        self.sender = sender
+        self._seq = itertools.count(1)  # next() on a count is atomic under the GIL
+
+    def encode(self, msg: Any) -> bytes:
+        return pack_frame(self.signer, msg, sender=self.sender, seq=next(self._seq), run_id=self.run_id)
+
+
+class FrameReader:
+    """Turns received bytes into envelopes; drops, counts and logs bad frames.
+
+    ``read`` never raises for anything a peer sends: a dropped frame returns
+    ``None`` and increments ``drops[reason]``; the first drop of each
+    ``(peer, reason)`` pair is logged as a warning, later ones only counted.
+    """
+
+    def __init__(self, secret: bytes, run_id: str, *, max_frame: int = DEFAULT_MAX_FRAME, name: str = "") -> None:
+        self.signer = Signer(secret)
+        self.run_id = run_id
+        self.max_frame = max_frame
+        self.name = name
+        self.drops: Counter[str] = Counter()
+        self.accepted = 0
+        self._windows: dict[str, ReplayWindow] = {}
+        self._logged: set[tuple[str, str]] = set()
+
+    def read(self, data: bytes, peer: str = "?") -> Envelope | None:
+        try:
+            env = unpack_frame(self.signer, data, run_id=self.run_id, max_frame=self.max_frame)
+        except ProtocolError as exc:
+            self._drop(exc.reason, peer, exc.detail)
+            return None
+        window = self._windows.get(env.sender)
+        if window is None:
+            window = self._windows[env.sender] = ReplayWindow()
+        if not window.accept(env.seq):
+            self._drop("replayed", peer, f"seq {env.seq} from {env.sender}")
+            return None
+        self.accepted += 1
+        return env
+
+    def forget(self, sender: str) -> None:
+        """Drop the replay state of a sender that left (bounded memory)."""
+        self._windows.pop(sender, None)
+
+    def _drop(self, reason: str, peer: str, detail: str) -> None:
+        self.drops[reason] += 1
+        if (peer, reason) not in self._logged and len(self._logged) < 10_000:
+            self._logged.add((peer, reason))
+            log.warning("%sdropped frame from %s: %s %s (further drops counted only)", self.name and f"{self.name}: ", peer, reason, detail)

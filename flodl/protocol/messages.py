@@ -1,0 +1,328 @@
+"""Wire messages of the flodl control protocol.
+
+GENERATED from proto/schema.json by proto/generate.py: do not edit by hand.
+Each message is a slotted dataclass (treat it as immutable: not frozen only
+because frozen construction costs 4x on the controller's hot path);
+``SCHEMA`` maps a kind to its name,
+class and ``(field, wire type)`` pairs, from which ``codec.py`` builds its
+bounded validators. Field order is wire order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(slots=True)
+class WorkerHello:
+    """A worker announces its host, process and the devices it will run one rank on each. (worker -> controller)"""
+
+    KIND: ClassVar[int] = 1
+    host: str
+    """host name the worker runs on"""
+    pid: int
+    """the worker's process id"""
+    devices: list[str]
+    """one torch device string per rank to spawn, e.g. cuda:0 or cpu"""
+    versions: dict[str, str]
+    """flodl, protocol, python and torch versions"""
+
+
+@dataclass(slots=True)
+class WorkerWelcome:
+    """The controller admits a worker and assigns a global rank to each of its devices. (controller -> worker)"""
+
+    KIND: ClassVar[int] = 2
+    ranks: list[int]
+    """global rank of each device, in the order of WorkerHello.devices"""
+    world_size: int
+    """number of ranks in the run"""
+    task: str
+    """the task factory spec the ranks import (module:function or file.py:function)"""
+    heartbeat_timeout_s: float
+    """seconds of controller silence after which the worker stops its ranks and exits"""
+
+
+@dataclass(slots=True)
+class Reject:
+    """The controller refuses a peer's hello; the peer exits printing the reason. (controller -> worker|rank)"""
+
+    KIND: ClassVar[int] = 3
+    reason: str
+    """why the peer was refused, for the user"""
+
+
+@dataclass(slots=True)
+class RankExited:
+    """A rank process ended; sent by its worker the moment it is reaped. (worker -> controller)"""
+
+    KIND: ClassVar[int] = 4
+    rank: int
+    """global rank of the process"""
+    pid: int
+    """its process id"""
+    code: int
+    """exit status; negative means killed by that signal number"""
+
+
+@dataclass(slots=True)
+class RankHello:
+    """A rank has built its task and asks to join, describing itself and its model. (rank -> controller)"""
+
+    KIND: ClassVar[int] = 5
+    rank: int
+    """the global rank its worker assigned"""
+    host: str
+    """host name"""
+    pid: int
+    """process id"""
+    device: str
+    """torch device the rank trains on"""
+    versions: dict[str, str]
+    """flodl, protocol, python and torch versions"""
+    model_signature: str
+    """hash of parameter and buffer names, shapes and dtypes; must agree across ranks"""
+    param_count: int
+    """number of scalar parameters in the model"""
+    shuffle_signature: str
+    """hash of a reference permutation, proving every rank derives the same epoch shuffles"""
+    dataset_len: int
+    """number of samples in the task's dataset; must agree across ranks"""
+    has_eval: bool
+    """whether the task defines an eval function"""
+    eval_metric: str
+    """name of the eval function's metric"""
+    batch_size: int
+    """the task's batch size"""
+
+
+@dataclass(slots=True)
+class RankWelcome:
+    """The controller admits a rank and tells it how to join the collective for this membership generation. (controller -> rank)"""
+
+    KIND: ClassVar[int] = 6
+    rank: int
+    """global rank, echoed"""
+    world_size: int
+    """number of ranks in this generation"""
+    generation: int
+    """membership generation; bumps on every change of the world"""
+    store_host: str
+    """address of the controller's TCPStore"""
+    store_port: int
+    """port of the controller's TCPStore"""
+    store_prefix: str
+    """key prefix of this generation's rendezvous in the store"""
+    collective_timeout_s: float
+    """timeout of every collective operation"""
+    config: dict[str, Any]
+    """the run options (DdpRunConfig.to_dict())"""
+
+
+@dataclass(slots=True)
+class RankReady:
+    """A rank has joined the collective and holds the same initial parameters as rank 0. (rank -> controller)"""
+
+    KIND: ClassVar[int] = 7
+    rank: int
+    """global rank"""
+    generation: int
+    """generation whose process group it joined"""
+    init_ms: float
+    """milliseconds spent building the group and syncing parameters"""
+
+
+@dataclass(slots=True)
+class StartEpoch:
+    """Train a contiguous slice of an epoch's seeded global permutation, averaging through the collective as told. (controller -> rank)"""
+
+    KIND: ClassVar[int] = 8
+    epoch: int
+    """epoch number, from 0"""
+    seed: int
+    """shuffle seed; the permutation of epoch e uses seed + e"""
+    offset: int
+    """first position of the slice in the permutation"""
+    size: int
+    """number of positions in the slice"""
+    rounds: int
+    """collective averaging rounds every rank runs in this plan; a rank out of batches joins the rest with zero weight"""
+    sync_every: int
+    """average after every this many batches"""
+
+
+@dataclass(slots=True)
+class BatchDone:
+    """A rank finished one optimizer step; timing and loss for the cadence, the monitor and liveness. (rank -> controller)"""
+
+    KIND: ClassVar[int] = 9
+    rank: int
+    """global rank"""
+    epoch: int
+    """epoch of the batch"""
+    step: int
+    """the rank's local step count after this batch"""
+    samples: int
+    """samples in the batch"""
+    loss: float
+    """the batch's loss"""
+    batch_ms: float
+    """compute milliseconds (forward, backward, optimizer)"""
+    data_ms: float
+    """milliseconds waiting for the batch's data"""
+    sync_ms: float
+    """milliseconds spent averaging after this batch (0 if none)"""
+
+
+@dataclass(slots=True)
+class EpochDone:
+    """A rank finished a StartEpoch plan; its totals for metrics aggregation. (rank -> controller)"""
+
+    KIND: ClassVar[int] = 10
+    rank: int
+    """global rank"""
+    epoch: int
+    """epoch of the plan"""
+    batches: int
+    """optimizer steps taken"""
+    samples: int
+    """samples trained"""
+    loss_sum: float
+    """sum of batch losses"""
+    wall_ms: float
+    """milliseconds from plan start to its last averaging round"""
+    compute_ms: float
+    """milliseconds of forward, backward and optimizer"""
+    data_ms: float
+    """milliseconds waiting for data"""
+    sync_ms: float
+    """milliseconds inside averaging rounds (including waiting for peers)"""
+    syncs: int
+    """averaging rounds joined"""
+    scalars: dict[str, list[float]]
+    """user scalars recorded during the plan, name to [sum, count]"""
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    """A sign of life, sent every second in both directions; any frame also counts as one. (any -> any)"""
+
+    KIND: ClassVar[int] = 11
+    step: int
+    """the sender's step count (controller: global step)"""
+    sent_at: float
+    """sender's wall clock, seconds since the epoch"""
+
+
+@dataclass(slots=True)
+class RunEval:
+    """Score the current (averaged) model with the task's eval function before taking the next plan. (controller -> rank)"""
+
+    KIND: ClassVar[int] = 12
+    epoch: int
+    """the epoch the score is reported for (number of epochs for the final eval)"""
+    final: bool
+    """whether this is the run's final eval"""
+
+
+@dataclass(slots=True)
+class EvalResult:
+    """The eval function's value, or the error it raised. (rank -> controller)"""
+
+    KIND: ClassVar[int] = 13
+    rank: int
+    """global rank that ran it"""
+    epoch: int
+    """echo of RunEval.epoch"""
+    final: bool
+    """echo of RunEval.final"""
+    value: float | None
+    """the metric, nil on error"""
+    elapsed_ms: float
+    """milliseconds the eval took"""
+    error: str | None
+    """the exception text if eval failed"""
+
+
+@dataclass(slots=True)
+class Shutdown:
+    """Stop: after a completed run, or abort a failed one; peers exit and leave no process behind. (controller -> worker|rank)"""
+
+    KIND: ClassVar[int] = 14
+    reason: str
+    """why, for logs"""
+    abort: bool
+    """true when the run failed and ranks should not wait on peers"""
+
+
+@dataclass(slots=True)
+class Exiting:
+    """A peer is leaving on purpose; a clean exit is not a death. (worker|rank -> controller)"""
+
+    KIND: ClassVar[int] = 15
+    rank: int
+    """global rank, or -1 for a worker"""
+    reason: str
+    """why it leaves"""
+
+
+@dataclass(slots=True)
+class RankError:
+    """A rank's task or collective raised; the controller reports it once, with rank and host, and stops the run. (rank -> controller)"""
+
+    KIND: ClassVar[int] = 16
+    rank: int
+    """global rank"""
+    stage: str
+    """where it failed: build, collective, train or eval"""
+    error: str
+    """exception type and message"""
+    detail: str
+    """the traceback, truncated"""
+
+
+@dataclass(slots=True)
+class Ping:
+    """Round-trip probe; the controller answers with a Pong carrying the same nonce. (any -> controller)"""
+
+    KIND: ClassVar[int] = 17
+    nonce: int
+    """echoed back"""
+    sent_at: float
+    """sender's monotonic clock, echoed back"""
+
+
+@dataclass(slots=True)
+class Pong:
+    """Answer to a Ping. (controller -> any)"""
+
+    KIND: ClassVar[int] = 18
+    nonce: int
+    """the Ping's nonce"""
+    sent_at: float
+    """the Ping's sent_at"""
+
+
+SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
+    1: ('WorkerHello', WorkerHello, (('host', 'str'), ('pid', 'int'), ('devices', 'list<str>'), ('versions', 'map<str,str>'),)),
+    2: ('WorkerWelcome', WorkerWelcome, (('ranks', 'list<int>'), ('world_size', 'int'), ('task', 'str'), ('heartbeat_timeout_s', 'float'),)),
+    3: ('Reject', Reject, (('reason', 'str'),)),
+    4: ('RankExited', RankExited, (('rank', 'int'), ('pid', 'int'), ('code', 'int'),)),
+    5: ('RankHello', RankHello, (('rank', 'int'), ('host', 'str'), ('pid', 'int'), ('device', 'str'), ('versions', 'map<str,str>'), ('model_signature', 'str'), ('param_count', 'int'), ('shuffle_signature', 'str'), ('dataset_len', 'int'), ('has_eval', 'bool'), ('eval_metric', 'str'), ('batch_size', 'int'),)),
+    6: ('RankWelcome', RankWelcome, (('rank', 'int'), ('world_size', 'int'), ('generation', 'int'), ('store_host', 'str'), ('store_port', 'int'), ('store_prefix', 'str'), ('collective_timeout_s', 'float'), ('config', 'map<str,value>'),)),
+    7: ('RankReady', RankReady, (('rank', 'int'), ('generation', 'int'), ('init_ms', 'float'),)),
+    8: ('StartEpoch', StartEpoch, (('epoch', 'int'), ('seed', 'int'), ('offset', 'int'), ('size', 'int'), ('rounds', 'int'), ('sync_every', 'int'),)),
+    9: ('BatchDone', BatchDone, (('rank', 'int'), ('epoch', 'int'), ('step', 'int'), ('samples', 'int'), ('loss', 'float'), ('batch_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'),)),
+    10: ('EpochDone', EpochDone, (('rank', 'int'), ('epoch', 'int'), ('batches', 'int'), ('samples', 'int'), ('loss_sum', 'float'), ('wall_ms', 'float'), ('compute_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'), ('syncs', 'int'), ('scalars', 'map<str,list<float>>'),)),
+    11: ('Heartbeat', Heartbeat, (('step', 'int'), ('sent_at', 'float'),)),
+    12: ('RunEval', RunEval, (('epoch', 'int'), ('final', 'bool'),)),
+    13: ('EvalResult', EvalResult, (('rank', 'int'), ('epoch', 'int'), ('final', 'bool'), ('value', 'opt<float>'), ('elapsed_ms', 'float'), ('error', 'opt<str>'),)),
+    14: ('Shutdown', Shutdown, (('reason', 'str'), ('abort', 'bool'),)),
+    15: ('Exiting', Exiting, (('rank', 'int'), ('reason', 'str'),)),
+    16: ('RankError', RankError, (('rank', 'int'), ('stage', 'str'), ('error', 'str'), ('detail', 'str'),)),
+    17: ('Ping', Ping, (('nonce', 'int'), ('sent_at', 'float'),)),
+    18: ('Pong', Pong, (('nonce', 'int'), ('sent_at', 'float'),)),
+}

@@ -1,0 +1,1 @@
+"""The rank process: one model replica on one device (see ``runner.py``)."""

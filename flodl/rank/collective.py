@@ -1,0 +1,137 @@
+"""Parameter averaging through torch.distributed (the collective backend).
+
+``build_group`` makes the rank's process group straight from the
+controller's TCPStore, under a per-generation key prefix, without touching
+torch's global default group, so a later membership generation can build a
+fresh group without restarting the process. NCCL on CUDA devices, gloo
+otherwise ("Nccl" modes mean this collective backend).
+
+``FlatAverager`` packs the model's floating parameters and buffers into one
+flat buffer per dtype, rebinding each tensor as a view into it. Averaging is
+then one in-place all-reduce per dtype with no copies: every buffer carries
+one extra slot for the rank's weight, so a single collective returns both
+the weighted sum and the sum of weights. A rank that trained nothing since
+the last average joins with weight 0 and simply receives the result.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+def backend_for(device: torch.device) -> str:
+    """``nccl`` for CUDA devices, ``gloo`` for everything else."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def build_group(
+    *,
+    store_host: str,
+    store_port: int,
+    prefix: str,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    timeout_s: float,
+) -> dist.ProcessGroup:
+    """Join this generation's process group through the controller's store.
+
+    Raises:
+        RuntimeError: the group could not form within ``timeout_s`` (a peer
+            never arrived); torch's own error text is kept.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timeout, wait_for_workers=False)
+    pstore = dist.PrefixStore(prefix, store)
+    if backend_for(device) == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(pstore, rank, world_size, opts)
+    return dist.ProcessGroupGloo(pstore, rank, world_size, timeout)
+
+
+@dataclass
+class _Bucket:
+    flat: torch.Tensor  # n + 1 elements: the tensors' values, then the weight slot
+    numel: int
+
+
+class FlatAverager:
+    """Weighted in-place averaging of a model's floating tensors over a group.
+
+    Integer buffers (such as BatchNorm's ``num_batches_tracked``) stay local:
+    averaging a counter is meaningless.
+    """
+
+    def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.buckets: list[_Bucket] = []
+        tensors = [p for p in model.parameters()] + [b for b in model.buffers() if b.is_floating_point()]
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault((t.dtype, t.device), []).append(t)
+        for (dtype, device), group_tensors in by_dtype.items():
+            self.buckets.append(self._flatten(group_tensors, dtype, device))
+
+    @staticmethod
+    def _flatten(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> _Bucket:
+        numel = sum(t.numel() for t in tensors)
+        flat = torch.empty(numel + 1, dtype=dtype, device=device)
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                n = t.numel()
+                flat[offset : offset + n].copy_(t.reshape(-1))
+                # rebinding .data keeps the Parameter object (and optimizer state keys) intact
+                t.data = flat[offset : offset + n].view_as(t)
+                offset += n
+        return _Bucket(flat, numel)
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel for b in self.buckets)
+
+    def broadcast_from(self, root: int = 0) -> None:
+        """Make every replica equal to ``root``'s (start of training)."""
+        if self.group is None:
+            return
+        for bucket in self.buckets:
+            self.group.broadcast(bucket.flat, root).wait()
+
+    def average(self, weight: float) -> float:
+        """Replace every replica's tensors by the weight-averaged ones; returns ms spent.
+
+        Raises:
+            RuntimeError: the collective failed (a peer died) or timed out.
+        """
+        if self.group is None:
+            return 0.0
+        start = time.perf_counter()
+        with torch.no_grad():
+            for bucket in self.buckets:
+                values, slot = bucket.flat[: bucket.numel], bucket.flat[bucket.numel :]
+                # a zero-weight rank's values are zeroed for the sum; keep them in
+                # case every rank had zero weight and there is no average to take
+                keep = values.clone() if weight == 0 else None
+                if weight != 1.0:
+                    values.mul_(weight)
+                slot.fill_(weight)
+                self.group.allreduce([bucket.flat]).wait()
+                total = float(slot.item())
+                if total > 0:
+                    values.div_(total)
+                elif keep is not None:
+                    values.copy_(keep)
+        return (time.perf_counter() - start) * 1000.0
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """Copies of the flat buffers (for tests and checkpoints)."""
+        return [b.flat[: b.numel].detach().clone() for b in self.buckets]

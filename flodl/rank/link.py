@@ -1,0 +1,202 @@
+"""A rank's line to the controller, kept alive by a thread of its own.
+
+The training thread must never stall on the network and the network must
+never stall on training: a background thread owns the DEALER socket. It
+forwards frames the training thread queued (over an inproc pipe, already
+signed), hands decoded commands back through a queue, beats every second
+while the training thread computes or waits on a collective, and watches the
+controller's own heartbeats.
+
+No hang, ever: when the controller falls silent for the heartbeat timeout,
+or orders an abort, the link tells the training thread, and if that thread
+is stuck (in user code or a collective) past a grace period the link ends
+the process itself with ``os._exit``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from ..errors import EXIT_CONTROLLER_LOST, EXIT_RANK_LOST, DeadlineExceeded, PeerLost
+from ..protocol.codec import FrameReader, FrameWriter
+from ..protocol.messages import Heartbeat, Shutdown
+from ..transport import make_dealer
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 1.0
+#: How long the training thread gets to wind down after an abort or a lost controller.
+EXIT_GRACE_S = 3.0
+
+
+class ControllerLink:
+    """Owns the rank's socket on a background thread; used from the training thread."""
+
+    def __init__(
+        self,
+        addr: str,
+        *,
+        secret: bytes,
+        run_id: str,
+        sender: str,
+        silence_timeout_s: float,
+        parent_pid: int = 0,
+        exit_grace_s: float = EXIT_GRACE_S,
+    ) -> None:
+        self.addr = addr
+        self.sender = sender
+        self.silence_timeout_s = silence_timeout_s
+        self.parent_pid = parent_pid
+        self.exit_grace_s = exit_grace_s
+        self.writer = FrameWriter(secret, run_id, sender)
+        self.reader = FrameReader(secret, run_id, name=sender)
+        self.commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.step = 0  # written by the training thread, read by heartbeats
+        self.lost: str | None = None  # why the controller is considered gone
+        self.shutdown: Shutdown | None = None
+        self._ctx = zmq.Context.instance()
+        pipe = f"inproc://flodl-link-{id(self)}"
+        self._pipe_in = self._ctx.socket(zmq.PAIR)
+        self._pipe_in.bind(pipe)
+        self._pipe_out = self._ctx.socket(zmq.PAIR)  # the training thread's end
+        self._pipe_out.setsockopt(zmq.SNDHWM, 0)
+        self._pipe_out.connect(pipe)
+        self._stop = threading.Event()
+        self._done = threading.Event()  # the training thread finished its wind-down
+        self._thread = threading.Thread(target=self._run, name="flodl-link", daemon=True)
+
+    # ------------------------------------------------- training-thread side
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, msg: Any) -> None:
+        """Sign ``msg`` and queue it for the controller (never blocks)."""
+        self._pipe_out.send(self.writer.encode(msg), copy=True)
+
+    def next_command(self, timeout_s: float | None = None) -> Any:
+        """Block for the next command from the controller.
+
+        Raises:
+            PeerLost: the controller went silent or the parent worker died.
+            DeadlineExceeded: nothing arrived within ``timeout_s``.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            if self.lost:
+                raise PeerLost(self.lost)
+            wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            if wait <= 0:
+                raise DeadlineExceeded(f"no command from the controller within {timeout_s:g} s")
+            try:
+                return self.commands.get(timeout=wait)
+            except queue.Empty:
+                continue
+
+    def poll_command(self) -> Any | None:
+        """The next queued command, or None (never blocks)."""
+        try:
+            return self.commands.get_nowait()
+        except queue.Empty:
+            return None
+
+    @property
+    def must_stop(self) -> bool:
+        """True once the controller is gone or ordered an abort: stop at the next batch."""
+        return self.lost is not None or (self.shutdown is not None and self.shutdown.abort)
+
+    def close(self, flush_s: float = 2.0) -> None:
+        """Flush queued frames (bounded), stop the thread, close the sockets."""
+        self._done.set()
+        self._stop.set()
+        self._thread.join(timeout=flush_s + 1.0)
+        self._pipe_out.close(linger=0)
+
+    # ---------------------------------------------------------- link thread
+
+    def _run(self) -> None:
+        dealer = make_dealer(self._ctx, self.addr, self.sender)
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(self._pipe_in, zmq.POLLIN)
+        last_heard = time.monotonic()
+        next_beat = 0.0
+        give_up_at: float | None = None
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(100))
+                now = time.monotonic()
+                if self._pipe_in in events:
+                    self._forward(dealer)
+                if dealer in events:
+                    if self._receive(dealer):
+                        last_heard = now
+                if now >= next_beat:
+                    self._beat(dealer)
+                    next_beat = now + HEARTBEAT_INTERVAL_S
+                if self.lost is None:
+                    self._check_alive(now, last_heard)
+                if give_up_at is None and self.must_stop:
+                    give_up_at = now + self.exit_grace_s
+                if give_up_at is not None and now > give_up_at and not self._done.is_set():
+                    self._hard_exit()
+            self._forward(dealer)  # flush what the training thread queued last
+        finally:
+            dealer.close(linger=1000)  # ZeroMQ keeps sending the flushed frames up to 1 s
+            self._pipe_in.close(linger=0)
+
+    def _forward(self, dealer: zmq.Socket) -> None:
+        while True:
+            try:
+                frame = self._pipe_in.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            try:
+                dealer.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("controller link full: dropped a frame")
+
+    def _receive(self, dealer: zmq.Socket) -> bool:
+        heard = False
+        while True:
+            try:
+                frame = dealer.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return heard
+            env = self.reader.read(frame, "controller")
+            if env is None:
+                continue
+            heard = True
+            msg = env.msg
+            if isinstance(msg, Heartbeat):
+                continue
+            if isinstance(msg, Shutdown):
+                self.shutdown = msg
+            self.commands.put(msg)
+
+    def _beat(self, dealer: zmq.Socket) -> None:
+        try:
+            dealer.send(self.writer.encode(Heartbeat(step=self.step, sent_at=time.time())), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def _check_alive(self, now: float, last_heard: float) -> None:
+        if now - last_heard > self.silence_timeout_s:
+            self.lost = f"heard nothing from the controller at {self.addr} for {now - last_heard:.1f} s"
+        elif self.parent_pid and os.getppid() != self.parent_pid:
+            self.lost = "its worker process is gone"
+        if self.lost:
+            log.error("%s: %s; stopping", self.sender, self.lost)
+
+    def _hard_exit(self) -> None:
+        code = EXIT_CONTROLLER_LOST if self.lost else EXIT_RANK_LOST
+        log.error("%s: training thread did not stop within %.1f s; exiting", self.sender, self.exit_grace_s)
+        logging.shutdown()
+        os._exit(code)

@@ -1,0 +1,372 @@
+"""The rank process: one replica, trained on the slices the controller grants.
+
+Lifecycle, in order: connect the link; build the task (model, optimizer,
+dataset); say hello; on welcome join the collective and take rank 0's
+parameters; then obey commands until ``Shutdown``: ``StartEpoch`` trains a
+slice, averaging through the collective after every ``sync_every`` batches;
+``RunEval`` scores the model. Errors in the user's task are reported to the
+controller once with a traceback (it stops the run); the rank then waits,
+bounded, for the controller's Shutdown so no peer is left waiting on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from .. import __version__, scalars
+from ..env import RankEnv
+from ..errors import (
+    EXIT_CONTROLLER_LOST,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_RANK_LOST,
+    EXIT_TASK_ERROR,
+    DeadlineExceeded,
+    PeerLost,
+)
+from ..protocol import messages as m
+from ..protocol.messages import PROTOCOL_VERSION
+from ..schedule import shuffle_signature
+from ..task import Task
+from ..taskspec import load_task
+from ..transport import host_name
+from .collective import FlatAverager, build_group
+from .data import BatchSource, to_device
+from .link import ControllerLink
+
+log = logging.getLogger(__name__)
+
+
+class _Stop(Exception):
+    """Internal: the controller is gone, ordered an abort, or we got SIGTERM."""
+
+
+def model_signature(model: torch.nn.Module) -> str:
+    """Hash of parameter and buffer names, shapes and dtypes (not values)."""
+    h = hashlib.sha256()
+    for kind, items in (("p", model.named_parameters()), ("b", model.named_buffers())):
+        for name, t in items:
+            h.update(f"{kind}:{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+def versions() -> dict[str, str]:
+    return {
+        "flodl": __version__,
+        "protocol": str(PROTOCOL_VERSION),
+        "python": platform.python_version(),
+        "torch": str(torch.__version__),
+    }
+
+
+class RankRunner:
+    """Runs one rank from spawn to exit; ``run()`` returns the exit code."""
+
+    def __init__(self, env: RankEnv) -> None:
+        self.env = env
+        self.rank = env.rank
+        self.device = torch.device(env.device)
+        self.link = ControllerLink(
+            env.controller,
+            secret=env.secret,
+            run_id=env.run_id,
+            sender=f"rank{env.rank}.{os.getpid()}",
+            silence_timeout_s=env.heartbeat_timeout_s,
+            parent_pid=env.parent_pid,
+        )
+        self.terminated = False
+        self.step_count = 0
+        self.task: Task | None = None
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.averager: FlatAverager | None = None
+        self.source: BatchSource | None = None
+        self.max_grad_norm: float | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.link.start()
+        try:
+            return self._run()
+        except PeerLost as exc:
+            log.error("rank %d: %s; exiting", self.rank, exc)
+            return EXIT_CONTROLLER_LOST
+        finally:
+            self.link.close()
+
+    def _run(self) -> int:
+        try:
+            hello = self._build()
+        except Exception as exc:
+            return self._fail("build", exc, EXIT_TASK_ERROR)
+        self.link.send(hello)
+        try:
+            reply = self._await(m.RankWelcome, m.Reject, m.Shutdown)
+        except _Stop:
+            return self._stopped()
+        if isinstance(reply, m.Reject):
+            log.error("rank %d refused by the controller: %s", self.rank, reply.reason)
+            return EXIT_TASK_ERROR
+        if isinstance(reply, m.Shutdown):
+            return EXIT_OK if not reply.abort else EXIT_RANK_LOST
+        try:
+            self._join(reply)
+        except Exception as exc:
+            return self._fail("collective", exc, EXIT_RANK_LOST)
+        return self._serve()
+
+    def _serve(self) -> int:
+        """Obey commands until Shutdown."""
+        while True:
+            try:
+                cmd = self._next()
+            except _Stop:
+                return self._stopped()
+            if isinstance(cmd, m.Shutdown):
+                self.link.send(m.Exiting(rank=self.rank, reason=cmd.reason))
+                return EXIT_RANK_LOST if cmd.abort else EXIT_OK
+            try:
+                if isinstance(cmd, m.StartEpoch):
+                    self._train_plan(cmd)
+                elif isinstance(cmd, m.RunEval):
+                    self._evaluate(cmd)
+            except _Stop:
+                return self._stopped()
+            except RuntimeError as exc:
+                # torch raises RuntimeError for collective failures (peer gone, timeout)
+                stage = "collective" if _is_collective_error(exc) else "train"
+                return self._fail(stage, exc, EXIT_RANK_LOST if stage == "collective" else EXIT_TASK_ERROR)
+            except Exception as exc:
+                return self._fail("train", exc, EXIT_TASK_ERROR)
+
+    def _stopped(self) -> int:
+        if self.terminated:
+            return EXIT_INTERRUPTED
+        if self.link.lost:
+            raise PeerLost(self.link.lost)
+        self.link.send(m.Exiting(rank=self.rank, reason="abort"))
+        return EXIT_RANK_LOST
+
+    def _fail(self, stage: str, exc: BaseException, code: int) -> int:
+        """Report an error once, then wait (bounded) for the controller's verdict."""
+        detail = "".join(traceback.format_exception(exc))[-8000:]
+        log.error("rank %d failed during %s: %s", self.rank, stage, exc)
+        self.link.send(m.RankError(rank=self.rank, stage=stage, error=f"{type(exc).__name__}: {exc}"[:2000], detail=detail))
+        try:
+            self._await(m.Shutdown, timeout_s=self.env.heartbeat_timeout_s)
+        except (DeadlineExceeded, PeerLost, _Stop):
+            pass
+        return code
+
+    def _next(self, deadline: float | None = None) -> Any:
+        """The next command, checking for SIGTERM while waiting.
+
+        Raises:
+            _Stop: SIGTERM arrived. PeerLost: the controller is gone.
+            DeadlineExceeded: ``deadline`` (monotonic) passed.
+        """
+        while True:
+            if self.terminated:
+                raise _Stop
+            wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            if wait <= 0:
+                raise DeadlineExceeded("no command from the controller in time")
+            try:
+                return self.link.next_command(wait)
+            except DeadlineExceeded:
+                continue
+
+    def _await(self, *kinds: type, timeout_s: float | None = None) -> Any:
+        """The next command of one of ``kinds`` (others are ignored before joining)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            cmd = self._next(deadline)
+            if isinstance(cmd, kinds):
+                return cmd
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.terminated = True
+
+    # ---------------------------------------------------------------- setup
+
+    def _build(self) -> m.RankHello:
+        if self.device.type == "cpu":
+            # co-hosted CPU ranks share the cores instead of each grabbing all of them
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.env.local_world)))
+        elif self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        task = self.task = load_task(self.env.task)
+        dataset = task.build_dataset()
+        self.model = task.model().to(self.device)
+        return m.RankHello(
+            rank=self.rank,
+            host=host_name(),
+            pid=os.getpid(),
+            device=str(self.device),
+            versions=versions(),
+            model_signature=model_signature(self.model),
+            param_count=sum(p.numel() for p in self.model.parameters()),
+            shuffle_signature=shuffle_signature(),
+            dataset_len=len(dataset),
+            has_eval=task.eval_fn is not None,
+            eval_metric=task.eval_metric,
+            batch_size=task.batch_size,
+        )
+
+    def _join(self, welcome: m.RankWelcome) -> None:
+        start = time.perf_counter()
+        config = welcome.config
+        group = None
+        if welcome.world_size > 1:
+            group = build_group(
+                store_host=welcome.store_host,
+                store_port=welcome.store_port,
+                prefix=welcome.store_prefix,
+                rank=self.rank,
+                world_size=welcome.world_size,
+                device=self.device,
+                timeout_s=welcome.collective_timeout_s,
+            )
+        # flatten before the optimizer exists, so it holds the views, not stale tensors
+        self.averager = FlatAverager(self.model, group)
+        self.averager.broadcast_from(0)
+        self.optimizer = self.task.optimizer(self.model)
+        ratio = float(config.get("lr_scale_ratio", 1.0))
+        if welcome.world_size > 1 and ratio > 0:
+            factor = 1.0 + (welcome.world_size - 1) * ratio
+            for param_group in self.optimizer.param_groups:
+                param_group["lr"] = param_group["lr"] * factor
+        self.max_grad_norm = config.get("max_grad_norm")
+        self.source = BatchSource(self.task.build_dataset(), self.task.batch_size, seed=0, collate_fn=self.task.collate_fn)
+        self.link.send(m.RankReady(rank=self.rank, generation=welcome.generation, init_ms=(time.perf_counter() - start) * 1000))
+
+    # ------------------------------------------------------------- training
+
+    def _train_plan(self, plan: m.StartEpoch) -> None:
+        """Train one slice, averaging after every ``sync_every`` batches, ``rounds`` times."""
+        self.source.seed = plan.seed
+        batches = self.source.batches(plan.epoch, plan.offset, plan.size)
+        totals = {"batches": 0, "samples": 0, "loss": 0.0, "compute": 0.0, "data": 0.0, "sync": 0.0}
+        plan_start = time.perf_counter()
+        for _ in range(plan.rounds):
+            stepped = 0
+            last: m.BatchDone | None = None
+            for _ in range(plan.sync_every):
+                if self.link.must_stop or self.terminated:
+                    raise _Stop
+                t0 = time.perf_counter()
+                item = next(batches, None)
+                data_ms = (time.perf_counter() - t0) * 1000.0
+                if item is None:
+                    break
+                idx, batch = item
+                loss, compute_ms = self._step(batch)
+                stepped += 1
+                totals["batches"] += 1
+                totals["samples"] += len(idx)
+                totals["loss"] += loss
+                totals["compute"] += compute_ms
+                totals["data"] += data_ms
+                if last is not None:
+                    self.link.send(last)
+                last = m.BatchDone(self.rank, plan.epoch, self.step_count, len(idx), loss, compute_ms, data_ms, 0.0)
+            sync_ms = self.averager.average(float(stepped))
+            totals["sync"] += sync_ms
+            if last is not None:
+                last.sync_ms = sync_ms
+                self.link.send(last)
+        self.link.send(
+            m.EpochDone(
+                rank=self.rank,
+                epoch=plan.epoch,
+                batches=totals["batches"],
+                samples=totals["samples"],
+                loss_sum=totals["loss"],
+                wall_ms=(time.perf_counter() - plan_start) * 1000.0,
+                compute_ms=totals["compute"],
+                data_ms=totals["data"],
+                sync_ms=totals["sync"],
+                syncs=plan.rounds,
+                scalars=scalars.drain(),
+            )
+        )
+
+    def _step(self, batch: Any) -> tuple[float, float]:
+        """One optimizer step; returns (loss, compute ms)."""
+        t0 = time.perf_counter()
+        model, task = self.model, self.task
+        model.train()
+        if task.train_step is not None:
+            loss = task.train_step(model, batch, self.device)
+        else:
+            x, y = to_device(batch, self.device)
+            loss = task.loss_fn(model(x), y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        value = float(loss.detach())  # also waits for the device, so the timing is honest
+        self.step_count += 1
+        self.link.step = self.step_count
+        return value, (time.perf_counter() - t0) * 1000.0
+
+    def _evaluate(self, cmd: m.RunEval) -> None:
+        """Score the model with the task's eval function and report it (errors included)."""
+        value, error = None, None
+        start = time.perf_counter()
+        if self.task.eval_fn is None:
+            error = "the task has no eval_fn"
+        else:
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                with torch.no_grad():
+                    value = float(self.task.eval_fn(self.model, self.device))
+            except Exception as exc:  # the user's eval failing is reported, not fatal
+                error = f"{type(exc).__name__}: {exc}"
+                log.error("rank %d: eval failed: %s", self.rank, error)
+            finally:
+                self.model.train(was_training)
+        self.link.send(
+            m.EvalResult(
+                rank=self.rank,
+                epoch=cmd.epoch,
+                final=cmd.final,
+                value=value,
+                elapsed_ms=(time.perf_counter() - start) * 1000.0,
+                error=error,
+            )
+        )
+
+
+def _is_collective_error(exc: RuntimeError) -> bool:
+    text = str(exc).lower()
+    return any(k in text for k in ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket"))
+
+
+def main() -> int:
+    """Entry point of ``python -m flodl.rank`` (spawned by a worker, never by hand)."""
+    from ..proc import die_with_parent
+
+    try:
+        env = RankEnv.from_environ()
+    except (KeyError, ValueError) as exc:
+        print(f"flodl.rank is started by flodl.worker, not by hand (missing {exc})", file=sys.stderr)
+        return EXIT_TASK_ERROR
+    die_with_parent(env.parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the controller drives shutdown
+    logging.basicConfig(level=logging.WARNING, format=f"[rank {env.rank}] %(levelname)s %(message)s", stream=sys.stderr)
+    return RankRunner(env).run()

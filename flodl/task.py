@@ -1,0 +1,99 @@
+"""The user's side of a run: what to train, on what, and how to score it.
+
+A ``Task`` bundles the factories every rank calls to build its own replica
+(model, optimizer), the dataset it draws its granted samples from, and how
+one batch becomes a loss. Ranks never receive code over the network: each
+rank imports the task factory by name (``module:function`` or
+``path/to/file.py:function``) and calls it locally, see ``taskspec.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .errors import TaskError
+
+#: ``model_factory() -> nn.Module`` (built on CPU; the rank moves it to its device).
+ModelFactory = Callable[[], torch.nn.Module]
+#: ``optimizer_factory(model) -> Optimizer`` (called after the model is on its device).
+OptimizerFactory = Callable[[torch.nn.Module], torch.optim.Optimizer]
+#: ``loss_fn(output, target) -> scalar loss``.
+LossFn = Callable[[Any, Any], torch.Tensor]
+#: ``train_step(model, batch, device) -> scalar loss`` (forward only; flodl does backward/step).
+TrainStep = Callable[[torch.nn.Module, Any, torch.device], torch.Tensor]
+#: ``eval_fn(model, device) -> float`` scores the (averaged) model.
+EvalFn = Callable[[torch.nn.Module, torch.device], float]
+
+
+@dataclass
+class Task:
+    """Everything a rank needs to train one replica.
+
+    Attributes:
+        model: zero-argument factory returning a fresh ``nn.Module``. Every rank
+            calls it; the rank then overwrites its parameters with rank 0's so
+            all replicas start identical, whatever the factory's seeding.
+        optimizer: factory taking the model (already on its device) and
+            returning its optimizer.
+        dataset: a map-style dataset (``__len__`` + ``__getitem__``), or a
+            zero-argument factory returning one. Every rank must see the same
+            samples in the same order; flodl decides which indices each trains.
+        batch_size: samples per optimizer step on each rank.
+        loss_fn: ``loss_fn(model(x), y)`` for datasets yielding ``(x, y)``.
+            Give either ``loss_fn`` or ``train_step``.
+        train_step: ``train_step(model, batch, device) -> loss`` for anything
+            that is not ``(x, y)``; it must move the batch to ``device`` itself.
+        eval_fn: optional ``eval_fn(model, device) -> float`` run on one rank
+            at each epoch end and once at the end of the run.
+        eval_metric: name printed and recorded for ``eval_fn``'s value.
+        collate_fn: how samples become a batch (default: torch's default_collate).
+    """
+
+    model: ModelFactory
+    optimizer: OptimizerFactory
+    dataset: Any
+    batch_size: int
+    loss_fn: LossFn | None = None
+    train_step: TrainStep | None = None
+    eval_fn: EvalFn | None = None
+    eval_metric: str = "eval"
+    collate_fn: Callable[[list], Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Fail fast, naming the field, on a task that cannot train.
+
+        Raises:
+            TaskError: a required factory is missing or a value is out of range.
+        """
+        for name in ("model", "optimizer"):
+            if not callable(getattr(self, name)):
+                raise TaskError(f"Task.{name} must be a callable factory, got {getattr(self, name)!r}")
+        if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
+            raise TaskError(f"Task.batch_size must be a positive int, got {self.batch_size!r}")
+        if (self.loss_fn is None) == (self.train_step is None):
+            raise TaskError("Task needs exactly one of loss_fn or train_step")
+        if self.eval_fn is not None and not callable(self.eval_fn):
+            raise TaskError(f"Task.eval_fn must be callable, got {self.eval_fn!r}")
+        if not isinstance(self.eval_metric, str) or not self.eval_metric:
+            raise TaskError("Task.eval_metric must be a non-empty string")
+
+    def build_dataset(self) -> Any:
+        """Return the dataset, calling the factory if one was given.
+
+        Raises:
+            TaskError: the result has no ``__len__``/``__getitem__`` or is empty.
+        """
+        ds = self.dataset
+        if not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")) and callable(ds):
+            ds = ds()
+        if not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
+            raise TaskError(f"Task.dataset must be a map-style dataset (len + getitem), got {type(ds).__name__}")
+        if len(ds) == 0:
+            raise TaskError("Task.dataset is empty")
+        return ds

@@ -1,0 +1,111 @@
+"""Naming a task so another process can import it: ``module:function`` specs.
+
+Ranks never receive code over the network. The controller sends a string,
+``pkg.module:function`` or ``path/to/file.py:function``, and each rank
+imports it and calls the factory to get its ``Task``. ``spec_of`` turns a
+factory function back into such a string for ``Trainer.builder(fn)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import TaskError
+from .task import Task
+
+
+def _split(spec: str) -> tuple[str, str]:
+    module, sep, attr = spec.rpartition(":")
+    if not sep or not module or not attr:
+        raise TaskError(f"task spec must be 'module:function' or 'path/to/file.py:function', got {spec!r}")
+    return module, attr
+
+
+def _import_file(path_text: str) -> Any:
+    path = Path(path_text).expanduser().resolve()
+    if not path.is_file():
+        raise TaskError(f"task file {path_text!r} not found (resolved to {path})")
+    name = f"_flodl_task_{path.stem}"
+    if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(path):
+        return sys.modules[name]
+    # the task file may import its neighbours, as it would when run as a script
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look modules up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def resolve(spec: str) -> Callable[[], Any] | Task:
+    """Import the object a spec names (without calling it).
+
+    Raises:
+        TaskError: the spec is malformed or names nothing importable.
+    """
+    module_text, attr = _split(spec)
+    if module_text.endswith(".py") or "/" in module_text or "\\" in module_text:
+        module = _import_file(module_text)
+    else:
+        if "" not in sys.path and "." not in sys.path:
+            sys.path.insert(0, "")  # like `python -m`: the working directory is importable
+        try:
+            module = importlib.import_module(module_text)
+        except ModuleNotFoundError as exc:
+            raise TaskError(f"cannot import task module {module_text!r}: {exc}") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise TaskError(f"task spec {spec!r}: {module_text} has no attribute {attr!r}") from None
+    return obj
+
+
+def load_task(spec: str) -> Task:
+    """Import and call a task factory; return its ``Task``.
+
+    Raises:
+        TaskError: the spec does not resolve to a ``Task`` or a factory of one.
+    """
+    obj = resolve(spec)
+    task = obj if isinstance(obj, Task) else obj() if callable(obj) else obj
+    if not isinstance(task, Task):
+        raise TaskError(f"task spec {spec!r} gave {type(task).__name__}, expected a flodl.Task")
+    return task
+
+
+def spec_of(obj: Any) -> str:
+    """The importable spec of a task factory (or pass a spec string through).
+
+    Raises:
+        TaskError: ``obj`` is a lambda, a nested function or a bare Task, which
+            other processes cannot import by name.
+    """
+    if isinstance(obj, str):
+        _split(obj)
+        return obj
+    if isinstance(obj, Task):
+        raise TaskError("pass the task factory function (or a 'module:function' spec), not a Task instance: ranks import it by name")
+    qualname = getattr(obj, "__qualname__", None)
+    module_name = getattr(obj, "__module__", None)
+    if not callable(obj) or not qualname or not module_name:
+        raise TaskError(f"cannot name {obj!r} for import; pass a 'module:function' spec")
+    if "<lambda>" in qualname or "<locals>" in qualname:
+        raise TaskError(f"{qualname} is not importable by name; define the task factory at module top level")
+    module = sys.modules.get(module_name)
+    if module_name == "__main__" or module_name.startswith("_flodl_task_"):
+        file = getattr(module, "__file__", None)
+        if not file:
+            raise TaskError("a task defined in an interactive session cannot be imported by ranks; put it in a file")
+        return f"{Path(file).resolve()}:{qualname}"
+    return f"{module_name}:{qualname}"

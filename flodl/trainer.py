@@ -1,0 +1,92 @@
+"""``Trainer.builder(task)...run()``: the CLI's run, from Python.
+
+The builder collects the same launch options as ``python -m flodl.controller``
+and a ``DdpRunConfig``, then runs a controller in this process (which starts
+a local worker and its ranks, as the CLI does) and returns the run summary.
+The task is passed as its factory function or a ``module:function`` spec:
+ranks import it by name, they never receive pickled code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from .config import DdpRunConfig
+from .controller import Controller, LaunchOptions, run_controller
+from .controller.console import Console
+from .errors import ConfigError
+from .taskspec import spec_of
+
+
+class TrainerBuilder:
+    """Fluent, validated description of one run. Every setter returns the builder."""
+
+    def __init__(self, task: Callable[[], Any] | str) -> None:
+        self._launch = LaunchOptions(task=spec_of(task))
+        self._config = DdpRunConfig()
+
+    def _set(self, **changes: Any) -> "TrainerBuilder":
+        self._launch = dataclasses.replace(self._launch, **changes)
+        return self
+
+    def epochs(self, n: int) -> "TrainerBuilder":
+        return self._set(epochs=n)
+
+    def nproc_per_node(self, n: int) -> "TrainerBuilder":
+        return self._set(nproc_per_node=n)
+
+    def devices(self, devices: str | list[str]) -> "TrainerBuilder":
+        return self._set(devices=devices if isinstance(devices, str) else ",".join(devices))
+
+    def workers(self, n: int, *, bind: str = "127.0.0.1", port: int = 0) -> "TrainerBuilder":
+        """Wait for ``n`` external ``flodl.worker`` processes instead of starting one."""
+        return self._set(workers=n, bind=bind, port=port)
+
+    def seed(self, seed: int) -> "TrainerBuilder":
+        return self._set(seed=seed)
+
+    def summary_json(self, path: str) -> "TrainerBuilder":
+        return self._set(summary_json=path)
+
+    def progress(self, enabled: bool) -> "TrainerBuilder":
+        return self._set(progress=enabled)
+
+    def join_timeout_secs(self, secs: float) -> "TrainerBuilder":
+        return self._set(join_timeout_secs=secs)
+
+    def config(self, config: DdpRunConfig) -> "TrainerBuilder":
+        """The run options (``DdpRunConfig().with_...``)."""
+        if not isinstance(config, DdpRunConfig):
+            raise ConfigError("config", f"expected a DdpRunConfig, got {type(config).__name__}")
+        self._config = config
+        return self
+
+    def build(self) -> tuple[LaunchOptions, DdpRunConfig]:
+        """Validate everything without running.
+
+        Raises:
+            ConfigError: an option is invalid or not available in this version.
+        """
+        self._launch.validate()
+        self._config.validate()
+        self._config.check_available()
+        return self._launch, self._config
+
+    def run(self) -> dict:
+        """Train and return the run summary.
+
+        Raises:
+            ConfigError: before anything starts, for bad options.
+            RunAborted: the run failed; ``.summary`` holds what was done.
+        """
+        launch, config = self.build()
+        return run_controller(Controller(launch, config, console=Console(live=launch.progress)))
+
+
+class Trainer:
+    """Entry point of the Python API: ``Trainer.builder(task)``."""
+
+    @staticmethod
+    def builder(task: Callable[[], Any] | str) -> TrainerBuilder:
+        return TrainerBuilder(task)

@@ -1,0 +1,241 @@
+"""``python -m flodl.worker``: one per host; spawns and supervises the host's ranks.
+
+The worker says hello with the devices it will use, gets a global rank for
+each, and spawns one ``python -m flodl.rank`` per device. It is the fast path
+of failure detection: the moment a rank process ends, the worker reports its
+exit status to the controller (milliseconds, not a heartbeat timeout).
+
+It never leaves an orphan: ranks die with their worker (PDEATHSIG), SIGTERM
+and SIGINT are forwarded to them (SIGTERM, a grace period, SIGKILL), and if
+the controller falls silent for the heartbeat timeout the worker stops its
+ranks and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import zmq
+
+from . import __version__
+from .devices import choose_devices
+from .env import PARENT_PID, RankEnv, child_environ, read_run_credentials
+from .errors import EXIT_CONFIG, EXIT_CONTROLLER_LOST, EXIT_INTERRUPTED, EXIT_OK, ConfigError
+from .proc import die_with_parent, terminate_then_kill
+from .protocol import messages as m
+from .protocol.codec import Envelope
+from .protocol.messages import PROTOCOL_VERSION
+from .transport import ControlEndpoint, host_name, make_dealer
+
+log = logging.getLogger("flodl.worker")
+
+HEARTBEAT_INTERVAL_S = 1.0
+#: Before the welcome, how long to wait for a controller at all.
+DEFAULT_JOIN_TIMEOUT_S = 120.0
+#: After an abort, how long ranks get to exit on their own before SIGTERM.
+ABORT_GRACE_S = 3.0
+#: After a clean Shutdown, how long ranks get to finish and exit on their own.
+CLEAN_GRACE_S = 30.0
+#: Between SIGTERM and SIGKILL.
+KILL_GRACE_S = 3.0
+
+
+class Worker:
+    """Supervises this host's rank processes on behalf of the controller."""
+
+    def __init__(self, controller: str, devices: list[str], secret: bytes, run_id: str, *, join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S) -> None:
+        self.controller = controller
+        self.devices = devices
+        self.secret = secret
+        self.run_id = run_id
+        self.join_timeout_s = join_timeout_s
+        self.sender = f"worker.{host_name()}.{os.getpid()}"
+        self.heartbeat_timeout_s = join_timeout_s
+        self.endpoint: ControlEndpoint | None = None
+        self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.welcome: m.WorkerWelcome | None = None
+        self.shutdown: m.Shutdown | None = None
+        self.reject: m.Reject | None = None
+        self.last_heard = time.monotonic()
+        self._wake = asyncio.Event()
+        self._interrupted = False
+
+    # ---------------------------------------------------------------- wire
+
+    def _on_message(self, identity: bytes, env: Envelope) -> None:
+        self.last_heard = time.monotonic()
+        msg = env.msg
+        if isinstance(msg, m.WorkerWelcome) and self.welcome is None:
+            self.welcome = msg
+            self.heartbeat_timeout_s = msg.heartbeat_timeout_s
+        elif isinstance(msg, m.Reject):
+            self.reject = msg
+        elif isinstance(msg, m.Shutdown):
+            self.shutdown = msg
+        self._wake.set()
+
+    def _send(self, msg: Any) -> None:
+        self.endpoint.send(msg)
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def run(self) -> int:
+        ctx = zmq.Context.instance()
+        self.endpoint = ControlEndpoint(
+            make_dealer(ctx, self.controller, self.sender),
+            secret=self.secret,
+            run_id=self.run_id,
+            sender=self.sender,
+            on_message=self._on_message,
+        )
+        self.endpoint.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                beat = tg.create_task(self._heartbeats())
+                code = await self._supervise(tg)
+                beat.cancel()
+            return code
+        finally:
+            await terminate_then_kill(list(self.procs.values()), KILL_GRACE_S)
+            self.endpoint.io.sock.setsockopt(zmq.LINGER, 500)  # let the goodbye frames out
+            self.endpoint.close()
+
+    def _on_signal(self, sig: int) -> None:
+        log.warning("%s received %s: stopping ranks", self.sender, signal.Signals(sig).name)
+        self._interrupted = True
+        self._wake.set()
+
+    async def _supervise(self, tg: asyncio.TaskGroup) -> int:
+        self._send(m.WorkerHello(host=host_name(), pid=os.getpid(), devices=self.devices, versions={"flodl": __version__, "protocol": str(PROTOCOL_VERSION)}))
+        deadline = time.monotonic() + self.join_timeout_s
+        while self.welcome is None:
+            if self.reject or self.shutdown or self._interrupted:
+                return self._finish_early()
+            if time.monotonic() > deadline:
+                log.error("no answer from the controller at %s within %.0f s", self.controller, self.join_timeout_s)
+                return EXIT_CONTROLLER_LOST
+            await self._wait(0.5)
+        await self._spawn(tg)
+        while True:
+            if self._interrupted:
+                await self._stop_ranks(grace_s=0.0)
+                self._send(m.Exiting(rank=-1, reason="interrupted"))
+                return EXIT_INTERRUPTED
+            if self.shutdown is not None:
+                await self._stop_ranks(ABORT_GRACE_S if self.shutdown.abort else CLEAN_GRACE_S)
+                self._send(m.Exiting(rank=-1, reason="shutdown"))
+                return EXIT_OK
+            silent = time.monotonic() - self.last_heard
+            if silent > self.heartbeat_timeout_s:
+                log.error("heard nothing from the controller for %.1f s: stopping ranks", silent)
+                await self._stop_ranks(grace_s=0.0)
+                return EXIT_CONTROLLER_LOST
+            await self._wait(0.5)
+
+    def _finish_early(self) -> int:
+        if self.reject:
+            log.error("the controller refused this worker: %s", self.reject.reason)
+            return EXIT_CONFIG
+        return EXIT_INTERRUPTED if self._interrupted else EXIT_OK
+
+    async def _wait(self, timeout_s: float) -> None:
+        self._wake.clear()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._wake.wait()
+        except TimeoutError:
+            pass
+
+    async def _heartbeats(self) -> None:
+        while True:
+            self._send(m.Heartbeat(step=0, sent_at=time.time()))
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    # ---------------------------------------------------------------- ranks
+
+    async def _spawn(self, tg: asyncio.TaskGroup) -> None:
+        welcome = self.welcome
+        for rank, device in zip(welcome.ranks, self.devices):
+            env = RankEnv(
+                controller=self.controller,
+                secret=self.secret,
+                run_id=self.run_id,
+                rank=rank,
+                device=device,
+                task=welcome.task,
+                local_world=len(self.devices),
+                heartbeat_timeout_s=welcome.heartbeat_timeout_s,
+                parent_pid=os.getpid(),
+            )
+            proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "flodl.rank", env=child_environ(env.to_env()))
+            self.procs[rank] = proc
+            tg.create_task(self._reap(rank, proc))
+        log.info("%s spawned ranks %s on %s", self.sender, welcome.ranks, self.devices)
+
+    async def _reap(self, rank: int, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        # the fast path of failure detection: report before anything else happens
+        self._send(m.RankExited(rank=rank, pid=proc.pid, code=code))
+        self._wake.set()
+
+    async def _stop_ranks(self, grace_s: float) -> None:
+        """Let ranks exit on their own for ``grace_s``, then SIGTERM, then SIGKILL."""
+        live = [p for p in self.procs.values() if p.returncode is None]
+        if live and grace_s > 0:
+            try:
+                async with asyncio.timeout(grace_s):
+                    await asyncio.gather(*(p.wait() for p in live))
+            except TimeoutError:
+                log.warning("ranks still running %.0f s after shutdown: terminating", grace_s)
+        await terminate_then_kill(list(self.procs.values()), KILL_GRACE_S)
+        await asyncio.sleep(0)  # let the reapers report the last exits
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m flodl.worker", description="Run one host's ranks for a flodl controller.")
+    p.add_argument("--controller", required=True, help="controller address, tcp://HOST:PORT")
+    p.add_argument("--nproc", type=int, default=None, help="number of ranks (default: one per visible GPU, else 1 CPU rank)")
+    p.add_argument("--devices", default=None, help="explicit comma-separated devices, e.g. cuda:0,cuda:1 or cpu,cpu")
+    p.add_argument("--join-timeout-secs", type=float, default=DEFAULT_JOIN_TIMEOUT_S, help="seconds to wait for the controller's welcome")
+    p.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="[worker] %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        secret, run_id = read_run_credentials()
+        if secret is None or run_id is None:
+            raise ConfigError("FLODL_RUN_SECRET", "the worker needs FLODL_RUN_SECRET (hex) and FLODL_RUN_ID in its environment, as the controller or launcher sets them")
+        devices = choose_devices(args.nproc, args.devices)
+    except (ConfigError, ValueError) as exc:
+        print(f"flodl.worker: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    parent = int(os.environ.get(PARENT_PID, "0") or 0)
+    if parent:
+        die_with_parent(parent)  # embedded in a controller: go when it goes
+    return _run_loop(Worker(args.controller, devices, secret, run_id, join_timeout_s=args.join_timeout_secs).run())
+
+
+def _run_loop(coro: Any) -> int:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

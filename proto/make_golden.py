@@ -1,0 +1,130 @@
+"""Write the golden vectors in proto/golden/ (run once per schema change).
+
+``valid.json``: one frame per message kind, with its decoded form.
+``invalid.json``: one frame per drop reason, with the reason it must produce.
+The test suite checks the codec against both files in both directions, so a
+vector that changes is a protocol change and needs a version bump.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import msgpack
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from flodl.protocol import messages as m  # noqa: E402
+from flodl.protocol.codec import HEADER, MAGIC, message_fields, pack_frame, sign  # noqa: E402
+
+SECRET = bytes(range(32))
+RUN_ID = "golden-run"
+GOLDEN = ROOT / "proto" / "golden"
+
+SAMPLES = [
+    m.WorkerHello(host="node-a", pid=4242, devices=["cuda:0", "cpu"], versions={"flodl": "0.1.0", "protocol": "1"}),
+    m.WorkerWelcome(ranks=[0, 1], world_size=2, task="examples/digits.py:task", heartbeat_timeout_s=30.0),
+    m.Reject(reason="model signature differs from rank 0"),
+    m.RankExited(rank=1, pid=4300, code=-9),
+    m.RankHello(
+        rank=0, host="node-a", pid=4301, device="cpu", versions={"flodl": "0.1.0"},
+        model_signature="ab12", param_count=1000, shuffle_signature="cd34", dataset_len=1500,
+        has_eval=True, eval_metric="accuracy", batch_size=32,
+    ),
+    m.RankWelcome(
+        rank=0, world_size=2, generation=0, store_host="127.0.0.1", store_port=29500, store_prefix="run/gen0",
+        collective_timeout_s=30.0, config={"mode": "nccl-sync", "max_grad_norm": None, "lr_scale_ratio": 1.0},
+    ),
+    m.RankReady(rank=1, generation=0, init_ms=12.5),
+    m.StartEpoch(epoch=3, seed=42, offset=750, size=750, rounds=24, sync_every=1),
+    m.BatchDone(rank=1, epoch=3, step=97, samples=32, loss=0.25, batch_ms=5.5, data_ms=0.125, sync_ms=0.75),
+    m.EpochDone(
+        rank=0, epoch=3, batches=24, samples=750, loss_sum=6.5, wall_ms=200.0, compute_ms=150.0,
+        data_ms=10.0, sync_ms=40.0, syncs=24, scalars={"acc": [18.0, 24.0]},
+    ),
+    m.Heartbeat(step=1234, sent_at=1700000000.5),
+    m.RunEval(epoch=5, final=True),
+    m.EvalResult(rank=0, epoch=5, final=True, value=0.96875, elapsed_ms=3.5, error=None),
+    m.Shutdown(reason="run complete", abort=False),
+    m.Exiting(rank=-1, reason="shutdown"),
+    m.RankError(rank=1, stage="train", error="RuntimeError: boom", detail="Traceback ..."),
+    m.Ping(nonce=7, sent_at=12.25),
+    m.Pong(nonce=7, sent_at=12.25),
+    m.EvalResult(rank=2, epoch=1, final=False, value=None, elapsed_ms=0.0, error="ValueError: bad eval"),
+]
+
+
+def to_json(value):
+    """Plain JSON form of a decoded field value (bytes as {"$bytes": hex})."""
+    if isinstance(value, bytes):
+        return {"$bytes": value.hex()}
+    if isinstance(value, list):
+        return [to_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: to_json(v) for k, v in value.items()}
+    return value
+
+
+def valid_vectors() -> list[dict]:
+    out = []
+    for seq, msg in enumerate(SAMPLES, start=1):
+        kind, fields = message_fields(msg)
+        frame = pack_frame(SECRET, msg, sender="rank0.4301", seq=seq, run_id=RUN_ID)
+        names = [f.name for f in dataclasses.fields(msg)]
+        out.append({
+            "message": type(msg).__name__,
+            "frame_hex": frame.hex(),
+            "decoded": {
+                "version": 1, "kind": kind, "sender": "rank0.4301", "seq": seq, "run_id": RUN_ID,
+                "fields": {name: to_json(v) for name, v in zip(names, fields)},
+            },
+        })
+    return out
+
+
+def _resign(unsigned: bytes) -> bytes:
+    return unsigned + sign(SECRET, unsigned)
+
+
+def invalid_vectors() -> list[dict]:
+    good = pack_frame(SECRET, m.Heartbeat(step=1, sent_at=2.0), sender="rank0.1", seq=1, run_id=RUN_ID)
+    body = good[HEADER.size : -16]
+
+    def frame(kind: int = 11, version: int = 1, payload: bytes = body, magic: bytes = MAGIC) -> bytes:
+        return _resign(HEADER.pack(magic, version, kind, len(payload)) + payload)
+
+    cases = [
+        ("truncated", good[:20], "shorter than a header and tag"),
+        ("truncated", good[:-3], "body length says more than arrived"),
+        ("oversized", HEADER.pack(MAGIC, 1, 11, 1 << 21) + b"\0" * 16, "body length over the 1 MiB limit"),
+        ("bad_magic", frame(magic=b"\xde\xad"), "wrong magic"),
+        ("unknown_version", frame(version=9), "version 9"),
+        ("bad_tag", good[:-1] + bytes([good[-1] ^ 1]), "one bit of the tag flipped"),
+        ("bad_tag", good[:12] + bytes([good[12] ^ 1]) + good[13:], "one bit of the body flipped"),
+        ("unknown_kind", frame(kind=999), "kind 999"),
+        ("malformed", frame(payload=b"\xc1"), "0xc1 is never valid msgpack"),
+        ("malformed", frame(payload=body + b"\x00"), "a second msgpack value after the body"),
+        ("malformed", frame(payload=msgpack.packb(msgpack.ExtType(1, b"x"))), "ext types are refused"),
+        ("schema", frame(payload=msgpack.packb(["rank0.1", 1, RUN_ID, 1])), "one field missing"),
+        ("schema", frame(payload=msgpack.packb(["rank0.1", 1, RUN_ID, "1", 2.0])), "str where int is due"),
+        ("schema", frame(payload=msgpack.packb(["rank0.1", 1, RUN_ID, True, 2.0])), "bool is not int"),
+        ("schema", frame(payload=msgpack.packb(["rank0.1", 0, RUN_ID, 1, 2.0])), "seq must be >= 1"),
+        ("wrong_run", frame(payload=msgpack.packb(["rank0.1", 1, "other-run", 1, 2.0])), "another run's frame"),
+    ]
+    return [{"reason": r, "frame_hex": f.hex(), "note": note} for r, f, note in cases]
+
+
+def main() -> None:
+    GOLDEN.mkdir(parents=True, exist_ok=True)
+    header = {"secret_hex": SECRET.hex(), "run_id": RUN_ID}
+    (GOLDEN / "valid.json").write_text(json.dumps({**header, "vectors": valid_vectors()}, indent=1) + "\n")
+    (GOLDEN / "invalid.json").write_text(json.dumps({**header, "vectors": invalid_vectors()}, indent=1) + "\n")
+    print(f"wrote {GOLDEN}/valid.json and invalid.json")
+
+
+if __name__ == "__main__":
+    main()

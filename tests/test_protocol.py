@@ -1,0 +1,229 @@
+"""Pure tests of the control-protocol codec: schema, golden vectors, drop reasons."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from flodl.errors import ProtocolError
+from flodl.protocol import messages as m
+from flodl.protocol.codec import (
+    DROP_REASONS,
+    HEADER,
+    MAGIC,
+    MAX_DEPTH,
+    FrameReader,
+    FrameWriter,
+    ReplayWindow,
+    message_fields,
+    message_types,
+    pack_frame,
+    sign,
+    unpack_frame,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMA = json.loads((ROOT / "proto" / "schema.json").read_text())
+SECRET = bytes(range(32))
+RUN = "golden-run"
+
+
+def from_json(value):
+    if isinstance(value, dict) and set(value) == {"$bytes"}:
+        return bytes.fromhex(value["$bytes"])
+    if isinstance(value, list):
+        return [from_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: from_json(v) for k, v in value.items()}
+    return value
+
+
+def test_generated_files_are_fresh():
+    """messages.py and the README catalogue are what generate.py makes from the schema."""
+    res = subprocess.run([sys.executable, str(ROOT / "proto" / "generate.py"), "--check"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_schema_and_python_agree_both_ways():
+    """Every schema message has a class with the same fields in order, and nothing more."""
+    classes = message_types()
+    assert set(classes) == {msg["name"] for msg in SCHEMA["messages"]}
+    for msg in SCHEMA["messages"]:
+        cls = classes[msg["name"]]
+        assert cls.KIND == msg["kind"]
+        assert [f.name for f in dataclasses.fields(cls)] == [f["name"] for f in msg["fields"]]
+    assert m.PROTOCOL_VERSION == SCHEMA["version"]
+
+
+def test_every_message_has_a_golden_vector():
+    golden = json.loads((ROOT / "proto" / "golden" / "valid.json").read_text())
+    assert {v["message"] for v in golden["vectors"]} == {msg["name"] for msg in SCHEMA["messages"]}
+
+
+@pytest.mark.parametrize("vector", json.loads((ROOT / "proto/golden/valid.json").read_text())["vectors"], ids=lambda v: v["message"])
+def test_golden_valid_both_ways(vector):
+    frame = bytes.fromhex(vector["frame_hex"])
+    want = vector["decoded"]
+    env = unpack_frame(SECRET, frame, run_id=RUN)
+    assert (env.version, env.kind, env.sender, env.seq, env.run_id) == (
+        want["version"], want["kind"], want["sender"], want["seq"], want["run_id"],
+    )
+    assert dataclasses.asdict(env.msg) == from_json(want["fields"])
+    # the other way: the decoded form encodes to exactly the same bytes
+    cls = message_types()[vector["message"]]
+    msg = cls(**from_json(want["fields"]))
+    assert pack_frame(SECRET, msg, sender=want["sender"], seq=want["seq"], run_id=want["run_id"]) == frame
+
+
+@pytest.mark.parametrize("vector", json.loads((ROOT / "proto/golden/invalid.json").read_text())["vectors"], ids=lambda v: v["note"])
+def test_golden_invalid_reasons(vector):
+    with pytest.raises(ProtocolError) as err:
+        unpack_frame(SECRET, bytes.fromhex(vector["frame_hex"]), run_id=RUN)
+    assert err.value.reason == vector["reason"]
+
+
+def test_invalid_vectors_cover_every_stateless_reason():
+    golden = json.loads((ROOT / "proto" / "golden" / "invalid.json").read_text())
+    assert {v["reason"] for v in golden["vectors"]} == set(DROP_REASONS) - {"replayed"}
+
+
+def test_round_trip_every_message_random_values():
+    """Random values of the right types survive encode/decode for every message."""
+    rng = random.Random(1)
+
+    def value_for(t):
+        if t == "int":
+            return rng.randint(-(2**40), 2**40)
+        if t == "float":
+            return rng.uniform(-1e6, 1e6)
+        if t == "bool":
+            return rng.random() < 0.5
+        if t == "str":
+            return "".join(rng.choice("abcé漢 ") for _ in range(rng.randint(0, 20)))
+        if t == "bytes":
+            return rng.randbytes(rng.randint(0, 40))
+        if t == "value":
+            return {"a": [1, 2.5, None, "x"], "b": {"c": True}}
+        if t.startswith("opt<"):
+            return None if rng.random() < 0.3 else value_for(t[4:-1])
+        if t.startswith("list<"):
+            return [value_for(t[5:-1]) for _ in range(rng.randint(0, 4))]
+        if t.startswith("map<str,"):
+            return {f"k{i}": value_for(t[8:-1]) for i in range(rng.randint(0, 4))}
+        raise AssertionError(t)
+
+    for msg in SCHEMA["messages"]:
+        cls = message_types()[msg["name"]]
+        for _ in range(20):
+            obj = cls(**{f["name"]: value_for(f["type"]) for f in msg["fields"]})
+            env = unpack_frame(SECRET, pack_frame(SECRET, obj, sender="s", seq=5, run_id=RUN), run_id=RUN)
+            assert env.msg == obj
+
+
+def test_int_accepted_for_float_on_decode():
+    body = msgpack.packb(["rank0.1", 1, RUN, 3, 7])  # Heartbeat.sent_at written as int 7
+    unsigned = HEADER.pack(MAGIC, 1, m.Heartbeat.KIND, len(body)) + body
+    env = unpack_frame(SECRET, unsigned + sign(SECRET, unsigned), run_id=RUN)
+    assert env.msg.sent_at == 7.0 and type(env.msg.sent_at) is float
+
+
+def test_encoder_refuses_invalid_message():
+    with pytest.raises(ProtocolError) as err:
+        pack_frame(SECRET, m.Heartbeat(step="one", sent_at=1.0), sender="s", seq=1, run_id=RUN)
+    assert err.value.reason == "schema"
+    with pytest.raises(ProtocolError):
+        message_fields(object())
+
+
+def _signed(body_obj, kind=m.RankWelcome.KIND):
+    body = msgpack.packb(body_obj)
+    unsigned = HEADER.pack(MAGIC, 1, kind, len(body)) + body
+    return unsigned + sign(SECRET, unsigned)
+
+
+def test_value_depth_is_bounded():
+    nested = "leaf"
+    for _ in range(MAX_DEPTH + 2):
+        nested = [nested]
+    frame = _signed(["rank0.1", 1, RUN, 0, 1, 0, "h", 1, "p", 1.0, {"deep": nested}])
+    with pytest.raises(ProtocolError) as err:
+        unpack_frame(SECRET, frame, run_id=RUN)
+    assert err.value.reason == "schema"
+
+
+def test_long_strings_and_big_maps_are_malformed():
+    frame = _signed(["rank0.1", 1, RUN, "x" * (70 * 1024)], kind=m.Reject.KIND)
+    with pytest.raises(ProtocolError) as err:
+        unpack_frame(SECRET, frame, run_id=RUN)
+    assert err.value.reason == "malformed"
+    big = {f"k{i}": i for i in range(5000)}
+    frame = _signed(["rank0.1", 1, RUN, 0, 1, 0, "h", 1, "p", 1.0, big])
+    with pytest.raises(ProtocolError) as err:
+        unpack_frame(SECRET, frame, run_id=RUN)
+    assert err.value.reason == "malformed"
+
+
+def test_wrong_secret_is_bad_tag():
+    frame = pack_frame(b"another secret", m.Heartbeat(step=1, sent_at=1.0), sender="s", seq=1, run_id=RUN)
+    with pytest.raises(ProtocolError) as err:
+        unpack_frame(SECRET, frame, run_id=RUN)
+    assert err.value.reason == "bad_tag"
+
+
+def test_replay_window():
+    w = ReplayWindow()
+    assert w.accept(1) and w.accept(3) and w.accept(2)
+    assert not w.accept(2) and not w.accept(3)
+    assert w.accept(2000)
+    assert not w.accept(3) and not w.accept(2000 - 1024)
+    assert w.accept(2000 - 1023)
+
+
+def test_reader_counts_and_logs_once_per_peer_and_reason(caplog):
+    writer = FrameWriter(SECRET, RUN, "rank0.1")
+    reader = FrameReader(SECRET, RUN)
+    frame = writer.encode(m.Heartbeat(step=1, sent_at=1.0))
+    assert reader.read(frame, "peerA") is not None
+    with caplog.at_level("WARNING"):
+        for _ in range(5):
+            assert reader.read(frame, "peerA") is None  # replayed
+        assert reader.read(b"junk", "peerA") is None
+        assert reader.read(b"junk", "peerB") is None
+    assert reader.drops == {"replayed": 5, "truncated": 2}
+    assert reader.accepted == 1
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("replayed" in line for line in lines) == 1
+    assert sum("truncated" in line for line in lines) == 2
+
+
+def test_reader_survives_random_garbage():
+    """Fuzz: random and mutated frames never raise and never get accepted."""
+    rng = random.Random(7)
+    writer = FrameWriter(SECRET, RUN, "rank0.1")
+    reader = FrameReader(SECRET, RUN)
+    good = [writer.encode(m.BatchDone(0, 0, i, 32, 0.5, 1.0, 0.0, 0.0)) for i in range(1, 50)]
+    for i in range(5000):
+        base = bytearray(rng.choice(good))
+        mode = i % 4
+        if mode == 0:
+            data = rng.randbytes(rng.randint(0, 200))
+        elif mode == 1:
+            base[rng.randrange(len(base))] ^= 1 << rng.randrange(8)
+            data = bytes(base)
+        elif mode == 2:
+            data = bytes(base[: rng.randrange(len(base))])
+        else:
+            data = bytes(base) + rng.randbytes(rng.randint(1, 10))
+        assert reader.read(data, "fuzz") is None
+    assert reader.accepted == 0
+    assert sum(reader.drops.values()) == 5000
+    assert set(reader.drops) <= set(DROP_REASONS)
