@@ -143,9 +143,12 @@ class Worker:
             await self._wait(0.5)
 
     def _finish_early(self) -> int:
+        """Leave before any rank was spawned (refused, shut down, or interrupted)."""
         if self.reject:
             log.error("the controller refused this worker: %s", self.reject.reason)
+            self._send(m.Exiting(rank=-1, reason="refused"))
             return EXIT_CONFIG
+        self._send(m.Exiting(rank=-1, reason="interrupted" if self._interrupted else "shutdown"))
         return EXIT_INTERRUPTED if self._interrupted else EXIT_OK
 
     async def _wait(self, timeout_s: float) -> None:

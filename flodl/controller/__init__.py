@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..env import read_run_credentials
 from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, ConfigError, RunAborted
 from .core import Controller
 from .launch import LaunchOptions, build_parser, resolve
@@ -58,11 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         launch, config = resolve(args)
         config.check_available()
-    except ConfigError as exc:
+        # a launcher may hand the run's credentials down (multi-host); else we make them
+        secret, run_id = read_run_credentials()
+    except (ConfigError, ValueError) as exc:
         print(f"flodl: bad option {exc}", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        run_controller(Controller(launch, config))
+        run_controller(Controller(launch, config, secret=secret, run_id=run_id))
     except RunAborted as exc:
         return exc.exit_code
     except Exception:

@@ -426,6 +426,10 @@ class Controller:
         self._fail(f"{info.where()} failed during {msg.stage}: {msg.error}", EXIT_TASK_ERROR)
 
     def _h_rank_exited(self, identity: bytes, env: Envelope, msg: m.RankExited) -> None:
+        worker = self.members.workers.get(env.sender)
+        if worker is None or worker.identity != identity or msg.rank not in worker.ranks:
+            self.endpoint.drops["unauthorized"] += 1  # only a rank's own worker may report its exit
+            return
         if self.phase in ("shutting down", "aborting", "done"):
             # we told it to go: leaving now is not a death, whatever the code
             info = self.members.ranks.get(msg.rank)
@@ -513,9 +517,13 @@ class Controller:
 
     # ============================================================ teardown
 
-    def _broadcast(self, msg: Any) -> None:
+    def _broadcast_shutdown(self, msg: m.Shutdown) -> None:
+        """To every worker and every rank that ever said hello, dead ones included:
+        a rank we gave up on may still be listening and can exit on its own."""
         frame = self.endpoint.writer.encode(msg)
-        for identity in self._peer_identities():
+        identities = [w.identity for w in self.members.workers.values() if not w.exited]
+        identities += [r.identity for r in self.members.ranks.values() if r.identity and r.state is not PeerState.EXITED]
+        for identity in identities:
             self.endpoint.send_frame(frame, identity)
 
     def _send_rank(self, rank: int, msg: Any) -> None:
@@ -524,7 +532,7 @@ class Controller:
     async def _shutdown_peers(self) -> None:
         """Clean end: Shutdown to everyone, then wait (bounded) for them to leave."""
         self.phase = "shutting down"
-        self._broadcast(m.Shutdown(reason="run complete", abort=False))
+        self._broadcast_shutdown(m.Shutdown(reason="run complete", abort=False))
         await self._wait_peers_gone(SHUTDOWN_WAIT_S)
         self.phase = "done"
 
@@ -534,7 +542,7 @@ class Controller:
         self.finished_at = self.finished_at or self.clock()
         self.console.failed(str(exc))
         if self.endpoint is not None:
-            self._broadcast(m.Shutdown(reason=str(exc)[:500], abort=True))
+            self._broadcast_shutdown(m.Shutdown(reason=str(exc)[:500], abort=True))
         await self._wait_peers_gone(ABORT_WAIT_S)
         exc.summary = self.summary(str(exc), exc.exit_code)
         self.phase = "done"

@@ -1,0 +1,169 @@
+"""Simulated workers and ranks that speak the real protocol, on one event loop.
+
+For loopback tests and control-plane benchmarks: a ``SimWorker`` says hello
+like ``flodl.worker`` and, once welcomed, starts one ``SimRank`` task per
+device instead of a process. A ``SimRank`` opens its own DEALER, joins,
+"trains" each slice it is granted by sending the same frames a real rank
+sends (``BatchDone`` per batch, ``EpochDone`` per plan) after an optional
+per-batch delay, answers evals, and leaves on ``Shutdown``. No torch, no
+collective: what is under test is the controller.
+
+Faults are explicit knobs: ``die_at_batch`` (the rank's socket closes and the
+worker reports it killed), ``silent_at_batch`` (it stops sending anything,
+heartbeats included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from . import __version__
+from .protocol import messages as m
+from .protocol.codec import Envelope
+from .protocol.messages import PROTOCOL_VERSION
+from .transport import ControlEndpoint, make_dealer
+
+VERSIONS = {"flodl": __version__, "protocol": str(PROTOCOL_VERSION)}
+
+
+@dataclass
+class SimRankSpec:
+    """How one simulated rank behaves."""
+
+    batch_ms: float = 0.0
+    die_at_batch: int | None = None
+    silent_at_batch: int | None = None
+    eval_value: float = 0.5
+
+
+class _Peer:
+    """A DEALER on the loop with a queue of incoming messages."""
+
+    def __init__(self, addr: str, sender: str, secret: bytes, run_id: str) -> None:
+        self.sender = sender
+        self.inbox: asyncio.Queue[Any] = asyncio.Queue()
+        self.silent = False
+        self.endpoint = ControlEndpoint(
+            make_dealer(zmq.Context.instance(), addr, sender), secret=secret, run_id=run_id, sender=sender, on_message=self._on_message
+        )
+        self.endpoint.start()
+
+    def _on_message(self, identity: bytes, env: Envelope) -> None:
+        if not isinstance(env.msg, m.Heartbeat):
+            self.inbox.put_nowait(env.msg)
+
+    def send(self, msg: Any) -> None:
+        if not self.silent:
+            self.endpoint.send(msg)
+
+    async def expect(self, *kinds: type, timeout_s: float = 30.0) -> Any:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                msg = await self.inbox.get()
+                if isinstance(msg, kinds):
+                    return msg
+
+    async def beat(self) -> None:
+        while True:
+            self.send(m.Heartbeat(step=0, sent_at=time.time()))
+            await asyncio.sleep(1.0)
+
+    def close(self) -> None:
+        self.endpoint.close()
+
+
+class SimWorker:
+    """A worker whose ranks are tasks on this loop; ``await run()`` until Shutdown."""
+
+    def __init__(self, addr: str, secret: bytes, run_id: str, specs: list[SimRankSpec], *, dataset_len: int = 1000, batch_size: int = 10, host: str = "sim") -> None:
+        self.addr, self.secret, self.run_id = addr, secret, run_id
+        self.specs = specs
+        self.dataset_len = dataset_len
+        self.batch_size = batch_size
+        self.host = host
+        self.sender = f"worker.{host}.{os.getpid()}.{id(self)}"
+        self.outcomes: dict[int, str] = {}
+        self.batches_sent = 0
+
+    async def run(self) -> None:
+        peer = _Peer(self.addr, self.sender, self.secret, self.run_id)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                beat = tg.create_task(peer.beat())
+                peer.send(m.WorkerHello(host=self.host, pid=os.getpid(), devices=["cpu"] * len(self.specs), versions=VERSIONS))
+                welcome = await peer.expect(m.WorkerWelcome, m.Reject, m.Shutdown)
+                if not isinstance(welcome, m.WorkerWelcome):
+                    peer.send(m.Exiting(rank=-1, reason="refused" if isinstance(welcome, m.Reject) else "shutdown"))
+                    await asyncio.sleep(0.05)
+                    beat.cancel()
+                    return
+                ranks = [tg.create_task(self._rank(peer, rank, spec, welcome)) for rank, spec in zip(welcome.ranks, self.specs)]
+                await peer.expect(m.Shutdown, timeout_s=3600)
+                await asyncio.wait(ranks, timeout=5)
+                for rank, outcome in self.outcomes.items():
+                    if outcome == "silent":  # a real worker kills a hung rank and reports it
+                        peer.send(m.RankExited(rank=rank, pid=os.getpid(), code=-9))
+                peer.send(m.Exiting(rank=-1, reason="shutdown"))
+                await asyncio.sleep(0.05)
+                beat.cancel()
+        finally:
+            peer.close()
+
+    async def _rank(self, worker: _Peer, rank: int, spec: SimRankSpec, welcome: m.WorkerWelcome) -> None:
+        peer = _Peer(self.addr, f"rank{rank}.sim{id(self)}", self.secret, self.run_id)
+        beat = asyncio.create_task(peer.beat())
+        try:
+            self.outcomes[rank] = await self._rank_life(worker, peer, rank, spec)
+        finally:
+            beat.cancel()
+            peer.close()
+
+    async def _rank_life(self, worker: _Peer, peer: _Peer, rank: int, spec: SimRankSpec) -> str:
+        peer.send(
+            m.RankHello(
+                rank=rank, host=self.host, pid=os.getpid(), device="cpu", versions=VERSIONS, model_signature="sim",
+                param_count=1, shuffle_signature="sim", dataset_len=self.dataset_len, has_eval=True,
+                eval_metric="sim_metric", batch_size=self.batch_size,
+            )
+        )
+        welcome = await peer.expect(m.RankWelcome, m.Reject, m.Shutdown)
+        if not isinstance(welcome, m.RankWelcome):
+            return "refused"
+        peer.send(m.RankReady(rank=rank, generation=welcome.generation, init_ms=0.0))
+        step = 0
+        while True:
+            cmd = await peer.expect(m.StartEpoch, m.RunEval, m.Shutdown, timeout_s=3600)
+            if isinstance(cmd, m.Shutdown):
+                peer.send(m.Exiting(rank=rank, reason=cmd.reason))
+                await asyncio.sleep(0.05)
+                return "aborted" if cmd.abort else "completed"
+            if isinstance(cmd, m.RunEval):
+                peer.send(m.EvalResult(rank=rank, epoch=cmd.epoch, final=cmd.final, value=spec.eval_value, elapsed_ms=0.0, error=None))
+                continue
+            nbatches = -(-cmd.size // self.batch_size)
+            for b in range(nbatches):
+                step += 1
+                if spec.die_at_batch is not None and step >= spec.die_at_batch:
+                    worker.send(m.RankExited(rank=rank, pid=os.getpid(), code=-9))
+                    return "died"
+                if spec.silent_at_batch is not None and step >= spec.silent_at_batch:
+                    peer.silent = True
+                    await peer.expect(m.Shutdown, timeout_s=3600)  # a hung rank: it hears, never answers
+                    return "silent"
+                if spec.batch_ms:
+                    await asyncio.sleep(spec.batch_ms / 1000.0)
+                samples = min(self.batch_size, cmd.size - b * self.batch_size)
+                peer.send(m.BatchDone(rank, cmd.epoch, step, samples, 1.0 / step, spec.batch_ms, 0.0, 0.0))
+                self.batches_sent += 1
+            peer.send(
+                m.EpochDone(
+                    rank=rank, epoch=cmd.epoch, batches=nbatches, samples=cmd.size, loss_sum=float(nbatches), wall_ms=nbatches * spec.batch_ms,
+                    compute_ms=nbatches * spec.batch_ms, data_ms=0.0, sync_ms=0.0, syncs=cmd.rounds, scalars={},
+                )
+            )

@@ -1,0 +1,60 @@
+"""A tiny task for process tests, steered by environment variables.
+
+FLODL_TEST_STEP_SLEEP   seconds to sleep in every training step (make runs long enough to kill)
+FLODL_TEST_FAIL_AT      raise RuntimeError at this local step (a broken user task)
+FLODL_TEST_EVAL_FAIL    make eval_fn raise
+"""
+
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from flodl import Task
+
+_STEP = {"n": 0}
+
+
+def make_model():
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+
+def make_optimizer(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def train_step(model, batch, device):
+    _STEP["n"] += 1
+    fail_at = int(os.environ.get("FLODL_TEST_FAIL_AT", "0") or 0)
+    if fail_at and _STEP["n"] >= fail_at:
+        raise RuntimeError(f"injected failure at step {_STEP['n']}")
+    time.sleep(float(os.environ.get("FLODL_TEST_STEP_SLEEP", "0") or 0))
+    x, y = batch
+    return F.cross_entropy(model(x.to(device)), y.to(device))
+
+
+def evaluate(model, device):
+    if os.environ.get("FLODL_TEST_EVAL_FAIL"):
+        raise ValueError("injected eval failure")
+    x, y = _data(256, 1)
+    return (model(x).argmax(1) == y).float().mean().item()
+
+
+def _data(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return x, (x.sum(1) > 0).long()
+
+
+def task():
+    x, y = _data(512, 0)
+    return Task(model=make_model, optimizer=make_optimizer, dataset=torch.utils.data.TensorDataset(x, y),
+                batch_size=16, train_step=train_step, eval_fn=evaluate, eval_metric="accuracy")
+
+
+def other_model_task():
+    """Same data, different model: must be refused at join."""
+    t = task()
+    t.model = lambda: torch.nn.Linear(8, 2)
+    return t

@@ -1,0 +1,156 @@
+"""Loopback: the real controller on 127.0.0.1 with simulated workers and ranks as tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+import zmq
+
+from flodl.config import DdpRunConfig
+from flodl.controller import Controller, LaunchOptions
+from flodl.errors import EXIT_RANK_LOST, EXIT_TASK_ERROR, RunAborted
+from flodl.protocol import messages as m
+from flodl.protocol.codec import FrameWriter
+from flodl.sim import SimRankSpec, SimWorker
+from flodl.transport import make_dealer
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = b"s" * 32
+RUN = "loop-run"
+
+
+def make_controller(console, *, epochs=2, workers=1, heartbeat=None, join_timeout=20.0):
+    config = DdpRunConfig()
+    if heartbeat is not None:
+        config = config.with_heartbeat_timeout_secs(heartbeat)
+    launch = LaunchOptions(task="sim:task", epochs=epochs, workers=workers, progress=False, join_timeout_secs=join_timeout)
+    return Controller(launch, config, secret=SECRET, run_id=RUN, console=console)
+
+
+async def run_with(controller, *workers):
+    """Run the controller and sim workers together; return (summary or exception, workers)."""
+    run = asyncio.create_task(controller.run())
+    await controller.ready.wait()
+    addr = f"tcp://127.0.0.1:{controller.port}"
+    sims = [SimWorker(addr, SECRET, RUN, specs, **kw) for specs, kw in workers]
+    tasks = [asyncio.create_task(s.run()) for s in sims]
+    try:
+        result = await run
+    except RunAborted as exc:
+        result = exc
+    await asyncio.wait(tasks, timeout=10)
+    for t in tasks:
+        t.cancel()
+    return result, sims
+
+
+async def test_full_run_two_ranks(quiet_console):
+    ctl = make_controller(quiet_console, epochs=3)
+    summary, (sim,) = await run_with(ctl, ([SimRankSpec(), SimRankSpec()], {"dataset_len": 1000, "batch_size": 10}))
+    assert summary["exit_reason"] == "completed"
+    assert summary["epochs_completed"] == 3 and summary["world_size"] == 2
+    assert summary["samples"] == 3000
+    assert [r["samples"] for r in summary["per_rank"]] == [1500, 1500]
+    assert summary["syncs"] == 3 * 50
+    assert summary["final_eval"] == 0.5 and summary["eval_metric_name"] == "sim_metric"
+    assert summary["deaths"] == []
+    assert sim.outcomes == {0: "completed", 1: "completed"}
+    assert [h["epoch"] for h in summary["history"]] == [0, 1, 2]
+
+
+async def test_two_workers_get_consecutive_ranks(quiet_console):
+    ctl = make_controller(quiet_console, epochs=1, workers=2)
+    summary, sims = await run_with(
+        ctl,
+        ([SimRankSpec()], {"host": "a"}),
+        ([SimRankSpec(), SimRankSpec()], {"host": "b"}),
+    )
+    assert summary["world_size"] == 3
+    assert sorted(r for s in sims for r in s.outcomes) == [0, 1, 2]
+    assert {r["host"] for r in summary["per_rank"]} == {"a", "b"}
+
+
+async def test_rank_death_stops_run_naming_rank_and_host(quiet_console):
+    ctl = make_controller(quiet_console, epochs=5)
+    start = time.monotonic()
+    result, (sim,) = await run_with(ctl, ([SimRankSpec(batch_ms=1), SimRankSpec(batch_ms=1, die_at_batch=30)], {"host": "node-b"}))
+    assert isinstance(result, RunAborted) and result.exit_code == EXIT_RANK_LOST
+    assert "rank 1 on host node-b" in str(result) and "killed by SIGKILL" in str(result)
+    assert result.summary["deaths"][0]["rank"] == 1
+    assert sim.outcomes[0] == "aborted"
+    assert time.monotonic() - start < 10
+
+
+async def test_silent_rank_is_declared_dead_after_heartbeat_timeout(quiet_console):
+    ctl = make_controller(quiet_console, epochs=50, heartbeat=1)
+    result, (sim,) = await run_with(ctl, ([SimRankSpec(batch_ms=2), SimRankSpec(batch_ms=2, silent_at_batch=20)], {}))
+    assert isinstance(result, RunAborted) and result.exit_code == EXIT_RANK_LOST
+    assert "rank 1" in str(result) and "sent nothing for" in str(result)
+
+
+async def test_join_timeout_names_what_it_waited_for(quiet_console):
+    ctl = make_controller(quiet_console, epochs=1, workers=2, join_timeout=1.0)
+    result, _ = await run_with(ctl, ([SimRankSpec()], {}))
+    assert isinstance(result, RunAborted)
+    assert "waiting for workers to connect" in str(result)
+
+
+async def test_extra_worker_is_rejected_and_run_goes_on(quiet_console):
+    ctl = make_controller(quiet_console, epochs=2)
+    run = asyncio.create_task(ctl.run())
+    await ctl.ready.wait()
+    addr = f"tcp://127.0.0.1:{ctl.port}"
+    first = SimWorker(addr, SECRET, RUN, [SimRankSpec(batch_ms=1)], host="a")
+    t1 = asyncio.create_task(first.run())
+    while ctl.phase == "starting" or ctl.phase == "gathering":
+        await asyncio.sleep(0.01)
+    late = SimWorker(addr, SECRET, RUN, [SimRankSpec()], host="late")
+    await asyncio.wait_for(late.run(), 10)  # returns once refused
+    assert late.outcomes == {}
+    summary = await run
+    await t1
+    assert summary["exit_reason"] == "completed" and summary["world_size"] == 1
+
+
+async def test_garbage_frames_change_nothing(quiet_console):
+    """Random, mutated, replayed and foreign frames during a run: dropped, counted, run completes."""
+    ctl = make_controller(quiet_console, epochs=3)
+    run = asyncio.create_task(ctl.run())
+    await ctl.ready.wait()
+    addr = f"tcp://127.0.0.1:{ctl.port}"
+    sim = SimWorker(addr, SECRET, RUN, [SimRankSpec(batch_ms=1), SimRankSpec(batch_ms=1)])
+    sim_task = asyncio.create_task(sim.run())
+    attacker = make_dealer(zmq.Context.instance(), addr, "intruder")
+    rng = random.Random(3)
+    forged = FrameWriter(b"wrong secret" * 3, RUN, "intruder")
+    genuine = FrameWriter(SECRET, RUN, "rank0.forged")
+    kill = genuine.encode(m.RankExited(rank=1, pid=1, code=-9))
+    sent = 0
+    while not run.done() and sent < 3000:
+        kind = sent % 5
+        if kind == 0:
+            frame = rng.randbytes(rng.randint(0, 300))
+        elif kind == 1:
+            frame = forged.encode(m.RankExited(rank=0, pid=1, code=-9))  # unauthenticated death claim
+        elif kind == 2:
+            data = bytearray(kill)
+            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)  # any bit flip breaks the tag
+            frame = bytes(data)
+        elif kind == 3:
+            frame = FrameWriter(SECRET, "other-run", "x").encode(m.Heartbeat(step=1, sent_at=0.0))
+        else:
+            frame = kill[:-1] + bytes([kill[-1] ^ 0x80])
+        attacker.send(frame)
+        sent += 1
+        if sent % 100 == 0:
+            await asyncio.sleep(0.001)
+    summary = await run
+    await sim_task
+    attacker.close(linger=0)
+    assert summary["exit_reason"] == "completed" and summary["deaths"] == []
+    assert sum(summary["dropped_frames"].values()) >= sent * 0.9
+    assert {"bad_tag", "wrong_run"} <= set(summary["dropped_frames"])

@@ -1,0 +1,254 @@
+"""Real processes: controller, worker and ranks started as users start them, then hurt."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import psutil
+import pytest
+import zmq
+
+from flodl.protocol import messages as m
+from flodl.protocol.codec import FrameWriter
+
+from .conftest import PY, ROOT, task_spec
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Run:
+    """A controller CLI process with its output captured line by line."""
+
+    def __init__(self, args: list[str], env: dict, cwd=ROOT) -> None:
+        self.proc = subprocess.Popen(
+            [PY, "-m", "flodl.controller", *args], env=env, cwd=cwd,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for_line(self, needle: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(needle in line for line in self.lines):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"never saw {needle!r}; output:\n{self.output}")
+            time.sleep(0.05)
+
+    def wait(self, timeout: float = 60) -> int:
+        code = self.proc.wait(timeout)
+        self._reader.join(5)
+        return code
+
+    def tree(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def ranks(self, count: int, timeout: float = 60) -> list[psutil.Process]:
+        """Rank processes (python -m flodl.rank) once ``count`` of them exist."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [p for p in self.tree() if _is(p, "flodl.rank")]
+            if len(found) >= count:
+                return sorted(found, key=lambda p: p.pid)
+            time.sleep(0.05)
+        raise AssertionError(f"only found {len(found)} ranks; output:\n{self.output}")
+
+
+def _is(proc: psutil.Process, module: str) -> bool:
+    try:
+        return module in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Exists and is not a zombie (an exited child whose parent has not reaped it yet)."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def assert_all_gone(procs: list[psutil.Process], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    alive = [p for p in procs if _running(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in alive if _running(p)]
+    left = [(p.pid, " ".join(p.cmdline())) for p in alive if _running(p)]
+    for p in alive:
+        p.kill()
+    assert not left, f"processes left behind: {left}"
+
+
+def test_digits_trains_on_two_ranks(proc_env, tmp_path):
+    summary_path = tmp_path / "summary.json"
+    run = Run(["--task", "examples/digits.py:task", "--nproc-per-node", "2", "--epochs", "3", "--summary-json", str(summary_path)], proc_env)
+    assert run.wait(100) == 0, run.output
+    summary = json.loads(summary_path.read_text())
+    for key in ("mode", "world_size", "epochs", "wall_s", "samples_per_s", "per_rank", "syncs", "final_loss", "final_eval", "eval_metric_name", "deaths", "exit_reason"):
+        assert key in summary
+    assert summary["world_size"] == 2 and summary["epochs"] == 3 and summary["mode"] == "NcclSync"
+    assert summary["exit_reason"] == "completed" and summary["deaths"] == []
+    assert summary["final_eval"] > 0.85, run.output
+    assert summary["final_loss"] < summary["history"][0]["loss"]
+    assert {r["device"] for r in summary["per_rank"]} == {"cpu"}
+    assert sum(r["samples"] for r in summary["per_rank"]) == 3 * 1500
+    assert "epoch 3/3" in run.output and "final accuracy" in run.output
+
+
+def test_kill_9_rank_stops_run_fast_and_leaves_nothing(proc_env):
+    timeout = 5
+    env = {**proc_env, "FLODL_TEST_STEP_SLEEP": "0.02"}
+    run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "200", "--heartbeat-timeout-secs", str(timeout)], env)
+    ranks = run.ranks(2)
+    run.wait_for_line("epoch 1/200")
+    tree = run.tree()
+    killed_at = time.monotonic()
+    os.kill(ranks[1].pid, signal.SIGKILL)
+    code = run.wait(timeout + 10)
+    elapsed = time.monotonic() - killed_at
+    assert code == 3, run.output
+    assert elapsed < timeout + 2, f"took {elapsed:.1f} s"
+    assert f"pid {ranks[1].pid}) was killed by SIGKILL" in run.output
+    assert "run stopped" in run.output
+    assert_all_gone(tree)
+
+
+def test_stopped_rank_is_found_by_heartbeat_and_killed(proc_env):
+    timeout = 3
+    env = {**proc_env, "FLODL_TEST_STEP_SLEEP": "0.02"}
+    run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "200", "--heartbeat-timeout-secs", str(timeout)], env)
+    ranks = run.ranks(2)
+    run.wait_for_line("epoch 1/200")
+    tree = run.tree()
+    stopped_at = time.monotonic()
+    os.kill(ranks[0].pid, signal.SIGSTOP)  # alive but silent: only heartbeats can tell
+    code = run.wait(timeout + 20)
+    assert code == 3, run.output
+    assert "sent nothing for" in run.output and f"pid {ranks[0].pid}" in run.output
+    assert time.monotonic() - stopped_at < timeout + 12
+    assert_all_gone(tree)
+
+
+def test_killed_controller_takes_everything_down(proc_env):
+    env = {**proc_env, "FLODL_TEST_STEP_SLEEP": "0.02"}
+    run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "200", "--heartbeat-timeout-secs", "5"], env)
+    run.ranks(2)
+    run.wait_for_line("epoch 1/200")
+    tree = run.tree()
+    run.proc.kill()
+    run.wait(10)
+    assert_all_gone(tree, timeout=15)
+
+
+def test_frozen_controller_is_detected_by_worker_and_ranks(proc_env):
+    """SIGSTOP the controller: no death signal reaches anyone, only silence does."""
+    timeout = 3
+    env = {**proc_env, "FLODL_TEST_STEP_SLEEP": "0.02"}
+    run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "200", "--heartbeat-timeout-secs", str(timeout)], env)
+    run.ranks(2)
+    run.wait_for_line("epoch 1/200")
+    tree = run.tree()
+    os.kill(run.proc.pid, signal.SIGSTOP)
+    try:
+        assert_all_gone(tree, timeout=timeout + 12)
+    finally:
+        os.kill(run.proc.pid, signal.SIGKILL)
+        run.wait(10)
+
+
+def test_task_error_is_reported_once_with_traceback(proc_env):
+    env = {**proc_env, "FLODL_TEST_FAIL_AT": "5"}
+    run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "3"], env)
+    tree_seen = run.ranks(2)
+    assert run.wait(60) == 4, run.output
+    assert "failed during train: RuntimeError: injected failure at step 5" in run.output
+    assert "Traceback" in run.output and "tiny.py" in run.output
+    assert_all_gone(tree_seen)
+
+
+def test_model_mismatch_is_refused_before_training(proc_env, tmp_path):
+    # rank 1 builds a different model than rank 0: the run must not start
+    spec = tmp_path / "mixed.py"
+    spec.write_text(
+        "import os\n"
+        f"import importlib.util, sys\nsys.path.insert(0, {str(ROOT / 'tests' / 'tasks')!r})\n"
+        "import tiny\n"
+        "def task():\n"
+        "    return tiny.other_model_task() if os.environ['FLODL_RANK'] == '1' else tiny.task()\n"
+    )
+    run = Run(["--task", f"{spec}:task", "--nproc-per-node", "2", "--epochs", "1"], proc_env)
+    assert run.wait(60) == 4, run.output
+    assert "cannot join: its model signature" in run.output
+
+
+def test_bad_option_fails_fast_naming_it(proc_env):
+    res = subprocess.run([PY, "-m", "flodl.controller", "--task", task_spec("tiny.py"), "--max-grad-norm", "-1"], env=proc_env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "max_grad_norm" in res.stderr
+    res = subprocess.run([PY, "-m", "flodl.controller", "--task", task_spec("tiny.py"), "--mode", "cpu-cadence"], env=proc_env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "mode" in res.stderr and "not available" in res.stderr
+
+
+def test_worker_without_secret_refuses_to_start(proc_env):
+    env = {k: v for k, v in proc_env.items() if not k.startswith("FLODL_RUN")}
+    res = subprocess.run([PY, "-m", "flodl.worker", "--controller", "tcp://127.0.0.1:1"], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "FLODL_RUN_SECRET" in res.stderr
+
+
+def test_10000_hostile_frames_do_not_stop_training(proc_env, tmp_path):
+    """A live controller takes 10,000 random and mutated frames and still trains."""
+    secret, run_id, port = os.urandom(32), "fuzz-run", free_port()
+    env = {**proc_env, "FLODL_RUN_SECRET": secret.hex(), "FLODL_RUN_ID": run_id, "FLODL_TEST_STEP_SLEEP": "0.002"}
+    summary_path = tmp_path / "s.json"
+    run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "6", "--port", str(port), "--summary-json", str(summary_path)], env)
+    run.wait_for_line("epoch 1/6")
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, b"fuzzer")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    rng = random.Random(11)
+    signed = FrameWriter(secret, run_id, "fuzzer")
+    stolen = [signed.encode(m.RankExited(rank=0, pid=1, code=-9)) for _ in range(10)]  # never sent intact
+    for i in range(10_000):
+        base = bytearray(rng.choice(stolen))
+        if i % 3 == 0:
+            frame = rng.randbytes(rng.randint(0, 400))
+        elif i % 3 == 1:
+            for _ in range(rng.randint(1, 4)):
+                base[rng.randrange(len(base))] ^= 1 << rng.randrange(8)
+            frame = bytes(base)
+        else:
+            frame = bytes(base[: rng.randrange(len(base))]) + rng.randbytes(rng.randint(0, 8))
+        sock.send(frame)
+    sock.close()
+    assert run.wait(100) == 0, run.output
+    summary = json.loads(summary_path.read_text())
+    assert summary["deaths"] == [] and summary["epochs_completed"] == 6
+    assert sum(summary["dropped_frames"].values()) >= 9_990
+    assert summary["final_eval"] > 0.7

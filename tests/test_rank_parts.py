@@ -1,0 +1,170 @@
+"""Rank-side building blocks: task specs, batches, flat averaging over real gloo groups."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flodl import Task, TaskError, record_scalar
+from flodl import scalars
+from flodl.rank.collective import FlatAverager
+from flodl.rank.data import BatchSource, to_device
+from flodl.schedule import slice_indices
+from flodl.taskspec import load_task, spec_of
+
+from .conftest import task_spec
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _model():
+    return torch.nn.Linear(2, 1)
+
+
+def _opt(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_task_validation_names_the_field():
+    ds = torch.utils.data.TensorDataset(torch.zeros(4, 2), torch.zeros(4))
+    with pytest.raises(TaskError, match="batch_size"):
+        Task(model=_model, optimizer=_opt, dataset=ds, batch_size=0, loss_fn=torch.nn.functional.mse_loss)
+    with pytest.raises(TaskError, match="exactly one of loss_fn or train_step"):
+        Task(model=_model, optimizer=_opt, dataset=ds, batch_size=2)
+    with pytest.raises(TaskError, match="Task.model"):
+        Task(model=None, optimizer=_opt, dataset=ds, batch_size=2, loss_fn=torch.nn.functional.mse_loss)
+    t = Task(model=_model, optimizer=_opt, dataset=lambda: ds, batch_size=2, loss_fn=torch.nn.functional.mse_loss)
+    assert t.build_dataset() is ds
+
+
+def test_load_task_by_file_and_module():
+    task = load_task(task_spec("tiny.py"))
+    assert isinstance(task, Task) and task.batch_size == 16
+    assert load_task("examples.quickstart:task").batch_size == 64
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("nocolon", "must be 'module:function'"),
+    ("/no/such/file.py:task", "not found"),
+    ("no_such_module_xyz:task", "cannot import"),
+    ("examples.quickstart:nope", "has no attribute"),
+    ("examples.quickstart:make_model", "expected a flodl.Task"),
+])
+def test_bad_task_specs(spec, match):
+    with pytest.raises(TaskError, match=match):
+        load_task(spec)
+
+
+def test_spec_of():
+    from examples.quickstart import task
+
+    assert spec_of(task) == "examples.quickstart:task"
+    with pytest.raises(TaskError, match="top level"):
+        spec_of(lambda: None)
+    with pytest.raises(TaskError, match="not a Task instance"):
+        spec_of(task())
+
+
+def test_batch_source_fast_path_and_generic_path_agree():
+    x, y = torch.arange(20.0).view(10, 2), torch.arange(10)
+    tensor_ds = torch.utils.data.TensorDataset(x, y)
+
+    class Plain(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return x[i], y[i]
+
+    fast = list(BatchSource(tensor_ds, 4, seed=3).batches(1, 2, 7))
+    slow = list(BatchSource(Plain(), 4, seed=3).batches(1, 2, 7))
+    assert [len(i) for i, _ in fast] == [4, 3]
+    for (ia, (xa, ya)), (ib, (xb, yb)) in zip(fast, slow):
+        assert torch.equal(ia, ib) and torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert torch.equal(torch.cat([i for i, _ in fast]), slice_indices(10, 3, 1, 2, 7))
+
+
+def test_batch_source_names_the_broken_index():
+    class Broken(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            if i == 5:
+                raise KeyError("corrupt record")
+            return torch.tensor([float(i)])
+
+    with pytest.raises(TaskError, match=r"dataset\[5\] raised KeyError"):
+        for _ in BatchSource(Broken(), 8, seed=0).batches(0, 0, 8):
+            pass
+
+
+def test_to_device_nested():
+    batch = {"a": (torch.ones(1), [torch.zeros(1)]), "b": 3}
+    out = to_device(batch, torch.device("cpu"))
+    assert out["b"] == 3 and torch.equal(out["a"][1][0], torch.zeros(1))
+
+
+def test_record_scalar_accumulates_and_drains():
+    scalars.drain()
+    record_scalar("acc", 0.5)
+    record_scalar("acc", 1.0)
+    record_scalar("acc", float("nan"))
+    assert scalars.drain() == {"acc": [1.5, 2.0]}
+    assert scalars.drain() == {}
+    with pytest.raises(TypeError):
+        record_scalar("", 1.0)
+
+
+def test_flat_averager_alone_keeps_params_and_views():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    before = [p.detach().clone() for p in model.parameters()]
+    avg = FlatAverager(model, None)
+    assert avg.numel == sum(p.numel() for p in model.parameters()) + 8  # + running mean/var
+    for a, p in zip(before, model.parameters()):
+        assert torch.equal(a, p)
+    assert avg.average(1.0) == 0.0
+    # params are views into the flat buffer: an optimizer step shows up there
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    assert torch.equal(avg.snapshot()[0][:12], model[0].weight.detach().reshape(-1))
+
+
+def _averager_rank(rank, world, port, weights, out):
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=20))
+    group = dist.ProcessGroupGloo(dist.PrefixStore("t", store), rank, world, datetime.timedelta(seconds=20))
+    torch.manual_seed(100 + rank)  # every rank starts different
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7))
+    model[1].running_mean.add_(rank)
+    model[1].num_batches_tracked.fill_(rank + 1)
+    values = [t.detach().double().clone() for t in list(model.parameters()) + [model[1].running_mean, model[1].running_var]]
+    avg = FlatAverager(model, group)
+    avg.average(weights[rank])
+    result = [t.detach().double().clone() for t in list(model.parameters()) + [model[1].running_mean, model[1].running_var]]
+    out.put((rank, values, result, int(model[1].num_batches_tracked)))
+
+
+def test_weighted_average_is_exact_against_float64_reference():
+    """Three real gloo ranks, unequal weights (one zero): the float64 weighted mean."""
+    weights = [3.0, 1.0, 0.0]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=20))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_averager_rank, args=(r, 3, store.port, weights, out)) for r in range(3)]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=50) for _ in procs]
+    for p in procs:
+        p.join(timeout=10)
+    got.sort()
+    total = sum(weights)
+    for i in range(len(got[0][1])):
+        want = sum(w * g[1][i] for w, g in zip(weights, got)) / total
+        for g in got:
+            assert torch.allclose(g[2][i], want, atol=1e-6), i
+    assert [g[3] for g in got] == [1, 2, 3]  # integer buffers stay local
