@@ -346,7 +346,7 @@ class Controller:
             self.members.seen_worker(env.sender, now)
             if rank is None:
                 self._seen_by_identity(identity, now)
-        handler(self, identity, env, msg)
+        getattr(self, handler)(identity, env, msg)
 
     def _is_rank_sender(self, rank: int, identity: bytes, msg: Any) -> bool:
         """A rank message must come from the identity that said that rank's hello."""
@@ -610,16 +610,17 @@ class Controller:
         }
 
 
-_HANDLERS: dict[type, Callable[[Controller, bytes, Envelope, Any], None]] = {
-    m.WorkerHello: Controller._h_worker_hello,
-    m.RankHello: Controller._h_rank_hello,
-    m.RankReady: Controller._h_rank_ready,
-    m.BatchDone: Controller._h_batch_done,
-    m.EpochDone: Controller._h_epoch_done,
-    m.EvalResult: Controller._h_eval_result,
-    m.RankError: Controller._h_rank_error,
-    m.RankExited: Controller._h_rank_exited,
-    m.Exiting: Controller._h_exiting,
-    m.Ping: Controller._h_ping,
-    m.Heartbeat: Controller._h_heartbeat,
+#: Message type → handler method name (looked up on the instance, so subclasses can hook in).
+_HANDLERS: dict[type, str] = {
+    m.WorkerHello: "_h_worker_hello",
+    m.RankHello: "_h_rank_hello",
+    m.RankReady: "_h_rank_ready",
+    m.BatchDone: "_h_batch_done",
+    m.EpochDone: "_h_epoch_done",
+    m.EvalResult: "_h_eval_result",
+    m.RankError: "_h_rank_error",
+    m.RankExited: "_h_rank_exited",
+    m.Exiting: "_h_exiting",
+    m.Ping: "_h_ping",
+    m.Heartbeat: "_h_heartbeat",
 }

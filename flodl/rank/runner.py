@@ -202,8 +202,9 @@ class RankRunner:
     # ---------------------------------------------------------------- setup
 
     def _build(self) -> m.RankHello:
-        if self.device.type == "cpu":
-            # co-hosted CPU ranks share the cores instead of each grabbing all of them
+        if self.device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
+            # co-hosted CPU ranks share the cores instead of each grabbing all of
+            # them; an explicit OMP_NUM_THREADS (the usual knob) wins
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.env.local_world)))
         elif self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -260,6 +261,7 @@ class RankRunner:
         batches = self.source.batches(plan.epoch, plan.offset, plan.size)
         totals = {"batches": 0, "samples": 0, "loss": 0.0, "compute": 0.0, "data": 0.0, "sync": 0.0}
         plan_start = time.perf_counter()
+        self.model.train()  # once per plan, not per step: it walks every module
         for _ in range(plan.rounds):
             stepped = 0
             last: m.BatchDone | None = None
@@ -280,13 +282,13 @@ class RankRunner:
                 totals["compute"] += compute_ms
                 totals["data"] += data_ms
                 if last is not None:
-                    self.link.send(last)
+                    self.link.send_lazy(last)
                 last = m.BatchDone(self.rank, plan.epoch, self.step_count, len(idx), loss, compute_ms, data_ms, 0.0)
             sync_ms = self.averager.average(float(stepped))
             totals["sync"] += sync_ms
             if last is not None:
                 last.sync_ms = sync_ms
-                self.link.send(last)
+                self.link.send_lazy(last)
         self.link.send(
             m.EpochDone(
                 rank=self.rank,
@@ -307,7 +309,6 @@ class RankRunner:
         """One optimizer step; returns (loss, compute ms)."""
         t0 = time.perf_counter()
         model, task = self.model, self.task
-        model.train()
         if task.train_step is not None:
             loss = task.train_step(model, batch, self.device)
         else:

@@ -1,0 +1,70 @@
+"""Shared benchmark plumbing: the results table and the JSON every bench writes.
+
+Every benchmark prints a table and writes ``bench/results/<name>.json`` as
+``{"bench", "machine", "when", "rows": [{"case", "metric", "value", "unit",
+"goal", "met"}]}``; ``goal`` is the issue's target as text (null if none) and
+``met`` is true/false/null.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Row:
+    case: str
+    metric: str
+    value: float
+    unit: str
+    goal: str | None = None
+    met: bool | None = None
+
+
+def machine() -> str:
+    """One line describing where the numbers came from."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = ""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = f", GPU {torch.cuda.get_device_name(0)}"
+    except Exception:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{os.cpu_count()} x {cpu}, {mem:.0f} GiB RAM{gpu}, Python {platform.python_version()}"
+
+
+def report(bench: str, rows: list[Row], *, note: str = "") -> Path:
+    """Print the table and write the JSON; returns its path."""
+    width = max(len(r.case) for r in rows) + 2
+    print(f"\n{bench} on {machine()}")
+    print(f"{'case':<{width}}{'metric':<22}{'value':>14}  {'unit':<10}{'goal':<26}met")
+    for r in rows:
+        met = "-" if r.met is None else ("yes" if r.met else "NO")
+        print(f"{r.case:<{width}}{r.metric:<22}{r.value:>14,.2f}  {r.unit:<10}{(r.goal or '-'):<26}{met}")
+    if note:
+        print(note)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{bench}.json"
+    payload = {"bench": bench, "machine": machine(), "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": [asdict(r) for r in rows]}
+    if note:
+        payload["note"] = note
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"wrote {path}")
+    return path
