@@ -120,33 +120,57 @@ def test_record_scalar_accumulates_and_drains():
         record_scalar("", 1.0)
 
 
-def test_flat_averager_alone_keeps_params_and_views():
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
-    before = [p.detach().clone() for p in model.parameters()]
+def _solo_group():
+    return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
+
+
+def test_flat_averager_without_group_touches_nothing():
+    model = torch.nn.Linear(3, 4)
+    storage = model.weight.data_ptr()
     avg = FlatAverager(model, None)
-    assert avg.numel == sum(p.numel() for p in model.parameters()) + 8  # + running mean/var
-    for a, p in zip(before, model.parameters()):
+    assert avg.numel == 0 and avg.average(1.0) == 0.0
+    assert model.weight.data_ptr() == storage
+
+
+def test_flat_averager_views_and_rnn_copies():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    rnn = torch.nn.GRU(4, 5)
+    model.append(torch.nn.Identity())
+    holder = torch.nn.ModuleDict({"mlp": model, "rnn": rnn})
+    before = [p.detach().clone() for p in holder.parameters()]
+    rnn_storage = rnn.weight_ih_l0.data_ptr()
+    avg = FlatAverager(holder, _solo_group())
+    n_rnn = sum(p.numel() for p in rnn.parameters())
+    assert avg.numel == sum(p.numel() for p in holder.parameters()) + 8  # + running mean/var
+    for a, p in zip(before, holder.parameters()):
         assert torch.equal(a, p)
-    assert avg.average(1.0) == 0.0
-    # params are views into the flat buffer: an optimizer step shows up there
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    model(torch.randn(5, 3)).sum().backward()
+    assert rnn.weight_ih_l0.data_ptr() == rnn_storage  # cuDNN keeps its own packed weights
+    # non-RNN params are views into the flat buffer: an optimizer step shows up there
+    opt = torch.optim.SGD(holder.parameters(), lr=1.0)
+    (model(torch.randn(5, 3)).sum() + rnn(torch.randn(2, 1, 4))[0].sum()).backward()
     opt.step()
-    assert torch.equal(avg.snapshot()[0][:12], model[0].weight.detach().reshape(-1))
+    flat = avg.snapshot()[0]
+    assert torch.equal(flat[:12], model[0].weight.detach().reshape(-1))
+    assert n_rnn > 0
+    values = [p.detach().clone() for p in holder.parameters()]
+    avg.average(1.0)  # a one-rank average is the identity, copied tensors included
+    for a, p in zip(values, holder.parameters()):
+        assert torch.allclose(a, p)
 
 
 def _averager_rank(rank, world, port, weights, out):
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=20))
     group = dist.ProcessGroupGloo(dist.PrefixStore("t", store), rank, world, datetime.timedelta(seconds=20))
     torch.manual_seed(100 + rank)  # every rank starts different
-    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7))
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7), torch.nn.GRU(7, 3))
     model[1].running_mean.add_(rank)
     model[1].num_batches_tracked.fill_(rank + 1)
     values = [t.detach().double().clone() for t in list(model.parameters()) + [model[1].running_mean, model[1].running_var]]
     avg = FlatAverager(model, group)
     avg.average(weights[rank])
     result = [t.detach().double().clone() for t in list(model.parameters()) + [model[1].running_mean, model[1].running_var]]
-    out.put((rank, values, result, int(model[1].num_batches_tracked)))
+    # plain lists: torch tensors through a queue share memory with a child that is about to exit
+    out.put((rank, [v.tolist() for v in values], [r.tolist() for r in result], int(model[1].num_batches_tracked)))
 
 
 def test_weighted_average_is_exact_against_float64_reference():
@@ -164,7 +188,7 @@ def test_weighted_average_is_exact_against_float64_reference():
     got.sort()
     total = sum(weights)
     for i in range(len(got[0][1])):
-        want = sum(w * g[1][i] for w, g in zip(weights, got)) / total
+        want = sum(w * torch.tensor(g[1][i], dtype=torch.float64) for w, g in zip(weights, got)) / total
         for g in got:
-            assert torch.allclose(g[2][i], want, atol=1e-6), i
+            assert torch.allclose(torch.tensor(g[2][i], dtype=torch.float64), want, atol=1e-6), i
     assert [g[3] for g in got] == [1, 2, 3]  # integer buffers stay local

@@ -62,38 +62,66 @@ def build_group(
 class _Bucket:
     flat: torch.Tensor  # n + 1 elements: the tensors' values, then the weight slot
     numel: int
+    # tensors that cannot live in ``flat`` (they keep storage of their own) and
+    # are copied in before and out after each average: (tensor, offset)
+    copied: list[tuple[torch.Tensor, int]]
+
+
+def _own_storage(model: torch.nn.Module) -> set[int]:
+    """Tensors that must keep their own storage: cuDNN RNNs pack their weights
+    into one buffer of their own (``flatten_parameters``); re-pointing them at
+    views of ours would make cuDNN re-compact them on every call."""
+    return {id(p) for mod in model.modules() if isinstance(mod, torch.nn.RNNBase) for p in mod.parameters(recurse=False)}
 
 
 class FlatAverager:
     """Weighted in-place averaging of a model's floating tensors over a group.
 
     Integer buffers (such as BatchNorm's ``num_batches_tracked``) stay local:
-    averaging a counter is meaningless.
+    averaging a counter is meaningless. With no group (one rank) nothing is
+    touched at all.
     """
 
     def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
         self.group = group
         self.buckets: list[_Bucket] = []
+        if group is None:
+            return
+        keep = _own_storage(model)
         tensors = [p for p in model.parameters()] + [b for b in model.buffers() if b.is_floating_point()]
         by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault((t.dtype, t.device), []).append(t)
         for (dtype, device), group_tensors in by_dtype.items():
-            self.buckets.append(self._flatten(group_tensors, dtype, device))
+            self.buckets.append(self._flatten(group_tensors, dtype, device, keep))
 
     @staticmethod
-    def _flatten(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> _Bucket:
+    def _flatten(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device, keep: set[int]) -> _Bucket:
         numel = sum(t.numel() for t in tensors)
         flat = torch.empty(numel + 1, dtype=dtype, device=device)
+        copied = []
         offset = 0
         with torch.no_grad():
             for t in tensors:
                 n = t.numel()
                 flat[offset : offset + n].copy_(t.reshape(-1))
-                # rebinding .data keeps the Parameter object (and optimizer state keys) intact
-                t.data = flat[offset : offset + n].view_as(t)
+                if id(t) in keep:
+                    copied.append((t, offset))
+                else:
+                    # rebinding .data keeps the Parameter object (and optimizer state keys) intact
+                    t.data = flat[offset : offset + n].view_as(t)
                 offset += n
-        return _Bucket(flat, numel)
+        return _Bucket(flat, numel, copied)
+
+    @staticmethod
+    def _copy_in(bucket: _Bucket) -> None:
+        for t, offset in bucket.copied:
+            bucket.flat[offset : offset + t.numel()].copy_(t.reshape(-1))
+
+    @staticmethod
+    def _copy_out(bucket: _Bucket) -> None:
+        for t, offset in bucket.copied:
+            t.copy_(bucket.flat[offset : offset + t.numel()].view_as(t))
 
     @property
     def numel(self) -> int:
@@ -103,8 +131,11 @@ class FlatAverager:
         """Make every replica equal to ``root``'s (start of training)."""
         if self.group is None:
             return
-        for bucket in self.buckets:
-            self.group.broadcast(bucket.flat, root).wait()
+        with torch.no_grad():
+            for bucket in self.buckets:
+                self._copy_in(bucket)
+                self.group.broadcast(bucket.flat, root).wait()
+                self._copy_out(bucket)
 
     def average(self, weight: float) -> float:
         """Replace every replica's tensors by the weight-averaged ones; returns ms spent.
@@ -117,6 +148,7 @@ class FlatAverager:
         start = time.perf_counter()
         with torch.no_grad():
             for bucket in self.buckets:
+                self._copy_in(bucket)
                 values, slot = bucket.flat[: bucket.numel], bucket.flat[bucket.numel :]
                 # a zero-weight rank's values are zeroed for the sum; keep them in
                 # case every rank had zero weight and there is no average to take
@@ -130,8 +162,13 @@ class FlatAverager:
                     values.div_(total)
                 elif keep is not None:
                     values.copy_(keep)
+                self._copy_out(bucket)
         return (time.perf_counter() - start) * 1000.0
 
     def snapshot(self) -> list[torch.Tensor]:
         """Copies of the flat buffers (for tests and checkpoints)."""
-        return [b.flat[: b.numel].detach().clone() for b in self.buckets]
+        out = []
+        for bucket in self.buckets:
+            self._copy_in(bucket)
+            out.append(bucket.flat[: bucket.numel].detach().clone())
+        return out

@@ -1,0 +1,39 @@
+"""The README's two commands stay true: CI runs the test one verbatim, both parse."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from flodl.controller.launch import build_parser, resolve
+
+from .conftest import ROOT
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    head = text[: text.index("## What you get")]
+    return re.findall(r"```bash\n(.+?)\n```", head)
+
+
+def test_readme_first_screen_has_main_job_and_tests():
+    main_job, tests = readme_commands()
+    assert main_job.startswith("bash launch/setup.sh && ") and "flodl.controller" in main_job
+    assert tests == "bash launch/setup.sh && python3 -m pytest"
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert readme_commands()[1] in ci
+
+
+def test_main_job_options_parse():
+    main_job = readme_commands()[0].split("&& ", 1)[1].split()
+    args = build_parser().parse_args(main_job[3:])  # after "python3 -m flodl.controller"
+    launch, config = resolve(args)
+    config.check_available()
+    assert launch.task == "examples/digits.py:task" and launch.nproc_per_node == 2 and launch.epochs == 5
+    assert (ROOT / "examples" / "digits.py").exists()
