@@ -20,6 +20,7 @@ import asyncio
 import io
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -85,11 +86,16 @@ def sim_worker(addr: str, nranks: int, frames: int, pings: int, out: mp.Queue) -
     welcome = _recv(wsock, reader, m.WorkerWelcome)
     # round trips through the controller, before any load
     rtts = []
+    wsock.setsockopt(zmq.RCVTIMEO, 10_000)  # a blocking receive, as a rank's link thread does
     for i in range(pings):
         t0 = time.perf_counter()
         wsock.send(wwriter.encode(m.Ping(nonce=i, sent_at=t0)))
-        _recv(wsock, reader, m.Pong)
+        while True:
+            env = reader.read(wsock.recv())
+            if env is not None and isinstance(env.msg, m.Pong):
+                break
         rtts.append((time.perf_counter() - t0) * 1e6)
+    wsock.setsockopt(zmq.RCVTIMEO, -1)
     ranks = []
     for r in welcome.ranks:
         sock = ctx.socket(zmq.DEALER)
@@ -151,30 +157,36 @@ def measure(nranks: int, frames: int, pings: int) -> dict:
         "count": ctl.count,
         "sent": load["sent"],
         "sender_rate": load["sent"] / load["send_s"],
-        "rtt_p50": sorted(load["rtts"])[len(load["rtts"]) // 2] if load["rtts"] else 0.0,
-        "rtt_p99": sorted(load["rtts"])[int(len(load["rtts"]) * 0.99)] if load["rtts"] else 0.0,
+        "rtts": load["rtts"],
         "completed": summary["exit_reason"],
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer frames and pings (under a minute)")
+    parser.add_argument("--quick", action="store_true", help="fewer frames, pings and repetitions (under a minute)")
     args = parser.parse_args()
     frames = 60_000 if args.quick else 200_000
-    pings = 2_000 if args.quick else 10_000
+    pings = 2_000 if args.quick else 5_000
+    reps = 1 if args.quick else 3  # this kind of VM is noisy: report medians
     rows: list[Row] = []
-    rtt = None
+    rtts: list[float] = []
     for n in (8, 32, 128):
-        res = measure(n, frames, pings if rtt is None else 0)
-        assert res["completed"] == "completed" and res["count"] == res["sent"], res
-        rows.append(Row(f"ingest, {n} ranks", "frames/s", res["frames_per_s"], "frames/s", "≥ 50,000 frames/s", res["frames_per_s"] >= 50_000))
-        rows.append(Row(f"sender, {n} ranks", "frames/s offered", res["sender_rate"], "frames/s"))
-        if rtt is None:
-            rtt = res
-    rows.append(Row("round trip rank→controller→rank", "p50", rtt["rtt_p50"], "µs", "≤ 150 µs", rtt["rtt_p50"] <= 150))
-    rows.append(Row("round trip rank→controller→rank", "p99", rtt["rtt_p99"], "µs"))
-    report("control_plane", rows, note=f"{frames} BatchDone frames per case, pre-signed; {pings} idle Ping/Pong round trips")
+        runs = []
+        for _ in range(reps):
+            res = measure(n, frames, pings)
+            assert res["completed"] == "completed" and res["count"] == res["sent"], res
+            runs.append(res)
+            rtts += res["rtts"]
+        rate = statistics.median(r["frames_per_s"] for r in runs)
+        rows.append(Row(f"ingest, {n} ranks", "frames/s (median)", rate, "frames/s", "≥ 50,000 frames/s", rate >= 50_000))
+        rows.append(Row(f"ingest, {n} ranks", "frames/s (worst)", min(r["frames_per_s"] for r in runs), "frames/s"))
+        rows.append(Row(f"sender, {n} ranks", "frames/s offered", statistics.median(r["sender_rate"] for r in runs), "frames/s"))
+    rtts.sort()
+    p50, p99 = rtts[len(rtts) // 2], rtts[int(len(rtts) * 0.99)]
+    rows.append(Row("round trip rank→controller→rank", "p50", p50, "µs", "≤ 150 µs", p50 <= 150))
+    rows.append(Row("round trip rank→controller→rank", "p99", p99, "µs"))
+    report("control_plane", rows, note=f"{frames} pre-signed BatchDone frames per case, {reps} repetition(s); {len(rtts)} idle Ping/Pong round trips pooled over all runs")
 
 
 if __name__ == "__main__":

@@ -90,6 +90,7 @@ class Membership:
         self.generation = 0
         self.workers: dict[str, WorkerInfo] = {}
         self.ranks: dict[int, RankInfo] = {}
+        self.by_identity: dict[bytes, RankInfo] = {}  # routing id -> rank, for O(1) liveness
 
     # ---------------------------------------------------------------- facts
 

@@ -54,7 +54,10 @@ class AsyncSocket:
         self._schedule_drain()
 
     def _on_fd(self) -> None:
-        self._schedule_drain()
+        # drain right here rather than one loop iteration later: it is the
+        # latency of every round trip through the controller
+        if not self._drain_scheduled:
+            self._drain()
 
     def _schedule_drain(self) -> None:
         if not self._drain_scheduled and not self.closed:

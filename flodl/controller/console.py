@@ -46,6 +46,10 @@ class Console:
         self._write(f"  {dataset_len} samples, batch {batch_size} per rank, {epochs} epoch(s)")
         self._last = self.clock()  # the first progress line comes one interval in
 
+    def due(self) -> bool:
+        """Whether a progress line would print now (callers skip building one otherwise)."""
+        return self.clock() - self._last >= self.interval_s
+
     def progress(self, *, epoch: int, epochs: int, done: int, total: int, rate: float, loss: float | None) -> None:
         """Show progress within an epoch (throttled)."""
         now = self.clock()

@@ -358,10 +358,9 @@ class Controller:
         return info.identity == identity
 
     def _seen_by_identity(self, identity: bytes, now: float) -> None:
-        for info in self.members.ranks.values():
-            if info.identity == identity:
-                info.last_seen = now
-                return
+        info = self.members.by_identity.get(identity)
+        if info is not None:
+            info.last_seen = now
 
     def _h_worker_hello(self, identity: bytes, env: Envelope, msg: m.WorkerHello) -> None:
         if self.phase != "gathering" or env.sender in self.members.workers:
@@ -386,6 +385,7 @@ class Controller:
             self._fail(f"rank {msg.rank} on host {msg.host} (pid {msg.pid}) cannot join: {problem}", EXIT_TASK_ERROR)
             return
         info.identity, info.host, info.pid, info.device = identity, msg.host, msg.pid, msg.device
+        self.members.by_identity[identity] = info
         self.hellos[msg.rank] = msg
         if self.task_info is None:
             self.task_info = msg
@@ -400,6 +400,8 @@ class Controller:
             return
         self.epoch_samples += msg.samples
         self.epoch_loss = msg.loss if self.epoch_loss is None else 0.9 * self.epoch_loss + 0.1 * msg.loss
+        if not self.console.due():
+            return  # the hot path: most frames only bump counters
         total = self.task_info.dataset_len
         elapsed = max(1e-9, self.clock() - self.started_at)
         done_total = sum(s.samples for s in self.history) + self.epoch_samples

@@ -173,12 +173,44 @@ class _Spec:
     cls: type
     names: tuple[str, ...]
     checks: tuple[Callable[[Any], Any], ...]
+    encode: Callable[[Any], list]  # message object -> validated wire values
+    decode: Callable[[list], Any]  # [sender, seq, run, values...] -> message object
 
 
-_SPECS: dict[int, _Spec] = {
-    kind: _Spec(kind, name, cls, tuple(f for f, _ in fields), tuple(compile_type(t) for _, t in fields))
-    for kind, (name, cls, fields) in SCHEMA.items()
+# Straight-line checks for scalar types: the codec sits on the controller's
+# ingest path, and a generated function per message is about twice as fast as
+# looping over per-field closures. Composite types call their closure.
+_INLINE = {
+    "int": "if type({v}) is not int or not _INT_MIN <= {v} <= _INT_MAX: raise _Invalid('{f}: expected int')",
+    "float": "if type({v}) is not float:\n        if type({v}) is int: {v} = float({v})\n        else: raise _Invalid('{f}: expected float')",
+    "bool": "if type({v}) is not bool: raise _Invalid('{f}: expected bool')",
+    "str": "if type({v}) is not str or len({v}) > MAX_STR: raise _Invalid('{f}: expected str of at most %d chars' % MAX_STR)",
 }
+
+
+def _generate(name: str, cls: type, fields: tuple[tuple[str, str], ...]) -> tuple[Callable, Callable]:
+    """Build the encode/decode functions of one message."""
+    env: dict[str, Any] = {"_Invalid": _Invalid, "_INT_MIN": _INT_MIN, "_INT_MAX": _INT_MAX, "MAX_STR": MAX_STR, "_cls": cls}
+    checks = []
+    for i, (field_name, wire_type) in enumerate(fields):
+        if wire_type in _INLINE:
+            checks.append("    " + _INLINE[wire_type].format(v=f"v{i}", f=field_name))
+        else:
+            env[f"_c{i}"] = compile_type(wire_type)
+            checks.append(f"    v{i} = _c{i}(v{i})")
+    values = ", ".join(f"v{i}" for i in range(len(fields)))
+    enc = [f"def _enc(msg):"] + [f"    v{i} = msg.{f}" for i, (f, _) in enumerate(fields)] + checks + [f"    return [{values}]"]
+    dec = [f"def _dec(body):"] + [f"    v{i} = body[{i + 3}]" for i in range(len(fields))] + checks + [f"    return _cls({values})"]
+    exec("\n".join(enc) + "\n\n" + "\n".join(dec), env)  # noqa: S102 - code built from our own schema only
+    return env["_enc"], env["_dec"]
+
+
+def _spec(kind: int, name: str, cls: type, fields: tuple[tuple[str, str], ...]) -> _Spec:
+    encode, decode = _generate(name, cls, fields)
+    return _Spec(kind, name, cls, tuple(f for f, _ in fields), tuple(compile_type(t) for _, t in fields), encode, decode)
+
+
+_SPECS: dict[int, _Spec] = {kind: _spec(kind, name, cls, fields) for kind, (name, cls, fields) in SCHEMA.items()}
 _SPEC_BY_CLASS: dict[type, _Spec] = {spec.cls: spec for spec in _SPECS.values()}
 
 
@@ -255,7 +287,7 @@ def message_fields(msg: Any) -> tuple[int, list]:
     if spec is None:
         raise ProtocolError("schema", f"{type(msg).__name__} is not a protocol message")
     try:
-        return spec.kind, [check(getattr(msg, name)) for name, check in zip(spec.names, spec.checks)]
+        return spec.kind, spec.encode(msg)
     except _Invalid as exc:
         raise ProtocolError("schema", f"{spec.name}: {exc}") from None
 
@@ -340,12 +372,12 @@ def _envelope(spec: _Spec, version: int, body: Any, run_id: str | None) -> Envel
     if type(seq) is not int or not 1 <= seq <= _INT_MAX or type(frame_run) is not str:
         raise ProtocolError("schema", "bad seq or run id")
     try:
-        values = [check(v) for check, v in zip(spec.checks, body[3:])]
+        msg = spec.decode(body)
     except _Invalid as exc:
         raise ProtocolError("schema", f"{spec.name}: {exc}") from None
     if run_id is not None and frame_run != run_id:
         raise ProtocolError("wrong_run", frame_run[:64])
-    return Envelope(version, spec.kind, sender, seq, frame_run, spec.cls(*values))
+    return Envelope(version, spec.kind, sender, seq, frame_run, msg)
 
 
 # ------------------------------------------------------------ stateful ends
