@@ -252,3 +252,37 @@ def test_10000_hostile_frames_do_not_stop_training(proc_env, tmp_path):
     assert summary["deaths"] == [] and summary["epochs_completed"] == 6
     assert sum(summary["dropped_frames"].values()) >= 9_990
     assert summary["final_eval"] > 0.7
+
+
+def test_sigterm_to_worker_is_forwarded_and_nothing_is_left(proc_env):
+    env = {**proc_env, "FLODL_TEST_STEP_SLEEP": "0.02"}
+    run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "200", "--heartbeat-timeout-secs", "5"], env)
+    run.ranks(2)
+    run.wait_for_line("epoch 1/200")
+    tree = run.tree()
+    worker = next(p for p in tree if _is(p, "flodl.worker"))
+    worker.send_signal(signal.SIGTERM)
+    code = run.wait(30)
+    assert code == 3, run.output
+    assert "run stopped" in run.output
+    assert_all_gone(tree)
+
+
+def test_trainer_api_runs_like_the_cli(tmp_path):
+    """Trainer.builder(fn)...run() in this process: same run, same summary."""
+    from examples.quickstart import task
+
+    from flodl import ConfigError, DdpRunConfig, Trainer
+
+    with pytest.raises(ConfigError, match="checkpoint_every"):
+        Trainer.builder(task).config(DdpRunConfig().with_checkpoint_every(1)).build()
+    summary = (
+        Trainer.builder(task).nproc_per_node(2).epochs(2).progress(False)
+        .config(DdpRunConfig().with_max_grad_norm(1.0).with_lr_scale_ratio(0.5))
+        .summary_json(str(tmp_path / "s.json"))
+        .run()
+    )
+    assert summary["exit_reason"] == "completed" and summary["world_size"] == 2
+    assert summary["final_eval"] > 0.8
+    assert summary["config"]["max_grad_norm"] == 1.0 and summary["config"]["lr_scale_ratio"] == 0.5
+    assert json.loads((tmp_path / "s.json").read_text())["run_id"] == summary["run_id"]

@@ -192,3 +192,33 @@ def test_weighted_average_is_exact_against_float64_reference():
         for g in got:
             assert torch.allclose(torch.tensor(g[2][i], dtype=torch.float64), want, atol=1e-6), i
     assert [g[3] for g in got] == [1, 2, 3]  # integer buffers stay local
+
+
+def _runner(tmp_path):
+    from flodl.env import RankEnv
+    from flodl.rank.runner import RankRunner
+
+    env = RankEnv(controller="tcp://127.0.0.1:1", secret=b"k" * 32, run_id="r", rank=0, device="cpu",
+                  task=task_spec("tiny.py"), local_world=1, heartbeat_timeout_s=5.0, parent_pid=0)
+    return RankRunner(env)
+
+
+def test_step_clips_gradients_to_max_grad_norm(tmp_path):
+    runner = _runner(tmp_path)
+    try:
+        runner.task = load_task(task_spec("tiny.py"))
+        runner.model = runner.task.model()
+        runner.optimizer = torch.optim.SGD(runner.model.parameters(), lr=0.0)  # lr 0: grads survive the step
+        x = torch.randn(16, 8) * 100  # huge inputs, huge gradients
+        y = torch.randint(0, 2, (16,))
+        runner.max_grad_norm = None
+        runner._step((x, y))
+        raw = torch.norm(torch.stack([p.grad.norm() for p in runner.model.parameters()]))
+        runner.max_grad_norm = 0.5
+        loss, ms = runner._step((x, y))
+        clipped = torch.norm(torch.stack([p.grad.norm() for p in runner.model.parameters()]))
+        assert raw > 1.0 and clipped == pytest.approx(0.5, rel=1e-4)
+        assert ms > 0 and runner.step_count == 2
+    finally:
+        runner.link._pipe_out.close(linger=0)
+        runner.link._pipe_in.close(linger=0)

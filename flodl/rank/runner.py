@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .. import __version__, scalars
+from ..config import DdpRunConfig
 from ..env import RankEnv
 from ..errors import (
     EXIT_CONTROLLER_LOST,
@@ -228,7 +229,7 @@ class RankRunner:
 
     def _join(self, welcome: m.RankWelcome) -> None:
         start = time.perf_counter()
-        config = welcome.config
+        config = DdpRunConfig.from_dict(welcome.config)  # validated, typed: the controller's options
         group = None
         if welcome.world_size > 1:
             group = build_group(
@@ -244,12 +245,11 @@ class RankRunner:
         self.averager = FlatAverager(self.model, group)
         self.averager.broadcast_from(0)
         self.optimizer = self.task.optimizer(self.model)
-        ratio = float(config.get("lr_scale_ratio", 1.0))
-        if welcome.world_size > 1 and ratio > 0:
-            factor = 1.0 + (welcome.world_size - 1) * ratio
+        factor = config.lr_factor(welcome.world_size)
+        if factor != 1.0:
             for param_group in self.optimizer.param_groups:
                 param_group["lr"] = param_group["lr"] * factor
-        self.max_grad_norm = config.get("max_grad_norm")
+        self.max_grad_norm = config.max_grad_norm
         self.source = BatchSource(self.task.build_dataset(), self.task.batch_size, seed=0, collate_fn=self.task.collate_fn)
         self.link.send(m.RankReady(rank=self.rank, generation=welcome.generation, init_ms=(time.perf_counter() - start) * 1000))
 
