@@ -565,9 +565,8 @@ class ElCheConfig:
     properties give the value the runtime will use.
     """
 
-    # The reference default is NcclCadence; this version implements NcclSync
-    # only, so that is the default. Move it to NcclCadence when cadence lands.
-    mode: ElCheMode = _option(ElCheMode.NcclSync, check=_mode, kind="mode",
+    # The reference default: the slowest rank anchors a wall-time window.
+    mode: ElCheMode = _option(ElCheMode.NcclCadence, check=_mode, kind="mode",
                               help="When replicas average (sync, cadence, async) x how (nccl: the collective "
                                    "backend, NCCL on CUDA or gloo; cpu: through the coordinator).")
     anchor: int | None = _option(None, check=_count(1), kind="int", default_text="mode preset (1 Sync, 10 otherwise)",
@@ -1043,9 +1042,15 @@ def _callable_spec(function: Callable[..., Any]) -> str:
 
 #: Options this version honours. Any other option must stay at its default.
 #: Widen this as features land (and docs/options.md follows via gen_options.py).
-AVAILABLE_FIELDS: frozenset[str] = frozenset({"lr_scale_ratio", "max_grad_norm", "heartbeat_timeout_secs", "mode"})
-#: Modes this version can run.
-AVAILABLE_MODES: frozenset[ElCheMode] = frozenset({ElCheMode.NcclSync})
+AVAILABLE_FIELDS: frozenset[str] = frozenset({
+    "lr_scale_ratio", "max_grad_norm", "heartbeat_timeout_secs", "mode",
+    # cadence (ElChe), dispatch and the convergence guard
+    "anchor", "min_anchor", "max_anchor", "overhead_target", "max_batch_diff", "max_overshoot", "relax_up",
+    "partition_ratios", "divergence_threshold", "no_divergence_guard", "convergence_guard", "meta_controller",
+    "progressive_dispatch", "epoch_callback_policy",
+})
+#: Modes this version can run (the collective backend; the CPU backend is planned).
+AVAILABLE_MODES: frozenset[ElCheMode] = frozenset({ElCheMode.NcclSync, ElCheMode.NcclCadence, ElCheMode.NcclAsync})
 
 NOT_AVAILABLE = "is not available yet in this version of flodl (planned); leave it at its default"
 

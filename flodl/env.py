@@ -111,3 +111,31 @@ def child_environ(extra: dict[str, str]) -> dict[str, str]:
 def vram_pool_disabled() -> bool:
     """FLODL_VRAM_POOL=off|0 kill-switch (read by the data plane)."""
     return os.environ.get("FLODL_VRAM_POOL", "").lower() in ("off", "0")
+
+
+SIMULATE_SLOWDOWN = "FLODL_SIMULATE_SLOWDOWN"  # "1:3.0,2:1.5": rank -> compute multiplier
+
+
+def simulated_slowdown(rank: int) -> float:
+    """This rank's simulated compute multiplier (1.0 = real speed).
+
+    SIMULATION ONLY, for tests and benchmarks on one machine: a rank with
+    factor f sleeps (f - 1) x its measured compute time after every step, so it
+    behaves like a device f times slower. Never set on real mixed hardware.
+
+    Raises:
+        ValueError: the variable is not ``rank:factor[,rank:factor...]`` with factors >= 1.
+    """
+    text = os.environ.get(SIMULATE_SLOWDOWN, "").strip()
+    if not text:
+        return 1.0
+    table = {}
+    for item in text.split(","):
+        r, sep, f = item.partition(":")
+        try:
+            table[int(r)] = float(f)
+        except ValueError:
+            raise ValueError(f"{SIMULATE_SLOWDOWN}={text!r}: expected rank:factor pairs, e.g. 1:3.0") from None
+        if not sep or table[int(r)] < 1.0:
+            raise ValueError(f"{SIMULATE_SLOWDOWN}={text!r}: factors must be >= 1")
+    return table.get(rank, 1.0)

@@ -40,6 +40,7 @@ class SimRankSpec:
     die_at_batch: int | None = None
     silent_at_batch: int | None = None
     eval_value: float = 0.5
+    slowdown: float = 1.0  # simulated: this rank's batches take slowdown x batch_ms
 
 
 class _Peer:
@@ -49,13 +50,16 @@ class _Peer:
         self.sender = sender
         self.inbox: asyncio.Queue[Any] = asyncio.Queue()
         self.silent = False
+        self.end_window = -1
         self.endpoint = ControlEndpoint(
             make_dealer(zmq.Context.instance(), addr, sender), secret=secret, run_id=run_id, sender=sender, on_message=self._on_message
         )
         self.endpoint.start()
 
     def _on_message(self, identity: bytes, env: Envelope) -> None:
-        if not isinstance(env.msg, m.Heartbeat):
+        if isinstance(env.msg, m.EndWindow):
+            self.end_window = max(self.end_window, env.msg.window)
+        elif not isinstance(env.msg, m.Heartbeat):
             self.inbox.put_nowait(env.msg)
 
     def send(self, msg: Any) -> None:
@@ -76,6 +80,32 @@ class _Peer:
 
     def close(self) -> None:
         self.endpoint.close()
+
+
+def _window_batches(window: m.Window, batch_size: int, batch_ms: float) -> list[tuple[int, int]]:
+    """(epoch, samples) of each batch a simulated rank trains in a window, as a real one would."""
+    out: list[tuple[int, int]] = []
+    pending, epoch_of = 0, None
+    for epoch, _, size in window.grants:
+        if epoch_of is not None and epoch != epoch_of and pending:
+            out.append((epoch_of, pending))
+            pending = 0
+        epoch_of = epoch
+        while size:
+            take = min(batch_size - pending, size)
+            pending += take
+            size -= take
+            if pending == batch_size:
+                out.append((epoch, pending))
+                pending = 0
+    if pending:
+        out.append((epoch_of, pending))
+    limit = len(out)
+    if window.quota_batches:
+        limit = min(limit, window.quota_batches)
+    if window.quota_ms and batch_ms > 0:
+        limit = min(limit, max(1, int(-(-window.quota_ms // batch_ms))))
+    return out[:limit]
 
 
 class SimWorker:
@@ -138,13 +168,21 @@ class SimWorker:
         peer.send(m.RankReady(rank=rank, generation=welcome.generation, init_ms=0.0))
         step = 0
         while True:
-            cmd = await peer.expect(m.StartEpoch, m.RunEval, m.Shutdown, timeout_s=3600)
+            cmd = await peer.expect(m.StartEpoch, m.Window, m.RunEval, m.Shutdown, timeout_s=3600)
             if isinstance(cmd, m.Shutdown):
                 peer.send(m.Exiting(rank=rank, reason=cmd.reason))
                 await asyncio.sleep(0.05)
                 return "aborted" if cmd.abort else "completed"
             if isinstance(cmd, m.RunEval):
                 peer.send(m.EvalResult(rank=rank, epoch=cmd.epoch, final=cmd.final, value=spec.eval_value, elapsed_ms=0.0, error=None))
+                continue
+            if isinstance(cmd, m.Window):
+                step = await self._window(peer, rank, spec, cmd, step)
+                if step == -2:
+                    return "silent"
+                if step < 0:
+                    worker.send(m.RankExited(rank=rank, pid=os.getpid(), code=-9))
+                    return "died"
                 continue
             nbatches = -(-cmd.size // self.batch_size)
             for b in range(nbatches):
@@ -167,3 +205,36 @@ class SimWorker:
                     compute_ms=nbatches * spec.batch_ms, data_ms=0.0, sync_ms=0.0, syncs=cmd.rounds, scalars={},
                 )
             )
+
+    async def _window(self, peer: _Peer, rank: int, spec: SimRankSpec, cmd: m.Window, step: int) -> int:
+        """Train a window's grants like a real rank would (simulated time); -1 if it died."""
+        batches = _window_batches(cmd, self.batch_size, spec.batch_ms * spec.slowdown)
+        per_epoch: dict[int, list[float]] = {}
+        trained = []
+        for epoch, samples in batches:
+            if peer.end_window >= cmd.window:
+                break
+            trained.append((epoch, samples))
+            step += 1
+            if spec.die_at_batch is not None and step >= spec.die_at_batch:
+                return -1
+            if spec.silent_at_batch is not None and step >= spec.silent_at_batch:
+                peer.silent = True
+                await peer.expect(m.Shutdown, timeout_s=3600)  # a hung rank: it hears, never answers
+                return -2
+            if spec.batch_ms:
+                await asyncio.sleep(spec.batch_ms * spec.slowdown / 1000.0)
+            row = per_epoch.setdefault(epoch, [0.0] * 5)
+            for i, v in enumerate((1, samples, 1.0 / step, spec.batch_ms * spec.slowdown, 0.0)):
+                row[i] += v
+            peer.send(m.BatchDone(rank, epoch, step, samples, 1.0 / step, spec.batch_ms * spec.slowdown, 0.0, 0.0))
+            self.batches_sent += 1
+        peer.send(
+            m.WindowDone(
+                rank=rank, window=cmd.window, batches=len(trained), consumed=sum(s for _, s in trained),
+                loss_sum=sum(r[2] for r in per_epoch.values()), compute_ms=sum(r[3] for r in per_epoch.values()),
+                data_ms=0.0, sync_ms=0.1, divergence=0.01 if cmd.measure_divergence else None, pre_norm=None,
+                post_norm=None, lr=0.1, epochs=[[float(e), *row] for e, row in sorted(per_epoch.items())], scalars={},
+            )
+        )
+        return step

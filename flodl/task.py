@@ -26,6 +26,10 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 TrainStep = Callable[[torch.nn.Module, Any, torch.device], torch.Tensor]
 #: ``eval_fn(model, device) -> float`` scores the (averaged) model.
 EvalFn = Callable[[torch.nn.Module, torch.device], float]
+#: ``lr_schedule(global_step) -> multiplier`` of the base learning rate.
+LrSchedule = Callable[[int], float]
+#: ``epoch_fn(epoch, worker)`` runs on every rank as it starts an epoch (see ``rank.handle.WorkerHandle``).
+EpochFn = Callable[[int, Any], None]
 
 
 @dataclass
@@ -50,6 +54,12 @@ class Task:
             at each epoch end and once at the end of the run.
         eval_metric: name printed and recorded for ``eval_fn``'s value.
         collate_fn: how samples become a batch (default: torch's default_collate).
+        lr_schedule: ``lr_schedule(global_step) -> multiplier`` of every
+            group's base learning rate, where ``global_step`` counts the batches
+            of all ranks (so a schedule written for one process keeps its shape).
+        epoch_fn: ``epoch_fn(epoch, worker)`` called on every rank when it
+            starts training an epoch; ``worker`` can read and change the LR,
+            swap the schedule, and reach the model and optimizer.
     """
 
     model: ModelFactory
@@ -61,6 +71,8 @@ class Task:
     eval_fn: EvalFn | None = None
     eval_metric: str = "eval"
     collate_fn: Callable[[list], Any] | None = None
+    lr_schedule: LrSchedule | None = None
+    epoch_fn: EpochFn | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -78,8 +90,10 @@ class Task:
             raise TaskError(f"Task.batch_size must be a positive int, got {self.batch_size!r}")
         if (self.loss_fn is None) == (self.train_step is None):
             raise TaskError("Task needs exactly one of loss_fn or train_step")
-        if self.eval_fn is not None and not callable(self.eval_fn):
-            raise TaskError(f"Task.eval_fn must be callable, got {self.eval_fn!r}")
+        for name in ("eval_fn", "lr_schedule", "epoch_fn", "collate_fn"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TaskError(f"Task.{name} must be callable, got {value!r}")
         if not isinstance(self.eval_metric, str) or not self.eval_metric:
             raise TaskError("Task.eval_metric must be a non-empty string")
 

@@ -56,7 +56,7 @@ def cli(*argv: str, toml: dict | None = None, launch_keys: frozenset[str] = froz
 
 SEED_DEFAULTS = {
     # ElCheConfig
-    "mode": ElCheMode.NcclSync,  # reference: NcclCadence, once cadence lands
+    "mode": ElCheMode.NcclCadence,
     "anchor": None,
     "min_anchor": None,
     "max_anchor": 1000,
@@ -121,8 +121,10 @@ def test_effective_values_of_the_defaults():
     config = DdpRunConfig()
     assert config.effective_heartbeat_timeout_secs == 30
     assert config.effective_max_log_size == 32 * 1024 * 1024
-    assert config.effective_progressive_dispatch is False  # Sync
-    assert config.elche.effective_anchor == 1
+    assert config.effective_progressive_dispatch is True  # NcclCadence
+    assert config.elche.effective_anchor == 10
+    assert config.with_mode("nccl-sync").effective_progressive_dispatch is False
+    assert config.with_mode("nccl-sync").elche.effective_anchor == 1
     assert config.elche.effective_divergence_threshold == 0.05
     assert config.with_mode("cpu-cadence").elche.effective_anchor == 10
     assert config.with_mode("cpu-cadence").effective_progressive_dispatch is True
@@ -182,8 +184,8 @@ BUILDERS = [
     # ElChe passthroughs
     ("with_mode", (ElCheMode.CpuAsync,), "mode", ElCheMode.CpuAsync),
     ("with_mode", ("cpu_cadence",), "mode", ElCheMode.CpuCadence),
-    ("with_policy", (ApplyPolicy.CADENCE,), "mode", ElCheMode.NcclCadence),
-    ("with_backend", ("cpu",), "mode", ElCheMode.CpuSync),
+    ("with_policy", (ApplyPolicy.SYNC,), "mode", ElCheMode.NcclSync),
+    ("with_backend", ("cpu",), "mode", ElCheMode.CpuCadence),
     ("with_anchor", (5,), "anchor", 5),
     ("with_min_anchor", (2,), "min_anchor", 2),
     ("with_max_anchor", (50,), "max_anchor", 50),
@@ -361,7 +363,7 @@ def test_validate_catches_values_smuggled_past_construction():
         (DdpRunConfig().with_min_anchor(20).with_max_anchor(10), None, "min_anchor"),
         (DdpRunConfig().with_anchor(20).with_max_anchor(10), None, "anchor"),
         (DdpRunConfig().with_mode("cpu-cadence").with_max_anchor(5), None, "anchor"),  # preset 10
-        (DdpRunConfig().with_checkpoint_at_epoch(2).with_save_path("ckpt"), None, "checkpoint_at_epoch"),  # Sync
+        (DdpRunConfig().with_mode("nccl-sync").with_checkpoint_at_epoch(2).with_save_path("ckpt"), None, "checkpoint_at_epoch"),
         (DdpRunConfig().with_mode("nccl-cadence").with_checkpoint_at_epoch(2), None, "checkpoint_at_epoch"),
         (DdpRunConfig(), 0, "world_size"),
     ],
@@ -569,8 +571,9 @@ def test_callable_transform_serialises_as_its_import_name():
 
 
 def test_available_sets():
-    assert AVAILABLE_FIELDS == {"lr_scale_ratio", "max_grad_norm", "heartbeat_timeout_secs", "mode"}
-    assert AVAILABLE_MODES == {ElCheMode.NcclSync}
+    assert {"lr_scale_ratio", "max_grad_norm", "heartbeat_timeout_secs", "mode", "anchor", "progressive_dispatch"} <= AVAILABLE_FIELDS
+    assert "checkpoint_every" not in AVAILABLE_FIELDS and "easgd_alpha" not in AVAILABLE_FIELDS
+    assert AVAILABLE_MODES == {ElCheMode.NcclSync, ElCheMode.NcclCadence, ElCheMode.NcclAsync}
 
 
 def test_check_available_passes_for_defaults_and_available_fields():
@@ -586,11 +589,11 @@ def test_check_available_passes_for_defaults_and_available_fields():
     [
         (DdpRunConfig().with_checkpoint_every(1), "checkpoint_every"),
         (DdpRunConfig().with_mode(ElCheMode.CpuCadence), "mode"),
-        (DdpRunConfig().with_anchor(1), "anchor"),
+        (DdpRunConfig().with_easgd_alpha(0.5), "easgd_alpha"),
         (DdpRunConfig().with_vram_pool(False), "vram_pool"),
         (DdpRunConfig().with_scalar_reduction("tokens", "sum"), "scalar_reductions"),
         (DdpRunConfig().with_transform(module_level_transform), "transform"),
-        (DdpRunConfig().with_meta_controller(False), "meta_controller"),
+        (DdpRunConfig().with_save_path("ckpt"), "save_path"),
     ],
 )
 def test_check_available_names_the_planned_option(config, field):

@@ -23,8 +23,8 @@ SECRET = b"s" * 32
 RUN = "loop-run"
 
 
-def make_controller(console, *, epochs=2, workers=1, heartbeat=None, join_timeout=20.0):
-    config = DdpRunConfig()
+def make_controller(console, *, epochs=2, workers=1, heartbeat=None, join_timeout=20.0, mode="nccl-sync", config=None):
+    config = (config or DdpRunConfig()).with_mode(mode)
     if heartbeat is not None:
         config = config.with_heartbeat_timeout_secs(heartbeat)
     launch = LaunchOptions(task="sim:task", epochs=epochs, workers=workers, progress=False, join_timeout_secs=join_timeout)
@@ -74,8 +74,9 @@ async def test_two_workers_get_consecutive_ranks(quiet_console):
     assert {r["host"] for r in summary["per_rank"]} == {"a", "b"}
 
 
-async def test_rank_death_stops_run_naming_rank_and_host(quiet_console):
-    ctl = make_controller(quiet_console, epochs=5)
+@pytest.mark.parametrize("mode", ["nccl-sync", "nccl-cadence", "nccl-async"])
+async def test_rank_death_stops_run_naming_rank_and_host(quiet_console, mode):
+    ctl = make_controller(quiet_console, epochs=5, mode=mode)
     start = time.monotonic()
     result, (sim,) = await run_with(ctl, ([SimRankSpec(batch_ms=1), SimRankSpec(batch_ms=1, die_at_batch=30)], {"host": "node-b"}))
     assert isinstance(result, RunAborted) and result.exit_code == EXIT_RANK_LOST
@@ -85,8 +86,9 @@ async def test_rank_death_stops_run_naming_rank_and_host(quiet_console):
     assert time.monotonic() - start < 10
 
 
-async def test_silent_rank_is_declared_dead_after_heartbeat_timeout(quiet_console):
-    ctl = make_controller(quiet_console, epochs=50, heartbeat=1)
+@pytest.mark.parametrize("mode", ["nccl-sync", "nccl-cadence", "nccl-async"])
+async def test_silent_rank_is_declared_dead_after_heartbeat_timeout(quiet_console, mode):
+    ctl = make_controller(quiet_console, epochs=50, heartbeat=1, mode=mode)
     result, (sim,) = await run_with(ctl, ([SimRankSpec(batch_ms=2), SimRankSpec(batch_ms=2, silent_at_batch=20)], {}))
     assert isinstance(result, RunAborted) and result.exit_code == EXIT_RANK_LOST
     assert "rank 1" in str(result) and "sent nothing for" in str(result)
@@ -154,3 +156,45 @@ async def test_garbage_frames_change_nothing(quiet_console):
     assert summary["exit_reason"] == "completed" and summary["deaths"] == []
     assert sum(summary["dropped_frames"].values()) >= sent * 0.9
     assert {"bad_tag", "wrong_run"} <= set(summary["dropped_frames"])
+
+
+def _epoch_samples(summary):
+    return [h["samples"] for h in summary["history"]]
+
+
+@pytest.mark.parametrize("mode", ["nccl-cadence", "nccl-async"])
+async def test_unequal_ranks_cover_every_sample_once_and_fast_does_more(quiet_console, mode):
+    """A rank 3x slower: the fast one trains about 3x the samples, coverage stays exact."""
+    ctl = make_controller(quiet_console, epochs=3, mode=mode)
+    summary, (sim,) = await run_with(ctl, ([SimRankSpec(batch_ms=2), SimRankSpec(batch_ms=2, slowdown=3.0)], {"dataset_len": 2400, "batch_size": 8}))
+    assert summary["exit_reason"] == "completed", summary["exit_reason"]
+    assert _epoch_samples(summary) == [2400, 2400, 2400]
+    fast, slow = (r["samples"] for r in summary["per_rank"])
+    assert 2.0 < fast / slow < 4.5, (fast, slow)
+    cadence = summary["cadence"]
+    assert cadence["batch_counts"][0] > cadence["batch_counts"][1]
+    assert summary["syncs"] < 3 * 300 / 4  # far fewer averages than batches
+
+
+async def test_async_streams_across_epochs_without_losing_samples(quiet_console):
+    config = DdpRunConfig().with_max_overshoot(4)
+    ctl = make_controller(quiet_console, epochs=4, mode="nccl-async", config=config)
+    summary, _ = await run_with(ctl, ([SimRankSpec(batch_ms=1), SimRankSpec(batch_ms=1, slowdown=2.0)], {"dataset_len": 1000, "batch_size": 10}))
+    assert _epoch_samples(summary) == [1000] * 4
+
+
+async def test_progressive_sync_windows_split_equally(quiet_console):
+    config = DdpRunConfig().with_progressive_dispatch(True)
+    ctl = make_controller(quiet_console, epochs=2, mode="nccl-sync", config=config)
+    summary, _ = await run_with(ctl, ([SimRankSpec(), SimRankSpec(), SimRankSpec()], {"dataset_len": 997, "batch_size": 10}))
+    assert _epoch_samples(summary) == [997, 997]
+    counts = [r["samples"] for r in summary["per_rank"]]
+    assert max(counts) - min(counts) <= 3 * 10  # the epoch tails: a batch or two, and the partial one
+
+
+async def test_non_progressive_cadence_uses_fixed_partitions(quiet_console):
+    config = DdpRunConfig().with_progressive_dispatch(False).with_partition_ratios([3.0, 1.0])
+    ctl = make_controller(quiet_console, epochs=2, mode="nccl-cadence", config=config)
+    summary, _ = await run_with(ctl, ([SimRankSpec(batch_ms=1), SimRankSpec(batch_ms=1)], {"dataset_len": 800, "batch_size": 10}))
+    assert _epoch_samples(summary) == [800, 800]
+    assert [r["samples"] for r in summary["per_rank"]] == [1200, 400]

@@ -112,7 +112,7 @@ def test_digits_trains_on_two_ranks(proc_env, tmp_path):
     summary = json.loads(summary_path.read_text())
     for key in ("mode", "world_size", "epochs", "wall_s", "samples_per_s", "per_rank", "syncs", "final_loss", "final_eval", "eval_metric_name", "deaths", "exit_reason"):
         assert key in summary
-    assert summary["world_size"] == 2 and summary["epochs"] == 3 and summary["mode"] == "NcclSync"
+    assert summary["world_size"] == 2 and summary["epochs"] == 3 and summary["mode"] == "NcclCadence"
     assert summary["exit_reason"] == "completed" and summary["deaths"] == []
     assert summary["final_eval"] > 0.85, run.output
     assert summary["final_loss"] < summary["history"][0]["loss"]

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import zmq
 
 from .. import __version__
-from ..config import DdpRunConfig
+from ..config import ApplyPolicy, DdpRunConfig
 from ..env import PARENT_PID, child_environ, credentials_env, new_run_id, new_run_secret
 from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_RANK_LOST, EXIT_TASK_ERROR, RunAborted
 from ..membership import Membership, PeerState, WorkerInfo, describe_exit
@@ -37,6 +37,8 @@ from ..protocol.messages import PROTOCOL_VERSION
 from ..proc import terminate_then_kill
 from ..schedule import Slice, equal_slices, sync_rounds
 from ..transport import ControlEndpoint, make_router
+from ..dispatch import PROBE_BATCHES, PROBE_MIN_MS
+from .cadence import CadenceLoop
 from .console import Console
 from .launch import LaunchOptions
 
@@ -86,6 +88,9 @@ class Controller:
         self.task_info: m.RankHello | None = None
         # training
         self.epoch_reports: dict[int, list[m.EpochDone]] = {}
+        self.window_reports: dict[int, dict[int, m.WindowDone]] = {}
+        self.window_batches: dict[int, int] = {}  # rank -> batches reported in the current window
+        self.cadence: CadenceLoop | None = None
         self.history: list[EpochStats] = []
         self.evals: dict[int, m.EvalResult] = {}
         self.epoch_samples = 0
@@ -182,8 +187,11 @@ class Controller:
             epochs=self.launch.epochs,
         )
         self.started_at = self.clock()
-        for epoch in range(self.launch.epochs):
-            await self._run_epoch(epoch)
+        if self.static_plans:
+            for epoch in range(self.launch.epochs):
+                await self._run_epoch(epoch)
+        else:
+            await self._run_windows()
         if info.has_eval:
             await self._until(lambda: self.launch.epochs - 1 in self.evals, self.launch.eval_timeout_secs, "the final eval")
         self.finished_at = self.clock()
@@ -201,14 +209,70 @@ class Controller:
         slices = equal_slices(self.task_info.dataset_len, world)
         rounds = sync_rounds(slices, self.task_info.batch_size)
         for piece in slices:
-            self._send_rank(piece.rank, m.StartEpoch(epoch=epoch, seed=self.launch.seed, offset=piece.offset, size=piece.size, rounds=rounds, sync_every=1))
+            self._send_rank(piece.rank, m.StartEpoch(epoch=epoch, seed=self.launch.seed, offset=piece.offset, size=piece.size, rounds=rounds, sync_every=1, global_step=self.global_step))
         await self._until(lambda: self._epoch_complete(epoch, slices), None, f"epoch {epoch + 1}")
         stats = aggregate(epoch, self.epoch_reports.pop(epoch))
-        self.history.append(stats)
         self.global_step += stats.batches
+        self._finish_epoch(stats)
+
+    @property
+    def static_plans(self) -> bool:
+        """Sync without progressive dispatch: one fixed slice per rank per epoch, no windows."""
+        policy = self.config.elche.mode.policy
+        return policy is ApplyPolicy.SYNC and not self.config.effective_progressive_dispatch
+
+    async def _run_windows(self) -> None:
+        """Progressive dispatch: window after window until every epoch is trained."""
+        ranks = sorted(self.members.ranks)
+        self.cadence = loop = CadenceLoop(
+            self.config, ranks, dataset_len=self.task_info.dataset_len, batch_size=self.task_info.batch_size,
+            epochs=self.launch.epochs, seed=self.launch.seed, global_step=self.global_step,
+        )
+        while True:
+            windows = loop.next_windows(self.clock())
+            if windows is None:
+                return
+            self._start_epoch_progress(loop.lowest_open_epoch)
+            self.window_batches = {rank: 0 for rank in ranks}
+            for rank, window in windows.items():
+                self._send_rank(rank, window)
+            number = loop.window
+            if loop.open_ended:
+                await self._end_when_timed(number, ranks)
+            await self._until(lambda: len(self.window_reports.get(number, {})) == len(ranks), None, f"window {number}")
+            for stats in loop.on_reports(self.window_reports.pop(number), self.clock()):
+                self._finish_epoch(stats)
+            self.global_step = loop.global_step
+
+    async def _end_when_timed(self, number: int, ranks: list[int]) -> None:
+        """Calibration window: end it once every rank has timed a few batches."""
+        start = self.clock()
+
+        def timed() -> bool:
+            done = len(self.window_reports.get(number, {})) == len(ranks)  # grants ran out first
+            enough = min(self.window_batches.values()) >= PROBE_BATCHES and (self.clock() - start) * 1000 >= PROBE_MIN_MS
+            return done or enough
+
+        await self._until(timed, None, f"calibration window {number}")
+        self._broadcast_ranks(m.EndWindow(window=number))
+
+    def _broadcast_ranks(self, msg: Any) -> None:
+        frame = self.endpoint.writer.encode(msg)
+        for info in self.members.live_ranks():
+            self.endpoint.send_frame(frame, info.identity)
+
+    def _start_epoch_progress(self, epoch: int) -> None:
+        if epoch != self.current_epoch:
+            self.current_epoch = epoch
+            self.epoch_samples = 0
+            self.epoch_loss = None
+
+    def _finish_epoch(self, stats: EpochStats) -> None:
+        """An epoch is fully trained and averaged: record it, ask for its eval, print it."""
+        self.history.append(stats)
         if self.task_info.has_eval:
             # the eval rank scores the averaged model, then takes its next plan
-            self._send_rank(self._eval_rank(), m.RunEval(epoch=epoch, final=epoch == self.launch.epochs - 1))
+            self._send_rank(self._eval_rank(), m.RunEval(epoch=stats.epoch, final=stats.epoch == self.launch.epochs - 1))
         self._flush_epoch_lines()
 
     def _epoch_complete(self, epoch: int, slices: list[Slice]) -> bool:
@@ -326,6 +390,7 @@ class Controller:
                     store_prefix=prefix,
                     collective_timeout_s=self.heartbeat_timeout_s,
                     config=config,
+                    seed=self.launch.seed,
                 ),
             )
 
@@ -396,6 +461,10 @@ class Controller:
         self._changed.set()
 
     def _h_batch_done(self, identity: bytes, env: Envelope, msg: m.BatchDone) -> None:
+        if msg.rank in self.window_batches:
+            self.window_batches[msg.rank] += 1
+            if self.cadence is not None and self.cadence.open_ended:
+                self._changed.set()  # the calibration window waits on these
         if msg.epoch != self.current_epoch:
             return
         self.epoch_samples += msg.samples
@@ -409,6 +478,10 @@ class Controller:
 
     def _h_epoch_done(self, identity: bytes, env: Envelope, msg: m.EpochDone) -> None:
         self.epoch_reports.setdefault(msg.epoch, []).append(msg)
+        self._changed.set()
+
+    def _h_window_done(self, identity: bytes, env: Envelope, msg: m.WindowDone) -> None:
+        self.window_reports.setdefault(msg.window, {})[msg.rank] = msg
         self._changed.set()
 
     def _h_eval_result(self, identity: bytes, env: Envelope, msg: m.EvalResult) -> None:
@@ -609,6 +682,7 @@ class Controller:
             "exit_code": exit_code,
             "dropped_frames": dict(self.endpoint.drops) if self.endpoint else {},
             "config": self.config.to_dict(),
+            "cadence": self.cadence.telemetry() if self.cadence else None,
         }
 
 
@@ -619,6 +693,7 @@ _HANDLERS: dict[type, str] = {
     m.RankReady: "_h_rank_ready",
     m.BatchDone: "_h_batch_done",
     m.EpochDone: "_h_epoch_done",
+    m.WindowDone: "_h_window_done",
     m.EvalResult: "_h_eval_result",
     m.RankError: "_h_rank_error",
     m.RankExited: "_h_rank_exited",

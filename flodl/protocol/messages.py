@@ -120,6 +120,8 @@ class RankWelcome:
     """timeout of every collective operation"""
     config: dict[str, Any]
     """the run options (DdpRunConfig.to_dict())"""
+    seed: int
+    """shuffle seed of the run; epoch e's permutation is seeded seed + e"""
 
 
 @dataclass(slots=True)
@@ -152,6 +154,8 @@ class StartEpoch:
     """collective averaging rounds every rank runs in this plan; a rank out of batches joins the rest with zero weight"""
     sync_every: int
     """average after every this many batches"""
+    global_step: int
+    """batches trained by all ranks before this plan (drives LR schedules)"""
 
 
 @dataclass(slots=True)
@@ -306,15 +310,82 @@ class Pong:
     """the Ping's sent_at"""
 
 
+@dataclass(slots=True)
+class Window:
+    """Train the granted positions until a quota is reached, then average through the collective (progressive dispatch). (controller -> rank)"""
+
+    KIND: ClassVar[int] = 19
+    window: int
+    """window number, from 0; echoed in WindowDone"""
+    global_step: int
+    """batches trained by all ranks before this window (drives LR schedules)"""
+    grants: list[list[int]]
+    """[epoch, start, size] ranges of epoch permutations, trained in this order"""
+    quota_batches: int
+    """stop after this many batches (0: no batch limit)"""
+    quota_ms: float
+    """stop at the first batch boundary after this many milliseconds of training (0: no time limit)"""
+    sync_every: int
+    """also average after every this many batches (0: only at the end)"""
+    rounds: int
+    """collective averaging rounds in this window, equal on every rank"""
+    measure_divergence: bool
+    """report the replica's drift from the average (costs one parameter copy)"""
+
+
+@dataclass(slots=True)
+class WindowDone:
+    """A rank finished a window and its averaging; what it trained, how long it took, how far it had drifted. (rank -> controller)"""
+
+    KIND: ClassVar[int] = 20
+    rank: int
+    """global rank"""
+    window: int
+    """echo of Window.window"""
+    batches: int
+    """optimizer steps taken"""
+    consumed: int
+    """samples trained: the first this many positions of the grants, in order"""
+    loss_sum: float
+    """sum of batch losses"""
+    compute_ms: float
+    """milliseconds of forward, backward and optimizer"""
+    data_ms: float
+    """milliseconds waiting for data"""
+    sync_ms: float
+    """milliseconds inside averaging rounds, waiting for peers included"""
+    divergence: float | None
+    """‖pre − post‖ / ‖post‖ over all parameters at the window's last average"""
+    pre_norm: float | None
+    """‖pre‖, the replica's parameter norm before that average"""
+    post_norm: float | None
+    """‖post‖, the averaged parameters' norm"""
+    lr: float | None
+    """the optimizer's learning rate at the end of the window (first parameter group)"""
+    epochs: list[list[float]]
+    """per epoch touched: [epoch, batches, samples, loss_sum, compute_ms, data_ms]"""
+    scalars: dict[str, list[float]]
+    """user scalars recorded during the window, name to [sum, count]"""
+
+
+@dataclass(slots=True)
+class EndWindow:
+    """Finish the current batch, then end the window and average (ends an open-ended calibration window). (controller -> rank)"""
+
+    KIND: ClassVar[int] = 21
+    window: int
+    """the window to end"""
+
+
 SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     1: ('WorkerHello', WorkerHello, (('host', 'str'), ('pid', 'int'), ('devices', 'list<str>'), ('versions', 'map<str,str>'),)),
     2: ('WorkerWelcome', WorkerWelcome, (('ranks', 'list<int>'), ('world_size', 'int'), ('task', 'str'), ('heartbeat_timeout_s', 'float'),)),
     3: ('Reject', Reject, (('reason', 'str'),)),
     4: ('RankExited', RankExited, (('rank', 'int'), ('pid', 'int'), ('code', 'int'),)),
     5: ('RankHello', RankHello, (('rank', 'int'), ('host', 'str'), ('pid', 'int'), ('device', 'str'), ('versions', 'map<str,str>'), ('model_signature', 'str'), ('param_count', 'int'), ('shuffle_signature', 'str'), ('dataset_len', 'int'), ('has_eval', 'bool'), ('eval_metric', 'str'), ('batch_size', 'int'),)),
-    6: ('RankWelcome', RankWelcome, (('rank', 'int'), ('world_size', 'int'), ('generation', 'int'), ('store_host', 'str'), ('store_port', 'int'), ('store_prefix', 'str'), ('collective_timeout_s', 'float'), ('config', 'map<str,value>'),)),
+    6: ('RankWelcome', RankWelcome, (('rank', 'int'), ('world_size', 'int'), ('generation', 'int'), ('store_host', 'str'), ('store_port', 'int'), ('store_prefix', 'str'), ('collective_timeout_s', 'float'), ('config', 'map<str,value>'), ('seed', 'int'),)),
     7: ('RankReady', RankReady, (('rank', 'int'), ('generation', 'int'), ('init_ms', 'float'),)),
-    8: ('StartEpoch', StartEpoch, (('epoch', 'int'), ('seed', 'int'), ('offset', 'int'), ('size', 'int'), ('rounds', 'int'), ('sync_every', 'int'),)),
+    8: ('StartEpoch', StartEpoch, (('epoch', 'int'), ('seed', 'int'), ('offset', 'int'), ('size', 'int'), ('rounds', 'int'), ('sync_every', 'int'), ('global_step', 'int'),)),
     9: ('BatchDone', BatchDone, (('rank', 'int'), ('epoch', 'int'), ('step', 'int'), ('samples', 'int'), ('loss', 'float'), ('batch_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'),)),
     10: ('EpochDone', EpochDone, (('rank', 'int'), ('epoch', 'int'), ('batches', 'int'), ('samples', 'int'), ('loss_sum', 'float'), ('wall_ms', 'float'), ('compute_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'), ('syncs', 'int'), ('scalars', 'map<str,list<float>>'),)),
     11: ('Heartbeat', Heartbeat, (('step', 'int'), ('sent_at', 'float'),)),
@@ -325,4 +396,7 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     16: ('RankError', RankError, (('rank', 'int'), ('stage', 'str'), ('error', 'str'), ('detail', 'str'),)),
     17: ('Ping', Ping, (('nonce', 'int'), ('sent_at', 'float'),)),
     18: ('Pong', Pong, (('nonce', 'int'), ('sent_at', 'float'),)),
+    19: ('Window', Window, (('window', 'int'), ('global_step', 'int'), ('grants', 'list<list<int>>'), ('quota_batches', 'int'), ('quota_ms', 'float'), ('sync_every', 'int'), ('rounds', 'int'), ('measure_divergence', 'bool'),)),
+    20: ('WindowDone', WindowDone, (('rank', 'int'), ('window', 'int'), ('batches', 'int'), ('consumed', 'int'), ('loss_sum', 'float'), ('compute_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'), ('divergence', 'opt<float>'), ('pre_norm', 'opt<float>'), ('post_norm', 'opt<float>'), ('lr', 'opt<float>'), ('epochs', 'list<list<float>>'), ('scalars', 'map<str,list<float>>'),)),
+    21: ('EndWindow', EndWindow, (('window', 'int'),)),
 }

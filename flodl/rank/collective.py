@@ -59,6 +59,16 @@ def build_group(
 
 
 @dataclass
+class Averaged:
+    """What one average cost and, when measured, how far this replica had drifted."""
+
+    ms: float
+    divergence: float | None = None
+    pre_norm: float | None = None
+    post_norm: float | None = None
+
+
+@dataclass
 class _Bucket:
     flat: torch.Tensor  # n + 1 elements: the tensors' values, then the weight slot
     numel: int
@@ -137,19 +147,24 @@ class FlatAverager:
                 self.group.broadcast(bucket.flat, root).wait()
                 self._copy_out(bucket)
 
-    def average(self, weight: float) -> float:
-        """Replace every replica's tensors by the weight-averaged ones; returns ms spent.
+    def average(self, weight: float, *, measure: bool = False) -> Averaged:
+        """Replace every replica's tensors by the weight-averaged ones.
+
+        With ``measure`` the replica's drift is reported too:
+        ``‖pre − post‖ / ‖post‖`` over all averaged tensors (one copy of them).
 
         Raises:
             RuntimeError: the collective failed (a peer died) or timed out.
         """
         if self.group is None:
-            return 0.0
+            return Averaged(0.0, 0.0 if measure else None)
         start = time.perf_counter()
+        diff_sq = pre_sq = post_sq = 0.0
         with torch.no_grad():
             for bucket in self.buckets:
                 self._copy_in(bucket)
                 values, slot = bucket.flat[: bucket.numel], bucket.flat[bucket.numel :]
+                pre = values.clone() if measure else None
                 # a zero-weight rank's values are zeroed for the sum; keep them in
                 # case every rank had zero weight and there is no average to take
                 keep = values.clone() if weight == 0 else None
@@ -163,7 +178,15 @@ class FlatAverager:
                 elif keep is not None:
                     values.copy_(keep)
                 self._copy_out(bucket)
-        return (time.perf_counter() - start) * 1000.0
+                if pre is not None:
+                    pre_sq += float(pre.double().pow(2).sum())
+                    post_sq += float(values.double().pow(2).sum())
+                    diff_sq += float((pre - values).double().pow(2).sum())
+        ms = (time.perf_counter() - start) * 1000.0
+        if not measure:
+            return Averaged(ms)
+        post = post_sq**0.5
+        return Averaged(ms, (diff_sq**0.5) / post if post > 1e-10 else None, pre_sq**0.5, post)
 
     def snapshot(self) -> list[torch.Tensor]:
         """Copies of the flat buffers (for tests and checkpoints)."""

@@ -41,13 +41,55 @@ class BatchSource:
         self.collate = collate_fn or default_collate
         self.length = len(dataset)
         self._tensors = dataset.tensors if isinstance(dataset, TensorDataset) and collate_fn is None else None
+        self._perms: dict[tuple[int, int], torch.Tensor] = {}
 
     def batches(self, epoch: int, offset: int, size: int) -> Iterator[tuple[torch.Tensor, Any]]:
         """Yield ``(indices, batch)`` for each batch of the slice (last may be partial)."""
-        indices = slice_indices(self.length, self.seed, epoch, offset, size)
+        indices = self._permutation(epoch)[offset : offset + size]
         for start in range(0, size, self.batch_size):
             idx = indices[start : start + self.batch_size]
             yield idx, self.fetch(idx)
+
+    def window_batches(self, grants: list[list[int]]) -> Iterator[tuple[int, torch.Tensor, Any]]:
+        """Yield ``(epoch, indices, batch)`` over ``[epoch, start, size]`` grants in order.
+
+        A batch may span two grants of one epoch, never two epochs (each batch
+        is one epoch's, so per-epoch metrics stay exact); a batch cut short by
+        an epoch edge is simply smaller.
+        """
+        pending: list[torch.Tensor] = []
+        have = 0
+        epoch_of = None
+        for epoch, start, size in grants:
+            if epoch_of is not None and epoch != epoch_of and pending:
+                yield (epoch_of, *self._emit(pending))
+                pending, have = [], 0
+            epoch_of = epoch
+            idx = self._permutation(epoch)[start : start + size]
+            while len(idx):
+                take = self.batch_size - have
+                pending.append(idx[:take])
+                have += len(idx[:take])
+                idx = idx[take:]
+                if have == self.batch_size:
+                    yield (epoch, *self._emit(pending))
+                    pending, have = [], 0
+        if pending:
+            yield (epoch_of, *self._emit(pending))
+
+    def _emit(self, pieces: list[torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        idx = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return idx, self.fetch(idx)
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        """The epoch's permutation, cached (a window may revisit it many times)."""
+        key = (self.seed, epoch)
+        perm = self._perms.get(key)
+        if perm is None:
+            if len(self._perms) >= 3:  # windows straddle at most two epochs
+                self._perms.pop(next(iter(self._perms)))
+            perm = self._perms[key] = slice_indices(self.length, self.seed, epoch, 0, self.length)
+        return perm
 
     def fetch(self, idx: torch.Tensor) -> Any:
         """Collate the samples at ``idx``.

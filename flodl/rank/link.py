@@ -27,7 +27,7 @@ import zmq
 
 from ..errors import EXIT_CONTROLLER_LOST, EXIT_RANK_LOST, DeadlineExceeded, PeerLost
 from ..protocol.codec import FrameReader, FrameWriter
-from ..protocol.messages import Heartbeat, Shutdown
+from ..protocol.messages import EndWindow, Heartbeat, Shutdown
 from ..transport import make_dealer
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class ControllerLink:
         self.step = 0  # written by the training thread, read by heartbeats
         self.lost: str | None = None  # why the controller is considered gone
         self.shutdown: Shutdown | None = None
+        self.end_window = -1  # the highest window the controller asked to end
         self._ctx = zmq.Context.instance()
         pipe = f"inproc://flodl-link-{id(self)}"
         self._pipe_in = self._ctx.socket(zmq.PAIR)
@@ -199,6 +200,11 @@ class ControllerLink:
             heard = True
             msg = env.msg
             if isinstance(msg, Heartbeat):
+                continue
+            if isinstance(msg, EndWindow):
+                # read by the training thread between batches, never queued: it
+                # must not wait behind the window it is meant to end
+                self.end_window = max(self.end_window, msg.window)
                 continue
             if isinstance(msg, Shutdown):
                 self.shutdown = msg

@@ -19,13 +19,14 @@ import signal
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .. import __version__, scalars
 from ..config import DdpRunConfig
-from ..env import RankEnv
+from ..env import RankEnv, simulated_slowdown
 from ..errors import (
     EXIT_CONTROLLER_LOST,
     EXIT_INTERRUPTED,
@@ -43,6 +44,7 @@ from ..taskspec import load_task
 from ..transport import host_name
 from .collective import FlatAverager, build_group
 from .data import BatchSource, to_device
+from .handle import LrState, WorkerHandle
 from .link import ControllerLink
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,48 @@ log = logging.getLogger(__name__)
 
 class _Stop(Exception):
     """Internal: the controller is gone, ordered an abort, or we got SIGTERM."""
+
+
+class _UserError(Exception):
+    """Internal: a user callback raised; carries where, for the report."""
+
+    def __init__(self, stage: str, exc: BaseException) -> None:
+        super().__init__(f"{type(exc).__name__}: {exc}")
+        self.stage = stage
+        self.original = exc
+
+
+@dataclass
+class RoundStats:
+    """What one plan or window trained, in total and per epoch."""
+
+    batches: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0
+    compute_ms: float = 0.0
+    data_ms: float = 0.0
+    sync_ms: float = 0.0
+    wall_ms: float = 0.0
+    last_average: Any = None
+    per_epoch: dict[int, list[float]] = field(default_factory=dict)  # epoch -> [batches, samples, loss, compute, data]
+
+    @property
+    def train_ms(self) -> float:
+        """Time spent training (the quota clock): compute plus waiting for data."""
+        return self.compute_ms + self.data_ms
+
+    def add(self, epoch: int, samples: int, loss: float, compute_ms: float, data_ms: float) -> None:
+        self.batches += 1
+        self.samples += samples
+        self.loss_sum += loss
+        self.compute_ms += compute_ms
+        self.data_ms += data_ms
+        row = self.per_epoch.setdefault(epoch, [0.0, 0.0, 0.0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += samples
+        row[2] += loss
+        row[3] += compute_ms
+        row[4] += data_ms
 
 
 def model_signature(model: torch.nn.Module) -> str:
@@ -93,6 +137,12 @@ class RankRunner:
         self.averager: FlatAverager | None = None
         self.source: BatchSource | None = None
         self.max_grad_norm: float | None = None
+        self.lr: LrState | None = None
+        self.world_size = 1
+        self.global_step = 0
+        self.current_epoch = -1
+        self.handle = WorkerHandle(self)
+        self.slowdown = simulated_slowdown(env.rank)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -141,10 +191,14 @@ class RankRunner:
             try:
                 if isinstance(cmd, m.StartEpoch):
                     self._train_plan(cmd)
+                elif isinstance(cmd, m.Window):
+                    self._train_window(cmd)
                 elif isinstance(cmd, m.RunEval):
                     self._evaluate(cmd)
             except _Stop:
                 return self._stopped()
+            except _UserError as exc:
+                return self._fail(exc.stage, exc.original, EXIT_TASK_ERROR)
             except RuntimeError as exc:
                 # torch raises RuntimeError for collective failures (peer gone, timeout)
                 stage = "collective" if _is_collective_error(exc) else "train"
@@ -245,70 +299,122 @@ class RankRunner:
         self.averager = FlatAverager(self.model, group)
         self.averager.broadcast_from(0)
         self.optimizer = self.task.optimizer(self.model)
-        factor = config.lr_factor(welcome.world_size)
-        if factor != 1.0:
-            for param_group in self.optimizer.param_groups:
-                param_group["lr"] = param_group["lr"] * factor
+        self.world_size = welcome.world_size
+        self.lr = LrState(self.optimizer, config.lr_factor(welcome.world_size), self.task.lr_schedule)
         self.max_grad_norm = config.max_grad_norm
-        self.source = BatchSource(self.task.build_dataset(), self.task.batch_size, seed=0, collate_fn=self.task.collate_fn)
+        self.source = BatchSource(self.task.build_dataset(), self.task.batch_size, seed=welcome.seed, collate_fn=self.task.collate_fn)
         self.link.send(m.RankReady(rank=self.rank, generation=welcome.generation, init_ms=(time.perf_counter() - start) * 1000))
 
     # ------------------------------------------------------------- training
 
     def _train_plan(self, plan: m.StartEpoch) -> None:
-        """Train one slice, averaging after every ``sync_every`` batches, ``rounds`` times."""
+        """Train one static slice, averaging after every ``sync_every`` batches, ``rounds`` times."""
         self.source.seed = plan.seed
-        batches = self.source.batches(plan.epoch, plan.offset, plan.size)
-        totals = {"batches": 0, "samples": 0, "loss": 0.0, "compute": 0.0, "data": 0.0, "sync": 0.0}
-        plan_start = time.perf_counter()
+        self.global_step = plan.global_step
+        grants = [[plan.epoch, plan.offset, plan.size]]
+        stats = self._run_rounds(grants, rounds=plan.rounds, sync_every=plan.sync_every)
+        self.link.send(
+            m.EpochDone(
+                rank=self.rank, epoch=plan.epoch, batches=stats.batches, samples=stats.samples, loss_sum=stats.loss_sum,
+                wall_ms=stats.wall_ms, compute_ms=stats.compute_ms, data_ms=stats.data_ms, sync_ms=stats.sync_ms,
+                syncs=plan.rounds, scalars=scalars.drain(),
+            )
+        )
+
+    def _train_window(self, window: m.Window) -> None:
+        """Train granted positions until a quota, average, and report (progressive dispatch)."""
+        self.global_step = window.global_step
+        stats = self._run_rounds(
+            window.grants, rounds=window.rounds, sync_every=window.sync_every, quota_batches=window.quota_batches,
+            quota_ms=window.quota_ms, measure=window.measure_divergence, window=window.window,
+        )
+        last = stats.last_average
+        self.link.send(
+            m.WindowDone(
+                rank=self.rank, window=window.window, batches=stats.batches, consumed=stats.samples, loss_sum=stats.loss_sum,
+                compute_ms=stats.compute_ms, data_ms=stats.data_ms, sync_ms=stats.sync_ms,
+                divergence=last.divergence if last else None, pre_norm=last.pre_norm if last else None,
+                post_norm=last.post_norm if last else None, lr=self.lr.current,
+                epochs=[[float(e), *row] for e, row in sorted(stats.per_epoch.items())], scalars=scalars.drain(),
+            )
+        )
+
+    def _run_rounds(
+        self,
+        grants: list[list[int]],
+        *,
+        rounds: int,
+        sync_every: int,
+        quota_batches: int = 0,
+        quota_ms: float = 0.0,
+        measure: bool = False,
+        window: int | None = None,
+    ) -> "RoundStats":
+        """The training loop: ``rounds`` averages, each after ``sync_every`` batches
+        (0: after the quota), stopping early at the batch or time quota, or when
+        the controller ends the window (``EndWindow``).
+
+        Every rank runs the same ``rounds``; one that runs out of batches still
+        joins the remaining averages with weight zero, so no peer waits forever.
+        """
+        stats = RoundStats()
+        batches = self.source.window_batches(grants)
+        start = time.perf_counter()
         self.model.train()  # once per plan, not per step: it walks every module
-        for _ in range(plan.rounds):
+        exhausted = False
+        for _ in range(rounds):
             stepped = 0
             last: m.BatchDone | None = None
-            for _ in range(plan.sync_every):
+            while not exhausted and (not sync_every or stepped < sync_every):
+                if (
+                    (quota_batches and stats.batches >= quota_batches)
+                    or (quota_ms and stats.train_ms >= quota_ms)
+                    or (window is not None and self.link.end_window >= window)
+                ):
+                    exhausted = True
+                    break
                 if self.link.must_stop or self.terminated:
                     raise _Stop
                 t0 = time.perf_counter()
                 item = next(batches, None)
                 data_ms = (time.perf_counter() - t0) * 1000.0
                 if item is None:
+                    exhausted = True
                     break
-                idx, batch = item
+                epoch, idx, batch = item
+                self._enter_epoch(epoch)
                 loss, compute_ms = self._step(batch)
                 stepped += 1
-                totals["batches"] += 1
-                totals["samples"] += len(idx)
-                totals["loss"] += loss
-                totals["compute"] += compute_ms
-                totals["data"] += data_ms
+                stats.add(epoch, len(idx), loss, compute_ms, data_ms)
                 if last is not None:
                     self.link.send_lazy(last)
-                last = m.BatchDone(self.rank, plan.epoch, self.step_count, len(idx), loss, compute_ms, data_ms, 0.0)
-            sync_ms = self.averager.average(float(stepped))
-            totals["sync"] += sync_ms
+                last = m.BatchDone(self.rank, epoch, self.step_count, len(idx), loss, compute_ms, data_ms, 0.0)
+            averaged = self.averager.average(float(stepped), measure=measure)
+            stats.sync_ms += averaged.ms
+            stats.last_average = averaged
             if last is not None:
-                last.sync_ms = sync_ms
+                last.sync_ms = averaged.ms
                 self.link.send_lazy(last)
-        self.link.send(
-            m.EpochDone(
-                rank=self.rank,
-                epoch=plan.epoch,
-                batches=totals["batches"],
-                samples=totals["samples"],
-                loss_sum=totals["loss"],
-                wall_ms=(time.perf_counter() - plan_start) * 1000.0,
-                compute_ms=totals["compute"],
-                data_ms=totals["data"],
-                sync_ms=totals["sync"],
-                syncs=plan.rounds,
-                scalars=scalars.drain(),
-            )
-        )
+        stats.wall_ms = (time.perf_counter() - start) * 1000.0
+        return stats
+
+    def _enter_epoch(self, epoch: int) -> None:
+        """Fire the user's epoch_fn the first time this rank trains ``epoch``."""
+        if epoch <= self.current_epoch:
+            return
+        self.current_epoch = epoch
+        if self.task.epoch_fn is not None:
+            try:
+                self.task.epoch_fn(epoch, self.handle)
+            except Exception as exc:
+                raise _UserError("epoch_fn", exc) from exc
 
     def _step(self, batch: Any) -> tuple[float, float]:
         """One optimizer step; returns (loss, compute ms)."""
         t0 = time.perf_counter()
         model, task = self.model, self.task
+        if self.lr is not None:
+            self.lr.apply(self.global_step)
         if task.train_step is not None:
             loss = task.train_step(model, batch, self.device)
         else:
@@ -320,9 +426,14 @@ class RankRunner:
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         value = float(loss.detach())  # also waits for the device, so the timing is honest
+        compute_ms = (time.perf_counter() - t0) * 1000.0
+        if self.slowdown > 1.0:  # SIMULATION (FLODL_SIMULATE_SLOWDOWN): behave like a slower device
+            time.sleep(compute_ms * (self.slowdown - 1.0) / 1000.0)
+            compute_ms *= self.slowdown
         self.step_count += 1
+        self.global_step += 1
         self.link.step = self.step_count
-        return value, (time.perf_counter() - t0) * 1000.0
+        return value, compute_ms
 
     def _evaluate(self, cmd: m.RunEval) -> None:
         """Score the model with the task's eval function and report it (errors included)."""

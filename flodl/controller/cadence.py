@@ -1,0 +1,196 @@
+"""The cadence actor: a progressive run, one averaging window at a time.
+
+Pure logic (time is passed in): no sockets, so tests step it directly. Each
+window it asks the ``Dispatcher`` for the ranks' plans and turns them into
+``Window`` messages; when every rank's ``WindowDone`` is in, it settles the
+grants in the coverage ledger, feeds the timings to ElChe, the drift to the
+convergence guard and the meta-controller, applies their verdict to the
+anchor, and hands back the epochs that just completed, aggregated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import ApplyPolicy, DdpRunConfig
+from ..dispatch import Dispatcher, WindowPlan
+from ..elche import ElChe
+from ..guard import MetaController, Verdict, make_guard, max_relative_delta
+from ..metrics import EpochStats, aggregate
+from ..protocol import messages as m
+
+
+@dataclass
+class _EpochAcc:
+    """One epoch's numbers per rank while windows fill it in."""
+
+    started: float
+    rows: dict[int, list[float]] = field(default_factory=dict)  # rank -> [batches, samples, loss, compute, data, sync]
+    syncs: int = 0
+    scalars: dict[int, dict[str, list[float]]] = field(default_factory=dict)
+
+
+class CadenceLoop:
+    """Windows, ElChe, guard and coverage for one progressive run."""
+
+    def __init__(
+        self,
+        config: DdpRunConfig,
+        ranks: list[int],
+        *,
+        dataset_len: int,
+        batch_size: int,
+        epochs: int,
+        seed: int,
+        global_step: int = 0,
+    ) -> None:
+        elche_cfg = config.elche
+        self.policy = elche_cfg.mode.policy
+        self.ranks = sorted(ranks)
+        self.seed = seed
+        batches_per_epoch = max(1, dataset_len // batch_size)
+        self.elche = ElChe.from_config(elche_cfg, len(self.ranks), max_total_batches=batches_per_epoch)
+        self.guard = make_guard(elche_cfg)
+        self.meta = MetaController() if elche_cfg.meta_controller and self.policy is not ApplyPolicy.SYNC else None
+        self.dispatcher = Dispatcher(
+            self.policy,
+            self.ranks,
+            dataset_len,
+            batch_size,
+            epochs,
+            progressive=config.effective_progressive_dispatch,
+            max_overshoot=elche_cfg.max_overshoot,
+            max_batch_diff=elche_cfg.max_batch_diff,
+        )
+        self.global_step = global_step
+        self.window = 0
+        self.plans: dict[int, WindowPlan] = {}
+        self.epochs: dict[int, _EpochAcc] = {}
+        # telemetry for the summary
+        self.syncs = 0
+        self.anchor_history: list[int] = [self.elche.anchor]
+        self.verdicts: dict[str, int] = {}
+        self.divergence: list[float] = []
+
+    @property
+    def measure(self) -> bool:
+        """Drift is only worth a parameter copy when a guard can act on it."""
+        return self.policy is not ApplyPolicy.SYNC and len(self.ranks) > 1
+
+    # ------------------------------------------------------------------ plan
+
+    def next_windows(self, now: float) -> dict[int, m.Window] | None:
+        """The messages of the next window, or None when the run's data is done."""
+        plans = self.dispatcher.plan(self.elche)
+        if plans is None:
+            return None
+        self.plans = plans
+        for plan in plans.values():
+            for grant in plan.grants:
+                self.epochs.setdefault(grant.epoch, _EpochAcc(started=now))
+        return {
+            rank: m.Window(
+                window=self.window,
+                global_step=self.global_step,
+                grants=[[g.epoch, g.start, g.size] for g in plan.grants],
+                quota_batches=plan.quota_batches,
+                quota_ms=plan.quota_ms,
+                sync_every=plan.sync_every,
+                rounds=plan.rounds,
+                measure_divergence=self.measure,
+            )
+            for rank, plan in plans.items()
+        }
+
+    @property
+    def open_ended(self) -> bool:
+        """The current window has no quota: the controller must end it (calibration)."""
+        return any(p.open_ended for p in self.plans.values())
+
+    @property
+    def lowest_open_epoch(self) -> int:
+        return min(self.epochs) if self.epochs else self.dispatcher.next_epoch
+
+    # --------------------------------------------------------------- settle
+
+    def on_reports(self, reports: dict[int, m.WindowDone], now: float) -> list[EpochStats]:
+        """Fold one window's reports in; return the epochs completed by it, aggregated."""
+        rounds = max(p.rounds for p in self.plans.values())
+        self.syncs += rounds
+        for rank in self.ranks:
+            report = reports[rank]
+            self.dispatcher.settle(self.plans[rank], report.consumed)
+            self._account(rank, report, rounds)
+        self.global_step += sum(r.batches for r in reports.values())
+        self._tune(reports)
+        self.window += 1
+        return [self._close(epoch, now) for epoch in self.dispatcher.take_completed()]
+
+    def _account(self, rank: int, report: m.WindowDone, rounds: int) -> None:
+        """Per-epoch rows: a window that straddles epochs splits by what each got."""
+        touched = sorted(int(row[0]) for row in report.epochs)
+        for epoch, batches, samples, loss, compute, data in report.epochs:
+            acc = self.epochs[int(epoch)]
+            row = acc.rows.setdefault(rank, [0.0] * 6)
+            for i, v in enumerate((batches, samples, loss, compute, data)):
+                row[i] += v
+        if touched:
+            last = self.epochs[touched[-1]]
+            last.rows.setdefault(rank, [0.0] * 6)[5] += report.sync_ms
+            for key, (total, count) in report.scalars.items():
+                pair = last.scalars.setdefault(rank, {}).setdefault(key, [0.0, 0.0])
+                pair[0] += total
+                pair[1] += count
+        for epoch in {g.epoch for g in self.plans[rank].grants}:
+            if rank == self.ranks[0]:
+                self.epochs[epoch].syncs += rounds
+
+    def _tune(self, reports: dict[int, m.WindowDone]) -> None:
+        """ElChe timing, then the guard's and meta-controller's verdict on the anchor."""
+        walls = [reports[r].compute_ms + reports[r].data_ms for r in self.ranks]
+        batches = [reports[r].batches for r in self.ranks]
+        if sum(batches):
+            # the last rank to arrive waited for nobody: its time is the collective's own cost
+            sync_ms = min(reports[r].sync_ms for r in self.ranks)
+            self.elche.report_timing(walls, batches, sync_ms)
+        verdict = Verdict.STABLE
+        if self.measure:
+            drift = max_relative_delta([reports[r].divergence for r in self.ranks])
+            self.divergence.append(drift)
+            verdict = self.guard.report(drift)
+        if self.meta is not None:
+            lr = reports[self.ranks[0]].lr
+            nudge = self.meta.observe(lr, self.elche.anchor, verdict, self.elche.phase)
+            if nudge is not None:
+                verdict = nudge
+        self.elche.apply_verdict(verdict)
+        self.dispatcher.on_verdict(stable=verdict.kind == "stable", nudged=verdict.kind == "nudge_down")
+        self.verdicts[verdict.kind] = self.verdicts.get(verdict.kind, 0) + 1
+        if self.elche.anchor != self.anchor_history[-1]:
+            self.anchor_history.append(self.elche.anchor)
+
+    def _close(self, epoch: int, now: float) -> EpochStats:
+        acc = self.epochs.pop(epoch)
+        wall_ms = (now - acc.started) * 1000.0
+        reports = [
+            m.EpochDone(
+                rank=rank, epoch=epoch, batches=int(row[0]), samples=int(row[1]), loss_sum=row[2], wall_ms=wall_ms,
+                compute_ms=row[3], data_ms=row[4], sync_ms=row[5], syncs=acc.syncs, scalars=acc.scalars.get(rank, {}),
+            )
+            for rank, row in sorted(acc.rows.items())
+        ]
+        return aggregate(epoch, reports)
+
+    def telemetry(self) -> dict:
+        """ElChe and guard numbers for the run summary."""
+        return {
+            "windows": self.window,
+            "anchor": self.elche.anchor,
+            "anchor_changes": len(self.anchor_history) - 1,
+            "anchor_history": self.anchor_history[-50:],
+            "batch_counts": list(self.elche.batch_counts),
+            "phase": str(self.elche.phase.value if hasattr(self.elche.phase, "value") else self.elche.phase),
+            "verdicts": dict(self.verdicts),
+            "max_divergence": max(self.divergence) if self.divergence else None,
+            "elche_state": self.elche.state_dict(),
+        }

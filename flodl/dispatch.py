@@ -1,0 +1,267 @@
+"""Progressive dispatch: what each rank trains in the next averaging window.
+
+Pure logic. The run is a sequence of windows; every rank trains its window's
+grants, then all ranks average together through the collective. Before each
+window the ``Dispatcher`` turns the policy and ElChe's measured speeds into
+one ``WindowPlan`` per rank: which positions of which epoch (grants, drawn
+from the epoch's ``EpochPool``), and when to stop:
+
+* **Sync** — every rank the same number of batches, averaging after each.
+* **Cadence** — a wall-time quota: every rank trains until the slow rank's
+  ``anchor`` batches' worth of time has passed (``ElChe.anchor_wall_ms``), so
+  a fast rank does proportionally more batches instead of waiting.
+* **Async** — a batch quota per rank (ElChe's counts); at an epoch's tail a
+  rank may stream into the next epoch, at most ``max_overshoot`` batches.
+
+Cold start (no timing yet): an open-ended probe window in which every rank
+trains as fast as it can until the controller has timed a few batches of the
+slowest, so nobody idles while speeds are measured. Tail:
+when an epoch has less left than a full window, the rest is split in
+proportion to speed so the ranks finish together. Grants not consumed go back
+to the pool, so coverage stays exact whatever the ranks actually did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import ApplyPolicy
+from .elche import ElChe
+from .pool import EpochPool
+
+#: The cold-start probe ends once every rank has timed this many batches ...
+PROBE_BATCHES = 3
+#: ... and at least this much time has passed (first batches carry warm-up costs).
+PROBE_MIN_MS = 300.0
+#: Cadence grants this much more than the expected batches, so a rank that
+#: speeds up does not run dry before its time quota; the rest is given back.
+CADENCE_HEADROOM = 1.25
+OVERSHOOT_CEILING = 15
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Positions ``[start, start + size)`` of ``epoch``'s permutation."""
+
+    epoch: int
+    start: int
+    size: int
+
+
+@dataclass
+class WindowPlan:
+    """One rank's part of one window."""
+
+    rank: int
+    grants: list[Grant] = field(default_factory=list)
+    quota_batches: int = 0  # stop after this many batches (0: no batch limit)
+    quota_ms: float = 0.0  # stop at the first batch boundary after this much time (0: no time limit)
+    sync_every: int = 0  # also average every this many batches inside the window (0: only at its end)
+    rounds: int = 1  # collectives this window; equal on every rank (a rank out of batches joins with weight 0)
+    open_ended: bool = False  # no quota: trains until the grant runs out or the controller ends the window
+
+    @property
+    def samples(self) -> int:
+        return sum(g.size for g in self.grants)
+
+
+class Dispatcher:
+    """Plans windows over ``epochs`` passes of a dataset of ``dataset_len`` samples."""
+
+    def __init__(
+        self,
+        policy: ApplyPolicy,
+        ranks: list[int],
+        dataset_len: int,
+        batch_size: int,
+        epochs: int,
+        *,
+        progressive: bool = True,
+        max_overshoot: int | None = None,
+        max_batch_diff: int | None = None,
+        start_epoch: int = 0,
+    ) -> None:
+        if not ranks:
+            raise ValueError("no ranks")
+        self.policy = policy
+        self.ranks = sorted(ranks)
+        self.dataset_len = dataset_len
+        self.batch_size = batch_size
+        self.epochs = epochs
+        self.progressive = progressive
+        self.max_batch_diff = max_batch_diff
+        self.pools: dict[int, EpochPool] = {}
+        self.next_epoch = start_epoch  # the next pool to create
+        self.completed: list[int] = []  # epochs fully trained, in order
+        total_batches = max(1, dataset_len // batch_size)
+        self.overshoot_auto = max_overshoot is None and policy is ApplyPolicy.ASYNC
+        self.overshoot_initial = min(5, max(2, total_batches // 100))
+        self.overshoot_cap = min(10, max(3, total_batches // 50))
+        self.max_overshoot = self.overshoot_initial if max_overshoot is None else max_overshoot
+        if policy is not ApplyPolicy.ASYNC:
+            self.max_overshoot = 0  # Sync and Cadence are barrier-paced at epoch edges
+
+    # ----------------------------------------------------------------- pools
+
+    @property
+    def finished(self) -> bool:
+        return self.next_epoch >= self.epochs and not self.pools
+
+    def _current(self, shares: dict[int, float]) -> EpochPool | None:
+        """The lowest epoch with positions left to grant (created on demand, never re-created)."""
+        for epoch in sorted(self.pools):
+            if self.pools[epoch].remaining:
+                return self.pools[epoch]
+        return self._open_next(shares)
+
+    def _open_next(self, shares: dict[int, float]) -> EpochPool | None:
+        if self.next_epoch >= self.epochs:
+            return None
+        pool = EpochPool(self.next_epoch, self.dataset_len)
+        if not self.progressive:
+            pool.partition(shares, self.batch_size)
+        self.pools[self.next_epoch] = pool
+        self.next_epoch += 1
+        return pool
+
+    def remove_rank(self, rank: int) -> None:
+        """A rank left: whatever it held, or had reserved, is anyone's again."""
+        self.ranks = [r for r in self.ranks if r != rank]
+        for pool in self.pools.values():
+            pool.reclaim(rank)
+
+    # ------------------------------------------------------------------ plan
+
+    def plan(self, elche: ElChe) -> dict[int, WindowPlan] | None:
+        """The next window, or None when every epoch has been granted and trained."""
+        shares = self._shares(elche)
+        pool = self._current(shares)
+        if pool is None:
+            return None
+        plans = {r: WindowPlan(r) for r in self.ranks}
+        if self.policy is ApplyPolicy.SYNC:
+            self._plan_sync(pool, plans)
+        elif not elche.calibrated:
+            self._plan_probe(pool, plans)
+        else:
+            self._plan_cadence_or_async(pool, plans, elche, shares)
+        return plans
+
+    def _shares(self, elche: ElChe) -> dict[int, float]:
+        counts = elche.batch_counts
+        return {r: float(counts[i]) for i, r in enumerate(self.ranks)} if len(counts) == len(self.ranks) else {r: 1.0 for r in self.ranks}
+
+    def _batches(self, n: int) -> int:
+        return -(-n // self.batch_size)
+
+    def _grant(self, pool: EpochPool, plan: WindowPlan, batches: int) -> None:
+        for start, size in pool.take(plan.rank, batches * self.batch_size):
+            plan.grants.append(Grant(pool.epoch, start, size))
+
+    def _plan_sync(self, pool: EpochPool, plans: dict[int, WindowPlan]) -> None:
+        """Equal batches per rank, averaged after each; the tail split as evenly as it goes."""
+        per_rank = max(4, self._batches(self.dataset_len) // (len(self.ranks) * 10))
+        if pool.reserved:
+            split = {r: min(per_rank, self._batches(pool.remaining_for(r))) for r in self.ranks}
+        else:
+            left = self._batches(pool.remaining)
+            base, extra = divmod(min(left, per_rank * len(self.ranks)), len(self.ranks))
+            split = {r: base + (1 if i < extra else 0) for i, r in enumerate(self.ranks)}
+        for r, plan in plans.items():
+            self._grant(pool, plan, split[r])
+            plan.sync_every = 1
+            plan.quota_batches = self._batches(plan.samples)
+        # every rank enters the same number of collectives; one out of batches joins with weight 0
+        rounds = max(p.quota_batches for p in plans.values())
+        for plan in plans.values():
+            plan.rounds = max(1, rounds)
+
+    def _plan_probe(self, pool: EpochPool, plans: dict[int, WindowPlan]) -> None:
+        """Cold start: every rank trains flat out on an equal share until the
+        controller ends the window, once the slowest rank has a few batches timed
+        (see ``PROBE_BATCHES``): nobody idles while speeds are unknown."""
+        share = self._batches(pool.remaining) // len(self.ranks) if not pool.reserved else None
+        for plan in plans.values():
+            batches = share if share is not None else self._batches(pool.remaining_for(plan.rank))
+            self._grant(pool, plan, max(1, batches))
+            plan.open_ended = True
+
+    def _plan_cadence_or_async(self, pool: EpochPool, plans: dict[int, WindowPlan], elche: ElChe, shares: dict[int, float]) -> None:
+        counts = {r: max(1, int(shares[r])) for r in self.ranks}
+        cap = None
+        if self.max_batch_diff is not None:
+            cap = min(counts.values()) + self.max_batch_diff  # the throttle: nobody leads by more
+            counts = {r: min(c, cap) for r, c in counts.items()}
+        if pool.reserved:
+            tail = any(counts[r] > self._batches(pool.remaining_for(r)) for r in self.ranks)
+        else:
+            tail = sum(counts.values()) > self._batches(pool.remaining)
+        if tail:
+            self._plan_tail(pool, plans, counts)
+            return
+        for r, plan in plans.items():
+            if self.policy is ApplyPolicy.CADENCE:
+                self._grant(pool, plan, int(counts[r] * CADENCE_HEADROOM) + 1)
+                plan.quota_ms = elche.anchor_wall_ms()
+                plan.quota_batches = cap or 0
+            else:
+                self._grant(pool, plan, counts[r])
+                plan.quota_batches = counts[r]
+
+    def _plan_tail(self, pool: EpochPool, plans: dict[int, WindowPlan], counts: dict[int, int]) -> None:
+        """Less than a window left: split it by speed so everyone finishes together."""
+        total = sum(counts.values()) or 1
+        if pool.reserved:
+            for r, plan in plans.items():
+                self._grant(pool, plan, min(counts[r], self._batches(pool.remaining_for(r))))
+        else:
+            left = self._batches(pool.remaining)
+            split = {r: left * counts[r] // total for r in self.ranks}
+            for r in sorted(self.ranks, key=lambda r: -counts[r])[: left - sum(split.values())]:
+                split[r] += 1  # leftover batches to the fastest
+            for r, plan in plans.items():
+                self._grant(pool, plan, split[r])
+        for r, plan in plans.items():
+            plan.quota_batches = self._batches(plan.samples)
+            stream = min(self.max_overshoot, counts[r] - plan.quota_batches)
+            if stream > 0:  # Async: top the window up from the next epoch
+                nxt = self.pools.get(pool.epoch + 1) or (self._open_next({x: float(c) for x, c in counts.items()}) if self.next_epoch == pool.epoch + 1 else None)
+                if nxt is not None:
+                    self._grant(nxt, plan, stream)
+                    plan.quota_batches = self._batches(plan.samples)
+
+    # ---------------------------------------------------------------- settle
+
+    def settle(self, plan: WindowPlan, consumed: int) -> None:
+        """The rank trained the first ``consumed`` samples of its grants; the rest go back."""
+        left = consumed
+        for grant in plan.grants:
+            used = max(0, min(grant.size, left))
+            left -= used
+            self.pools[grant.epoch].settle(plan.rank, [(grant.start, grant.size)], used)
+        self._close_done()
+
+    def _close_done(self) -> None:
+        """Retire finished pools in epoch order (a later epoch never closes before an earlier one)."""
+        for epoch in sorted(self.pools):
+            pool = self.pools[epoch]
+            if not pool.done:
+                return
+            pool.check()
+            del self.pools[epoch]
+            self.completed.append(epoch)
+
+    def take_completed(self) -> list[int]:
+        """Epochs that finished since the last call, in order."""
+        out, self.completed = self.completed, []
+        return out
+
+    def on_verdict(self, stable: bool, nudged: bool) -> None:
+        """Async overshoot auto-tune: +1 per Stable up to the cap; back to the start on a nudge."""
+        if not self.overshoot_auto:
+            return
+        if nudged:
+            self.max_overshoot = self.overshoot_initial
+        elif stable:
+            self.max_overshoot = min(self.max_overshoot + 1, self.overshoot_cap)
+        self.max_overshoot = min(self.max_overshoot, OVERSHOOT_CEILING)

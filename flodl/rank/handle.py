@@ -1,0 +1,104 @@
+"""``WorkerHandle``: what a user's ``epoch_fn(epoch, worker)`` may see and steer on a rank.
+
+The learning rate a rank uses for every step is
+
+    base_lr[group] × lr_factor × lr_schedule(global_step)
+
+where ``lr_factor = 1 + (W − 1)·lr_scale_ratio`` and ``global_step`` counts the
+batches of all ranks (the controller sends it with every plan; the rank adds
+its own steps since). ``set_lr`` / ``scale_lr`` change the base,
+``set_scheduler`` swaps the schedule; every rank runs ``epoch_fn``, so a change
+made there applies to every replica.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class LrState:
+    """The pieces of the learning rate, applied to the optimizer before each step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, factor: float, schedule: Callable[[int], float] | None) -> None:
+        self.optimizer = optimizer
+        self.base = [float(g["lr"]) for g in optimizer.param_groups]
+        self.factor = factor
+        self.schedule = schedule
+        self._applied: tuple | None = None
+        self.apply(0)
+
+    def apply(self, global_step: int) -> None:
+        """Set every group's LR for ``global_step`` (skipped when nothing changed)."""
+        mult = float(self.schedule(global_step)) if self.schedule is not None else 1.0
+        key = (mult, self.factor, tuple(self.base))
+        if key == self._applied:
+            return
+        for group, base in zip(self.optimizer.param_groups, self.base):
+            group["lr"] = base * self.factor * mult
+        self._applied = key
+
+    @property
+    def current(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+
+class WorkerHandle:
+    """A rank, as ``epoch_fn`` sees it."""
+
+    def __init__(self, runner) -> None:
+        self._runner = runner
+
+    @property
+    def rank(self) -> int:
+        return self._runner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._runner.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self._runner.device
+
+    @property
+    def local_step(self) -> int:
+        """Optimizer steps this rank has taken."""
+        return self._runner.step_count
+
+    @property
+    def global_step(self) -> int:
+        """Batches of all ranks before the current plan, plus this rank's since."""
+        return self._runner.global_step
+
+    @property
+    def current_epoch(self) -> int:
+        return self._runner.current_epoch
+
+    @property
+    def current_lr(self) -> float:
+        return self._runner.lr.current
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._runner.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._runner.optimizer
+
+    def set_lr(self, lr: float) -> None:
+        """Set every group's base LR (the factor and schedule still apply on top)."""
+        self._runner.lr.base = [float(lr)] * len(self._runner.lr.base)
+        self._runner.lr.apply(self.global_step)
+
+    def scale_lr(self, factor: float) -> None:
+        """Multiply every group's base LR by ``factor``."""
+        self._runner.lr.base = [b * float(factor) for b in self._runner.lr.base]
+        self._runner.lr.apply(self.global_step)
+
+    def set_scheduler(self, schedule: Callable[[int], float] | None) -> None:
+        """Replace the schedule: ``schedule(global_step) -> multiplier`` (None: constant)."""
+        self._runner.lr.schedule = schedule
+        self._runner.lr.apply(self.global_step)
