@@ -59,6 +59,7 @@ class WindowPlan:
     sync_every: int = 0  # also average every this many batches inside the window (0: only at its end)
     rounds: int = 1  # collectives this window; equal on every rank (a rank out of batches joins with weight 0)
     open_ended: bool = False  # no quota: trains until the grant runs out or the controller ends the window
+    kind: str = "sync"  # "probe", "full" or "tail": only full windows teach ElChe what averaging costs
 
     @property
     def samples(self) -> int:
@@ -185,6 +186,7 @@ class Dispatcher:
             batches = share if share is not None else self._batches(pool.remaining_for(plan.rank))
             self._grant(pool, plan, max(1, batches))
             plan.open_ended = True
+            plan.kind = "probe"
 
     def _plan_cadence_or_async(self, pool: EpochPool, plans: dict[int, WindowPlan], elche: ElChe, shares: dict[int, float]) -> None:
         counts = {r: max(1, int(shares[r])) for r in self.ranks}
@@ -200,13 +202,17 @@ class Dispatcher:
             self._plan_tail(pool, plans, counts)
             return
         for r, plan in plans.items():
+            plan.kind = "full"
+            self._grant(pool, plan, counts[r])
             if self.policy is ApplyPolicy.CADENCE:
-                self._grant(pool, plan, int(counts[r] * CADENCE_HEADROOM) + 1)
                 plan.quota_ms = elche.anchor_wall_ms()
                 plan.quota_batches = cap or 0
             else:
-                self._grant(pool, plan, counts[r])
                 plan.quota_batches = counts[r]
+        if self.policy is ApplyPolicy.CADENCE:
+            # headroom only after everyone has their share: a fast rank must never starve a slow one
+            for r, plan in plans.items():
+                self._grant(pool, plan, int(counts[r] * (CADENCE_HEADROOM - 1.0)) + 1)
 
     def _plan_tail(self, pool: EpochPool, plans: dict[int, WindowPlan], counts: dict[int, int]) -> None:
         """Less than a window left: split it by speed so everyone finishes together."""
@@ -222,6 +228,7 @@ class Dispatcher:
             for r, plan in plans.items():
                 self._grant(pool, plan, split[r])
         for r, plan in plans.items():
+            plan.kind = "tail"
             plan.quota_batches = self._batches(plan.samples)
             stream = min(self.max_overshoot, counts[r] - plan.quota_batches)
             if stream > 0:  # Async: top the window up from the next epoch

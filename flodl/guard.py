@@ -133,9 +133,6 @@ def cosine_and_shift(pre_norm: float | None, post_norm: float | None,
 TREND_HISTORY = 5
 #: Readings in a row that must rise strictly before the trend guard acts.
 TREND_RUN = 3
-#: Above this multiple of the threshold a rising trend shrinks the anchor.
-NUDGE_MULTIPLE = 2.0
-NUDGE_FACTOR = 0.5
 
 
 class TrendGuard:
@@ -146,11 +143,11 @@ class TrendGuard:
     window is a single batch, so the guard always answers Stable (it still
     records the readings, for telemetry).
 
-    Conscious extension beyond 0.5.3 (which never emits NudgeDown, judging
-    the trend alone too noisy to shrink the anchor): when the same rising
-    trend ends above ``2 * threshold`` the drift is no longer marginal, and
-    the guard answers ``NudgeDown(0.5)``, halving the window instead of
-    merely freezing it.
+    Like 0.5.3 it never answers NudgeDown: a trend alone is too noisy to
+    shrink the anchor (measured here: a variant that halved the anchor when a
+    rising trend ended above twice the threshold did so three times in one
+    3-epoch run on noise, and the window oscillated). Shrinking is the
+    meta-controller's job, on sustained pressure or an LR cliff.
     """
 
     def __init__(self, threshold: float = 0.05, *, sync_policy: bool = False) -> None:
@@ -171,12 +168,7 @@ class TrendGuard:
         self._history.append(float(d))
         if self.sync_policy or not self._rising():
             return Verdict.STABLE
-        latest = self._history[-1]
-        if latest > NUDGE_MULTIPLE * self.threshold:
-            return Verdict.nudge(NUDGE_FACTOR)
-        if latest > self.threshold:
-            return Verdict.SUPPRESS_GROWTH
-        return Verdict.STABLE
+        return Verdict.SUPPRESS_GROWTH if self._history[-1] > self.threshold else Verdict.STABLE
 
     def _rising(self) -> bool:
         if len(self._history) < TREND_RUN:

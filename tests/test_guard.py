@@ -1,5 +1,5 @@
 """Divergence signal, trend guard and meta-controller: acceptance items 11-17 (§8, MsfGuard
-excluded), the NudgeDown extension, make_guard's choices and meta-controller sequences."""
+excluded), make_guard's choices and meta-controller sequences."""
 
 from __future__ import annotations
 
@@ -141,11 +141,9 @@ def test_history_capped_at_five_and_reset():
     assert feed(guard, [0.07, 0.08]) == [STABLE, STABLE]  # the trend starts over
 
 
-def test_rising_trend_far_above_threshold_nudges_down():
-    """Extension beyond 0.5.3: a rising trend ending above 2x threshold halves the anchor."""
-    guard = TrendGuard(0.05)
-    assert feed(guard, [0.06, 0.08, 0.11]) == [STABLE, STABLE, Verdict.nudge(0.5)]
-    assert feed(TrendGuard(0.05), [0.06, 0.08, 0.10]) == [STABLE, STABLE, SUPPRESS]  # 2x itself: not above
+def test_trend_guard_never_nudges_even_far_above_threshold():
+    """As in the reference: a trend suppresses growth; shrinking is the meta-controller's call."""
+    assert feed(TrendGuard(0.05), [0.06, 0.2, 0.9]) == [STABLE, STABLE, SUPPRESS]
     assert feed(TrendGuard(0.05), [0.3, 0.2, 0.15]) == [STABLE] * 3  # high but falling: no action
 
 

@@ -286,3 +286,35 @@ def test_trainer_api_runs_like_the_cli(tmp_path):
     assert summary["final_eval"] > 0.8
     assert summary["config"]["max_grad_norm"] == 1.0 and summary["config"]["lr_scale_ratio"] == 0.5
     assert json.loads((tmp_path / "s.json").read_text())["run_id"] == summary["run_id"]
+
+
+@pytest.mark.parametrize("mode", ["nccl-sync", "nccl-cadence", "nccl-async"])
+def test_each_mode_with_a_3x_slower_rank_covers_every_sample(proc_env, tmp_path, mode):
+    """A real 2-process run per mode, rank 1 made 3x slower (simulated): exact coverage, fast rank does more."""
+    env = {**proc_env, "FLODL_SIMULATE_SLOWDOWN": "1:3", "FLODL_TEST_STEP_SLEEP": "0.002"}
+    path = tmp_path / "s.json"
+    run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "4", "--mode", mode, "--summary-json", str(path)], env)
+    assert run.wait(120) == 0, run.output
+    summary = json.loads(path.read_text())
+    assert [h["samples"] for h in summary["history"]] == [512] * 4  # the ledger closed every epoch exactly
+    fast, slow = (r["samples"] for r in summary["per_rank"])
+    if mode == "nccl-sync":
+        assert fast == slow  # lockstep
+        assert summary["syncs"] == 4 * 16
+    else:
+        assert fast > 1.5 * slow, (fast, slow)
+        assert summary["syncs"] < 4 * 16
+        assert summary["cadence"]["batch_counts"][0] > summary["cadence"]["batch_counts"][1]
+    assert summary["final_eval"] > 0.7
+
+
+def test_epoch_fn_and_lr_schedule_follow_the_global_step(proc_env, tmp_path):
+    path = tmp_path / "s.json"
+    run = Run(["--task", task_spec("tiny.py", "scheduled_task"), "--nproc-per-node", "2", "--epochs", "4", "--mode", "nccl-sync",
+               "--lr-scale-ratio", "0", "--summary-json", str(path)], proc_env)
+    assert run.wait(120) == 0, run.output
+    lrs = [h["scalars"]["lr_at_epoch_start"] for h in json.loads(path.read_text())["history"]]
+    # 16 batches per rank per epoch, 32 global steps per epoch: x0.5 every 2 epochs; from epoch 2, epoch_fn pins 0.001
+    assert lrs[0] == pytest.approx(0.1) and lrs[1] == pytest.approx(0.1)
+    assert lrs[2] == pytest.approx(0.05) and lrs[3] == pytest.approx(0.001)
+    assert json.loads(path.read_text())["history"][0]["scalars"]["world"] == 2

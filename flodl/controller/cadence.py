@@ -10,6 +10,7 @@ anchor, and hands back the epochs that just completed, aggregated.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from ..config import ApplyPolicy, DdpRunConfig
@@ -18,6 +19,8 @@ from ..elche import ElChe
 from ..guard import MetaController, Verdict, make_guard, max_relative_delta
 from ..metrics import EpochStats, aggregate
 from ..protocol import messages as m
+
+log = logging.getLogger("flodl.cadence")
 
 
 @dataclass
@@ -65,6 +68,8 @@ class CadenceLoop:
         self.global_step = global_step
         self.window = 0
         self.plans: dict[int, WindowPlan] = {}
+        self.window_started = 0.0
+        self.paused_ms = 0.0  # user callbacks (eval) run inside this window: not averaging overhead
         self.epochs: dict[int, _EpochAcc] = {}
         # telemetry for the summary
         self.syncs = 0
@@ -85,6 +90,7 @@ class CadenceLoop:
         if plans is None:
             return None
         self.plans = plans
+        self.window_started = now
         for plan in plans.values():
             for grant in plan.grants:
                 self.epochs.setdefault(grant.epoch, _EpochAcc(started=now))
@@ -101,6 +107,11 @@ class CadenceLoop:
             )
             for rank, plan in plans.items()
         }
+
+    def note_pause(self, ms: float) -> None:
+        """A rank spent ``ms`` in a user callback (eval) this window; ElChe must not
+        read it as averaging cost (the reference's callback time exclusion)."""
+        self.paused_ms += max(0.0, ms)
 
     @property
     def open_ended(self) -> bool:
@@ -122,7 +133,8 @@ class CadenceLoop:
             self.dispatcher.settle(self.plans[rank], report.consumed)
             self._account(rank, report, rounds)
         self.global_step += sum(r.batches for r in reports.values())
-        self._tune(reports)
+        self._tune(reports, (now - self.window_started) * 1000.0 - self.paused_ms)
+        self.paused_ms = 0.0
         self.window += 1
         return [self._close(epoch, now) for epoch in self.dispatcher.take_completed()]
 
@@ -145,13 +157,22 @@ class CadenceLoop:
             if rank == self.ranks[0]:
                 self.epochs[epoch].syncs += rounds
 
-    def _tune(self, reports: dict[int, m.WindowDone]) -> None:
+    def _tune(self, reports: dict[int, m.WindowDone], window_ms: float) -> None:
         """ElChe timing, then the guard's and meta-controller's verdict on the anchor."""
         walls = [reports[r].compute_ms + reports[r].data_ms for r in self.ranks]
         batches = [reports[r].batches for r in self.ranks]
         if sum(batches):
-            # the last rank to arrive waited for nobody: its time is the collective's own cost
-            sync_ms = min(reports[r].sync_ms for r in self.ranks)
+            # ElChe weighs what averaging costs against the window's compute. The real
+            # cost is everything a rank spends not training: the collective, waiting for
+            # the slowest rank's last batch, and the controller round trip between
+            # windows. Measured from the controller's clock as the ranks' mean idle
+            # share, expressed against the longest training time (ElChe's divisor).
+            # Probe and tail windows are short by construction and teach speeds only.
+            full = all(p.kind == "full" for p in self.plans.values())
+            sync_ms = 0.0
+            if full and window_ms > 0:
+                idle = sum(max(0.0, window_ms - w) for w in walls) / len(walls)
+                sync_ms = max(walls) * idle / window_ms
             self.elche.report_timing(walls, batches, sync_ms)
         verdict = Verdict.STABLE
         if self.measure:
@@ -168,6 +189,11 @@ class CadenceLoop:
         self.verdicts[verdict.kind] = self.verdicts.get(verdict.kind, 0) + 1
         if self.elche.anchor != self.anchor_history[-1]:
             self.anchor_history.append(self.elche.anchor)
+        log.debug(
+            "window %d (%.1f ms): train ms %s, batches %s, sync ms %s, drift %s -> %s; anchor %d, counts %s",
+            self.window, window_ms, [round(w, 1) for w in walls], batches, [round(reports[r].sync_ms, 1) for r in self.ranks],
+            self.divergence[-1] if self.divergence else None, verdict.kind, self.elche.anchor, self.elche.batch_counts,
+        )
 
     def _close(self, epoch: int, now: float) -> EpochStats:
         acc = self.epochs.pop(epoch)

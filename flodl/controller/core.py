@@ -101,6 +101,7 @@ class Controller:
         self.started_at = 0.0
         self.finished_at = 0.0
         self._printed = 0  # epochs whose line is out
+        self._fastest: int | None = None  # the elected eval rank under the Fastest policy
 
     # ================================================================ run
 
@@ -280,10 +281,23 @@ class Controller:
         return {r.rank for r in reports} >= {s.rank for s in slices}
 
     def _eval_rank(self) -> int:
+        """Who runs eval: ``epoch_callback_policy``'s rank, or the fastest live rank.
+
+        Fastest is resolved once ElChe has timed the ranks and then sticks, so
+        evals do not hop between ranks on timing noise (rank 0 until then).
+        """
         policy = self.config.epoch_callback_policy
-        if not policy.is_fastest and policy.rank in self.members.ranks:
+        live = sorted(r.rank for r in self.members.live_ranks())
+        if not policy.is_fastest and policy.rank in live:
             return policy.rank
-        return min(r.rank for r in self.members.live_ranks())
+        if self._fastest not in live:
+            self._fastest = None
+        if self._fastest is None and self.cadence is not None and self.cadence.elche.calibrated:
+            ms = self.cadence.elche.ms_per_batch
+            timed = [r for r in live if ms[self.cadence.ranks.index(r)] > 0]
+            if timed:
+                self._fastest = min(timed, key=lambda r: ms[self.cadence.ranks.index(r)])
+        return self._fastest if self._fastest is not None else live[0]
 
     def _flush_epoch_lines(self) -> None:
         """Print each finished epoch once its eval (if any) is in, in order."""
@@ -486,6 +500,8 @@ class Controller:
 
     def _h_eval_result(self, identity: bytes, env: Envelope, msg: m.EvalResult) -> None:
         self.evals[msg.epoch] = msg
+        if self.cadence is not None:
+            self.cadence.note_pause(msg.elapsed_ms)
         self._flush_epoch_lines()
         self._changed.set()
 
@@ -658,6 +674,8 @@ class Controller:
         last = self.history[-1] if self.history else None
         has_eval = self.task_info is not None and self.task_info.has_eval
         final_eval = self.evals.get(self.launch.epochs - 1)
+        eval_s = sum(e.elapsed_ms for e in self.evals.values()) / 1000.0
+        train_wall = max(1e-9, wall - eval_s)
         return {
             "run_id": self.run_id,
             "mode": self.config.elche.mode.name,
@@ -666,6 +684,9 @@ class Controller:
             "epochs_completed": len(self.history),
             "wall_s": wall,
             "samples_per_s": samples / wall if wall > 0 else 0.0,
+            # evals pause training on every rank; without them, what training alone sustained
+            "eval_s": eval_s,
+            "train_samples_per_s": samples / train_wall if samples else 0.0,
             "samples": samples,
             "per_rank": list(per_rank.values()),
             "syncs": sum(s.syncs for s in self.history),

@@ -158,35 +158,35 @@ class FlatAverager:
         """
         if self.group is None:
             return Averaged(0.0, 0.0 if measure else None)
-        start = time.perf_counter()
+        collective_ms = 0.0  # what ElChe weighs against compute: the collective, not our bookkeeping
         diff_sq = pre_sq = post_sq = 0.0
         with torch.no_grad():
             for bucket in self.buckets:
                 self._copy_in(bucket)
                 values, slot = bucket.flat[: bucket.numel], bucket.flat[bucket.numel :]
-                pre = values.clone() if measure else None
-                # a zero-weight rank's values are zeroed for the sum; keep them in
-                # case every rank had zero weight and there is no average to take
-                keep = values.clone() if weight == 0 else None
+                # the drift needs the pre-average values; a zero-weight rank needs
+                # them too, in case every rank had zero weight and there is no average
+                pre = values.clone() if measure or weight == 0 else None
                 if weight != 1.0:
                     values.mul_(weight)
                 slot.fill_(weight)
+                start = time.perf_counter()
                 self.group.allreduce([bucket.flat]).wait()
                 total = float(slot.item())
+                collective_ms += (time.perf_counter() - start) * 1000.0
                 if total > 0:
                     values.div_(total)
-                elif keep is not None:
-                    values.copy_(keep)
+                elif pre is not None:
+                    values.copy_(pre)
                 self._copy_out(bucket)
-                if pre is not None:
-                    pre_sq += float(pre.double().pow(2).sum())
-                    post_sq += float(values.double().pow(2).sum())
-                    diff_sq += float((pre - values).double().pow(2).sum())
-        ms = (time.perf_counter() - start) * 1000.0
+                if measure:
+                    pre_sq += float(pre.norm()) ** 2
+                    post_sq += float(values.norm()) ** 2
+                    diff_sq += float(pre.sub_(values).norm()) ** 2
         if not measure:
-            return Averaged(ms)
+            return Averaged(collective_ms)
         post = post_sq**0.5
-        return Averaged(ms, (diff_sq**0.5) / post if post > 1e-10 else None, pre_sq**0.5, post)
+        return Averaged(collective_ms, (diff_sq**0.5) / post if post > 1e-10 else None, pre_sq**0.5, post)
 
     def snapshot(self) -> list[torch.Tensor]:
         """Copies of the flat buffers (for tests and checkpoints)."""

@@ -404,6 +404,7 @@ class RankRunner:
             return
         self.current_epoch = epoch
         if self.task.epoch_fn is not None:
+            self.lr.apply(self.global_step)  # so the handle shows the LR of the step about to run
             try:
                 self.task.epoch_fn(epoch, self.handle)
             except Exception as exc:

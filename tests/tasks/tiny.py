@@ -58,3 +58,26 @@ def other_model_task():
     t = task()
     t.model = lambda: torch.nn.Linear(8, 2)
     return t
+
+
+def halve_every_64_steps(global_step):
+    """An LR schedule on the global step: x0.5 every 64 batches of all ranks."""
+    return 0.5 ** (global_step // 64)
+
+
+def record_lr(epoch, worker):
+    """epoch_fn: record the LR each rank starts the epoch with; from epoch 2 on, scale it down."""
+    from flodl import record_scalar
+
+    record_scalar("lr_at_epoch_start", worker.current_lr)
+    record_scalar("world", worker.world_size)
+    if epoch == 2:
+        worker.set_scheduler(None)
+        worker.set_lr(0.001)
+
+
+def scheduled_task():
+    t = task()
+    t.lr_schedule = halve_every_64_steps
+    t.epoch_fn = record_lr
+    return t

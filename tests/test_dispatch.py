@@ -1,0 +1,136 @@
+"""Window planning per policy: triggers, tails, throttle, streaming, and exact coverage."""
+
+from __future__ import annotations
+
+import pytest
+
+from flodl.config import ApplyPolicy
+from flodl.dispatch import Dispatcher
+from flodl.elche import ElChe
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def calibrated(ms: list[float], anchor: int = 10) -> ElChe:
+    che = ElChe(len(ms), anchor=anchor, gate_growth=False)
+    che.report_timing([m * anchor for m in ms], [anchor] * len(ms), 0.0)
+    return che
+
+
+def consume_all(d: Dispatcher, plans, fraction: float = 1.0):
+    """Ranks train ``fraction`` of their grants (whole batches)."""
+    for plan in plans.values():
+        batches = -(-plan.samples // d.batch_size)
+        use = int(batches * fraction)
+        if plan.quota_batches:
+            use = min(use, plan.quota_batches)
+        d.settle(plan, min(plan.samples, use * d.batch_size))
+
+
+def test_sync_windows_are_equal_and_average_every_batch():
+    d = Dispatcher(ApplyPolicy.SYNC, [0, 1], 1000, 10, 1)
+    plans = d.plan(ElChe(2, anchor=1))
+    assert {p.quota_batches for p in plans.values()} == {5}
+    assert all(p.sync_every == 1 and p.rounds == 5 for p in plans.values())
+    assert [p.grants[0].start for p in plans.values()] == [0, 50]
+
+
+def test_probe_is_open_ended_equal_shares():
+    d = Dispatcher(ApplyPolicy.CADENCE, [0, 1, 2], 900, 10, 1)
+    plans = d.plan(ElChe(3))
+    assert all(p.open_ended and not p.quota_batches and not p.quota_ms for p in plans.values())
+    assert [p.samples for p in plans.values()] == [300, 300, 300]
+
+
+def test_cadence_uses_the_wall_time_trigger_with_headroom():
+    che = calibrated([2.0, 6.0])
+    assert che.batch_counts == [30, 10]
+    d = Dispatcher(ApplyPolicy.CADENCE, [0, 1], 10_000, 10, 1)
+    plans = d.plan(che)
+    assert all(p.quota_ms == pytest.approx(che.anchor_wall_ms()) and p.quota_batches == 0 for p in plans.values())
+    assert [-(-p.samples // 10) for p in plans.values()] == [38, 13]  # counts x 1.25 + 1, handed back if unused
+
+
+def test_async_uses_batch_counts():
+    che = calibrated([2.0, 6.0])
+    d = Dispatcher(ApplyPolicy.ASYNC, [0, 1], 10_000, 10, 1)
+    plans = d.plan(che)
+    assert [p.quota_batches for p in plans.values()] == [30, 10]
+    assert all(p.quota_ms == 0 for p in plans.values())
+
+
+def test_max_batch_diff_throttles_the_fast_rank():
+    che = calibrated([1.0, 8.0])
+    d = Dispatcher(ApplyPolicy.ASYNC, [0, 1], 10_000, 10, 1, max_batch_diff=4)
+    assert [p.quota_batches for p in d.plan(che).values()] == [14, 10]
+    d = Dispatcher(ApplyPolicy.CADENCE, [0, 1], 10_000, 10, 1, max_batch_diff=0)
+    assert {p.quota_batches for p in d.plan(che).values()} == {10}  # lockstep
+
+
+def test_tail_is_split_by_speed_so_ranks_finish_together():
+    che = calibrated([2.0, 6.0])  # counts [30, 10]
+    d = Dispatcher(ApplyPolicy.CADENCE, [0, 1], 200, 10, 1)  # 20 batches: less than one window
+    plans = d.plan(che)
+    assert [p.quota_batches for p in plans.values()] == [15, 5]
+    assert all(p.quota_ms == 0 for p in plans.values())
+
+
+def test_async_streams_into_the_next_epoch_up_to_max_overshoot():
+    che = calibrated([2.0, 6.0])
+    d = Dispatcher(ApplyPolicy.ASYNC, [0, 1], 200, 10, 3, max_overshoot=4)
+    plans = d.plan(che)
+    epochs = {r: sorted({g.epoch for g in p.grants}) for r, p in plans.items()}
+    assert epochs[0] == [0, 1]  # 15 from epoch 0, then 4 streamed from epoch 1
+    assert plans[0].quota_batches == 15 + 4 and plans[1].quota_batches == 5 + 4
+    consume_all(d, plans)
+    assert d.take_completed() == [0]
+
+
+def test_sync_and_cadence_never_stream():
+    che = calibrated([2.0, 6.0])
+    d = Dispatcher(ApplyPolicy.CADENCE, [0, 1], 200, 10, 3, max_overshoot=4)
+    assert {g.epoch for p in d.plan(che).values() for g in p.grants} == {0}
+
+
+@pytest.mark.parametrize("policy", list(ApplyPolicy))
+@pytest.mark.parametrize("fraction", [1.0, 0.6, 0.0])
+def test_every_sample_of_every_epoch_exactly_once(policy, fraction):
+    """Whatever share of their grants ranks train, epochs close with exact coverage, in order."""
+    che = calibrated([1.0, 3.0, 2.0]) if policy is not ApplyPolicy.SYNC else ElChe(3, anchor=1)
+    d = Dispatcher(policy, [0, 1, 2], 1013, 8, 4, max_overshoot=3 if policy is ApplyPolicy.ASYNC else None)
+    done, windows = [], 0
+    while (plans := d.plan(che)) is not None:
+        windows += 1
+        assert windows < 5000
+        # every few windows someone trains only part of its grant (time quotas, stops)
+        consume_all(d, plans, fraction if windows % 3 == 0 and fraction else 1.0)
+        done += d.take_completed()
+    assert done == [0, 1, 2, 3]
+    assert d.finished
+
+
+def test_removed_rank_work_goes_to_survivors():
+    che = calibrated([1.0, 1.0, 1.0])
+    d = Dispatcher(ApplyPolicy.ASYNC, [0, 1, 2], 600, 10, 1)
+    plans = d.plan(che)
+    d.settle(plans[0], plans[0].samples)
+    d.settle(plans[2], plans[2].samples)
+    d.remove_rank(1)  # died holding its grant
+    che2 = calibrated([1.0, 1.0])
+    done = []
+    while (plans := d.plan(che2)) is not None:
+        assert set(plans) == {0, 2}
+        consume_all(d, plans)
+        done += d.take_completed()
+    assert done == [0]
+
+
+def test_non_progressive_partitions_follow_ratios():
+    che = ElChe(2, anchor=10, partition_ratios=[3.0, 1.0])
+    d = Dispatcher(ApplyPolicy.CADENCE, [0, 1], 400, 10, 1, progressive=False)
+    totals = {0: 0, 1: 0}
+    while (plans := d.plan(che)) is not None:
+        for r, p in plans.items():
+            totals[r] += p.samples
+        consume_all(d, plans)
+    assert totals == {0: 300, 1: 100}
