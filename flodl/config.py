@@ -1048,9 +1048,11 @@ AVAILABLE_FIELDS: frozenset[str] = frozenset({
     "anchor", "min_anchor", "max_anchor", "overhead_target", "max_batch_diff", "max_overshoot", "relax_up",
     "partition_ratios", "divergence_threshold", "no_divergence_guard", "convergence_guard", "meta_controller",
     "progressive_dispatch", "epoch_callback_policy",
+    # the CPU averaging backend
+    "snapshot_timeout_secs", "easgd_alpha",
 })
-#: Modes this version can run (the collective backend; the CPU backend is planned).
-AVAILABLE_MODES: frozenset[ElCheMode] = frozenset({ElCheMode.NcclSync, ElCheMode.NcclCadence, ElCheMode.NcclAsync})
+#: Modes this version can run: all six.
+AVAILABLE_MODES: frozenset[ElCheMode] = frozenset(ElCheMode)
 
 NOT_AVAILABLE = "is not available yet in this version of flodl (planned); leave it at its default"
 

@@ -45,6 +45,7 @@ class AsyncSocket:
         self.closed = False
         self.send_drops: Counter[str] = Counter()
         self.handler_errors = 0
+        self.paused = False  # a consumer that cannot keep up stops the reads (back-pressure)
         self._drain_scheduled = False
 
     def start(self) -> None:
@@ -64,11 +65,18 @@ class AsyncSocket:
             self._drain_scheduled = True
             self.loop.call_soon(self._drain)
 
+    def resume(self) -> None:
+        """Read again after ``paused`` (what arrived meanwhile waits in the socket)."""
+        self.paused = False
+        self._schedule_drain()
+
     def _drain(self) -> None:
         self._drain_scheduled = False
         if self.closed:
             return
         for _ in range(DRAIN_BATCH):
+            if self.paused:
+                return
             try:
                 parts = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

@@ -37,7 +37,7 @@ SAMPLES = [
     ),
     m.RankWelcome(
         rank=0, world_size=2, generation=0, store_host="127.0.0.1", store_port=29500, store_prefix="run/gen0",
-        collective_timeout_s=30.0, config={"mode": "nccl-sync", "max_grad_norm": None, "lr_scale_ratio": 1.0}, seed=42,
+        collective_timeout_s=30.0, config={"mode": "nccl-sync", "max_grad_norm": None, "lr_scale_ratio": 1.0}, seed=42, bulk_port=0,
     ),
     m.RankReady(rank=1, generation=0, init_ms=12.5),
     m.StartEpoch(epoch=3, seed=42, offset=750, size=750, rounds=24, sync_every=1, global_step=144),
@@ -57,6 +57,8 @@ SAMPLES = [
     m.EvalResult(rank=2, epoch=1, final=False, value=None, elapsed_ms=0.0, error="ValueError: bad eval"),
     m.Window(window=7, global_step=640, grants=[[2, 128, 64], [3, 0, 32]], quota_batches=0, quota_ms=812.5, sync_every=0, rounds=1, measure_divergence=True),
     m.EndWindow(window=7),
+    m.Snapshot(rank=1, round=12, weight=7.0, groups=["p", "b"], dtypes=["float32", "float32"], numels=[1000, 20], bucket=0, start=0, count=1000),
+    m.Update(round=12, aborted=False, ranks=2, groups=["p", "b"], dtypes=["float32", "float32"], numels=[1000, 20], bucket=1, start=0, count=20),
     m.WindowDone(
         rank=1, window=7, batches=3, consumed=96, loss_sum=1.5, compute_ms=30.0, data_ms=1.0, sync_ms=2.0,
         divergence=0.03125, pre_norm=12.0, post_norm=11.5, lr=0.01, epochs=[[2.0, 2.0, 64.0, 1.0, 20.0, 0.5], [3.0, 1.0, 32.0, 0.5, 10.0, 0.5]], scalars={},

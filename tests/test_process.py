@@ -210,8 +210,10 @@ def test_model_mismatch_is_refused_before_training(proc_env, tmp_path):
 def test_bad_option_fails_fast_naming_it(proc_env):
     res = subprocess.run([PY, "-m", "flodl.controller", "--task", task_spec("tiny.py"), "--max-grad-norm", "-1"], env=proc_env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "max_grad_norm" in res.stderr
-    res = subprocess.run([PY, "-m", "flodl.controller", "--task", task_spec("tiny.py"), "--mode", "cpu-cadence"], env=proc_env, capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and "mode" in res.stderr and "not available" in res.stderr
+    res = subprocess.run([PY, "-m", "flodl.controller", "--task", task_spec("tiny.py"), "--checkpoint-every", "1"], env=proc_env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "checkpoint_every" in res.stderr and "not available" in res.stderr
+    res = subprocess.run([PY, "-m", "flodl.controller", "--task", task_spec("tiny.py"), "--mode", "nccl-turbo"], env=proc_env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "mode" in res.stderr and "cpu-async" in res.stderr
 
 
 def test_worker_without_secret_refuses_to_start(proc_env):
@@ -288,7 +290,7 @@ def test_trainer_api_runs_like_the_cli(tmp_path):
     assert json.loads((tmp_path / "s.json").read_text())["run_id"] == summary["run_id"]
 
 
-@pytest.mark.parametrize("mode", ["nccl-sync", "nccl-cadence", "nccl-async"])
+@pytest.mark.parametrize("mode", ["nccl-sync", "nccl-cadence", "nccl-async", "cpu-sync", "cpu-cadence", "cpu-async"])
 def test_each_mode_with_a_3x_slower_rank_covers_every_sample(proc_env, tmp_path, mode):
     """A real 2-process run per mode, rank 1 made 3x slower (simulated): exact coverage, fast rank does more."""
     env = {**proc_env, "FLODL_SIMULATE_SLOWDOWN": "1:3", "FLODL_TEST_STEP_SLEEP": "0.002"}
@@ -298,7 +300,7 @@ def test_each_mode_with_a_3x_slower_rank_covers_every_sample(proc_env, tmp_path,
     summary = json.loads(path.read_text())
     assert [h["samples"] for h in summary["history"]] == [512] * 4  # the ledger closed every epoch exactly
     fast, slow = (r["samples"] for r in summary["per_rank"])
-    if mode == "nccl-sync":
+    if mode.endswith("sync") and not mode.endswith("async"):
         assert fast == slow  # lockstep
         assert summary["syncs"] == 4 * 16
     else:
@@ -318,3 +320,23 @@ def test_epoch_fn_and_lr_schedule_follow_the_global_step(proc_env, tmp_path):
     assert lrs[0] == pytest.approx(0.1) and lrs[1] == pytest.approx(0.1)
     assert lrs[2] == pytest.approx(0.05) and lrs[3] == pytest.approx(0.001)
     assert json.loads(path.read_text())["history"][0]["scalars"]["world"] == 2
+
+
+@pytest.mark.parametrize("mode", ["nccl-sync", "nccl-cadence", "nccl-async", "cpu-sync", "cpu-cadence", "cpu-async"])
+def test_all_six_modes_train_digits_to_the_same_band(proc_env, tmp_path, mode):
+    path = tmp_path / "s.json"
+    run = Run(["--task", "examples/digits.py:task", "--nproc-per-node", "2", "--epochs", "4", "--mode", mode, "--summary-json", str(path)], proc_env)
+    assert run.wait(120) == 0, run.output
+    summary = json.loads(path.read_text())
+    assert summary["mode"].lower() == mode.replace("-", "")
+    assert [h["samples"] for h in summary["history"]] == [1500] * 4
+    assert summary["final_eval"] >= 0.88, (mode, summary["final_eval"])
+    if mode.startswith("cpu"):
+        assert summary["averaging"]["rounds"] >= summary["syncs"] and summary["averaging"]["aborted"] == 0
+
+
+def test_mixed_device_types_need_the_cpu_backend(proc_env):
+    res = subprocess.run([PY, "-m", "flodl.controller", "--task", task_spec("tiny.py"), "--devices", "cuda:0,cpu", "--mode", "nccl-cadence"],
+                         env=proc_env, capture_output=True, text=True, timeout=90, cwd=ROOT)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "mix device types" in res.stdout + res.stderr and "cpu-cadence" in res.stdout + res.stderr

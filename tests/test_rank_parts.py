@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from flodl import Task, TaskError, record_scalar
 from flodl import scalars
-from flodl.rank.collective import FlatAverager
+from flodl.rank.collective import CollectiveAverager
+from flodl.rank.flat import FlatModel
 from flodl.rank.data import BatchSource, to_device
 from flodl.schedule import slice_indices
 from flodl.taskspec import load_task, spec_of
@@ -124,11 +125,11 @@ def _solo_group():
     return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
 
 
-def test_flat_averager_without_group_touches_nothing():
+def test_averager_without_group_touches_nothing():
     model = torch.nn.Linear(3, 4)
     storage = model.weight.data_ptr()
-    avg = FlatAverager(model, None)
-    assert avg.numel == 0 and avg.average(1.0).ms == 0.0
+    avg = CollectiveAverager(None, None)  # one rank: the runner does not even flatten
+    assert avg.average(1.0).ms == 0.0
     assert model.weight.data_ptr() == storage
 
 
@@ -139,9 +140,11 @@ def test_flat_averager_views_and_rnn_copies():
     holder = torch.nn.ModuleDict({"mlp": model, "rnn": rnn})
     before = [p.detach().clone() for p in holder.parameters()]
     rnn_storage = rnn.weight_ih_l0.data_ptr()
-    avg = FlatAverager(holder, _solo_group())
+    flat = FlatModel(holder)
+    avg = CollectiveAverager(flat, _solo_group())
     n_rnn = sum(p.numel() for p in rnn.parameters())
-    assert avg.numel == sum(p.numel() for p in holder.parameters()) + 8  # + running mean/var
+    assert flat.numel == sum(p.numel() for p in holder.parameters()) + 8  # + running mean/var
+    assert [b.group for b in flat.buckets] == ["p", "b"]
     for a, p in zip(before, holder.parameters()):
         assert torch.equal(a, p)
     assert rnn.weight_ih_l0.data_ptr() == rnn_storage  # cuDNN keeps its own packed weights
@@ -149,13 +152,14 @@ def test_flat_averager_views_and_rnn_copies():
     opt = torch.optim.SGD(holder.parameters(), lr=1.0)
     (model(torch.randn(5, 3)).sum() + rnn(torch.randn(2, 1, 4))[0].sum()).backward()
     opt.step()
-    flat = avg.snapshot()[0]
-    assert torch.equal(flat[:12], model[0].weight.detach().reshape(-1))
+    packed = flat.snapshot()[0]
+    assert torch.equal(packed[:12], model[0].weight.detach().reshape(-1))
     assert n_rnn > 0
     values = [p.detach().clone() for p in holder.parameters()]
     avg.average(1.0)  # a one-rank average is the identity, copied tensors included
     for a, p in zip(values, holder.parameters()):
         assert torch.allclose(a, p)
+    assert len(flat.snapshot()[0]) == len(packed)
 
 
 def _averager_rank(rank, world, port, weights, out):
@@ -166,7 +170,7 @@ def _averager_rank(rank, world, port, weights, out):
     model[1].running_mean.add_(rank)
     model[1].num_batches_tracked.fill_(rank + 1)
     values = [t.detach().double().clone() for t in list(model.parameters()) + [model[1].running_mean, model[1].running_var]]
-    avg = FlatAverager(model, group)
+    avg = CollectiveAverager(FlatModel(model), group)
     avg.average(weights[rank])
     result = [t.detach().double().clone() for t in list(model.parameters()) + [model[1].running_mean, model[1].running_var]]
     # plain lists: torch tensors through a queue share memory with a child that is about to exit
@@ -174,7 +178,8 @@ def _averager_rank(rank, world, port, weights, out):
 
 
 def test_weighted_average_is_exact_against_float64_reference():
-    """Three real gloo ranks, unequal weights (one zero): the float64 weighted mean."""
+    """Three real gloo ranks, unequal weights (one zero): parameters the float64 weighted
+    mean, floating buffers the plain mean of the ranks that trained."""
     weights = [3.0, 1.0, 0.0]
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=20))
     ctx = mp.get_context("spawn")
@@ -186,9 +191,10 @@ def test_weighted_average_is_exact_against_float64_reference():
     for p in procs:
         p.join(timeout=10)
     got.sort()
-    total = sum(weights)
+    n_buffers = 2  # running_mean, running_var: averaged with equal weight among ranks that trained
     for i in range(len(got[0][1])):
-        want = sum(w * torch.tensor(g[1][i], dtype=torch.float64) for w, g in zip(weights, got)) / total
+        ws = weights if i < len(got[0][1]) - n_buffers else [1.0 if w > 0 else 0.0 for w in weights]
+        want = sum(w * torch.tensor(g[1][i], dtype=torch.float64) for w, g in zip(ws, got)) / sum(ws)
         for g in got:
             assert torch.allclose(torch.tensor(g[2][i], dtype=torch.float64), want, atol=1e-6), i
     assert [g[3] for g in got] == [1, 2, 3]  # integer buffers stay local

@@ -67,9 +67,10 @@ class CadenceLoop:
         )
         self.global_step = global_step
         self.window = 0
-        self.plans: dict[int, WindowPlan] = {}
-        self.window_started = 0.0
+        self.plans: dict[int, dict[int, WindowPlan]] = {}  # window -> rank -> plan, while outstanding
+        self.started: dict[int, float] = {}
         self.paused_ms = 0.0  # user callbacks (eval) run inside this window: not averaging overhead
+        self.cpu_round_ms: float | None = None  # CPU backend: the last averaging round's own time
         self.epochs: dict[int, _EpochAcc] = {}
         # telemetry for the summary
         self.syncs = 0
@@ -89,12 +90,12 @@ class CadenceLoop:
         plans = self.dispatcher.plan(self.elche)
         if plans is None:
             return None
-        self.plans = plans
-        self.window_started = now
+        self.plans[self.window] = plans
+        self.started[self.window] = now
         for plan in plans.values():
             for grant in plan.grants:
                 self.epochs.setdefault(grant.epoch, _EpochAcc(started=now))
-        return {
+        windows = {
             rank: m.Window(
                 window=self.window,
                 global_step=self.global_step,
@@ -107,16 +108,26 @@ class CadenceLoop:
             )
             for rank, plan in plans.items()
         }
+        self.window += 1
+        return windows
+
+    @property
+    def finished(self) -> bool:
+        """Every epoch granted, trained and closed."""
+        return self.dispatcher.finished and not self.plans
+
+    def note_round(self, ms: float) -> None:
+        """CPU backend: an averaging round took ``ms`` (what ElChe weighs against compute)."""
+        self.cpu_round_ms = ms
 
     def note_pause(self, ms: float) -> None:
         """A rank spent ``ms`` in a user callback (eval) this window; ElChe must not
         read it as averaging cost (the reference's callback time exclusion)."""
         self.paused_ms += max(0.0, ms)
 
-    @property
-    def open_ended(self) -> bool:
-        """The current window has no quota: the controller must end it (calibration)."""
-        return any(p.open_ended for p in self.plans.values())
+    def open_ended(self, window: int) -> bool:
+        """``window`` has no quota: the controller must end it (calibration)."""
+        return any(p.open_ended for p in self.plans.get(window, {}).values())
 
     @property
     def lowest_open_epoch(self) -> int:
@@ -124,21 +135,21 @@ class CadenceLoop:
 
     # --------------------------------------------------------------- settle
 
-    def on_reports(self, reports: dict[int, m.WindowDone], now: float) -> list[EpochStats]:
+    def on_reports(self, window: int, reports: dict[int, m.WindowDone], now: float) -> list[EpochStats]:
         """Fold one window's reports in; return the epochs completed by it, aggregated."""
-        rounds = max(p.rounds for p in self.plans.values())
+        plans = self.plans.pop(window)
+        rounds = max(p.rounds for p in plans.values())
         self.syncs += rounds
         for rank in self.ranks:
             report = reports[rank]
-            self.dispatcher.settle(self.plans[rank], report.consumed)
-            self._account(rank, report, rounds)
+            self.dispatcher.settle(plans[rank], report.consumed)
+            self._account(rank, report, rounds, plans[rank])
         self.global_step += sum(r.batches for r in reports.values())
-        self._tune(reports, (now - self.window_started) * 1000.0 - self.paused_ms)
+        self._tune(window, plans, reports, (now - self.started.pop(window)) * 1000.0 - self.paused_ms)
         self.paused_ms = 0.0
-        self.window += 1
         return [self._close(epoch, now) for epoch in self.dispatcher.take_completed()]
 
-    def _account(self, rank: int, report: m.WindowDone, rounds: int) -> None:
+    def _account(self, rank: int, report: m.WindowDone, rounds: int, plan: WindowPlan) -> None:
         """Per-epoch rows: a window that straddles epochs splits by what each got."""
         touched = sorted(int(row[0]) for row in report.epochs)
         for epoch, batches, samples, loss, compute, data in report.epochs:
@@ -153,11 +164,11 @@ class CadenceLoop:
                 pair = last.scalars.setdefault(rank, {}).setdefault(key, [0.0, 0.0])
                 pair[0] += total
                 pair[1] += count
-        for epoch in {g.epoch for g in self.plans[rank].grants}:
-            if rank == self.ranks[0]:
+        for epoch in {g.epoch for g in plan.grants}:
+            if rank == self.ranks[0] and epoch in self.epochs:
                 self.epochs[epoch].syncs += rounds
 
-    def _tune(self, reports: dict[int, m.WindowDone], window_ms: float) -> None:
+    def _tune(self, window: int, plans: dict[int, WindowPlan], reports: dict[int, m.WindowDone], window_ms: float) -> None:
         """ElChe timing, then the guard's and meta-controller's verdict on the anchor."""
         walls = [reports[r].compute_ms + reports[r].data_ms for r in self.ranks]
         batches = [reports[r].batches for r in self.ranks]
@@ -168,9 +179,13 @@ class CadenceLoop:
             # windows. Measured from the controller's clock as the ranks' mean idle
             # share, expressed against the longest training time (ElChe's divisor).
             # Probe and tail windows are short by construction and teach speeds only.
-            full = all(p.kind == "full" for p in self.plans.values())
+            full = all(p.kind == "full" for p in plans.values())
             sync_ms = 0.0
-            if full and window_ms > 0:
+            if full and self.cpu_round_ms is not None:
+                # CPU backend: ranks do not wait for the average; what must stay small
+                # against a window is the round itself, or rounds would pile up
+                sync_ms = self.cpu_round_ms
+            elif full and window_ms > 0:
                 idle = sum(max(0.0, window_ms - w) for w in walls) / len(walls)
                 sync_ms = max(walls) * idle / window_ms
             self.elche.report_timing(walls, batches, sync_ms)
@@ -191,7 +206,7 @@ class CadenceLoop:
             self.anchor_history.append(self.elche.anchor)
         log.debug(
             "window %d (%.1f ms): train ms %s, batches %s, sync ms %s, drift %s -> %s; anchor %d, counts %s",
-            self.window, window_ms, [round(w, 1) for w in walls], batches, [round(reports[r].sync_ms, 1) for r in self.ranks],
+            window, window_ms, [round(w, 1) for w in walls], batches, [round(reports[r].sync_ms, 1) for r in self.ranks],
             self.divergence[-1] if self.divergence else None, verdict.kind, self.elche.anchor, self.elche.batch_counts,
         )
 

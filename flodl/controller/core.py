@@ -26,9 +26,9 @@ from typing import Any, Callable
 import zmq
 
 from .. import __version__
-from ..config import ApplyPolicy, DdpRunConfig
+from ..config import ApplyPolicy, AverageBackend, DdpRunConfig
 from ..env import PARENT_PID, child_environ, credentials_env, new_run_id, new_run_secret
-from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_RANK_LOST, EXIT_TASK_ERROR, RunAborted
+from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_RANK_LOST, EXIT_TASK_ERROR, RunAborted
 from ..membership import Membership, PeerState, WorkerInfo, describe_exit
 from ..metrics import EpochStats, aggregate
 from ..protocol import messages as m
@@ -38,6 +38,7 @@ from ..proc import terminate_then_kill
 from ..schedule import Slice, equal_slices, sync_rounds
 from ..transport import ControlEndpoint, make_router
 from ..dispatch import PROBE_BATCHES, PROBE_MIN_MS
+from .averaging import CpuAveraging
 from .cadence import CadenceLoop
 from .console import Console
 from .launch import LaunchOptions
@@ -78,6 +79,7 @@ class Controller:
         self.port: int | None = None
         self.ready = asyncio.Event()  # set once the socket is bound (tests read .port)
         self.store = None
+        self.averaging: CpuAveraging | None = None  # the CPU backend's bulk plane, when used
         self.worker_proc: asyncio.subprocess.Process | None = None
         self.failure: RunAborted | None = None
         self.phase = "starting"
@@ -123,6 +125,8 @@ class Controller:
             self._open()
             async with asyncio.TaskGroup() as tg:
                 helpers = [tg.create_task(self._liveness())]
+                if self.averaging is not None:
+                    helpers.append(tg.create_task(self.averaging.run()))
                 if self.launch.embedded:
                     helpers.append(tg.create_task(self._embedded_worker()))
                 try:
@@ -152,6 +156,13 @@ class Controller:
         self.endpoint.start()
         # the ranks' rendezvous; survives membership generations (each gets a key prefix)
         self.store = dist.TCPStore(self.launch.bind, 0, is_master=True, wait_for_workers=False)
+        if self.config.elche.mode.backend is AverageBackend.CPU:
+            self.averaging = CpuAveraging(
+                secret=self.secret, run_id=self.run_id, bind=self.launch.bind,
+                timeout_s=float(self.config.snapshot_timeout_secs), clock=self.clock,
+            )
+            self.averaging.live = lambda: {r.rank for r in self.members.live_ranks()}
+            self.averaging.start()
         self.ready.set()
         log.info("controller listening on tcp://%s:%d (store port %d)", self.launch.bind, self.port, self.store.port)
 
@@ -160,6 +171,8 @@ class Controller:
             await terminate_then_kill([self.worker_proc], 3.0)
         if self.endpoint is not None:
             self.endpoint.close()
+        if self.averaging is not None:
+            self.averaging.close()
         self.store = None
 
     @property
@@ -223,25 +236,44 @@ class Controller:
         return policy is ApplyPolicy.SYNC and not self.config.effective_progressive_dispatch
 
     async def _run_windows(self) -> None:
-        """Progressive dispatch: window after window until every epoch is trained."""
+        """Progressive dispatch: window after window until every epoch is trained.
+
+        On the CPU backend (Cadence/Async) the next window is planned and sent
+        while the current one trains (two in flight): ranks never wait for the
+        average, so they must never wait for their next plan either.
+        """
         ranks = sorted(self.members.ranks)
         self.cadence = loop = CadenceLoop(
             self.config, ranks, dataset_len=self.task_info.dataset_len, batch_size=self.task_info.batch_size,
             epochs=self.launch.epochs, seed=self.launch.seed, global_step=self.global_step,
         )
+        if self.averaging is not None:
+            self.averaging.on_round = lambda number, ms: loop.note_round(ms)
+        policy = self.config.elche.mode.policy
+        depth = 2 if self.averaging is not None and policy is not ApplyPolicy.SYNC else 1
+        in_flight: list[int] = []
         while True:
-            windows = loop.next_windows(self.clock())
-            if windows is None:
-                return
-            self._start_epoch_progress(loop.lowest_open_epoch)
-            self.window_batches = {rank: 0 for rank in ranks}
-            for rank, window in windows.items():
-                self._send_rank(rank, window)
-            number = loop.window
-            if loop.open_ended:
-                await self._end_when_timed(number, ranks)
+            while len(in_flight) < depth:
+                number = loop.window
+                windows = loop.next_windows(self.clock())
+                if windows is None:
+                    break
+                self._start_epoch_progress(loop.lowest_open_epoch)
+                if not in_flight:
+                    self.window_batches = {rank: 0 for rank in ranks}
+                for rank, window in windows.items():
+                    self._send_rank(rank, window)
+                in_flight.append(number)
+                if loop.open_ended(number):
+                    await self._end_when_timed(number, ranks)
+                    break  # calibrate before planning ahead
+            if not in_flight:
+                if loop.finished:
+                    return
+                raise RunAborted("the dispatcher stalled with samples left and nothing in flight (a bug)", EXIT_FAILED)
+            number = in_flight.pop(0)
             await self._until(lambda: len(self.window_reports.get(number, {})) == len(ranks), None, f"window {number}")
-            for stats in loop.on_reports(self.window_reports.pop(number), self.clock()):
+            for stats in loop.on_reports(number, self.window_reports.pop(number), self.clock()):
                 self._finish_epoch(stats)
             self.global_step = loop.global_step
 
@@ -358,8 +390,12 @@ class Controller:
             for rank, device in zip(worker.ranks, worker.devices):
                 self.members.expect_rank(rank, worker.host, device, now)
         devices = {d.split(":")[0] for w in self.members.workers.values() for d in w.devices}
-        if len(devices) > 1:
-            self._fail(f"ranks mix device types {sorted(devices)}; the collective backend needs one type (the CPU averaging backend is planned)", EXIT_FAILED)
+        if len(devices) > 1 and self.averaging is None:
+            self._fail(
+                f"ranks mix device types {sorted(devices)}: the collective backend needs one type; "
+                "use a Cpu* mode (e.g. --mode cpu-cadence) to average through the controller",
+                EXIT_CONFIG,
+            )
             return
         for worker in self.members.workers.values():
             self.endpoint.send(
@@ -405,8 +441,11 @@ class Controller:
                     collective_timeout_s=self.heartbeat_timeout_s,
                     config=config,
                     seed=self.launch.seed,
+                    bulk_port=self.averaging.port if self.averaging is not None else 0,
                 ),
             )
+            if self.averaging is not None:
+                self.averaging.admit(self.members.ranks[rank].identity, rank)
 
     # ============================================================ handlers
 
@@ -477,7 +516,7 @@ class Controller:
     def _h_batch_done(self, identity: bytes, env: Envelope, msg: m.BatchDone) -> None:
         if msg.rank in self.window_batches:
             self.window_batches[msg.rank] += 1
-            if self.cadence is not None and self.cadence.open_ended:
+            if self.cadence is not None and self.cadence.open_ended(self.cadence.window - 1):
                 self._changed.set()  # the calibration window waits on these
         if msg.epoch != self.current_epoch:
             return
@@ -689,7 +728,8 @@ class Controller:
             "train_samples_per_s": samples / train_wall if samples else 0.0,
             "samples": samples,
             "per_rank": list(per_rank.values()),
-            "syncs": sum(s.syncs for s in self.history),
+            # a window that straddles two epochs counts in both epochs' rows, once here
+            "syncs": self.cadence.syncs if self.cadence else sum(s.syncs for s in self.history),
             "final_loss": last.avg_loss if last else None,
             "final_eval": final_eval.value if final_eval else None,
             "eval_metric_name": self.task_info.eval_metric if has_eval else None,
@@ -704,6 +744,7 @@ class Controller:
             "dropped_frames": dict(self.endpoint.drops) if self.endpoint else {},
             "config": self.config.to_dict(),
             "cadence": self.cadence.telemetry() if self.cadence else None,
+            "averaging": self.averaging.telemetry() if self.averaging else None,
         }
 
 

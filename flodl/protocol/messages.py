@@ -122,6 +122,8 @@ class RankWelcome:
     """the run options (DdpRunConfig.to_dict())"""
     seed: int
     """shuffle seed of the run; epoch e's permutation is seeded seed + e"""
+    bulk_port: int
+    """port of the controller's bulk-plane socket (CPU averaging backend), 0 when unused"""
 
 
 @dataclass(slots=True)
@@ -377,13 +379,63 @@ class EndWindow:
     """the window to end"""
 
 
+@dataclass(slots=True)
+class Snapshot:
+    """One slice of a parameter snapshot for a CPU averaging round; its raw bytes follow as one frame. A snapshot is sent as slices of at most 8 MiB, so no end holds more than a few slices of it in flight. (rank -> controller (bulk plane))"""
+
+    KIND: ClassVar[int] = 22
+    rank: int
+    """global rank"""
+    round: int
+    """averaging round the snapshot belongs to"""
+    weight: float
+    """batches trained since the last snapshot; parameters are averaged in proportion (0: take the average, add nothing)"""
+    groups: list[str]
+    """per flat tensor of the model: p (parameters, weighted) or b (floating buffers, equal weight among ranks that trained)"""
+    dtypes: list[str]
+    """per flat tensor of the model: torch dtype name, e.g. float32, bfloat16"""
+    numels: list[int]
+    """per flat tensor of the model: element count; the frame holds exactly numel x itemsize bytes"""
+    bucket: int
+    """which flat tensor this message carries a slice of (-1: none, e.g. an aborted round)"""
+    start: int
+    """first element of the slice within that tensor"""
+    count: int
+    """elements in the slice; the single frame holds exactly count x itemsize bytes"""
+
+
+@dataclass(slots=True)
+class Update:
+    """One slice of the averaged model for a CPU averaging round (or the round's abort, with no frame); its raw bytes follow as one frame. (controller (bulk plane) -> rank)"""
+
+    KIND: ClassVar[int] = 23
+    round: int
+    """the round averaged"""
+    aborted: bool
+    """the round timed out: no frames follow, keep training on local parameters"""
+    ranks: int
+    """how many snapshots the average holds"""
+    groups: list[str]
+    """per frame, as in Snapshot"""
+    dtypes: list[str]
+    """per frame, as in Snapshot"""
+    numels: list[int]
+    """per frame, as in Snapshot"""
+    bucket: int
+    """which flat tensor this message carries a slice of (-1: none, e.g. an aborted round)"""
+    start: int
+    """first element of the slice within that tensor"""
+    count: int
+    """elements in the slice; the single frame holds exactly count x itemsize bytes"""
+
+
 SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     1: ('WorkerHello', WorkerHello, (('host', 'str'), ('pid', 'int'), ('devices', 'list<str>'), ('versions', 'map<str,str>'),)),
     2: ('WorkerWelcome', WorkerWelcome, (('ranks', 'list<int>'), ('world_size', 'int'), ('task', 'str'), ('heartbeat_timeout_s', 'float'),)),
     3: ('Reject', Reject, (('reason', 'str'),)),
     4: ('RankExited', RankExited, (('rank', 'int'), ('pid', 'int'), ('code', 'int'),)),
     5: ('RankHello', RankHello, (('rank', 'int'), ('host', 'str'), ('pid', 'int'), ('device', 'str'), ('versions', 'map<str,str>'), ('model_signature', 'str'), ('param_count', 'int'), ('shuffle_signature', 'str'), ('dataset_len', 'int'), ('has_eval', 'bool'), ('eval_metric', 'str'), ('batch_size', 'int'),)),
-    6: ('RankWelcome', RankWelcome, (('rank', 'int'), ('world_size', 'int'), ('generation', 'int'), ('store_host', 'str'), ('store_port', 'int'), ('store_prefix', 'str'), ('collective_timeout_s', 'float'), ('config', 'map<str,value>'), ('seed', 'int'),)),
+    6: ('RankWelcome', RankWelcome, (('rank', 'int'), ('world_size', 'int'), ('generation', 'int'), ('store_host', 'str'), ('store_port', 'int'), ('store_prefix', 'str'), ('collective_timeout_s', 'float'), ('config', 'map<str,value>'), ('seed', 'int'), ('bulk_port', 'int'),)),
     7: ('RankReady', RankReady, (('rank', 'int'), ('generation', 'int'), ('init_ms', 'float'),)),
     8: ('StartEpoch', StartEpoch, (('epoch', 'int'), ('seed', 'int'), ('offset', 'int'), ('size', 'int'), ('rounds', 'int'), ('sync_every', 'int'), ('global_step', 'int'),)),
     9: ('BatchDone', BatchDone, (('rank', 'int'), ('epoch', 'int'), ('step', 'int'), ('samples', 'int'), ('loss', 'float'), ('batch_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'),)),
@@ -399,4 +451,6 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     19: ('Window', Window, (('window', 'int'), ('global_step', 'int'), ('grants', 'list<list<int>>'), ('quota_batches', 'int'), ('quota_ms', 'float'), ('sync_every', 'int'), ('rounds', 'int'), ('measure_divergence', 'bool'),)),
     20: ('WindowDone', WindowDone, (('rank', 'int'), ('window', 'int'), ('batches', 'int'), ('consumed', 'int'), ('loss_sum', 'float'), ('compute_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'), ('divergence', 'opt<float>'), ('pre_norm', 'opt<float>'), ('post_norm', 'opt<float>'), ('lr', 'opt<float>'), ('epochs', 'list<list<float>>'), ('scalars', 'map<str,list<float>>'),)),
     21: ('EndWindow', EndWindow, (('window', 'int'),)),
+    22: ('Snapshot', Snapshot, (('rank', 'int'), ('round', 'int'), ('weight', 'float'), ('groups', 'list<str>'), ('dtypes', 'list<str>'), ('numels', 'list<int>'), ('bucket', 'int'), ('start', 'int'), ('count', 'int'),)),
+    23: ('Update', Update, (('round', 'int'), ('aborted', 'bool'), ('ranks', 'int'), ('groups', 'list<str>'), ('dtypes', 'list<str>'), ('numels', 'list<int>'), ('bucket', 'int'), ('start', 'int'), ('count', 'int'),)),
 }

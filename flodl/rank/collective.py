@@ -6,12 +6,11 @@ torch's global default group, so a later membership generation can build a
 fresh group without restarting the process. NCCL on CUDA devices, gloo
 otherwise ("Nccl" modes mean this collective backend).
 
-``FlatAverager`` packs the model's floating parameters and buffers into one
-flat buffer per dtype, rebinding each tensor as a view into it. Averaging is
-then one in-place all-reduce per dtype with no copies: every buffer carries
-one extra slot for the rank's weight, so a single collective returns both
-the weighted sum and the sum of weights. A rank that trained nothing since
-the last average joins with weight 0 and simply receives the result.
+``CollectiveAverager`` averages a ``FlatModel`` (flat.py) in place: one
+all-reduce per bucket with no copies; every bucket carries one spare slot for
+the rank's weight, so a single collective returns both the weighted sum and
+the sum of weights. A rank that trained nothing since the last average joins
+with weight 0 and simply receives the result.
 """
 
 from __future__ import annotations
@@ -19,10 +18,11 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from .flat import PARAMS, Averaged, FlatModel, drift
 
 log = logging.getLogger(__name__)
 
@@ -58,100 +58,38 @@ def build_group(
     return dist.ProcessGroupGloo(pstore, rank, world_size, timeout)
 
 
-@dataclass
-class Averaged:
-    """What one average cost and, when measured, how far this replica had drifted."""
+class CollectiveAverager:
+    """Weighted in-place averaging of a ``FlatModel`` over a process group.
 
-    ms: float
-    divergence: float | None = None
-    pre_norm: float | None = None
-    post_norm: float | None = None
-
-
-@dataclass
-class _Bucket:
-    flat: torch.Tensor  # n + 1 elements: the tensors' values, then the weight slot
-    numel: int
-    # tensors that cannot live in ``flat`` (they keep storage of their own) and
-    # are copied in before and out after each average: (tensor, offset)
-    copied: list[tuple[torch.Tensor, int]]
-
-
-def _own_storage(model: torch.nn.Module) -> set[int]:
-    """Tensors that must keep their own storage: cuDNN RNNs pack their weights
-    into one buffer of their own (``flatten_parameters``); re-pointing them at
-    views of ours would make cuDNN re-compact them on every call."""
-    return {id(p) for mod in model.modules() if isinstance(mod, torch.nn.RNNBase) for p in mod.parameters(recurse=False)}
-
-
-class FlatAverager:
-    """Weighted in-place averaging of a model's floating tensors over a group.
-
-    Integer buffers (such as BatchNorm's ``num_batches_tracked``) stay local:
-    averaging a counter is meaningless. With no group (one rank) nothing is
-    touched at all.
+    Parameters are weighted by the batches each rank trained since the last
+    average; floating buffers equally among the ranks that trained. With no
+    group (one rank) averaging is the identity and costs nothing.
     """
 
-    def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
+    backend = "collective"
+
+    def __init__(self, flat: FlatModel | None, group: dist.ProcessGroup | None) -> None:
+        self.flat = flat
         self.group = group
-        self.buckets: list[_Bucket] = []
-        if group is None:
-            return
-        keep = _own_storage(model)
-        tensors = [p for p in model.parameters()] + [b for b in model.buffers() if b.is_floating_point()]
-        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault((t.dtype, t.device), []).append(t)
-        for (dtype, device), group_tensors in by_dtype.items():
-            self.buckets.append(self._flatten(group_tensors, dtype, device, keep))
-
-    @staticmethod
-    def _flatten(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device, keep: set[int]) -> _Bucket:
-        numel = sum(t.numel() for t in tensors)
-        flat = torch.empty(numel + 1, dtype=dtype, device=device)
-        copied = []
-        offset = 0
-        with torch.no_grad():
-            for t in tensors:
-                n = t.numel()
-                flat[offset : offset + n].copy_(t.reshape(-1))
-                if id(t) in keep:
-                    copied.append((t, offset))
-                else:
-                    # rebinding .data keeps the Parameter object (and optimizer state keys) intact
-                    t.data = flat[offset : offset + n].view_as(t)
-                offset += n
-        return _Bucket(flat, numel, copied)
-
-    @staticmethod
-    def _copy_in(bucket: _Bucket) -> None:
-        for t, offset in bucket.copied:
-            bucket.flat[offset : offset + t.numel()].copy_(t.reshape(-1))
-
-    @staticmethod
-    def _copy_out(bucket: _Bucket) -> None:
-        for t, offset in bucket.copied:
-            t.copy_(bucket.flat[offset : offset + t.numel()].view_as(t))
-
-    @property
-    def numel(self) -> int:
-        return sum(b.numel for b in self.buckets)
 
     def broadcast_from(self, root: int = 0) -> None:
         """Make every replica equal to ``root``'s (start of training)."""
         if self.group is None:
             return
         with torch.no_grad():
-            for bucket in self.buckets:
-                self._copy_in(bucket)
+            for bucket in self.flat.buckets:
+                bucket.copy_in()
                 self.group.broadcast(bucket.flat, root).wait()
-                self._copy_out(bucket)
+                bucket.copy_out()
 
-    def average(self, weight: float, *, measure: bool = False) -> Averaged:
-        """Replace every replica's tensors by the weight-averaged ones.
+    def poll(self) -> None:
+        """Nothing arrives between averages on this backend."""
 
-        With ``measure`` the replica's drift is reported too:
-        ``‖pre − post‖ / ‖post‖`` over all averaged tensors (one copy of them).
+    def average(self, weight: float, *, measure: bool = False, block: bool = True) -> Averaged:
+        """Replace every replica's tensors by the weighted average (always blocking here).
+
+        With ``measure`` the replica's drift ``‖pre − post‖ / ‖post‖`` is reported
+        too (one copy of the values, not counted in ``ms``).
 
         Raises:
             RuntimeError: the collective failed (a peer died) or timed out.
@@ -159,17 +97,18 @@ class FlatAverager:
         if self.group is None:
             return Averaged(0.0, 0.0 if measure else None)
         collective_ms = 0.0  # what ElChe weighs against compute: the collective, not our bookkeeping
-        diff_sq = pre_sq = post_sq = 0.0
+        pre_all, post_all = [], []
         with torch.no_grad():
-            for bucket in self.buckets:
-                self._copy_in(bucket)
-                values, slot = bucket.flat[: bucket.numel], bucket.flat[bucket.numel :]
+            for bucket in self.flat.buckets:
+                bucket.copy_in()
+                values, slot = bucket.values, bucket.flat[bucket.numel :]
+                w = weight if bucket.group == PARAMS else (1.0 if weight > 0 else 0.0)
                 # the drift needs the pre-average values; a zero-weight rank needs
                 # them too, in case every rank had zero weight and there is no average
-                pre = values.clone() if measure or weight == 0 else None
-                if weight != 1.0:
-                    values.mul_(weight)
-                slot.fill_(weight)
+                pre = values.clone() if measure or w == 0 else None
+                if w != 1.0:
+                    values.mul_(w)
+                slot.fill_(w)
                 start = time.perf_counter()
                 self.group.allreduce([bucket.flat]).wait()
                 total = float(slot.item())
@@ -178,20 +117,10 @@ class FlatAverager:
                     values.div_(total)
                 elif pre is not None:
                     values.copy_(pre)
-                self._copy_out(bucket)
-                if measure:
-                    pre_sq += float(pre.norm()) ** 2
-                    post_sq += float(values.norm()) ** 2
-                    diff_sq += float(pre.sub_(values).norm()) ** 2
+                bucket.copy_out()
+                if measure and bucket.group == PARAMS:
+                    pre_all.append(pre)
+                    post_all.append(values)
         if not measure:
             return Averaged(collective_ms)
-        post = post_sq**0.5
-        return Averaged(collective_ms, (diff_sq**0.5) / post if post > 1e-10 else None, pre_sq**0.5, post)
-
-    def snapshot(self) -> list[torch.Tensor]:
-        """Copies of the flat buffers (for tests and checkpoints)."""
-        out = []
-        for bucket in self.buckets:
-            self._copy_in(bucket)
-            out.append(bucket.flat[: bucket.numel].detach().clone())
-        return out
+        return Averaged(collective_ms, *drift(pre_all, post_all))

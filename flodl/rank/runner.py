@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .. import __version__, scalars
-from ..config import DdpRunConfig
+from ..config import AverageBackend, DdpRunConfig
 from ..env import RankEnv, simulated_slowdown
 from ..errors import (
     EXIT_CONTROLLER_LOST,
@@ -42,7 +42,9 @@ from ..schedule import shuffle_signature
 from ..task import Task
 from ..taskspec import load_task
 from ..transport import host_name
-from .collective import FlatAverager, build_group
+from .collective import CollectiveAverager, build_group
+from .cpu_average import BulkLink, CpuAverager
+from .flat import FlatModel
 from .data import BatchSource, to_device
 from .handle import LrState, WorkerHandle
 from .link import ControllerLink
@@ -134,7 +136,7 @@ class RankRunner:
         self.task: Task | None = None
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self.averager: FlatAverager | None = None
+        self.averager: CollectiveAverager | CpuAverager | None = None
         self.source: BatchSource | None = None
         self.max_grad_norm: float | None = None
         self.lr: LrState | None = None
@@ -155,6 +157,8 @@ class RankRunner:
             log.error("rank %d: %s; exiting", self.rank, exc)
             return EXIT_CONTROLLER_LOST
         finally:
+            if isinstance(self.averager, CpuAverager):
+                self.averager.bulk.close()
             self.link.close()
 
     def _run(self) -> int:
@@ -199,6 +203,8 @@ class RankRunner:
                 return self._stopped()
             except _UserError as exc:
                 return self._fail(exc.stage, exc.original, EXIT_TASK_ERROR)
+            except DeadlineExceeded as exc:  # a CPU averaging round never came back
+                return self._fail("collective", exc, EXIT_RANK_LOST)
             except RuntimeError as exc:
                 # torch raises RuntimeError for collective failures (peer gone, timeout)
                 stage = "collective" if _is_collective_error(exc) else "train"
@@ -284,19 +290,26 @@ class RankRunner:
     def _join(self, welcome: m.RankWelcome) -> None:
         start = time.perf_counter()
         config = DdpRunConfig.from_dict(welcome.config)  # validated, typed: the controller's options
-        group = None
-        if welcome.world_size > 1:
-            group = build_group(
-                store_host=welcome.store_host,
-                store_port=welcome.store_port,
-                prefix=welcome.store_prefix,
-                rank=self.rank,
-                world_size=welcome.world_size,
-                device=self.device,
-                timeout_s=welcome.collective_timeout_s,
-            )
         # flatten before the optimizer exists, so it holds the views, not stale tensors
-        self.averager = FlatAverager(self.model, group)
+        flat = FlatModel(self.model) if welcome.world_size > 1 else None
+        if flat is not None and config.elche.mode.backend is AverageBackend.CPU:
+            bulk = BulkLink(
+                f"tcp://{welcome.store_host}:{welcome.bulk_port}", identity=self.link.sender.encode() + b"/bulk",
+                secret=self.env.secret, run_id=self.env.run_id, sender=f"{self.link.sender}/bulk",
+            )
+            self.averager = CpuAverager(
+                flat, bulk, rank=self.rank, alpha=config.elche.easgd_alpha or 1.0,
+                timeout_s=max(welcome.collective_timeout_s, 2.0 * config.snapshot_timeout_secs),
+                must_stop=lambda: self.link.must_stop or self.terminated,
+            )
+        else:
+            group = None
+            if flat is not None:
+                group = build_group(
+                    store_host=welcome.store_host, store_port=welcome.store_port, prefix=welcome.store_prefix,
+                    rank=self.rank, world_size=welcome.world_size, device=self.device, timeout_s=welcome.collective_timeout_s,
+                )
+            self.averager = CollectiveAverager(flat, group)
         self.averager.broadcast_from(0)
         self.optimizer = self.task.optimizer(self.model)
         self.world_size = welcome.world_size
@@ -382,6 +395,7 @@ class RankRunner:
                     exhausted = True
                     break
                 epoch, idx, batch = item
+                self.averager.poll()  # CPU backend: land any average that arrived meanwhile
                 self._enter_epoch(epoch)
                 loss, compute_ms = self._step(batch)
                 stepped += 1
@@ -389,7 +403,9 @@ class RankRunner:
                 if last is not None:
                     self.link.send_lazy(last)
                 last = m.BatchDone(self.rank, epoch, self.step_count, len(idx), loss, compute_ms, data_ms, 0.0)
-            averaged = self.averager.average(float(stepped), measure=measure)
+            # the CPU backend's end-of-window average is sent, not waited for: ranks never block on peers
+            block = not (self.averager.backend == "cpu" and not sync_every)
+            averaged = self.averager.average(float(stepped), measure=measure, block=block)
             stats.sync_ms += averaged.ms
             stats.last_average = averaged
             if last is not None:
@@ -440,6 +456,14 @@ class RankRunner:
         """Score the model with the task's eval function and report it (errors included)."""
         value, error = None, None
         start = time.perf_counter()
+        if isinstance(self.averager, CpuAverager):
+            # CPU backend: land the averages already sent; before the final score, all of them
+            if cmd.final:
+                try:
+                    self.averager.settle()
+                except DeadlineExceeded as exc:
+                    log.warning("rank %d: scoring without the last average: %s", self.rank, exc)
+            self.averager.poll()
         if self.task.eval_fn is None:
             error = "the task has no eval_fn"
         else:

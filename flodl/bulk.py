@@ -1,0 +1,94 @@
+"""The bulk plane's message shape: a signed header frame plus raw tensor frames.
+
+Shared by the controller's averaging actor and the ranks. Tensors travel as
+their raw bytes (one slice of one flat tensor per message, sent without copying), never
+pickled and never inside msgpack; the header (a ``Snapshot`` or ``Update``
+control frame, signed like every other) gives the model's layout and the
+slice, and ``unpack_slice`` refuses any message whose frame disagrees with it,
+naming the mismatch. Slicing keeps every end's in-flight memory to a few
+slices per peer, whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Sequence
+
+import torch
+
+from .errors import ProtocolError
+
+#: Floating dtypes a bulk frame may carry.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Raises: ValueError for a dtype the bulk plane does not carry."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"the bulk plane carries {sorted(DTYPES)}, not {dtype}") from None
+
+
+def as_frame(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without copying (any dtype, bfloat16 included)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("bulk frames are contiguous CPU tensors")
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+#: A model travels as slices of at most this many bytes (both directions).
+SLICE_BYTES = 8 << 20
+
+
+def slices(numels: Sequence[int], itemsizes: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(bucket, start, count)`` of every slice of a layout, in order."""
+    out = []
+    for bucket, (numel, size) in enumerate(zip(numels, itemsizes)):
+        step = max(1, SLICE_BYTES // size)
+        for start in range(0, numel, step):
+            out.append((bucket, start, min(step, numel - start)))
+    return out
+
+
+def unpack_slice(header: Any, frames: Sequence[Any]) -> torch.Tensor | None:
+    """Check one slice message against its header; view its frame as a tensor (no copy).
+
+    Returns None for a message that carries no slice (``bucket`` -1, no frame).
+
+    Raises:
+        ProtocolError: ``bulk`` naming what disagrees (layout lists, frame
+            count, dtype, group, bucket or slice bounds, byte length).
+    """
+    n = len(header.numels)
+    if len(header.dtypes) != n or len(header.groups) != n:
+        raise ProtocolError("bulk", "header layout lists differ in length")
+    for i, (group, name) in enumerate(zip(header.groups, header.dtypes)):
+        if name not in DTYPES:
+            raise ProtocolError("bulk", f"tensor {i}: dtype {name!r} is not one of {sorted(DTYPES)}")
+        if group not in ("p", "b"):
+            raise ProtocolError("bulk", f"tensor {i}: group {group!r} is not p or b")
+    if header.bucket == -1:
+        if frames or header.count:
+            raise ProtocolError("bulk", "a message with no slice carries data")
+        return None
+    if len(frames) != 1:
+        raise ProtocolError("bulk", f"a slice message carries exactly one frame, this one {len(frames)}")
+    if not 0 <= header.bucket < n:
+        raise ProtocolError("bulk", f"bucket {header.bucket} outside the {n} tensors of the layout")
+    if header.start < 0 or header.count < 1 or header.start + header.count > header.numels[header.bucket]:
+        raise ProtocolError("bulk", f"slice [{header.start}, {header.start + header.count}) outside tensor {header.bucket} of {header.numels[header.bucket]} elements")
+    dtype = DTYPES[header.dtypes[header.bucket]]
+    buf = frames[0].buffer if hasattr(frames[0], "buffer") else memoryview(frames[0])
+    want = header.count * torch.empty(0, dtype=dtype).element_size()
+    if buf.nbytes != want:
+        raise ProtocolError("bulk", f"slice of {buf.nbytes} bytes, header says {header.count} x {header.dtypes[header.bucket]} = {want}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only ZeroMQ buffer: we only ever read it
+        return torch.frombuffer(buf, dtype=dtype)

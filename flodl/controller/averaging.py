@@ -1,0 +1,257 @@
+"""The CPU averaging backend, controller side: rounds of snapshots in, one average out.
+
+Ranks send parameter snapshots to a bulk ROUTER socket of their own (heartbeats
+and timing never queue behind a model). Each round is a small state machine:
+
+    Idle ──first slice──▶ Collecting ──every live rank's slices in──▶ Computing ──Update sent──▶ Idle
+                               └──snapshot_timeout_secs──▶ aborted (Update{aborted}) ──▶ Idle
+
+A snapshot arrives as slices of at most 8 MiB (``bulk.py``); each slice is
+folded into one float32 accumulator as it comes, off the event loop (torch
+releases the GIL), and the socket is not read while a slice waits to be
+folded. So the controller holds one model's worth of accumulator plus a few
+slices per peer, not one model per rank. Parameters are weighted by the
+batches each rank trained; floating buffers count equally among the ranks
+that trained. A round that times out is aborted (counted, the ranks told to
+keep their own parameters); its late slices are stale and dropped, so none
+leaks into a later round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import zmq
+
+from ..bulk import DTYPES, as_frame, slices, unpack_slice
+from ..errors import ProtocolError
+from ..protocol import messages as m
+from ..protocol.codec import FrameReader, FrameWriter
+from ..transport import AsyncSocket
+
+log = logging.getLogger("flodl.averaging")
+
+
+@dataclass
+class _Round:
+    number: int
+    started: float
+    expected: set[int]
+    groups: list[str]
+    dtypes: list[str]
+    numels: list[int]
+    acc: list[torch.Tensor]  # float32 accumulators, one per flat tensor
+    received: Counter = field(default_factory=Counter)  # rank -> elements folded
+    weights: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.numels)
+
+    def complete(self) -> set[int]:
+        return {r for r, n in self.received.items() if n == self.total}
+
+
+class CpuAveraging:
+    """Collects snapshot slices, averages them on the CPU, sends the average back."""
+
+    def __init__(self, *, secret: bytes, run_id: str, bind: str, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.reader = FrameReader(secret, run_id, max_frame=1 << 20, name="controller bulk")
+        self.writer = FrameWriter(secret, run_id, "controller/bulk")
+        self.timeout_s = timeout_s
+        self.clock = clock
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 4)  # a few slices per peer in flight; TCP holds the rest
+        sock.setsockopt(zmq.SNDHWM, 0)  # updates reference the accumulator: never dropped
+        self.port = sock.bind_to_random_port(f"tcp://{bind}")
+        self.io = AsyncSocket(sock, self._on_parts)
+        self.ranks: dict[bytes, int] = {}  # bulk identity -> rank
+        self.live: Callable[[], set[int]] = lambda: set(self.ranks.values())
+        self.current: _Round | None = None
+        self.next_round = 0
+        self.queue: asyncio.Queue = asyncio.Queue()
+        # slices of later rounds from ranks a window ahead (CPU Cadence/Async keep two
+        # windows in flight): held until their round opens, at most a window per rank
+        self.held: dict[int, list] = {}
+        self.drops: Counter[str] = Counter()
+        self.rounds_done = 0
+        self.aborted = 0
+        self.round_ms: list[float] = []
+        self.on_round: Callable[[int, float], None] = lambda number, ms: None
+
+    # ------------------------------------------------------------------ wiring
+
+    def admit(self, identity: bytes, rank: int) -> None:
+        """``identity`` is the rank's control routing id; its bulk socket adds ``/bulk``."""
+        self.ranks[identity + b"/bulk"] = rank
+
+    def start(self) -> None:
+        self.io.start()
+
+    def close(self) -> None:
+        self.io.close()
+
+    def _on_parts(self, parts: list) -> None:
+        if len(parts) < 2:
+            self.drops["malformed"] += 1
+            return
+        identity, header, frames = parts[0], parts[1], parts[2:]
+        env = self.reader.read(header, identity.decode("utf-8", "replace"))
+        if env is None:
+            return
+        msg = env.msg
+        rank = self.ranks.get(identity)
+        if not isinstance(msg, m.Snapshot) or rank is None or rank != msg.rank:
+            self.drops["unauthorized"] += 1
+            return
+        try:
+            piece = unpack_slice(msg, frames)
+        except ProtocolError as exc:
+            self.drops["bulk"] += 1
+            log.error("rejected a snapshot slice from rank %d: %s", rank, exc.detail)
+            return
+        if piece is None:
+            self.drops["bulk"] += 1
+            return
+        self.queue.put_nowait((rank, msg, piece))
+        self.io.paused = True  # fold this slice before reading the next: memory stays bounded
+
+    # -------------------------------------------------------------------- actor
+
+    async def run(self) -> None:
+        """Fold slices as they come, finish or abort rounds (the actor's loop)."""
+        while True:
+            try:
+                async with asyncio.timeout(0.1):
+                    rank, msg, piece = await self.queue.get()
+            except TimeoutError:
+                await self._check_timeout()
+                continue
+            try:
+                await self._take(rank, msg, piece)
+            except ProtocolError as exc:
+                self.drops["bulk"] += 1
+                log.error("rejected a snapshot slice from rank %d: %s", rank, exc.detail)
+            finally:
+                del piece  # release the ZeroMQ buffer before reading more
+                self.io.resume()
+            await self._check_timeout()
+
+    async def _take(self, rank: int, msg: m.Snapshot, piece: torch.Tensor) -> None:
+        if msg.round < self.next_round:
+            self.drops["stale"] += 1  # a round already done or aborted
+            return
+        if self.current is None and msg.round == self.next_round:
+            self.current = self._open(msg)
+        rnd = self.current
+        if rnd is None or msg.round != rnd.number:
+            self.held.setdefault(msg.round, []).append((rank, msg, piece))
+            return
+        if list(msg.groups) != rnd.groups or list(msg.dtypes) != rnd.dtypes or list(msg.numels) != rnd.numels:
+            raise ProtocolError("bulk", f"rank {rank}'s snapshot does not have the round's model layout")
+        if rnd.weights.setdefault(rank, msg.weight) != msg.weight:
+            raise ProtocolError("bulk", f"rank {rank} changed its weight within round {rnd.number}")
+        await asyncio.to_thread(self._fold, rnd, msg, piece)
+        rnd.received[rank] += msg.count
+        if rnd.received[rank] > rnd.total:
+            raise ProtocolError("bulk", f"rank {rank} sent more than one snapshot for round {rnd.number}")
+        if rnd.expected and rnd.complete() >= rnd.expected:
+            await self._finish(rnd)
+
+    def _open(self, msg: m.Snapshot) -> _Round:
+        return _Round(
+            number=msg.round, started=self.clock(), expected=set(self.live()),
+            groups=list(msg.groups), dtypes=list(msg.dtypes), numels=list(msg.numels),
+            acc=[torch.zeros(n, dtype=torch.float32) for n in msg.numels],
+        )
+
+    @staticmethod
+    def _fold(rnd: _Round, msg: m.Snapshot, piece: torch.Tensor) -> None:
+        w = float(msg.weight)
+        scale = w if rnd.groups[msg.bucket] == "p" else (1.0 if w > 0 else 0.0)
+        if scale:
+            rnd.acc[msg.bucket][msg.start : msg.start + msg.count].add_(piece.to(torch.float32), alpha=scale)
+
+    async def _finish(self, rnd: _Round) -> None:
+        done = rnd.complete()
+        param_weight = sum(rnd.weights[r] for r in done)
+        buffer_weight = sum(1.0 for r in done if rnd.weights[r] > 0)
+        if param_weight > 0:
+            out = await asyncio.to_thread(self._normalise, rnd, param_weight, buffer_weight)
+            sizes = [t.element_size() for t in out]
+            for bucket, start, count in slices(rnd.numels, sizes):
+                header = m.Update(round=rnd.number, aborted=False, ranks=len(done), groups=rnd.groups, dtypes=rnd.dtypes,
+                                  numels=rnd.numels, bucket=bucket, start=start, count=count)
+                self._broadcast(header, [as_frame(out[bucket][start : start + count])])
+        else:  # nobody trained: there is nothing to average
+            self._broadcast(self._empty(rnd, aborted=False), [])
+        ms = (self.clock() - rnd.started) * 1000.0
+        self.round_ms.append(ms)
+        self.rounds_done += 1
+        self._next(rnd)
+        self.on_round(rnd.number, ms)
+
+    @staticmethod
+    def _normalise(rnd: _Round, param_weight: float, buffer_weight: float) -> list[torch.Tensor]:
+        out = []
+        for acc, group, name in zip(rnd.acc, rnd.groups, rnd.dtypes):
+            total = param_weight if group == "p" else buffer_weight
+            if total > 0:
+                acc.div_(total)
+            out.append(acc if DTYPES[name] is torch.float32 else acc.to(DTYPES[name]))
+        return out
+
+    @staticmethod
+    def _empty(rnd: _Round, *, aborted: bool) -> m.Update:
+        return m.Update(round=rnd.number, aborted=aborted, ranks=0, groups=rnd.groups, dtypes=rnd.dtypes,
+                        numels=rnd.numels, bucket=-1, start=0, count=0)
+
+    def _next(self, rnd: _Round) -> None:
+        """Close ``rnd`` and replay what was held for the round after it."""
+        self.current = None
+        self.next_round = rnd.number + 1
+        for item in self.held.pop(self.next_round, []):
+            self.queue.put_nowait(item)
+        for stale in [r for r in self.held if r < self.next_round]:
+            self.drops["stale"] += len(self.held.pop(stale))
+
+    async def _check_timeout(self) -> None:
+        rnd = self.current
+        if rnd is None:
+            return
+        rnd.expected &= self.live()  # a rank that left is not waited for
+        if rnd.expected and rnd.complete() >= rnd.expected:
+            await self._finish(rnd)
+            return
+        if (self.clock() - rnd.started) > self.timeout_s:
+            missing = sorted(rnd.expected - rnd.complete())
+            log.warning("averaging round %d aborted: no complete snapshot from rank(s) %s within %g s", rnd.number, missing, self.timeout_s)
+            self._broadcast(self._empty(rnd, aborted=True), [])
+            self.aborted += 1
+            self._next(rnd)
+
+    def _broadcast(self, header: m.Update, frames: list) -> None:
+        encoded = self.writer.encode(header)
+        for identity in self.ranks:
+            try:
+                self.io.sock.send_multipart([identity, encoded, *frames], copy=False)
+            except zmq.ZMQError:
+                self.drops["unreachable"] += 1
+
+    def telemetry(self) -> dict:
+        ms = sorted(self.round_ms)
+        return {
+            "rounds": self.rounds_done,
+            "aborted": self.aborted,
+            "round_ms_p50": ms[len(ms) // 2] if ms else None,
+            "round_ms_max": ms[-1] if ms else None,
+            "dropped": dict(self.drops) | {f"header_{k}": v for k, v in self.reader.drops.items()},
+        }

@@ -1,0 +1,121 @@
+"""A model's floating tensors packed into a few flat buffers, for averaging.
+
+``FlatModel`` groups the model's parameters (group ``p``) and floating buffers
+(group ``b``) by dtype and device into flat "buckets", and re-points each
+tensor at its slice (the ``Parameter`` objects, and so the optimizer's state,
+are untouched). An average is then a handful of operations on a handful of
+buffers, whichever backend runs it. Every bucket carries one spare element
+after its values, which the collective backend uses to add up the weights in
+the same all-reduce.
+
+Integer buffers (BatchNorm's ``num_batches_tracked``) are not packed:
+averaging a counter is meaningless. cuDNN RNN weights keep their own packed
+storage and are copied in and out around each average instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PARAMS, BUFFERS = "p", "b"
+
+
+@dataclass
+class Averaged:
+    """What one average cost and, when measured, how far this replica had drifted."""
+
+    ms: float
+    divergence: float | None = None
+    pre_norm: float | None = None
+    post_norm: float | None = None
+
+
+@dataclass
+class Bucket:
+    group: str  # PARAMS (averaged by batches) or BUFFERS (equal weight among ranks that trained)
+    flat: torch.Tensor  # numel + 1 elements: the values, then a spare slot
+    numel: int
+    # tensors that keep storage of their own, copied in/out around averages: (tensor, offset)
+    copied: list[tuple[torch.Tensor, int]]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.flat[: self.numel]
+
+    def copy_in(self) -> None:
+        for t, offset in self.copied:
+            self.flat[offset : offset + t.numel()].copy_(t.reshape(-1))
+
+    def copy_out(self) -> None:
+        for t, offset in self.copied:
+            t.copy_(self.flat[offset : offset + t.numel()].view_as(t))
+
+
+def _own_storage(model: torch.nn.Module) -> set[int]:
+    """cuDNN RNNs pack their weights into one buffer of their own
+    (``flatten_parameters``); re-pointing them at views of ours would make cuDNN
+    re-compact them on every call."""
+    return {id(p) for mod in model.modules() if isinstance(mod, torch.nn.RNNBase) for p in mod.parameters(recurse=False)}
+
+
+class FlatModel:
+    """The model's floating tensors as views into flat buckets."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        keep = _own_storage(model)
+        self.buckets: list[Bucket] = []
+        for group, tensors in ((PARAMS, list(model.parameters())), (BUFFERS, [b for b in model.buffers() if b.is_floating_point()])):
+            by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+            for t in tensors:
+                by_kind.setdefault((t.dtype, t.device), []).append(t)
+            for (dtype, device), same in by_kind.items():
+                self.buckets.append(self._pack(group, same, dtype, device, keep))
+
+    @staticmethod
+    def _pack(group: str, tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device, keep: set[int]) -> Bucket:
+        numel = sum(t.numel() for t in tensors)
+        flat = torch.empty(numel + 1, dtype=dtype, device=device)
+        copied = []
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                n = t.numel()
+                flat[offset : offset + n].copy_(t.reshape(-1))
+                if id(t) in keep:
+                    copied.append((t, offset))
+                else:
+                    # rebinding .data keeps the Parameter object (and optimizer state keys) intact
+                    t.data = flat[offset : offset + n].view_as(t)
+                offset += n
+        return Bucket(group, flat, numel, copied)
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel for b in self.buckets)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel * b.flat.element_size() for b in self.buckets)
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """Detached copies of every bucket's values (on the buckets' devices)."""
+        out = []
+        with torch.no_grad():
+            for bucket in self.buckets:
+                bucket.copy_in()
+                out.append(bucket.values.detach().clone())
+        return out
+
+
+def drift(pre: list[torch.Tensor], post: list[torch.Tensor]) -> tuple[float | None, float, float]:
+    """``(‖pre − post‖ / ‖post‖, ‖pre‖, ‖post‖)`` over all tensors (None if ‖post‖ ≈ 0)."""
+    pre_sq = post_sq = diff_sq = 0.0
+    with torch.no_grad():
+        for a, b in zip(pre, post):
+            pre_sq += float(a.norm()) ** 2
+            post_sq += float(b.norm()) ** 2
+            diff_sq += float((a - b).norm()) ** 2
+    post_norm = post_sq**0.5
+    return ((diff_sq**0.5) / post_norm if post_norm > 1e-10 else None), pre_sq**0.5, post_norm

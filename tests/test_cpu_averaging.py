@@ -1,0 +1,183 @@
+"""The CPU averaging backend: real bulk sockets, the controller's round state machine, rank-side apply."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+import zmq
+
+from flodl.bulk import SLICE_BYTES, unpack_slice
+from flodl.controller.averaging import CpuAveraging
+from flodl.errors import ProtocolError
+from flodl.protocol import messages as m
+from flodl.protocol.codec import FrameWriter
+from flodl.rank.cpu_average import BulkLink, CpuAverager
+from flodl.rank.flat import FlatModel
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = b"b" * 32
+RUN = "bulk-run"
+
+
+class Big(torch.nn.Module):
+    """Parameters larger than one slice, plus a floating and an integer buffer."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w = torch.nn.Parameter(torch.randn(SLICE_BYTES // 4 + 1000, generator=g))
+        self.v = torch.nn.Parameter(torch.randn(7, generator=g))
+        self.register_buffer("stat", torch.randn(5, generator=g))
+        self.register_buffer("count", torch.tensor(seed))
+
+
+def values(model):
+    return [t.detach().double().clone() for t in (model.w, model.v, model.stat)]
+
+
+def rank_side(ctl: CpuAveraging, rank: int, model: torch.nn.Module, *, timeout_s: float = 10.0) -> CpuAverager:
+    identity = f"rank{rank}.t".encode()
+    ctl.admit(identity, rank)
+    bulk = BulkLink(f"tcp://127.0.0.1:{ctl.port}", identity=identity + b"/bulk", secret=SECRET, run_id=RUN, sender=f"rank{rank}.t/bulk")
+    return CpuAverager(FlatModel(model), bulk, rank=rank, timeout_s=timeout_s, must_stop=lambda: False)
+
+
+async def controller(timeout_s: float = 5.0) -> tuple[CpuAveraging, asyncio.Task]:
+    ctl = CpuAveraging(secret=SECRET, run_id=RUN, bind="127.0.0.1", timeout_s=timeout_s)
+    ctl.start()
+    return ctl, asyncio.create_task(ctl.run())
+
+
+async def stop(ctl, task, averagers=()):
+    task.cancel()
+    for a in averagers:
+        a.bulk.close()
+    ctl.close()
+
+
+async def test_weighted_average_exact_against_float64(tmp_path):
+    ctl, task = await controller()
+    models = [Big(s) for s in range(3)]
+    before = [values(mo) for mo in models]
+    avgs = [rank_side(ctl, r, mo) for r, mo in enumerate(models)]
+    weights = [3.0, 1.0, 0.0]
+    threads = [asyncio.to_thread(a.average, w, measure=True) for a, w in zip(avgs, weights)]
+    results = await asyncio.gather(*threads)
+    want_p = [sum(w * b[i] for w, b in zip(weights, before)) / sum(weights) for i in (0, 1)]
+    want_b = (before[0][2] + before[1][2]) / 2  # buffers: equal weight among ranks that trained
+    for mo in models:
+        got = values(mo)
+        assert torch.allclose(got[0], want_p[0], atol=1e-5) and torch.allclose(got[1], want_p[1], atol=1e-5)
+        assert torch.allclose(got[2], want_b, atol=1e-6)
+    assert [int(mo.count) for mo in models] == [0, 1, 2]  # integer buffers stay local
+    assert all(r.divergence is not None for r in results)
+    assert ctl.rounds_done == 1 and ctl.aborted == 0 and not ctl.drops
+    await stop(ctl, task, avgs)
+
+
+async def test_progress_after_the_snapshot_is_kept():
+    ctl, task = await controller()
+    models = [torch.nn.Linear(3, 2) for _ in range(2)]
+    avgs = [rank_side(ctl, r, mo) for r, mo in enumerate(models)]
+    for a in avgs:
+        a.average(1.0, block=False)
+    snap0 = models[0].weight.detach().clone()
+    with torch.no_grad():
+        models[0].weight.add_(10.0)  # training goes on while the round is computed
+    mean = (snap0 + models[1].weight.detach()) / 2
+    await asyncio.gather(*(asyncio.to_thread(a.settle) for a in avgs))
+    assert torch.allclose(models[0].weight.detach(), mean + 10.0, atol=1e-6)
+    assert torch.allclose(models[1].weight.detach(), mean, atol=1e-6)
+    await stop(ctl, task, avgs)
+
+
+async def test_timeout_aborts_and_late_snapshot_never_leaks():
+    ctl, task = await controller(timeout_s=0.5)
+    models = [torch.nn.Linear(4, 4) for _ in range(3)]
+    avgs = [rank_side(ctl, r, mo, timeout_s=5.0) for r, mo in enumerate(models)]
+    # round 0: rank 2 is late, the round is aborted and ranks 0, 1 keep their own values
+    kept = [mo.weight.detach().clone() for mo in models]
+    await asyncio.gather(*(asyncio.to_thread(a.average, 1.0) for a in avgs[:2]))
+    assert ctl.aborted == 1
+    assert all(torch.equal(mo.weight.detach(), k) for mo, k in zip(models[:2], kept))
+    # rank 2's round-0 snapshot arrives now: stale. Round 1 averages all three.
+    with torch.no_grad():
+        models[2].weight.fill_(1000.0)
+    avgs[2].average(1.0, block=False)  # still round 0 from its side
+    for a in avgs[:2]:
+        a.round = 1  # ranks 0 and 1 have moved on to round 1
+    avgs[2].round = 1
+    with torch.no_grad():
+        models[2].weight.fill_(3.0)
+    want = (models[0].weight.detach() + models[1].weight.detach() + 3.0) / 3
+    await asyncio.gather(*(asyncio.to_thread(a.average, 1.0) for a in avgs))
+    assert ctl.drops["stale"] >= 1 and ctl.rounds_done == 1
+    for mo in models:
+        assert torch.allclose(mo.weight.detach(), want, atol=1e-5)  # no trace of the 1000s
+    await stop(ctl, task, avgs)
+
+
+async def test_round_completes_without_a_rank_that_died():
+    ctl, task = await controller(timeout_s=30.0)
+    models = [torch.nn.Linear(2, 2) for _ in range(3)]
+    avgs = [rank_side(ctl, r, mo) for r, mo in enumerate(models)]
+    want = (models[0].weight.detach() + models[1].weight.detach()) / 2
+    live = {0, 1, 2}
+    ctl.live = lambda: set(live)
+
+    async def die_later():
+        await asyncio.sleep(0.3)
+        live.discard(2)  # rank 2 dies before sending anything
+
+    await asyncio.gather(die_later(), *(asyncio.to_thread(a.average, 1.0) for a in avgs[:2]))
+    assert ctl.rounds_done == 1 and ctl.aborted == 0
+    assert torch.allclose(models[0].weight.detach(), want, atol=1e-6)
+    await stop(ctl, task, avgs)
+
+
+def _send_raw(port: int, identity: bytes, header: m.Snapshot, payload: bytes) -> None:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, identity)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock.send_multipart([FrameWriter(SECRET, RUN, identity.decode()).encode(header), payload])
+    sock.close()
+
+
+@pytest.mark.parametrize("bad, reason", [
+    (dict(numels=[10], count=10), "slice of 16 bytes, header says 10 x float32 = 40"),
+    (dict(dtypes=["int64"]), "dtype 'int64'"),
+    (dict(bucket=3), "bucket 3 outside"),
+    (dict(start=2, count=4), "outside tensor 0 of 4 elements"),
+])
+async def test_bad_slices_are_rejected_with_a_clear_error(bad, reason, caplog):
+    ctl, task = await controller()
+    ctl.admit(b"rank0.x", 0)
+    fields = dict(rank=0, round=0, weight=1.0, groups=["p"], dtypes=["float32"], numels=[4], bucket=0, start=0, count=4) | bad
+    _send_raw(ctl.port, b"rank0.x/bulk", m.Snapshot(**fields), b"\0" * 16)
+    for _ in range(100):
+        if ctl.drops["bulk"]:
+            break
+        await asyncio.sleep(0.02)
+    assert ctl.drops["bulk"] == 1 and ctl.current is None
+    assert reason in caplog.text
+    with pytest.raises(ProtocolError, match="bulk"):
+        unpack_slice(m.Snapshot(**fields), [b"\0" * 16])
+    await stop(ctl, task)
+
+
+async def test_snapshot_from_the_wrong_socket_is_unauthorized():
+    ctl, task = await controller()
+    ctl.admit(b"rank0.x", 0)
+    header = m.Snapshot(rank=0, round=0, weight=1.0, groups=["p"], dtypes=["float32"], numels=[4], bucket=0, start=0, count=4)
+    _send_raw(ctl.port, b"rank1.impostor/bulk", header, b"\0" * 16)
+    for _ in range(100):
+        if ctl.drops["unauthorized"]:
+            break
+        await asyncio.sleep(0.02)
+    assert ctl.drops["unauthorized"] == 1 and ctl.current is None
+    await stop(ctl, task)
