@@ -37,6 +37,9 @@ from ..transport import AsyncSocket
 
 log = logging.getLogger("flodl.averaging")
 
+#: Slices received but not yet folded before the socket stops being read.
+READ_AHEAD = 4
+
 
 @dataclass
 class _Round:
@@ -49,10 +52,23 @@ class _Round:
     acc: list[torch.Tensor]  # float32 accumulators, one per flat tensor
     received: Counter = field(default_factory=Counter)  # rank -> elements folded
     weights: dict[int, float] = field(default_factory=dict)
+    folded: Counter = field(default_factory=Counter)  # (bucket, start) -> ranks folded into it
+    streamed: set = field(default_factory=set)  # (bucket, start) of slices already sent back
+    first: dict = field(default_factory=dict)  # (bucket, start) -> folded pre-normalised?
 
     @property
     def total(self) -> int:
         return sum(self.numels)
+
+    def scale_known(self) -> bool:
+        """Every expected rank's weight is known (and so the normalising totals)."""
+        return bool(self.expected) and self.expected <= set(self.weights)
+
+    def total_for(self, bucket: int) -> float:
+        """The divisor of a bucket: summed weights (parameters) or ranks that trained (buffers)."""
+        ws = [self.weights[r] for r in self.expected]
+        total = sum(ws) if self.groups[bucket] == "p" else float(sum(1 for w in ws if w > 0))
+        return total if total > 0 else 1.0
 
     def complete(self) -> set[int]:
         return {r for r, n in self.received.items() if n == self.total}
@@ -122,7 +138,8 @@ class CpuAveraging:
             self.drops["bulk"] += 1
             return
         self.queue.put_nowait((rank, msg, piece))
-        self.io.paused = True  # fold this slice before reading the next: memory stays bounded
+        # read ahead a few slices while one is folded, then stop: memory stays bounded
+        self.io.paused = self.queue.qsize() >= READ_AHEAD
 
     # -------------------------------------------------------------------- actor
 
@@ -142,7 +159,8 @@ class CpuAveraging:
                 log.error("rejected a snapshot slice from rank %d: %s", rank, exc.detail)
             finally:
                 del piece  # release the ZeroMQ buffer before reading more
-                self.io.resume()
+                if self.io.paused and self.queue.qsize() < READ_AHEAD:
+                    self.io.resume()
             await self._check_timeout()
 
     async def _take(self, rank: int, msg: m.Snapshot, piece: torch.Tensor) -> None:
@@ -159,10 +177,16 @@ class CpuAveraging:
             raise ProtocolError("bulk", f"rank {rank}'s snapshot does not have the round's model layout")
         if rnd.weights.setdefault(rank, msg.weight) != msg.weight:
             raise ProtocolError("bulk", f"rank {rank} changed its weight within round {rnd.number}")
+        if rnd.received[rank] + msg.count > rnd.total:
+            raise ProtocolError("bulk", f"rank {rank} sent more than one snapshot for round {rnd.number}")
         await asyncio.to_thread(self._fold, rnd, msg, piece)
         rnd.received[rank] += msg.count
-        if rnd.received[rank] > rnd.total:
-            raise ProtocolError("bulk", f"rank {rank} sent more than one snapshot for round {rnd.number}")
+        key = (msg.bucket, msg.start)
+        rnd.folded[key] += 1  # after the fold: it reads the count to know the first contribution
+        if rnd.folded[key] == len(rnd.expected) and rnd.expected <= set(rnd.weights):
+            # streaming: this slice is in from every rank, send its average now while
+            # the rest still arrives (receiving and sending overlap)
+            await self._send_slice(rnd, msg.bucket, msg.start, msg.count)
         if rnd.expected and rnd.complete() >= rnd.expected:
             await self._finish(rnd)
 
@@ -170,27 +194,55 @@ class CpuAveraging:
         return _Round(
             number=msg.round, started=self.clock(), expected=set(self.live()),
             groups=list(msg.groups), dtypes=list(msg.dtypes), numels=list(msg.numels),
-            acc=[torch.zeros(n, dtype=torch.float32) for n in msg.numels],
+            acc=[torch.empty(n, dtype=torch.float32) for n in msg.numels],
         )
 
     @staticmethod
     def _fold(rnd: _Round, msg: m.Snapshot, piece: torch.Tensor) -> None:
+        """acc[slice] (+)= scale · piece, one pass over memory.
+
+        The first contribution to a slice writes it (the accumulator starts
+        uninitialised: no zero-fill pass). When every expected rank's weight is
+        already known (their first slices came first, as they do), each
+        contribution is scaled by weight / total at once, so the slice needs no
+        division pass before it goes back.
+        """
+        key = (msg.bucket, msg.start)
+        seg = rnd.acc[msg.bucket][msg.start : msg.start + msg.count]
+        if key not in rnd.first:
+            rnd.first[key] = rnd.scale_known()
         w = float(msg.weight)
         scale = w if rnd.groups[msg.bucket] == "p" else (1.0 if w > 0 else 0.0)
-        if scale:
-            rnd.acc[msg.bucket][msg.start : msg.start + msg.count].add_(piece.to(torch.float32), alpha=scale)
+        if rnd.first[key]:
+            scale /= rnd.total_for(msg.bucket)
+        if rnd.folded[key] == 0:
+            torch.mul(piece, scale, out=seg)
+        elif scale:
+            seg.add_(piece, alpha=scale)
+
+    async def _send_slice(self, rnd: _Round, bucket: int, start: int, count: int) -> None:
+        """Normalise one slice of the accumulator and send it to every rank."""
+        ranks = rnd.expected & set(rnd.weights)
+        param_weight = sum(rnd.weights[r] for r in ranks)
+        if param_weight <= 0:
+            return  # nobody trained: the empty update goes out when the round is done
+        buffer_weight = sum(1.0 for r in ranks if rnd.weights[r] > 0)
+        total = param_weight if rnd.groups[bucket] == "p" else buffer_weight
+        if rnd.first.get((bucket, start)):
+            total = 1.0  # folded pre-normalised
+        out = await asyncio.to_thread(self._normalise, rnd.acc[bucket][start : start + count], total, DTYPES[rnd.dtypes[bucket]])
+        header = m.Update(round=rnd.number, aborted=False, ranks=len(ranks), groups=rnd.groups, dtypes=rnd.dtypes,
+                          numels=rnd.numels, bucket=bucket, start=start, count=count)
+        self._broadcast(header, [as_frame(out)])
+        rnd.streamed.add((bucket, start))
 
     async def _finish(self, rnd: _Round) -> None:
-        done = rnd.complete()
-        param_weight = sum(rnd.weights[r] for r in done)
-        buffer_weight = sum(1.0 for r in done if rnd.weights[r] > 0)
-        if param_weight > 0:
-            out = await asyncio.to_thread(self._normalise, rnd, param_weight, buffer_weight)
-            sizes = [t.element_size() for t in out]
-            for bucket, start, count in slices(rnd.numels, sizes):
-                header = m.Update(round=rnd.number, aborted=False, ranks=len(done), groups=rnd.groups, dtypes=rnd.dtypes,
-                                  numels=rnd.numels, bucket=bucket, start=start, count=count)
-                self._broadcast(header, [as_frame(out[bucket][start : start + count])])
+        if sum(rnd.weights.get(r, 0.0) for r in rnd.complete()) > 0:
+            # slices not streamed yet: their last fold came before a rank that left
+            # stopped being expected; they go out now
+            for bucket, start, count in slices(rnd.numels, [DTYPES[d].itemsize for d in rnd.dtypes]):
+                if (bucket, start) not in rnd.streamed:
+                    await self._send_slice(rnd, bucket, start, count)
         else:  # nobody trained: there is nothing to average
             self._broadcast(self._empty(rnd, aborted=False), [])
         ms = (self.clock() - rnd.started) * 1000.0
@@ -200,14 +252,10 @@ class CpuAveraging:
         self.on_round(rnd.number, ms)
 
     @staticmethod
-    def _normalise(rnd: _Round, param_weight: float, buffer_weight: float) -> list[torch.Tensor]:
-        out = []
-        for acc, group, name in zip(rnd.acc, rnd.groups, rnd.dtypes):
-            total = param_weight if group == "p" else buffer_weight
-            if total > 0:
-                acc.div_(total)
-            out.append(acc if DTYPES[name] is torch.float32 else acc.to(DTYPES[name]))
-        return out
+    def _normalise(acc: torch.Tensor, total: float, dtype: torch.dtype) -> torch.Tensor:
+        if total > 0 and total != 1.0:
+            acc.div_(total)
+        return acc if dtype is torch.float32 else acc.to(dtype)
 
     @staticmethod
     def _empty(rnd: _Round, *, aborted: bool) -> m.Update:

@@ -78,9 +78,9 @@ class BulkLink:
 class _Pending:
     """A round this rank has sent its snapshot for, waiting for the average."""
 
-    snap: list[torch.Tensor]  # the values sent, on the buckets' devices
+    snap: list[torch.Tensor] | None  # the values sent, on the buckets' devices (None: overwrite)
     left: int  # elements of the average not yet applied
-    overwrite: bool
+    measure: bool
     sq: list[float]  # running ‖pre‖², ‖post‖², ‖pre − post‖² over parameter slices
 
 
@@ -112,12 +112,22 @@ class CpuAverager:
             DeadlineExceeded: no complete update for this round within the timeout.
         """
         start = time.perf_counter()
-        snap = self.flat.snapshot()
         buckets = self.flat.buckets
         layout = dict(groups=[b.group for b in buckets], dtypes=[dtype_name(b.flat.dtype) for b in buckets], numels=[b.numel for b in buckets])
-        host = [s if s.device.type == "cpu" else s.to("cpu") for s in snap]
+        if block and not measure:
+            # nothing trains before the average lands, so the average simply replaces the
+            # values and the live buffers can go out as they are: no copy on CPU ranks
+            for bucket in buckets:
+                bucket.copy_in()
+            snap, overwrite = None, True
+            host = [b.values.detach() if b.flat.device.type == "cpu" else b.values.detach().to("cpu") for b in buckets]
+        else:
+            snap = self.flat.snapshot()
+            host = [s if s.device.type == "cpu" else s.to("cpu") for s in snap]
+            if overwrite:
+                snap = None
         mine = self.round
-        self.pending[mine] = _Pending(snap, sum(b.numel for b in buckets), overwrite, [0.0, 0.0, 0.0])
+        self.pending[mine] = _Pending(snap, sum(b.numel for b in buckets), measure, [0.0, 0.0, 0.0])
         self.round += 1
         for bucket, first, count in slices(layout["numels"], [t.element_size() for t in host]):
             header = m.Snapshot(rank=self.rank, round=mine, weight=float(weight), bucket=bucket, start=first, count=count, **layout)
@@ -160,19 +170,23 @@ class CpuAverager:
             return
         bucket = self.flat.buckets[update.bucket]
         seg = slice(update.start, update.start + update.count)
-        s = pending.snap[update.bucket][seg]
         with torch.no_grad():
             avg = piece.to(bucket.flat.device)
-            bucket.copy_in()
-            if pending.overwrite:
-                bucket.values[seg].copy_(avg)
+            if bucket.copied:  # tensors with storage of their own: refresh our copy first
+                bucket.copy_in()
+            values = bucket.values[seg]
+            if pending.snap is None:
+                values.copy_(avg)
             else:
-                bucket.values[seg].add_(avg - s, alpha=self.alpha)
-            bucket.copy_out()
-            if bucket.group == PARAMS:
-                pending.sq[0] += float(s.norm()) ** 2
-                pending.sq[1] += float(avg.float().norm()) ** 2
-                pending.sq[2] += float((s - avg).float().norm()) ** 2
+                s = pending.snap[update.bucket][seg]
+                if pending.measure and bucket.group == PARAMS:
+                    pending.sq[0] += float(s.norm()) ** 2
+                    pending.sq[1] += float(avg.norm()) ** 2
+                    pending.sq[2] += float(torch.dist(s, avg)) ** 2
+                # local + α·(avg − snapshot), in place: two passes, no temporary
+                values.add_(avg, alpha=self.alpha).sub_(s, alpha=self.alpha)
+            if bucket.copied:
+                bucket.copy_out()
         pending.left -= update.count
         if pending.left <= 0:
             del self.pending[update.round]

@@ -1,0 +1,164 @@
+"""CPU averaging round vs a gloo all-reduce of the same tensors, and the controller's memory.
+
+    python bench/cpu_avg.py [--quick]
+
+For each parameter size (10, 100, 400 MB of float32) and rank count (2, 4),
+this process plays the controller (the real ``CpuAveraging`` actor on uvloop)
+and spawns the ranks. Each rank holds one flat model of that size and joins a
+gloo group built from a TCPStore this process hosts. Between barriers, the
+ranks time (a) a gloo all-reduce of the model and (b) one CPU averaging round
+end to end: snapshot copy, slices up to the controller, fold, average, slices
+back, applied. A round's time is the slowest rank's. A sampler thread
+records the controller process's peak RSS above its baseline during rounds.
+
+Goals (issue 4): round time ≤ 1.5× the gloo all-reduce (stretch: faster);
+controller memory ≤ 2× one model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from bench.common import Row, report  # noqa: E402
+from flodl.controller import run_loop  # noqa: E402
+from flodl.controller.averaging import CpuAveraging  # noqa: E402
+
+SECRET = b"c" * 32
+RUN = "cpu-avg-bench"
+
+
+class Flat(torch.nn.Module):
+    def __init__(self, numel: int, rank: int) -> None:
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.full((numel,), float(rank + 1)))
+
+
+def rank_main(rank: int, world: int, numel: int, store_port: int, bulk_port: int, reps: int, out: mp.Queue) -> None:
+    from flodl.rank.cpu_average import BulkLink, CpuAverager
+    from flodl.rank.flat import FlatModel
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=datetime.timedelta(seconds=120))
+    group = dist.ProcessGroupGloo(dist.PrefixStore("bench", store), rank, world, datetime.timedelta(seconds=120))
+    model = Flat(numel, rank)
+    flat = FlatModel(model)
+    identity = f"rank{rank}.bench".encode()
+    bulk = BulkLink(f"tcp://127.0.0.1:{bulk_port}", identity=identity + b"/bulk", secret=SECRET, run_id=RUN, sender=f"rank{rank}.bench/bulk")
+    avg = CpuAverager(flat, bulk, rank=rank, timeout_s=600.0, must_stop=lambda: False)
+    barrier = torch.zeros(1)
+    gloo, rounds = [], []
+    for _ in range(reps):
+        group.allreduce([barrier]).wait()
+        t0 = time.perf_counter()
+        group.allreduce([flat.buckets[0].flat]).wait()
+        gloo.append(time.perf_counter() - t0)
+    for _ in range(reps):
+        group.allreduce([barrier]).wait()
+        t0 = time.perf_counter()
+        avg.average(1.0, block=True)
+        rounds.append(time.perf_counter() - t0)
+    group.allreduce([barrier]).wait()
+    out.put((rank, gloo, rounds))
+    bulk.close()
+
+
+class PeakRss(threading.Thread):
+    """Samples this process's RSS every few ms while armed."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.proc = psutil.Process()
+        self.peak = 0
+        self.armed = threading.Event()
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            if self.armed.is_set():
+                self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.005)
+
+
+def measure(size_mb: int, world: int, reps: int) -> dict:
+    numel = size_mb * (1 << 20) // 4
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    sampler = PeakRss()
+    sampler.start()
+
+    async def main() -> list:
+        actor = CpuAveraging(secret=SECRET, run_id=RUN, bind="127.0.0.1", timeout_s=600.0)
+        for r in range(world):
+            actor.admit(f"rank{r}.bench".encode(), r)
+        actor.start()
+        task = asyncio.create_task(actor.run())
+        baseline = psutil.Process().memory_info().rss
+        procs = [ctx.Process(target=rank_main, args=(r, world, numel, store.port, actor.port, reps, out)) for r in range(world)]
+        for p in procs:
+            p.start()
+        sampler.peak = baseline
+        sampler.armed.set()
+        results = []
+        while len(results) < world:
+            try:
+                results.append(out.get_nowait())
+            except Exception:
+                await asyncio.sleep(0.05)
+        sampler.armed.clear()
+        for p in procs:
+            await asyncio.to_thread(p.join, 60)
+        task.cancel()
+        actor.close()
+        return results + [baseline, actor.aborted]
+
+    *results, baseline, aborted = run_loop(main())
+    sampler.stop.set()
+    gloo = [max(r[1][i] for r in results) for i in range(reps)]
+    rounds = [max(r[2][i] for r in results) for i in range(reps)]
+    return {
+        "gloo_s": statistics.median(gloo),
+        "round_s": statistics.median(rounds),
+        "peak_mb": (sampler.peak - baseline) / (1 << 20),
+        "aborted": aborted,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one repetition per case")
+    args = parser.parse_args()
+    reps = 1 if args.quick else 3
+    rows: list[Row] = []
+    for size in (10, 100, 400):
+        for world in (2, 4):
+            res = measure(size, world, reps)
+            assert res["aborted"] == 0
+            case = f"{size} MB, {world} ranks"
+            ratio = res["round_s"] / res["gloo_s"]
+            rows.append(Row(case, "gloo all-reduce", res["gloo_s"] * 1000, "ms"))
+            rows.append(Row(case, "CPU round", res["round_s"] * 1000, "ms"))
+            rows.append(Row(case, "round / all-reduce", ratio, "x", "≤ 1.5x", ratio <= 1.5))
+            rows.append(Row(case, "controller peak", res["peak_mb"] / size, "x model", "≤ 2x model", res["peak_mb"] <= 2 * size))
+            print(f"  {case}: gloo {res['gloo_s'] * 1000:.0f} ms, round {res['round_s'] * 1000:.0f} ms, peak +{res['peak_mb']:.0f} MB", flush=True)
+    report("cpu_avg", rows, note=f"median of {reps} repetition(s); float32 flat models; ranks and controller on this one machine")
+
+
+if __name__ == "__main__":
+    main()
