@@ -116,10 +116,16 @@ def measure(size_mb: int, world: int, reps: int) -> dict:
         sampler.peak = baseline
         sampler.armed.set()
         results = []
+        deadline = time.monotonic() + 600
         while len(results) < world:
             try:
                 results.append(out.get_nowait())
             except Exception:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    for p in procs:
+                        p.kill()
+                    raise RuntimeError(f"bench ranks failed (exit codes {dead}) or ran past 600 s")
                 await asyncio.sleep(0.05)
         sampler.armed.clear()
         for p in procs:

@@ -11,6 +11,7 @@ slices per peer, whatever the model's size.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, Sequence
 
@@ -44,7 +45,7 @@ def as_frame(t: torch.Tensor) -> memoryview:
 
 
 #: A model travels as slices of at most this many bytes (both directions).
-SLICE_BYTES = 8 << 20
+SLICE_BYTES = int(os.environ.get("FLODL_BULK_SLICE_BYTES", 8 << 20))  # env: benchmarks and tuning only
 
 
 def slices(numels: Sequence[int], itemsizes: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -94,13 +94,17 @@ class AsyncSocket:
                 return
         self._schedule_drain()  # more may be queued: come back after other tasks ran
 
-    def send(self, parts: list[bytes]) -> bool:
-        """Queue a multipart message without blocking; False if it was dropped."""
+    def send(self, parts: list, *, copy: bool = True) -> bool:
+        """Queue a multipart message without blocking; False if it was dropped.
+
+        ``copy=False`` sends buffers without copying them (bulk tensors): the
+        caller must leave them untouched until ZeroMQ is done with them.
+        """
         if self.closed:
             self.send_drops["closed"] += 1
             return False
         try:
-            self.sock.send_multipart(parts, zmq.NOBLOCK)
+            self.sock.send_multipart(parts, zmq.NOBLOCK, copy=copy)
             return True
         except zmq.Again:
             self.send_drops["full"] += 1

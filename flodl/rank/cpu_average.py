@@ -40,19 +40,27 @@ log = logging.getLogger(__name__)
 class BulkLink:
     """The rank's bulk-plane DEALER (used by the training thread only)."""
 
-    def __init__(self, addr: str, *, identity: bytes, secret: bytes, run_id: str, sender: str) -> None:
+    def __init__(self, addr: str, *, identity: bytes, secret: bytes, run_id: str, sender: str, send_timeout_s: float = 60.0) -> None:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.ROUTING_ID, identity)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 4)  # back-pressure: a few slices in flight, never a pile of models
+        self.sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))  # a stalled controller is an error, not a hang
         self.sock.connect(addr)
         self.writer = FrameWriter(secret, run_id, sender)
         self.reader = FrameReader(secret, run_id, max_frame=1 << 20, name=f"{sender} bulk")
         self.rejected = 0
 
     def send(self, header: m.Snapshot, piece: torch.Tensor) -> None:
-        """Send one slice (blocks only while ZeroMQ already holds a few of ours: back-pressure)."""
-        self.sock.send_multipart([self.writer.encode(header), as_frame(piece)], copy=False)
+        """Send one slice (blocks only while ZeroMQ already holds a few of ours: back-pressure).
+
+        Raises:
+            DeadlineExceeded: the controller took nothing for the send timeout.
+        """
+        try:
+            self.sock.send_multipart([self.writer.encode(header), as_frame(piece)], copy=False)
+        except zmq.Again:
+            raise DeadlineExceeded("the controller's bulk socket took no snapshot slice within the send timeout") from None
 
     def receive(self, timeout_ms: int) -> tuple[m.Update, torch.Tensor | None] | None:
         """One update slice if it arrives within ``timeout_ms``; bad messages are dropped and counted."""

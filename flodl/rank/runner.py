@@ -296,6 +296,7 @@ class RankRunner:
             bulk = BulkLink(
                 f"tcp://{welcome.store_host}:{welcome.bulk_port}", identity=self.link.sender.encode() + b"/bulk",
                 secret=self.env.secret, run_id=self.env.run_id, sender=f"{self.link.sender}/bulk",
+                send_timeout_s=max(welcome.collective_timeout_s, 2.0 * config.snapshot_timeout_secs),
             )
             self.averager = CpuAverager(
                 flat, bulk, rank=self.rank, alpha=config.elche.easgd_alpha or 1.0,
