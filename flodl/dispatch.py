@@ -149,6 +149,8 @@ class Dispatcher:
         return plans
 
     def _shares(self, elche: ElChe) -> dict[int, float]:
+        if self.policy is ApplyPolicy.SYNC and not elche.partition_ratios:
+            return {r: 1.0 for r in self.ranks}  # lockstep: equal work, whatever the speeds
         counts = elche.batch_counts
         return {r: float(counts[i]) for i, r in enumerate(self.ranks)} if len(counts) == len(self.ranks) else {r: 1.0 for r in self.ranks}
 
@@ -163,7 +165,9 @@ class Dispatcher:
         """Equal batches per rank, averaged after each; the tail split as evenly as it goes."""
         per_rank = max(4, self._batches(self.dataset_len) // (len(self.ranks) * 10))
         if pool.reserved:
-            split = {r: min(per_rank, self._batches(pool.remaining_for(r))) for r in self.ranks}
+            # non-progressive Sync: each rank's whole partition in one window per epoch,
+            # one averaging round per batch; the controller is off the per-batch path
+            split = {r: self._batches(pool.remaining_for(r)) for r in self.ranks}
         else:
             left = self._batches(pool.remaining)
             base, extra = divmod(min(left, per_rank * len(self.ranks)), len(self.ranks))

@@ -1,4 +1,4 @@
-"""Per-epoch metrics: folding the ranks' ``EpochDone`` reports into one row.
+"""Per-epoch metrics: folding the ranks' per-epoch reports into one row.
 
 Pure logic. Loss is batch-weighted across ranks; user scalars (sum, count
 pairs) are averaged per rank, then batch-weighted across the ranks that
@@ -11,7 +11,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from .protocol.messages import EpochDone
+
+@dataclass
+class EpochReport:
+    """One rank's totals for (part of) one epoch, as the windows reported them."""
+
+    rank: int
+    epoch: int
+    batches: int
+    samples: int
+    loss_sum: float
+    wall_ms: float
+    compute_ms: float
+    data_ms: float
+    sync_ms: float
+    syncs: int
+    scalars: dict[str, list[float]]
 
 
 @dataclass
@@ -29,7 +44,7 @@ class RankEpoch:
     syncs: int = 0
     scalars: dict[str, list[float]] = field(default_factory=dict)
 
-    def add(self, report: EpochDone) -> None:
+    def add(self, report: EpochReport) -> None:
         """Fold in one plan's report (a rank may send several per epoch)."""
         self.batches += report.batches
         self.samples += report.samples
@@ -99,7 +114,7 @@ class EpochStats:
         }
 
 
-def aggregate(epoch: int, reports: Iterable[EpochDone]) -> EpochStats:
+def aggregate(epoch: int, reports: Iterable[EpochReport]) -> EpochStats:
     """Fold every report of ``epoch`` into an ``EpochStats``."""
     per_rank: dict[int, RankEpoch] = {}
     for report in reports:

@@ -4,7 +4,7 @@ For loopback tests and control-plane benchmarks: a ``SimWorker`` says hello
 like ``flodl.worker`` and, once welcomed, starts one ``SimRank`` task per
 device instead of a process. A ``SimRank`` opens its own DEALER, joins,
 "trains" each slice it is granted by sending the same frames a real rank
-sends (``BatchDone`` per batch, ``EpochDone`` per plan) after an optional
+sends (``BatchDone`` per batch, ``WindowDone`` per window) after an optional
 per-batch delay, answers evals, and leaves on ``Shutdown``. No torch, no
 collective: what is under test is the controller.
 
@@ -168,7 +168,7 @@ class SimWorker:
         peer.send(m.RankReady(rank=rank, generation=welcome.generation, init_ms=0.0))
         step = 0
         while True:
-            cmd = await peer.expect(m.StartEpoch, m.Window, m.RunEval, m.Shutdown, timeout_s=3600)
+            cmd = await peer.expect(m.Window, m.RunEval, m.Shutdown, timeout_s=3600)
             if isinstance(cmd, m.Shutdown):
                 peer.send(m.Exiting(rank=rank, reason=cmd.reason))
                 await asyncio.sleep(0.05)
@@ -184,27 +184,6 @@ class SimWorker:
                     worker.send(m.RankExited(rank=rank, pid=os.getpid(), code=-9))
                     return "died"
                 continue
-            nbatches = -(-cmd.size // self.batch_size)
-            for b in range(nbatches):
-                step += 1
-                if spec.die_at_batch is not None and step >= spec.die_at_batch:
-                    worker.send(m.RankExited(rank=rank, pid=os.getpid(), code=-9))
-                    return "died"
-                if spec.silent_at_batch is not None and step >= spec.silent_at_batch:
-                    peer.silent = True
-                    await peer.expect(m.Shutdown, timeout_s=3600)  # a hung rank: it hears, never answers
-                    return "silent"
-                if spec.batch_ms:
-                    await asyncio.sleep(spec.batch_ms / 1000.0)
-                samples = min(self.batch_size, cmd.size - b * self.batch_size)
-                peer.send(m.BatchDone(rank, cmd.epoch, step, samples, 1.0 / step, spec.batch_ms, 0.0, 0.0))
-                self.batches_sent += 1
-            peer.send(
-                m.EpochDone(
-                    rank=rank, epoch=cmd.epoch, batches=nbatches, samples=cmd.size, loss_sum=float(nbatches), wall_ms=nbatches * spec.batch_ms,
-                    compute_ms=nbatches * spec.batch_ms, data_ms=0.0, sync_ms=0.0, syncs=cmd.rounds, scalars={},
-                )
-            )
 
     async def _window(self, peer: _Peer, rank: int, spec: SimRankSpec, cmd: m.Window, step: int) -> int:
         """Train a window's grants like a real rank would (simulated time); -1 if it died."""

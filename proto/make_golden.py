@@ -40,12 +40,7 @@ SAMPLES = [
         collective_timeout_s=30.0, config={"mode": "nccl-sync", "max_grad_norm": None, "lr_scale_ratio": 1.0}, seed=42, bulk_port=0,
     ),
     m.RankReady(rank=1, generation=0, init_ms=12.5),
-    m.StartEpoch(epoch=3, seed=42, offset=750, size=750, rounds=24, sync_every=1, global_step=144),
     m.BatchDone(rank=1, epoch=3, step=97, samples=32, loss=0.25, batch_ms=5.5, data_ms=0.125, sync_ms=0.75),
-    m.EpochDone(
-        rank=0, epoch=3, batches=24, samples=750, loss_sum=6.5, wall_ms=200.0, compute_ms=150.0,
-        data_ms=10.0, sync_ms=40.0, syncs=24, scalars={"acc": [18.0, 24.0]},
-    ),
     m.Heartbeat(step=1234, sent_at=1700000000.5),
     m.RunEval(epoch=5, final=True),
     m.EvalResult(rank=0, epoch=5, final=True, value=0.96875, elapsed_ms=3.5, error=None),

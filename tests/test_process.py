@@ -225,14 +225,15 @@ def test_worker_without_secret_refuses_to_start(proc_env):
 def test_10000_hostile_frames_do_not_stop_training(proc_env, tmp_path):
     """A live controller takes 10,000 random and mutated frames and still trains."""
     secret, run_id, port = os.urandom(32), "fuzz-run", free_port()
-    env = {**proc_env, "FLODL_RUN_SECRET": secret.hex(), "FLODL_RUN_ID": run_id, "FLODL_TEST_STEP_SLEEP": "0.002"}
+    # long enough that the controller reads every hostile frame before the run ends
+    env = {**proc_env, "FLODL_RUN_SECRET": secret.hex(), "FLODL_RUN_ID": run_id, "FLODL_TEST_STEP_SLEEP": "0.02"}
     summary_path = tmp_path / "s.json"
     run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "6", "--port", str(port), "--summary-json", str(summary_path)], env)
     run.wait_for_line("epoch 1/6")
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.ROUTING_ID, b"fuzzer")
-    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.LINGER, 5000)  # deliver every frame before close
     sock.connect(f"tcp://127.0.0.1:{port}")
     rng = random.Random(11)
     signed = FrameWriter(secret, run_id, "fuzzer")

@@ -12,8 +12,8 @@ from flodl.devices import choose_devices, parse_devices
 from flodl.errors import ConfigError
 from flodl.membership import Membership, PeerState, WorkerInfo, describe_exit
 from flodl.metrics import aggregate
-from flodl.protocol.messages import EpochDone
-from flodl.schedule import equal_slices, epoch_permutation, shuffle_signature, slice_indices, sync_rounds
+from flodl.metrics import EpochReport as EpochDone
+from flodl.schedule import epoch_permutation, shuffle_signature, slice_indices
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -73,25 +73,6 @@ def test_describe_exit():
 
 
 # -------------------------------------------------------------------- schedule
-
-
-def test_equal_slices_golden():
-    assert [s.size for s in equal_slices(100, 3)] == [34, 33, 33]
-    slices = equal_slices(1000, 4)
-    assert [s.offset for s in slices] == [0, 250, 500, 750]
-
-
-def test_slices_cover_every_position_once():
-    for total, world in [(1, 1), (7, 3), (1797, 2), (5, 8)]:
-        slices = equal_slices(total, world)
-        covered = [p for s in slices for p in range(s.offset, s.offset + s.size)]
-        assert covered == list(range(total))
-
-
-def test_sync_rounds_is_the_busiest_ranks_batches():
-    slices = equal_slices(70, 3)  # 24, 23, 23
-    assert sync_rounds(slices, 8) == 3
-    assert sync_rounds(slices, 8, sync_every=2) == 2
 
 
 def test_permutation_is_seeded_and_differs_per_epoch():

@@ -17,7 +17,7 @@ from ..config import ApplyPolicy, DdpRunConfig
 from ..dispatch import Dispatcher, WindowPlan
 from ..elche import ElChe
 from ..guard import MetaController, Verdict, make_guard, max_relative_delta
-from ..metrics import EpochStats, aggregate
+from ..metrics import EpochReport, EpochStats, aggregate
 from ..protocol import messages as m
 
 log = logging.getLogger("flodl.cadence")
@@ -214,7 +214,7 @@ class CadenceLoop:
         acc = self.epochs.pop(epoch)
         wall_ms = (now - acc.started) * 1000.0
         reports = [
-            m.EpochDone(
+            EpochReport(
                 rank=rank, epoch=epoch, batches=int(row[0]), samples=int(row[1]), loss_sum=row[2], wall_ms=wall_ms,
                 compute_ms=row[3], data_ms=row[4], sync_ms=row[5], syncs=acc.syncs, scalars=acc.scalars.get(rank, {}),
             )

@@ -35,7 +35,6 @@ from ..protocol import messages as m
 from ..protocol.codec import Envelope
 from ..protocol.messages import PROTOCOL_VERSION
 from ..proc import terminate_then_kill
-from ..schedule import Slice, equal_slices, sync_rounds
 from ..transport import ControlEndpoint, make_router
 from ..dispatch import PROBE_BATCHES, PROBE_MIN_MS
 from .averaging import CpuAveraging
@@ -89,7 +88,6 @@ class Controller:
         self.hellos: dict[int, m.RankHello] = {}
         self.task_info: m.RankHello | None = None
         # training
-        self.epoch_reports: dict[int, list[m.EpochDone]] = {}
         self.window_reports: dict[int, dict[int, m.WindowDone]] = {}
         self.window_batches: dict[int, int] = {}  # rank -> batches reported in the current window
         self.cadence: CadenceLoop | None = None
@@ -201,11 +199,7 @@ class Controller:
             epochs=self.launch.epochs,
         )
         self.started_at = self.clock()
-        if self.static_plans:
-            for epoch in range(self.launch.epochs):
-                await self._run_epoch(epoch)
-        else:
-            await self._run_windows()
+        await self._run_windows()
         if info.has_eval:
             await self._until(lambda: self.launch.epochs - 1 in self.evals, self.launch.eval_timeout_secs, "the final eval")
         self.finished_at = self.clock()
@@ -214,26 +208,6 @@ class Controller:
         summary = self.summary("completed", 0)
         self.console.done(summary)
         return summary
-
-    async def _run_epoch(self, epoch: int) -> None:
-        self.current_epoch = epoch
-        self.epoch_samples = 0
-        self.epoch_loss = None
-        world = self.members.world_size
-        slices = equal_slices(self.task_info.dataset_len, world)
-        rounds = sync_rounds(slices, self.task_info.batch_size)
-        for piece in slices:
-            self._send_rank(piece.rank, m.StartEpoch(epoch=epoch, seed=self.launch.seed, offset=piece.offset, size=piece.size, rounds=rounds, sync_every=1, global_step=self.global_step))
-        await self._until(lambda: self._epoch_complete(epoch, slices), None, f"epoch {epoch + 1}")
-        stats = aggregate(epoch, self.epoch_reports.pop(epoch))
-        self.global_step += stats.batches
-        self._finish_epoch(stats)
-
-    @property
-    def static_plans(self) -> bool:
-        """Sync without progressive dispatch: one fixed slice per rank per epoch, no windows."""
-        policy = self.config.elche.mode.policy
-        return policy is ApplyPolicy.SYNC and not self.config.effective_progressive_dispatch
 
     async def _run_windows(self) -> None:
         """Progressive dispatch: window after window until every epoch is trained.
@@ -307,10 +281,6 @@ class Controller:
             # the eval rank scores the averaged model, then takes its next plan
             self._send_rank(self._eval_rank(), m.RunEval(epoch=stats.epoch, final=stats.epoch == self.launch.epochs - 1))
         self._flush_epoch_lines()
-
-    def _epoch_complete(self, epoch: int, slices: list[Slice]) -> bool:
-        reports = self.epoch_reports.get(epoch, [])
-        return {r.rank for r in reports} >= {s.rank for s in slices}
 
     def _eval_rank(self) -> int:
         """Who runs eval: ``epoch_callback_policy``'s rank, or the fastest live rank.
@@ -529,10 +499,6 @@ class Controller:
         done_total = sum(s.samples for s in self.history) + self.epoch_samples
         self.console.progress(epoch=msg.epoch, epochs=self.launch.epochs, done=self.epoch_samples, total=total, rate=done_total / elapsed, loss=self.epoch_loss)
 
-    def _h_epoch_done(self, identity: bytes, env: Envelope, msg: m.EpochDone) -> None:
-        self.epoch_reports.setdefault(msg.epoch, []).append(msg)
-        self._changed.set()
-
     def _h_window_done(self, identity: bytes, env: Envelope, msg: m.WindowDone) -> None:
         self.window_reports.setdefault(msg.window, {})[msg.rank] = msg
         self._changed.set()
@@ -729,7 +695,7 @@ class Controller:
             "samples": samples,
             "per_rank": list(per_rank.values()),
             # a window that straddles two epochs counts in both epochs' rows, once here
-            "syncs": self.cadence.syncs if self.cadence else sum(s.syncs for s in self.history),
+            "syncs": self.cadence.syncs if self.cadence else 0,
             "final_loss": last.avg_loss if last else None,
             "final_eval": final_eval.value if final_eval else None,
             "eval_metric_name": self.task_info.eval_metric if has_eval else None,
@@ -754,7 +720,6 @@ _HANDLERS: dict[type, str] = {
     m.RankHello: "_h_rank_hello",
     m.RankReady: "_h_rank_ready",
     m.BatchDone: "_h_batch_done",
-    m.EpochDone: "_h_epoch_done",
     m.WindowDone: "_h_window_done",
     m.EvalResult: "_h_eval_result",
     m.RankError: "_h_rank_error",

@@ -140,27 +140,6 @@ class RankReady:
 
 
 @dataclass(slots=True)
-class StartEpoch:
-    """Train a contiguous slice of an epoch's seeded global permutation, averaging through the collective as told. (controller -> rank)"""
-
-    KIND: ClassVar[int] = 8
-    epoch: int
-    """epoch number, from 0"""
-    seed: int
-    """shuffle seed; the permutation of epoch e uses seed + e"""
-    offset: int
-    """first position of the slice in the permutation"""
-    size: int
-    """number of positions in the slice"""
-    rounds: int
-    """collective averaging rounds every rank runs in this plan; a rank out of batches joins the rest with zero weight"""
-    sync_every: int
-    """average after every this many batches"""
-    global_step: int
-    """batches trained by all ranks before this plan (drives LR schedules)"""
-
-
-@dataclass(slots=True)
 class BatchDone:
     """A rank finished one optimizer step; timing and loss for the cadence, the monitor and liveness. (rank -> controller)"""
 
@@ -181,35 +160,6 @@ class BatchDone:
     """milliseconds waiting for the batch's data"""
     sync_ms: float
     """milliseconds spent averaging after this batch (0 if none)"""
-
-
-@dataclass(slots=True)
-class EpochDone:
-    """A rank finished a StartEpoch plan; its totals for metrics aggregation. (rank -> controller)"""
-
-    KIND: ClassVar[int] = 10
-    rank: int
-    """global rank"""
-    epoch: int
-    """epoch of the plan"""
-    batches: int
-    """optimizer steps taken"""
-    samples: int
-    """samples trained"""
-    loss_sum: float
-    """sum of batch losses"""
-    wall_ms: float
-    """milliseconds from plan start to its last averaging round"""
-    compute_ms: float
-    """milliseconds of forward, backward and optimizer"""
-    data_ms: float
-    """milliseconds waiting for data"""
-    sync_ms: float
-    """milliseconds inside averaging rounds (including waiting for peers)"""
-    syncs: int
-    """averaging rounds joined"""
-    scalars: dict[str, list[float]]
-    """user scalars recorded during the plan, name to [sum, count]"""
 
 
 @dataclass(slots=True)
@@ -437,9 +387,7 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     5: ('RankHello', RankHello, (('rank', 'int'), ('host', 'str'), ('pid', 'int'), ('device', 'str'), ('versions', 'map<str,str>'), ('model_signature', 'str'), ('param_count', 'int'), ('shuffle_signature', 'str'), ('dataset_len', 'int'), ('has_eval', 'bool'), ('eval_metric', 'str'), ('batch_size', 'int'),)),
     6: ('RankWelcome', RankWelcome, (('rank', 'int'), ('world_size', 'int'), ('generation', 'int'), ('store_host', 'str'), ('store_port', 'int'), ('store_prefix', 'str'), ('collective_timeout_s', 'float'), ('config', 'map<str,value>'), ('seed', 'int'), ('bulk_port', 'int'),)),
     7: ('RankReady', RankReady, (('rank', 'int'), ('generation', 'int'), ('init_ms', 'float'),)),
-    8: ('StartEpoch', StartEpoch, (('epoch', 'int'), ('seed', 'int'), ('offset', 'int'), ('size', 'int'), ('rounds', 'int'), ('sync_every', 'int'), ('global_step', 'int'),)),
     9: ('BatchDone', BatchDone, (('rank', 'int'), ('epoch', 'int'), ('step', 'int'), ('samples', 'int'), ('loss', 'float'), ('batch_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'),)),
-    10: ('EpochDone', EpochDone, (('rank', 'int'), ('epoch', 'int'), ('batches', 'int'), ('samples', 'int'), ('loss_sum', 'float'), ('wall_ms', 'float'), ('compute_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'), ('syncs', 'int'), ('scalars', 'map<str,list<float>>'),)),
     11: ('Heartbeat', Heartbeat, (('step', 'int'), ('sent_at', 'float'),)),
     12: ('RunEval', RunEval, (('epoch', 'int'), ('final', 'bool'),)),
     13: ('EvalResult', EvalResult, (('rank', 'int'), ('epoch', 'int'), ('final', 'bool'), ('value', 'opt<float>'), ('elapsed_ms', 'float'), ('error', 'opt<str>'),)),

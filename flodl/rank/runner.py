@@ -2,9 +2,9 @@
 
 Lifecycle, in order: connect the link; build the task (model, optimizer,
 dataset); say hello; on welcome join the collective and take rank 0's
-parameters; then obey commands until ``Shutdown``: ``StartEpoch`` trains a
-slice, averaging through the collective after every ``sync_every`` batches;
-``RunEval`` scores the model. Errors in the user's task are reported to the
+parameters; then obey commands until ``Shutdown``: ``Window`` trains granted
+slices of epoch permutations, averaging (through the collective or the
+controller) as the window's stop rule says; ``RunEval`` scores the model. Errors in the user's task are reported to the
 controller once with a traceback (it stops the run); the rank then waits,
 bounded, for the controller's Shutdown so no peer is left waiting on it.
 """
@@ -67,7 +67,7 @@ class _UserError(Exception):
 
 @dataclass
 class RoundStats:
-    """What one plan or window trained, in total and per epoch."""
+    """What one window trained, in total and per epoch."""
 
     batches: int = 0
     samples: int = 0
@@ -193,9 +193,7 @@ class RankRunner:
                 self.link.send(m.Exiting(rank=self.rank, reason=cmd.reason))
                 return EXIT_RANK_LOST if cmd.abort else EXIT_OK
             try:
-                if isinstance(cmd, m.StartEpoch):
-                    self._train_plan(cmd)
-                elif isinstance(cmd, m.Window):
+                if isinstance(cmd, m.Window):
                     self._train_window(cmd)
                 elif isinstance(cmd, m.RunEval):
                     self._evaluate(cmd)
@@ -321,20 +319,6 @@ class RankRunner:
 
     # ------------------------------------------------------------- training
 
-    def _train_plan(self, plan: m.StartEpoch) -> None:
-        """Train one static slice, averaging after every ``sync_every`` batches, ``rounds`` times."""
-        self.source.seed = plan.seed
-        self.global_step = plan.global_step
-        grants = [[plan.epoch, plan.offset, plan.size]]
-        stats = self._run_rounds(grants, rounds=plan.rounds, sync_every=plan.sync_every)
-        self.link.send(
-            m.EpochDone(
-                rank=self.rank, epoch=plan.epoch, batches=stats.batches, samples=stats.samples, loss_sum=stats.loss_sum,
-                wall_ms=stats.wall_ms, compute_ms=stats.compute_ms, data_ms=stats.data_ms, sync_ms=stats.sync_ms,
-                syncs=plan.rounds, scalars=scalars.drain(),
-            )
-        )
-
     def _train_window(self, window: m.Window) -> None:
         """Train granted positions until a quota, average, and report (progressive dispatch)."""
         self.global_step = window.global_step
@@ -374,7 +358,7 @@ class RankRunner:
         stats = RoundStats()
         batches = self.source.window_batches(grants)
         start = time.perf_counter()
-        self.model.train()  # once per plan, not per step: it walks every module
+        self.model.train()  # once per window, not per step: it walks every module
         exhausted = False
         for _ in range(rounds):
             stepped = 0
