@@ -1050,6 +1050,8 @@ AVAILABLE_FIELDS: frozenset[str] = frozenset({
     "progressive_dispatch", "epoch_callback_policy",
     # the CPU averaging backend
     "snapshot_timeout_secs", "easgd_alpha",
+    # elastic membership
+    "max_failure",
 })
 #: Modes this version can run: all six.
 AVAILABLE_MODES: frozenset[ElCheMode] = frozenset(ElCheMode)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from .config import ApplyPolicy
 from .elche import ElChe
-from .pool import EpochPool
+from .pool import EpochPool, LedgerError
 
 #: The cold-start probe ends once every rank has timed this many batches ...
 PROBE_BATCHES = 3
@@ -60,6 +60,7 @@ class WindowPlan:
     rounds: int = 1  # collectives this window; equal on every rank (a rank out of batches joins with weight 0)
     open_ended: bool = False  # no quota: trains until the grant runs out or the controller ends the window
     kind: str = "sync"  # "probe", "full" or "tail": only full windows teach ElChe what averaging costs
+    dead: bool = False  # its rank died while the window was in flight
 
     @property
     def samples(self) -> int:
@@ -128,6 +129,10 @@ class Dispatcher:
     def remove_rank(self, rank: int) -> None:
         """A rank left: whatever it held, or had reserved, is anyone's again."""
         self.ranks = [r for r in self.ranks if r != rank]
+        self.reclaim(rank)
+
+    def reclaim(self, rank: int) -> None:
+        """Give back everything ``rank`` still holds or has reserved, in every open epoch."""
         for pool in self.pools.values():
             pool.reclaim(rank)
 
@@ -139,6 +144,7 @@ class Dispatcher:
         pool = self._current(shares)
         if pool is None:
             return None
+        pool.share_free(self.ranks, self.batch_size)  # a dead rank's partition goes to the survivors
         plans = {r: WindowPlan(r) for r in self.ranks}
         if self.policy is ApplyPolicy.SYNC:
             self._plan_sync(pool, plans)
@@ -146,6 +152,9 @@ class Dispatcher:
             self._plan_probe(pool, plans)
         else:
             self._plan_cadence_or_async(pool, plans, elche, shares)
+        if not any(p.grants for p in plans.values()):
+            # positions left that no rank may take would loop on empty windows forever
+            raise LedgerError(f"epoch {pool.epoch}: {pool.remaining} positions left but none grantable to ranks {self.ranks}")
         return plans
 
     def _shares(self, elche: ElChe) -> dict[int, float]:

@@ -127,6 +127,28 @@ class EpochPool:
             self.reserved[rank] = [(offset, size)] if size > 0 else []
             offset += size
 
+    def share_free(self, ranks: list[int], batch_size: int) -> None:
+        """Partitioned pool: hand free positions (a dead rank's partition, work
+        given back) to ``ranks`` as equal batch-aligned extensions of their
+        partitions, so nothing is stranded outside every partition."""
+        if not self.reserved or not self.free or not ranks:
+            return
+        free, self.free = self.free, []
+        left = sum(size for _, size in free)
+        base, extra = divmod(-(-left // batch_size), len(ranks))
+        for i, rank in enumerate(sorted(ranks)):
+            want = min(left, (base + (1 if i < extra else 0)) * batch_size)
+            left -= want
+            own = self.reserved.setdefault(rank, [])
+            while want > 0:  # cut the lowest free ranges off into this rank's partition
+                start, size = free[0]
+                n = min(size, want)
+                _merge_into(own, start, n)
+                free[0] = (start + n, size - n)
+                if n == size:
+                    free.pop(0)
+                want -= n
+
     def take(self, rank: int, size: int) -> list[Range]:
         """Grant up to ``size`` positions to ``rank``, lowest first; returns the ranges."""
         source = self.reserved[rank] if rank in self.reserved else self.free

@@ -129,7 +129,7 @@ class SimWorker:
                 peer.send(m.WorkerHello(host=self.host, pid=os.getpid(), devices=["cpu"] * len(self.specs), versions=VERSIONS))
                 welcome = await peer.expect(m.WorkerWelcome, m.Reject, m.Shutdown)
                 if not isinstance(welcome, m.WorkerWelcome):
-                    peer.send(m.Exiting(rank=-1, reason="refused" if isinstance(welcome, m.Reject) else "shutdown"))
+                    peer.send(m.Exiting(rank=-1, reason="refused" if isinstance(welcome, m.Reject) else "shutdown", digest=""))
                     await asyncio.sleep(0.05)
                     beat.cancel()
                     return
@@ -139,7 +139,7 @@ class SimWorker:
                 for rank, outcome in self.outcomes.items():
                     if outcome == "silent":  # a real worker kills a hung rank and reports it
                         peer.send(m.RankExited(rank=rank, pid=os.getpid(), code=-9))
-                peer.send(m.Exiting(rank=-1, reason="shutdown"))
+                peer.send(m.Exiting(rank=-1, reason="shutdown", digest=""))
                 await asyncio.sleep(0.05)
                 beat.cancel()
         finally:
@@ -170,7 +170,7 @@ class SimWorker:
         while True:
             cmd = await peer.expect(m.Window, m.RunEval, m.Shutdown, timeout_s=3600)
             if isinstance(cmd, m.Shutdown):
-                peer.send(m.Exiting(rank=rank, reason=cmd.reason))
+                peer.send(m.Exiting(rank=rank, reason=cmd.reason, digest=""))
                 await asyncio.sleep(0.05)
                 return "aborted" if cmd.abort else "completed"
             if isinstance(cmd, m.RunEval):
@@ -214,6 +214,7 @@ class SimWorker:
                 loss_sum=sum(r[2] for r in per_epoch.values()), compute_ms=sum(r[3] for r in per_epoch.values()),
                 data_ms=0.0, sync_ms=0.1, divergence=0.01 if cmd.measure_divergence else None, pre_norm=None,
                 post_norm=None, lr=0.1, epochs=[[float(e), *row] for e, row in sorted(per_epoch.items())], scalars={},
+                regrouped_at=-1,
             )
         )
         return step

@@ -79,7 +79,19 @@ class Worker:
             self.reject = msg
         elif isinstance(msg, m.Shutdown):
             self.shutdown = msg
+        elif isinstance(msg, m.Fence):
+            self._fence(msg)
         self._wake.set()
+
+    def _fence(self, msg: m.Fence) -> None:
+        """The controller gave this rank up: SIGKILL it (SIGTERM cannot reach a stopped process)."""
+        proc = self.procs.get(msg.rank)
+        if proc is not None and proc.returncode is None:
+            log.warning("%s: killing rank %d, declared dead: %s", self.sender, msg.rank, msg.reason)
+            try:
+                proc.kill()
+            except ProcessLookupError:
+                pass
 
     def _send(self, msg: Any) -> None:
         self.endpoint.send(msg)
@@ -129,11 +141,11 @@ class Worker:
         while True:
             if self._interrupted:
                 await self._stop_ranks(grace_s=0.0)
-                self._send(m.Exiting(rank=-1, reason="interrupted"))
+                self._send(m.Exiting(rank=-1, reason="interrupted", digest=""))
                 return EXIT_INTERRUPTED
             if self.shutdown is not None:
                 await self._stop_ranks(ABORT_GRACE_S if self.shutdown.abort else CLEAN_GRACE_S)
-                self._send(m.Exiting(rank=-1, reason="shutdown"))
+                self._send(m.Exiting(rank=-1, reason="shutdown", digest=""))
                 return EXIT_OK
             silent = time.monotonic() - self.last_heard
             if silent > self.heartbeat_timeout_s:
@@ -146,9 +158,9 @@ class Worker:
         """Leave before any rank was spawned (refused, shut down, or interrupted)."""
         if self.reject:
             log.error("the controller refused this worker: %s", self.reject.reason)
-            self._send(m.Exiting(rank=-1, reason="refused"))
+            self._send(m.Exiting(rank=-1, reason="refused", digest=""))
             return EXIT_CONFIG
-        self._send(m.Exiting(rank=-1, reason="interrupted" if self._interrupted else "shutdown"))
+        self._send(m.Exiting(rank=-1, reason="interrupted" if self._interrupted else "shutdown", digest=""))
         return EXIT_INTERRUPTED if self._interrupted else EXIT_OK
 
     async def _wait(self, timeout_s: float) -> None:

@@ -45,8 +45,8 @@ SAMPLES = [
     m.RunEval(epoch=5, final=True),
     m.EvalResult(rank=0, epoch=5, final=True, value=0.96875, elapsed_ms=3.5, error=None),
     m.Shutdown(reason="run complete", abort=False),
-    m.Exiting(rank=-1, reason="shutdown"),
-    m.RankError(rank=1, stage="train", error="RuntimeError: boom", detail="Traceback ..."),
+    m.Exiting(rank=-1, reason="shutdown", digest=""),
+    m.RankError(rank=1, stage="train", error="RuntimeError: boom", detail="Traceback ...", generation=0),
     m.Ping(nonce=7, sent_at=12.25),
     m.Pong(nonce=7, sent_at=12.25),
     m.EvalResult(rank=2, epoch=1, final=False, value=None, elapsed_ms=0.0, error="ValueError: bad eval"),
@@ -56,8 +56,10 @@ SAMPLES = [
     m.Update(round=12, aborted=False, ranks=2, groups=["p", "b"], dtypes=["float32", "float32"], numels=[1000, 20], bucket=1, start=0, count=20),
     m.WindowDone(
         rank=1, window=7, batches=3, consumed=96, loss_sum=1.5, compute_ms=30.0, data_ms=1.0, sync_ms=2.0,
-        divergence=0.03125, pre_norm=12.0, post_norm=11.5, lr=0.01, epochs=[[2.0, 2.0, 64.0, 1.0, 20.0, 0.5], [3.0, 1.0, 32.0, 0.5, 10.0, 0.5]], scalars={},
+        divergence=0.03125, pre_norm=12.0, post_norm=11.5, lr=0.01, epochs=[[2.0, 2.0, 64.0, 1.0, 20.0, 0.5], [3.0, 1.0, 32.0, 0.5, 10.0, 0.5]], scalars={}, regrouped_at=-1,
     ),
+    m.Regroup(generation=2, members=[0, 2], store_prefix="golden-run/gen2", reason="rank 1 on host node-b (pid 4300) was killed by SIGKILL"),
+    m.Fence(rank=3, reason="sent nothing for 10.2 s (heartbeat timeout 10 s)"),
 ]
 
 

@@ -134,3 +134,26 @@ def test_non_progressive_partitions_follow_ratios():
             totals[r] += p.samples
         consume_all(d, plans)
     assert totals == {0: 300, 1: 100}
+
+
+@pytest.mark.parametrize("policy", [ApplyPolicy.SYNC, ApplyPolicy.CADENCE])
+def test_non_progressive_dead_rank_partition_goes_to_the_survivors(policy):
+    """A partitioned epoch must not strand a dead rank's partition outside every
+    survivor's (it used to loop on empty windows)."""
+    che = ElChe(3, anchor=10) if policy is ApplyPolicy.SYNC else calibrated([1.0, 1.0, 1.0])
+    d = Dispatcher(policy, [0, 1, 2], 300, 10, 2, progressive=False)
+    plans = d.plan(che)
+    consume_all(d, {r: p for r, p in plans.items() if r != 1})
+    d.settle(plans[1], 0)
+    d.remove_rank(1)
+    che2 = ElChe(2, anchor=10) if policy is ApplyPolicy.SYNC else calibrated([1.0, 1.0])
+    trained = {0: 0, 2: 0}
+    done = []
+    while (plans := d.plan(che2)) is not None:
+        assert set(plans) == {0, 2}
+        for r, p in plans.items():
+            trained[r] += p.samples
+        consume_all(d, plans)
+        done += d.take_completed()
+    assert done == [0, 1]
+    assert trained[0] == trained[2]  # the orphaned partition was split evenly

@@ -100,3 +100,13 @@ def test_random_schedules_cover_every_position_exactly_once():
                     held[rank] = ranges
             pool.check()
         assert seen == [1] * total
+
+
+def test_share_free_extends_partitions_batch_aligned_and_loses_nothing():
+    pool = EpochPool(0, 100)
+    pool.partition({0: 1.0, 1: 1.0, 2: 1.0}, 10)
+    pool.reclaim(1)  # rank 1 died before training: its partition is free
+    pool.share_free([0, 2], 10)
+    assert pool.free == []
+    assert pool.remaining_for(0) + pool.remaining_for(2) == 100
+    assert pool.remaining_for(0) - 40 in (0, 10, 20) and pool.remaining_for(0) % 10 == 0

@@ -156,3 +156,16 @@ def test_devices():
         choose_devices(3, None, gpus=2)
     with pytest.raises(ConfigError, match="disagrees"):
         choose_devices(2, "cpu", gpus=0)
+
+
+def test_fault_plan_parses_and_names_bad_items():
+    from flodl.faults import FaultPlan
+
+    plan = FaultPlan.from_env(1, "1:average:5, 2:batch:3:stop,1:epoch:2:stop")
+    assert plan.armed == {"average": (5, "kill"), "epoch": (2, "stop")}
+    assert FaultPlan.from_env(3, "1:average:5").armed == {}
+    for bad in ("1:average", "x:batch:1", "1:nowhere:1", "1:batch:1:explode"):
+        with pytest.raises(ValueError, match="FLODL_INJECT_FAULT"):
+            FaultPlan.from_env(1, bad)
+    plan.reach("average")  # 1st of 5: nothing happens
+    assert plan.seen["average"] == 1 and "average" in plan.armed

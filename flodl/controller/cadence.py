@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from ..config import ApplyPolicy, DdpRunConfig
+from ..config import ApplyPolicy, AverageBackend, DdpRunConfig
 from ..dispatch import Dispatcher, WindowPlan
 from ..elche import ElChe
 from ..guard import MetaController, Verdict, make_guard, max_relative_delta
@@ -67,6 +67,10 @@ class CadenceLoop:
         )
         self.global_step = global_step
         self.window = 0
+        self.config = config
+        self.batches_per_epoch = batches_per_epoch
+        self.dead: set[int] = set()
+        self.collective = elche_cfg.mode.backend is AverageBackend.NCCL
         self.plans: dict[int, dict[int, WindowPlan]] = {}  # window -> rank -> plan, while outstanding
         self.started: dict[int, float] = {}
         self.paused_ms = 0.0  # user callbacks (eval) run inside this window: not averaging overhead
@@ -111,6 +115,32 @@ class CadenceLoop:
         self.window += 1
         return windows
 
+    def remove_ranks(self, dead: set[int]) -> None:
+        """Ranks died: plan without them from now on, shrink ElChe to the survivors.
+
+        Their grants in windows still in flight are settled when those windows'
+        reports come in (``on_reports``): whatever of them the consensus already
+        holds counts as trained, the rest goes back to the pool for the survivors.
+        """
+        keep = [i for i, r in enumerate(self.ranks) if r not in dead]
+        self.dead |= dead
+        self.ranks = [self.ranks[i] for i in keep]
+        self.dispatcher.ranks = list(self.ranks)
+        state = self.elche.state_dict()
+        shrunk = ElChe.from_config(self.config.elche, len(self.ranks), max_total_batches=self.batches_per_epoch)
+        anchor_rank = state["anchor_rank"]
+        state.update(
+            world_size=len(self.ranks),
+            ms_per_batch=[state["ms_per_batch"][i] for i in keep],
+            batch_counts=[state["batch_counts"][i] for i in keep],
+            anchor_rank=keep.index(anchor_rank) if anchor_rank in keep else None,  # re-elected from the survivors
+        )
+        shrunk.load_state_dict(state)
+        self.elche = shrunk
+        for plans in self.plans.values():
+            for rank in dead & set(plans):
+                plans[rank].dead = True
+
     @property
     def finished(self) -> bool:
         """Every epoch granted, trained and closed."""
@@ -135,19 +165,52 @@ class CadenceLoop:
 
     # --------------------------------------------------------------- settle
 
-    def on_reports(self, window: int, reports: dict[int, m.WindowDone], now: float) -> list[EpochStats]:
-        """Fold one window's reports in; return the epochs completed by it, aggregated."""
+    def waiting_on(self, window: int) -> set[int]:
+        """Ranks whose report ``window`` still needs (the dead report nothing)."""
+        return {r for r, p in self.plans.get(window, {}).items() if not p.dead}
+
+    def on_reports(self, window: int, reports: dict[int, m.WindowDone], now: float, dead_batches: dict[int, int] | None = None) -> list[EpochStats]:
+        """Fold one window's reports in; return the epochs completed by it, aggregated.
+
+        A rank that died in this window is settled from what the consensus holds
+        of its work: in an every-batch (Sync) window, the rounds completed before
+        the survivors regrouped; in a window averaged once at its end, nothing,
+        unless the survivors finished that average with it (then its last known
+        batch count, ``dead_batches``).
+        """
         plans = self.plans.pop(window)
         rounds = max(p.rounds for p in plans.values())
         self.syncs += rounds
-        for rank in self.ranks:
+        for rank in sorted(plans):
+            plan = plans[rank]
+            if plan.dead:
+                consumed = self._dead_consumed(plan, reports, (dead_batches or {}).get(rank, 0))
+                self.dispatcher.settle(plan, consumed)
+                self._account_dead(rank, plan, consumed)
+                continue
             report = reports[rank]
-            self.dispatcher.settle(plans[rank], report.consumed)
-            self._account(rank, report, rounds, plans[rank])
+            self.dispatcher.settle(plan, report.consumed)
+            self._account(rank, report, rounds, plan)
+        for rank in self.dead - {r for ps in self.plans.values() for r in ps}:
+            self.dispatcher.reclaim(rank)  # a dead rank's reserved partitions go to the survivors
         self.global_step += sum(r.batches for r in reports.values())
-        self._tune(window, plans, reports, (now - self.started.pop(window)) * 1000.0 - self.paused_ms)
+        live = {r: reports[r] for r in self.ranks if r in reports}
+        if len(live) == len(self.ranks) and not any(p.dead for p in plans.values()):
+            self._tune(window, plans, live, (now - self.started.pop(window)) * 1000.0 - self.paused_ms)
+        else:
+            self.started.pop(window, None)  # a window cut short by a death says nothing about speed
         self.paused_ms = 0.0
         return [self._close(epoch, now) for epoch in self.dispatcher.take_completed()]
+
+    def _dead_consumed(self, plan: WindowPlan, reports: dict[int, m.WindowDone], last_batches: int) -> int:
+        regrouped = [r.regrouped_at for r in reports.values() if r.regrouped_at >= 0]
+        bs = self.dispatcher.batch_size
+        if regrouped:
+            return min(plan.samples, min(regrouped) * bs) if plan.sync_every else 0
+        if self.collective and reports:
+            # the survivors finished every average of the window with it: its work is in
+            return min(plan.samples, last_batches * bs)
+        return 0
 
     def _account(self, rank: int, report: m.WindowDone, rounds: int, plan: WindowPlan) -> None:
         """Per-epoch rows: a window that straddles epochs splits by what each got."""
@@ -165,8 +228,17 @@ class CadenceLoop:
                 pair[0] += total
                 pair[1] += count
         for epoch in {g.epoch for g in plan.grants}:
-            if rank == self.ranks[0] and epoch in self.epochs:
+            if self.ranks and rank == self.ranks[0] and epoch in self.epochs:
                 self.epochs[epoch].syncs += rounds
+
+    def _account_dead(self, rank: int, plan: WindowPlan, consumed: int) -> None:
+        """The samples a dead rank trained into the consensus count in its epochs' rows
+        (its losses died with it, so only the sample count is known)."""
+        for grant in plan.grants:
+            used = max(0, min(grant.size, consumed))
+            consumed -= used
+            if used and grant.epoch in self.epochs:
+                self.epochs[grant.epoch].rows.setdefault(rank, [0.0] * 6)[1] += used
 
     def _tune(self, window: int, plans: dict[int, WindowPlan], reports: dict[int, m.WindowDone], window_ms: float) -> None:
         """ElChe timing, then the guard's and meta-controller's verdict on the anchor."""

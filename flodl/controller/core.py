@@ -29,7 +29,7 @@ from .. import __version__
 from ..config import ApplyPolicy, AverageBackend, DdpRunConfig
 from ..env import PARENT_PID, child_environ, credentials_env, new_run_id, new_run_secret
 from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_RANK_LOST, EXIT_TASK_ERROR, RunAborted
-from ..membership import Membership, PeerState, WorkerInfo, describe_exit
+from ..membership import Membership, PeerState, WorkerInfo, describe_exit, unrecoverable
 from ..metrics import EpochStats, aggregate
 from ..protocol import messages as m
 from ..protocol.codec import Envelope
@@ -49,6 +49,8 @@ LIVENESS_TICK_S = 0.2
 #: A collective error on one rank usually means a peer died; wait this long for
 #: the death report so the message names the dead rank, not the witness.
 COLLECTIVE_ERROR_GRACE_S = 1.0
+#: Collective failures no death explains, rebuilt in place, before the run is stopped.
+MAX_COLLECTIVE_RETRIES = 3
 SHUTDOWN_WAIT_S = 40.0
 ABORT_WAIT_S = 10.0
 
@@ -98,6 +100,11 @@ class Controller:
         self.current_epoch = -1
         self.global_step = 0
         self.collective_error: tuple[float, int, m.RankError] | None = None
+        self.final_digests: dict[int, str] = {}  # rank -> sha256 of its parameters at a clean exit
+        self.collective_retries = 0
+        self.deaths_handled = 0
+        self.recoveries: list[dict] = []  # every regroup: when, generation, survivors, why
+        self.eval_requests: dict[int, int] = {}  # epoch -> rank asked to score it
         self.started_at = 0.0
         self.finished_at = 0.0
         self._printed = 0  # epochs whose line is out
@@ -234,30 +241,33 @@ class Controller:
                     break
                 self._start_epoch_progress(loop.lowest_open_epoch)
                 if not in_flight:
-                    self.window_batches = {rank: 0 for rank in ranks}
+                    self.window_batches = {rank: 0 for rank in loop.ranks}
                 for rank, window in windows.items():
                     self._send_rank(rank, window)
                 in_flight.append(number)
                 if loop.open_ended(number):
-                    await self._end_when_timed(number, ranks)
+                    await self._end_when_timed(number, loop)
                     break  # calibrate before planning ahead
             if not in_flight:
                 if loop.finished:
                     return
                 raise RunAborted("the dispatcher stalled with samples left and nothing in flight (a bug)", EXIT_FAILED)
             number = in_flight.pop(0)
-            await self._until(lambda: len(self.window_reports.get(number, {})) == len(ranks), None, f"window {number}")
-            for stats in loop.on_reports(number, self.window_reports.pop(number), self.clock()):
+            await self._until(lambda: loop.waiting_on(number) <= set(self.window_reports.get(number, {})), None, f"window {number}")
+            dead_batches = {r: self.window_batches.get(r, 0) for r in loop.dead}
+            for stats in loop.on_reports(number, self.window_reports.pop(number, {}), self.clock(), dead_batches):
                 self._finish_epoch(stats)
             self.global_step = loop.global_step
 
-    async def _end_when_timed(self, number: int, ranks: list[int]) -> None:
+    async def _end_when_timed(self, number: int, loop: CadenceLoop) -> None:
         """Calibration window: end it once every rank has timed a few batches."""
         start = self.clock()
 
         def timed() -> bool:
-            done = len(self.window_reports.get(number, {})) == len(ranks)  # grants ran out first
-            enough = min(self.window_batches.values()) >= PROBE_BATCHES and (self.clock() - start) * 1000 >= PROBE_MIN_MS
+            waiting = loop.waiting_on(number)
+            done = waiting <= set(self.window_reports.get(number, {}))  # grants ran out first
+            counts = [self.window_batches.get(r, 0) for r in waiting]
+            enough = min(counts, default=PROBE_BATCHES) >= PROBE_BATCHES and (self.clock() - start) * 1000 >= PROBE_MIN_MS
             return done or enough
 
         await self._until(timed, None, f"calibration window {number}")
@@ -278,9 +288,14 @@ class Controller:
         """An epoch is fully trained and averaged: record it, ask for its eval, print it."""
         self.history.append(stats)
         if self.task_info.has_eval:
-            # the eval rank scores the averaged model, then takes its next plan
-            self._send_rank(self._eval_rank(), m.RunEval(epoch=stats.epoch, final=stats.epoch == self.launch.epochs - 1))
+            self._request_eval(stats.epoch)
         self._flush_epoch_lines()
+
+    def _request_eval(self, epoch: int) -> None:
+        """The eval rank scores the averaged model, then takes its next plan."""
+        rank = self._eval_rank()
+        self.eval_requests[epoch] = rank
+        self._send_rank(rank, m.RunEval(epoch=epoch, final=epoch == self.launch.epochs - 1))
 
     def _eval_rank(self) -> int:
         """Who runs eval: ``epoch_callback_policy``'s rank, or the fastest live rank.
@@ -514,7 +529,7 @@ class Controller:
         info = self.members.ranks[msg.rank]
         if msg.stage == "collective":
             # usually a symptom of a peer's death: give the death report a moment to arrive
-            if self.collective_error is None:
+            if self.collective_error is None and msg.generation >= self.members.generation:
                 self.collective_error = (self.clock(), msg.rank, msg)
             return
         if self.failure is None:
@@ -542,6 +557,8 @@ class Controller:
     def _h_exiting(self, identity: bytes, env: Envelope, msg: m.Exiting) -> None:
         if msg.rank >= 0:
             self.members.rank_left(msg.rank)
+            if msg.digest:
+                self.final_digests[msg.rank] = msg.digest
         else:
             worker = self.members.workers.get(env.sender)
             if worker is not None:
@@ -585,14 +602,66 @@ class Controller:
                 info.last_seen = now
         verdict = self.members.assess(now)
         if not verdict.healthy:
-            self._fail(f"{verdict.reason}. The run cannot continue without it (elastic recovery is not enabled in this version).", EXIT_RANK_LOST)
+            self._on_deaths(set(verdict.dead), verdict.reason)
             return
         for worker in self.members.silent_workers(now):
-            self._fail(f"worker on host {worker.host} (pid {worker.pid}) sent nothing for {now - worker.last_seen:.1f} s", EXIT_RANK_LOST)
-            return
+            if any(r.state is not PeerState.DEAD for r in self.members.ranks.values() if r.rank in worker.ranks):
+                continue  # its ranks are judged on their own heartbeats
+            worker.exited = True
         if self.collective_error is not None and now - self.collective_error[0] > COLLECTIVE_ERROR_GRACE_S:
+            # a collective failed and no death explains it: rebuild it among the same ranks
             _, rank, err = self.collective_error
-            self._fail(f"{self.members.ranks[rank].where()} saw its collective fail: {err.error}", EXIT_RANK_LOST)
+            self.collective_error = None
+            self.collective_retries += 1
+            if self.collective_retries > MAX_COLLECTIVE_RETRIES:
+                self._fail(f"{self.members.ranks[rank].where()} saw its collective fail {self.collective_retries} times: {err.error}", EXIT_RANK_LOST)
+                return
+            self.members.generation += 1
+            self._regroup(f"{self.members.ranks[rank].where()} saw its collective fail: {err.error}")
+
+    def _on_deaths(self, dead: set[int], reason: str) -> None:
+        """Ranks died: go on without them if the run can, else stop (saving if asked)."""
+        if self.phase != "training" or self.cadence is None:
+            self._fail(f"{reason}. The run stopped before training began.", EXIT_RANK_LOST)
+            return
+        dead_total = sum(1 for r in self.members.ranks.values() if r.state is PeerState.DEAD)
+        survivors = sorted(r.rank for r in self.members.live_ranks())
+        problem = unrecoverable(self.config, len(self.members.ranks), dead_total, len(survivors))
+        if problem:
+            self._fail(f"{reason}. {problem}", EXIT_RANK_LOST)
+            return
+        self._fence(dead, reason)
+        self.collective_error = None  # the death explains it
+        self.deaths_handled += len(dead)
+        self.cadence.remove_ranks(dead)
+        self._regroup(reason)
+        self.console.line(f"lost {reason}; continuing with {len(survivors)} rank(s) (generation {self.members.generation})")
+        for epoch, rank in list(self.eval_requests.items()):
+            if rank in dead and epoch not in self.evals:
+                self._request_eval(epoch)  # its eval died with it: ask the next rank
+        self._changed.set()
+
+    def _fence(self, dead: set[int], reason: str) -> None:
+        """A rank declared dead whose process may live on (hung, stopped, cut off)
+        is killed by its worker: it must never rejoin a world that went on without it."""
+        for rank in dead:
+            info = self.members.ranks[rank]
+            if info.exit_code is not None:
+                continue  # its worker saw it exit: nothing to kill
+            for worker in self.members.workers.values():
+                if rank in worker.ranks and not worker.exited:
+                    self.endpoint.send(m.Fence(rank=rank, reason=reason[:500]), worker.identity)
+
+    def _regroup(self, reason: str) -> None:
+        """Tell the survivors of the collective backend to rebuild it (CPU ranks need nothing)."""
+        survivors = sorted(r.rank for r in self.members.live_ranks())
+        self.recoveries.append({"at_s": self.clock() - self.started_at, "generation": self.members.generation, "survivors": survivors, "reason": reason})
+        if self.averaging is not None:
+            return  # the CPU backend has no group: rounds simply stop waiting for the dead
+        msg = m.Regroup(generation=self.members.generation, members=survivors,
+                        store_prefix=f"{self.run_id}/gen{self.members.generation}", reason=reason[:500])
+        for rank in survivors:
+            self._send_rank(rank, msg)
 
     # ======================================================= embedded worker
 
@@ -705,6 +774,9 @@ class Controller:
                 for r in self.members.ranks.values()
                 if r.state is PeerState.DEAD
             ],
+            "recoveries": self.recoveries,
+            "final_digests": {str(r): d for r, d in sorted(self.final_digests.items())},
+            "generation": self.members.generation,
             "exit_reason": exit_reason,
             "exit_code": exit_code,
             "dropped_frames": dict(self.endpoint.drops) if self.endpoint else {},

@@ -223,6 +223,8 @@ class Exiting:
     """global rank, or -1 for a worker"""
     reason: str
     """why it leaves"""
+    digest: str
+    """sha256 of the rank's final parameters and buffers on a clean exit (replicas that agree have equal digests); empty otherwise"""
 
 
 @dataclass(slots=True)
@@ -238,6 +240,8 @@ class RankError:
     """exception type and message"""
     detail: str
     """the traceback, truncated"""
+    generation: int
+    """the membership generation the rank was in when it failed (a collective failure from an older generation is already explained)"""
 
 
 @dataclass(slots=True)
@@ -318,6 +322,8 @@ class WindowDone:
     """per epoch touched: [epoch, batches, samples, loss_sum, compute_ms, data_ms]"""
     scalars: dict[str, list[float]]
     """user scalars recorded during the window, name to [sum, count]"""
+    regrouped_at: int
+    """the window's averaging round that was redone in a new generation because a peer died (-1: none); the dead rank's batches before it are in the consensus"""
 
 
 @dataclass(slots=True)
@@ -379,6 +385,32 @@ class Update:
     """elements in the slice; the single frame holds exactly count x itemsize bytes"""
 
 
+@dataclass(slots=True)
+class Regroup:
+    """The world changed: rebuild the collective among these ranks under a fresh store prefix, then carry on with the current window. (controller -> rank)"""
+
+    KIND: ClassVar[int] = 24
+    generation: int
+    """the new membership generation"""
+    members: list[int]
+    """global ranks of the new world, in collective order (a rank's index here is its collective rank)"""
+    store_prefix: str
+    """key prefix of this generation's rendezvous in the controller's TCPStore"""
+    reason: str
+    """why, for logs (e.g. rank 2 on host h (pid 9) was killed by SIGKILL)"""
+
+
+@dataclass(slots=True)
+class Fence:
+    """A rank of this worker was declared dead while its process may still live (silent, hung, stopped): kill it now, so it can never rejoin a world that went on without it. (controller -> worker)"""
+
+    KIND: ClassVar[int] = 25
+    rank: int
+    """global rank to kill"""
+    reason: str
+    """why, for logs"""
+
+
 SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     1: ('WorkerHello', WorkerHello, (('host', 'str'), ('pid', 'int'), ('devices', 'list<str>'), ('versions', 'map<str,str>'),)),
     2: ('WorkerWelcome', WorkerWelcome, (('ranks', 'list<int>'), ('world_size', 'int'), ('task', 'str'), ('heartbeat_timeout_s', 'float'),)),
@@ -392,13 +424,15 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     12: ('RunEval', RunEval, (('epoch', 'int'), ('final', 'bool'),)),
     13: ('EvalResult', EvalResult, (('rank', 'int'), ('epoch', 'int'), ('final', 'bool'), ('value', 'opt<float>'), ('elapsed_ms', 'float'), ('error', 'opt<str>'),)),
     14: ('Shutdown', Shutdown, (('reason', 'str'), ('abort', 'bool'),)),
-    15: ('Exiting', Exiting, (('rank', 'int'), ('reason', 'str'),)),
-    16: ('RankError', RankError, (('rank', 'int'), ('stage', 'str'), ('error', 'str'), ('detail', 'str'),)),
+    15: ('Exiting', Exiting, (('rank', 'int'), ('reason', 'str'), ('digest', 'str'),)),
+    16: ('RankError', RankError, (('rank', 'int'), ('stage', 'str'), ('error', 'str'), ('detail', 'str'), ('generation', 'int'),)),
     17: ('Ping', Ping, (('nonce', 'int'), ('sent_at', 'float'),)),
     18: ('Pong', Pong, (('nonce', 'int'), ('sent_at', 'float'),)),
     19: ('Window', Window, (('window', 'int'), ('global_step', 'int'), ('grants', 'list<list<int>>'), ('quota_batches', 'int'), ('quota_ms', 'float'), ('sync_every', 'int'), ('rounds', 'int'), ('measure_divergence', 'bool'),)),
-    20: ('WindowDone', WindowDone, (('rank', 'int'), ('window', 'int'), ('batches', 'int'), ('consumed', 'int'), ('loss_sum', 'float'), ('compute_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'), ('divergence', 'opt<float>'), ('pre_norm', 'opt<float>'), ('post_norm', 'opt<float>'), ('lr', 'opt<float>'), ('epochs', 'list<list<float>>'), ('scalars', 'map<str,list<float>>'),)),
+    20: ('WindowDone', WindowDone, (('rank', 'int'), ('window', 'int'), ('batches', 'int'), ('consumed', 'int'), ('loss_sum', 'float'), ('compute_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'), ('divergence', 'opt<float>'), ('pre_norm', 'opt<float>'), ('post_norm', 'opt<float>'), ('lr', 'opt<float>'), ('epochs', 'list<list<float>>'), ('scalars', 'map<str,list<float>>'), ('regrouped_at', 'int'),)),
     21: ('EndWindow', EndWindow, (('window', 'int'),)),
     22: ('Snapshot', Snapshot, (('rank', 'int'), ('round', 'int'), ('weight', 'float'), ('groups', 'list<str>'), ('dtypes', 'list<str>'), ('numels', 'list<int>'), ('bucket', 'int'), ('start', 'int'), ('count', 'int'),)),
     23: ('Update', Update, (('round', 'int'), ('aborted', 'bool'), ('ranks', 'int'), ('groups', 'list<str>'), ('dtypes', 'list<str>'), ('numels', 'list<int>'), ('bucket', 'int'), ('start', 'int'), ('count', 'int'),)),
+    24: ('Regroup', Regroup, (('generation', 'int'), ('members', 'list<int>'), ('store_prefix', 'str'), ('reason', 'str'),)),
+    25: ('Fence', Fence, (('rank', 'int'), ('reason', 'str'),)),
 }

@@ -71,6 +71,26 @@ class CollectiveAverager:
     def __init__(self, flat: FlatModel | None, group: dist.ProcessGroup | None) -> None:
         self.flat = flat
         self.group = group
+        self.backup: list[torch.Tensor] | None = None  # values before the last average, for recovery
+
+    def restore(self) -> None:
+        """After a failed average: put back the values it started from (a failed
+        all-reduce leaves half-reduced, pre-scaled values behind)."""
+        if self.backup is None:
+            return
+        with torch.no_grad():
+            for bucket, saved in zip(self.flat.buckets, self.backup):
+                bucket.values.copy_(saved)
+                bucket.copy_out()
+
+    def abort(self) -> None:
+        """Break a collective that is waiting on a dead peer (NCCL hangs rather than raise)."""
+        group = self.group
+        if group is not None and hasattr(group, "abort"):
+            try:
+                group.abort()
+            except Exception:  # already aborted or not abortable: the timeout still applies
+                log.debug("process group abort failed", exc_info=True)
 
     def broadcast_from(self, root: int = 0) -> None:
         """Make every replica equal to ``root``'s (start of training)."""
@@ -98,14 +118,16 @@ class CollectiveAverager:
             return Averaged(0.0, 0.0 if measure else None)
         collective_ms = 0.0  # what ElChe weighs against compute: the collective, not our bookkeeping
         pre_all, post_all = [], []
+        if self.backup is None:  # allocated once: an average must not allocate a model each time
+            self.backup = [torch.empty_like(b.values) for b in self.flat.buckets]
         with torch.no_grad():
-            for bucket in self.flat.buckets:
+            for bucket, pre in zip(self.flat.buckets, self.backup):
                 bucket.copy_in()
                 values, slot = bucket.values, bucket.flat[bucket.numel :]
                 w = weight if bucket.group == PARAMS else (1.0 if weight > 0 else 0.0)
-                # the drift needs the pre-average values; a zero-weight rank needs
-                # them too, in case every rank had zero weight and there is no average
-                pre = values.clone() if measure or w == 0 else None
+                # the values before the average: to measure drift, to recover if a peer
+                # dies mid-collective, and for a zero-weight rank if nobody trained
+                pre.copy_(values)
                 if w != 1.0:
                     values.mul_(w)
                 slot.fill_(w)
@@ -115,7 +137,7 @@ class CollectiveAverager:
                 collective_ms += (time.perf_counter() - start) * 1000.0
                 if total > 0:
                     values.div_(total)
-                elif pre is not None:
+                else:
                     values.copy_(pre)
                 bucket.copy_out()
                 if measure and bucket.group == PARAMS:

@@ -15,6 +15,8 @@ storage and are copied in and out around each average instead.
 
 from __future__ import annotations
 
+import hashlib
+
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +109,16 @@ class FlatModel:
                 bucket.copy_in()
                 out.append(bucket.values.detach().clone())
         return out
+
+
+def model_digest(model: torch.nn.Module) -> str:
+    """sha256 over the parameters' and floating buffers' bytes: equal replicas, equal digests."""
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for t in [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point())]:
+            values = t.detach().to("cpu").contiguous().reshape(-1)
+            h.update(values.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def drift(pre: list[torch.Tensor], post: list[torch.Tensor]) -> tuple[float | None, float, float]:

@@ -21,13 +21,13 @@ import os
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
 from ..errors import EXIT_CONTROLLER_LOST, EXIT_RANK_LOST, DeadlineExceeded, PeerLost
 from ..protocol.codec import FrameReader, FrameWriter
-from ..protocol.messages import EndWindow, Heartbeat, Shutdown
+from ..protocol.messages import EndWindow, Heartbeat, Regroup, Shutdown
 from ..transport import make_dealer
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,8 @@ class ControllerLink:
         self.lost: str | None = None  # why the controller is considered gone
         self.shutdown: Shutdown | None = None
         self.end_window = -1  # the highest window the controller asked to end
+        self.regroup: Regroup | None = None  # the newest membership change
+        self.on_regroup: Callable[[Regroup], None] = lambda msg: None  # called on the link thread
         self._ctx = zmq.Context.instance()
         pipe = f"inproc://flodl-link-{id(self)}"
         self._pipe_in = self._ctx.socket(zmq.PAIR)
@@ -200,6 +202,13 @@ class ControllerLink:
             heard = True
             msg = env.msg
             if isinstance(msg, Heartbeat):
+                continue
+            if isinstance(msg, Regroup):
+                # read by the training thread between batches or when its collective
+                # fails; the hook lets it abort a collective NCCL would otherwise hang in
+                if self.regroup is None or msg.generation > self.regroup.generation:
+                    self.regroup = msg
+                    self.on_regroup(msg)
                 continue
             if isinstance(msg, EndWindow):
                 # read by the training thread between batches, never queued: it

@@ -27,6 +27,7 @@ import torch
 from .. import __version__, scalars
 from ..config import AverageBackend, DdpRunConfig
 from ..env import RankEnv, simulated_slowdown
+from ..faults import FaultPlan
 from ..errors import (
     EXIT_CONTROLLER_LOST,
     EXIT_INTERRUPTED,
@@ -44,7 +45,7 @@ from ..taskspec import load_task
 from ..transport import host_name
 from .collective import CollectiveAverager, build_group
 from .cpu_average import BulkLink, CpuAverager
-from .flat import FlatModel
+from .flat import Averaged, FlatModel, model_digest
 from .data import BatchSource, to_device
 from .handle import LrState, WorkerHandle
 from .link import ControllerLink
@@ -77,6 +78,7 @@ class RoundStats:
     sync_ms: float = 0.0
     wall_ms: float = 0.0
     last_average: Any = None
+    regrouped_at: int = -1  # the averaging round redone in a new generation, if any
     per_epoch: dict[int, list[float]] = field(default_factory=dict)  # epoch -> [batches, samples, loss, compute, data]
 
     @property
@@ -143,8 +145,11 @@ class RankRunner:
         self.world_size = 1
         self.global_step = 0
         self.current_epoch = -1
+        self.generation = 0
+        self.welcome: m.RankWelcome | None = None
         self.handle = WorkerHandle(self)
         self.slowdown = simulated_slowdown(env.rank)
+        self.faults = FaultPlan.from_env(env.rank)  # tests and benchmarks only (FLODL_INJECT_FAULT)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -190,7 +195,8 @@ class RankRunner:
             except _Stop:
                 return self._stopped()
             if isinstance(cmd, m.Shutdown):
-                self.link.send(m.Exiting(rank=self.rank, reason=cmd.reason))
+                digest = "" if cmd.abort else model_digest(self.model)
+                self.link.send(m.Exiting(rank=self.rank, reason=cmd.reason, digest=digest))
                 return EXIT_RANK_LOST if cmd.abort else EXIT_OK
             try:
                 if isinstance(cmd, m.Window):
@@ -215,14 +221,14 @@ class RankRunner:
             return EXIT_INTERRUPTED
         if self.link.lost:
             raise PeerLost(self.link.lost)
-        self.link.send(m.Exiting(rank=self.rank, reason="abort"))
+        self.link.send(m.Exiting(rank=self.rank, reason="abort", digest=""))
         return EXIT_RANK_LOST
 
     def _fail(self, stage: str, exc: BaseException, code: int) -> int:
         """Report an error once, then wait (bounded) for the controller's verdict."""
         detail = "".join(traceback.format_exception(exc))[-8000:]
         log.error("rank %d failed during %s: %s", self.rank, stage, exc)
-        self.link.send(m.RankError(rank=self.rank, stage=stage, error=f"{type(exc).__name__}: {exc}"[:2000], detail=detail))
+        self.link.send(m.RankError(rank=self.rank, stage=stage, error=f"{type(exc).__name__}: {exc}"[:2000], detail=detail, generation=self.generation))
         try:
             self._await(m.Shutdown, timeout_s=self.env.heartbeat_timeout_s)
         except (DeadlineExceeded, PeerLost, _Stop):
@@ -287,6 +293,8 @@ class RankRunner:
 
     def _join(self, welcome: m.RankWelcome) -> None:
         start = time.perf_counter()
+        self.welcome = welcome
+        self.generation = welcome.generation
         config = DdpRunConfig.from_dict(welcome.config)  # validated, typed: the controller's options
         # flatten before the optimizer exists, so it holds the views, not stale tensors
         flat = FlatModel(self.model) if welcome.world_size > 1 else None
@@ -309,6 +317,7 @@ class RankRunner:
                     rank=self.rank, world_size=welcome.world_size, device=self.device, timeout_s=welcome.collective_timeout_s,
                 )
             self.averager = CollectiveAverager(flat, group)
+            self.link.on_regroup = lambda msg: self.averager.abort()  # NCCL: break a hang on the dead peer
         self.averager.broadcast_from(0)
         self.optimizer = self.task.optimizer(self.model)
         self.world_size = welcome.world_size
@@ -334,6 +343,7 @@ class RankRunner:
                 divergence=last.divergence if last else None, pre_norm=last.pre_norm if last else None,
                 post_norm=last.post_norm if last else None, lr=self.lr.current,
                 epochs=[[float(e), *row] for e, row in sorted(stats.per_epoch.items())], scalars=scalars.drain(),
+                regrouped_at=stats.regrouped_at,
             )
         )
 
@@ -360,7 +370,7 @@ class RankRunner:
         start = time.perf_counter()
         self.model.train()  # once per window, not per step: it walks every module
         exhausted = False
-        for _ in range(rounds):
+        for round_index in range(rounds):
             stepped = 0
             last: m.BatchDone | None = None
             while not exhausted and (not sync_every or stepped < sync_every):
@@ -381,6 +391,7 @@ class RankRunner:
                     break
                 epoch, idx, batch = item
                 self.averager.poll()  # CPU backend: land any average that arrived meanwhile
+                self._maybe_regroup()  # a peer died: join the survivors' new group now
                 self._enter_epoch(epoch)
                 loss, compute_ms = self._step(batch)
                 stepped += 1
@@ -390,7 +401,7 @@ class RankRunner:
                 last = m.BatchDone(self.rank, epoch, self.step_count, len(idx), loss, compute_ms, data_ms, 0.0)
             # the CPU backend's end-of-window average is sent, not waited for: ranks never block on peers
             block = not (self.averager.backend == "cpu" and not sync_every)
-            averaged = self.averager.average(float(stepped), measure=measure, block=block)
+            averaged = self._average(float(stepped), measure=measure, block=block, round_index=round_index, stats=stats)
             stats.sync_ms += averaged.ms
             stats.last_average = averaged
             if last is not None:
@@ -399,11 +410,63 @@ class RankRunner:
         stats.wall_ms = (time.perf_counter() - start) * 1000.0
         return stats
 
+    def _average(self, weight: float, *, measure: bool, block: bool, round_index: int, stats: "RoundStats") -> Averaged:
+        """Average, surviving a peer's death: if the collective fails, put the values
+        back, join the survivors' new group, and do this same average again there."""
+        self.faults.reach("average")
+        while True:
+            self._maybe_regroup()
+            try:
+                return self.averager.average(weight, measure=measure, block=block)
+            except RuntimeError as exc:
+                if self.averager.backend != "collective" or not _is_collective_error(exc):
+                    raise
+                log.warning("rank %d: averaging failed (%s); waiting for the survivors' new group", self.rank, exc)
+                announced = self.link.regroup
+                if announced is None or announced.generation <= self.generation:
+                    # tell the controller: a death it has not seen yet, or a group to rebuild
+                    # (a failure a newer generation already explains needs no hint)
+                    self.link.send(m.RankError(rank=self.rank, stage="collective", error=f"{type(exc).__name__}: {exc}"[:2000], detail="", generation=self.generation))
+                self.averager.restore()
+                self._await_regroup()
+                stats.regrouped_at = round_index
+
+    def _maybe_regroup(self) -> None:
+        """Rebuild the collective if the controller announced a new generation."""
+        msg = self.link.regroup
+        if msg is None or msg.generation <= self.generation or self.averager.backend != "collective":
+            return
+        if self.rank not in msg.members:
+            raise _Stop  # declared dead (we were too slow, or cut off): leave
+        self.generation = msg.generation
+        world = len(msg.members)
+        group = None
+        if world > 1:
+            group = build_group(
+                store_host=self.welcome.store_host, store_port=self.welcome.store_port, prefix=msg.store_prefix,
+                rank=msg.members.index(self.rank), world_size=world, device=self.device,
+                timeout_s=self.welcome.collective_timeout_s,
+            )
+        self.averager.group = group
+        self.world_size = world
+        log.warning("rank %d: now one of %d ranks (generation %d): %s", self.rank, world, msg.generation, msg.reason)
+
+    def _await_regroup(self) -> None:
+        """Wait (bounded) for the controller to announce the survivors' new world."""
+        deadline = time.monotonic() + 2 * self.env.heartbeat_timeout_s + 10
+        while self.link.regroup is None or self.link.regroup.generation <= self.generation:
+            if self.link.must_stop or self.terminated:
+                raise _Stop
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded("a collective failed and no new membership generation came")
+            time.sleep(0.01)
+
     def _enter_epoch(self, epoch: int) -> None:
         """Fire the user's epoch_fn the first time this rank trains ``epoch``."""
         if epoch <= self.current_epoch:
             return
         self.current_epoch = epoch
+        self.faults.reach("epoch", index=epoch)
         if self.task.epoch_fn is not None:
             self.lr.apply(self.global_step)  # so the handle shows the LR of the step about to run
             try:
@@ -424,6 +487,7 @@ class RankRunner:
             loss = task.loss_fn(model(x), y)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        self.faults.reach("batch")
         if self.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm)
         self.optimizer.step()

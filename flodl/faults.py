@@ -1,0 +1,61 @@
+"""Fault injection for tests and benchmarks: a rank kills or stops itself at a chosen point.
+
+``FLODL_INJECT_FAULT="1:average:5"`` makes rank 1 SIGKILL itself the 5th time
+it reaches an averaging round; ``"2:batch:40:stop"`` makes rank 2 SIGSTOP
+itself in the middle of its 40th batch (after backward, before the optimizer
+step), which looks to everyone else exactly like a hung device. Points:
+
+* ``batch``   mid-batch: gradients computed, step not taken
+* ``average`` mid-averaging: the replica backed up, peers already inside the round
+* ``epoch``   at an epoch edge: the first batch of epoch ``n`` (0-based) about to run
+
+Several faults are comma-separated. Real processes really die, so the elastic
+path under test is the one users get; nothing here is consulted unless the
+variable is set.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass, field
+
+INJECT_FAULT = "FLODL_INJECT_FAULT"
+POINTS = ("batch", "average", "epoch")
+ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+
+
+@dataclass
+class FaultPlan:
+    """The faults armed for one rank, and how often each point was reached."""
+
+    armed: dict[str, tuple[int, str]] = field(default_factory=dict)  # point -> (nth, action)
+    seen: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, rank: int, text: str | None = None) -> "FaultPlan":
+        """Parse ``rank:point:n[:kill|stop]`` items; raise ValueError naming the bad one."""
+        text = os.environ.get(INJECT_FAULT, "") if text is None else text
+        plan = cls()
+        for item in filter(None, (t.strip() for t in text.split(","))):
+            parts = item.split(":")
+            try:
+                who, point, nth = int(parts[0]), parts[1], int(parts[2])
+                action = parts[3] if len(parts) > 3 else "kill"
+            except (IndexError, ValueError):
+                raise ValueError(f"{INJECT_FAULT}: {item!r} is not rank:point:n[:kill|stop]") from None
+            if point not in POINTS or action not in ACTIONS or nth < 0 or len(parts) > 4:
+                raise ValueError(f"{INJECT_FAULT}: {item!r}: point must be one of {POINTS}, action kill or stop, n >= 0")
+            if who == rank:
+                plan.armed[point] = (nth, action)
+        return plan
+
+    def reach(self, point: str, index: int | None = None) -> None:
+        """Called at ``point``; fires when its count (or the given index) equals the armed n."""
+        if point not in self.armed:
+            return
+        count = self.seen[point] = self.seen.get(point, 0) + 1
+        nth, action = self.armed[point]
+        if (index if index is not None else count) == nth:
+            del self.armed[point]  # once: a stopped process that is resumed carries on
+            os.kill(os.getpid(), ACTIONS[action])

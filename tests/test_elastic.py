@@ -1,0 +1,93 @@
+"""Elastic membership with real processes: a dead rank never costs the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from .conftest import task_spec
+from .test_process import Run, assert_all_gone
+
+pytestmark = pytest.mark.timeout(180)
+
+EPOCHS = 12
+
+
+def start(proc_env, tmp_path, mode, nproc=3, heartbeat=4, extra=()):
+    env = {**proc_env, "FLODL_TEST_STEP_SLEEP": "0.01"}
+    path = tmp_path / "s.json"
+    run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", str(nproc), "--epochs", str(EPOCHS), "--mode", mode,
+               "--heartbeat-timeout-secs", str(heartbeat), "--summary-json", str(path), *extra], env)
+    return run, path
+
+
+def finish(run, path):
+    assert run.wait(150) == 0, run.output
+    summary = json.loads(path.read_text())
+    assert [h["samples"] for h in summary["history"]] == [512] * EPOCHS  # no sample lost, none twice
+    return summary
+
+
+@pytest.mark.parametrize("mode", ["nccl-cadence", "nccl-sync", "nccl-async", "cpu-cadence", "cpu-sync", "cpu-async"])
+@pytest.mark.parametrize("fault", ["batch:40", "average:6", "epoch:3"])
+def test_a_rank_dies_at_a_chosen_point_and_the_run_finishes(proc_env, tmp_path, mode, fault):
+    """Rank 1 SIGKILLs itself mid-batch, mid-averaging or at an epoch edge."""
+    proc_env = {**proc_env, "FLODL_INJECT_FAULT": f"1:{fault}"}
+    run, path = start(proc_env, tmp_path, mode)
+    summary = finish(run, path)
+    assert [d["rank"] for d in summary["deaths"]] == [1]
+    assert "killed by SIGKILL" in summary["deaths"][0]["reason"]
+    assert summary["recoveries"][0]["survivors"] == [0, 2]
+    assert "continuing with 2 rank(s)" in run.output
+    digests = {r: d for r, d in summary["final_digests"].items()}
+    assert set(digests) == {"0", "2"}
+    if not mode.startswith("cpu-") or mode == "cpu-sync":
+        assert digests["0"] == digests["2"]  # the survivors end on one consensus
+    assert summary["final_eval"] > 0.7
+
+
+def test_kill_9_from_outside_mid_run(proc_env, tmp_path):
+    run, path = start(proc_env, tmp_path, "nccl-cadence")
+    ranks = run.ranks(3)
+    run.wait_for_line("epoch 4/")
+    victim = ranks[1]
+    os.kill(victim.pid, signal.SIGKILL)
+    summary = finish(run, path)
+    assert [d["pid"] for d in summary["deaths"]] == [victim.pid]
+    assert "continuing with 2 rank(s)" in run.output
+
+
+def test_stopped_rank_is_dropped_through_the_heartbeat(proc_env, tmp_path):
+    run, path = start(proc_env, tmp_path, "nccl-cadence", heartbeat=3)
+    ranks = run.ranks(3)
+    run.wait_for_line("epoch 2/")
+    stopped_at = time.monotonic()
+    os.kill(ranks[2].pid, signal.SIGSTOP)
+    tree = run.tree()
+    summary = finish(run, path)
+    assert "sent nothing for" in summary["deaths"][0]["reason"]
+    assert summary["recoveries"][0]["at_s"] > 0
+    assert time.monotonic() - stopped_at < 150
+    assert_all_gone(tree)  # the worker kills the stopped rank at the end
+
+
+def test_losing_below_the_backend_minimum_stops_with_a_clear_message(proc_env, tmp_path):
+    run, path = start(proc_env, tmp_path, "nccl-cadence", nproc=2)
+    ranks = run.ranks(2)
+    run.wait_for_line("epoch 1/")
+    os.kill(ranks[0].pid, signal.SIGKILL)
+    assert run.wait(60) == 3, run.output
+    assert "the collective backend needs 2" in run.output
+
+
+def test_max_failure_stops_the_run(proc_env, tmp_path):
+    run, path = start(proc_env, tmp_path, "cpu-cadence", extra=("--max-failure", "1"))
+    ranks = run.ranks(3)
+    run.wait_for_line("epoch 1/")
+    os.kill(ranks[2].pid, signal.SIGKILL)
+    assert run.wait(60) == 3, run.output
+    assert "reaches max_failure 1" in run.output
