@@ -649,7 +649,8 @@ class DdpRunConfig:
     elche: ElCheConfig = _option(default_factory=ElCheConfig, check=_elche, kind="elche",
                                  help="Coordination strategy (its fields are options of their own).")
     checkpoint_every: int | None = _option(None, check=_count(1, zero_is_none=True), kind="int", default_text="off",
-                                           help="Save a checkpoint every N global epochs (0 = off).")
+                                           help="Checkpoint every N epochs: the bundle (with save_path) "
+                                                "and the task's checkpoint_fn (0 = off).")
     snapshot_timeout_secs: int = _option(5, check=_count(1, optional=False), kind="int",
                                          help="Seconds to collect CPU-averaging snapshots (cpu backend only).")
     progressive_dispatch: bool | None = _option(None, check=_flag(optional=True), kind="bool",
@@ -684,7 +685,8 @@ class DdpRunConfig:
     lr_scale_ratio: float = _option(1.0, check=_non_negative, kind="float",
                                     help="LR scaling with world size: factor = 1 + (W - 1) * ratio.")
     save_path: str | None = _option(None, check=_text, kind="path", default_text="none",
-                                    help="Checkpoint bundle stem (on shared storage for multi-host).")
+                                    help="Checkpoint bundle stem <stem>.fdl/.optim/.meta.json: final, "
+                                         "periodic and save-on-failure bundles (shared storage on multi-host).")
     max_failure: MaxFailureThreshold | None = _option(None, check=_max_failure, kind="max_failure",
                                                       default_text="none (backend limits only)",
                                                       help="Dead ranks that make the run unrecoverable: "
@@ -715,10 +717,11 @@ class DdpRunConfig:
                                                                    help="How a metric key rolls up across ranks "
                                                                         "(KEY=mean|sum|max|min|last).")
     resume_from: str | None = _option(None, check=_text, kind="path", default_text="fresh run",
-                                      help="Checkpoint bundle stem to resume the trajectory from.")
+                                      help="Bundle stem to continue: trains exactly what it had not "
+                                           "trained, loading its model and optimizer on every rank.")
     checkpoint_at_epoch: int | None = _option(None, check=_count(0), kind="int", default_text="none",
-                                              help="One-shot checkpoint when the cohort reaches this epoch "
-                                                   "(Cadence/Async).")
+                                              help="One-shot checkpoint (with mid-epoch coverage) once the "
+                                                   "cohort trains this epoch; needs save_path.")
 
     def __post_init__(self) -> None:
         _normalise_fields(self)
@@ -767,9 +770,7 @@ class DdpRunConfig:
         _check_fields(self)
         self.elche.validate()
         if self.checkpoint_at_epoch is not None:
-            if self.elche.mode.policy is ApplyPolicy.SYNC:
-                raise ConfigError("checkpoint_at_epoch", "needs a Cadence or Async mode "
-                                  f"(a {self.elche.mode.value} run has no chunk pools to snapshot)")
+            # every mode dispatches windows from a coverage ledger here, Sync included
             if self.save_path is None:
                 raise ConfigError("checkpoint_at_epoch", "needs save_path (the bundle stem to write)")
         if world_size is not None:
@@ -1050,8 +1051,8 @@ AVAILABLE_FIELDS: frozenset[str] = frozenset({
     "progressive_dispatch", "epoch_callback_policy",
     # the CPU averaging backend
     "snapshot_timeout_secs", "easgd_alpha",
-    # elastic membership
-    "max_failure",
+    # elastic membership, checkpoints and resume
+    "max_failure", "save_path", "checkpoint_every", "checkpoint_at_epoch", "resume_from",
 })
 #: Modes this version can run: all six.
 AVAILABLE_MODES: frozenset[ElCheMode] = frozenset(ElCheMode)

@@ -78,4 +78,5 @@ EXIT_CONFIG = 2  # bad options or task spec, nothing was started
 EXIT_RANK_LOST = 3  # a rank died or went silent and the run was stopped
 EXIT_TASK_ERROR = 4  # the user's task raised on a rank
 EXIT_CONTROLLER_LOST = 5  # a worker or rank lost the controller
+EXIT_SAVED = 6  # the run could not go on (ranks lost); a bundle was saved: continue with --resume-from
 EXIT_INTERRUPTED = 130  # SIGINT / SIGTERM

@@ -173,19 +173,20 @@ class Membership:
         return [r for r in self.ranks.values() if r.state not in (PeerState.DEAD, PeerState.EXITED)]
 
 
-def unrecoverable(config, world_size: int, dead: int, survivors: int) -> str | None:
-    """Why the run cannot go on without its dead ranks, or None if it can.
+def unrecoverable(config, world_size: int, dead: int, survivors: int) -> tuple[str, str] | None:
+    """``(save_reason, why)`` if the run cannot go on without its dead ranks, else None.
 
     In order: the user's ``max_failure`` limit; the collective backend's need
-    for two ranks; the CPU backend's need for one.
+    for two ranks; the CPU backend's need for one. ``save_reason`` is the
+    code a checkpoint sidecar records.
     """
     from .config import AverageBackend  # local: membership stays importable without torch-heavy config users
 
     limit = config.max_failure.limit_for(world_size) if config.max_failure is not None else None
     if limit is not None and dead >= limit:
-        return f"{dead} of {world_size} ranks lost reaches max_failure {config.max_failure} (limit {limit})"
+        return "max_failure_exceeded", f"{dead} of {world_size} ranks lost reaches max_failure {config.max_failure} (limit {limit})"
     if config.elche.mode.backend is AverageBackend.NCCL and survivors < 2:
-        return f"{survivors} rank(s) left; the collective backend needs 2 (a Cpu* mode can go on with 1)"
+        return "single_survivor", f"{survivors} rank(s) left; the collective backend needs 2 (a Cpu* mode can go on with 1)"
     if survivors < 1:
-        return "every rank is lost"
+        return "all_ranks_lost", "every rank is lost"
     return None

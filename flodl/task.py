@@ -30,6 +30,8 @@ EvalFn = Callable[[torch.nn.Module, torch.device], float]
 LrSchedule = Callable[[int], float]
 #: ``epoch_fn(epoch, worker)`` runs on every rank as it starts an epoch (see ``rank.handle.WorkerHandle``).
 EpochFn = Callable[[int, Any], None]
+#: ``checkpoint_fn(version, worker)`` runs on the elected rank every ``checkpoint_every`` epochs.
+CheckpointFn = Callable[[int, Any], None]
 
 
 @dataclass
@@ -60,6 +62,10 @@ class Task:
         epoch_fn: ``epoch_fn(epoch, worker)`` called on every rank when it
             starts training an epoch; ``worker`` can read and change the LR,
             swap the schedule, and reach the model and optimizer.
+        checkpoint_fn: ``checkpoint_fn(version, worker)`` called on one rank
+            (``epoch_callback_policy``) every ``checkpoint_every`` epochs, with
+            ``worker.model`` holding the consensus parameters. Exceptions are
+            logged and training goes on.
     """
 
     model: ModelFactory
@@ -73,6 +79,7 @@ class Task:
     collate_fn: Callable[[list], Any] | None = None
     lr_schedule: LrSchedule | None = None
     epoch_fn: EpochFn | None = None
+    checkpoint_fn: CheckpointFn | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -90,7 +97,7 @@ class Task:
             raise TaskError(f"Task.batch_size must be a positive int, got {self.batch_size!r}")
         if (self.loss_fn is None) == (self.train_step is None):
             raise TaskError("Task needs exactly one of loss_fn or train_step")
-        for name in ("eval_fn", "lr_schedule", "epoch_fn", "collate_fn"):
+        for name in ("eval_fn", "lr_schedule", "epoch_fn", "collate_fn", "checkpoint_fn"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TaskError(f"Task.{name} must be callable, got {value!r}")

@@ -45,6 +45,8 @@ ABORT_GRACE_S = 3.0
 CLEAN_GRACE_S = 30.0
 #: Between SIGTERM and SIGKILL.
 KILL_GRACE_S = 3.0
+#: After SIGTERM, a rank with save_path writes its replica before exiting: give it time.
+SAVE_KILL_GRACE_S = 15.0
 
 
 class Worker:
@@ -140,17 +142,19 @@ class Worker:
         await self._spawn(tg)
         while True:
             if self._interrupted:
-                await self._stop_ranks(grace_s=0.0)
+                await self._stop_ranks(grace_s=0.0, kill_grace_s=SAVE_KILL_GRACE_S)
                 self._send(m.Exiting(rank=-1, reason="interrupted", digest=""))
                 return EXIT_INTERRUPTED
             if self.shutdown is not None:
-                await self._stop_ranks(ABORT_GRACE_S if self.shutdown.abort else CLEAN_GRACE_S)
+                # a rank saving the bundle on the way out gets the clean grace
+                await self._stop_ranks(ABORT_GRACE_S if self.shutdown.abort and not self.shutdown.save_stem else CLEAN_GRACE_S)
                 self._send(m.Exiting(rank=-1, reason="shutdown", digest=""))
                 return EXIT_OK
             silent = time.monotonic() - self.last_heard
             if silent > self.heartbeat_timeout_s:
                 log.error("heard nothing from the controller for %.1f s: stopping ranks", silent)
-                await self._stop_ranks(grace_s=0.0)
+                # the ranks notice too and save what they hold (with save_path) before exiting
+                await self._stop_ranks(grace_s=CLEAN_GRACE_S)
                 return EXIT_CONTROLLER_LOST
             await self._wait(0.5)
 
@@ -203,8 +207,8 @@ class Worker:
         self._send(m.RankExited(rank=rank, pid=proc.pid, code=code))
         self._wake.set()
 
-    async def _stop_ranks(self, grace_s: float) -> None:
-        """Let ranks exit on their own for ``grace_s``, then SIGTERM, then SIGKILL."""
+    async def _stop_ranks(self, grace_s: float, kill_grace_s: float = 3.0) -> None:
+        """Let ranks exit on their own for ``grace_s``, then SIGTERM, then SIGKILL after ``kill_grace_s``."""
         live = [p for p in self.procs.values() if p.returncode is None]
         if live and grace_s > 0:
             try:
@@ -212,7 +216,7 @@ class Worker:
                     await asyncio.gather(*(p.wait() for p in live))
             except TimeoutError:
                 log.warning("ranks still running %.0f s after shutdown: terminating", grace_s)
-        await terminate_then_kill(list(self.procs.values()), KILL_GRACE_S)
+        await terminate_then_kill(list(self.procs.values()), kill_grace_s)
         await asyncio.sleep(0)  # let the reapers report the last exits
 
 

@@ -44,7 +44,7 @@ SAMPLES = [
     m.Heartbeat(step=1234, sent_at=1700000000.5),
     m.RunEval(epoch=5, final=True),
     m.EvalResult(rank=0, epoch=5, final=True, value=0.96875, elapsed_ms=3.5, error=None),
-    m.Shutdown(reason="run complete", abort=False),
+    m.Shutdown(reason="run complete", abort=False, save_stem="", save_rank=-1),
     m.Exiting(rank=-1, reason="shutdown", digest=""),
     m.RankError(rank=1, stage="train", error="RuntimeError: boom", detail="Traceback ...", generation=0),
     m.Ping(nonce=7, sent_at=12.25),
@@ -59,6 +59,8 @@ SAMPLES = [
         divergence=0.03125, pre_norm=12.0, post_norm=11.5, lr=0.01, epochs=[[2.0, 2.0, 64.0, 1.0, 20.0, 0.5], [3.0, 1.0, 32.0, 0.5, 10.0, 0.5]], scalars={}, regrouped_at=-1,
     ),
     m.Regroup(generation=2, members=[0, 2], store_prefix="golden-run/gen2", reason="rank 1 on host node-b (pid 4300) was killed by SIGKILL"),
+    m.SaveCheckpoint(version=2, stem="/shared/run/ckpt", reason="checkpoint", epoch=4, call_fn=True),
+    m.CheckpointDone(rank=0, version=2, model_sha256="ab" * 32, elapsed_ms=41.5, error=None),
     m.Fence(rank=3, reason="sent nothing for 10.2 s (heartbeat timeout 10 s)"),
 ]
 

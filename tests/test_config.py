@@ -363,7 +363,6 @@ def test_validate_catches_values_smuggled_past_construction():
         (DdpRunConfig().with_min_anchor(20).with_max_anchor(10), None, "min_anchor"),
         (DdpRunConfig().with_anchor(20).with_max_anchor(10), None, "anchor"),
         (DdpRunConfig().with_mode("cpu-cadence").with_max_anchor(5), None, "anchor"),  # preset 10
-        (DdpRunConfig().with_mode("nccl-sync").with_checkpoint_at_epoch(2).with_save_path("ckpt"), None, "checkpoint_at_epoch"),
         (DdpRunConfig().with_mode("nccl-cadence").with_checkpoint_at_epoch(2), None, "checkpoint_at_epoch"),
         (DdpRunConfig(), 0, "world_size"),
     ],
@@ -572,7 +571,7 @@ def test_callable_transform_serialises_as_its_import_name():
 
 def test_available_sets():
     assert {"lr_scale_ratio", "max_grad_norm", "heartbeat_timeout_secs", "mode", "anchor", "progressive_dispatch"} <= AVAILABLE_FIELDS
-    assert "checkpoint_every" not in AVAILABLE_FIELDS and "easgd_alpha" in AVAILABLE_FIELDS
+    assert "timeline" not in AVAILABLE_FIELDS and {"easgd_alpha", "save_path", "checkpoint_every", "resume_from"} <= AVAILABLE_FIELDS
     assert AVAILABLE_MODES == set(ElCheMode)
 
 
@@ -587,12 +586,12 @@ def test_check_available_passes_for_defaults_and_available_fields():
 @pytest.mark.parametrize(
     ("config", "field"),
     [
-        (DdpRunConfig().with_checkpoint_every(1), "checkpoint_every"),
+        (DdpRunConfig().with_timeline("trace.json"), "timeline"),
         (DdpRunConfig().with_vram_max_usage(0.6), "vram_max_usage"),
         (DdpRunConfig().with_vram_pool(False), "vram_pool"),
         (DdpRunConfig().with_scalar_reduction("tokens", "sum"), "scalar_reductions"),
         (DdpRunConfig().with_transform(module_level_transform), "transform"),
-        (DdpRunConfig().with_save_path("ckpt"), "save_path"),
+        (DdpRunConfig().with_epoch_splits(2), "epoch_splits"),
     ],
 )
 def test_check_available_names_the_planned_option(config, field):

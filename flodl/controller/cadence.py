@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from ..config import ApplyPolicy, AverageBackend, DdpRunConfig
 from ..dispatch import Dispatcher, WindowPlan
+from ..pool import EpochPool
 from ..elche import ElChe
 from ..guard import MetaController, Verdict, make_guard, max_relative_delta
 from ..metrics import EpochReport, EpochStats, aggregate
@@ -70,6 +71,7 @@ class CadenceLoop:
         self.config = config
         self.batches_per_epoch = batches_per_epoch
         self.dead: set[int] = set()
+        self.regranted = 0  # samples a dead rank held that went back to the pool
         self.collective = elche_cfg.mode.backend is AverageBackend.NCCL
         self.plans: dict[int, dict[int, WindowPlan]] = {}  # window -> rank -> plan, while outstanding
         self.started: dict[int, float] = {}
@@ -141,6 +143,46 @@ class CadenceLoop:
             for rank in dead & set(plans):
                 plans[rank].dead = True
 
+    # ------------------------------------------------------------ bundles
+
+    def coverage(self) -> dict:
+        """What is trained so far, for a checkpoint sidecar: per open epoch the
+        positions not yet trained (in flight counts as not trained), and the
+        first epoch never opened. Resuming trains exactly the rest."""
+        d = self.dispatcher
+        return {
+            "seed": self.seed, "dataset_len": d.dataset_len, "batch_size": d.batch_size, "epochs": d.epochs,
+            "next_epoch": d.next_epoch,
+            "open": [{"epoch": e, "total": p.total, "uncovered": [list(r) for r in p.uncovered()]} for e, p in sorted(d.pools.items())],
+        }
+
+    def restore(self, meta: dict) -> None:
+        """Continue a saved run: coverage, global step, sync count, and ElChe's
+        timings when the world has the same size (else ElChe re-calibrates)."""
+        cov = meta["coverage"]
+        d = self.dispatcher
+        d.next_epoch = int(cov["next_epoch"])
+        for item in cov["open"]:
+            uncovered = [(int(s), int(z)) for s, z in item["uncovered"]]
+            if not uncovered:
+                continue
+            pool = EpochPool(int(item["epoch"]), int(item["total"]), free=uncovered)
+            covered, at = [], 0
+            for s, z in uncovered:
+                if s > at:
+                    covered.append((at, s - at))
+                at = s + z
+            if at < pool.total:
+                covered.append((at, pool.total - at))
+            pool.trained = covered
+            pool.check()
+            d.pools[pool.epoch] = pool
+        self.global_step = int(meta["global_step"])
+        self.syncs = int(meta.get("sync_round", 0))
+        state = meta.get("elche_state")
+        if state and state.get("world_size") == len(self.ranks):
+            self.elche.load_state_dict(state)
+
     @property
     def finished(self) -> bool:
         """Every epoch granted, trained and closed."""
@@ -185,6 +227,7 @@ class CadenceLoop:
             plan = plans[rank]
             if plan.dead:
                 consumed = self._dead_consumed(plan, reports, (dead_batches or {}).get(rank, 0))
+                self.regranted += plan.samples - consumed  # back to the pool, for the survivors
                 self.dispatcher.settle(plan, consumed)
                 self._account_dead(rank, plan, consumed)
                 continue

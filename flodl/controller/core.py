@@ -28,7 +28,8 @@ import zmq
 from .. import __version__
 from ..config import ApplyPolicy, AverageBackend, DdpRunConfig
 from ..env import PARENT_PID, child_environ, credentials_env, new_run_id, new_run_secret
-from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_RANK_LOST, EXIT_TASK_ERROR, RunAborted
+from ..checkpoint import CheckpointError, read_meta
+from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_RANK_LOST, EXIT_SAVED, EXIT_TASK_ERROR, RunAborted
 from ..membership import Membership, PeerState, WorkerInfo, describe_exit, unrecoverable
 from ..metrics import EpochStats, aggregate
 from ..protocol import messages as m
@@ -39,6 +40,7 @@ from ..transport import ControlEndpoint, make_router
 from ..dispatch import PROBE_BATCHES, PROBE_MIN_MS
 from .averaging import CpuAveraging
 from .cadence import CadenceLoop
+from .checkpoints import SHUTDOWN_SAVE, Checkpointer
 from .console import Console
 from .launch import LaunchOptions
 
@@ -53,6 +55,7 @@ COLLECTIVE_ERROR_GRACE_S = 1.0
 MAX_COLLECTIVE_RETRIES = 3
 SHUTDOWN_WAIT_S = 40.0
 ABORT_WAIT_S = 10.0
+CHECKPOINT_WAIT_S = 120.0  # a rank writing a large model to slow storage
 
 
 class Controller:
@@ -104,7 +107,12 @@ class Controller:
         self.collective_retries = 0
         self.deaths_handled = 0
         self.recoveries: list[dict] = []  # every regroup: when, generation, survivors, why
+        self._back: tuple[float, set[int]] | None = None  # a recovery waiting for every survivor's next batch
         self.eval_requests: dict[int, int] = {}  # epoch -> rank asked to score it
+        self.checkpoints = Checkpointer(config, say=self.console.line)
+        self.resume_meta: dict | None = None  # the bundle sidecar this run continues from
+        self.shutdown_save: tuple[str, int] | None = None  # ShutdownWithSave: (stem, writer rank)
+        self._storage_reminded = False
         self.started_at = 0.0
         self.finished_at = 0.0
         self._printed = 0  # epochs whose line is out
@@ -120,6 +128,13 @@ class Controller:
                 why and ``summary`` holds what was done.
         """
         self.started_at = self.clock()
+        if self.config.resume_from:
+            try:
+                self.resume_meta = read_meta(self.config.resume_from)
+            except CheckpointError as exc:  # before anything starts: nothing to clean up
+                message = f"resume_from: {exc}"
+                self.console.failed(message)
+                raise RunAborted(message, EXIT_CONFIG, self.summary(message, EXIT_CONFIG)) from None
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -209,6 +224,8 @@ class Controller:
         await self._run_windows()
         if info.has_eval:
             await self._until(lambda: self.launch.epochs - 1 in self.evals, self.launch.eval_timeout_secs, "the final eval")
+        if self.checkpoints.stem:
+            await self._checkpoint("final", call_fn=False, wait=True)
         self.finished_at = self.clock()
         self._flush_epoch_lines()
         await self._shutdown_peers()
@@ -226,8 +243,10 @@ class Controller:
         ranks = sorted(self.members.ranks)
         self.cadence = loop = CadenceLoop(
             self.config, ranks, dataset_len=self.task_info.dataset_len, batch_size=self.task_info.batch_size,
-            epochs=self.launch.epochs, seed=self.launch.seed, global_step=self.global_step,
+            epochs=self.launch.epochs, seed=self._seed(), global_step=self.global_step,
         )
+        if self.resume_meta is not None:
+            self._resume(loop)
         if self.averaging is not None:
             self.averaging.on_round = lambda number, ms: loop.note_round(ms)
         policy = self.config.elche.mode.policy
@@ -258,6 +277,8 @@ class Controller:
             for stats in loop.on_reports(number, self.window_reports.pop(number, {}), self.clock(), dead_batches):
                 self._finish_epoch(stats)
             self.global_step = loop.global_step
+            if self.checkpoints.at_epoch_due(loop.dispatcher.next_epoch - 1):
+                await self._checkpoint("checkpoint", call_fn=False)
 
     async def _end_when_timed(self, number: int, loop: CadenceLoop) -> None:
         """Calibration window: end it once every rank has timed a few batches."""
@@ -289,6 +310,8 @@ class Controller:
         self.history.append(stats)
         if self.task_info.has_eval:
             self._request_eval(stats.epoch)
+        if self.checkpoints.every_due(stats.epoch):
+            self._checkpoint_now("checkpoint", call_fn=True, files=bool(self.checkpoints.stem))
         self._flush_epoch_lines()
 
     def _request_eval(self, epoch: int) -> None:
@@ -296,6 +319,74 @@ class Controller:
         rank = self._eval_rank()
         self.eval_requests[epoch] = rank
         self._send_rank(rank, m.RunEval(epoch=epoch, final=epoch == self.launch.epochs - 1))
+
+    # ========================================================= checkpoints
+
+    def _seed(self) -> int:
+        """A resumed run keeps the saved run's shuffle, whatever --seed says."""
+        return int(self.resume_meta["coverage"]["seed"]) if self.resume_meta is not None else self.launch.seed
+
+    def _resume(self, loop: CadenceLoop) -> None:
+        """Continue the bundle's trajectory: only what it had not trained is planned."""
+        meta, info = self.resume_meta, self.task_info
+        cov = meta["coverage"]
+        for field_name, mine in (("dataset_len", info.dataset_len), ("batch_size", info.batch_size)):
+            if int(cov[field_name]) != mine:
+                raise RunAborted(f"resume_from {self.config.resume_from}: the bundle was saved with {field_name} "
+                                 f"{cov[field_name]}, this task has {mine}; resume the same task", EXIT_CONFIG)
+        if int(cov["epochs"]) != self.launch.epochs:
+            log.warning("resume: the bundle planned %s epochs, this run %d", cov["epochs"], self.launch.epochs)
+        loop.restore(meta)
+        self._remind_shared_storage()
+        self.global_step = loop.global_step
+        left = sum(s for item in cov["open"] for _, s in item["uncovered"]) + max(0, self.launch.epochs - int(cov["next_epoch"])) * info.dataset_len
+        self.console.line(f"resuming {self.config.resume_from}: epoch {meta['epoch']}, global step {meta['global_step']}, "
+                          f"{left:,} samples left to train ({meta['save_reason']})")
+
+    def _trajectory(self) -> dict:
+        """Where the run stands now, for a sidecar; coverage first, before parameters move on."""
+        loop = self.cadence
+        return {
+            "epoch": loop.lowest_open_epoch, "global_step": loop.global_step, "sync_round": loop.syncs,
+            "world_at_save": len(self.members.live_ranks()), "mode": self.config.elche.mode.name,
+            "run_id": self.run_id, "flodl_version": __version__, "param_count": self.task_info.param_count,
+            "elche_state": loop.elche.state_dict(), "coverage": loop.coverage(),
+        }
+
+    def _remind_shared_storage(self) -> None:
+        hosts = {w.host for w in self.members.workers.values()}
+        if len(hosts) > 1 and not self._storage_reminded:
+            self._storage_reminded = True
+            self.console.line(f"note: the bundle {self.checkpoints.stem or self.config.resume_from} is written by a rank on its "
+                              "host and the sidecar by the controller on this one: it must be on storage every host sees")
+
+    def _checkpoint_now(self, reason: str, *, call_fn: bool, files: bool = True) -> int:
+        """Ask the elected rank for a checkpoint; returns its version."""
+        self._remind_shared_storage()
+        rank = self._eval_rank()
+        epoch = self.cadence.lowest_open_epoch
+        msg = self.checkpoints.request(rank=rank, reason=reason, epoch=epoch, meta=self._trajectory(), call_fn=call_fn, files=files)
+        self._send_rank(rank, msg)
+        return msg.version
+
+    async def _checkpoint(self, reason: str, *, call_fn: bool, wait: bool = False) -> None:
+        version = self._checkpoint_now(reason, call_fn=call_fn)
+        if wait:
+            await self._until(lambda: not self.checkpoints.waiting(version), CHECKPOINT_WAIT_S, "the checkpoint to be written")
+
+    def _h_checkpoint_done(self, identity: bytes, env: Envelope, msg: m.CheckpointDone) -> None:
+        if self.checkpoints.on_done(msg):
+            last = self.checkpoints.written[-1]
+            self.console.line(f"checkpoint ({last['reason']}) at epoch {last['epoch']} -> {last['stem']}.fdl/.optim/.meta.json")
+        self._changed.set()
+
+    def _save_and_stop(self, message: str, reason: str, code: int = EXIT_SAVED) -> None:
+        """ShutdownWithSave: the run stops here; a survivor writes the bundle on its way out."""
+        self._remind_shared_storage()
+        rank = self._eval_rank()
+        self.checkpoints.request_shutdown_save(rank=rank, reason=reason, meta=self._trajectory())
+        self.shutdown_save = (self.checkpoints.stem, rank)
+        self._fail(message, code)
 
     def _eval_rank(self) -> int:
         """Who runs eval: ``epoch_callback_policy``'s rank, or the fastest live rank.
@@ -361,7 +452,11 @@ class Controller:
         self._changed.set()
 
     def _on_signal(self, sig: int) -> None:
-        self._fail(f"interrupted by {signal.Signals(sig).name}", EXIT_INTERRUPTED)
+        message = f"interrupted by {signal.Signals(sig).name}"
+        if self.checkpoints.stem and self.phase == "training" and self.cadence is not None and self.failure is None:
+            self._save_and_stop(message, "interrupted", EXIT_INTERRUPTED)  # Ctrl-C keeps the work: resume later
+        else:
+            self._fail(message, EXIT_INTERRUPTED)
 
     # ============================================================ welcome
 
@@ -499,6 +594,12 @@ class Controller:
         self._changed.set()
 
     def _h_batch_done(self, identity: bytes, env: Envelope, msg: m.BatchDone) -> None:
+        if self._back is not None:
+            since, waiting = self._back
+            waiting.discard(msg.rank)
+            if not waiting:
+                self.recoveries[-1]["training_again_s"] = self.clock() - since
+                self._back = None
         if msg.rank in self.window_batches:
             self.window_batches[msg.rank] += 1
             if self.cadence is not None and self.cadence.open_ended(self.cadence.window - 1):
@@ -532,9 +633,10 @@ class Controller:
             if self.collective_error is None and msg.generation >= self.members.generation:
                 self.collective_error = (self.clock(), msg.rank, msg)
             return
-        if self.failure is None:
+        misconfigured = msg.stage in ("resume", "config")  # a bad bundle or option: no traceback needed
+        if self.failure is None and not misconfigured:
             sys.stderr.write(f"--- traceback from {info.where()} ---\n{msg.detail}\n")
-        self._fail(f"{info.where()} failed during {msg.stage}: {msg.error}", EXIT_TASK_ERROR)
+        self._fail(f"{info.where()} failed during {msg.stage}: {msg.error}", EXIT_CONFIG if misconfigured else EXIT_TASK_ERROR)
 
     def _h_rank_exited(self, identity: bytes, env: Envelope, msg: m.RankExited) -> None:
         worker = self.members.workers.get(env.sender)
@@ -628,9 +730,16 @@ class Controller:
         survivors = sorted(r.rank for r in self.members.live_ranks())
         problem = unrecoverable(self.config, len(self.members.ranks), dead_total, len(survivors))
         if problem:
-            self._fail(f"{reason}. {problem}", EXIT_RANK_LOST)
+            code, why = problem
+            if self.checkpoints.stem and survivors:
+                self._save_and_stop(f"{reason}. {why}", code)
+            else:
+                self._fail(f"{reason}. {why}", EXIT_RANK_LOST)
             return
         self._fence(dead, reason)
+        for lost in [s for r in dead for s in self.checkpoints.rank_died(r)]:
+            self.console.line(f"rank {lost.rank} died before writing checkpoint {lost.version}; asking another rank")
+            self._checkpoint_now(lost.reason, call_fn=False, files=bool(lost.stem))
         self.collective_error = None  # the death explains it
         self.deaths_handled += len(dead)
         self.cadence.remove_ranks(dead)
@@ -655,7 +764,10 @@ class Controller:
     def _regroup(self, reason: str) -> None:
         """Tell the survivors of the collective backend to rebuild it (CPU ranks need nothing)."""
         survivors = sorted(r.rank for r in self.members.live_ranks())
-        self.recoveries.append({"at_s": self.clock() - self.started_at, "generation": self.members.generation, "survivors": survivors, "reason": reason})
+        self.recoveries.append({"at_s": self.clock() - self.started_at, "unix_time": time.time(), "generation": self.members.generation,
+                                "survivors": survivors, "reason": reason, "training_again_s": None})
+        # "training again" = every survivor has reported a batch since this moment
+        self._back: tuple[float, set[int]] | None = (self.clock(), set(survivors))
         if self.averaging is not None:
             return  # the CPU backend has no group: rounds simply stop waiting for the dead
         msg = m.Regroup(generation=self.members.generation, members=survivors,
@@ -697,7 +809,7 @@ class Controller:
     async def _shutdown_peers(self) -> None:
         """Clean end: Shutdown to everyone, then wait (bounded) for them to leave."""
         self.phase = "shutting down"
-        self._broadcast_shutdown(m.Shutdown(reason="run complete", abort=False))
+        self._broadcast_shutdown(m.Shutdown(reason="run complete", abort=False, save_stem="", save_rank=-1))
         await self._wait_peers_gone(SHUTDOWN_WAIT_S)
         self.phase = "done"
 
@@ -706,9 +818,17 @@ class Controller:
         self.phase = "aborting"
         self.finished_at = self.finished_at or self.clock()
         self.console.failed(str(exc))
+        stem, writer = self.shutdown_save or ("", -1)
         if self.endpoint is not None:
-            self._broadcast_shutdown(m.Shutdown(reason=str(exc)[:500], abort=True))
-        await self._wait_peers_gone(ABORT_WAIT_S)
+            self._broadcast_shutdown(m.Shutdown(reason=str(exc)[:500], abort=True, save_stem=stem, save_rank=writer))
+        await self._wait_peers_gone(ABORT_WAIT_S + (CHECKPOINT_WAIT_S if stem else 0.0))
+        if stem:
+            if self.checkpoints.written and self.checkpoints.written[-1]["version"] == SHUTDOWN_SAVE:
+                self.console.line(f"saved the run to {stem}.fdl/.optim/.meta.json; continue it with --resume-from {stem}")
+            else:
+                if exc.exit_code == EXIT_SAVED:
+                    exc.exit_code = EXIT_RANK_LOST
+                self.console.line(f"the save to {stem} did not complete: {'; '.join(self.checkpoints.failed) or 'no answer from rank ' + str(writer)}")
         exc.summary = self.summary(str(exc), exc.exit_code)
         self.phase = "done"
 
@@ -775,6 +895,9 @@ class Controller:
                 if r.state is PeerState.DEAD
             ],
             "recoveries": self.recoveries,
+            "checkpoints": self.checkpoints.written,
+            "regranted_samples": self.cadence.regranted if self.cadence else 0,
+            "resumed_from": self.config.resume_from and str(self.config.resume_from),
             "final_digests": {str(r): d for r, d in sorted(self.final_digests.items())},
             "generation": self.members.generation,
             "exit_reason": exit_reason,
@@ -797,6 +920,7 @@ _HANDLERS: dict[type, str] = {
     m.RankError: "_h_rank_error",
     m.RankExited: "_h_rank_exited",
     m.Exiting: "_h_exiting",
+    m.CheckpointDone: "_h_checkpoint_done",
     m.Ping: "_h_ping",
     m.Heartbeat: "_h_heartbeat",
 }

@@ -212,6 +212,10 @@ class Shutdown:
     """why, for logs"""
     abort: bool
     """true when the run failed and ranks should not wait on peers"""
+    save_stem: str
+    """ShutdownWithSave: the bundle stem save_rank writes before exiting (empty: no save)"""
+    save_rank: int
+    """the rank that writes <stem>.fdl and <stem>.optim (-1: none)"""
 
 
 @dataclass(slots=True)
@@ -411,6 +415,40 @@ class Fence:
     """why, for logs"""
 
 
+@dataclass(slots=True)
+class SaveCheckpoint:
+    """Between windows, the elected rank writes the consensus bundle's model and optimizer files and/or calls the task's checkpoint_fn; the controller writes the sidecar when CheckpointDone says the files are in. (controller -> rank)"""
+
+    KIND: ClassVar[int] = 26
+    version: int
+    """checkpoint number in this run (1, 2, ...)"""
+    stem: str
+    """bundle stem for <stem>.fdl and <stem>.optim; empty: write no files"""
+    reason: str
+    """checkpoint or final"""
+    epoch: int
+    """the epoch the checkpoint belongs to (passed to checkpoint_fn)"""
+    call_fn: bool
+    """also call the task's checkpoint_fn(version, worker)"""
+
+
+@dataclass(slots=True)
+class CheckpointDone:
+    """The rank's part of a checkpoint is written (or failed): the answer to SaveCheckpoint, and to a Shutdown that asked for a save. (rank -> controller)"""
+
+    KIND: ClassVar[int] = 27
+    rank: int
+    """the writing rank"""
+    version: int
+    """the SaveCheckpoint's version; -1 for a ShutdownWithSave"""
+    model_sha256: str
+    """sha256 of the <stem>.fdl written (empty if none)"""
+    elapsed_ms: float
+    """time spent writing and in checkpoint_fn"""
+    error: str | None
+    """what failed (the files, or checkpoint_fn), or null"""
+
+
 SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     1: ('WorkerHello', WorkerHello, (('host', 'str'), ('pid', 'int'), ('devices', 'list<str>'), ('versions', 'map<str,str>'),)),
     2: ('WorkerWelcome', WorkerWelcome, (('ranks', 'list<int>'), ('world_size', 'int'), ('task', 'str'), ('heartbeat_timeout_s', 'float'),)),
@@ -423,7 +461,7 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     11: ('Heartbeat', Heartbeat, (('step', 'int'), ('sent_at', 'float'),)),
     12: ('RunEval', RunEval, (('epoch', 'int'), ('final', 'bool'),)),
     13: ('EvalResult', EvalResult, (('rank', 'int'), ('epoch', 'int'), ('final', 'bool'), ('value', 'opt<float>'), ('elapsed_ms', 'float'), ('error', 'opt<str>'),)),
-    14: ('Shutdown', Shutdown, (('reason', 'str'), ('abort', 'bool'),)),
+    14: ('Shutdown', Shutdown, (('reason', 'str'), ('abort', 'bool'), ('save_stem', 'str'), ('save_rank', 'int'),)),
     15: ('Exiting', Exiting, (('rank', 'int'), ('reason', 'str'), ('digest', 'str'),)),
     16: ('RankError', RankError, (('rank', 'int'), ('stage', 'str'), ('error', 'str'), ('detail', 'str'), ('generation', 'int'),)),
     17: ('Ping', Ping, (('nonce', 'int'), ('sent_at', 'float'),)),
@@ -435,4 +473,6 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     23: ('Update', Update, (('round', 'int'), ('aborted', 'bool'), ('ranks', 'int'), ('groups', 'list<str>'), ('dtypes', 'list<str>'), ('numels', 'list<int>'), ('bucket', 'int'), ('start', 'int'), ('count', 'int'),)),
     24: ('Regroup', Regroup, (('generation', 'int'), ('members', 'list<int>'), ('store_prefix', 'str'), ('reason', 'str'),)),
     25: ('Fence', Fence, (('rank', 'int'), ('reason', 'str'),)),
+    26: ('SaveCheckpoint', SaveCheckpoint, (('version', 'int'), ('stem', 'str'), ('reason', 'str'), ('epoch', 'int'), ('call_fn', 'bool'),)),
+    27: ('CheckpointDone', CheckpointDone, (('rank', 'int'), ('version', 'int'), ('model_sha256', 'str'), ('elapsed_ms', 'float'), ('error', 'opt<str>'),)),
 }

@@ -53,7 +53,10 @@ def build_group(
     pstore = dist.PrefixStore(prefix, store)
     if backend_for(device) == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
+        # flodl's own detection (heartbeats, exits) must act first: its Regroup aborts the
+        # communicator; NCCL's watchdog is the backstop, later, and set (in the rank's
+        # environment) to clean up without killing the process
+        opts._timeout = datetime.timedelta(seconds=2 * timeout_s + 10)
         return dist.ProcessGroupNCCL(pstore, rank, world_size, opts)
     return dist.ProcessGroupGloo(pstore, rank, world_size, timeout)
 
@@ -70,8 +73,20 @@ class CollectiveAverager:
 
     def __init__(self, flat: FlatModel | None, group: dist.ProcessGroup | None) -> None:
         self.flat = flat
-        self.group = group
+        self._group = group
+        self.aborted = False  # set from the link thread when a regroup aborts the group
+        self._backed_up = 0  # buckets whose backup belongs to the average in progress
         self.backup: list[torch.Tensor] | None = None  # values before the last average, for recovery
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self._group
+
+    @group.setter
+    def group(self, group: dist.ProcessGroup | None) -> None:
+        """A new generation's group: averages may run again."""
+        self._group = group
+        self.aborted = False
 
     def restore(self) -> None:
         """After a failed average: put back the values it started from (a failed
@@ -79,18 +94,40 @@ class CollectiveAverager:
         if self.backup is None:
             return
         with torch.no_grad():
-            for bucket, saved in zip(self.flat.buckets, self.backup):
+            for bucket in self.flat.buckets:
+                if bucket.flat.is_cuda:
+                    # the aborted NCCL kernel ran on its own stream: let it end before
+                    # we write the buffers it was reducing into
+                    torch.cuda.synchronize(bucket.flat.device)
+            # only the buckets this average reached hold a fresh backup
+            for bucket, saved in list(zip(self.flat.buckets, self.backup))[: self._backed_up]:
                 bucket.values.copy_(saved)
                 bucket.copy_out()
 
     def abort(self) -> None:
         """Break a collective that is waiting on a dead peer (NCCL hangs rather than raise)."""
         group = self.group
+        self.aborted = True  # NCCL may hand back half-reduced values without an error: never trust them
         if group is not None and hasattr(group, "abort"):
             try:
                 group.abort()
             except Exception:  # already aborted or not abortable: the timeout still applies
                 log.debug("process group abort failed", exc_info=True)
+
+    def _await_device(self, work: dist.Work) -> None:
+        """Wait for an NCCL collective without holding the GIL.
+
+        ``.item()`` on the result would block inside CUDA with the GIL held, so
+        the link thread could not heartbeat and a rank waiting on a hung peer
+        would look hung itself. Polling with short sleeps keeps it beating, and
+        lets a regroup's abort end the wait at once.
+        """
+        delay = 0.0001
+        while not work.is_completed():
+            if self.aborted:
+                raise RuntimeError("collective aborted: the membership changed (peer lost) during the average")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.002)
 
     def broadcast_from(self, root: int = 0) -> None:
         """Make every replica equal to ``root``'s (start of training)."""
@@ -120,6 +157,7 @@ class CollectiveAverager:
         pre_all, post_all = [], []
         if self.backup is None:  # allocated once: an average must not allocate a model each time
             self.backup = [torch.empty_like(b.values) for b in self.flat.buckets]
+        self._backed_up = 0
         with torch.no_grad():
             for bucket, pre in zip(self.flat.buckets, self.backup):
                 bucket.copy_in()
@@ -128,12 +166,18 @@ class CollectiveAverager:
                 # the values before the average: to measure drift, to recover if a peer
                 # dies mid-collective, and for a zero-weight rank if nobody trained
                 pre.copy_(values)
+                self._backed_up += 1
                 if w != 1.0:
                     values.mul_(w)
                 slot.fill_(w)
                 start = time.perf_counter()
-                self.group.allreduce([bucket.flat]).wait()
+                work = self.group.allreduce([bucket.flat])
+                if bucket.flat.is_cuda:
+                    self._await_device(work)
+                work.wait()
                 total = float(slot.item())
+                if self.aborted:
+                    raise RuntimeError("collective aborted: the membership changed (peer lost) during the average")
                 collective_ms += (time.perf_counter() - start) * 1000.0
                 if total > 0:
                     values.div_(total)

@@ -37,6 +37,7 @@ HEARTBEAT_INTERVAL_S = 1.0
 FLUSH_INTERVAL_S = 0.05
 #: How long the training thread gets to wind down after an abort or a lost controller.
 EXIT_GRACE_S = 3.0
+SAVE_GRACE_S = 120.0  # a rank writing its checkpoint on the way out is not hung
 
 
 class ControllerLink:
@@ -63,6 +64,8 @@ class ControllerLink:
         self.commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lazy: collections.deque[bytes] = collections.deque()
         self.step = 0  # written by the training thread, read by heartbeats
+        self.saving = False  # set by the training thread around a checkpoint write
+        self._saving_since: float | None = None
         self.lost: str | None = None  # why the controller is considered gone
         self.shutdown: Shutdown | None = None
         self.end_window = -1  # the highest window the controller asked to end
@@ -163,7 +166,7 @@ class ControllerLink:
                     self._check_alive(now, last_heard)
                 if give_up_at is None and self.must_stop:
                     give_up_at = now + self.exit_grace_s
-                if give_up_at is not None and now > give_up_at and not self._done.is_set():
+                if give_up_at is not None and now > give_up_at and not self._done.is_set() and not self._saving_past(now):
                     self._hard_exit()
             self._flush_lazy(dealer)  # flush what the training thread queued last
             self._forward(dealer)
@@ -232,6 +235,15 @@ class ControllerLink:
             self.lost = "its worker process is gone"
         if self.lost:
             log.error("%s: %s; stopping", self.sender, self.lost)
+
+    def _saving_past(self, now: float) -> bool:
+        """True while the training thread writes a checkpoint (bounded by SAVE_GRACE_S)."""
+        if not self.saving:
+            self._saving_since = None
+            return False
+        if self._saving_since is None:
+            self._saving_since = now
+        return now - self._saving_since < SAVE_GRACE_S
 
     def _hard_exit(self) -> None:
         code = EXIT_CONTROLLER_LOST if self.lost else EXIT_RANK_LOST

@@ -25,10 +25,12 @@ from typing import Any
 import torch
 
 from .. import __version__, scalars
+from ..checkpoint import CheckpointBundle, CheckpointError, load_model, load_optimizer
 from ..config import AverageBackend, DdpRunConfig
 from ..env import RankEnv, simulated_slowdown
 from ..faults import FaultPlan
 from ..errors import (
+    EXIT_CONFIG,
     EXIT_CONTROLLER_LOST,
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -36,6 +38,7 @@ from ..errors import (
     EXIT_TASK_ERROR,
     DeadlineExceeded,
     PeerLost,
+    TaskError,
 )
 from ..protocol import messages as m
 from ..protocol.messages import PROTOCOL_VERSION
@@ -46,6 +49,7 @@ from ..transport import host_name
 from .collective import CollectiveAverager, build_group
 from .cpu_average import BulkLink, CpuAverager
 from .flat import Averaged, FlatModel, model_digest
+from .saving import checkpoint, emergency_save
 from .data import BatchSource, to_device
 from .handle import LrState, WorkerHandle
 from .link import ControllerLink
@@ -145,6 +149,8 @@ class RankRunner:
         self.world_size = 1
         self.global_step = 0
         self.current_epoch = -1
+        self.config: DdpRunConfig | None = None
+        self._saved_on_shutdown = False
         self.generation = 0
         self.welcome: m.RankWelcome | None = None
         self.handle = WorkerHandle(self)
@@ -160,6 +166,7 @@ class RankRunner:
             return self._run()
         except PeerLost as exc:
             log.error("rank %d: %s; exiting", self.rank, exc)
+            self._emergency_save("controller_lost", str(exc))
             return EXIT_CONTROLLER_LOST
         finally:
             if isinstance(self.averager, CpuAverager):
@@ -183,6 +190,10 @@ class RankRunner:
             return EXIT_OK if not reply.abort else EXIT_RANK_LOST
         try:
             self._join(reply)
+        except _UserError as exc:
+            return self._fail(exc.stage, exc.original, EXIT_TASK_ERROR)
+        except CheckpointError as exc:  # resume_from names a bundle this model cannot load
+            return self._fail("resume", exc, EXIT_CONFIG)
         except Exception as exc:
             return self._fail("collective", exc, EXIT_RANK_LOST)
         return self._serve()
@@ -195,6 +206,7 @@ class RankRunner:
             except _Stop:
                 return self._stopped()
             if isinstance(cmd, m.Shutdown):
+                self._save_on_shutdown(cmd)
                 digest = "" if cmd.abort else model_digest(self.model)
                 self.link.send(m.Exiting(rank=self.rank, reason=cmd.reason, digest=digest))
                 return EXIT_RANK_LOST if cmd.abort else EXIT_OK
@@ -203,6 +215,8 @@ class RankRunner:
                     self._train_window(cmd)
                 elif isinstance(cmd, m.RunEval):
                     self._evaluate(cmd)
+                elif isinstance(cmd, m.SaveCheckpoint):
+                    self._checkpoint(cmd)
             except _Stop:
                 return self._stopped()
             except _UserError as exc:
@@ -216,13 +230,45 @@ class RankRunner:
             except Exception as exc:
                 return self._fail("train", exc, EXIT_TASK_ERROR)
 
+    def _emergency_save(self, reason: str, why: str) -> None:
+        """No controller to coordinate a consensus bundle: keep this replica (with save_path)."""
+        if self.config is None or not self.config.save_path or self.optimizer is None or self._saved_on_shutdown:
+            return
+        self._saved_on_shutdown = True
+        self.link.saving = True  # the link must not hard-exit us mid-write
+        emergency_save(model=self.model, optimizer=self.optimizer, stem=self.config.save_path, rank=self.rank,
+                       reason=reason, why=why, epoch=max(0, self.current_epoch), global_step=self.global_step)
+
     def _stopped(self) -> int:
         if self.terminated:
+            # SIGTERM from our worker (its controller died, or a scheduler preempts the job)
+            self._emergency_save("controller_lost" if self.link.lost else "interrupted", "terminated by SIGTERM")
             return EXIT_INTERRUPTED
         if self.link.lost:
             raise PeerLost(self.link.lost)
+        if self.link.shutdown is not None:
+            self._save_on_shutdown(self.link.shutdown)
         self.link.send(m.Exiting(rank=self.rank, reason="abort", digest=""))
         return EXIT_RANK_LOST
+
+    def _checkpoint(self, cmd: m.SaveCheckpoint) -> None:
+        """Write this rank's part of a consensus checkpoint between windows and say so."""
+        digest, elapsed_ms, error = checkpoint(
+            model=self.model, optimizer=self.optimizer, stem=cmd.stem, version=cmd.version,
+            call_fn=self.task.checkpoint_fn if cmd.call_fn else None, handle=self.handle,
+        )
+        self.link.send(m.CheckpointDone(rank=self.rank, version=cmd.version, model_sha256=digest, elapsed_ms=elapsed_ms, error=error))
+
+    def _save_on_shutdown(self, cmd: m.Shutdown) -> None:
+        """ShutdownWithSave: the elected survivor writes the model and optimizer files."""
+        if not cmd.save_stem or cmd.save_rank != self.rank or self.optimizer is None or self._saved_on_shutdown:
+            return
+        self._saved_on_shutdown = True
+        self.link.saving = True  # the link must not hard-exit us mid-write
+        digest, elapsed_ms, error = checkpoint(model=self.model, optimizer=self.optimizer, stem=cmd.save_stem,
+                                               version=-1, call_fn=None, handle=self.handle)
+        self.link.send(m.CheckpointDone(rank=self.rank, version=-1, model_sha256=digest, elapsed_ms=elapsed_ms, error=error))
+        self.link.saving = False
 
     def _fail(self, stage: str, exc: BaseException, code: int) -> int:
         """Report an error once, then wait (bounded) for the controller's verdict."""
@@ -233,6 +279,8 @@ class RankRunner:
             self._await(m.Shutdown, timeout_s=self.env.heartbeat_timeout_s)
         except (DeadlineExceeded, PeerLost, _Stop):
             pass
+        if self.link.shutdown is not None:
+            self._save_on_shutdown(self.link.shutdown)  # the run stops, but what we hold is kept
         return code
 
     def _next(self, deadline: float | None = None) -> Any:
@@ -273,6 +321,9 @@ class RankRunner:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.env.local_world)))
         elif self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            # a collective NCCL gives up on must raise in this rank, not kill it: the
+            # survivors of a dead peer rebuild their group and go on (2 = clean up only)
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         task = self.task = load_task(self.env.task)
         dataset = task.build_dataset()
         self.model = task.model().to(self.device)
@@ -295,7 +346,11 @@ class RankRunner:
         start = time.perf_counter()
         self.welcome = welcome
         self.generation = welcome.generation
-        config = DdpRunConfig.from_dict(welcome.config)  # validated, typed: the controller's options
+        config = self.config = DdpRunConfig.from_dict(welcome.config)  # validated, typed: the controller's options
+        if config.checkpoint_every and self.task.checkpoint_fn is None and not config.save_path:
+            raise _UserError("config", TaskError("checkpoint_every is set, but the task has no checkpoint_fn and there is no save_path: nothing would be saved"))
+        if config.resume_from:
+            load_model(self.model, config.resume_from)  # before the broadcast: every replica starts from the bundle
         # flatten before the optimizer exists, so it holds the views, not stale tensors
         flat = FlatModel(self.model) if welcome.world_size > 1 else None
         if flat is not None and config.elche.mode.backend is AverageBackend.CPU:
@@ -320,6 +375,8 @@ class RankRunner:
             self.link.on_regroup = lambda msg: self.averager.abort()  # NCCL: break a hang on the dead peer
         self.averager.broadcast_from(0)
         self.optimizer = self.task.optimizer(self.model)
+        if config.resume_from and CheckpointBundle.at(config.resume_from).optim.exists():
+            load_optimizer(self.optimizer, config.resume_from)
         self.world_size = welcome.world_size
         self.lr = LrState(self.optimizer, config.lr_factor(welcome.world_size), self.task.lr_schedule)
         self.max_grad_norm = config.max_grad_norm

@@ -81,3 +81,26 @@ def scheduled_task():
     t.lr_schedule = halve_every_64_steps
     t.epoch_fn = record_lr
     return t
+
+
+def note_checkpoint(version, worker):
+    """checkpoint_fn: leave a file per call in FLODL_TEST_CKPT_DIR; version 2 fails on purpose."""
+    out = os.environ["FLODL_TEST_CKPT_DIR"]
+    with open(os.path.join(out, f"v{version}.rank{worker.rank}"), "w") as f:
+        f.write(str(sum(float(p.sum()) for p in worker.model.parameters())))
+    if version == 2:
+        raise OSError("injected checkpoint_fn failure")
+
+
+def checkpointing_task():
+    t = task()
+    t.checkpoint_fn = note_checkpoint
+    return t
+
+
+def big_data_task():
+    """4x the samples: several windows per epoch, so a checkpoint can fall mid-epoch."""
+    x, y = _data(2048, 0)
+    t = task()
+    t.dataset = torch.utils.data.TensorDataset(x, y)
+    return t

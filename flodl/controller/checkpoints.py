@@ -1,0 +1,110 @@
+"""The controller's side of checkpoints: when they are due, who writes, and the sidecar.
+
+A consensus checkpoint is a coverage snapshot taken *now* plus the elected
+rank's model and optimizer files, written when that rank next stands between
+windows (so its parameters hold at least everything the snapshot calls
+trained: a resume may train a few samples twice, never lose one). When the
+rank's ``CheckpointDone`` arrives the controller writes ``<stem>.meta.json``
+last, as the commit marker, naming the ``.fdl`` it belongs to by sha256.
+
+Triggers: ``checkpoint_every`` (every k closed epochs; files if ``save_path``,
+the task's ``checkpoint_fn`` either way), ``checkpoint_at_epoch`` (one-shot,
+the first settled window once epoch e is being trained: coverage mid-epoch),
+the final bundle at a clean end, and ShutdownWithSave when the run cannot go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..checkpoint import CheckpointBundle, write_meta
+from ..config import DdpRunConfig
+from ..protocol import messages as m
+
+log = logging.getLogger("flodl.controller")
+
+SHUTDOWN_SAVE = -1  # CheckpointDone.version of a ShutdownWithSave
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint asked of a rank, with the trajectory captured when it was asked."""
+
+    version: int
+    rank: int
+    reason: str
+    stem: str
+    meta: dict[str, Any]
+
+
+class Checkpointer:
+    """Decides when checkpoints are due and commits their sidecars."""
+
+    def __init__(self, config: DdpRunConfig, *, say: Callable[[str], None]) -> None:
+        self.config = config
+        self.say = say
+        self.stem = os.fspath(config.save_path) if config.save_path else ""
+        self.version = 0
+        self.pending: dict[int, PendingSave] = {}
+        self.at_epoch_armed = config.checkpoint_at_epoch is not None
+        self.written: list[dict[str, Any]] = []  # for the summary
+        self.failed: list[str] = []
+
+    # ---------------------------------------------------------------- when
+
+    def every_due(self, closed_epoch: int) -> bool:
+        k = self.config.checkpoint_every
+        return bool(k) and (closed_epoch + 1) % k == 0
+
+    def at_epoch_due(self, reached_epoch: int) -> bool:
+        """One-shot: the cohort trains ``checkpoint_at_epoch`` (or later) now."""
+        if self.at_epoch_armed and reached_epoch >= self.config.checkpoint_at_epoch:
+            self.at_epoch_armed = False
+            return True
+        return False
+
+    # ---------------------------------------------------------------- what
+
+    def request(self, *, rank: int, reason: str, epoch: int, meta: dict[str, Any], call_fn: bool, files: bool = True) -> m.SaveCheckpoint:
+        """Register a checkpoint and return the message for ``rank``."""
+        self.version += 1
+        stem = self.stem if files else ""
+        self.pending[self.version] = PendingSave(self.version, rank, reason, stem, meta)
+        return m.SaveCheckpoint(version=self.version, stem=stem, reason=reason, epoch=epoch, call_fn=call_fn)
+
+    def request_shutdown_save(self, *, rank: int, reason: str, meta: dict[str, Any]) -> None:
+        """ShutdownWithSave: ``rank`` writes when the Shutdown reaches it."""
+        self.pending[SHUTDOWN_SAVE] = PendingSave(SHUTDOWN_SAVE, rank, reason, self.stem, meta)
+
+    def on_done(self, msg: m.CheckpointDone) -> bool:
+        """A rank finished its part; commit the sidecar. True if a bundle was committed."""
+        save = self.pending.pop(msg.version, None)
+        if save is None or msg.rank != save.rank:
+            return False
+        if msg.error:
+            self.failed.append(msg.error)
+            log.warning("checkpoint %s on rank %d failed: %s (training goes on)", save.reason, msg.rank, msg.error)
+            self.say(f"checkpoint failed on rank {msg.rank}: {msg.error}")
+            if not msg.model_sha256:
+                return False
+        if not save.stem:
+            return False
+        bundle = CheckpointBundle.at(save.stem)
+        write_meta(bundle, {**save.meta, "save_reason": save.reason, "model_sha256": msg.model_sha256,
+                            "written_by_rank": msg.rank})
+        self.written.append({"version": save.version, "reason": save.reason, "epoch": save.meta["epoch"],
+                             "stem": str(bundle.stem), "ms": round(msg.elapsed_ms, 1)})
+        return True
+
+    def rank_died(self, rank: int) -> list[PendingSave]:
+        """Saves that rank will never finish (the caller re-asks another rank)."""
+        lost = [s for s in self.pending.values() if s.rank == rank and s.version != SHUTDOWN_SAVE]
+        for s in lost:
+            del self.pending[s.version]
+        return lost
+
+    def waiting(self, version: int) -> bool:
+        return version in self.pending
