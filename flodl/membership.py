@@ -40,7 +40,7 @@ class RankInfo:
 
     def where(self) -> str:
         """``rank 1 on host h (pid 42)`` — how every message names a rank."""
-        return f"rank {self.rank} on host {self.host} (pid {self.pid})"
+        return f"rank {self.rank} on host {self.host} (pid {self.pid})" if self.pid else f"rank {self.rank} on host {self.host}"
 
 
 @dataclass

@@ -192,6 +192,14 @@ def test_task_error_is_reported_once_with_traceback(proc_env):
     assert_all_gone(tree_seen)
 
 
+def test_a_task_that_cannot_build_fails_fast_with_its_error(proc_env, tmp_path):
+    started = time.monotonic()
+    run = Run(["--task", f"{tmp_path / 'missing.py'}:task", "--nproc-per-node", "2", "--epochs", "1", "--heartbeat-timeout-secs", "30"], proc_env)
+    assert run.wait(60) == 4, run.output
+    assert "failed during build" in run.output and "missing.py" in run.output
+    assert time.monotonic() - started < 25  # the error, not the heartbeat timeout, ends the run
+
+
 def test_model_mismatch_is_refused_before_training(proc_env, tmp_path):
     # rank 1 builds a different model than rank 0: the run must not start
     spec = tmp_path / "mixed.py"

@@ -553,6 +553,8 @@ class Controller:
             return False
         if isinstance(msg, m.RankHello):
             return True
+        if isinstance(msg, m.RankError) and not info.identity:
+            return True  # it failed before its hello (building the task): say so now, not at a timeout
         return info.identity == identity
 
     def _seen_by_identity(self, identity: bytes, now: float) -> None:
