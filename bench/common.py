@@ -8,6 +8,7 @@ Every benchmark prints a table and writes ``bench/results/<name>.json`` as
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -26,6 +27,13 @@ class Row:
     unit: str
     goal: str | None = None
     met: bool | None = None
+
+
+def quick_flag(doc: str, help_text: str) -> bool:
+    """Parse the one flag every benchmark takes; True for ``--quick``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=help_text)
+    return parser.parse_args().quick
 
 
 def machine() -> str:

@@ -15,7 +15,6 @@ Goals (issue 2): ≥ 50,000 frames/s ingested; round trip p50 ≤ 150 µs.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import io
 import multiprocessing as mp
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import zmq  # noqa: E402
 
-from bench.common import Row, report  # noqa: E402
+from bench.common import Row, quick_flag, report  # noqa: E402
 from flodl import __version__  # noqa: E402
 from flodl.config import DdpRunConfig  # noqa: E402
 from flodl.controller import Controller, LaunchOptions, run_loop  # noqa: E402
@@ -163,12 +162,10 @@ def measure(nranks: int, frames: int, pings: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer frames, pings and repetitions (under a minute)")
-    args = parser.parse_args()
-    frames = 60_000 if args.quick else 200_000
-    pings = 2_000 if args.quick else 5_000
-    reps = 1 if args.quick else 3  # this kind of VM is noisy: report medians
+    quick = quick_flag(__doc__, "fewer frames, pings and repetitions (under a minute)")
+    frames = 60_000 if quick else 200_000
+    pings = 2_000 if quick else 5_000
+    reps = 1 if quick else 3  # this kind of VM is noisy: report medians
     rows: list[Row] = []
     rtts: list[float] = []
     for n in (8, 32, 128):

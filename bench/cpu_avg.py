@@ -17,7 +17,6 @@ controller memory ≤ 2× one model.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime
 import multiprocessing as mp
@@ -35,7 +34,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.common import Row, report  # noqa: E402
+from bench.common import Row, quick_flag, report  # noqa: E402
 from flodl.controller import run_loop  # noqa: E402
 from flodl.controller.averaging import CpuAveraging  # noqa: E402
 
@@ -147,10 +146,8 @@ def measure(size_mb: int, world: int, reps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one repetition per case")
-    args = parser.parse_args()
-    reps = 1 if args.quick else 3
+    quick = quick_flag(__doc__, "one repetition per case")
+    reps = 1 if quick else 3
     rows: list[Row] = []
     for size in (10, 100, 400):
         for world in (2, 4):

@@ -23,7 +23,6 @@ whole world.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -38,7 +37,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Row, report  # noqa: E402
+from bench.common import Row, quick_flag, report  # noqa: E402
 from bench.tasks.faults import BATCH, SAMPLES  # noqa: E402
 
 TASK = f"{ROOT / 'bench' / 'tasks' / 'faults.py'}:task"
@@ -138,10 +137,8 @@ def torchrun_case(epochs: int, tmp: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer epochs (under two minutes)")
-    args = parser.parse_args()
-    epochs = 4 if args.quick else 8
+    quick = quick_flag(__doc__, "fewer epochs (under two minutes)")
+    epochs = 4 if quick else 8
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="flodl-faults-") as td:
         tmp = Path(td)

@@ -17,7 +17,6 @@ Goal (issue 3): Cadence and Async >= 90% of ideal at 4:1 (sync DDP sits near
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Row, report  # noqa: E402
+from bench.common import Row, quick_flag, report  # noqa: E402
 from flodl import DdpRunConfig, Trainer  # noqa: E402
 
 TASK = f"{ROOT / 'bench' / 'tasks' / 'mixture.py'}:task"
@@ -41,12 +40,10 @@ def run(nproc: int, slowdown: str, mode: str, epochs: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer samples and epochs (under two minutes)")
-    args = parser.parse_args()
+    quick = quick_flag(__doc__, "fewer samples and epochs (under two minutes)")
     os.environ["OMP_NUM_THREADS"] = "1"  # one core per rank: the two ranks run side by side
-    os.environ["FLODL_BENCH_SAMPLES"] = "8000" if args.quick else "16000"
-    epochs = 2 if args.quick else 3
+    os.environ["FLODL_BENCH_SAMPLES"] = "8000" if quick else "16000"
+    epochs = 2 if quick else 3
     ratios = (1, 2, 4)
     solo = {f: run(1, f"0:{f}" if f > 1 else "", "nccl-sync", epochs) for f in ratios}
     base = solo[1]

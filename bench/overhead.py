@@ -13,7 +13,6 @@ Goal (issue 2): ≥ 97% of plain throughput for a step of 5 ms or more.
 
 from __future__ import annotations
 
-import argparse
 import io
 import os
 import statistics
@@ -26,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.common import Row, report  # noqa: E402
+from bench.common import Row, quick_flag, report  # noqa: E402
 from bench.tasks import mlp  # noqa: E402
 from flodl import Trainer  # noqa: E402
 
@@ -76,20 +75,18 @@ def step_width(target_ms: float) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one repetition, fewer samples")
-    args = parser.parse_args()
+    quick = quick_flag(__doc__, "one repetition, fewer samples")
     # one intra-op thread on both sides: on a small shared machine a second
     # thread makes every step hostage to whatever else runs, drowning the signal
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    reps = 2 if args.quick else 5
+    reps = 2 if quick else 5
     rows: list[Row] = []
     sys.stdout = io.TextIOWrapper(sys.stdout.buffer, line_buffering=True)
     for label, target in (("~5 ms step", 5.0), ("~20 ms step", 20.0)):
         width = step_width(target)
         os.environ["FLODL_BENCH_WIDTH"] = str(width)
-        os.environ["FLODL_BENCH_SAMPLES"] = str(8192 if args.quick else 16384)
+        os.environ["FLODL_BENCH_SAMPLES"] = str(8192 if quick else 16384)
         epochs = 2
         plain, flo, step_ms = [], [], []
         for _ in range(reps):  # alternate, so drift in the machine hits both sides

@@ -62,6 +62,15 @@ class WindowPlan:
     kind: str = "sync"  # "probe", "full" or "tail": only full windows teach ElChe what averaging costs
     dead: bool = False  # its rank died while the window was in flight
 
+    def consumed_per_grant(self, consumed: int) -> list[tuple[Grant, int]]:
+        """Each grant with how much of it the rank trained, when it trained the first ``consumed`` samples."""
+        out = []
+        for grant in self.grants:
+            used = max(0, min(grant.size, consumed))
+            consumed -= used
+            out.append((grant, used))
+        return out
+
     @property
     def samples(self) -> int:
         return sum(g.size for g in self.grants)
@@ -254,10 +263,7 @@ class Dispatcher:
 
     def settle(self, plan: WindowPlan, consumed: int) -> None:
         """The rank trained the first ``consumed`` samples of its grants; the rest go back."""
-        left = consumed
-        for grant in plan.grants:
-            used = max(0, min(grant.size, left))
-            left -= used
+        for grant, used in plan.consumed_per_grant(consumed):
             self.pools[grant.epoch].settle(plan.rank, [(grant.start, grant.size)], used)
         self._close_done()
 

@@ -62,6 +62,20 @@ class EpochPool:
         if not self.free and not self.trained and not self.granted and not self.reserved and self.total:
             self.free = [(0, self.total)]
 
+    @classmethod
+    def from_uncovered(cls, epoch: int, total: int, uncovered: list[Range]) -> "EpochPool":
+        """An epoch resumed from a checkpoint: ``uncovered`` is free, everything else trained."""
+        pool = cls(epoch, total, free=list(uncovered))
+        at = 0
+        for start, size in uncovered:
+            if start > at:
+                pool.trained.append((at, start - at))
+            at = start + size
+        if at < total:
+            pool.trained.append((at, total - at))
+        pool.check()
+        return pool
+
     # ----------------------------------------------------------------- views
 
     @property

@@ -166,16 +166,7 @@ class CadenceLoop:
             uncovered = [(int(s), int(z)) for s, z in item["uncovered"]]
             if not uncovered:
                 continue
-            pool = EpochPool(int(item["epoch"]), int(item["total"]), free=uncovered)
-            covered, at = [], 0
-            for s, z in uncovered:
-                if s > at:
-                    covered.append((at, s - at))
-                at = s + z
-            if at < pool.total:
-                covered.append((at, pool.total - at))
-            pool.trained = covered
-            pool.check()
+            pool = EpochPool.from_uncovered(int(item["epoch"]), int(item["total"]), uncovered)
             d.pools[pool.epoch] = pool
         self.global_step = int(meta["global_step"])
         self.syncs = int(meta.get("sync_round", 0))
@@ -277,9 +268,7 @@ class CadenceLoop:
     def _account_dead(self, rank: int, plan: WindowPlan, consumed: int) -> None:
         """The samples a dead rank trained into the consensus count in its epochs' rows
         (its losses died with it, so only the sample count is known)."""
-        for grant in plan.grants:
-            used = max(0, min(grant.size, consumed))
-            consumed -= used
+        for grant, used in plan.consumed_per_grant(consumed):
             if used and grant.epoch in self.epochs:
                 self.epochs[grant.epoch].rows.setdefault(rank, [0.0] * 6)[1] += used
 

@@ -61,6 +61,11 @@ def build_group(
     return dist.ProcessGroupGloo(pstore, rank, world_size, timeout)
 
 
+def _aborted() -> RuntimeError:
+    """The error of an average a regroup voided (the runner reads it as a collective failure)."""
+    return RuntimeError("collective aborted: the membership changed (peer lost) during the average")
+
+
 class CollectiveAverager:
     """Weighted in-place averaging of a ``FlatModel`` over a process group.
 
@@ -125,7 +130,7 @@ class CollectiveAverager:
         delay = 0.0001
         while not work.is_completed():
             if self.aborted:
-                raise RuntimeError("collective aborted: the membership changed (peer lost) during the average")
+                raise _aborted()
             time.sleep(delay)
             delay = min(delay * 2, 0.002)
 
@@ -177,7 +182,7 @@ class CollectiveAverager:
                 work.wait()
                 total = float(slot.item())
                 if self.aborted:
-                    raise RuntimeError("collective aborted: the membership changed (peer lost) during the average")
+                    raise _aborted()
                 collective_ms += (time.perf_counter() - start) * 1000.0
                 if total > 0:
                     values.div_(total)
