@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from flodl.protocol import messages as m  # noqa: E402
+from flodl.protocol.messages import PROTOCOL_VERSION  # noqa: E402
 from flodl.protocol.codec import HEADER, MAGIC, message_fields, pack_frame, sign  # noqa: E402
 
 SECRET = bytes(range(32))
@@ -26,7 +27,7 @@ RUN_ID = "golden-run"
 GOLDEN = ROOT / "proto" / "golden"
 
 SAMPLES = [
-    m.WorkerHello(host="node-a", pid=4242, devices=["cuda:0", "cpu"], versions={"flodl": "0.1.0", "protocol": "1"}),
+    m.WorkerHello(host="node-a", pid=4242, devices=["cuda:0", "cpu"], versions={"flodl": "0.1.0", "protocol": str(PROTOCOL_VERSION)}),
     m.WorkerWelcome(ranks=[0, 1], world_size=2, task="examples/digits.py:task", heartbeat_timeout_s=30.0),
     m.Reject(reason="model signature differs from rank 0"),
     m.RankExited(rank=1, pid=4300, code=-9),
@@ -37,7 +38,7 @@ SAMPLES = [
     ),
     m.RankWelcome(
         rank=0, world_size=2, generation=0, store_host="127.0.0.1", store_port=29500, store_prefix="run/gen0",
-        collective_timeout_s=30.0, config={"mode": "nccl-sync", "max_grad_norm": None, "lr_scale_ratio": 1.0}, seed=42, bulk_port=0,
+        collective_timeout_s=30.0, config={"mode": "nccl-sync", "max_grad_norm": None, "lr_scale_ratio": 1.0}, seed=42, bulk_port=0, late=False,
     ),
     m.RankReady(rank=1, generation=0, init_ms=12.5),
     m.BatchDone(rank=1, epoch=3, step=97, samples=32, loss=0.25, batch_ms=5.5, data_ms=0.125, sync_ms=0.75),
@@ -58,7 +59,10 @@ SAMPLES = [
         rank=1, window=7, batches=3, consumed=96, loss_sum=1.5, compute_ms=30.0, data_ms=1.0, sync_ms=2.0,
         divergence=0.03125, pre_norm=12.0, post_norm=11.5, lr=0.01, epochs=[[2.0, 2.0, 64.0, 1.0, 20.0, 0.5], [3.0, 1.0, 32.0, 0.5, 10.0, 0.5]], scalars={}, regrouped_at=-1,
     ),
-    m.Regroup(generation=2, members=[0, 2], store_prefix="golden-run/gen2", reason="rank 1 on host node-b (pid 4300) was killed by SIGKILL"),
+    m.Regroup(generation=2, members=[0, 2], store_prefix="golden-run/gen2", reason="rank 1 on host node-b (pid 4300) was killed by SIGKILL",
+              sync_from=-1, first_round=-1),
+    m.Regroup(generation=3, members=[0, 2, 3], store_prefix="golden-run/gen3", reason="rank 3 on host node-c joined",
+              sync_from=0, first_round=-1),
     m.SaveCheckpoint(version=2, stem="/shared/run/ckpt", reason="checkpoint", epoch=4, call_fn=True),
     m.CheckpointDone(rank=0, version=2, model_sha256="ab" * 32, elapsed_ms=41.5, error=None),
     m.Fence(rank=3, reason="sent nothing for 10.2 s (heartbeat timeout 10 s)"),
@@ -86,7 +90,7 @@ def valid_vectors() -> list[dict]:
             "message": type(msg).__name__,
             "frame_hex": frame.hex(),
             "decoded": {
-                "version": 1, "kind": kind, "sender": "rank0.4301", "seq": seq, "run_id": RUN_ID,
+                "version": PROTOCOL_VERSION, "kind": kind, "sender": "rank0.4301", "seq": seq, "run_id": RUN_ID,
                 "fields": {name: to_json(v) for name, v in zip(names, fields)},
             },
         })
@@ -101,13 +105,13 @@ def invalid_vectors() -> list[dict]:
     good = pack_frame(SECRET, m.Heartbeat(step=1, sent_at=2.0), sender="rank0.1", seq=1, run_id=RUN_ID)
     body = good[HEADER.size : -16]
 
-    def frame(kind: int = 11, version: int = 1, payload: bytes = body, magic: bytes = MAGIC) -> bytes:
+    def frame(kind: int = 11, version: int = PROTOCOL_VERSION, payload: bytes = body, magic: bytes = MAGIC) -> bytes:
         return _resign(HEADER.pack(magic, version, kind, len(payload)) + payload)
 
     cases = [
         ("truncated", good[:20], "shorter than a header and tag"),
         ("truncated", good[:-3], "body length says more than arrived"),
-        ("oversized", HEADER.pack(MAGIC, 1, 11, 1 << 21) + b"\0" * 16, "body length over the 1 MiB limit"),
+        ("oversized", HEADER.pack(MAGIC, PROTOCOL_VERSION, 11, 1 << 21) + b"\0" * 16, "body length over the 1 MiB limit"),
         ("bad_magic", frame(magic=b"\xde\xad"), "wrong magic"),
         ("unknown_version", frame(version=9), "version 9"),
         ("bad_tag", good[:-1] + bytes([good[-1] ^ 1]), "one bit of the tag flipped"),

@@ -101,21 +101,34 @@ async def test_join_timeout_names_what_it_waited_for(quiet_console):
     assert "waiting for workers to connect" in str(result)
 
 
-async def test_extra_worker_is_rejected_and_run_goes_on(quiet_console):
-    ctl = make_controller(quiet_console, epochs=2)
+async def test_a_worker_arriving_mid_run_joins_it(quiet_console):
+    """A worker that arrives while the run trains is admitted at a window boundary and trains."""
+    ctl = make_controller(quiet_console, epochs=6, mode="nccl-cadence")
     run = asyncio.create_task(ctl.run())
     await ctl.ready.wait()
     addr = f"tcp://127.0.0.1:{ctl.port}"
-    first = SimWorker(addr, SECRET, RUN, [SimRankSpec(batch_ms=1)], host="a")
+    first = SimWorker(addr, SECRET, RUN, [SimRankSpec(batch_ms=5)], host="a")
     t1 = asyncio.create_task(first.run())
-    while ctl.phase == "starting" or ctl.phase == "gathering":
+    while ctl.phase != "training":
         await asyncio.sleep(0.01)
-    late = SimWorker(addr, SECRET, RUN, [SimRankSpec()], host="late")
-    await asyncio.wait_for(late.run(), 10)  # returns once refused
-    assert late.outcomes == {}
+    late = SimWorker(addr, SECRET, RUN, [SimRankSpec(batch_ms=5)], host="late")
+    await asyncio.wait_for(late.run(), 60)
     summary = await run
     await t1
-    assert summary["exit_reason"] == "completed" and summary["world_size"] == 1
+    assert late.outcomes == {1: "completed"}
+    assert summary["exit_reason"] == "completed" and summary["world_size"] == 2
+    assert [j["ranks"] for j in summary["joins"]] == [[1]] and summary["joins"][0]["hosts"] == ["late"]
+    assert next(r for r in summary["per_rank"] if r["rank"] == 1)["samples"] > 0
+    assert [h["samples"] for h in summary["history"]] == [summary["history"][0]["samples"]] * 6
+
+
+async def test_a_worker_is_refused_while_the_run_starts(quiet_console):
+    """Between gathering and training a worker cannot join; it is told why and the run goes on."""
+    ctl = make_controller(quiet_console, epochs=2)
+    ctl.phase = "joining"  # as between the welcome and the first window
+    ctl.endpoint = None
+    problem = ctl._worker_problem("late.1", m.WorkerHello(host="late", pid=1, devices=["cpu"], versions={"protocol": str(m.PROTOCOL_VERSION)}))
+    assert problem == "the run is joining; a worker can join once it trains"
 
 
 async def test_garbage_frames_change_nothing(quiet_console):

@@ -131,7 +131,7 @@ def test_round_trip_every_message_random_values():
 
 def test_int_accepted_for_float_on_decode():
     body = msgpack.packb(["rank0.1", 1, RUN, 3, 7])  # Heartbeat.sent_at written as int 7
-    unsigned = HEADER.pack(MAGIC, 1, m.Heartbeat.KIND, len(body)) + body
+    unsigned = HEADER.pack(MAGIC, m.PROTOCOL_VERSION, m.Heartbeat.KIND, len(body)) + body
     env = unpack_frame(SECRET, unsigned + sign(SECRET, unsigned), run_id=RUN)
     assert env.msg.sent_at == 7.0 and type(env.msg.sent_at) is float
 
@@ -146,7 +146,7 @@ def test_encoder_refuses_invalid_message():
 
 def _signed(body_obj, kind=m.RankWelcome.KIND):
     body = msgpack.packb(body_obj)
-    unsigned = HEADER.pack(MAGIC, 1, kind, len(body)) + body
+    unsigned = HEADER.pack(MAGIC, m.PROTOCOL_VERSION, kind, len(body)) + body
     return unsigned + sign(SECRET, unsigned)
 
 

@@ -90,6 +90,7 @@ class CpuAveraging:
         self.port = sock.bind_to_random_port(f"tcp://{bind}")
         self.io = AsyncSocket(sock, self._on_parts)
         self.ranks: dict[bytes, int] = {}  # bulk identity -> rank
+        self.first_round: dict[int, int] = {}  # rank -> the first round it takes part in (joiners start later)
         self.live: Callable[[], set[int]] = lambda: set(self.ranks.values())
         self.current: _Round | None = None
         self.next_round = 0
@@ -105,9 +106,18 @@ class CpuAveraging:
 
     # ------------------------------------------------------------------ wiring
 
-    def admit(self, identity: bytes, rank: int) -> None:
-        """``identity`` is the rank's control routing id; its bulk socket adds ``/bulk``."""
+    def admit(self, identity: bytes, rank: int, *, from_round: int = 0) -> None:
+        """``identity`` is the rank's control routing id; its bulk socket adds ``/bulk``.
+
+        A rank joining a running job is expected from ``from_round`` on: the
+        rounds before it are its peers' alone.
+        """
         self.ranks[identity + b"/bulk"] = rank
+        self.first_round[rank] = from_round
+
+    def _expected(self, number: int) -> set[int]:
+        """The live ranks round ``number`` waits for."""
+        return {r for r in self.live() if self.first_round.get(r, number + 1) <= number}
 
     def start(self) -> None:
         self.io.start()
@@ -175,6 +185,10 @@ class CpuAveraging:
             return
         if list(msg.groups) != rnd.groups or list(msg.dtypes) != rnd.dtypes or list(msg.numels) != rnd.numels:
             raise ProtocolError("bulk", f"rank {rank}'s snapshot does not have the round's model layout")
+        if rank not in rnd.weights and msg.weight > 0 and not any(w > 0 for w in rnd.weights.values()):
+            # the round's clock starts with the first rank that trained: a joining rank
+            # sends its empty snapshot a window early and must not time the round out
+            rnd.started = self.clock()
         if rnd.weights.setdefault(rank, msg.weight) != msg.weight:
             raise ProtocolError("bulk", f"rank {rank} changed its weight within round {rnd.number}")
         if rnd.received[rank] + msg.count > rnd.total:
@@ -194,7 +208,7 @@ class CpuAveraging:
 
     def _open(self, msg: m.Snapshot) -> _Round:
         return _Round(
-            number=msg.round, started=self.clock(), expected=set(self.live()),
+            number=msg.round, started=self.clock(), expected=self._expected(msg.round),
             groups=list(msg.groups), dtypes=list(msg.dtypes), numels=list(msg.numels),
             acc=[torch.empty(n, dtype=torch.float32) for n in msg.numels],
         )

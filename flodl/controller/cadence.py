@@ -78,6 +78,10 @@ class CadenceLoop:
         self.paused_ms = 0.0  # user callbacks (eval) run inside this window: not averaging overhead
         self.cpu_round_ms: float | None = None  # CPU backend: the last averaging round's own time
         self.epochs: dict[int, _EpochAcc] = {}
+        # CPU backend: every rank numbers its averaging rounds the same way (round 0 is
+        # the start-of-run broadcast, then each window's ``rounds``); a rank joining
+        # later must start counting at the first round of its first window
+        self.round_base = 1
         # telemetry for the summary
         self.syncs = 0
         self.anchor_history: list[int] = [self.elche.anchor]
@@ -98,6 +102,7 @@ class CadenceLoop:
             return None
         self.plans[self.window] = plans
         self.started[self.window] = now
+        self.round_base += max(p.rounds for p in plans.values())
         for plan in plans.values():
             for grant in plan.grants:
                 self.epochs.setdefault(grant.epoch, _EpochAcc(started=now))
@@ -142,6 +147,34 @@ class CadenceLoop:
         for plans in self.plans.values():
             for rank in dead & set(plans):
                 plans[rank].dead = True
+
+    def add_ranks(self, joined: list[int]) -> None:
+        """Ranks joined: plan for them from the next window on; ElChe grows to them.
+
+        A joiner starts untimed (ElChe plans it like the anchor rank, and its
+        first full window times it); the survivors keep their measured speeds
+        and the anchor. Joiners are numbered above every rank the run ever had,
+        so ElChe's per-rank lists only grow at the end.
+        """
+        joined = sorted(set(joined) - set(self.ranks))
+        if not joined:
+            return
+        if joined[0] < max(self.ranks):
+            raise ValueError(f"joining ranks {joined} must be numbered above the run's ranks {self.ranks}")
+        if self.config.elche.partition_ratios is not None:
+            raise ValueError("partition_ratios fixes the world size; a run with them cannot grow")
+        self.ranks = self.ranks + joined
+        self.dispatcher.ranks = list(self.ranks)
+        state = self.elche.state_dict()
+        grown = ElChe.from_config(self.config.elche, len(self.ranks), max_total_batches=self.batches_per_epoch)
+        slowest = min(state["batch_counts"]) if state["batch_counts"] else grown.anchor
+        state.update(
+            world_size=len(self.ranks),
+            ms_per_batch=state["ms_per_batch"] + [0.0] * len(joined),
+            batch_counts=state["batch_counts"] + [slowest] * len(joined),
+        )
+        grown.load_state_dict(state)
+        self.elche = grown
 
     # ------------------------------------------------------------ bundles
 

@@ -117,6 +117,11 @@ class Controller:
         self.finished_at = 0.0
         self._printed = 0  # epochs whose line is out
         self._fastest: int | None = None  # the elected eval rank under the Fastest policy
+        # growing: ranks of workers that arrived while training, until admitted at a window boundary
+        self.joiners: dict[int, float] = {}  # rank -> deadline to be ready
+        self.joins: list[dict] = []  # every admission: when, generation, ranks, host
+        self.initial_world = 0  # ranks the run started with (the LR factor every replica keeps)
+        self._next_rank = 0  # rank numbers are never reused, so a late report can't be misread
 
     # ================================================================ run
 
@@ -254,6 +259,7 @@ class Controller:
         in_flight: list[int] = []
         while True:
             while len(in_flight) < depth:
+                self._admit_joiners(loop, in_flight)
                 number = loop.window
                 windows = loop.next_windows(self.clock())
                 if windows is None:
@@ -395,14 +401,14 @@ class Controller:
         evals do not hop between ranks on timing noise (rank 0 until then).
         """
         policy = self.config.epoch_callback_policy
-        live = sorted(r.rank for r in self.members.live_ranks())
+        live = self._training_ranks()
         if not policy.is_fastest and policy.rank in live:
             return policy.rank
         if self._fastest not in live:
             self._fastest = None
         if self._fastest is None and self.cadence is not None and self.cadence.elche.calibrated:
             ms = self.cadence.elche.ms_per_batch
-            timed = [r for r in live if ms[self.cadence.ranks.index(r)] > 0]
+            timed = [r for r in live if r in self.cadence.ranks and ms[self.cadence.ranks.index(r)] > 0]
             if timed:
                 self._fastest = min(timed, key=lambda r: ms[self.cadence.ranks.index(r)])
         return self._fastest if self._fastest is not None else live[0]
@@ -465,6 +471,7 @@ class Controller:
         for worker in self.members.workers.values():
             worker.ranks = list(range(next_rank, next_rank + len(worker.devices)))
             next_rank += len(worker.devices)
+        self._next_rank = next_rank
         now = self.clock()
         for worker in self.members.workers.values():
             for rank, device in zip(worker.ranks, worker.devices):
@@ -505,27 +512,28 @@ class Controller:
         return None
 
     def _welcome_ranks(self) -> None:
-        world = self.members.world_size
-        prefix = f"{self.run_id}/gen{self.members.generation}"
-        config = self.config.to_dict()
+        self.initial_world = self.members.world_size
         for rank in sorted(self.hellos):
-            self._send_rank(
-                rank,
-                m.RankWelcome(
-                    rank=rank,
-                    world_size=world,
-                    generation=self.members.generation,
-                    store_host=self.launch.advertise_host,
-                    store_port=self.store.port,
-                    store_prefix=prefix,
-                    collective_timeout_s=self.heartbeat_timeout_s,
-                    config=config,
-                    seed=self.launch.seed,
-                    bulk_port=self.averaging.port if self.averaging is not None else 0,
-                ),
-            )
+            self._send_rank(rank, self._rank_welcome(rank, late=False))
             if self.averaging is not None:
                 self.averaging.admit(self.members.ranks[rank].identity, rank)
+
+    def _rank_welcome(self, rank: int, *, late: bool) -> m.RankWelcome:
+        """A late rank gets the world the run started with (so its LR factor matches
+        its peers'); its collective membership comes with the Regroup that admits it."""
+        return m.RankWelcome(
+            rank=rank,
+            world_size=self.initial_world,
+            generation=self.members.generation,
+            store_host=self.launch.advertise_host,
+            store_port=self.store.port,
+            store_prefix=f"{self.run_id}/gen{self.members.generation}",
+            collective_timeout_s=self.heartbeat_timeout_s,
+            config=self.config.to_dict(),
+            seed=self._seed(),  # a resumed run keeps the bundle's shuffle on every rank
+            bulk_port=self.averaging.port if self.averaging is not None else 0,
+            late=late,
+        )
 
     # ============================================================ handlers
 
@@ -563,17 +571,54 @@ class Controller:
             info.last_seen = now
 
     def _h_worker_hello(self, identity: bytes, env: Envelope, msg: m.WorkerHello) -> None:
-        if self.phase != "gathering" or env.sender in self.members.workers:
-            self.endpoint.send(m.Reject(reason="this run has all its workers"), identity)
+        problem = self._worker_problem(env.sender, msg)
+        if problem:
+            self.endpoint.send(m.Reject(reason=problem), identity)
+            if self.phase == "training":
+                self.console.line(f"refused a worker on host {msg.host} (pid {msg.pid}): {problem}")
             return
-        if msg.versions.get("protocol") != str(PROTOCOL_VERSION):
-            self.endpoint.send(m.Reject(reason=f"protocol {msg.versions.get('protocol')} != {PROTOCOL_VERSION}"), identity)
-            return
-        if not msg.devices:
-            self.endpoint.send(m.Reject(reason="no devices"), identity)
-            return
-        self.members.add_worker(WorkerInfo(env.sender, identity, msg.host, msg.pid, list(msg.devices)), self.clock())
+        worker = WorkerInfo(env.sender, identity, msg.host, msg.pid, list(msg.devices))
+        self.members.add_worker(worker, self.clock())
+        if self.phase == "training":
+            self._grow(worker)
         self._changed.set()
+
+    def _worker_problem(self, sender: str, msg: m.WorkerHello) -> str | None:
+        """Why a worker cannot join now, or None (during gathering, or to grow a training run)."""
+        if sender in self.members.workers:
+            return "this worker already joined"
+        if msg.versions.get("protocol") != str(PROTOCOL_VERSION):
+            return f"protocol {msg.versions.get('protocol')} != {PROTOCOL_VERSION}"
+        if not msg.devices:
+            return "no devices"
+        if self.phase == "gathering":
+            return None
+        if self.phase != "training" or self.cadence is None or self.failure is not None:
+            return f"the run is {self.phase}; a worker can join once it trains"
+        if self.config.elche.partition_ratios is not None:
+            return "partition_ratios fixes the world size; this run cannot grow"
+        if self.averaging is not None and self.initial_world < 2:
+            return "a one-rank Cpu* run does not average, so it cannot take a joiner; start it with two ranks to let it grow"
+        kinds = {d.split(":")[0] for d in msg.devices} | {r.device.split(":")[0] for r in self.members.live_ranks()}
+        if len(kinds) > 1 and self.averaging is None:
+            return f"its devices {list(msg.devices)} mix device types with the run's; the collective backend needs one type"
+        return None
+
+    def _grow(self, worker: WorkerInfo) -> None:
+        """A worker arrived while training: number its ranks above every rank so far
+        and start them; they join at a window boundary once ready (``_admit_joiners``)."""
+        first = self._next_rank
+        worker.ranks = list(range(first, first + len(worker.devices)))
+        self._next_rank += len(worker.devices)
+        now = self.clock()
+        for rank, device in zip(worker.ranks, worker.devices):
+            self.members.expect_rank(rank, worker.host, device, now)
+            self.joiners[rank] = now + self.launch.join_timeout_secs
+        self.console.line(f"worker on host {worker.host} joins: starting rank(s) {worker.ranks} on {', '.join(worker.devices)}")
+        self.endpoint.send(
+            m.WorkerWelcome(ranks=worker.ranks, world_size=first + len(worker.devices), task=self.launch.task, heartbeat_timeout_s=self.heartbeat_timeout_s),
+            worker.identity,
+        )
 
     def _h_rank_hello(self, identity: bytes, env: Envelope, msg: m.RankHello) -> None:
         info = self.members.ranks[msg.rank]
@@ -582,13 +627,18 @@ class Controller:
         problem = self._check_hello(msg)
         if problem:
             self.endpoint.send(m.Reject(reason=problem), identity)
-            self._fail(f"rank {msg.rank} on host {msg.host} (pid {msg.pid}) cannot join: {problem}", EXIT_TASK_ERROR)
+            if msg.rank in self.joiners:
+                self._drop_joiner(msg.rank, problem)  # a bad latecomer never stops a training run
+            else:
+                self._fail(f"rank {msg.rank} on host {msg.host} (pid {msg.pid}) cannot join: {problem}", EXIT_TASK_ERROR)
             return
         info.identity, info.host, info.pid, info.device = identity, msg.host, msg.pid, msg.device
         self.members.by_identity[identity] = info
         self.hellos[msg.rank] = msg
         if self.task_info is None:
             self.task_info = msg
+        if msg.rank in self.joiners:
+            self._send_rank(msg.rank, self._rank_welcome(msg.rank, late=True))
         self._changed.set()
 
     def _h_rank_ready(self, identity: bytes, env: Envelope, msg: m.RankReady) -> None:
@@ -630,6 +680,9 @@ class Controller:
 
     def _h_rank_error(self, identity: bytes, env: Envelope, msg: m.RankError) -> None:
         info = self.members.ranks[msg.rank]
+        if msg.rank in self.joiners:
+            self._drop_joiner(msg.rank, f"failed during {msg.stage}: {msg.error}")
+            return
         if msg.stage == "collective":
             # usually a symptom of a peer's death: give the death report a moment to arrive
             if self.collective_error is None and msg.generation >= self.members.generation:
@@ -725,6 +778,11 @@ class Controller:
 
     def _on_deaths(self, dead: set[int], reason: str) -> None:
         """Ranks died: go on without them if the run can, else stop (saving if asked)."""
+        for rank in sorted(dead & set(self.joiners)):
+            self._drop_joiner(rank, self.members.ranks[rank].death or "died")  # never admitted: nothing to recover
+        dead -= set(self.joiners) | {r for r in dead if r not in self.members.ranks}
+        if not dead:
+            return
         if self.phase != "training" or self.cadence is None:
             self._fail(f"{reason}. The run stopped before training began.", EXIT_RANK_LOST)
             return
@@ -765,7 +823,7 @@ class Controller:
 
     def _regroup(self, reason: str) -> None:
         """Tell the survivors of the collective backend to rebuild it (CPU ranks need nothing)."""
-        survivors = sorted(r.rank for r in self.members.live_ranks())
+        survivors = self._training_ranks()
         self.recoveries.append({"at_s": self.clock() - self.started_at, "unix_time": time.time(), "generation": self.members.generation,
                                 "survivors": survivors, "reason": reason, "training_again_s": None})
         # "training again" = every survivor has reported a batch since this moment
@@ -773,9 +831,72 @@ class Controller:
         if self.averaging is not None:
             return  # the CPU backend has no group: rounds simply stop waiting for the dead
         msg = m.Regroup(generation=self.members.generation, members=survivors,
-                        store_prefix=f"{self.run_id}/gen{self.members.generation}", reason=reason[:500])
+                        store_prefix=f"{self.run_id}/gen{self.members.generation}", reason=reason[:500],
+                        sync_from=-1, first_round=-1)
         for rank in survivors:
             self._send_rank(rank, msg)
+
+    def _training_ranks(self) -> list[int]:
+        """The ranks in the collective and the plans: live, and admitted (not joiners)."""
+        live = {r.rank for r in self.members.live_ranks()} - set(self.joiners)
+        if self.cadence is not None:
+            live &= set(self.cadence.ranks)
+        return sorted(live)
+
+    def _admit_joiners(self, loop: CadenceLoop, in_flight: list[int]) -> None:
+        """Growing, at a window boundary: admit the joiners that are ready.
+
+        Collective backend: only between windows (no rank inside an average);
+        a Regroup names the grown world and the lowest surviving rank, whose
+        parameters (the consensus) every member takes after rebuilding the
+        group. CPU backend: the joiners are expected from the next window's
+        first averaging round, whose average they take whole before training.
+        Either way ElChe plans them from the next window on.
+        """
+        now = self.clock()
+        for rank, deadline in list(self.joiners.items()):
+            if now > deadline and self.members.ranks[rank].state is not PeerState.READY:
+                self._drop_joiner(rank, f"not ready within join_timeout_secs ({self.launch.join_timeout_secs:g} s)")
+        ready = sorted(r for r in self.joiners if self.members.ranks[r].state is PeerState.READY)
+        if not ready or loop.dispatcher.finished or (self.averaging is None and in_flight):
+            return
+        old = list(loop.ranks)
+        loop.add_ranks(ready)
+        for rank in ready:
+            del self.joiners[rank]
+        self.members.generation += 1
+        generation, members = self.members.generation, list(loop.ranks)
+        hosts = sorted({self.members.ranks[r].host for r in ready})
+        reason = f"rank(s) {', '.join(map(str, ready))} on {', '.join(hosts)} joined"
+        if self.averaging is None:
+            msg = m.Regroup(generation=generation, members=members, store_prefix=f"{self.run_id}/gen{generation}",
+                            reason=reason, sync_from=old[0], first_round=-1)
+            targets = members
+        else:
+            for rank in ready:
+                self.averaging.admit(self.members.ranks[rank].identity, rank, from_round=loop.round_base)
+            msg = m.Regroup(generation=generation, members=members, store_prefix="", reason=reason,
+                            sync_from=-1, first_round=loop.round_base)
+            targets = ready  # the others' CPU rounds simply start expecting the joiners
+        for rank in targets:
+            self._send_rank(rank, msg)
+        self.joins.append({"at_s": now - self.started_at, "unix_time": time.time(), "generation": generation,
+                           "ranks": ready, "hosts": hosts, "world": len(members)})
+        self.console.line(f"{reason}; training with {len(members)} rank(s) (generation {generation})")
+
+    def _drop_joiner(self, rank: int, why: str) -> None:
+        """A joiner that cannot join leaves the run's books; its process is fenced."""
+        self.joiners.pop(rank, None)
+        self.hellos.pop(rank, None)
+        info = self.members.ranks.pop(rank, None)
+        if info is None:
+            return
+        self.members.by_identity.pop(info.identity, None)
+        self.console.line(f"{info.where()} could not join the run: {why}")
+        if info.exit_code is None:
+            for worker in self.members.workers.values():
+                if rank in worker.ranks and not worker.exited:
+                    self.endpoint.send(m.Fence(rank=rank, reason=why[:500]), worker.identity)
 
     # ======================================================= embedded worker
 
@@ -897,6 +1018,7 @@ class Controller:
                 if r.state is PeerState.DEAD
             ],
             "recoveries": self.recoveries,
+            "joins": self.joins,
             "checkpoints": self.checkpoints.written,
             "regranted_samples": self.cadence.regranted if self.cadence else 0,
             "resumed_from": self.config.resume_from and str(self.config.resume_from),

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 @dataclass(slots=True)
@@ -124,6 +124,8 @@ class RankWelcome:
     """shuffle seed of the run; epoch e's permutation is seeded seed + e"""
     bulk_port: int
     """port of the controller's bulk-plane socket (CPU averaging backend), 0 when unused"""
+    late: bool
+    """the rank joins a run already training: it waits for a Regroup that names it, then takes the consensus parameters instead of training from its own"""
 
 
 @dataclass(slots=True)
@@ -402,6 +404,10 @@ class Regroup:
     """key prefix of this generation's rendezvous in the controller's TCPStore"""
     reason: str
     """why, for logs (e.g. rank 2 on host h (pid 9) was killed by SIGKILL)"""
+    sync_from: int
+    """collective backend, growing: every member takes this rank's parameters after rebuilding the group (it holds the consensus); -1 when nobody joined"""
+    first_round: int
+    """CPU backend, growing: the averaging round a joining rank's first snapshot belongs to (it takes that round's average as its parameters); -1 otherwise"""
 
 
 @dataclass(slots=True)
@@ -455,7 +461,7 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     3: ('Reject', Reject, (('reason', 'str'),)),
     4: ('RankExited', RankExited, (('rank', 'int'), ('pid', 'int'), ('code', 'int'),)),
     5: ('RankHello', RankHello, (('rank', 'int'), ('host', 'str'), ('pid', 'int'), ('device', 'str'), ('versions', 'map<str,str>'), ('model_signature', 'str'), ('param_count', 'int'), ('shuffle_signature', 'str'), ('dataset_len', 'int'), ('has_eval', 'bool'), ('eval_metric', 'str'), ('batch_size', 'int'),)),
-    6: ('RankWelcome', RankWelcome, (('rank', 'int'), ('world_size', 'int'), ('generation', 'int'), ('store_host', 'str'), ('store_port', 'int'), ('store_prefix', 'str'), ('collective_timeout_s', 'float'), ('config', 'map<str,value>'), ('seed', 'int'), ('bulk_port', 'int'),)),
+    6: ('RankWelcome', RankWelcome, (('rank', 'int'), ('world_size', 'int'), ('generation', 'int'), ('store_host', 'str'), ('store_port', 'int'), ('store_prefix', 'str'), ('collective_timeout_s', 'float'), ('config', 'map<str,value>'), ('seed', 'int'), ('bulk_port', 'int'), ('late', 'bool'),)),
     7: ('RankReady', RankReady, (('rank', 'int'), ('generation', 'int'), ('init_ms', 'float'),)),
     9: ('BatchDone', BatchDone, (('rank', 'int'), ('epoch', 'int'), ('step', 'int'), ('samples', 'int'), ('loss', 'float'), ('batch_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'),)),
     11: ('Heartbeat', Heartbeat, (('step', 'int'), ('sent_at', 'float'),)),
@@ -471,7 +477,7 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     21: ('EndWindow', EndWindow, (('window', 'int'),)),
     22: ('Snapshot', Snapshot, (('rank', 'int'), ('round', 'int'), ('weight', 'float'), ('groups', 'list<str>'), ('dtypes', 'list<str>'), ('numels', 'list<int>'), ('bucket', 'int'), ('start', 'int'), ('count', 'int'),)),
     23: ('Update', Update, (('round', 'int'), ('aborted', 'bool'), ('ranks', 'int'), ('groups', 'list<str>'), ('dtypes', 'list<str>'), ('numels', 'list<int>'), ('bucket', 'int'), ('start', 'int'), ('count', 'int'),)),
-    24: ('Regroup', Regroup, (('generation', 'int'), ('members', 'list<int>'), ('store_prefix', 'str'), ('reason', 'str'),)),
+    24: ('Regroup', Regroup, (('generation', 'int'), ('members', 'list<int>'), ('store_prefix', 'str'), ('reason', 'str'), ('sync_from', 'int'), ('first_round', 'int'),)),
     25: ('Fence', Fence, (('rank', 'int'), ('reason', 'str'),)),
     26: ('SaveCheckpoint', SaveCheckpoint, (('version', 'int'), ('stem', 'str'), ('reason', 'str'), ('epoch', 'int'), ('call_fn', 'bool'),)),
     27: ('CheckpointDone', CheckpointDone, (('rank', 'int'), ('version', 'int'), ('model_sha256', 'str'), ('elapsed_ms', 'float'), ('error', 'opt<str>'),)),

@@ -80,6 +80,7 @@ class CollectiveAverager:
         self.flat = flat
         self._group = group
         self.aborted = False  # set from the link thread when a regroup aborts the group
+        self.adopting = False  # joined a running job: no consensus until the admitting regroup's broadcast
         self._backed_up = 0  # buckets whose backup belongs to the average in progress
         self.backup: list[torch.Tensor] | None = None  # values before the last average, for recovery
 

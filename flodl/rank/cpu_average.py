@@ -105,6 +105,9 @@ class CpuAverager:
         self.timeout_s = timeout_s
         self.must_stop = must_stop
         self.round = 0
+        # a rank that joined a running job holds no consensus yet: it trains nothing
+        # and takes the next real average as its parameters (weight 0, overwrite)
+        self.adopting = False
         self.pending: dict[int, _Pending] = {}
         self.last_drift: tuple[float | None, float, float] | None = None
         self.applied = self.aborted = 0
@@ -120,6 +123,9 @@ class CpuAverager:
             DeadlineExceeded: no complete update for this round within the timeout.
         """
         start = time.perf_counter()
+        adopt = self.adopting
+        if adopt:
+            weight, measure, block, overwrite = 0.0, False, True, True
         buckets = self.flat.buckets
         layout = dict(groups=[b.group for b in buckets], dtypes=[dtype_name(b.flat.dtype) for b in buckets], numels=[b.numel for b in buckets])
         if block and not measure:
@@ -142,7 +148,9 @@ class CpuAverager:
             self.bulk.send(header, host[bucket][first : first + count])
             self.poll()  # updates may arrive meanwhile: keep the receive side moving too
         if block:
-            self._wait_for(mine)
+            # adopting waits a whole window for the peers' average; the controller
+            # (which it hears from) bounds that round, so no deadline of our own
+            self._wait_for(mine, bounded=not adopt)
         ms = (time.perf_counter() - start) * 1000.0
         d = self.last_drift if measure and self.last_drift else (None, 0.0, 0.0)
         return Averaged(ms, *d) if measure else Averaged(ms)
@@ -157,12 +165,12 @@ class CpuAverager:
         for round_ in sorted(self.pending):
             self._wait_for(round_)
 
-    def _wait_for(self, round_: int) -> None:
+    def _wait_for(self, round_: int, *, bounded: bool = True) -> None:
         deadline = time.monotonic() + self.timeout_s
         while round_ in self.pending:
             if self.must_stop():
                 return
-            if time.monotonic() > deadline:
+            if bounded and time.monotonic() > deadline:
                 raise DeadlineExceeded(f"no average for round {round_} within {self.timeout_s:g} s")
             got = self.bulk.receive(100)
             if got is not None:
@@ -198,6 +206,8 @@ class CpuAverager:
         pending.left -= update.count
         if pending.left <= 0:
             del self.pending[update.round]
+            if pending.snap is None:
+                self.adopting = False  # a whole average landed: this replica holds the consensus
             pre_sq, post_sq, diff_sq = pending.sq
             post = post_sq**0.5
             self.last_drift = ((diff_sq**0.5) / post if post > 1e-10 else None, pre_sq**0.5, post)

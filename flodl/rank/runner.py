@@ -349,10 +349,11 @@ class RankRunner:
         config = self.config = DdpRunConfig.from_dict(welcome.config)  # validated, typed: the controller's options
         if config.checkpoint_every and self.task.checkpoint_fn is None and not config.save_path:
             raise _UserError("config", TaskError("checkpoint_every is set, but the task has no checkpoint_fn and there is no save_path: nothing would be saved"))
-        if config.resume_from:
+        if config.resume_from and not welcome.late:
             load_model(self.model, config.resume_from)  # before the broadcast: every replica starts from the bundle
-        # flatten before the optimizer exists, so it holds the views, not stale tensors
-        flat = FlatModel(self.model) if welcome.world_size > 1 else None
+        # flatten before the optimizer exists, so it holds the views, not stale tensors;
+        # a joiner always averages (it takes the consensus from its peers)
+        flat = FlatModel(self.model) if welcome.world_size > 1 or welcome.late else None
         if flat is not None and config.elche.mode.backend is AverageBackend.CPU:
             bulk = BulkLink(
                 f"tcp://{welcome.store_host}:{welcome.bulk_port}", identity=self.link.sender.encode() + b"/bulk",
@@ -366,16 +367,21 @@ class RankRunner:
             )
         else:
             group = None
-            if flat is not None:
+            if flat is not None and not welcome.late:  # a joiner's group comes with its Regroup
                 group = build_group(
                     store_host=welcome.store_host, store_port=welcome.store_port, prefix=welcome.store_prefix,
                     rank=self.rank, world_size=welcome.world_size, device=self.device, timeout_s=welcome.collective_timeout_s,
                 )
             self.averager = CollectiveAverager(flat, group)
             self.link.on_regroup = lambda msg: self.averager.abort()  # NCCL: break a hang on the dead peer
-        self.averager.broadcast_from(0)
+        if welcome.late:
+            # joining a running job: the consensus comes with the Regroup that admits us
+            # (collective: a broadcast; CPU: the next average, taken whole)
+            self.averager.adopting = True
+        else:
+            self.averager.broadcast_from(0)
         self.optimizer = self.task.optimizer(self.model)
-        if config.resume_from and CheckpointBundle.at(config.resume_from).optim.exists():
+        if config.resume_from and not welcome.late and CheckpointBundle.at(config.resume_from).optim.exists():
             load_optimizer(self.optimizer, config.resume_from)
         self.world_size = welcome.world_size
         self.lr = LrState(self.optimizer, config.lr_factor(welcome.world_size), self.task.lr_schedule)
@@ -388,6 +394,7 @@ class RankRunner:
     def _train_window(self, window: m.Window) -> None:
         """Train granted positions until a quota, average, and report (progressive dispatch)."""
         self.global_step = window.global_step
+        self._maybe_regroup()  # a membership change announced between windows (a rank joined)
         stats = self._run_rounds(
             window.grants, rounds=window.rounds, sync_every=window.sync_every, quota_batches=window.quota_batches,
             quota_ms=window.quota_ms, measure=window.measure_divergence, window=window.window,
@@ -431,6 +438,9 @@ class RankRunner:
             stepped = 0
             last: m.BatchDone | None = None
             while not exhausted and (not sync_every or stepped < sync_every):
+                if self.averager.adopting:
+                    exhausted = True  # a joiner without the consensus yet trains nothing (its grants go back)
+                    break
                 if (
                     (quota_batches and stats.batches >= quota_batches)
                     or (quota_ms and stats.train_ms >= quota_ms)
@@ -489,9 +499,20 @@ class RankRunner:
                 stats.regrouped_at = round_index
 
     def _maybe_regroup(self) -> None:
-        """Rebuild the collective if the controller announced a new generation."""
+        """Act on a new membership generation the controller announced.
+
+        Collective backend: rebuild the group among the members; when ranks
+        joined, every member then takes ``sync_from``'s parameters (the
+        consensus) in one broadcast. CPU backend: only a joiner acts, learning
+        which averaging round is its first.
+        """
         msg = self.link.regroup
-        if msg is None or msg.generation <= self.generation or self.averager.backend != "collective":
+        if msg is None or msg.generation <= self.generation:
+            return
+        if self.averager.backend != "collective":
+            if self.averager.adopting and self.rank in msg.members and msg.first_round >= 0:
+                self.averager.round = msg.first_round
+                self.generation = msg.generation
             return
         if self.rank not in msg.members:
             raise _Stop  # declared dead (we were too slow, or cut off): leave
@@ -499,6 +520,8 @@ class RankRunner:
         world = len(msg.members)
         group = None
         if world > 1:
+            if self.averager.flat is None:  # a run that started alone and just grew
+                self.averager.flat = FlatModel(self.model)
             group = build_group(
                 store_host=self.welcome.store_host, store_port=self.welcome.store_port, prefix=msg.store_prefix,
                 rank=msg.members.index(self.rank), world_size=world, device=self.device,
@@ -506,7 +529,10 @@ class RankRunner:
             )
         self.averager.group = group
         self.world_size = world
-        log.warning("rank %d: now one of %d ranks (generation %d): %s", self.rank, world, msg.generation, msg.reason)
+        if msg.sync_from >= 0 and msg.sync_from in msg.members:
+            self.averager.broadcast_from(msg.members.index(msg.sync_from))
+            self.averager.adopting = False
+        (log.info if msg.sync_from >= 0 else log.warning)("rank %d: now one of %d ranks (generation %d): %s", self.rank, world, msg.generation, msg.reason)
 
     def _await_regroup(self) -> None:
         """Wait (bounded) for the controller to announce the survivors' new world."""

@@ -1,0 +1,178 @@
+"""Read a record-log directory back: the run's epoch table and its alerts.
+
+``python -m flodl.monitor.reader LOGDIR [--path root] [--json]`` prints the
+epoch rows of one node (default the root) from its ``epoch_complete`` records,
+with a throughput column per rank below it, then every alert. The functions
+(``load``, ``epoch_table``, ``events``, ``run_meta``) are what tests and tools
+call; the table is built from the same records a live dashboard saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from flodl.monitor.record_log import ACTIVE_SUFFIX, ROTATED_SUFFIX, read_node
+from flodl.monitor.records import ROOT, natural_key
+
+LOG_SUFFIXES = (ACTIVE_SUFFIX, ROTATED_SUFFIX)
+
+
+class NoLogsError(Exception):
+    """The directory holds no record logs (wrong path, or the run wrote none)."""
+
+
+def node_files(logdir: str | Path) -> dict[str, Path]:
+    """Record path → its active segment path, for every node ring under ``logdir``."""
+    root = Path(logdir)
+    found: dict[str, Path] = {}
+    for suffix in LOG_SUFFIXES:
+        for file in root.rglob("*" + suffix):
+            rel = file.relative_to(root).as_posix()[: -len(suffix)]
+            found[rel] = file.with_name(file.name[: -len(suffix)] + ACTIVE_SUFFIX)
+    return found
+
+
+def load(logdir: str | Path) -> dict[str, list[dict]]:
+    """Every node's records, oldest first (``.log.1`` before ``.log``).
+
+    Raises:
+        NoLogsError: ``logdir`` is missing or holds no ``*.log`` files.
+    """
+    if not Path(logdir).is_dir():
+        raise NoLogsError(f"{logdir} is not a directory")
+    files = node_files(logdir)
+    if not files:
+        raise NoLogsError(f"no record logs (*.log) under {logdir}")
+    return {path: read_node(active) for path, active in sorted(files.items(), key=lambda kv: natural_key(kv[0]))}
+
+
+def run_meta(records: dict[str, list[dict]]) -> dict | None:
+    """The latest ``meta`` record (it lives in the root's log), if any."""
+    metas = [r for r in records.get(ROOT, []) if r.get("kind") == "meta"]
+    return metas[-1] if metas else None
+
+
+def events(records: dict[str, list[dict]]) -> list[dict]:
+    """Every alert record in the directory, in time order."""
+    found = [r for recs in records.values() for r in recs if r.get("kind") == "event"]
+    return sorted(found, key=lambda r: r.get("ts", 0))
+
+
+def _epoch_rows(recs: list[dict]) -> dict[int, dict]:
+    # A resumed run may rewrite an epoch; the later record is the one that stuck.
+    rows: dict[int, dict] = {}
+    for r in recs:
+        if r.get("kind") == "node" and r.get("epoch_complete") and r.get("epoch") is not None:
+            rows[r["epoch"]] = r
+    return rows
+
+
+def _leaves_under(records: dict[str, list[dict]], path: str) -> list[str]:
+    prefix = path + "/"
+    return [p for p, recs in records.items()
+            if p.startswith(prefix) and any(r.get("kind") == "node" and "children" not in r for r in recs)]
+
+
+def epoch_table(logdir: str | Path | dict[str, list[dict]], path: str = ROOT) -> list[dict]:
+    """One row per completed epoch of node ``path``, in epoch order.
+
+    Row keys: ``epoch``, ``loss``, ``eval``, ``throughput`` (samples/s, Σ over
+    ranks), ``samples`` (the node's ``work``: realized samples), ``syncs``, and
+    ``ranks`` (leaf name → that rank's throughput, for every rank below the
+    node). A value the records do not carry is None.
+
+    Raises:
+        NoLogsError: ``logdir`` holds no record logs.
+    """
+    records = logdir if isinstance(logdir, dict) else load(logdir)
+    rows = _epoch_rows(records.get(path, []))
+    leaves = {leaf: _epoch_rows(records[leaf]) for leaf in _leaves_under(records, path)}
+    return [_row(epoch, rec, leaves) for epoch, rec in sorted(rows.items())]
+
+
+def _row(epoch: int, rec: dict, leaves: dict[str, dict[int, dict]]) -> dict:
+    metrics = rec.get("metrics", {})
+    return {
+        "epoch": epoch,
+        "loss": metrics.get("loss"),
+        "eval": metrics.get("eval"),
+        "throughput": metrics.get("throughput"),
+        "samples": rec.get("work"),
+        "syncs": metrics.get("syncs"),
+        "ranks": {
+            leaf.rsplit("/", 1)[-1]: by_epoch[epoch].get("metrics", {}).get("throughput")
+            for leaf, by_epoch in leaves.items() if epoch in by_epoch
+        },
+    }
+
+
+# ------------------------------------------------------------------ printing
+
+
+def _cell(value, fmt: str) -> str:
+    if value is None:
+        return "-"
+    return format(value, fmt) if isinstance(value, (int, float)) else str(value)
+
+
+def format_table(rows: list[dict]) -> str:
+    """The epoch rows as an aligned text table."""
+    ranks = sorted({r for row in rows for r in row["ranks"]}, key=natural_key)
+    head = ["epoch", "loss", "eval", "samples/s", "samples", "syncs", *(f"{r} s/s" for r in ranks)]
+    body = [
+        [_cell(row["epoch"], "d"), _cell(row["loss"], ".4f"), _cell(row["eval"], ".4f"),
+         _cell(row["throughput"], ".1f"), _cell(row["samples"], ".0f"), _cell(row["syncs"], "d"),
+         *(_cell(row["ranks"].get(r), ".1f") for r in ranks)]
+        for row in rows
+    ]
+    widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [head, *body])
+
+
+def format_events(found: list[dict]) -> str:
+    lines = [f"events ({len(found)}):"]
+    for e in found:
+        lines.append(f"  ts={e.get('ts')} {e.get('sev', '?'):<8} {e.get('class', '?'):<12} "
+                     f"{e.get('path', '?')} x{e.get('count', 1)}: {e.get('detail', '')}")
+    return "\n".join(lines)
+
+
+def _header(meta: dict | None) -> str:
+    run = (meta or {}).get("run") or {}
+    if not run:
+        return ""
+    return "run " + " ".join(f"{k}={v}" for k, v in run.items() if v is not None) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flodl.monitor.reader",
+                                     description="Print a run's epoch table and alerts from its record logs.")
+    parser.add_argument("logdir", help="the run's record_log_dir")
+    parser.add_argument("--path", default=ROOT, help="node whose epochs to show (default: root)")
+    parser.add_argument("--json", action="store_true", help="print {meta, epochs, events} as JSON")
+    args = parser.parse_args(argv)
+    try:
+        records = load(args.logdir)
+    except NoLogsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.path not in records:
+        print(f"error: no log for node {args.path!r}; nodes: {', '.join(records)}", file=sys.stderr)
+        return 2
+    rows = epoch_table(records, args.path)
+    found = events(records)
+    if args.json:
+        print(json.dumps({"meta": run_meta(records), "epochs": rows, "events": found}, indent=2))
+        return 0
+    print(_header(run_meta(records)) + f"node {args.path}: {len(rows)} epoch(s)")
+    if rows:
+        print(format_table(rows))
+    print(format_events(found))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Growing with real processes: a worker started after training began joins and trains."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from flodl.config import DdpRunConfig
+from flodl.controller.averaging import CpuAveraging
+from flodl.controller.cadence import CadenceLoop
+from flodl.protocol import messages as m
+
+from .conftest import PY, ROOT, task_spec
+from .test_process import Run, free_port
+
+pytestmark = pytest.mark.timeout(180)
+
+EPOCHS = 12
+
+
+# ------------------------------------------------------------------ pure parts
+
+
+def _report(loop: CadenceLoop, number: int, ms_per_batch: dict[int, float]) -> None:
+    """Every rank trains its whole grant at its speed; fold the window in."""
+    reports = {}
+    for rank, plan in loop.plans[number].items():
+        batches = -(-plan.samples // loop.dispatcher.batch_size)
+        epochs = sorted({g.epoch for g in plan.grants})
+        reports[rank] = m.WindowDone(rank=rank, window=number, batches=batches, consumed=plan.samples, loss_sum=batches * 0.5,
+                                     compute_ms=batches * ms_per_batch[rank], data_ms=0.0, sync_ms=1.0, divergence=None,
+                                     pre_norm=None, post_norm=None, lr=0.1,
+                                     epochs=[[float(e), batches, plan.samples, batches * 0.5, batches * ms_per_batch[rank], 0.0] for e in epochs[:1]],
+                                     scalars={}, regrouped_at=-1)
+    loop.on_reports(number, reports, now=float(number + 1))
+
+
+def test_a_joiner_is_planned_from_the_next_window_with_an_anchor_share():
+    loop = CadenceLoop(DdpRunConfig().with_mode("nccl-async"), [0, 1], dataset_len=4000, batch_size=10, epochs=10, seed=1)
+    for _ in range(3):  # probe, then timed windows: rank 1 is 3x slower
+        number = loop.window
+        assert loop.next_windows(now=float(number)) is not None
+        _report(loop, number, {0: 1.0, 1: 3.0})
+    anchor, counts = loop.elche.anchor, list(loop.elche.batch_counts)
+    loop.add_ranks([2])
+    assert loop.ranks == [0, 1, 2]
+    assert loop.elche.world_size == 3 and loop.elche.anchor == anchor
+    assert loop.elche.batch_counts[:2] == counts  # the survivors keep their measured shares
+    assert loop.elche.ms_per_batch[2] == 0.0 and loop.elche.batch_counts[2] == min(counts)  # untimed: the anchor's share
+    number = loop.window
+    windows = loop.next_windows(now=10.0)
+    assert set(windows) == {0, 1, 2} and windows[2].grants
+    _report(loop, number, {0: 1.0, 1: 3.0, 2: 1.5})
+    assert loop.elche.ms_per_batch[2] > 0  # timed by its first window
+
+
+def test_growing_refuses_reused_numbers_and_fixed_ratios():
+    loop = CadenceLoop(DdpRunConfig().with_mode("nccl-cadence"), [0, 3], dataset_len=400, batch_size=10, epochs=1, seed=1)
+    with pytest.raises(ValueError, match="numbered above"):
+        loop.add_ranks([2])
+    fixed = CadenceLoop(DdpRunConfig().with_mode("nccl-cadence").with_partition_ratios([1.0, 2.0]), [0, 1], dataset_len=400, batch_size=10, epochs=1, seed=1)
+    with pytest.raises(ValueError, match="partition_ratios"):
+        fixed.add_ranks([2])
+
+
+def test_round_numbers_follow_the_windows_rounds():
+    loop = CadenceLoop(DdpRunConfig().with_mode("cpu-sync"), [0, 1], dataset_len=400, batch_size=10, epochs=1, seed=1)
+    assert loop.round_base == 1  # round 0 is the start-of-run broadcast
+    windows = loop.next_windows(now=0.0)
+    assert loop.round_base == 1 + windows[0].rounds
+
+
+def test_cpu_rounds_expect_a_joiner_only_from_its_first_round():
+    actor = CpuAveraging(secret=b"k" * 32, run_id="r", bind="127.0.0.1", timeout_s=5.0)
+    try:
+        actor.admit(b"rank0.a", 0)
+        actor.admit(b"rank1.b", 1)
+        actor.admit(b"rank2.c", 2, from_round=7)
+        assert actor._expected(6) == {0, 1}
+        assert actor._expected(7) == {0, 1, 2}
+        actor.live = lambda: {0, 2}  # rank 1 died
+        assert actor._expected(9) == {0, 2}
+    finally:
+        actor.close()
+
+
+# -------------------------------------------------------------- real processes
+
+
+class Cluster:
+    """A controller waiting for one external worker, plus the workers started for it."""
+
+    def __init__(self, proc_env, tmp_path, mode: str, extra=(), task: str = task_spec("tiny.py")) -> None:
+        self.port = free_port()
+        self.env = {**proc_env, "FLODL_RUN_SECRET": os.urandom(32).hex(), "FLODL_RUN_ID": "grow-run", "FLODL_TEST_STEP_SLEEP": "0.04"}
+        self.summary_path = tmp_path / "s.json"
+        self.run = Run(["--task", task, "--workers", "1", "--port", str(self.port), "--epochs", str(EPOCHS),
+                        "--mode", mode, "--heartbeat-timeout-secs", "5", "--summary-json", str(self.summary_path), *extra], self.env)
+        self.workers: list[subprocess.Popen] = []
+
+    def worker(self, *devices: str) -> subprocess.Popen:
+        proc = subprocess.Popen([PY, "-m", "flodl.worker", "--controller", f"tcp://127.0.0.1:{self.port}", "--devices", ",".join(devices)],
+                                env=self.env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.workers.append(proc)
+        return proc
+
+    def finish(self) -> dict:
+        try:
+            assert self.run.wait(150) == 0, self.run.output
+            for proc in self.workers:
+                assert proc.wait(30) == 0, proc.stderr.read()
+            return json.loads(self.summary_path.read_text())
+        finally:
+            for proc in self.workers:
+                if proc.poll() is None:
+                    proc.kill()
+
+
+@pytest.mark.parametrize("mode", ["nccl-cadence", "cpu-cadence", "nccl-sync"])
+def test_a_late_worker_joins_and_trains(proc_env, tmp_path, mode):
+    """Two ranks start; a third host's worker arrives in epoch 2, is admitted at a
+    window boundary with the consensus parameters, gets an ElChe share, and trains."""
+    cluster = Cluster(proc_env, tmp_path, mode)
+    cluster.worker("cpu", "cpu")
+    cluster.run.wait_for_line("epoch 1/12", timeout=90)
+    cluster.worker("cpu")
+    summary = cluster.finish()
+    out = cluster.run.output
+    assert "worker on host" in out and "joins: starting rank(s) [2]" in out
+    assert [h["samples"] for h in summary["history"]] == [512] * EPOCHS  # coverage exact through the change
+    assert [j["ranks"] for j in summary["joins"]] == [[2]]
+    assert summary["joins"][0]["world"] == 3
+    per_rank = {row["rank"]: row for row in summary["per_rank"]}
+    assert per_rank[2]["samples"] > 0  # the joiner got a share and trained it
+    assert summary["deaths"] == []
+    digests = summary["final_digests"]
+    assert set(digests) == {"0", "1", "2"}
+    if not mode.startswith("cpu-"):
+        assert len(set(digests.values())) == 1  # one consensus, the joiner's included
+    assert summary["final_eval"] > 0.7
+
+
+def test_a_late_worker_with_another_model_is_refused_and_the_run_goes_on(proc_env, tmp_path):
+    """A joiner whose model differs is turned away; the run neither stops nor counts it as lost."""
+    spec = tmp_path / "mixed.py"
+    spec.write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'tests' / 'tasks')!r})\n"
+        "import tiny\n"
+        "def task():\n"
+        "    return tiny.other_model_task() if os.environ['FLODL_RANK'] == '2' else tiny.task()\n"
+    )
+    cluster = Cluster(proc_env, tmp_path, "nccl-cadence", task=f"{spec}:task")
+    cluster.worker("cpu", "cpu")
+    cluster.run.wait_for_line("epoch 1/12", timeout=90)
+    cluster.worker("cpu")
+    summary = cluster.finish()
+    assert "could not join the run: its model signature" in cluster.run.output
+    assert summary["joins"] == [] and summary["deaths"] == []
+    assert [h["samples"] for h in summary["history"]] == [512] * EPOCHS
