@@ -697,8 +697,8 @@ class DdpRunConfig:
     epoch_callback_policy: EpochCallbackPolicy = _option(EpochCallbackPolicy.FASTEST, check=_callback_policy,
                                                          kind="epoch_callback_policy",
                                                          help="Rank that runs per-epoch callbacks: fastest or rank:N.")
-    eval_every_epochs: int | None = _option(None, check=_count(1, zero_is_none=True), kind="int", default_text="off",
-                                            help="Run the eval function every N epochs (0 = off).")
+    eval_every_epochs: int | None = _option(None, check=_count(1, zero_is_none=True), kind="int", default_text="every epoch",
+                                            help="Run the eval function every N epochs, and after the last (0 or unset: every epoch).")
     reports_per_epoch: int | None = _option(None, check=_count(1, zero_is_none=True), kind="int",
                                             default_text="off",
                                             help="Sub-epoch monitor reports per epoch (0 = off).")
@@ -1053,6 +1053,11 @@ AVAILABLE_FIELDS: frozenset[str] = frozenset({
     "snapshot_timeout_secs", "easgd_alpha",
     # elastic membership, checkpoints and resume
     "max_failure", "save_path", "checkpoint_every", "checkpoint_at_epoch", "resume_from",
+    # the monitor: record stream, dashboard, timeline
+    "eval_every_epochs", "reports_per_epoch", "record_log_dir", "max_log_size", "dashboard_html", "dashboard_theme",
+    "scalar_reductions", "timeline",
+    # the data plane
+    "augment", "epoch_splits", "transform",
 })
 #: Modes this version can run: all six.
 AVAILABLE_MODES: frozenset[ElCheMode] = frozenset(ElCheMode)

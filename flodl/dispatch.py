@@ -24,6 +24,7 @@ to the pool, so coverage stays exact whatever the ranks actually did.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .config import ApplyPolicy
 from .elche import ElChe
@@ -91,12 +92,15 @@ class Dispatcher:
         max_overshoot: int | None = None,
         max_batch_diff: int | None = None,
         start_epoch: int = 0,
+        epoch_len: Callable[[int], int] | None = None,
     ) -> None:
         if not ranks:
             raise ValueError("no ranks")
         self.policy = policy
         self.ranks = sorted(ranks)
         self.dataset_len = dataset_len
+        # epoch e's size: the dataset, unless augment/epoch_splits reshape epochs (schedule.Schedule)
+        self.epoch_len: Callable[[int], int] = epoch_len or (lambda epoch: dataset_len)
         self.batch_size = batch_size
         self.epochs = epochs
         self.progressive = progressive
@@ -104,6 +108,7 @@ class Dispatcher:
         self.pools: dict[int, EpochPool] = {}
         self.next_epoch = start_epoch  # the next pool to create
         self.completed: list[int] = []  # epochs fully trained, in order
+        self.throttled: list[int] = []  # ranks max_batch_diff held back in the last plan (for the timeline)
         total_batches = max(1, dataset_len // batch_size)
         self.overshoot_auto = max_overshoot is None and policy is ApplyPolicy.ASYNC
         self.overshoot_initial = min(5, max(2, total_batches // 100))
@@ -128,7 +133,7 @@ class Dispatcher:
     def _open_next(self, shares: dict[int, float]) -> EpochPool | None:
         if self.next_epoch >= self.epochs:
             return None
-        pool = EpochPool(self.next_epoch, self.dataset_len)
+        pool = EpochPool(self.next_epoch, self.epoch_len(self.next_epoch))
         if not self.progressive:
             pool.partition(shares, self.batch_size)
         self.pools[self.next_epoch] = pool
@@ -150,6 +155,7 @@ class Dispatcher:
     def plan(self, elche: ElChe) -> dict[int, WindowPlan] | None:
         """The next window, or None when every epoch has been granted and trained."""
         shares = self._shares(elche)
+        self.throttled = []
         pool = self._current(shares)
         if pool is None:
             return None
@@ -181,7 +187,7 @@ class Dispatcher:
 
     def _plan_sync(self, pool: EpochPool, plans: dict[int, WindowPlan]) -> None:
         """Equal batches per rank, averaged after each; the tail split as evenly as it goes."""
-        per_rank = max(4, self._batches(self.dataset_len) // (len(self.ranks) * 10))
+        per_rank = max(4, self._batches(pool.total) // (len(self.ranks) * 10))
         if pool.reserved:
             # non-progressive Sync: each rank's whole partition in one window per epoch,
             # one averaging round per batch; the controller is off the per-batch path
@@ -215,6 +221,7 @@ class Dispatcher:
         cap = None
         if self.max_batch_diff is not None:
             cap = min(counts.values()) + self.max_batch_diff  # the throttle: nobody leads by more
+            self.throttled = [r for r, c in counts.items() if c > cap]
             counts = {r: min(c, cap) for r, c in counts.items()}
         if pool.reserved:
             tail = any(counts[r] > self._batches(pool.remaining_for(r)) for r in self.ranks)

@@ -11,6 +11,8 @@ RNG algorithm).
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
+
 import torch
 
 #: Default shuffle seed (the reference runtime's SHUFFLE_BASE_SEED).
@@ -35,3 +37,89 @@ def shuffle_signature() -> str:
     """Hash of a reference permutation: equal on two ranks iff their shuffles agree."""
     perm = epoch_permutation(4096, 12345, 0)
     return hashlib.sha256(perm.numpy().tobytes()).hexdigest()[:16]
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a well-spread 64-bit hash of an integer (stable across runs and hosts)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+@dataclass(frozen=True)
+class PickKey:
+    """One pick of one pass: which sample, which of its ``augment`` copies, in which pass.
+
+    A delivery transform seeds its randomness from ``seed(run_seed)``, so a
+    pick is transformed the same way on whichever rank trains it, in every
+    run with the same seed, and differently from the sample's other copies.
+    """
+
+    pass_index: int
+    pick: int  # position in the pass's pick space [0, dataset_len * augment)
+    sample: int  # dataset index: pick % dataset_len
+    copy: int  # which of the sample's augment copies: pick // dataset_len
+
+    def seed(self, run_seed: int = DEFAULT_SEED) -> int:
+        """A 63-bit seed for ``torch.Generator().manual_seed``, unique to this pick."""
+        return _mix64(_mix64(_mix64(run_seed) ^ self.pass_index) ^ self.pick) >> 1
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Passes, epochs and picks of a run.
+
+    A pass is one seeded shuffle of the pick space ``dataset_len * augment``
+    (each sample ``augment`` times); ``epoch_splits`` slices a pass into that
+    many epochs, so a run of ``passes`` passes has ``passes * epoch_splits``
+    epochs and sees every sample ``passes * augment`` times. Eval,
+    checkpoints and the averaging window follow the epoch edges. With
+    ``augment = epoch_splits = 1`` an epoch is a pass of the dataset.
+    """
+
+    dataset_len: int
+    augment: int = 1
+    epoch_splits: int = 1
+    passes: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dataset_len", "augment", "epoch_splits", "passes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.epoch_splits > self.pass_len:
+            raise ValueError(f"epoch_splits {self.epoch_splits} is more than the {self.pass_len} picks of a pass")
+
+    @property
+    def pass_len(self) -> int:
+        return self.dataset_len * self.augment
+
+    @property
+    def epochs(self) -> int:
+        """Epochs the run trains."""
+        return self.passes * self.epoch_splits
+
+    def bounds(self, epoch: int) -> tuple[int, int, int]:
+        """``(pass_index, start, size)``: the epoch's range of its pass's shuffled picks."""
+        pass_index, part = divmod(epoch, self.epoch_splits)
+        start = self.pass_len * part // self.epoch_splits
+        end = self.pass_len * (part + 1) // self.epoch_splits
+        return pass_index, start, end - start
+
+    def epoch_len(self, epoch: int) -> int:
+        return self.bounds(epoch)[2]
+
+    def picks(self, seed: int, epoch: int, offset: int, size: int) -> tuple[int, torch.Tensor]:
+        """``(pass_index, picks)`` of positions ``[offset, offset + size)`` of ``epoch``."""
+        pass_index, start, length = self.bounds(epoch)
+        if offset < 0 or size < 0 or offset + size > length:
+            raise ValueError(f"slice [{offset}, {offset + size}) outside epoch {epoch} of {length} picks")
+        perm = epoch_permutation(self.pass_len, seed, pass_index)
+        return pass_index, perm[start + offset : start + offset + size]
+
+    def keys(self, pass_index: int, picks: torch.Tensor) -> list[PickKey]:
+        n = self.dataset_len
+        return [PickKey(pass_index, p, p % n, p // n) for p in picks.tolist()]

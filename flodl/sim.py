@@ -41,6 +41,7 @@ class SimRankSpec:
     silent_at_batch: int | None = None
     eval_value: float = 0.5
     slowdown: float = 1.0  # simulated: this rank's batches take slowdown x batch_ms
+    hello_delay_s: float = 0.0  # simulated: building the task takes this long before the hello
 
 
 class _Peer:
@@ -155,6 +156,7 @@ class SimWorker:
             peer.close()
 
     async def _rank_life(self, worker: _Peer, peer: _Peer, rank: int, spec: SimRankSpec) -> str:
+        await asyncio.sleep(spec.hello_delay_s)
         peer.send(
             m.RankHello(
                 rank=rank, host=self.host, pid=os.getpid(), device="cpu", versions=VERSIONS, model_signature="sim",
@@ -214,7 +216,7 @@ class SimWorker:
                 loss_sum=sum(r[2] for r in per_epoch.values()), compute_ms=sum(r[3] for r in per_epoch.values()),
                 data_ms=0.0, sync_ms=0.1, divergence=0.01 if cmd.measure_divergence else None, pre_norm=None,
                 post_norm=None, lr=0.1, epochs=[[float(e), *row] for e, row in sorted(per_epoch.items())], scalars={},
-                regrouped_at=-1,
+                regrouped_at=-1, res={},
             )
         )
         return step

@@ -71,6 +71,7 @@ class TrainerBuilder:
         self._launch.validate()
         self._config.validate()
         self._config.check_available()
+        self._config.to_dict()  # what travels to the ranks: a transform must be importable by name
         return self._launch, self._config
 
     def run(self) -> dict:

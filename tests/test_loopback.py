@@ -101,20 +101,25 @@ async def test_join_timeout_names_what_it_waited_for(quiet_console):
     assert "waiting for workers to connect" in str(result)
 
 
-async def test_a_worker_arriving_mid_run_joins_it(quiet_console):
-    """A worker that arrives while the run trains is admitted at a window boundary and trains."""
-    ctl = make_controller(quiet_console, epochs=6, mode="nccl-cadence")
+async def _late_join(ctl, first_spec: SimRankSpec, phase: str, host: str):
+    """Run ``ctl`` with one sim worker; once ``phase`` is reached a second one arrives.
+    Returns (summary, the late worker)."""
     run = asyncio.create_task(ctl.run())
     await ctl.ready.wait()
     addr = f"tcp://127.0.0.1:{ctl.port}"
-    first = SimWorker(addr, SECRET, RUN, [SimRankSpec(batch_ms=5)], host="a")
-    t1 = asyncio.create_task(first.run())
-    while ctl.phase != "training":
+    first = asyncio.create_task(SimWorker(addr, SECRET, RUN, [first_spec], host="a").run())
+    while ctl.phase != phase:
         await asyncio.sleep(0.01)
-    late = SimWorker(addr, SECRET, RUN, [SimRankSpec(batch_ms=5)], host="late")
+    late = SimWorker(addr, SECRET, RUN, [SimRankSpec(batch_ms=first_spec.batch_ms)], host=host)
     await asyncio.wait_for(late.run(), 60)
     summary = await run
-    await t1
+    await first
+    return summary, late
+
+
+async def test_a_worker_arriving_mid_run_joins_it(quiet_console):
+    """A worker that arrives while the run trains is admitted at a window boundary and trains."""
+    summary, late = await _late_join(make_controller(quiet_console, epochs=6, mode="nccl-cadence"), SimRankSpec(batch_ms=5), "training", "late")
     assert late.outcomes == {1: "completed"}
     assert summary["exit_reason"] == "completed" and summary["world_size"] == 2
     assert [j["ranks"] for j in summary["joins"]] == [[1]] and summary["joins"][0]["hosts"] == ["late"]
@@ -122,13 +127,19 @@ async def test_a_worker_arriving_mid_run_joins_it(quiet_console):
     assert [h["samples"] for h in summary["history"]] == [summary["history"][0]["samples"]] * 6
 
 
-async def test_a_worker_is_refused_while_the_run_starts(quiet_console):
-    """Between gathering and training a worker cannot join; it is told why and the run goes on."""
+async def test_a_worker_arriving_while_the_first_ranks_start_is_held_then_admitted(quiet_console):
+    ctl = make_controller(quiet_console, epochs=3, mode="nccl-cadence")
+    summary, late = await _late_join(ctl, SimRankSpec(batch_ms=2, hello_delay_s=1.0), "joining", "early")
+    assert ctl.initial_world == 1 and late.outcomes == {1: "completed"}
+    assert [j["ranks"] for j in summary["joins"]] == [[1]] and summary["exit_reason"] == "completed"
+
+
+async def test_a_worker_is_refused_while_the_run_shuts_down(quiet_console):
+    """Once the run ends a worker cannot join; it is told why."""
     ctl = make_controller(quiet_console, epochs=2)
-    ctl.phase = "joining"  # as between the welcome and the first window
-    ctl.endpoint = None
+    ctl.phase = "shutting down"
     problem = ctl._worker_problem("late.1", m.WorkerHello(host="late", pid=1, devices=["cpu"], versions={"protocol": str(m.PROTOCOL_VERSION)}))
-    assert problem == "the run is joining; a worker can join once it trains"
+    assert problem == "the run is shutting down; a worker can join while it starts or trains"
 
 
 async def test_garbage_frames_change_nothing(quiet_console):

@@ -140,6 +140,16 @@ def test_console_live_line_is_rewritten(clock):
     assert text.startswith("\r\033[K") and "\r\033[Kepoch 1/2 done\n" in text
 
 
+def test_console_progress_shows_each_ranks_rate_and_the_eta(clock):
+    out = io.StringIO()
+    con = Console(out=out, live=False, clock=clock)
+    clock.advance(5.1)
+    con.progress(epoch=1, epochs=3, done=40, total=100, rate=20.0, loss=0.5, ranks={0: 15.0, 1: 5.0})
+    line = out.getvalue().splitlines()[-1]
+    assert line.startswith("epoch 2/3") and "40/100" in line and "eta    3 s" in line
+    assert "[r0 15/s r1 5/s]" in line
+
+
 # --------------------------------------------------------------------- devices
 
 

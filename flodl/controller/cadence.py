@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from ..config import ApplyPolicy, AverageBackend, DdpRunConfig
 from ..dispatch import Dispatcher, WindowPlan
 from ..pool import EpochPool
+from ..schedule import Schedule
 from ..elche import ElChe
 from ..guard import MetaController, Verdict, make_guard, max_relative_delta
 from ..metrics import EpochReport, EpochStats, aggregate
@@ -47,12 +48,16 @@ class CadenceLoop:
         epochs: int,
         seed: int,
         global_step: int = 0,
+        schedule: Schedule | None = None,
     ) -> None:
         elche_cfg = config.elche
         self.policy = elche_cfg.mode.policy
         self.ranks = sorted(ranks)
         self.seed = seed
-        batches_per_epoch = max(1, dataset_len // batch_size)
+        # augment and epoch_splits reshape epochs: ``epochs`` is then the schedule's epoch count
+        self.schedule = schedule or Schedule(dataset_len, passes=epochs)
+        epochs = self.schedule.epochs
+        batches_per_epoch = max(1, self.schedule.epoch_len(0) // batch_size)
         self.elche = ElChe.from_config(elche_cfg, len(self.ranks), max_total_batches=batches_per_epoch)
         self.guard = make_guard(elche_cfg)
         self.meta = MetaController() if elche_cfg.meta_controller and self.policy is not ApplyPolicy.SYNC else None
@@ -65,6 +70,7 @@ class CadenceLoop:
             progressive=config.effective_progressive_dispatch,
             max_overshoot=elche_cfg.max_overshoot,
             max_batch_diff=elche_cfg.max_batch_diff,
+            epoch_len=self.schedule.epoch_len,
         )
         self.global_step = global_step
         self.window = 0
@@ -185,6 +191,7 @@ class CadenceLoop:
         d = self.dispatcher
         return {
             "seed": self.seed, "dataset_len": d.dataset_len, "batch_size": d.batch_size, "epochs": d.epochs,
+            "augment": self.schedule.augment, "epoch_splits": self.schedule.epoch_splits,
             "next_epoch": d.next_epoch,
             "open": [{"epoch": e, "total": p.total, "uncovered": [list(r) for r in p.uncovered()]} for e, p in sorted(d.pools.items())],
         }

@@ -50,8 +50,9 @@ class Console:
         """Whether a progress line would print now (callers skip building one otherwise)."""
         return self.clock() - self._last >= self.interval_s
 
-    def progress(self, *, epoch: int, epochs: int, done: int, total: int, rate: float, loss: float | None) -> None:
-        """Show progress within an epoch (throttled)."""
+    def progress(self, *, epoch: int, epochs: int, done: int, total: int, rate: float, loss: float | None,
+                 ranks: dict[int, float] | None = None) -> None:
+        """Show progress within an epoch (throttled); ``ranks`` adds each rank's samples/s."""
         now = self.clock()
         if now - self._last < self.interval_s:
             return
@@ -59,7 +60,8 @@ class Console:
         pct = 100.0 * done / total if total else 0.0
         left = (total - done) / rate if rate > 0 else 0.0
         loss_text = f"  loss {loss:.4f}" if loss is not None else ""
-        text = f"epoch {epoch + 1}/{epochs}  {pct:5.1f}%  {done}/{total}  {_fmt_rate(rate)}  eta {left:4.0f} s{loss_text}"
+        per_rank = "  [" + " ".join(f"r{r} {v:,.0f}/s" for r, v in ranks.items()) + "]" if ranks and len(ranks) > 1 else ""
+        text = f"epoch {epoch + 1}/{epochs}  {pct:5.1f}%  {done}/{total}  {_fmt_rate(rate)}  eta {left:4.0f} s{loss_text}{per_rank}"
         if self.live:
             self.out.write("\r\033[K" + text)
             self.out.flush()

@@ -36,6 +36,7 @@ from ..protocol import messages as m
 from ..protocol.codec import Envelope
 from ..protocol.messages import PROTOCOL_VERSION
 from ..proc import terminate_then_kill
+from ..schedule import Schedule
 from ..transport import ControlEndpoint, make_router
 from ..dispatch import PROBE_BATCHES, PROBE_MIN_MS
 from .averaging import CpuAveraging
@@ -43,6 +44,7 @@ from .cadence import CadenceLoop
 from .checkpoints import SHUTDOWN_SAVE, Checkpointer
 from .console import Console
 from .launch import LaunchOptions
+from ..monitor.hub import Monitor
 
 log = logging.getLogger("flodl.controller")
 
@@ -110,6 +112,11 @@ class Controller:
         self._back: tuple[float, set[int]] | None = None  # a recovery waiting for every survivor's next batch
         self.eval_requests: dict[int, int] = {}  # epoch -> rank asked to score it
         self.checkpoints = Checkpointer(config, say=self.console.line)
+        self.monitor = Monitor(config, say=self.console.line, clock=clock,
+                               dashboard=None if launch.dashboard_port < 0 else (launch.bind, launch.dashboard_port))
+        self.rank_rates: dict[int, float] = {}  # rank -> samples since the last progress line
+        self._rates_at = 0.0
+        self._drops_seen = 0  # dropped control frames already alerted
         self.resume_meta: dict | None = None  # the bundle sidecar this run continues from
         self.shutdown_save: tuple[str, int] | None = None  # ShutdownWithSave: (stem, writer rank)
         self._storage_reminded = False
@@ -121,6 +128,7 @@ class Controller:
         self.joiners: dict[int, float] = {}  # rank -> deadline to be ready
         self.joins: list[dict] = []  # every admission: when, generation, ranks, host
         self.initial_world = 0  # ranks the run started with (the LR factor every replica keeps)
+        self.schedule: Schedule | None = None  # passes, epochs and picks, once the task's size is known
         self._next_rank = 0  # rank numbers are never reused, so a late report can't be misread
 
     # ================================================================ run
@@ -148,6 +156,10 @@ class Controller:
                 pass
         try:
             self._open()
+            url = await self.monitor.start()
+            if url:
+                self.console.line(f"dashboard: {url}")
+            self.ready.set()  # tests read .port once everything listens
             async with asyncio.TaskGroup() as tg:
                 helpers = [tg.create_task(self._liveness())]
                 if self.averaging is not None:
@@ -170,6 +182,8 @@ class Controller:
                     loop.remove_signal_handler(sig)
                 except (RuntimeError, ValueError):
                     pass
+            for path in await self.monitor.close():
+                self.console.line(f"wrote {path}")
             await self._close()
 
     def _open(self) -> None:
@@ -188,7 +202,6 @@ class Controller:
             )
             self.averaging.live = lambda: {r.rank for r in self.members.live_ranks()}
             self.averaging.start()
-        self.ready.set()
         log.info("controller listening on tcp://%s:%d (store port %d)", self.launch.bind, self.port, self.store.port)
 
     async def _close(self) -> None:
@@ -201,6 +214,11 @@ class Controller:
         self.store = None
 
     @property
+    def total_epochs(self) -> int:
+        """Epochs the run trains: ``--epochs`` passes, each sliced into ``epoch_splits`` epochs."""
+        return self.launch.epochs * self.config.epoch_splits
+
+    @property
     def address(self) -> str:
         return f"tcp://{self.launch.advertise_host}:{self.port}"
 
@@ -211,11 +229,17 @@ class Controller:
         await self._until(lambda: len(self.members.workers) >= self.expected_workers, self.launch.join_timeout_secs, "workers to connect")
         self._welcome_workers()
         self.phase = "joining"
-        await self._until(lambda: len(self.hellos) == self.members.world_size, self.launch.join_timeout_secs, "ranks to start and say hello")
+        first = [r for r in range(self.initial_world)]  # a worker arriving meanwhile waits to be admitted
+        await self._until(lambda: all(r in self.hellos for r in first), self.launch.join_timeout_secs, "ranks to start and say hello")
         self._welcome_ranks()
-        await self._until(lambda: self.members.all_in(PeerState.READY), self.launch.join_timeout_secs, "ranks to join the collective")
+        await self._until(lambda: all(self.members.ranks[r].state is PeerState.READY for r in first if r in self.members.ranks),
+                          self.launch.join_timeout_secs, "ranks to join the collective")
         self.phase = "training"
         info = self.task_info
+        try:
+            self.schedule = Schedule(info.dataset_len, self.config.augment, self.config.epoch_splits, self.launch.epochs)
+        except ValueError as exc:
+            raise RunAborted(f"epoch_splits: {exc}", EXIT_CONFIG) from None
         self.console.header(
             run_id=self.run_id,
             mode=str(self.config.elche.mode.name),
@@ -223,12 +247,17 @@ class Controller:
             ranks=[f"rank{r.rank} {r.device}@{r.host}" for r in sorted(self.members.ranks.values(), key=lambda r: r.rank)],
             dataset_len=info.dataset_len,
             batch_size=info.batch_size,
-            epochs=self.launch.epochs,
+            epochs=self.total_epochs,
         )
+        if self.config.augment > 1 or self.config.epoch_splits > 1:
+            self.console.line(f"  {self.launch.epochs} pass(es) of {self.schedule.pass_len} picks (each sample x{self.config.augment}), "
+                              f"{self.config.epoch_splits} epoch(s) per pass of ~{self.schedule.epoch_len(0)} samples")
         self.started_at = self.clock()
+        self.monitor.begin(self._run_description(), {r.rank: (r.host, r.device) for r in self.members.ranks.values()},
+                           steps_per_epoch=max(1, self.schedule.epoch_len(0) // info.batch_size))
         await self._run_windows()
         if info.has_eval:
-            await self._until(lambda: self.launch.epochs - 1 in self.evals, self.launch.eval_timeout_secs, "the final eval")
+            await self._until(lambda: self.total_epochs - 1 in self.evals, self.launch.eval_timeout_secs, "the final eval")
         if self.checkpoints.stem:
             await self._checkpoint("final", call_fn=False, wait=True)
         self.finished_at = self.clock()
@@ -248,7 +277,7 @@ class Controller:
         ranks = sorted(self.members.ranks)
         self.cadence = loop = CadenceLoop(
             self.config, ranks, dataset_len=self.task_info.dataset_len, batch_size=self.task_info.batch_size,
-            epochs=self.launch.epochs, seed=self._seed(), global_step=self.global_step,
+            epochs=self.total_epochs, seed=self._seed(), global_step=self.global_step, schedule=self.schedule,
         )
         if self.resume_meta is not None:
             self._resume(loop)
@@ -269,6 +298,8 @@ class Controller:
                     self.window_batches = {rank: 0 for rank in loop.ranks}
                 for rank, window in windows.items():
                     self._send_rank(rank, window)
+                if loop.dispatcher.throttled:
+                    self.monitor.throttled(number, loop.dispatcher.throttled, now_s=self.clock())
                 in_flight.append(number)
                 if loop.open_ended(number):
                     await self._end_when_timed(number, loop)
@@ -280,8 +311,12 @@ class Controller:
             number = in_flight.pop(0)
             await self._until(lambda: loop.waiting_on(number) <= set(self.window_reports.get(number, {})), None, f"window {number}")
             dead_batches = {r: self.window_batches.get(r, 0) for r in loop.dead}
-            for stats in loop.on_reports(number, self.window_reports.pop(number, {}), self.clock(), dead_batches):
+            reports = self.window_reports.pop(number, {})
+            for stats in loop.on_reports(number, reports, self.clock(), dead_batches):
                 self._finish_epoch(stats)
+            self.monitor.window_settled(number, reports, now_s=self.clock())
+            self.monitor.event("sync", f"window {number}: {sum(r.consumed for r in reports.values())} samples averaged", now_s=self.clock())
+            self.monitor.anchor_changed(loop.elche.anchor, now_s=self.clock(), counts=list(loop.elche.batch_counts))
             self.global_step = loop.global_step
             if self.checkpoints.at_epoch_due(loop.dispatcher.next_epoch - 1):
                 await self._checkpoint("checkpoint", call_fn=False)
@@ -314,17 +349,30 @@ class Controller:
     def _finish_epoch(self, stats: EpochStats) -> None:
         """An epoch is fully trained and averaged: record it, ask for its eval, print it."""
         self.history.append(stats)
-        if self.task_info.has_eval:
+        if self.task_info.has_eval and self._eval_due(stats.epoch):
             self._request_eval(stats.epoch)
         if self.checkpoints.every_due(stats.epoch):
             self._checkpoint_now("checkpoint", call_fn=True, files=bool(self.checkpoints.stem))
         self._flush_epoch_lines()
 
+    def _eval_due(self, epoch: int) -> bool:
+        """``eval_every_epochs``: every N epochs and always the last (unset: every epoch)."""
+        every = self.config.eval_every_epochs
+        return every is None or (epoch + 1) % every == 0 or epoch == self.total_epochs - 1
+
+    def _run_description(self) -> dict:
+        """What the dashboard and the record stream say about this run."""
+        info = self.task_info
+        return {"run_id": self.run_id, "mode": self.config.elche.mode.name, "task": self.launch.task,
+                "world_size": self.members.world_size, "epochs": self.total_epochs, "dataset_len": info.dataset_len,
+                "batch_size": info.batch_size, "eval_metric": info.eval_metric if info.has_eval else None,
+                "reports_per_epoch": self.config.reports_per_epoch}
+
     def _request_eval(self, epoch: int) -> None:
         """The eval rank scores the averaged model, then takes its next plan."""
         rank = self._eval_rank()
         self.eval_requests[epoch] = rank
-        self._send_rank(rank, m.RunEval(epoch=epoch, final=epoch == self.launch.epochs - 1))
+        self._send_rank(rank, m.RunEval(epoch=epoch, final=epoch == self.total_epochs - 1))
 
     # ========================================================= checkpoints
 
@@ -340,12 +388,17 @@ class Controller:
             if int(cov[field_name]) != mine:
                 raise RunAborted(f"resume_from {self.config.resume_from}: the bundle was saved with {field_name} "
                                  f"{cov[field_name]}, this task has {mine}; resume the same task", EXIT_CONFIG)
-        if int(cov["epochs"]) != self.launch.epochs:
-            log.warning("resume: the bundle planned %s epochs, this run %d", cov["epochs"], self.launch.epochs)
+        if int(cov["epochs"]) != self.total_epochs:
+            log.warning("resume: the bundle planned %s epochs, this run %d", cov["epochs"], self.total_epochs)
         loop.restore(meta)
         self._remind_shared_storage()
         self.global_step = loop.global_step
-        left = sum(s for item in cov["open"] for _, s in item["uncovered"]) + max(0, self.launch.epochs - int(cov["next_epoch"])) * info.dataset_len
+        for field_name, mine in (("augment", self.config.augment), ("epoch_splits", self.config.epoch_splits)):
+            if int(cov.get(field_name, 1)) != mine:
+                raise RunAborted(f"resume_from {self.config.resume_from}: the bundle was saved with {field_name} "
+                                 f"{cov.get(field_name, 1)}, this run has {mine}; resume with the same schedule", EXIT_CONFIG)
+        left = sum(s for item in cov["open"] for _, s in item["uncovered"])
+        left += sum(self.schedule.epoch_len(e) for e in range(int(cov["next_epoch"]), self.total_epochs))
         self.console.line(f"resuming {self.config.resume_from}: epoch {meta['epoch']}, global step {meta['global_step']}, "
                           f"{left:,} samples left to train ({meta['save_reason']})")
 
@@ -384,6 +437,9 @@ class Controller:
         if self.checkpoints.on_done(msg):
             last = self.checkpoints.written[-1]
             self.console.line(f"checkpoint ({last['reason']}) at epoch {last['epoch']} -> {last['stem']}.fdl/.optim/.meta.json")
+            now = self.clock()
+            self.monitor.span("checkpoint", start_s=now - msg.elapsed_ms / 1000.0, end_s=now, rank=msg.rank, args={"reason": last["reason"]})
+            self.monitor.event("checkpoint", f"checkpoint ({last['reason']}) at epoch {last['epoch']} written by rank {msg.rank}", rank=msg.rank, now_s=now)
         self._changed.set()
 
     def _save_and_stop(self, message: str, reason: str, code: int = EXIT_SAVED) -> None:
@@ -418,14 +474,15 @@ class Controller:
         metric = self.task_info.eval_metric if self.task_info.has_eval else None
         while self._printed < len(self.history):
             stats = self.history[self._printed]
-            if metric is not None:
+            if metric is not None and stats.epoch in self.eval_requests:
                 result = self.evals.get(stats.epoch)
                 if result is None:
                     return
                 stats.eval_value = result.value
                 if result.error:
                     self.console.line(f"epoch {stats.epoch + 1}: eval failed on rank {result.rank}: {result.error}")
-            self.console.epoch(stats, self.launch.epochs, metric)
+            self.console.epoch(stats, self.total_epochs, metric)
+            self.monitor.epoch_done(stats, alive=set(self._training_ranks()), now_s=self.clock())
             self._printed += 1
 
     async def _until(self, predicate: Callable[[], bool], timeout_s: float | None, what: str) -> None:
@@ -471,7 +528,7 @@ class Controller:
         for worker in self.members.workers.values():
             worker.ranks = list(range(next_rank, next_rank + len(worker.devices)))
             next_rank += len(worker.devices)
-        self._next_rank = next_rank
+        self._next_rank = self.initial_world = next_rank
         now = self.clock()
         for worker in self.members.workers.values():
             for rank, device in zip(worker.ranks, worker.devices):
@@ -512,8 +569,7 @@ class Controller:
         return None
 
     def _welcome_ranks(self) -> None:
-        self.initial_world = self.members.world_size
-        for rank in sorted(self.hellos):
+        for rank in range(self.initial_world):
             self._send_rank(rank, self._rank_welcome(rank, late=False))
             if self.averaging is not None:
                 self.averaging.admit(self.members.ranks[rank].identity, rank)
@@ -574,12 +630,12 @@ class Controller:
         problem = self._worker_problem(env.sender, msg)
         if problem:
             self.endpoint.send(m.Reject(reason=problem), identity)
-            if self.phase == "training":
+            if self.phase in ("joining", "training"):
                 self.console.line(f"refused a worker on host {msg.host} (pid {msg.pid}): {problem}")
             return
         worker = WorkerInfo(env.sender, identity, msg.host, msg.pid, list(msg.devices))
         self.members.add_worker(worker, self.clock())
-        if self.phase == "training":
+        if self.phase in ("joining", "training"):
             self._grow(worker)
         self._changed.set()
 
@@ -591,10 +647,10 @@ class Controller:
             return f"protocol {msg.versions.get('protocol')} != {PROTOCOL_VERSION}"
         if not msg.devices:
             return "no devices"
-        if self.phase == "gathering":
+        if self.phase in ("starting", "gathering"):
             return None
-        if self.phase != "training" or self.cadence is None or self.failure is not None:
-            return f"the run is {self.phase}; a worker can join once it trains"
+        if self.phase not in ("joining", "training") or self.failure is not None:
+            return f"the run is {self.phase}; a worker can join while it starts or trains"
         if self.config.elche.partition_ratios is not None:
             return "partition_ratios fixes the world size; this run cannot grow"
         if self.averaging is not None and self.initial_world < 2:
@@ -656,25 +712,40 @@ class Controller:
             self.window_batches[msg.rank] += 1
             if self.cadence is not None and self.cadence.open_ended(self.cadence.window - 1):
                 self._changed.set()  # the calibration window waits on these
+        self.rank_rates[msg.rank] = self.rank_rates.get(msg.rank, 0.0) + msg.samples
         if msg.epoch != self.current_epoch:
             return
         self.epoch_samples += msg.samples
         self.epoch_loss = msg.loss if self.epoch_loss is None else 0.9 * self.epoch_loss + 0.1 * msg.loss
         if not self.console.due():
             return  # the hot path: most frames only bump counters
-        total = self.task_info.dataset_len
+        total = self.schedule.epoch_len(msg.epoch)
         elapsed = max(1e-9, self.clock() - self.started_at)
         done_total = sum(s.samples for s in self.history) + self.epoch_samples
-        self.console.progress(epoch=msg.epoch, epochs=self.launch.epochs, done=self.epoch_samples, total=total, rate=done_total / elapsed, loss=self.epoch_loss)
+        self.console.progress(epoch=msg.epoch, epochs=self.total_epochs, done=self.epoch_samples, total=total, rate=done_total / elapsed,
+                              loss=self.epoch_loss, ranks=self._rank_rates())
+
+    def _rank_rates(self) -> dict[int, float]:
+        """Samples per second of each rank since the last progress line."""
+        now = self.clock()
+        span = now - self._rates_at if self._rates_at else now - self.started_at
+        rates = {r: n / span for r, n in sorted(self.rank_rates.items())} if span > 0 else {}
+        self.rank_rates, self._rates_at = {}, now
+        return rates
 
     def _h_window_done(self, identity: bytes, env: Envelope, msg: m.WindowDone) -> None:
         self.window_reports.setdefault(msg.window, {})[msg.rank] = msg
+        if self.cadence is not None:
+            self.monitor.window_done(msg, started_s=self.cadence.started.get(msg.window), arrived_s=self.clock())
         self._changed.set()
 
     def _h_eval_result(self, identity: bytes, env: Envelope, msg: m.EvalResult) -> None:
         self.evals[msg.epoch] = msg
         if self.cadence is not None:
             self.cadence.note_pause(msg.elapsed_ms)
+        now = self.clock()
+        self.monitor.span(f"eval epoch {msg.epoch + 1}", start_s=now - msg.elapsed_ms / 1000.0, end_s=now, rank=msg.rank,
+                          args={"value": msg.value, "error": msg.error})
         self._flush_epoch_lines()
         self._changed.set()
 
@@ -740,8 +811,17 @@ class Controller:
                 for identity in self._peer_identities():
                     self.endpoint.send_frame(frame, identity)
                 next_beat = now + HEARTBEAT_INTERVAL_S
+                self._report_drops()
             self._judge()
             await asyncio.sleep(LIVENESS_TICK_S)
+
+    def _report_drops(self) -> None:
+        """Frames dropped (forged, malformed, unauthorized) since the last beat: a control_drop alert."""
+        total = sum(self.endpoint.drops.values())
+        if total > self._drops_seen:
+            detail = ", ".join(f"{k} {v}" for k, v in sorted(self.endpoint.drops.items()))
+            self.monitor.event("control_drop", f"{total - self._drops_seen} control frame(s) dropped (so far: {detail})", now_s=self.clock())
+            self._drops_seen = total
 
     def _peer_identities(self) -> list[bytes]:
         ids = [w.identity for w in self.members.workers.values() if not w.exited]
@@ -802,6 +882,8 @@ class Controller:
             self._checkpoint_now(lost.reason, call_fn=False, files=bool(lost.stem))
         self.collective_error = None  # the death explains it
         self.deaths_handled += len(dead)
+        for rank in sorted(dead):
+            self.monitor.event("rank_lost", f"{self.members.ranks[rank].where()} {self.members.ranks[rank].death}", rank=rank, now_s=self.clock())
         self.cadence.remove_ranks(dead)
         self._regroup(reason)
         self.console.line(f"lost {reason}; continuing with {len(survivors)} rank(s) (generation {self.members.generation})")
@@ -882,6 +964,7 @@ class Controller:
             self._send_rank(rank, msg)
         self.joins.append({"at_s": now - self.started_at, "unix_time": time.time(), "generation": generation,
                            "ranks": ready, "hosts": hosts, "world": len(members)})
+        self.monitor.ranks_joined({r: (self.members.ranks[r].host, self.members.ranks[r].device) for r in ready}, now_s=now)
         self.console.line(f"{reason}; training with {len(members)} rank(s) (generation {generation})")
 
     def _drop_joiner(self, rank: int, why: str) -> None:
@@ -990,14 +1073,14 @@ class Controller:
                 row["sync_ms"] += part.sync_ms
         last = self.history[-1] if self.history else None
         has_eval = self.task_info is not None and self.task_info.has_eval
-        final_eval = self.evals.get(self.launch.epochs - 1)
+        final_eval = self.evals.get(self.total_epochs - 1)
         eval_s = sum(e.elapsed_ms for e in self.evals.values()) / 1000.0
         train_wall = max(1e-9, wall - eval_s)
         return {
             "run_id": self.run_id,
             "mode": self.config.elche.mode.name,
             "world_size": self.members.world_size,
-            "epochs": self.launch.epochs,
+            "epochs": self.total_epochs,
             "epochs_completed": len(self.history),
             "wall_s": wall,
             "samples_per_s": samples / wall if wall > 0 else 0.0,

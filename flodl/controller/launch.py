@@ -37,6 +37,7 @@ class LaunchOptions:
     join_timeout_secs: float = 120.0
     eval_timeout_secs: float = 600.0
     progress: bool | None = None
+    dashboard_port: int = 0
 
     def validate(self) -> None:
         """Raises: ConfigError naming the first bad field."""
@@ -52,6 +53,8 @@ class LaunchOptions:
             raise ConfigError("workers", "external workers choose their own devices; drop --nproc-per-node / --devices")
         if not 0 <= self.port <= 65535:
             raise ConfigError("port", f"must be a TCP port, got {self.port}")
+        if not -1 <= self.dashboard_port <= 65535:
+            raise ConfigError("dashboard_port", f"must be a TCP port, 0 (pick a free one) or -1 (off), got {self.dashboard_port}")
         if self.join_timeout_secs <= 0 or self.eval_timeout_secs <= 0:
             raise ConfigError("join_timeout_secs", "timeouts must be positive")
 
@@ -82,6 +85,7 @@ _HELP = {
     "join_timeout_secs": "seconds to wait for every worker and rank to join",
     "eval_timeout_secs": "seconds an eval may take before the run is stopped",
     "progress": "live progress line (default: on when stdout is a terminal)",
+    "dashboard_port": "live dashboard port, served read-only on the bind address (0 picks a free one and prints it; -1 turns it off)",
 }
 LAUNCH_KEYS = frozenset(f.name for f in dataclasses.fields(LaunchOptions))
 

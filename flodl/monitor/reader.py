@@ -133,8 +133,11 @@ def format_table(rows: list[dict]) -> str:
 
 
 def format_events(found: list[dict]) -> str:
-    lines = [f"events ({len(found)}):"]
-    for e in found:
+    """Every event but the per-window ``sync`` ones, which are counted instead."""
+    syncs = sum(1 for e in found if e.get("class") == "sync")
+    shown = [e for e in found if e.get("class") != "sync"]
+    lines = [f"events ({len(shown)}" + (f", plus {syncs} sync" if syncs else "") + "):"]
+    for e in shown:
         lines.append(f"  ts={e.get('ts')} {e.get('sev', '?'):<8} {e.get('class', '?'):<12} "
                      f"{e.get('path', '?')} x{e.get('count', 1)}: {e.get('detail', '')}")
     return "\n".join(lines)
@@ -174,5 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _main() -> int:
+    try:
+        return main()
+    except BrokenPipeError:  # piped into head: the reader left, nothing went wrong
+        sys.stderr.close()
+        return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_main())

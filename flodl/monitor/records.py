@@ -336,25 +336,30 @@ def _build(path, by_path, kids, template, reductions) -> tuple[dict, list[dict]]
 # ------------------------------------------------------------- epoch records
 
 
-def epoch_leaf_metrics(stats: EpochStats, rank: int) -> tuple[dict[str, float], float]:
+def epoch_leaf_metrics(stats: EpochStats, rank: int, reductions: Reductions | None = None) -> tuple[dict[str, float], float]:
     """One rank's epoch-record metrics and work (its realized samples).
 
     Keys a rank did not measure stay absent: no batches ⇒ no loss, no wall
-    time ⇒ no throughput.
+    time ⇒ no throughput. A user scalar is the rank's mean over the epoch,
+    except a key declared ``sum`` (a count, e.g. tokens seen): its total.
+    ``data_starve`` is the share of the rank's step time spent waiting for data.
     """
     part = stats.per_rank.get(rank)
     if part is None:
         return {}, 0.0
+    declared = reductions or {}
     metrics: dict[str, float] = {
-        key: total / count for key, (total, count) in part.scalars.items() if count > 0
+        key: total if reduction_for(key, declared) is Reduction.SUM else total / count
+        for key, (total, count) in part.scalars.items() if count > 0
     }
     if part.batches > 0:
         metrics["loss"] = part.loss_sum / part.batches
     if part.wall_ms > 0:
         metrics["throughput"] = part.throughput
     metrics["batch_share"] = stats.batch_share[rank]
-    metrics["compute_only_ms"] = part.compute_ms
-    metrics["data_starve"] = part.data_ms
+    metrics["compute_only_ms"] = part.compute_ms / part.batches if part.batches else 0.0
+    busy_ms = part.compute_ms + part.data_ms
+    metrics["data_starve"] = part.data_ms / busy_ms if busy_ms > 0 else 0.0
     return metrics, float(part.samples)
 
 
@@ -380,7 +385,7 @@ def epoch_records(
     live = set(stats.per_rank) if alive is None else set(alive)
     leaves = []
     for rank, path in sorted(paths.items()):
-        metrics, work = epoch_leaf_metrics(stats, rank)
+        metrics, work = epoch_leaf_metrics(stats, rank, reductions)
         leaves.append(node_record(
             path, metrics=metrics, work=work, alive=rank in live, ts_ms=ts_ms, epoch=stats.epoch,
             epoch_complete=True, label=(labels or {}).get(rank), res=(res or {}).get(rank),

@@ -330,6 +330,8 @@ class WindowDone:
     """user scalars recorded during the window, name to [sum, count]"""
     regrouped_at: int
     """the window's averaging round that was redone in a new generation because a peer died (-1: none); the dead rank's batches before it are in the consensus"""
+    res: dict[str, Any]
+    """the rank's machine gauges over the window (gpu_util, gpu_util_max, vram_alloc, vram_alloc_max, vram_total, cpu_util, rss_bytes; present ones only)"""
 
 
 @dataclass(slots=True)
@@ -473,7 +475,7 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     17: ('Ping', Ping, (('nonce', 'int'), ('sent_at', 'float'),)),
     18: ('Pong', Pong, (('nonce', 'int'), ('sent_at', 'float'),)),
     19: ('Window', Window, (('window', 'int'), ('global_step', 'int'), ('grants', 'list<list<int>>'), ('quota_batches', 'int'), ('quota_ms', 'float'), ('sync_every', 'int'), ('rounds', 'int'), ('measure_divergence', 'bool'),)),
-    20: ('WindowDone', WindowDone, (('rank', 'int'), ('window', 'int'), ('batches', 'int'), ('consumed', 'int'), ('loss_sum', 'float'), ('compute_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'), ('divergence', 'opt<float>'), ('pre_norm', 'opt<float>'), ('post_norm', 'opt<float>'), ('lr', 'opt<float>'), ('epochs', 'list<list<float>>'), ('scalars', 'map<str,list<float>>'), ('regrouped_at', 'int'),)),
+    20: ('WindowDone', WindowDone, (('rank', 'int'), ('window', 'int'), ('batches', 'int'), ('consumed', 'int'), ('loss_sum', 'float'), ('compute_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'), ('divergence', 'opt<float>'), ('pre_norm', 'opt<float>'), ('post_norm', 'opt<float>'), ('lr', 'opt<float>'), ('epochs', 'list<list<float>>'), ('scalars', 'map<str,list<float>>'), ('regrouped_at', 'int'), ('res', 'map<str,value>'),)),
     21: ('EndWindow', EndWindow, (('window', 'int'),)),
     22: ('Snapshot', Snapshot, (('rank', 'int'), ('round', 'int'), ('weight', 'float'), ('groups', 'list<str>'), ('dtypes', 'list<str>'), ('numels', 'list<int>'), ('bucket', 'int'), ('start', 'int'), ('count', 'int'),)),
     23: ('Update', Update, (('round', 'int'), ('aborted', 'bool'), ('ranks', 'int'), ('groups', 'list<str>'), ('dtypes', 'list<str>'), ('numels', 'list<int>'), ('bucket', 'int'), ('start', 'int'), ('count', 'int'),)),

@@ -1,11 +1,14 @@
 """Turning a granted slice of an epoch into batches on the rank's device.
 
 The controller grants ``(epoch, offset, size)``; this module rebuilds the
-sample indices from the shared seeded permutation, fetches them from the
-task's dataset (a fast path for in-memory tensor datasets, ``__getitems__``
-where the dataset has it, else one ``__getitem__`` per sample), collates and
-moves the batch to the device. A failing ``__getitem__`` is re-raised naming
-the sample index, so the user knows which sample is broken.
+picks from the shared seeded shuffle of the epoch's pass (``schedule.Schedule``:
+``augment`` copies of each sample, ``epoch_splits`` epochs per pass), fetches
+the samples (a fast path for in-memory tensor datasets; otherwise through the
+staging tiers, ``staging.py``: VRAM pool, RAM cache, disk stage, then the
+dataset's ``__getitem__``), collates, applies the run's delivery ``transform``
+with each row's ``PickKey``, and moves the batch to the device. A failing
+``__getitem__`` is re-raised naming the sample index, so the user knows which
+sample is broken.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 from torch.utils.data import TensorDataset, default_collate
 
 from ..errors import TaskError
-from ..schedule import slice_indices
+from ..schedule import PickKey, Schedule, epoch_permutation
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -31,24 +34,43 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-class BatchSource:
-    """Fetches batches of a slice of one epoch's permutation."""
+Transform = Callable[[Any, list[PickKey]], Any]
 
-    def __init__(self, dataset: Any, batch_size: int, seed: int, collate_fn: Callable[[list], Any] | None = None) -> None:
+
+class BatchSource:
+    """Fetches batches of granted slices of the run's epochs."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        seed: int,
+        collate_fn: Callable[[list], Any] | None = None,
+        *,
+        schedule: Schedule | None = None,
+        transform: Transform | None = None,
+        tiers: Any = None,
+    ) -> None:
         self.dataset = dataset
         self.batch_size = batch_size
         self.seed = seed
         self.collate = collate_fn or default_collate
         self.length = len(dataset)
+        self.schedule = schedule or Schedule(self.length)
+        self.transform = transform
+        self.tiers = tiers  # staging.TieredSamples, or None: straight from the dataset
         self._tensors = dataset.tensors if isinstance(dataset, TensorDataset) and collate_fn is None else None
-        self._perms: dict[tuple[int, int], torch.Tensor] = {}
+        self._perms: dict[int, torch.Tensor] = {}
+
+    @property
+    def in_memory(self) -> bool:
+        """A tensor dataset: a batch is one indexing op, nothing to stage or prefetch."""
+        return self._tensors is not None
 
     def batches(self, epoch: int, offset: int, size: int) -> Iterator[tuple[torch.Tensor, Any]]:
-        """Yield ``(indices, batch)`` for each batch of the slice (last may be partial)."""
-        indices = self._permutation(epoch)[offset : offset + size]
-        for start in range(0, size, self.batch_size):
-            idx = indices[start : start + self.batch_size]
-            yield idx, self.fetch(idx)
+        """Yield ``(picks, batch)`` for each batch of the slice (last may be partial)."""
+        for _, picks, batch in self.window_batches([[epoch, offset, size]]):
+            yield picks, batch
 
     def window_batches(self, grants: list[list[int]]) -> Iterator[tuple[int, torch.Tensor, Any]]:
         """Yield ``(epoch, indices, batch)`` over ``[epoch, start, size]`` grants in order.
@@ -59,40 +81,51 @@ class BatchSource:
         """
         pending: list[torch.Tensor] = []
         have = 0
-        epoch_of = None
+        epoch_of = pass_of = None
         for epoch, start, size in grants:
             if epoch_of is not None and epoch != epoch_of and pending:
-                yield (epoch_of, *self._emit(pending))
+                yield (epoch_of, *self._emit(pass_of, pending))
                 pending, have = [], 0
             epoch_of = epoch
-            idx = self._permutation(epoch)[start : start + size]
-            while len(idx):
+            pass_of, picks = self._picks(epoch, start, size)
+            while len(picks):
                 take = self.batch_size - have
-                pending.append(idx[:take])
-                have += len(idx[:take])
-                idx = idx[take:]
+                pending.append(picks[:take])
+                have += len(picks[:take])
+                picks = picks[take:]
                 if have == self.batch_size:
-                    yield (epoch, *self._emit(pending))
+                    yield (epoch, *self._emit(pass_of, pending))
                     pending, have = [], 0
         if pending:
-            yield (epoch_of, *self._emit(pending))
+            yield (epoch_of, *self._emit(pass_of, pending))
 
-    def _emit(self, pieces: list[torch.Tensor]) -> tuple[torch.Tensor, Any]:
-        idx = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        return idx, self.fetch(idx)
+    def _emit(self, pass_index: int, pieces: list[torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        picks = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        batch = self.fetch(picks % self.length)
+        if self.transform is not None:
+            batch = self._transformed(batch, self.schedule.keys(pass_index, picks))
+        return picks, batch
 
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        """The epoch's permutation, cached (a window may revisit it many times)."""
-        key = (self.seed, epoch)
-        perm = self._perms.get(key)
+    def _transformed(self, batch: Any, keys: list[PickKey]) -> Any:
+        try:
+            return self.transform(batch, keys)
+        except Exception as exc:
+            raise TaskError(f"the transform raised {type(exc).__name__}: {exc} (picks of samples {[k.sample for k in keys][:8]}...)") from exc
+
+    def _picks(self, epoch: int, start: int, size: int) -> tuple[int, torch.Tensor]:
+        """``(pass_index, picks)`` of a grant; the pass's shuffle is cached (windows revisit it)."""
+        pass_index, epoch_start, length = self.schedule.bounds(epoch)
+        if start < 0 or size < 0 or start + size > length:
+            raise ValueError(f"grant [{start}, {start + size}) outside epoch {epoch} of {length} picks")
+        perm = self._perms.get(pass_index)
         if perm is None:
-            if len(self._perms) >= 3:  # windows straddle at most two epochs
+            if len(self._perms) >= 2:  # windows straddle at most two passes
                 self._perms.pop(next(iter(self._perms)))
-            perm = self._perms[key] = slice_indices(self.length, self.seed, epoch, 0, self.length)
-        return perm
+            perm = self._perms[pass_index] = epoch_permutation(self.schedule.pass_len, self.seed, pass_index)
+        return pass_index, perm[epoch_start + start : epoch_start + start + size]
 
     def fetch(self, idx: torch.Tensor) -> Any:
-        """Collate the samples at ``idx``.
+        """Collate the samples at dataset indices ``idx``.
 
         Raises:
             TaskError: the dataset raised on a sample; the message names its index.
@@ -100,16 +133,19 @@ class BatchSource:
         if self._tensors is not None:
             return tuple(t[idx] for t in self._tensors)
         ids = idx.tolist()
+        if self.tiers is not None:
+            return self.collate([self._one(i) for i in ids])
         getitems = getattr(self.dataset, "__getitems__", None)
         if getitems is not None:
             try:
                 return self.collate(getitems(ids))
             except Exception:
                 pass  # fall back to one sample at a time to name the culprit
-        samples = []
-        for i in ids:
-            try:
-                samples.append(self.dataset[i])
-            except Exception as exc:
-                raise TaskError(f"dataset[{i}] raised {type(exc).__name__}: {exc}") from exc
-        return self.collate(samples)
+        return self.collate([self._one(i) for i in ids])
+
+    def _one(self, i: int) -> Any:
+        try:
+            return self.tiers.get(i) if self.tiers is not None else self.dataset[i]
+        except Exception as exc:
+            raise TaskError(f"dataset[{i}] raised {type(exc).__name__}: {exc}") from exc
+

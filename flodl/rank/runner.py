@@ -29,6 +29,7 @@ from ..checkpoint import CheckpointBundle, CheckpointError, load_model, load_opt
 from ..config import AverageBackend, DdpRunConfig
 from ..env import RankEnv, simulated_slowdown
 from ..faults import FaultPlan
+from ..monitor.resources import ResourceSampler
 from ..errors import (
     EXIT_CONFIG,
     EXIT_CONTROLLER_LOST,
@@ -42,9 +43,10 @@ from ..errors import (
 )
 from ..protocol import messages as m
 from ..protocol.messages import PROTOCOL_VERSION
-from ..schedule import shuffle_signature
+from ..schedule import Schedule, shuffle_signature
 from ..task import Task
 from ..taskspec import load_task
+from ..taskspec import resolve as resolve_spec
 from ..transport import host_name
 from .collective import CollectiveAverager, build_group
 from .cpu_average import BulkLink, CpuAverager
@@ -156,12 +158,14 @@ class RankRunner:
         self.handle = WorkerHandle(self)
         self.slowdown = simulated_slowdown(env.rank)
         self.faults = FaultPlan.from_env(env.rank)  # tests and benchmarks only (FLODL_INJECT_FAULT)
+        self.resources = ResourceSampler([env.device])  # gauges for the monitor, summarised per window
 
     # ------------------------------------------------------------ lifecycle
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         self.link.start()
+        self.resources.run_in_thread()
         try:
             return self._run()
         except PeerLost as exc:
@@ -171,6 +175,7 @@ class RankRunner:
         finally:
             if isinstance(self.averager, CpuAverager):
                 self.averager.bulk.close()
+            self.resources.close()
             self.link.close()
 
     def _run(self) -> int:
@@ -386,8 +391,21 @@ class RankRunner:
         self.world_size = welcome.world_size
         self.lr = LrState(self.optimizer, config.lr_factor(welcome.world_size), self.task.lr_schedule)
         self.max_grad_norm = config.max_grad_norm
-        self.source = BatchSource(self.task.build_dataset(), self.task.batch_size, seed=welcome.seed, collate_fn=self.task.collate_fn)
+        self.source = self._batch_source(config, welcome.seed)
         self.link.send(m.RankReady(rank=self.rank, generation=welcome.generation, init_ms=(time.perf_counter() - start) * 1000))
+
+    def _batch_source(self, config: DdpRunConfig, seed: int) -> BatchSource:
+        """The rank's data path: the run's schedule (augment, epoch_splits), its
+        delivery transform, and the staging tiers for datasets not already in memory."""
+        dataset = self.task.build_dataset()
+        transform = config.transform
+        if isinstance(transform, str):
+            try:
+                transform = resolve_spec(transform)
+            except TaskError as exc:
+                raise _UserError("config", TaskError(f"transform: {exc}")) from exc
+        schedule = Schedule(len(dataset), config.augment, config.epoch_splits)
+        return BatchSource(dataset, self.task.batch_size, seed=seed, collate_fn=self.task.collate_fn, schedule=schedule, transform=transform)
 
     # ------------------------------------------------------------- training
 
@@ -407,7 +425,7 @@ class RankRunner:
                 divergence=last.divergence if last else None, pre_norm=last.pre_norm if last else None,
                 post_norm=last.post_norm if last else None, lr=self.lr.current,
                 epochs=[[float(e), *row] for e, row in sorted(stats.per_epoch.items())], scalars=scalars.drain(),
-                regrouped_at=stats.regrouped_at,
+                regrouped_at=stats.regrouped_at, res=self.resources.summary(),
             )
         )
 

@@ -104,3 +104,10 @@ def big_data_task():
     t = task()
     t.dataset = torch.utils.data.TensorDataset(x, y)
     return t
+
+
+def jitter(rows, keys):
+    """A delivery transform: per-pick Gaussian jitter, seeded by the pick (same on every rank and run)."""
+    x, y = rows
+    noise = torch.stack([torch.randn(x.shape[1:], generator=torch.Generator().manual_seed(k.seed())) for k in keys])
+    return x + 0.01 * noise, y

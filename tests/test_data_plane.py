@@ -1,0 +1,168 @@
+"""The data plane: schedule (augment, epoch_splits, pick keys), delivery transform, errors, real runs."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from flodl.config import ApplyPolicy
+from flodl.dispatch import Dispatcher
+from flodl.elche import ElChe
+from flodl.errors import TaskError
+from flodl.rank.data import BatchSource
+from flodl.schedule import PickKey, Schedule
+
+from .conftest import task_spec
+from .tasks.tiny import jitter
+from .test_process import Run
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# ------------------------------------------------------------------ schedule
+
+
+@pytest.mark.parametrize(("n", "augment", "splits", "passes"), [(10, 1, 1, 3), (10, 2, 3, 2), (97, 3, 4, 2), (5, 4, 7, 1)])
+def test_every_sample_is_picked_augment_times_per_pass(n, augment, splits, passes):
+    schedule = Schedule(n, augment, splits, passes)
+    assert schedule.epochs == passes * splits
+    assert sum(schedule.epoch_len(e) for e in range(schedule.epochs)) == n * augment * passes
+    seen: Counter = Counter()
+    copies: Counter = Counter()
+    for epoch in range(schedule.epochs):
+        pass_index, picks = schedule.picks(7, epoch, 0, schedule.epoch_len(epoch))
+        for key in schedule.keys(pass_index, picks):
+            seen[key.sample] += 1
+            copies[(key.pass_index, key.sample, key.copy)] += 1
+    assert seen == {i: augment * passes for i in range(n)}
+    assert set(copies.values()) == {1}  # each copy of each sample once per pass
+
+
+def test_a_plain_schedule_is_the_old_epoch_permutation():
+    from flodl.schedule import epoch_permutation
+
+    schedule = Schedule(50)
+    assert torch.equal(schedule.picks(42, 3, 0, 50)[1], epoch_permutation(50, 42, 3))
+
+
+def test_pick_seeds_differ_per_pick_copy_and_pass_but_not_per_call():
+    a, b = PickKey(0, 3, 3, 0), PickKey(0, 13, 3, 1)
+    assert a.seed(42) == PickKey(0, 3, 3, 0).seed(42)
+    assert len({a.seed(42), b.seed(42), PickKey(1, 3, 3, 0).seed(42), a.seed(43)}) == 4
+    assert 0 <= a.seed(42) < 2**63
+
+
+def test_splits_beyond_the_pick_space_are_refused():
+    with pytest.raises(ValueError, match="epoch_splits"):
+        Schedule(3, 1, 4)
+
+
+@pytest.mark.parametrize("policy", [ApplyPolicy.CADENCE, ApplyPolicy.SYNC])
+def test_dispatch_over_split_augmented_epochs_trains_each_sample_exactly_k_times_epochs(policy):
+    """Windows granted, partly trained and given back, over 3 splits of an augment-2 pass, twice."""
+    n, bs = 230, 8
+    schedule = Schedule(n, augment=2, epoch_splits=3, passes=2)
+    d = Dispatcher(policy, [0, 1, 2], n, bs, schedule.epochs, epoch_len=schedule.epoch_len)
+    che = ElChe(3, anchor=4, gate_growth=False)
+    che.report_timing([4.0, 8.0, 12.0], [4, 4, 4], 0.0)
+    source = BatchSource(TensorDataset(torch.arange(n)), bs, seed=5, schedule=schedule)
+    rng = random.Random(3)
+    seen: Counter = Counter()
+    while (plans := d.plan(che)) is not None:
+        for plan in plans.values():
+            used = min(plan.samples, rng.randrange(0, plan.samples // bs + 2) * bs)
+            trained, left = [], used
+            for g in plan.grants:
+                take = min(g.size, left)
+                if take:
+                    trained.append([g.epoch, g.start, take])
+                left -= take
+            for _, _, (ids,) in source.window_batches(trained):
+                seen.update(ids.tolist())
+            d.settle(plan, used)
+    assert seen == {i: 2 * 2 for i in range(n)}
+
+
+# ----------------------------------------------------------------- transform
+
+
+def _rows(source, grants):
+    """pick -> delivered x row, over ``grants``."""
+    out = {}
+    for _, picks, (x, _) in source.window_batches(grants):
+        for p, row in zip(picks.tolist(), x):
+            out[p] = row
+    return out
+
+
+def test_the_transform_is_deterministic_per_pick_across_ranks_and_runs():
+    x = torch.randn(40, 8)
+    ds = TensorDataset(x, torch.zeros(40, dtype=torch.long))
+    schedule = Schedule(40, augment=2, epoch_splits=2)
+    one = BatchSource(ds, 6, seed=9, schedule=schedule, transform=jitter)
+    two = BatchSource(ds, 4, seed=9, schedule=schedule, transform=jitter)  # another rank, other batch cuts
+    a = _rows(one, [[0, 0, 40]])
+    b = {**_rows(two, [[0, 0, 17]]), **_rows(two, [[0, 17, 23]])}
+    assert set(a) == set(b) and all(torch.equal(a[p], b[p]) for p in a)
+    again = _rows(BatchSource(ds, 6, seed=9, schedule=schedule, transform=jitter), [[0, 0, 40]])
+    assert all(torch.equal(a[p], again[p]) for p in a)
+    # the two copies of one sample are jittered differently, both close to the raw sample
+    first = {p: row for p, row in a.items()}
+    pairs = [(p, p + 40) for p in range(40) if p in first and p + 40 in first]
+    for p, q in pairs:
+        assert not torch.equal(first[p], first[q])
+        assert torch.allclose(first[p], x[p], atol=0.1) and torch.allclose(first[q], x[p], atol=0.1)
+
+
+def test_a_failing_transform_names_the_samples():
+    ds = TensorDataset(torch.zeros(10, 2), torch.zeros(10))
+
+    def broken(rows, keys):
+        raise ValueError("bad crop")
+
+    source = BatchSource(ds, 4, seed=1, transform=broken)
+    with pytest.raises(TaskError, match="the transform raised ValueError: bad crop"):
+        next(source.batches(0, 0, 4))
+
+
+class _Flaky(Dataset):
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, i):
+        if i == 13:
+            raise OSError("corrupt record")
+        return torch.tensor([float(i)]), i
+
+
+def test_a_dataset_that_raises_on_one_index_is_named():
+    source = BatchSource(_Flaky(), 20, seed=1)
+    with pytest.raises(TaskError, match=r"dataset\[13\] raised OSError: corrupt record"):
+        next(source.batches(0, 0, 20))
+
+
+# ------------------------------------------------------------- real processes
+
+
+def test_a_run_with_augment_splits_and_a_transform_covers_every_pick(proc_env, tmp_path):
+    path = tmp_path / "s.json"
+    run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "2", "--augment", "2", "--epoch-splits", "3",
+               "--transform", "tests.tasks.tiny:jitter", "--dashboard-port", "-1", "--summary-json", str(path)], proc_env)
+    assert run.wait(90) == 0, run.output
+    summary = json.loads(path.read_text())
+    assert summary["epochs"] == 6 and summary["epochs_completed"] == 6
+    assert [h["samples"] for h in summary["history"]] == [341, 341, 342, 341, 341, 342]  # 2 x 512 picks per pass, 3 epochs each
+    assert "2 pass(es) of 1024 picks (each sample x2), 3 epoch(s) per pass" in run.output
+    assert summary["final_eval"] > 0.7
+
+
+def test_a_transform_that_cannot_be_imported_stops_the_run_naming_it(proc_env):
+    run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", "1", "--epochs", "1", "--transform", "tests.tasks.tiny:nope",
+               "--dashboard-port", "-1"], proc_env)
+    assert run.wait(60) == 2, run.output
+    assert "transform" in run.output and "nope" in run.output
