@@ -1057,7 +1057,8 @@ AVAILABLE_FIELDS: frozenset[str] = frozenset({
     "eval_every_epochs", "reports_per_epoch", "record_log_dir", "max_log_size", "dashboard_html", "dashboard_theme",
     "scalar_reductions", "timeline",
     # the data plane
-    "augment", "epoch_splits", "transform",
+    "augment", "epoch_splits", "transform", "vram_pool", "vram_max_usage", "ram_max_usage", "gpu_ram_share",
+    "sample_cache", "disk_stage_gb", "disk_stage_dir",
 })
 #: Modes this version can run: all six.
 AVAILABLE_MODES: frozenset[ElCheMode] = frozenset(ElCheMode)

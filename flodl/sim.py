@@ -216,7 +216,7 @@ class SimWorker:
                 loss_sum=sum(r[2] for r in per_epoch.values()), compute_ms=sum(r[3] for r in per_epoch.values()),
                 data_ms=0.0, sync_ms=0.1, divergence=0.01 if cmd.measure_divergence else None, pre_norm=None,
                 post_norm=None, lr=0.1, epochs=[[float(e), *row] for e, row in sorted(per_epoch.items())], scalars={},
-                regrouped_at=-1, res={},
+                regrouped_at=-1, res={}, data={},
             )
         )
         return step

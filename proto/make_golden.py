@@ -58,7 +58,7 @@ SAMPLES = [
     m.WindowDone(
         rank=1, window=7, batches=3, consumed=96, loss_sum=1.5, compute_ms=30.0, data_ms=1.0, sync_ms=2.0,
         divergence=0.03125, pre_norm=12.0, post_norm=11.5, lr=0.01, epochs=[[2.0, 2.0, 64.0, 1.0, 20.0, 0.5], [3.0, 1.0, 32.0, 0.5, 10.0, 0.5]], scalars={}, regrouped_at=-1,
-        res={"gpu_util": 87.5, "vram_alloc": 1 << 30, "cpu_util": 12.0},
+        res={"gpu_util": 87.5, "vram_alloc": 1 << 30, "cpu_util": 12.0}, data={"ram_hits": 90, "source_fetches": 6, "ram_bytes": 1 << 20},
     ),
     m.Regroup(generation=2, members=[0, 2], store_prefix="golden-run/gen2", reason="rank 1 on host node-b (pid 4300) was killed by SIGKILL",
               sync_from=-1, first_round=-1),

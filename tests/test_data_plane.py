@@ -166,3 +166,99 @@ def test_a_transform_that_cannot_be_imported_stops_the_run_naming_it(proc_env):
                "--dashboard-port", "-1"], proc_env)
     assert run.wait(60) == 2, run.output
     assert "transform" in run.output and "nope" in run.output
+
+
+def _slow_run(proc_env, tmp_path, *extra, func="slow_data_task", epochs=4):
+    path = tmp_path / "s.json"
+    run = Run(["--task", task_spec("tiny.py", func), "--nproc-per-node", "2", "--epochs", str(epochs), "--dashboard-port", "-1",
+               "--summary-json", str(path), *extra], {**proc_env, "FLODL_TEST_ITEM_MS": "0.2"})
+    code = run.wait(90)
+    return code, run, json.loads(path.read_text()) if path.exists() else None
+
+
+def _trained(summary, rank):
+    return next(r["samples"] for r in summary["per_rank"] if r["rank"] == rank)
+
+
+def test_the_ram_cache_reads_each_sample_once_per_rank(proc_env, tmp_path):
+    code, run, summary = _slow_run(proc_env, tmp_path, "--record-log-dir", str(tmp_path / "logs"))
+    assert code == 0, run.output
+    from flodl.monitor.reader import load
+
+    leaf = [r for r in load(tmp_path / "logs")["root/rank0"] if r.get("epoch_complete")]
+    assert leaf[-1]["metrics"]["cache_hit_rate"] > leaf[0]["metrics"].get("cache_hit_rate", 0.0)  # it warms up
+    assert leaf[-1]["metrics"]["staged_bytes"] > 0
+    for rank in ("0", "1"):
+        row = summary["data"][rank]
+        assert 0 < row["source_fetches"] <= 512  # never the same sample twice from the dataset
+        assert row["ram_hits"] + row["source_fetches"] >= _trained(summary, int(rank))  # every sample trained came from somewhere
+        assert row["ram_hits"] > 0 and row["ram_bytes"] > 0 and row["disk_hits"] == 0
+
+
+def test_the_disk_stage_serves_when_ram_retention_is_off(proc_env, tmp_path):
+    code, run, summary = _slow_run(proc_env, tmp_path, "--ram-max-usage", "0", "--disk-stage-gb", "1", "--disk-stage-dir", str(tmp_path))
+    assert code == 0, run.output
+    for rank in ("0", "1"):
+        row = summary["data"][rank]
+        assert row["ram_hits"] == 0 and row["ram_bytes"] == 0
+        assert row["disk_hits"] > 0 and row["disk_bytes"] > 0 and row["source_fetches"] <= 512
+    assert not list(tmp_path.glob("flodl-stage-*"))  # the pack files went with their ranks
+
+
+def test_without_the_sample_cache_every_sample_comes_from_the_dataset(proc_env, tmp_path):
+    code, run, summary = _slow_run(proc_env, tmp_path, "--no-sample-cache", epochs=2)
+    assert code == 0, run.output
+    for rank in (0, 1):
+        row = summary["data"][str(rank)]
+        assert row["ram_hits"] == row["disk_hits"] == 0
+        assert row["source_fetches"] >= _trained(summary, rank)
+
+
+def test_a_sample_that_cannot_be_read_stops_the_run_naming_its_index(proc_env, tmp_path):
+    code, run, _ = _slow_run(proc_env, tmp_path, func="broken_data_task", epochs=1)
+    assert code == 4, run.output
+    assert "dataset[77] raised OSError: corrupt record 77" in run.output
+
+
+# ---------------------------------------------------------------- cache warmer
+
+
+def test_the_warmer_reads_what_is_not_held_until_the_tiers_are_full():
+    from flodl.rank.prefetch import CacheWarmer
+    from flodl.rank.staging import RamCache, TieredSamples
+
+    reads: list[int] = []
+
+    def read(i):
+        reads.append(i)
+        return torch.full((256,), float(i))  # 1 KiB each
+
+    tiers = TieredSamples(read, vram=None, ram=RamCache(40 * 1024), disk=None)
+    tiers.get(3)  # already read by training
+    warmer = CacheWarmer(tiers.get, range(100), held=tiers.holds, full=tiers.full, threads=2)
+    warmer.start()
+    for thread in warmer._threads:
+        thread.join(10.0)
+    assert reads.count(3) == 1  # held samples are not read again
+    assert tiers.full() and 0 < tiers.stats()["ram"]["bytes"] <= 40 * 1024
+    assert len(reads) < 100  # it stopped once the cache refused more
+
+
+def test_the_warmer_stops_quietly_at_a_broken_sample_and_on_request():
+    from flodl.rank.prefetch import CacheWarmer
+
+    seen: list[int] = []
+
+    def read(i):
+        if i == 5:
+            raise OSError("corrupt")
+        seen.append(i)
+
+    warmer = CacheWarmer(read, range(50), held=lambda i: False, full=lambda: False, threads=1)
+    warmer.start()
+    warmer._threads[0].join(5.0)
+    assert seen == [0, 1, 2, 3, 4] and warmer.warmed == 5
+    endless = CacheWarmer(lambda i: None, iter(int, 1), held=lambda i: False, full=lambda: False, threads=2)
+    endless.start()
+    endless.stop(timeout_s=5.0)
+    assert not any(t.is_alive() for t in endless._threads)

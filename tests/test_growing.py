@@ -34,7 +34,7 @@ def _report(loop: CadenceLoop, number: int, ms_per_batch: dict[int, float]) -> N
                                      compute_ms=batches * ms_per_batch[rank], data_ms=0.0, sync_ms=1.0, divergence=None,
                                      pre_norm=None, post_norm=None, lr=0.1,
                                      epochs=[[float(e), batches, plan.samples, batches * 0.5, batches * ms_per_batch[rank], 0.0] for e in epochs[:1]],
-                                     scalars={}, regrouped_at=-1, res={})
+                                     scalars={}, regrouped_at=-1, res={}, data={})
     loop.on_reports(number, reports, now=float(number + 1))
 
 

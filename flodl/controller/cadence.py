@@ -162,7 +162,9 @@ class CadenceLoop:
         and the anchor. Joiners are numbered above every rank the run ever had,
         so ElChe's per-rank lists only grow at the end.
         """
-        joined = sorted(set(joined) - set(self.ranks))
+        if set(joined) & set(self.ranks):
+            raise ValueError(f"ranks {sorted(set(joined) & set(self.ranks))} are already in the plans")
+        joined = sorted(joined)
         if not joined:
             return
         if joined[0] < max(self.ranks):

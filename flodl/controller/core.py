@@ -117,6 +117,7 @@ class Controller:
         self.rank_rates: dict[int, float] = {}  # rank -> samples since the last progress line
         self._rates_at = 0.0
         self._drops_seen = 0  # dropped control frames already alerted
+        self.data_stats: dict[int, dict[str, int]] = {}  # rank -> staging-tier totals (hits, fetches, bytes held)
         self.resume_meta: dict | None = None  # the bundle sidecar this run continues from
         self.shutdown_save: tuple[str, int] | None = None  # ShutdownWithSave: (stem, writer rank)
         self._storage_reminded = False
@@ -244,7 +245,7 @@ class Controller:
             run_id=self.run_id,
             mode=str(self.config.elche.mode.name),
             task=self.launch.task,
-            ranks=[f"rank{r.rank} {r.device}@{r.host}" for r in sorted(self.members.ranks.values(), key=lambda r: r.rank)],
+            ranks=[f"rank{r.rank} {r.device}@{r.host}" for r in sorted(self.members.ranks.values(), key=lambda r: r.rank) if r.rank not in self.joiners],
             dataset_len=info.dataset_len,
             batch_size=info.batch_size,
             epochs=self.total_epochs,
@@ -274,7 +275,7 @@ class Controller:
         while the current one trains (two in flight): ranks never wait for the
         average, so they must never wait for their next plan either.
         """
-        ranks = sorted(self.members.ranks)
+        ranks = self._training_ranks()  # workers that arrived while these started join at a boundary
         self.cadence = loop = CadenceLoop(
             self.config, ranks, dataset_len=self.task_info.dataset_len, batch_size=self.task_info.batch_size,
             epochs=self.total_epochs, seed=self._seed(), global_step=self.global_step, schedule=self.schedule,
@@ -735,6 +736,10 @@ class Controller:
 
     def _h_window_done(self, identity: bytes, env: Envelope, msg: m.WindowDone) -> None:
         self.window_reports.setdefault(msg.window, {})[msg.rank] = msg
+        if msg.data:
+            row = self.data_stats.setdefault(msg.rank, {})
+            for key, value in msg.data.items():  # hits and fetches add up; bytes held are the latest
+                row[key] = int(value) if key.endswith("_bytes") else row.get(key, 0) + int(value)
         if self.cadence is not None:
             self.monitor.window_done(msg, started_s=self.cadence.started.get(msg.window), arrived_s=self.clock())
         self._changed.set()
@@ -1104,6 +1109,7 @@ class Controller:
             "joins": self.joins,
             "checkpoints": self.checkpoints.written,
             "regranted_samples": self.cadence.regranted if self.cadence else 0,
+            "data": {str(r): row for r, row in sorted(self.data_stats.items())},
             "resumed_from": self.config.resume_from and str(self.config.resume_from),
             "final_digests": {str(r): d for r, d in sorted(self.final_digests.items())},
             "generation": self.members.generation,

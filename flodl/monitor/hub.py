@@ -17,7 +17,7 @@ import logging
 import time
 from typing import Any, Callable, Mapping
 
-from ..config import DdpRunConfig
+from ..config import DdpRunConfig, Reduction
 from ..metrics import EpochStats
 from ..protocol import messages as m
 from .archive import write_archive
@@ -55,7 +55,8 @@ class Monitor:
                  dashboard: tuple[str, int] | None = None) -> None:
         self.config = config
         self.say = say
-        self.reductions = config.scalar_reduction_map
+        # the engine's own non-core keys, then the user's declarations (which win)
+        self.reductions = {"staged_bytes": Reduction.SUM, **config.scalar_reduction_map}
         self.feed = Feed()
         self.log = RecordLog(config.record_log_dir, config.effective_max_log_size) if config.record_log_dir else None
         self.timeline: Timeline = Timeline(clock=clock) if config.timeline else NullTimeline(clock=clock)
@@ -65,6 +66,7 @@ class Monitor:
         self.paths: dict[int, str] = {}
         self.hosts: dict[int, str] = {}
         self.res: dict[int, dict] = {}  # rank -> its latest resource summary
+        self.data: dict[int, list[int]] = {}  # rank -> [tier hits, source fetches, bytes held] since the last epoch record
         self.reporter: SubEpochReporter | None = None
         self.epoch_batches: dict[int, int] = {}  # epoch -> batches trained so far (sub-epoch reports)
         self.report_epoch = -1
@@ -120,6 +122,11 @@ class Monitor:
         """A rank's window report: its spans on the timeline, its resources kept."""
         if report.res:
             self.res[report.rank] = dict(report.res)
+        if report.data:
+            acc = self.data.setdefault(report.rank, [0, 0, 0])
+            acc[0] += sum(int(report.data.get(f"{t}_hits", 0)) for t in ("vram", "ram", "disk"))
+            acc[1] += int(report.data.get("source_fetches", 0))
+            acc[2] = sum(int(report.data.get(f"{t}_bytes", 0)) for t in ("vram", "ram", "disk"))
         track = (rank_track(report.rank), "train")
         sync_s = report.sync_ms / 1000.0
         if started_s is not None and arrived_s - sync_s > started_s:
@@ -162,6 +169,10 @@ class Monitor:
         if report.batches:
             metrics.update(loss=report.loss_sum / report.batches, compute_only_ms=report.compute_ms / report.batches,
                            data_starve=report.data_ms / busy_ms if busy_ms > 0 else 0.0)
+        if report.data:
+            metrics.update(_data_metrics(sum(int(report.data.get(f"{t}_hits", 0)) for t in ("vram", "ram", "disk")),
+                                         int(report.data.get("source_fetches", 0)),
+                                         sum(int(report.data.get(f"{t}_bytes", 0)) for t in ("vram", "ram", "disk"))))
         if busy_ms > 0:
             metrics["throughput"] = report.consumed * 1000.0 / busy_ms
         return node_record(self.paths[report.rank], metrics=metrics, work=float(report.batches), alive=True, ts_ms=ts,
@@ -169,7 +180,10 @@ class Monitor:
 
     def epoch_done(self, stats: EpochStats, *, alive: set[int], now_s: float) -> None:
         """An epoch is trained, averaged and (if due) scored: its records, one per node."""
-        records = epoch_records(stats, self.paths, self.reductions, ts_ms=wall_ms(), alive=alive, res=self.res)
+        extra = {rank: _data_metrics(*acc) for rank, acc in self.data.items()}
+        for acc in self.data.values():
+            acc[0] = acc[1] = 0  # hit rates are per epoch; bytes held carry on
+        records = epoch_records(stats, self.paths, self.reductions, ts_ms=wall_ms(), alive=alive, res=self.res, extra=extra)
         if records and self.anchor is not None:
             records[0]["metrics"]["anchor"] = self.anchor
         for record in records:
@@ -221,3 +235,11 @@ class Monitor:
         self.feed.publish(record)
         if self.log is not None:
             self.log.write(record)
+
+
+def _data_metrics(hits: int, fetches: int, held: int) -> dict[str, float]:
+    """The staging tiers as metrics: the share of samples served from a tier, and bytes staged."""
+    out: dict[str, float] = {"staged_bytes": float(held)}
+    if hits + fetches:
+        out["cache_hit_rate"] = hits / (hits + fetches)
+    return out

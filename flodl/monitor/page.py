@@ -182,6 +182,7 @@ const ARCHIVE_THEME=null;
     <th>rank</th><th>dev</th><th>state</th><th>samples/s</th><th>share</th><th>loss</th><th>starve</th></tr></thead><tbody></tbody></table></div></section>
   <section class="card" data-optional="sync"><h2>Anchor &amp; syncs <small>dashed: syncs (right axis)</small></h2><div class="chart" id="chart-sync"></div></section>
   <section class="card"><h2>Data starvation <small>per rank</small></h2><div class="chart" id="chart-starve"></div></section>
+  <section class="card" data-optional="cache"><h2>Sample cache <small>share served by the staging tiers</small></h2><div class="chart" id="chart-cache"></div></section>
   <section class="card" data-optional="gpu"><h2>GPU utilisation <small>% per rank</small></h2><div class="chart" id="chart-gpu"></div></section>
   <section class="card" data-optional="vram"><h2>VRAM allocated <small>GiB per rank &middot; axis top: VRAM size</small></h2><div class="chart" id="chart-vram"></div></section>
   <section class="card" data-optional="cpu"><h2>Host CPU <small>% per rank</small></h2><div class="chart" id="chart-cpu"></div></section>
@@ -532,6 +533,8 @@ function renderResources(ls, tu, tm, shown) {
   shown.gpu = drawChart("chart-gpu", Object.assign({yLabel: "GPU %", yMin: 0, series: perRank(ls, "gpu_util", (r) => res(r, "gpu_util"), tu, true)}, tm));
   shown.vram = drawChart("chart-vram", Object.assign({yLabel: "GiB", yMin: 0, yMax: vramTotal ? vramTotal / GIB : undefined,
     series: perRank(ls, "vram", (r) => { const v = res(r, "vram_alloc"); return v === null ? null : v / GIB; }, tu, true)}, tm));
+  shown.cache = drawChart("chart-cache", Object.assign({yLabel: "hit rate", yMin: 0, yMax: 1, yFmt: pct,
+    series: perRank(ls, "cache_hit_rate", (r) => metric(r, "cache_hit_rate"), tu)}, tm));
   shown.cpu = drawChart("chart-cpu", Object.assign({yLabel: "CPU %", yMin: 0, series: perRank(ls, "cpu_util", (r) => res(r, "cpu_util"), tu, true)}, tm));
   shown.rss = drawChart("chart-rss", Object.assign({yLabel: "GiB", yMin: 0,
     series: perRank(ls, "rss", (r) => { const v = res(r, "rss_bytes"); return v === null ? null : v / GIB; }, tu, true)}, tm));

@@ -373,6 +373,7 @@ def epoch_records(
     res: Mapping[int, Mapping[str, float | None]] | None = None,
     labels: Mapping[int, str] | None = None,
     devices: Mapping[int, int] | None = None,
+    extra: Mapping[int, Mapping[str, float]] | None = None,
 ) -> list[dict]:
     """Every record of one epoch boundary, root first, all ``epoch_complete``.
 
@@ -380,12 +381,14 @@ def epoch_records(
     (``rank_paths``); ``alive`` defaults to the ranks present in ``stats``.
     The root additionally gets the controller's own numbers where the rollup
     produced no such key: ``loss`` = avg_loss, the aggregated scalars, and
-    always ``eval`` (when evaluated) and ``syncs``.
+    always ``eval`` (when evaluated) and ``syncs``. ``extra`` adds per-rank
+    metrics measured elsewhere (the data plane's hit rates), rolled up like the rest.
     """
     live = set(stats.per_rank) if alive is None else set(alive)
     leaves = []
     for rank, path in sorted(paths.items()):
         metrics, work = epoch_leaf_metrics(stats, rank, reductions)
+        metrics.update((extra or {}).get(rank, {}))
         leaves.append(node_record(
             path, metrics=metrics, work=work, alive=rank in live, ts_ms=ts_ms, epoch=stats.epoch,
             epoch_complete=True, label=(labels or {}).get(rank), res=(res or {}).get(rank),

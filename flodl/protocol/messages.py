@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 @dataclass(slots=True)
@@ -332,6 +332,8 @@ class WindowDone:
     """the window's averaging round that was redone in a new generation because a peer died (-1: none); the dead rank's batches before it are in the consensus"""
     res: dict[str, Any]
     """the rank's machine gauges over the window (gpu_util, gpu_util_max, vram_alloc, vram_alloc_max, vram_total, cpu_util, rss_bytes; present ones only)"""
+    data: dict[str, Any]
+    """the rank's data plane over the window: hits per staging tier (vram_hits, ram_hits, disk_hits), source_fetches, bytes held per tier (vram_bytes, ram_bytes, disk_bytes); empty for in-memory datasets"""
 
 
 @dataclass(slots=True)
@@ -475,7 +477,7 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     17: ('Ping', Ping, (('nonce', 'int'), ('sent_at', 'float'),)),
     18: ('Pong', Pong, (('nonce', 'int'), ('sent_at', 'float'),)),
     19: ('Window', Window, (('window', 'int'), ('global_step', 'int'), ('grants', 'list<list<int>>'), ('quota_batches', 'int'), ('quota_ms', 'float'), ('sync_every', 'int'), ('rounds', 'int'), ('measure_divergence', 'bool'),)),
-    20: ('WindowDone', WindowDone, (('rank', 'int'), ('window', 'int'), ('batches', 'int'), ('consumed', 'int'), ('loss_sum', 'float'), ('compute_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'), ('divergence', 'opt<float>'), ('pre_norm', 'opt<float>'), ('post_norm', 'opt<float>'), ('lr', 'opt<float>'), ('epochs', 'list<list<float>>'), ('scalars', 'map<str,list<float>>'), ('regrouped_at', 'int'), ('res', 'map<str,value>'),)),
+    20: ('WindowDone', WindowDone, (('rank', 'int'), ('window', 'int'), ('batches', 'int'), ('consumed', 'int'), ('loss_sum', 'float'), ('compute_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'), ('divergence', 'opt<float>'), ('pre_norm', 'opt<float>'), ('post_norm', 'opt<float>'), ('lr', 'opt<float>'), ('epochs', 'list<list<float>>'), ('scalars', 'map<str,list<float>>'), ('regrouped_at', 'int'), ('res', 'map<str,value>'), ('data', 'map<str,value>'),)),
     21: ('EndWindow', EndWindow, (('window', 'int'),)),
     22: ('Snapshot', Snapshot, (('rank', 'int'), ('round', 'int'), ('weight', 'float'), ('groups', 'list<str>'), ('dtypes', 'list<str>'), ('numels', 'list<int>'), ('bucket', 'int'), ('start', 'int'), ('count', 'int'),)),
     23: ('Update', Update, (('round', 'int'), ('aborted', 'bool'), ('ranks', 'int'), ('groups', 'list<str>'), ('dtypes', 'list<str>'), ('numels', 'list<int>'), ('bucket', 'int'), ('start', 'int'), ('count', 'int'),)),

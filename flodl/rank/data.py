@@ -13,6 +13,7 @@ sample is broken.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 import torch
@@ -35,6 +36,9 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 
 Transform = Callable[[Any, list[PickKey]], Any]
+
+#: Threads reading one batch's samples in parallel through the staging tiers.
+READERS = 8
 
 
 class BatchSource:
@@ -59,6 +63,8 @@ class BatchSource:
         self.schedule = schedule or Schedule(self.length)
         self.transform = transform
         self.tiers = tiers  # staging.TieredSamples, or None: straight from the dataset
+        self.device: torch.device | None = None  # set once a VRAM pool may hand back device-resident samples
+        self._readers: ThreadPoolExecutor | None = None  # parallel dataset reads (staged path), made on first use
         self._tensors = dataset.tensors if isinstance(dataset, TensorDataset) and collate_fn is None else None
         self._perms: dict[int, torch.Tensor] = {}
 
@@ -134,7 +140,10 @@ class BatchSource:
             return tuple(t[idx] for t in self._tensors)
         ids = idx.tolist()
         if self.tiers is not None:
-            return self.collate([self._one(i) for i in ids])
+            samples = self._staged(ids)
+            if self.device is not None:  # some came from the VRAM pool: collate them all on the device
+                samples = [to_device(sample, self.device) for sample in samples]
+            return self.collate(samples)
         getitems = getattr(self.dataset, "__getitems__", None)
         if getitems is not None:
             try:
@@ -142,6 +151,21 @@ class BatchSource:
             except Exception:
                 pass  # fall back to one sample at a time to name the culprit
         return self.collate([self._one(i) for i in ids])
+
+    def _staged(self, ids: list[int]) -> list[Any]:
+        """A batch's samples through the tiers: hits in this thread, misses read in parallel.
+
+        Reads are I/O (files, decoders that release the GIL), so a batch's misses
+        overlap like a DataLoader's workers; a hit is a dictionary lookup, cheaper
+        than handing it to a thread. ``map`` keeps the order and raises the first failure.
+        """
+        misses = [k for k, i in enumerate(ids) if not self.tiers.holds(i)]
+        if len(misses) < 2:
+            return [self._one(i) for i in ids]
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="flodl-read")
+        read = dict(zip(misses, self._readers.map(self._one, [ids[k] for k in misses])))
+        return [read[k] if k in read else self._one(i) for k, i in enumerate(ids)]
 
     def _one(self, i: int) -> Any:
         try:

@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils.data import TensorDataset
 
 from .. import __version__, scalars
 from ..checkpoint import CheckpointBundle, CheckpointError, load_model, load_optimizer
 from ..config import AverageBackend, DdpRunConfig
-from ..env import RankEnv, simulated_slowdown
+from ..env import RankEnv, simulated_slowdown, vram_pool_disabled
 from ..faults import FaultPlan
 from ..monitor.resources import ResourceSampler
 from ..errors import (
@@ -53,10 +54,15 @@ from .cpu_average import BulkLink, CpuAverager
 from .flat import Averaged, FlatModel, model_digest
 from .saving import checkpoint, emergency_save
 from .data import BatchSource, to_device
+from .prefetch import CacheWarmer, Prefetcher
+from .staging import DiskStage, RamCache, TieredSamples, VramPool, ram_budget, vram_budget
 from .handle import LrState, WorkerHandle
 from .link import ControllerLink
 
 log = logging.getLogger(__name__)
+
+#: Batches fetched ahead of training, for datasets not already in memory.
+PREFETCH_DEPTH = 4
 
 
 class _Stop(Exception):
@@ -159,6 +165,8 @@ class RankRunner:
         self.slowdown = simulated_slowdown(env.rank)
         self.faults = FaultPlan.from_env(env.rank)  # tests and benchmarks only (FLODL_INJECT_FAULT)
         self.resources = ResourceSampler([env.device])  # gauges for the monitor, summarised per window
+        self._data_seen: dict[str, int] = {}  # staging-tier counters already reported
+        self.warmer: CacheWarmer | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -176,6 +184,10 @@ class RankRunner:
             if isinstance(self.averager, CpuAverager):
                 self.averager.bulk.close()
             self.resources.close()
+            if self.warmer is not None:
+                self.warmer.stop()
+            if self.source is not None and self.source.tiers is not None and self.source.tiers.disk is not None:
+                self.source.tiers.disk.close()
             self.link.close()
 
     def _run(self) -> int:
@@ -320,17 +332,15 @@ class RankRunner:
     # ---------------------------------------------------------------- setup
 
     def _build(self) -> m.RankHello:
-        if self.device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
-            # co-hosted CPU ranks share the cores instead of each grabbing all of
-            # them; an explicit OMP_NUM_THREADS (the usual knob) wins
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.env.local_world)))
-        elif self.device.type == "cuda":
+        if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             # a collective NCCL gives up on must raise in this rank, not kill it: the
             # survivors of a dead peer rebuild their group and go on (2 = clean up only)
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         task = self.task = load_task(self.env.task)
         dataset = task.build_dataset()
+        if self.device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
+            torch.set_num_threads(cpu_threads(os.cpu_count() or 1, self.env.local_world, staged=not isinstance(dataset, TensorDataset)))
         self.model = task.model().to(self.device)
         return m.RankHello(
             rank=self.rank,
@@ -405,7 +415,29 @@ class RankRunner:
             except TaskError as exc:
                 raise _UserError("config", TaskError(f"transform: {exc}")) from exc
         schedule = Schedule(len(dataset), config.augment, config.epoch_splits)
-        return BatchSource(dataset, self.task.batch_size, seed=seed, collate_fn=self.task.collate_fn, schedule=schedule, transform=transform)
+        source = BatchSource(dataset, self.task.batch_size, seed=seed, collate_fn=self.task.collate_fn, schedule=schedule, transform=transform)
+        if not source.in_memory:  # a tensor dataset is already in memory: nothing to stage
+            source.tiers = self._staging_tiers(config, dataset)
+        return source
+
+    def _staging_tiers(self, config: DdpRunConfig, dataset: Any) -> TieredSamples:
+        """RAM cache (pinned on CUDA ranks) and disk stage now; the VRAM pool after the
+        first step, when what the model and its activations take is known."""
+        budget = ram_budget(config.ram_max_usage, self.env.local_world) if config.sample_cache else 0
+        ram = RamCache(budget, pin=self.device.type == "cuda") if budget > 0 else None
+        disk = DiskStage(config.disk_stage_dir, config.disk_stage_gb * 10**9) if config.disk_stage_gb > 0 else None
+        return TieredSamples(dataset.__getitem__, vram=None, ram=ram, disk=disk)
+
+    def _open_vram_pool(self) -> None:
+        """After the first step: keep samples in the VRAM left under ``vram_max_usage``."""
+        tiers, config = self.source.tiers if self.source is not None else None, self.config
+        if tiers is None or self.device.type != "cuda" or not config.vram_pool:
+            return
+        budget = vram_budget(self.device, max_usage=config.vram_max_usage, gpu_ram_share=config.gpu_ram_share,
+                             kill_switch=vram_pool_disabled())
+        if budget > 0:
+            tiers.vram = VramPool(self.device, budget)
+            self.source.device = self.device  # samples may now live on the device: collate them there
 
     # ------------------------------------------------------------- training
 
@@ -413,6 +445,7 @@ class RankRunner:
         """Train granted positions until a quota, average, and report (progressive dispatch)."""
         self.global_step = window.global_step
         self._maybe_regroup()  # a membership change announced between windows (a rank joined)
+        self._start_warmer()
         stats = self._run_rounds(
             window.grants, rounds=window.rounds, sync_every=window.sync_every, quota_batches=window.quota_batches,
             quota_ms=window.quota_ms, measure=window.measure_divergence, window=window.window,
@@ -425,9 +458,33 @@ class RankRunner:
                 divergence=last.divergence if last else None, pre_norm=last.pre_norm if last else None,
                 post_norm=last.post_norm if last else None, lr=self.lr.current,
                 epochs=[[float(e), *row] for e, row in sorted(stats.per_epoch.items())], scalars=scalars.drain(),
-                regrouped_at=stats.regrouped_at, res=self.resources.summary(),
+                regrouped_at=stats.regrouped_at, res=self.resources.summary(), data=self._data_stats(),
             )
         )
+
+    def _start_warmer(self) -> None:
+        """Once the first window trained: read the rest of the dataset into the tiers in the background."""
+        tiers = self.source.tiers
+        if self.warmer is not None or tiers is None or self.step_count == 0 or tiers.full():
+            return
+        order = torch.randperm(self.source.length, generator=torch.Generator().manual_seed(self.source.seed + 7919 * self.rank))
+        self.warmer = CacheWarmer(tiers.get, order.tolist(), held=tiers.holds, full=tiers.full)
+        self.warmer.start()
+
+    def _data_stats(self) -> dict[str, int]:
+        """The staging tiers over the last window: hits and source fetches (deltas), bytes held now."""
+        tiers = self.source.tiers
+        if tiers is None:
+            return {}
+        now = tiers.stats()
+        out: dict[str, int] = {}
+        for name in ("vram", "ram", "disk"):
+            out[f"{name}_hits"] = now[name]["hits"] - self._data_seen.get(f"{name}_hits", 0)
+            out[f"{name}_bytes"] = int(now[name]["bytes"])
+        out["source_fetches"] = now["source"]["fetches"] - self._data_seen.get("source_fetches", 0)
+        self._data_seen = {k: now[k.split("_")[0]]["hits"] for k in ("vram_hits", "ram_hits", "disk_hits")}
+        self._data_seen["source_fetches"] = now["source"]["fetches"]
+        return out
 
     def _run_rounds(
         self,
@@ -448,7 +505,16 @@ class RankRunner:
         joins the remaining averages with weight zero, so no peer waits forever.
         """
         stats = RoundStats()
-        batches = self.source.window_batches(grants)
+        prefetch = None if self.source.in_memory else Prefetcher(self.source.window_batches(grants), depth=PREFETCH_DEPTH)
+        try:
+            return self._rounds(stats, iter(prefetch) if prefetch is not None else self.source.window_batches(grants), rounds=rounds, sync_every=sync_every,
+                                quota_batches=quota_batches, quota_ms=quota_ms, measure=measure, window=window)
+        finally:
+            if prefetch is not None:
+                prefetch.close()
+
+    def _rounds(self, stats: "RoundStats", batches: Any, *, rounds: int, sync_every: int, quota_batches: int,
+                quota_ms: float, measure: bool, window: int | None) -> "RoundStats":
         start = time.perf_counter()
         self.model.train()  # once per window, not per step: it walks every module
         exhausted = False
@@ -598,6 +664,8 @@ class RankRunner:
             time.sleep(compute_ms * (self.slowdown - 1.0) / 1000.0)
             compute_ms *= self.slowdown
         self.step_count += 1
+        if self.step_count == 1:
+            self._open_vram_pool()
         self.global_step += 1
         self.link.step = self.step_count
         return value, compute_ms
@@ -637,6 +705,22 @@ class RankRunner:
                 error=error,
             )
         )
+
+
+def cpu_threads(cores: int, local_world: int, *, staged: bool) -> int:
+    """Intra-op threads of a CPU rank: its share of the host's cores.
+
+    Co-hosted ranks share the cores instead of each grabbing all of them (an
+    explicit OMP_NUM_THREADS wins). A rank whose data goes through the staging
+    tiers also runs the prefetcher, the parallel readers and the cache warmer:
+    it leaves them a core or two, because an OpenMP team that loses a core to
+    them waits at every barrier for the descheduled thread (measured on 16
+    cores: a warm epoch 15x slower with all 16 threads busy).
+    """
+    share = max(1, cores // max(1, local_world))
+    if staged:
+        share -= 2 if share >= 8 else 1 if share >= 4 else 0
+    return max(1, share)
 
 
 def _is_collective_error(exc: RuntimeError) -> bool:

@@ -111,3 +111,35 @@ def jitter(rows, keys):
     x, y = rows
     noise = torch.stack([torch.randn(x.shape[1:], generator=torch.Generator().manual_seed(k.seed())) for k in keys])
     return x + 0.01 * noise, y
+
+
+class SlowDataset(torch.utils.data.Dataset):
+    """The tiny task's data behind a ``__getitem__`` that costs FLODL_TEST_ITEM_MS (a file read, a decode)."""
+
+    def __init__(self, n: int = 512, raise_at: int | None = None):
+        self.x, self.y = _data(n, 0)
+        self.raise_at = raise_at
+        self.delay = float(os.environ.get("FLODL_TEST_ITEM_MS", "0.5") or 0) / 1000.0
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        if i == self.raise_at:
+            raise OSError(f"corrupt record {i}")
+        time.sleep(self.delay)
+        return self.x[i], self.y[i]
+
+
+def slow_data_task():
+    """The tiny task whose samples cost time to read: the staging tiers' case."""
+    t = task()
+    t.dataset = SlowDataset()
+    return t
+
+
+def broken_data_task():
+    """Sample 77 cannot be read."""
+    t = task()
+    t.dataset = SlowDataset(raise_at=77)
+    return t
