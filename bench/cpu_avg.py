@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import multiprocessing as mp
-import os
 import statistics
 import sys
 import threading

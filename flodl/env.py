@@ -38,15 +38,25 @@ def read_run_credentials() -> tuple[bytes | None, str | None]:
         ValueError: FLODL_RUN_SECRET is set but is not hex of at least 16 bytes.
     """
     raw = os.environ.get(RUN_SECRET)
-    secret = None
-    if raw:
-        try:
-            secret = bytes.fromhex(raw)
-        except ValueError:
-            raise ValueError(f"{RUN_SECRET} must be hex") from None
-        if len(secret) < 16:
-            raise ValueError(f"{RUN_SECRET} must hold at least 16 bytes (32 hex digits)")
+    secret = parse_run_secret(raw, RUN_SECRET) if raw else None
     return secret, os.environ.get(RUN_ID) or None
+
+
+def parse_run_secret(text: str, source: str) -> bytes:
+    """The run secret from its hex form; ``source`` names where it came from in errors.
+
+    The message never repeats ``text``: it is a secret, and errors end up in logs.
+
+    Raises:
+        ValueError: not hex, or fewer than 16 bytes.
+    """
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        raise ValueError(f"{source} must be hex") from None
+    if len(secret) < 16:
+        raise ValueError(f"{source} must hold at least 16 bytes (32 hex digits)")
+    return secret
 
 
 def credentials_env(secret: bytes, run_id: str) -> dict[str, str]:

@@ -79,4 +79,5 @@ EXIT_RANK_LOST = 3  # a rank died or went silent and the run was stopped
 EXIT_TASK_ERROR = 4  # the user's task raised on a rank
 EXIT_CONTROLLER_LOST = 5  # a worker or rank lost the controller
 EXIT_SAVED = 6  # the run could not go on (ranks lost); a bundle was saved: continue with --resume-from
+EXIT_LAUNCH_FAILED = 7  # the ssh launcher could not start the run (controller or a host failed at start)
 EXIT_INTERRUPTED = 130  # SIGINT / SIGTERM

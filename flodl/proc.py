@@ -37,6 +37,26 @@ def die_with_parent(expected_parent: int, sig: int = signal.SIGTERM) -> None:
         os._exit(1)
 
 
+def pdeathsig_preexec(sig: int = signal.SIGTERM):
+    """A ``preexec_fn`` that makes the child get ``sig`` when this process dies.
+
+    For children that are not Python (ssh) and so cannot call
+    ``die_with_parent`` themselves. libc is loaded here, in the parent:
+    only the bare ``prctl`` call runs in the forked child.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)  # the parent died between fork and prctl
+
+    return preexec
+
+
 async def terminate_then_kill(procs: list[asyncio.subprocess.Process], grace_s: float) -> None:
     """SIGTERM every live process, wait up to ``grace_s``, SIGKILL the rest, reap all."""
     live = [p for p in procs if p.returncode is None]
@@ -58,4 +78,15 @@ def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:
     try:
         proc.send_signal(sig)
     except ProcessLookupError:
+        pass
+
+
+async def nap(wake: asyncio.Event, timeout_s: float) -> None:
+    """Sleep up to ``timeout_s``, cut short by ``wake`` (cleared first): an actor loop's
+    pause between checks that a state change ends at once."""
+    wake.clear()
+    try:
+        async with asyncio.timeout(timeout_s):
+            await wake.wait()
+    except TimeoutError:
         pass

@@ -9,6 +9,11 @@ It never leaves an orphan: ranks die with their worker (PDEATHSIG), SIGTERM
 and SIGINT are forwarded to them (SIGTERM, a grace period, SIGKILL), and if
 the controller falls silent for the heartbeat timeout the worker stops its
 ranks and exits.
+
+Started by the ssh launcher (``--secret-from-stdin``), it reads the run's
+credentials from the first stdin line and then watches stdin: end-of-file
+means the launcher or its ssh session went away, and the worker stops its
+ranks and exits, the same as on SIGTERM.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 import asyncio
 import logging
 import os
+import select
 import signal
 import sys
 import time
@@ -26,9 +32,9 @@ import zmq
 
 from . import __version__
 from .devices import choose_devices
-from .env import PARENT_PID, RankEnv, child_environ, read_run_credentials
+from .env import PARENT_PID, RankEnv, child_environ, parse_run_secret, read_run_credentials
 from .errors import EXIT_CONFIG, EXIT_CONTROLLER_LOST, EXIT_INTERRUPTED, EXIT_OK, ConfigError
-from .proc import die_with_parent, terminate_then_kill
+from .proc import die_with_parent, nap, terminate_then_kill
 from .protocol import messages as m
 from .protocol.codec import Envelope
 from .protocol.messages import PROTOCOL_VERSION
@@ -47,17 +53,25 @@ CLEAN_GRACE_S = 30.0
 KILL_GRACE_S = 3.0
 #: After SIGTERM, a rank with save_path writes its replica before exiting: give it time.
 SAVE_KILL_GRACE_S = 15.0
+#: With --secret-from-stdin, how long to wait for the credentials line.
+DEFAULT_SECRET_TIMEOUT_S = 30.0
+#: The credentials line is ~80 bytes; anything this long is not one.
+_MAX_CREDENTIALS_LINE = 4096
 
 
 class Worker:
     """Supervises this host's rank processes on behalf of the controller."""
 
-    def __init__(self, controller: str, devices: list[str], secret: bytes, run_id: str, *, join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S) -> None:
+    def __init__(
+        self, controller: str, devices: list[str], secret: bytes, run_id: str, *,
+        join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S, watch_stdin: bool = False,
+    ) -> None:
         self.controller = controller
         self.devices = devices
         self.secret = secret
         self.run_id = run_id
         self.join_timeout_s = join_timeout_s
+        self.watch_stdin = watch_stdin  # stdin EOF = the launcher is gone: stop
         self.sender = f"worker.{host_name()}.{os.getpid()}"
         self.heartbeat_timeout_s = join_timeout_s
         self.endpoint: ControlEndpoint | None = None
@@ -113,6 +127,8 @@ class Worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        if self.watch_stdin:
+            loop.add_reader(sys.stdin.fileno(), self._on_stdin)
         try:
             async with asyncio.TaskGroup() as tg:
                 beat = tg.create_task(self._heartbeats())
@@ -120,12 +136,27 @@ class Worker:
                 beat.cancel()
             return code
         finally:
+            if self.watch_stdin:
+                loop.remove_reader(sys.stdin.fileno())
             await terminate_then_kill(list(self.procs.values()), KILL_GRACE_S)
             self.endpoint.io.sock.setsockopt(zmq.LINGER, 500)  # let the goodbye frames out
             self.endpoint.close()
 
     def _on_signal(self, sig: int) -> None:
         log.warning("%s received %s: stopping ranks", self.sender, signal.Signals(sig).name)
+        self._interrupted = True
+        self._wake.set()
+
+    def _on_stdin(self) -> None:
+        """stdin is readable: EOF means the launcher (or its ssh session) went away."""
+        try:
+            data = os.read(sys.stdin.fileno(), 4096)
+        except OSError:
+            data = b""
+        if data:
+            return  # nothing else is sent after the credentials; ignore it
+        asyncio.get_running_loop().remove_reader(sys.stdin.fileno())
+        log.warning("%s: stdin closed (the launcher went away): stopping ranks", self.sender)
         self._interrupted = True
         self._wake.set()
 
@@ -168,12 +199,7 @@ class Worker:
         return EXIT_INTERRUPTED if self._interrupted else EXIT_OK
 
     async def _wait(self, timeout_s: float) -> None:
-        self._wake.clear()
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._wake.wait()
-        except TimeoutError:
-            pass
+        await nap(self._wake, timeout_s)
 
     async def _heartbeats(self) -> None:
         while True:
@@ -196,7 +222,9 @@ class Worker:
                 heartbeat_timeout_s=welcome.heartbeat_timeout_s,
                 parent_pid=os.getpid(),
             )
-            proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "flodl.rank", env=child_environ(env.to_env()))
+            # with --secret-from-stdin, stdin is the launcher's line: ranks must not hold or read it
+            stdin = asyncio.subprocess.DEVNULL if self.watch_stdin else None
+            proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "flodl.rank", env=child_environ(env.to_env()), stdin=stdin)
             self.procs[rank] = proc
             tg.create_task(self._reap(rank, proc))
         log.info("%s spawned ranks %s on %s", self.sender, welcome.ranks, self.devices)
@@ -226,17 +254,63 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=None, help="number of ranks (default: one per visible GPU, else 1 CPU rank)")
     p.add_argument("--devices", default=None, help="explicit comma-separated devices, e.g. cuda:0,cuda:1 or cpu,cpu")
     p.add_argument("--join-timeout-secs", type=float, default=DEFAULT_JOIN_TIMEOUT_S, help="seconds to wait for the controller's welcome")
+    p.add_argument("--secret-from-stdin", action="store_true",
+                   help="read 'SECRET_HEX RUN_ID' from the first stdin line instead of FLODL_RUN_SECRET/FLODL_RUN_ID, "
+                        "then stop the ranks and exit when stdin closes (how python -m flodl.launcher starts workers over ssh)")
+    p.add_argument("--secret-timeout-secs", type=float, default=DEFAULT_SECRET_TIMEOUT_S,
+                   help="with --secret-from-stdin: seconds to wait for the credentials line")
     p.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING)")
     return p
+
+
+def read_stdin_credentials(fd: int, timeout_s: float) -> tuple[bytes, str]:
+    """The run secret and id from the first line on ``fd``: ``SECRET_HEX RUN_ID``.
+
+    Reads one byte at a time, unbuffered, so nothing after the newline is
+    consumed: the rest of stdin is watched for end-of-file afterwards.
+
+    Raises:
+        ConfigError: no full line within ``timeout_s``, EOF first, or a malformed line
+            (the message never repeats the line: it holds the secret).
+        ValueError: the secret is not hex of at least 16 bytes.
+    """
+    deadline = time.monotonic() + timeout_s
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise ConfigError("secret_from_stdin", f"no 'SECRET_HEX RUN_ID' line on stdin within {timeout_s:g} s")
+        byte = os.read(fd, 1)
+        if not byte:
+            raise ConfigError("secret_from_stdin", "stdin closed before the 'SECRET_HEX RUN_ID' line was complete")
+        line += byte
+        if len(line) > _MAX_CREDENTIALS_LINE:
+            raise ConfigError("secret_from_stdin", "the first stdin line is too long to be 'SECRET_HEX RUN_ID'")
+    fields = line.decode("ascii", "replace").split()
+    if len(fields) != 2:
+        raise ConfigError("secret_from_stdin", f"the first stdin line must be 'SECRET_HEX RUN_ID', got {len(fields)} field(s)")
+    return parse_run_secret(fields[0], "the stdin secret"), fields[1]
+
+
+def _credentials(args: argparse.Namespace) -> tuple[bytes, str]:
+    """From stdin (launcher) or the environment (controller, hand-started worker).
+
+    Raises:
+        ConfigError, ValueError: missing or malformed credentials.
+    """
+    if args.secret_from_stdin:
+        return read_stdin_credentials(sys.stdin.fileno(), args.secret_timeout_secs)
+    secret, run_id = read_run_credentials()
+    if secret is None or run_id is None:
+        raise ConfigError("FLODL_RUN_SECRET", "the worker needs FLODL_RUN_SECRET (hex) and FLODL_RUN_ID in its environment, as the controller or launcher sets them")
+    return secret, run_id
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="[worker] %(levelname)s %(message)s", stream=sys.stderr)
     try:
-        secret, run_id = read_run_credentials()
-        if secret is None or run_id is None:
-            raise ConfigError("FLODL_RUN_SECRET", "the worker needs FLODL_RUN_SECRET (hex) and FLODL_RUN_ID in its environment, as the controller or launcher sets them")
+        secret, run_id = _credentials(args)
         devices = choose_devices(args.nproc, args.devices)
     except (ConfigError, ValueError) as exc:
         print(f"flodl.worker: {exc}", file=sys.stderr)
@@ -244,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     parent = int(os.environ.get(PARENT_PID, "0") or 0)
     if parent:
         die_with_parent(parent)  # embedded in a controller: go when it goes
-    return _run_loop(Worker(args.controller, devices, secret, run_id, join_timeout_s=args.join_timeout_secs).run())
+    worker = Worker(args.controller, devices, secret, run_id, join_timeout_s=args.join_timeout_secs, watch_stdin=args.secret_from_stdin)
+    return _run_loop(worker.run())
 
 
 def _run_loop(coro: Any) -> int:

@@ -119,7 +119,7 @@ class Cluster:
                     proc.kill()
 
 
-@pytest.mark.parametrize("mode", ["nccl-cadence", "cpu-cadence", "nccl-sync"])
+@pytest.mark.parametrize("mode", ["nccl-cadence", "cpu-cadence"])
 def test_a_late_worker_joins_and_trains(proc_env, tmp_path, mode):
     """Two ranks start; a third host's worker arrives in epoch 2, is admitted at a
     window boundary with the consensus parameters, gets an ElChe share, and trains."""

@@ -11,7 +11,7 @@ import zmq
 
 from flodl.config import DdpRunConfig
 from flodl.controller import Controller, LaunchOptions
-from flodl.errors import EXIT_RANK_LOST, EXIT_TASK_ERROR, RunAborted
+from flodl.errors import EXIT_RANK_LOST, RunAborted
 from flodl.protocol import messages as m
 from flodl.protocol.codec import FrameWriter
 from flodl.sim import SimRankSpec, SimWorker

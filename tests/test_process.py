@@ -29,14 +29,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Run:
-    """A controller CLI process with its output captured line by line."""
+class Proc:
+    """A process under test with its output (stdout and stderr) captured line by line."""
 
-    def __init__(self, args: list[str], env: dict, cwd=ROOT) -> None:
-        self.proc = subprocess.Popen(
-            [PY, "-m", "flodl.controller", *args], env=env, cwd=cwd,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
+    def __init__(self, argv: list[str], env: dict, cwd=ROOT, *, stdin=None) -> None:
+        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -57,9 +54,26 @@ class Run:
             time.sleep(0.05)
 
     def wait(self, timeout: float = 60) -> int:
-        code = self.proc.wait(timeout)
+        """The exit code; a process still running after ``timeout`` is killed and the test fails."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"still running after {timeout} s; output:\n{self.output}") from None
         self._reader.join(5)
         return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class Run(Proc):
+    """A controller CLI process (``python -m flodl.controller ARGS``)."""
+
+    def __init__(self, args: list[str], env: dict, cwd=ROOT) -> None:
+        super().__init__([PY, "-m", "flodl.controller", *args], env, cwd)
 
     def tree(self) -> list[psutil.Process]:
         try:

@@ -31,7 +31,7 @@ from ..env import PARENT_PID, child_environ, credentials_env, new_run_id, new_ru
 from ..checkpoint import CheckpointError, read_meta
 from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_RANK_LOST, EXIT_SAVED, EXIT_TASK_ERROR, RunAborted
 from ..membership import Membership, PeerState, WorkerInfo, describe_exit, unrecoverable
-from ..metrics import EpochStats, aggregate
+from ..metrics import EpochStats
 from ..protocol import messages as m
 from ..protocol.codec import Envelope
 from ..protocol.messages import PROTOCOL_VERSION
@@ -191,6 +191,10 @@ class Controller:
         import torch.distributed as dist
 
         ctx = zmq.Context.instance()
+        if not _is_loopback(self.launch.bind):
+            # every frame is signed (HMAC with the run secret), but nothing is encrypted
+            self.console.line(f"note: serving on {self.launch.bind} beyond loopback: frames are authenticated, not encrypted; "
+                              "keep the network trusted (or tunnel it)")
         sock, self.port = make_router(ctx, self.launch.bind, self.launch.port)
         self.endpoint = ControlEndpoint(sock, secret=self.secret, run_id=self.run_id, sender="controller", on_message=self._on_message)
         self.endpoint.start()
@@ -1120,6 +1124,18 @@ class Controller:
             "cadence": self.cadence.telemetry() if self.cadence else None,
             "averaging": self.averaging.telemetry() if self.averaging else None,
         }
+
+
+def _is_loopback(address: str) -> bool:
+    """``127.x``, ``::1`` or ``localhost``: reachable from this host only."""
+    import ipaddress
+
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False  # a host name or "*": assume it reaches beyond this machine
 
 
 #: Message type → handler method name (looked up on the instance, so subclasses can hook in).

@@ -199,8 +199,8 @@ def _generate(name: str, cls: type, fields: tuple[tuple[str, str], ...]) -> tupl
             env[f"_c{i}"] = compile_type(wire_type)
             checks.append(f"    v{i} = _c{i}(v{i})")
     values = ", ".join(f"v{i}" for i in range(len(fields)))
-    enc = [f"def _enc(msg):"] + [f"    v{i} = msg.{f}" for i, (f, _) in enumerate(fields)] + checks + [f"    return [{values}]"]
-    dec = [f"def _dec(body):"] + [f"    v{i} = body[{i + 3}]" for i in range(len(fields))] + checks + [f"    return _cls({values})"]
+    enc = ["def _enc(msg):"] + [f"    v{i} = msg.{f}" for i, (f, _) in enumerate(fields)] + checks + [f"    return [{values}]"]
+    dec = ["def _dec(body):"] + [f"    v{i} = body[{i + 3}]" for i in range(len(fields))] + checks + [f"    return _cls({values})"]
     exec("\n".join(enc) + "\n\n" + "\n".join(dec), env)  # noqa: S102 - code built from our own schema only
     return env["_enc"], env["_dec"]
 

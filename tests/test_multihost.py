@@ -1,0 +1,474 @@
+"""The ssh launcher across real separate hosts, made with network namespaces.
+
+Three tiers: pure tests of the hostfile and the ssh command lines; a loopback
+test of the worker's ``--secret-from-stdin`` (its stdin's end-of-file stops it);
+and ``python -m flodl.launcher`` driving three hosts, each a network namespace
+with its own address, hostname (a UTS namespace) and sshd, joined by a bridge
+in the root namespace. The namespace tests need root, ``ip netns`` and
+``/usr/sbin/sshd``; without them they skip, saying why. The namespaces share
+the filesystem, so remote workers run this interpreter from this checkout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from flodl.errors import ConfigError
+from flodl.hostfile import Host, load_hostfile, parse_host_flag, ssh_argv, with_defaults
+from flodl.launcher import check_controller_args, split_argv
+from flodl.worker import read_stdin_credentials
+
+from .conftest import PY, ROOT, task_spec
+from .test_process import Proc
+
+pytestmark = pytest.mark.timeout(180)
+
+SECRET = "ab" * 32
+
+
+# ====================================================================== pure
+
+
+def _hostfile(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "hosts.toml"
+    path.write_text(text)
+    return path
+
+
+def test_hostfile_reads_every_key(tmp_path):
+    path = _hostfile(tmp_path, """
+[[hosts]]
+host = "gpu-a"
+devices = "cuda:0,cuda:1"
+python = "/opt/venv/bin/python"
+workdir = "/srv/train"
+env = { OMP_NUM_THREADS = "4" }
+ssh_user = "trainer"
+ssh_port = 2222
+identity_file = "~/.ssh/id_ed25519"
+ssh_options = ["StrictHostKeyChecking=accept-new"]
+nccl_socket_ifname = "ib0"
+gloo_socket_ifname = "eth1"
+
+[[hosts]]
+host = "gpu-b"
+""")
+    a, b = load_hostfile(path)
+    assert a == Host(host="gpu-a", devices="cuda:0,cuda:1", python="/opt/venv/bin/python", workdir="/srv/train",
+                     env={"OMP_NUM_THREADS": "4"}, ssh_user="trainer", ssh_port=2222, identity_file="~/.ssh/id_ed25519",
+                     ssh_options=("StrictHostKeyChecking=accept-new",), nccl_socket_ifname="ib0", gloo_socket_ifname="eth1")
+    b = with_defaults(b, python="python3.11", workdir="/here", nccl=None, gloo="eth0")
+    assert (b.python, b.workdir, b.gloo_socket_ifname, b.devices) == ("python3.11", "/here", "eth0", None)
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ('[[hosts]]\nhost = "a"\n\n[[hosts]]\nhost = "b"\nsshport = 22\n', "line 4 (hosts[1]).sshport: unknown key"),
+    ('[[hosts]]\ndevices = "cpu"\n', "line 1 (hosts[0]).host: missing"),
+    ('[[hosts]]\nhost = "a"\nssh_port = "22"\n', "hosts[0]).ssh_port: must be a TCP port"),
+    ('[[hosts]]\nhost = "a"\nenv = { FLODL_RUN_SECRET = "00" }\n', "env.FLODL_RUN_SECRET: the run's credentials"),
+    ('[[hosts]]\nhost = "a"\nenv = { N = 4 }\n', "env.N: must be a string"),
+    ('[[hosts]]\nhost = "a"\nssh_options = ["BatchMode=no"]\n', "set by the launcher"),
+    ('[[hosts]]\nhost = "a"\nssh_options = ["-v"]\n', "Key=Value"),
+    ('[[host]]\nhost = "a"\n', "unknown top-level key(s) ['host']"),
+    ('[[hosts]\nhost = "a"\n', "line 1"),  # TOML syntax: tomllib's own position
+])
+def test_hostfile_errors_name_the_line_and_key(tmp_path, body, needle):
+    with pytest.raises(ConfigError) as info:
+        load_hostfile(_hostfile(tmp_path, body))
+    assert needle in str(info.value)
+
+
+def test_ssh_command_keeps_launcher_options_first_and_holds_no_secret():
+    host = with_defaults(Host(host="10.0.0.2", devices="cpu,cpu", ssh_user="root", ssh_port=2200, identity_file="/k",
+                              ssh_options=("ConnectTimeout=3",), env={"A": "x y"}),
+                         python="/py", workdir="/w d", nccl="ib0", gloo=None)
+    argv = ssh_argv(host, "tcp://10.0.0.1:5000", extra_options=("LogLevel=ERROR",))
+    assert argv[:4] == ["ssh", "-T", "-o", "BatchMode=yes"]
+    opts = [argv[i + 1] for i, a in enumerate(argv) if a == "-o"]
+    assert opts == ["BatchMode=yes", "ConnectTimeout=3", "LogLevel=ERROR", "ConnectTimeout=10"]  # ssh keeps the first
+    assert argv[-3:-1] == ["--", "10.0.0.2"] and ["-p", "2200"] == argv[argv.index("-p"):argv.index("-p") + 2]
+    command = argv[-1]
+    assert command.startswith("cd '/w d' && exec env PYTHONUNBUFFERED=1 NCCL_SOCKET_IFNAME=ib0 'A=x y' /py -m flodl.worker")
+    assert "--secret-from-stdin" in command and "--devices cpu,cpu" in command and "FLODL_RUN" not in command
+
+
+def test_host_flag_and_controller_args():
+    assert parse_host_flag("root@gpu:cuda:0,cuda:1") == Host(host="root@gpu", devices="cuda:0,cuda:1")
+    assert parse_host_flag("gpu") == Host(host="gpu")
+    with pytest.raises(ConfigError, match="--host"):
+        parse_host_flag("gpu:")
+    assert split_argv(["--host", "a", "--", "--task", "t.py:task", "--", "x"]) == (["--host", "a"], ["--task", "t.py:task", "--", "x"])
+    with pytest.raises(ConfigError, match="--workers: is set by the launcher"):
+        check_controller_args(["--task", "t.py:task", "--workers=2"])
+    with pytest.raises(ConfigError, match="nothing to run"):
+        check_controller_args([])
+
+
+def test_stdin_credentials_line():
+    r, w = os.pipe()
+    try:
+        os.write(w, f"{SECRET} run-1\nleft for the EOF watch".encode())
+        assert read_stdin_credentials(r, 1.0) == (bytes.fromhex(SECRET), "run-1")
+        assert os.read(r, 100) == b"left for the EOF watch"  # nothing past the newline was consumed
+        with pytest.raises(ConfigError, match="within 0.2 s"):
+            read_stdin_credentials(r, 0.2)
+        os.write(w, b"not-hex run-1 extra\n")
+        with pytest.raises(ConfigError, match="got 3 field") as info:
+            read_stdin_credentials(r, 1.0)
+        assert "not-hex" not in str(info.value)  # a malformed line is never echoed: it may hold the secret
+        os.write(w, b"zz run\n")
+        with pytest.raises(ValueError, match="must be hex"):
+            read_stdin_credentials(r, 1.0)
+        os.write(w, b"abcd")
+        os.close(w)
+        w = -1
+        with pytest.raises(ConfigError, match="stdin closed"):
+            read_stdin_credentials(r, 1.0)
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
+# ================================================================== processes
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _await(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_worker_reads_its_secret_from_stdin_and_stops_on_eof(proc_env):
+    """Loopback: a --secret-from-stdin worker trains, and closing its stdin stops it and its ranks."""
+    from .test_process import free_port
+
+    port = free_port()
+    env = {**proc_env, "FLODL_RUN_SECRET": SECRET, "FLODL_RUN_ID": "stdin-run", "FLODL_TEST_STEP_SLEEP": "0.02"}
+    ctl = Proc([PY, "-m", "flodl.controller", "--task", task_spec("tiny.py"), "--workers", "1", "--port", str(port),
+                "--epochs", "200", "--dashboard-port", "-1"], env)
+    worker_env = {k: v for k, v in proc_env.items() if not k.startswith("FLODL_RUN")}
+    worker = Proc([PY, "-m", "flodl.worker", "--controller", f"tcp://127.0.0.1:{port}", "--devices", "cpu,cpu", "--secret-from-stdin"],
+                  {**worker_env, "FLODL_TEST_STEP_SLEEP": "0.02"}, stdin=subprocess.PIPE)
+    try:
+        worker.proc.stdin.write(f"{SECRET} stdin-run\n")
+        worker.proc.stdin.flush()
+        ctl.wait_for_line("epoch 1/200")
+        ranks = [p for p in psutil.Process(worker.proc.pid).children() if "flodl.rank" in _cmdline(p)]
+        assert len(ranks) == 2
+        worker.proc.stdin.close()
+        assert worker.wait(20) == 130, worker.output
+        assert "stdin closed" in worker.output
+        _await(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), 10, "the ranks to exit")
+    finally:
+        worker.kill()
+        ctl.kill()
+
+
+# ========================================================== namespace hosts
+
+BRIDGE = "flodl-br0"
+GATEWAY = "10.77.0.1"
+SSH_OPTIONS = ["StrictHostKeyChecking=no", "UserKnownHostsFile=/dev/null", "LogLevel=ERROR"]
+
+
+@dataclass(frozen=True)
+class NsHost:
+    """One fake host: a network namespace with an address, a hostname and an sshd."""
+
+    name: str  # namespace name and hostname
+    addr: str
+    veth: str  # the root-namespace end of its link: set it down to cut the host off
+
+    def pids(self) -> list[int]:
+        res = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True, text=True, timeout=10)
+        return [int(p) for p in res.stdout.split()]
+
+    def flodl_procs(self) -> list[str]:
+        """Command lines of flodl workers and ranks running in this namespace."""
+        found = []
+        for pid in self.pids():
+            try:
+                p = psutil.Process(pid)
+                if p.status() != psutil.STATUS_ZOMBIE and ("flodl.worker" in _cmdline(p) or "flodl.rank" in _cmdline(p)):
+                    found.append(f"{pid}: {_cmdline(p)}")
+            except psutil.Error:
+                pass
+        return found
+
+
+@dataclass(frozen=True)
+class Cluster:
+    hosts: list[NsHost]
+    key: Path
+
+    def hostfile(self, path: Path, *, env: dict[str, str], per_host_ifname: bool = True, ssh_port: int | None = None) -> Path:
+        blocks = []
+        for h in self.hosts:
+            lines = [f'host = "{h.addr}"', 'devices = "cpu"', f'python = "{PY}"', f'workdir = "{ROOT}"', 'ssh_user = "root"',
+                     f'identity_file = "{self.key}"', f"ssh_options = {json.dumps(SSH_OPTIONS)}",
+                     "env = { " + ", ".join(f'{k} = "{v}"' for k, v in env.items()) + " }"]
+            if per_host_ifname:
+                lines.append('gloo_socket_ifname = "eth0"')
+            if ssh_port:
+                lines.append(f"ssh_port = {ssh_port}")
+            blocks.append("[[hosts]]\n" + "\n".join(lines))
+        path.write_text("\n\n".join(blocks) + "\n")
+        return path
+
+
+def _run(*argv: str, timeout: float = 20) -> subprocess.CompletedProcess:
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+
+
+def _must(*argv: str) -> None:
+    res = _run(*argv)
+    if res.returncode:
+        raise RuntimeError(f"{' '.join(argv)}: {res.stderr.strip() or res.returncode}")
+
+
+def _unusable_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    for tool in ("ip", "ssh", "ssh-keygen", "unshare", "hostname"):
+        if shutil.which(tool) is None:
+            return f"{tool} not found"
+    if not os.access("/usr/sbin/sshd", os.X_OK):
+        return "/usr/sbin/sshd not found (apt-get install -y openssh-server)"
+    return None
+
+
+def _teardown_hosts(hosts: list[NsHost]) -> None:
+    """Kill everything in each namespace, delete them and the bridge; safe to call on a half-built set-up."""
+    for h in hosts:
+        if _run("ip", "netns", "pids", h.name).returncode == 0:
+            for pid in h.pids():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        # the pair goes with the namespace, but only once the kernel's async netns clean-up runs: delete it now
+        _run("ip", "link", "del", h.veth)
+        _run("ip", "netns", "del", h.name)
+    _run("ip", "link", "del", BRIDGE)
+
+
+def _make_hosts(hosts: list[NsHost]) -> None:
+    _must("ip", "link", "add", BRIDGE, "type", "bridge")
+    _must("ip", "addr", "add", f"{GATEWAY}/24", "dev", BRIDGE)
+    _must("ip", "link", "set", BRIDGE, "up")
+    for h in hosts:
+        _must("ip", "netns", "add", h.name)
+        _must("ip", "link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns", h.name)
+        _must("ip", "link", "set", h.veth, "master", BRIDGE, "up")
+        _must("ip", "-n", h.name, "addr", "add", f"{h.addr}/24", "dev", "eth0")
+        _must("ip", "-n", h.name, "link", "set", "eth0", "up")
+        _must("ip", "-n", h.name, "link", "set", "lo", "up")
+
+
+def _start_sshd(h: NsHost, tmp: Path) -> subprocess.Popen:
+    config = tmp / f"sshd_{h.name}.conf"
+    config.write_text("\n".join([
+        "Port 22", f"ListenAddress {h.addr}", f"HostKey {tmp / 'host_key'}", f"AuthorizedKeysFile {tmp / 'authorized_keys'}",
+        "PermitRootLogin prohibit-password", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
+        "StrictModes no", "UsePAM no", f"PidFile {tmp / ('sshd_' + h.name + '.pid')}", "LogLevel ERROR", "",
+    ]))
+    _must("/usr/sbin/sshd", "-t", "-f", str(config))
+    log = open(tmp / f"sshd_{h.name}.log", "w")
+    # its own UTS namespace: workers and ranks report this host's name, as on a real cluster
+    return subprocess.Popen(["ip", "netns", "exec", h.name, "unshare", "--uts", "sh", "-c",
+                             f"hostname {h.name} && exec /usr/sbin/sshd -D -e -f {config}"], stdout=log, stderr=subprocess.STDOUT)
+
+
+def _ssh_ready(h: NsHost, key: Path, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        res = _run("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=2", *sum((["-o", o] for o in SSH_OPTIONS), []),
+                   "-i", str(key), f"root@{h.addr}", "hostname", timeout=10)
+        if res.returncode == 0 and res.stdout.strip() == h.name:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"sshd on {h.name} ({h.addr}) not reachable: {res.stderr.strip()}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """Three namespace hosts with sshd, torn down at the end even on failure; skips when unusable."""
+    reason = _unusable_reason()
+    if reason:
+        pytest.skip(f"namespace hosts unavailable: {reason}")
+    tmp = tmp_path_factory.mktemp("netns")
+    hosts = [NsHost(f"flodl-h{i}", f"10.77.0.1{i}", f"flodl-v{i}") for i in (1, 2, 3)]
+    sshds: list[subprocess.Popen] = []
+    _teardown_hosts(hosts)  # a previous run killed mid-way may have left them
+    try:
+        _must("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / "host_key"))
+        _must("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / "client_key"))
+        shutil.copy(tmp / "client_key.pub", tmp / "authorized_keys")
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
+        _make_hosts(hosts)
+        sshds = [_start_sshd(h, tmp) for h in hosts]
+        for h in hosts:
+            _ssh_ready(h, tmp / "client_key")
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+        _stop_all(sshds, hosts)
+        pytest.skip(f"namespace hosts unavailable: {exc}")
+    try:
+        yield Cluster(hosts, tmp / "client_key")
+    finally:
+        _stop_all(sshds, hosts)
+
+
+def _stop_all(sshds: list[subprocess.Popen], hosts: list[NsHost]) -> None:
+    for p in sshds:
+        p.kill()
+        p.wait(10)
+    _teardown_hosts(hosts)
+
+
+def _launch(cluster: Cluster, tmp_path: Path, proc_env: dict, *, step_sleep: str, epochs: int, extra: list[str] = (),
+            launcher_extra: list[str] = (), **hostfile) -> Proc:
+    """``python -m flodl.launcher`` on the three hosts; ``extra`` goes to the controller, ``launcher_extra`` to the launcher."""
+    path = cluster.hostfile(tmp_path / "hosts.toml", env={"FLODL_TEST_STEP_SLEEP": step_sleep}, **hostfile)
+    args = ["--hostfile", str(path), "--advertise", GATEWAY, "--grace-secs", "3", *launcher_extra, "--",
+            "--task", "tests/tasks/tiny.py:task", "--epochs", str(epochs), "--dashboard-port", "-1",
+            "--summary-json", str(tmp_path / "summary.json"), *extra]
+    return Proc([PY, "-m", "flodl.launcher", *args], proc_env)
+
+
+def _assert_no_flodl_left(cluster: Cluster, timeout: float) -> None:
+    left = lambda: [p for h in cluster.hosts for p in h.flodl_procs()]  # noqa: E731
+    try:
+        _await(lambda: not left(), timeout, "flodl processes in the namespaces to exit")
+    except AssertionError:
+        raise AssertionError(f"left behind: {left()}") from None
+
+
+def _parent(p: psutil.Process) -> int:
+    try:
+        return p.ppid()
+    except psutil.Error:
+        return -1
+
+
+def _net_ns(pid: int) -> int:
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return -1
+
+
+@pytest.fixture(scope="module")
+def three_host_run(cluster, tmp_path_factory):
+    """One run across the three hosts, every process's command line sampled while it runs."""
+    tmp = tmp_path_factory.mktemp("three")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # the global flag instead of the per-host key: GLOO_SOCKET_IFNAME must reach every rank either way
+    run = _launch(cluster, tmp, env, step_sleep="0.01", epochs=3, per_host_ifname=False, launcher_extra=["--gloo-socket-ifname", "eth0"])
+    seen: set[str] = set()
+    secrets: set[str] = set()  # from this run's controller and ranks only (other test runs may be going on)
+    namespaces = {os.stat(f"/run/netns/{h.name}").st_ino for h in cluster.hosts}
+    while run.proc.poll() is None:
+        for p in psutil.process_iter():
+            line = _cmdline(p)
+            seen.add(line)
+            ours = ("flodl.controller" in line and _parent(p) == run.proc.pid) or ("flodl.rank" in line and _net_ns(p.pid) in namespaces)
+            if ours:
+                try:
+                    secrets.add(p.environ().get("FLODL_RUN_SECRET", ""))
+                except psutil.Error:
+                    pass
+        time.sleep(0.05)
+    code = run.wait(10)
+    summary_path = tmp / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    return code, summary, run, seen, secrets - {""}
+
+
+def test_a_run_across_three_hosts_trains_and_finishes(cluster, three_host_run):
+    code, summary, run, _, _ = three_host_run
+    assert code == 0, run.output
+    assert summary["exit_reason"] == "completed" and summary["world_size"] == 3
+    assert sorted(r["host"] for r in summary["per_rank"]) == ["flodl-h1", "flodl-h2", "flodl-h3"]
+    assert [h["samples"] for h in summary["history"]] == [512] * 3  # exact coverage, every epoch
+    for prefix in ("[controller] epoch 3/3", "[10.77.0.11]", "[launcher] stopping: the controller exited with code 0",
+                   "frames are authenticated, not encrypted"):  # served beyond loopback: it says so
+        assert prefix in run.output, run.output
+    _assert_no_flodl_left(cluster, 5)
+
+
+def test_the_secret_is_never_on_a_command_line(three_host_run):
+    code, summary, run, seen, secrets = three_host_run
+    assert code == 0, run.output
+    assert len(secrets) == 1, "the controller and the ranks hold one secret, in their environment"
+    secret = secrets.pop()
+    assert any("flodl.worker" in c and "--secret-from-stdin" in c for c in seen), "the sampler saw the remote workers"
+    assert any("flodl.rank" in c for c in seen)
+    assert not [c for c in seen if secret in c]
+    assert secret not in run.output and secret not in json.dumps(summary)
+
+
+def test_ctrl_c_tears_down_every_host(cluster, tmp_path, proc_env):
+    run = _launch(cluster, tmp_path, proc_env, step_sleep="0.05", epochs=200)
+    try:
+        run.wait_for_line("epoch 1/200")
+        local = psutil.Process(run.proc.pid).children(recursive=True)
+        assert all(h.flodl_procs() for h in cluster.hosts)
+        stopped_at = time.monotonic()
+        run.proc.send_signal(signal.SIGINT)
+        assert run.wait(30) == 130, run.output
+        assert time.monotonic() - stopped_at < 15, run.output
+        _assert_no_flodl_left(cluster, 5)
+        assert not [p for p in local if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert "[launcher] stopping: received SIGINT" in run.output
+    finally:
+        run.kill()
+
+
+def test_a_host_that_cannot_be_reached_stops_the_launch(cluster, tmp_path, proc_env):
+    """sshd does not listen on port 2200: every ssh fails at once, and the launcher exits 7 leaving nothing."""
+    run = _launch(cluster, tmp_path, proc_env, step_sleep="0", epochs=1, ssh_port=2200)
+    try:
+        assert run.wait(60) == 7, run.output
+        assert "failed at start (ssh could not connect or log in, exit code 255)" in run.output
+        _assert_no_flodl_left(cluster, 5)
+    finally:
+        run.kill()
+
+
+def test_a_cut_link_is_a_dead_rank_and_the_survivors_finish(cluster, tmp_path, proc_env):
+    cut = cluster.hosts[2]
+    run = _launch(cluster, tmp_path, proc_env, step_sleep="0.05", epochs=20, extra=["--heartbeat-timeout-secs", "4"])
+    try:
+        run.wait_for_line("epoch 1/20")
+        _must("ip", "link", "set", cut.veth, "down")
+        assert run.wait(150) == 0, run.output
+        summary = json.loads((tmp_path / "summary.json").read_text())
+        assert [d["host"] for d in summary["deaths"]] == [cut.name], summary["deaths"]
+        assert summary["exit_reason"] == "completed"
+        assert [h["samples"] for h in summary["history"]] == [512] * 20  # the dead rank's samples went to the survivors
+        # cut off, the host's worker hears nothing from the controller and stops its ranks on its own
+        _assert_no_flodl_left(cluster, 40)
+    finally:
+        _run("ip", "link", "set", cut.veth, "up")
+        run.kill()
