@@ -529,15 +529,9 @@ class Controller:
     # ============================================================ welcome
 
     def _welcome_workers(self) -> None:
-        next_rank = 0
         for worker in self.members.workers.values():
-            worker.ranks = list(range(next_rank, next_rank + len(worker.devices)))
-            next_rank += len(worker.devices)
-        self._next_rank = self.initial_world = next_rank
-        now = self.clock()
-        for worker in self.members.workers.values():
-            for rank, device in zip(worker.ranks, worker.devices):
-                self.members.expect_rank(rank, worker.host, device, now)
+            self._assign_ranks(worker)
+        self.initial_world = self._next_rank
         devices = {d.split(":")[0] for w in self.members.workers.values() for d in w.devices}
         if len(devices) > 1 and self.averaging is None:
             self._fail(
@@ -547,11 +541,23 @@ class Controller:
             )
             return
         for worker in self.members.workers.values():
-            self.endpoint.send(
-                m.WorkerWelcome(ranks=worker.ranks, world_size=next_rank, task=self.launch.task, heartbeat_timeout_s=self.heartbeat_timeout_s),
-                worker.identity,
-            )
+            self._send_worker_welcome(worker)
         self._changed.set()
+
+    def _assign_ranks(self, worker: WorkerInfo) -> None:
+        """Number ``worker``'s ranks from the next unused number and expect them (silence counts from now)."""
+        first = self._next_rank
+        worker.ranks = list(range(first, first + len(worker.devices)))
+        self._next_rank += len(worker.devices)
+        now = self.clock()
+        for rank, device in zip(worker.ranks, worker.devices):
+            self.members.expect_rank(rank, worker.host, device, now)
+
+    def _send_worker_welcome(self, worker: WorkerInfo) -> None:
+        self.endpoint.send(
+            m.WorkerWelcome(ranks=worker.ranks, world_size=self._next_rank, task=self.launch.task, heartbeat_timeout_s=self.heartbeat_timeout_s),
+            worker.identity,
+        )
 
     def _check_hello(self, hello: m.RankHello) -> str | None:
         """Why ``hello`` cannot join this run, or None."""
@@ -668,18 +674,12 @@ class Controller:
     def _grow(self, worker: WorkerInfo) -> None:
         """A worker arrived while training: number its ranks above every rank so far
         and start them; they join at a window boundary once ready (``_admit_joiners``)."""
-        first = self._next_rank
-        worker.ranks = list(range(first, first + len(worker.devices)))
-        self._next_rank += len(worker.devices)
-        now = self.clock()
-        for rank, device in zip(worker.ranks, worker.devices):
-            self.members.expect_rank(rank, worker.host, device, now)
-            self.joiners[rank] = now + self.launch.join_timeout_secs
+        self._assign_ranks(worker)
+        deadline = self.clock() + self.launch.join_timeout_secs
+        for rank in worker.ranks:
+            self.joiners[rank] = deadline
         self.console.line(f"worker on host {worker.host} joins: starting rank(s) {worker.ranks} on {', '.join(worker.devices)}")
-        self.endpoint.send(
-            m.WorkerWelcome(ranks=worker.ranks, world_size=first + len(worker.devices), task=self.launch.task, heartbeat_timeout_s=self.heartbeat_timeout_s),
-            worker.identity,
-        )
+        self._send_worker_welcome(worker)
 
     def _h_rank_hello(self, identity: bytes, env: Envelope, msg: m.RankHello) -> None:
         info = self.members.ranks[msg.rank]

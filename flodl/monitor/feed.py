@@ -14,53 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
-import math
 import re
 from collections import deque
 from dataclasses import dataclass
 from heapq import merge
 from typing import Any, Iterable
 
+from .records import encode as encode_record  # the stream's one encoding, shared with the log files
+
 log = logging.getLogger(__name__)
 
 DEFAULT_RECORDS_PER_PATH = 5_000
 DEFAULT_MAX_EVENTS = 2_000
 DEFAULT_SUBSCRIBER_QUEUE = 10_000
-
-
-def encode_record(record: Any) -> str:
-    """A record (or any JSON value) as a compact, single-line, strictly valid JSON text.
-
-    Non-finite floats (a diverged loss is NaN) become null: browsers'
-    JSON.parse rejects the NaN/Infinity tokens Python would otherwise write.
-    Numbers JSON does not know (numpy/torch scalars) become floats, anything
-    else its str(): a user scalar of an odd type must not fail training.
-    """
-    try:
-        return json.dumps(record, separators=(",", ":"), allow_nan=False, default=_plain)
-    except ValueError:
-        return json.dumps(_finite(record), separators=(",", ":"), allow_nan=False, default=_plain)
-
-
-def _plain(value: Any) -> Any:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return str(value)
-    return number if math.isfinite(number) else None
-
-
-def _finite(value: Any) -> Any:
-    """A copy of ``value`` with every non-finite float replaced by None."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
 
 
 def parent_path(path: str) -> str | None:

@@ -124,9 +124,10 @@ class Monitor:
             self.res[report.rank] = dict(report.res)
         if report.data:
             acc = self.data.setdefault(report.rank, [0, 0, 0])
-            acc[0] += sum(int(report.data.get(f"{t}_hits", 0)) for t in ("vram", "ram", "disk"))
-            acc[1] += int(report.data.get("source_fetches", 0))
-            acc[2] = sum(int(report.data.get(f"{t}_bytes", 0)) for t in ("vram", "ram", "disk"))
+            hits, fetches, held = _tier_totals(report.data)
+            acc[0] += hits
+            acc[1] += fetches
+            acc[2] = held
         track = (rank_track(report.rank), "train")
         sync_s = report.sync_ms / 1000.0
         if started_s is not None and arrived_s - sync_s > started_s:
@@ -145,10 +146,12 @@ class Monitor:
         The report belongs to the latest epoch the window trained (a window
         that straddles an epoch edge reports into the new epoch).
         """
-        touched = [int(row[0]) for report in reports.values() for row in report.epochs]
+        touched = []
         for report in reports.values():
             for row in report.epochs:
-                self.epoch_batches[int(row[0])] = self.epoch_batches.get(int(row[0]), 0) + int(row[1])
+                epoch = int(row[0])
+                touched.append(epoch)
+                self.epoch_batches[epoch] = self.epoch_batches.get(epoch, 0) + int(row[1])
         if self.reporter is None or not touched:
             return
         epoch = max(touched)
@@ -170,9 +173,7 @@ class Monitor:
             metrics.update(loss=report.loss_sum / report.batches, compute_only_ms=report.compute_ms / report.batches,
                            data_starve=report.data_ms / busy_ms if busy_ms > 0 else 0.0)
         if report.data:
-            metrics.update(_data_metrics(sum(int(report.data.get(f"{t}_hits", 0)) for t in ("vram", "ram", "disk")),
-                                         int(report.data.get("source_fetches", 0)),
-                                         sum(int(report.data.get(f"{t}_bytes", 0)) for t in ("vram", "ram", "disk"))))
+            metrics.update(_data_metrics(*_tier_totals(report.data)))
         if busy_ms > 0:
             metrics["throughput"] = report.consumed * 1000.0 / busy_ms
         return node_record(self.paths[report.rank], metrics=metrics, work=float(report.batches), alive=True, ts_ms=ts,
@@ -235,6 +236,13 @@ class Monitor:
         self.feed.publish(record)
         if self.log is not None:
             self.log.write(record)
+
+
+def _tier_totals(data: Mapping[str, Any]) -> tuple[int, int, int]:
+    """A window's ``WindowDone.data``: (hits over every tier, dataset reads, bytes held in every tier)."""
+    tiers = ("vram", "ram", "disk")
+    return (sum(int(data.get(f"{t}_hits", 0)) for t in tiers), int(data.get("source_fetches", 0)),
+            sum(int(data.get(f"{t}_bytes", 0)) for t in tiers))
 
 
 def _data_metrics(hits: int, fetches: int, held: int) -> dict[str, float]:

@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from flodl.config import CORE_REDUCTIONS, Reduction
 from flodl.metrics import EpochStats
@@ -211,16 +212,31 @@ def meta_record(reductions: Reductions, *, ts_ms: int, run: Mapping) -> dict:
     return {"v": VERSION, "ts": int(ts_ms), "kind": "meta", "reductions": declared, "run": dict(run)}
 
 
-def encode(record: Mapping) -> str:
-    """One JSON line (no newline). Non-finite numbers become ``null``, as JSON
-    has no NaN and a browser's ``JSON.parse`` rejects Python's ``NaN``."""
+def encode(record: Any) -> str:
+    """A record (or any JSON value) as one compact, strictly valid JSON line (no newline).
+
+    The one encoding of the stream, for the log files and the dashboard alike.
+    Non-finite floats (a diverged loss is NaN) become null: browsers'
+    JSON.parse rejects the NaN/Infinity tokens Python would otherwise write.
+    Numbers JSON does not know (numpy/torch scalars) become floats, anything
+    else its str(): a user scalar of an odd type must not fail training.
+    """
     try:
-        return json.dumps(record, separators=(",", ":"), allow_nan=False)
+        return json.dumps(record, separators=(",", ":"), allow_nan=False, default=_plain)
     except ValueError:
-        return json.dumps(_finite(record), separators=(",", ":"), allow_nan=False)
+        return json.dumps(_finite(record), separators=(",", ":"), allow_nan=False, default=_plain)
 
 
-def _finite(value):
+def _plain(value: Any) -> Any:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    return number if math.isfinite(number) else None
+
+
+def _finite(value: Any) -> Any:
+    """A copy of ``value`` with every non-finite float replaced by None."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, Mapping):

@@ -477,13 +477,11 @@ class RankRunner:
         if tiers is None:
             return {}
         now = tiers.stats()
-        out: dict[str, int] = {}
-        for name in ("vram", "ram", "disk"):
-            out[f"{name}_hits"] = now[name]["hits"] - self._data_seen.get(f"{name}_hits", 0)
-            out[f"{name}_bytes"] = int(now[name]["bytes"])
-        out["source_fetches"] = now["source"]["fetches"] - self._data_seen.get("source_fetches", 0)
-        self._data_seen = {k: now[k.split("_")[0]]["hits"] for k in ("vram_hits", "ram_hits", "disk_hits")}
-        self._data_seen["source_fetches"] = now["source"]["fetches"]
+        counts = {f"{name}_hits": now[name]["hits"] for name in ("vram", "ram", "disk")}
+        counts["source_fetches"] = now["source"]["fetches"]
+        out = {key: value - self._data_seen.get(key, 0) for key, value in counts.items()}
+        out.update({f"{name}_bytes": int(now[name]["bytes"]) for name in ("vram", "ram", "disk")})
+        self._data_seen = counts
         return out
 
     def _run_rounds(
