@@ -20,6 +20,7 @@ TASK = "FLODL_TASK"
 LOCAL_WORLD = "FLODL_LOCAL_WORLD"  # ranks on this host, to share CPU threads
 HEARTBEAT_TIMEOUT = "FLODL_HEARTBEAT_TIMEOUT"
 PARENT_PID = "FLODL_PARENT_PID"  # a child exits if its parent is no longer this pid
+BULK_RELAY = "FLODL_BULK_RELAY"  # "ADDR PROBE NONCE" of the host relay a rank sends snapshots to ("": the controller)
 
 
 def new_run_secret() -> bytes:
@@ -76,6 +77,7 @@ class RankEnv:
     local_world: int
     heartbeat_timeout_s: float
     parent_pid: int
+    bulk_relay: str = ""  # the host relay's "ADDR PROBE NONCE", or "" (snapshots go to the controller)
 
     def to_env(self) -> dict[str, str]:
         return {
@@ -87,6 +89,7 @@ class RankEnv:
             LOCAL_WORLD: str(self.local_world),
             HEARTBEAT_TIMEOUT: repr(self.heartbeat_timeout_s),
             PARENT_PID: str(self.parent_pid),
+            BULK_RELAY: self.bulk_relay,
         }
 
     @classmethod
@@ -110,6 +113,7 @@ class RankEnv:
             local_world=int(env.get(LOCAL_WORLD, "1")),
             heartbeat_timeout_s=float(env[HEARTBEAT_TIMEOUT]),
             parent_pid=int(env.get(PARENT_PID, "0")),
+            bulk_relay=env.get(BULK_RELAY, ""),
         )
 
 

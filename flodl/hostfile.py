@@ -176,16 +176,19 @@ def worker_environment(host: Host) -> dict[str, str]:
     return {**env, **host.env}
 
 
-def remote_command(host: Host, controller: str) -> str:
+def remote_command(host: Host, controller: str, *, encrypt: bool = False) -> str:
     """The shell command ssh runs on the host: cd, then exec the worker reading its secret from stdin."""
     argv = ["env", *(f"{k}={v}" for k, v in worker_environment(host).items()),
             host.python or "python3", "-m", "flodl.worker", "--controller", controller, "--secret-from-stdin"]
+    if encrypt:
+        argv.append("--encrypt")
     if host.devices:
         argv += ["--devices", host.devices]
     return f"cd {shlex.quote(host.workdir or '.')} && exec {shlex.join(argv)}"
 
 
-def ssh_argv(host: Host, controller: str, *, extra_options: tuple[str, ...] = (), connect_timeout_s: int = DEFAULT_CONNECT_TIMEOUT_S) -> list[str]:
+def ssh_argv(host: Host, controller: str, *, extra_options: tuple[str, ...] = (), connect_timeout_s: int = DEFAULT_CONNECT_TIMEOUT_S,
+             encrypt: bool = False) -> list[str]:
     """The full ssh command line for one host (no secret in it).
 
     ssh keeps the *first* value it is given for an option, so the order is:
@@ -202,7 +205,7 @@ def ssh_argv(host: Host, controller: str, *, extra_options: tuple[str, ...] = ()
     if host.ssh_user:
         argv += ["-l", host.ssh_user]
     # "--" ends ssh's options: a host named "-oProxyCommand=..." stays a host name
-    return [*argv, "--", host.host, remote_command(host, controller)]
+    return [*argv, "--", host.host, remote_command(host, controller, encrypt=encrypt)]
 
 
 def labels(hosts: list[Host]) -> list[str]:

@@ -58,6 +58,7 @@ class LauncherConfig:
     bind: str
     port: int
     controller_args: tuple[str, ...]
+    encrypt: bool = False
     ssh_options: tuple[str, ...] = ()
     connect_timeout_s: int = DEFAULT_CONNECT_TIMEOUT_S
     grace_s: float = DEFAULT_GRACE_S
@@ -135,7 +136,8 @@ class Launcher:
             return Verdict("the controller could not be started", EXIT_LAUNCH_FAILED)
         credentials = f"{secret.hex()} {run_id}\n".encode()
         for label, host in zip(labels(list(self.cfg.hosts)), self.cfg.hosts):
-            argv = ssh_argv(host, self.cfg.controller_address, extra_options=self.cfg.ssh_options, connect_timeout_s=self.cfg.connect_timeout_s)
+            argv = ssh_argv(host, self.cfg.controller_address, extra_options=self.cfg.ssh_options, connect_timeout_s=self.cfg.connect_timeout_s,
+                            encrypt=self.cfg.encrypt)
             child = await self._spawn(label, argv, stdin=asyncio.subprocess.PIPE)
             if child is None:
                 return Verdict(f"host {label}: ssh could not be started", EXIT_LAUNCH_FAILED)
@@ -147,7 +149,7 @@ class Launcher:
     def _controller_argv(self) -> list[str]:
         cfg = self.cfg
         return [sys.executable, "-m", "flodl.controller", "--workers", str(len(cfg.hosts)), "--bind", cfg.bind,
-                "--advertise", cfg.advertise, "--port", str(cfg.port), *cfg.controller_args]
+                "--advertise", cfg.advertise, "--port", str(cfg.port), *(["--encrypt"] if cfg.encrypt else []), *cfg.controller_args]
 
     @staticmethod
     def _controller_env(secret: bytes, run_id: str) -> dict[str, str]:
@@ -342,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout-secs", type=int, default=DEFAULT_CONNECT_TIMEOUT_S, help="ssh ConnectTimeout")
     p.add_argument("--grace-secs", type=float, default=DEFAULT_GRACE_S, help="teardown: seconds for each step (hosts finishing, SIGTERM, SIGKILL)")
     p.add_argument("--start-window-secs", type=float, default=DEFAULT_START_WINDOW_S, help="a host whose ssh fails this soon after launch stops the run")
+    p.add_argument("--encrypt", action="store_true",
+                   help="encrypt the control and bulk planes (ZeroMQ CURVE, keys derived from the run secret): passed to the controller and every worker")
     p.add_argument("--log-level", default="INFO", help="launcher logging level: DEBUG, INFO, WARNING")
     return p
 
@@ -377,7 +381,7 @@ def resolve(args: argparse.Namespace, controller_args: list[str]) -> LauncherCon
     bind = args.bind or advertise
     return LauncherConfig(
         hosts=tuple(hosts), advertise=advertise, bind=bind, port=args.port or pick_port(bind),
-        controller_args=tuple(controller_args),
+        controller_args=tuple(controller_args), encrypt=args.encrypt,
         ssh_options=tuple(check_ssh_option(o, "--ssh-option") for o in args.ssh_option),
         connect_timeout_s=args.connect_timeout_secs, grace_s=args.grace_secs, start_window_s=args.start_window_secs,
     )

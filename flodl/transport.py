@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import zmq
 
+from . import curve
 from .protocol.codec import DEFAULT_MAX_FRAME, Envelope, FrameReader, FrameWriter
 
 log = logging.getLogger(__name__)
@@ -202,6 +203,7 @@ def make_router(ctx: zmq.Context, bind: str, port: int) -> tuple[zmq.Socket, int
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 100_000)
     sock.setsockopt(zmq.SNDHWM, 100_000)
+    curve.server(sock)  # encrypted when the run asks for it (--encrypt)
     if port == 0:
         port = sock.bind_to_random_port(f"tcp://{bind}")
     else:
@@ -222,6 +224,7 @@ def make_dealer(ctx: zmq.Context, addr: str, identity: str) -> zmq.Socket:
     sock.setsockopt(zmq.RCVHWM, 100_000)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+    curve.client(sock)
     sock.connect(addr)
     return sock
 

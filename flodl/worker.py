@@ -10,6 +10,11 @@ and SIGINT are forwarded to them (SIGTERM, a grace period, SIGKILL), and if
 the controller falls silent for the heartbeat timeout the worker stops its
 ranks and exits.
 
+On the CPU averaging backend, a worker on another host than the controller
+with two ranks or more runs the host relay (``relay.py``) on its event loop:
+its ranks send their snapshots to it, and it sends their weighted average
+upstream, one snapshot per round for the whole host.
+
 Started by the ssh launcher (``--secret-from-stdin``), it reads the run's
 credentials from the first stdin line and then watches stdin: end-of-file
 means the launcher or its ssh session went away, and the worker stops its
@@ -30,11 +35,12 @@ from typing import Any
 
 import zmq
 
-from . import __version__
+from . import __version__, curve
 from .devices import choose_devices
 from .env import PARENT_PID, RankEnv, child_environ, parse_run_secret, read_run_credentials
 from .errors import EXIT_CONFIG, EXIT_CONTROLLER_LOST, EXIT_INTERRUPTED, EXIT_OK, ConfigError
 from .proc import die_with_parent, nap, terminate_then_kill
+from .relay import HostRelay
 from .protocol import messages as m
 from .protocol.codec import Envelope
 from .protocol.messages import PROTOCOL_VERSION
@@ -53,6 +59,8 @@ CLEAN_GRACE_S = 30.0
 KILL_GRACE_S = 3.0
 #: After SIGTERM, a rank with save_path writes its replica before exiting: give it time.
 SAVE_KILL_GRACE_S = 15.0
+#: The relay gives a round up (safety net) after this many heartbeat timeouts without the controller's average.
+RELAY_TIMEOUT_FACTOR = 2.0
 #: With --secret-from-stdin, how long to wait for the credentials line.
 DEFAULT_SECRET_TIMEOUT_S = 30.0
 #: The credentials line is ~80 bytes; anything this long is not one.
@@ -80,6 +88,8 @@ class Worker:
         self.shutdown: m.Shutdown | None = None
         self.reject: m.Reject | None = None
         self.last_heard = time.monotonic()
+        self.relay: HostRelay | None = None
+        self.relay_task: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._interrupted = False
 
@@ -134,11 +144,15 @@ class Worker:
                 beat = tg.create_task(self._heartbeats())
                 code = await self._supervise(tg)
                 beat.cancel()
+                if self.relay_task is not None:
+                    self.relay_task.cancel()
             return code
         finally:
             if self.watch_stdin:
                 loop.remove_reader(sys.stdin.fileno())
             await terminate_then_kill(list(self.procs.values()), KILL_GRACE_S)
+            if self.relay is not None:
+                self.relay.close()
             self.endpoint.io.sock.setsockopt(zmq.LINGER, 500)  # let the goodbye frames out
             self.endpoint.close()
 
@@ -167,7 +181,8 @@ class Worker:
             if self.reject or self.shutdown or self._interrupted:
                 return self._finish_early()
             if time.monotonic() > deadline:
-                log.error("no answer from the controller at %s within %.0f s", self.controller, self.join_timeout_s)
+                log.error("no answer from the controller at %s within %.0f s%s", self.controller, self.join_timeout_s,
+                          " (is it running with --encrypt too?)" if curve.enabled() else " (if it runs with --encrypt, so must this worker)")
                 return EXIT_CONTROLLER_LOST
             await self._wait(0.5)
         await self._spawn(tg)
@@ -208,8 +223,22 @@ class Worker:
 
     # ---------------------------------------------------------------- ranks
 
+    def _start_relay(self, tg: asyncio.TaskGroup) -> str:
+        """Start the host relay; returns what the ranks are told of it ("ADDR PROBE NONCE")."""
+        welcome = self.welcome
+        host = self.controller.rsplit(":", 1)[0]  # tcp://HOST
+        self.relay = HostRelay(
+            secret=self.secret, run_id=self.run_id, upstream=f"{host}:{welcome.bulk_port}", identity=f"{self.sender}/bulk",
+            ranks=list(welcome.ranks), timeout_s=RELAY_TIMEOUT_FACTOR * welcome.heartbeat_timeout_s,
+        )
+        self.relay.start()
+        self.relay_task = tg.create_task(self.relay.run())
+        log.info("%s relays the snapshots of ranks %s (one upstream per round)", self.sender, welcome.ranks)
+        return f"tcp://127.0.0.1:{self.relay.port} {self.relay.probe_path} {self.relay.probe_nonce}"
+
     async def _spawn(self, tg: asyncio.TaskGroup) -> None:
         welcome = self.welcome
+        relay = self._start_relay(tg) if welcome.bulk_relay and welcome.bulk_port else ""
         for rank, device in zip(welcome.ranks, self.devices):
             env = RankEnv(
                 controller=self.controller,
@@ -221,11 +250,14 @@ class Worker:
                 local_world=len(self.devices),
                 heartbeat_timeout_s=welcome.heartbeat_timeout_s,
                 parent_pid=os.getpid(),
+                bulk_relay=relay,
             )
             # with --secret-from-stdin, stdin is the launcher's line: ranks must not hold or read it
             stdin = asyncio.subprocess.DEVNULL if self.watch_stdin else None
             proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "flodl.rank", env=child_environ(env.to_env()), stdin=stdin)
             self.procs[rank] = proc
+            if self.relay is not None:
+                self.relay.admit(f"rank{rank}.{proc.pid}".encode(), rank)  # the rank's bulk identity, as it will connect
             tg.create_task(self._reap(rank, proc))
         log.info("%s spawned ranks %s on %s", self.sender, welcome.ranks, self.devices)
 
@@ -233,6 +265,8 @@ class Worker:
         code = await proc.wait()
         # the fast path of failure detection: report before anything else happens
         self._send(m.RankExited(rank=rank, pid=proc.pid, code=code))
+        if self.relay is not None:
+            self.relay.rank_ended(rank)
         self._wake.set()
 
     async def _stop_ranks(self, grace_s: float, kill_grace_s: float = 3.0) -> None:
@@ -259,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "then stop the ranks and exit when stdin closes (how python -m flodl.launcher starts workers over ssh)")
     p.add_argument("--secret-timeout-secs", type=float, default=DEFAULT_SECRET_TIMEOUT_S,
                    help="with --secret-from-stdin: seconds to wait for the credentials line")
+    p.add_argument("--encrypt", action="store_true",
+                   help="encrypt the planes with ZeroMQ CURVE (as a controller run with --encrypt does; FLODL_ENCRYPT=1 too)")
     p.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING)")
     return p
 
@@ -312,7 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         secret, run_id = _credentials(args)
         devices = choose_devices(args.nproc, args.devices)
-    except (ConfigError, ValueError) as exc:
+        if args.encrypt or curve.requested():
+            os.environ[curve.ENV] = "1"  # the ranks inherit it
+            curve.enable(secret)
+    except (ConfigError, ValueError, RuntimeError) as exc:
         print(f"flodl.worker: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     parent = int(os.environ.get(PARENT_PID, "0") or 0)

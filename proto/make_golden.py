@@ -28,7 +28,7 @@ GOLDEN = ROOT / "proto" / "golden"
 
 SAMPLES = [
     m.WorkerHello(host="node-a", pid=4242, devices=["cuda:0", "cpu"], versions={"flodl": "0.1.0", "protocol": str(PROTOCOL_VERSION)}),
-    m.WorkerWelcome(ranks=[0, 1], world_size=2, task="examples/digits.py:task", heartbeat_timeout_s=30.0),
+    m.WorkerWelcome(ranks=[0, 1], world_size=2, task="examples/digits.py:task", heartbeat_timeout_s=30.0, bulk_port=0, bulk_relay=False),
     m.Reject(reason="model signature differs from rank 0"),
     m.RankExited(rank=1, pid=4300, code=-9),
     m.RankHello(
@@ -38,7 +38,7 @@ SAMPLES = [
     ),
     m.RankWelcome(
         rank=0, world_size=2, generation=0, store_host="127.0.0.1", store_port=29500, store_prefix="run/gen0",
-        collective_timeout_s=30.0, config={"mode": "nccl-sync", "max_grad_norm": None, "lr_scale_ratio": 1.0}, seed=42, bulk_port=0, late=False,
+        collective_timeout_s=30.0, config={"mode": "nccl-sync", "max_grad_norm": None, "lr_scale_ratio": 1.0}, seed=42, bulk_port=0, late=False, shm_probe="", shm_nonce="",
     ),
     m.RankReady(rank=1, generation=0, init_ms=12.5),
     m.BatchDone(rank=1, epoch=3, step=97, samples=32, loss=0.25, batch_ms=5.5, data_ms=0.125, sync_ms=0.75),
@@ -53,8 +53,8 @@ SAMPLES = [
     m.EvalResult(rank=2, epoch=1, final=False, value=None, elapsed_ms=0.0, error="ValueError: bad eval"),
     m.Window(window=7, global_step=640, grants=[[2, 128, 64], [3, 0, 32]], quota_batches=0, quota_ms=812.5, sync_every=0, rounds=1, measure_divergence=True),
     m.EndWindow(window=7),
-    m.Snapshot(rank=1, round=12, weight=7.0, groups=["p", "b"], dtypes=["float32", "float32"], numels=[1000, 20], bucket=0, start=0, count=1000),
-    m.Update(round=12, aborted=False, ranks=2, groups=["p", "b"], dtypes=["float32", "float32"], numels=[1000, 20], bucket=1, start=0, count=20),
+    m.Snapshot(rank=1, round=12, weight=7.0, groups=["p", "b"], dtypes=["float32", "float32"], numels=[1000, 20], bucket=0, start=0, count=1000, shm="", shm_offset=0, ranks=1),
+    m.Update(round=12, aborted=False, ranks=2, groups=["p", "b"], dtypes=["float32", "float32"], numels=[1000, 20], bucket=1, start=0, count=20, shm="/dev/shm/flodl-run-7-update", shm_offset=4096),
     m.WindowDone(
         rank=1, window=7, batches=3, consumed=96, loss_sum=1.5, compute_ms=30.0, data_ms=1.0, sync_ms=2.0,
         divergence=0.03125, pre_norm=12.0, post_norm=11.5, lr=0.01, epochs=[[2.0, 2.0, 64.0, 1.0, 20.0, 0.5], [3.0, 1.0, 32.0, 0.5, 10.0, 0.5]], scalars={}, regrouped_at=-1,

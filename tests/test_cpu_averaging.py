@@ -38,10 +38,16 @@ def values(model):
     return [t.detach().double().clone() for t in (model.w, model.v, model.stat)]
 
 
-def rank_side(ctl: CpuAveraging, rank: int, model: torch.nn.Module, *, timeout_s: float = 10.0) -> CpuAverager:
+#: Every round-level test runs twice: ranks on the wire, and on the same-host lane (shared memory).
+LANES = pytest.mark.parametrize("lane", [False, True], ids=["wire", "lane"])
+
+
+def rank_side(ctl: CpuAveraging, rank: int, model: torch.nn.Module, *, timeout_s: float = 10.0, lane: bool = False) -> CpuAverager:
     identity = f"rank{rank}.t".encode()
     ctl.admit(identity, rank)
-    bulk = BulkLink(f"tcp://127.0.0.1:{ctl.port}", identity=identity + b"/bulk", secret=SECRET, run_id=RUN, sender=f"rank{rank}.t/bulk")
+    probe = dict(shm_probe=ctl.probe_path, shm_nonce=ctl.probe_nonce) if lane else {}
+    bulk = BulkLink(f"tcp://127.0.0.1:{ctl.port}", identity=identity + b"/bulk", secret=SECRET, run_id=RUN, sender=f"rank{rank}.t/bulk", **probe)
+    assert bulk.lane == lane
     return CpuAverager(FlatModel(model), bulk, rank=rank, timeout_s=timeout_s, must_stop=lambda: False)
 
 
@@ -58,11 +64,12 @@ async def stop(ctl, task, averagers=()):
     ctl.close()
 
 
-async def test_weighted_average_exact_against_float64(tmp_path):
+@LANES
+async def test_weighted_average_exact_against_float64(lane):
     ctl, task = await controller()
     models = [Big(s) for s in range(3)]
     before = [values(mo) for mo in models]
-    avgs = [rank_side(ctl, r, mo) for r, mo in enumerate(models)]
+    avgs = [rank_side(ctl, r, mo, lane=lane) for r, mo in enumerate(models)]
     weights = [3.0, 1.0, 0.0]
     threads = [asyncio.to_thread(a.average, w, measure=True) for a, w in zip(avgs, weights)]
     results = await asyncio.gather(*threads)
@@ -75,13 +82,15 @@ async def test_weighted_average_exact_against_float64(tmp_path):
     assert [int(mo.count) for mo in models] == [0, 1, 2]  # integer buffers stay local
     assert all(r.divergence is not None for r in results)
     assert ctl.rounds_done == 1 and ctl.aborted == 0 and not ctl.drops
+    assert (ctl.lane_bytes > 0) == lane and (ctl.update_seg is not None) == lane  # the lane really carried it
     await stop(ctl, task, avgs)
 
 
-async def test_progress_after_the_snapshot_is_kept():
+@LANES
+async def test_progress_after_the_snapshot_is_kept(lane):
     ctl, task = await controller()
     models = [torch.nn.Linear(3, 2) for _ in range(2)]
-    avgs = [rank_side(ctl, r, mo) for r, mo in enumerate(models)]
+    avgs = [rank_side(ctl, r, mo, lane=lane) for r, mo in enumerate(models)]
     for a in avgs:
         a.average(1.0, block=False)
     snap0 = models[0].weight.detach().clone()
@@ -94,10 +103,11 @@ async def test_progress_after_the_snapshot_is_kept():
     await stop(ctl, task, avgs)
 
 
-async def test_timeout_aborts_and_late_snapshot_never_leaks():
+@LANES
+async def test_timeout_aborts_and_late_snapshot_never_leaks(lane):
     ctl, task = await controller(timeout_s=0.5)
     models = [torch.nn.Linear(4, 4) for _ in range(3)]
-    avgs = [rank_side(ctl, r, mo, timeout_s=5.0) for r, mo in enumerate(models)]
+    avgs = [rank_side(ctl, r, mo, timeout_s=5.0, lane=lane) for r, mo in enumerate(models)]
     # round 0: rank 2 is late, the round is aborted and ranks 0, 1 keep their own values
     kept = [mo.weight.detach().clone() for mo in models]
     await asyncio.gather(*(asyncio.to_thread(a.average, 1.0) for a in avgs[:2]))
@@ -120,10 +130,11 @@ async def test_timeout_aborts_and_late_snapshot_never_leaks():
     await stop(ctl, task, avgs)
 
 
-async def test_round_completes_without_a_rank_that_died():
+@LANES
+async def test_round_completes_without_a_rank_that_died(lane):
     ctl, task = await controller(timeout_s=30.0)
     models = [torch.nn.Linear(2, 2) for _ in range(3)]
-    avgs = [rank_side(ctl, r, mo) for r, mo in enumerate(models)]
+    avgs = [rank_side(ctl, r, mo, lane=lane) for r, mo in enumerate(models)]
     want = (models[0].weight.detach() + models[1].weight.detach()) / 2
     live = {0, 1, 2}
     ctl.live = lambda: set(live)
@@ -156,7 +167,7 @@ def _send_raw(port: int, identity: bytes, header: m.Snapshot, payload: bytes) ->
 async def test_bad_slices_are_rejected_with_a_clear_error(bad, reason, caplog):
     ctl, task = await controller()
     ctl.admit(b"rank0.x", 0)
-    fields = dict(rank=0, round=0, weight=1.0, groups=["p"], dtypes=["float32"], numels=[4], bucket=0, start=0, count=4) | bad
+    fields = dict(rank=0, round=0, weight=1.0, groups=["p"], dtypes=["float32"], numels=[4], bucket=0, start=0, count=4, shm="", shm_offset=0, ranks=1) | bad
     _send_raw(ctl.port, b"rank0.x/bulk", m.Snapshot(**fields), b"\0" * 16)
     for _ in range(100):
         if ctl.drops["bulk"]:
@@ -172,7 +183,7 @@ async def test_bad_slices_are_rejected_with_a_clear_error(bad, reason, caplog):
 async def test_snapshot_from_the_wrong_socket_is_unauthorized():
     ctl, task = await controller()
     ctl.admit(b"rank0.x", 0)
-    header = m.Snapshot(rank=0, round=0, weight=1.0, groups=["p"], dtypes=["float32"], numels=[4], bucket=0, start=0, count=4)
+    header = m.Snapshot(rank=0, round=0, weight=1.0, groups=["p"], dtypes=["float32"], numels=[4], bucket=0, start=0, count=4, shm="", shm_offset=0, ranks=1)
     _send_raw(ctl.port, b"rank1.impostor/bulk", header, b"\0" * 16)
     for _ in range(100):
         if ctl.drops["unauthorized"]:

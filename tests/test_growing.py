@@ -119,6 +119,23 @@ class Cluster:
                     proc.kill()
 
 
+def test_relayed_hosts_train_and_a_relayed_joiner_takes_the_consensus(proc_env, tmp_path):
+    """cpu-cadence with host relays (forced on this one machine): a 2-rank worker pre-averages
+    its ranks; a second 2-rank worker joins mid-run through its own relay."""
+    cluster = Cluster(proc_env | {"FLODL_BULK_RELAY": "always"}, tmp_path, "cpu-cadence")
+    cluster.worker("cpu", "cpu")
+    cluster.run.wait_for_line("epoch 1/12", timeout=90)
+    cluster.worker("cpu", "cpu")
+    summary = cluster.finish()
+    assert [h["samples"] for h in summary["history"]] == [512] * EPOCHS
+    assert [j["ranks"] for j in summary["joins"]] == [[2, 3]]
+    per_rank = {row["rank"]: row for row in summary["per_rank"]}
+    assert per_rank[2]["samples"] > 0 and per_rank[3]["samples"] > 0
+    avg = summary["averaging"]
+    assert avg["relays"] == 2 and avg["aborted"] == 0 and avg["rounds"] >= summary["syncs"]
+    assert summary["deaths"] == []
+
+
 @pytest.mark.parametrize("mode", ["nccl-cadence", "cpu-cadence"])
 def test_a_late_worker_joins_and_trains(proc_env, tmp_path, mode):
     """Two ranks start; a third host's worker arrives in epoch 2, is admitted at a

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from .. import curve
 from ..env import read_run_credentials
 from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, ConfigError, RunAborted
 from .core import Controller
@@ -61,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         config.check_available()
         # a launcher may hand the run's credentials down (multi-host); else we make them
         secret, run_id = read_run_credentials()
+        if args.encrypt:
+            os.environ[curve.ENV] = "1"  # the controller, and every process it starts, encrypts
+        if curve.requested() and not curve.available():
+            raise ConfigError("encrypt", "this libzmq has no CURVE support")
     except (ConfigError, ValueError) as exc:
         print(f"flodl: bad option {exc}", file=sys.stderr)
         return EXIT_CONFIG

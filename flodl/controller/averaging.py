@@ -15,6 +15,21 @@ batches each rank trained; floating buffers count equally among the ranks
 that trained. A round that times out is aborted (counted, the ranks told to
 keep their own parameters); its late slices are stale and dropped, so none
 leaks into a later round.
+
+Ranks on the controller's own host take the same-host lane (``shm.py``):
+their slices are read straight out of their shared-memory segments, and the
+accumulator itself lives in the controller's update segment, so their
+``Update`` headers carry no frame at all. The accumulator is reused every
+round, so a round opens only once every rank on the lane has sent a header of
+it (which it does only after reading the previous average: the gate), and
+ranks elsewhere get frames copied off it once per slice (a slow peer's queued
+frame must not see it rewritten).
+
+A **source** is what sends one snapshot per round: a rank, or a host relay
+(``flodl/relay.py``) that pre-averaged its host's ranks and sends their
+weighted average with the summed weight and the count of ranks that trained
+(``Snapshot.ranks``, which weighs floating buffers). Sources are keyed by their
+lowest rank; a relay is waited for while any of its ranks lives.
 """
 
 from __future__ import annotations
@@ -29,6 +44,7 @@ from typing import Callable
 import torch
 import zmq
 
+from .. import curve, shm
 from ..bulk import DTYPES, as_frame, slices, unpack_slice
 from ..errors import ProtocolError
 from ..protocol import messages as m
@@ -50,8 +66,9 @@ class _Round:
     dtypes: list[str]
     numels: list[int]
     acc: list[torch.Tensor]  # float32 accumulators, one per flat tensor
-    received: Counter = field(default_factory=Counter)  # rank -> elements folded
-    weights: dict[int, float] = field(default_factory=dict)
+    received: Counter = field(default_factory=Counter)  # source -> elements folded
+    weights: dict[int, float] = field(default_factory=dict)  # source -> batches trained (summed over a relay's ranks)
+    counts: dict[int, int] = field(default_factory=dict)  # source -> ranks that trained in it (weighs buffers)
     folded: Counter = field(default_factory=Counter)  # (bucket, start) -> ranks folded into it
     streamed: set = field(default_factory=set)  # (bucket, start) of slices already sent back
     first: dict = field(default_factory=dict)  # (bucket, start) -> folded pre-normalised?
@@ -61,13 +78,17 @@ class _Round:
         return sum(self.numels)
 
     def scale_known(self) -> bool:
-        """Every expected rank's weight is known (and so the normalising totals)."""
+        """Every expected source's weight is known (and so the normalising totals)."""
         return bool(self.expected) and self.expected <= set(self.weights)
+
+    def sums(self, sources: set[int]) -> tuple[float, float]:
+        """Summed parameter weight and buffer weight (ranks that trained) of ``sources``."""
+        return sum(self.weights[s] for s in sources), float(sum(self.counts[s] for s in sources if self.weights[s] > 0))
 
     def total_for(self, bucket: int) -> float:
         """The divisor of a bucket: summed weights (parameters) or ranks that trained (buffers)."""
-        ws = [self.weights[r] for r in self.expected]
-        total = sum(ws) if self.groups[bucket] == "p" else float(sum(1 for w in ws if w > 0))
+        params, buffers = self.sums(self.expected)
+        total = params if self.groups[bucket] == "p" else buffers
         return total if total > 0 else 1.0
 
     def complete(self) -> set[int]:
@@ -87,11 +108,14 @@ class CpuAveraging:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 4)  # a few slices per peer in flight; TCP holds the rest
         sock.setsockopt(zmq.SNDHWM, 0)  # updates reference the accumulator: never dropped
+        curve.server(sock)
         self.port = sock.bind_to_random_port(f"tcp://{bind}")
         self.io = AsyncSocket(sock, self._on_parts)
-        self.ranks: dict[bytes, int] = {}  # bulk identity -> rank
-        self.first_round: dict[int, int] = {}  # rank -> the first round it takes part in (joiners start later)
-        self.live: Callable[[], set[int]] = lambda: set(self.ranks.values())
+        self.ranks: dict[bytes, int] = {}  # bulk identity -> source (a rank, or a relay's lowest rank)
+        self.members: dict[int, set[int]] = {}  # source -> the ranks it carries
+        self.relayed: dict[int, int] = {}  # rank -> the relay source that carries it
+        self.first_round: dict[int, int] = {}  # source -> the first round it takes part in (joiners start later)
+        self.live: Callable[[], set[int]] = lambda: set().union(*self.members.values())  # the controller plugs in its membership
         self.current: _Round | None = None
         self.next_round = 0
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -103,6 +127,23 @@ class CpuAveraging:
         self.aborted = 0
         self.round_ms: list[float] = []
         self.on_round: Callable[[int, float], None] = lambda number, ms: None
+        # the same-host lane: a probe ranks check, their mapped segments, our update segment
+        self.run_id = run_id
+        self.probe_path, self.probe_nonce = "", ""
+        if shm.enabled():
+            shm.sweep_stale()
+            try:
+                path, self.probe_nonce = shm.create_probe(run_id)
+                self.probe_path = str(path)
+            except OSError as exc:  # no usable /dev/shm: every rank stays on the wire
+                log.warning("same-host shared-memory lane off: %s", exc)
+        self.segments: dict[int, shm.Segment] = {}  # rank -> its snapshot segment, mapped
+        self.shm_identities: set[bytes] = set()  # bulk identities of ranks on the lane
+        self.update_seg: shm.UpdateSegment | None = None
+        self.arrived: dict[int, set[int]] = {}  # round -> ranks a slice of it came from
+        self.gate_since: float | None = None  # when the next round first waited at the gate
+        self.lane_bytes = 0  # bytes that came through the lane instead of a socket
+        self.ingress_bytes = 0  # snapshot bytes that came through the socket
 
     # ------------------------------------------------------------------ wiring
 
@@ -111,19 +152,42 @@ class CpuAveraging:
 
         A rank joining a running job is expected from ``from_round`` on: the
         rounds before it are its peers' alone.
+        A rank whose host relays (``admit_relay``) sends nothing here itself:
+        admitting it makes its relay expected from ``from_round``.
         """
+        source = self.relayed.get(rank)
+        if source is not None:
+            self.first_round[source] = from_round
+            return
         self.ranks[identity + b"/bulk"] = rank
+        self.members[rank] = {rank}
         self.first_round[rank] = from_round
 
+    def admit_relay(self, identity: bytes, ranks: list[int]) -> None:
+        """``identity`` (a worker's control routing id, ``/bulk`` added) relays ``ranks``.
+
+        It becomes one source, keyed by the lowest of them, expected once they are admitted.
+        """
+        source = min(ranks)
+        for rank in ranks:
+            self.relayed[rank] = source
+        self.ranks[identity + b"/bulk"] = source
+        self.members[source] = set(ranks)
+
     def _expected(self, number: int) -> set[int]:
-        """The live ranks round ``number`` waits for."""
-        return {r for r in self.live() if self.first_round.get(r, number + 1) <= number}
+        """The sources round ``number`` waits for: admitted by then, and carrying a live rank."""
+        live = self.live()
+        return {s for s, ranks in self.members.items() if ranks & live and self.first_round.get(s, number + 1) <= number}
 
     def start(self) -> None:
         self.io.start()
 
     def close(self) -> None:
         self.io.close()
+        if self.probe_path:
+            shm.unlink(self.probe_path)
+        if self.update_seg is not None:
+            self.update_seg.unlink()
 
     def _on_parts(self, parts: list) -> None:
         if len(parts) < 2:
@@ -138,8 +202,14 @@ class CpuAveraging:
         if not isinstance(msg, m.Snapshot) or rank is None or rank != msg.rank:
             self.drops["unauthorized"] += 1
             return
+        if not 0 <= msg.ranks <= len(self.members.get(rank, ())):
+            self.drops["bulk"] += 1
+            log.error("rejected a snapshot slice from source %d: it claims %d ranks, it carries %d", rank, msg.ranks, len(self.members.get(rank, ())))
+            return
+        if not msg.shm:
+            self.ingress_bytes += sum(len(f) for f in frames)
         try:
-            piece = unpack_slice(msg, frames)
+            piece = self._lane_slice(identity, rank, msg, frames) if msg.shm else unpack_slice(msg, frames)
         except ProtocolError as exc:
             self.drops["bulk"] += 1
             log.error("rejected a snapshot slice from rank %d: %s", rank, exc.detail)
@@ -150,6 +220,37 @@ class CpuAveraging:
         self.queue.put_nowait((rank, msg, piece))
         # read ahead a few slices while one is folded, then stop: memory stays bounded
         self.io.paused = self.queue.qsize() >= READ_AHEAD
+
+    def _lane_slice(self, identity: bytes, rank: int, msg: m.Snapshot, frames: list) -> torch.Tensor:
+        """The slice a header names in the rank's segment (mapped on first use, then unlinked).
+
+        Raises:
+            ProtocolError: ``bulk``/``shm`` for frames next to a lane header, a foreign
+                path, a layout the header does not hold, or a slice outside the segment.
+        """
+        if frames:
+            raise ProtocolError("bulk", "a shared-memory slice header carries a frame")
+        seg = self.segments.get(rank)
+        if seg is None or str(seg.path) != msg.shm:
+            path = shm.checked_path(msg.shm, self.run_id, f"r{rank}") if self.probe_path else None
+            if path is None:
+                raise ProtocolError("shm", f"rank {rank} named {msg.shm!r}, not a segment of its own in this run")
+            seg = self.segments[rank] = shm.Segment.open(path)
+            seg.unlink()  # mapped: the name is no longer needed, and a killed rank leaves nothing
+            self.shm_identities.add(identity)
+        self._check_layout(msg)
+        dtype = DTYPES[msg.dtypes[msg.bucket]]
+        self.lane_bytes += msg.count * dtype.itemsize
+        return seg.view(msg.shm_offset, msg.count, dtype)
+
+    @staticmethod
+    def _check_layout(msg: m.Snapshot) -> None:
+        """The header's own consistency (what ``unpack_slice`` checks, minus the frame)."""
+        n = len(msg.numels)
+        if len(msg.dtypes) != n or len(msg.groups) != n or any(d not in DTYPES for d in msg.dtypes):
+            raise ProtocolError("bulk", "header layout lists differ in length or name an unknown dtype")
+        if not 0 <= msg.bucket < n or msg.start < 0 or msg.count < 1 or msg.start + msg.count > msg.numels[msg.bucket]:
+            raise ProtocolError("bulk", f"slice [{msg.start}, {msg.start + msg.count}) of bucket {msg.bucket} outside the layout")
 
     # -------------------------------------------------------------------- actor
 
@@ -177,8 +278,13 @@ class CpuAveraging:
         if msg.round < self.next_round:
             self.drops["stale"] += 1  # a round already done or aborted
             return
+        self.arrived.setdefault(msg.round, set()).add(rank)
         if self.current is None and msg.round == self.next_round:
-            self.current = self._open(msg)
+            if not self._gate_open(msg.round):
+                self.gate_since = self.gate_since or self.clock()
+                self.held.setdefault(msg.round, []).append((rank, msg, piece))
+                return
+            self._start(msg)
         rnd = self.current
         if rnd is None or msg.round != rnd.number:
             self.held.setdefault(msg.round, []).append((rank, msg, piece))
@@ -189,8 +295,8 @@ class CpuAveraging:
             # the round's clock starts with the first rank that trained: a joining rank
             # sends its empty snapshot a window early and must not time the round out
             rnd.started = self.clock()
-        if rnd.weights.setdefault(rank, msg.weight) != msg.weight:
-            raise ProtocolError("bulk", f"rank {rank} changed its weight within round {rnd.number}")
+        if rnd.weights.setdefault(rank, msg.weight) != msg.weight or rnd.counts.setdefault(rank, msg.ranks) != msg.ranks:
+            raise ProtocolError("bulk", f"source {rank} changed its weight within round {rnd.number}")
         if rnd.received[rank] + msg.count > rnd.total:
             raise ProtocolError("bulk", f"rank {rank} sent more than one snapshot for round {rnd.number}")
         # inline, not in a worker thread: a fold is well under a millisecond per slice,
@@ -206,11 +312,40 @@ class CpuAveraging:
         if rnd.expected and rnd.complete() >= rnd.expected:
             await self._finish(rnd)
 
+    def _gate_open(self, number: int) -> bool:
+        """May round ``number`` start writing the update segment?
+
+        Only once every live rank on the lane expected in it has sent a header
+        of it: a rank sends one only after it has read the previous average
+        out of the segment, so no reader is ever overwritten.
+        """
+        if self.update_seg is None:
+            return True
+        lane = {r for r in self.segments if r in self._expected(number)}
+        return lane <= self.arrived.get(number, set())
+
+    def _start(self, msg: m.Snapshot) -> None:
+        """Open ``msg``'s round and replay the slices held at its gate."""
+        self.gate_since = None
+        self.current = self._open(msg)
+        for item in self.held.pop(msg.round, []):
+            self.queue.put_nowait(item)
+
     def _open(self, msg: m.Snapshot) -> _Round:
+        numels = list(msg.numels)
+        if self.shm_identities and self.update_seg is None:
+            try:
+                self.update_seg = shm.UpdateSegment.create_for(self.run_id, numels)
+            except OSError as exc:
+                log.warning("no update segment (%s): averages go to every rank as frames", exc)
+                self.shm_identities.clear()
+        seg = self.update_seg
+        if seg is not None and seg.numels != numels:
+            raise ProtocolError("bulk", "a snapshot's model layout differs from the run's")
         return _Round(
             number=msg.round, started=self.clock(), expected=self._expected(msg.round),
-            groups=list(msg.groups), dtypes=list(msg.dtypes), numels=list(msg.numels),
-            acc=[torch.empty(n, dtype=torch.float32) for n in msg.numels],
+            groups=list(msg.groups), dtypes=list(msg.dtypes), numels=numels,
+            acc=seg.accumulators(msg.round, numels) if seg is not None else [torch.empty(n, dtype=torch.float32) for n in numels],
         )
 
     @staticmethod
@@ -228,7 +363,7 @@ class CpuAveraging:
         if key not in rnd.first:
             rnd.first[key] = rnd.scale_known()
         w = float(msg.weight)
-        scale = w if rnd.groups[msg.bucket] == "p" else (1.0 if w > 0 else 0.0)
+        scale = w if rnd.groups[msg.bucket] == "p" else (float(msg.ranks) if w > 0 else 0.0)
         if rnd.first[key]:
             scale /= rnd.total_for(msg.bucket)
         if rnd.folded[key] == 0:
@@ -239,17 +374,22 @@ class CpuAveraging:
     async def _send_slice(self, rnd: _Round, bucket: int, start: int, count: int) -> None:
         """Normalise one slice of the accumulator and send it to every rank."""
         ranks = rnd.expected & set(rnd.weights)
-        param_weight = sum(rnd.weights[r] for r in ranks)
+        param_weight, buffer_weight = rnd.sums(ranks)
         if param_weight <= 0:
             return  # nobody trained: the empty update goes out when the round is done
-        buffer_weight = sum(1.0 for r in ranks if rnd.weights[r] > 0)
         total = param_weight if rnd.groups[bucket] == "p" else buffer_weight
         if rnd.first.get((bucket, start)):
             total = 1.0  # folded pre-normalised
-        out = self._normalise(rnd.acc[bucket][start : start + count], total, DTYPES[rnd.dtypes[bucket]])
-        header = m.Update(round=rnd.number, aborted=False, ranks=len(ranks), groups=rnd.groups, dtypes=rnd.dtypes,
-                          numels=rnd.numels, bucket=bucket, start=start, count=count)
-        self._broadcast(header, [as_frame(out)])
+        acc = rnd.acc[bucket][start : start + count]
+        out = self._normalise(acc, total, DTYPES[rnd.dtypes[bucket]])
+        fields = dict(round=rnd.number, aborted=False, ranks=int(buffer_weight), groups=rnd.groups, dtypes=rnd.dtypes,
+                      numels=rnd.numels, bucket=bucket, start=start, count=count)
+        lane = None
+        if self.update_seg is not None:
+            lane = m.Update(**fields, shm=str(self.update_seg.path), shm_offset=self.update_seg.offset(bucket, start))
+            if out is acc and len(self.shm_identities) < len(self.ranks):
+                out = acc.clone()  # frames outlive the slot: a slow peer's queue must not see it reused
+        self._broadcast(m.Update(**fields, shm="", shm_offset=0), [as_frame(out)], lane=lane)
         rnd.streamed.add((bucket, start))
 
     async def _finish(self, rnd: _Round) -> None:
@@ -264,7 +404,7 @@ class CpuAveraging:
         ms = (self.clock() - rnd.started) * 1000.0
         self.round_ms.append(ms)
         self.rounds_done += 1
-        self._next(rnd)
+        self._next(rnd.number)
         self.on_round(rnd.number, ms)
 
     @staticmethod
@@ -276,20 +416,24 @@ class CpuAveraging:
     @staticmethod
     def _empty(rnd: _Round, *, aborted: bool) -> m.Update:
         return m.Update(round=rnd.number, aborted=aborted, ranks=0, groups=rnd.groups, dtypes=rnd.dtypes,
-                        numels=rnd.numels, bucket=-1, start=0, count=0)
+                        numels=rnd.numels, bucket=-1, start=0, count=0, shm="", shm_offset=0)
 
-    def _next(self, rnd: _Round) -> None:
-        """Close ``rnd`` and replay what was held for the round after it."""
+    def _next(self, number: int) -> None:
+        """Close round ``number`` and replay what was held for the round after it."""
         self.current = None
-        self.next_round = rnd.number + 1
+        self.gate_since = None
+        self.next_round = number + 1
         for item in self.held.pop(self.next_round, []):
             self.queue.put_nowait(item)
         for stale in [r for r in self.held if r < self.next_round]:
             self.drops["stale"] += len(self.held.pop(stale))
+        for old in [r for r in self.arrived if r < self.next_round]:
+            del self.arrived[old]
 
     async def _check_timeout(self) -> None:
         rnd = self.current
         if rnd is None:
+            self._check_gate()
             return
         rnd.expected &= self.live()  # a rank that left is not waited for
         if rnd.expected and rnd.complete() >= rnd.expected:
@@ -300,14 +444,34 @@ class CpuAveraging:
             log.warning("averaging round %d aborted: no complete snapshot from rank(s) %s within %g s", rnd.number, missing, self.timeout_s)
             self._broadcast(self._empty(rnd, aborted=True), [])
             self.aborted += 1
-            self._next(rnd)
+            self._next(rnd.number)
 
-    def _broadcast(self, header: m.Update, frames: list) -> None:
+    def _check_gate(self) -> None:
+        """A round waiting at the gate opens once the ranks it waits for are in or gone; it aborts after the timeout."""
+        held = self.held.get(self.next_round)
+        if not held or self.gate_since is None:
+            return
+        if self._gate_open(self.next_round):
+            self.queue.put_nowait(held.pop(0))  # the first held slice opens it; the rest replay behind it
+            return
+        if self.clock() - self.gate_since > self.timeout_s:
+            _, msg, _ = held[0]
+            missing = sorted({r for r in self.segments if r in self._expected(self.next_round)} - self.arrived.get(self.next_round, set()))
+            log.warning("averaging round %d aborted: rank(s) %s sent nothing within %g s", self.next_round, missing, self.timeout_s)
+            self._broadcast(m.Update(round=self.next_round, aborted=True, ranks=0, groups=list(msg.groups), dtypes=list(msg.dtypes),
+                                     numels=list(msg.numels), bucket=-1, start=0, count=0, shm="", shm_offset=0), [])
+            self.aborted += 1
+            self._next(self.next_round)
+
+    def _broadcast(self, header: m.Update, frames: list, *, lane: m.Update | None = None) -> None:
+        """``header`` and its frames to every rank; ranks on the lane get ``lane`` alone when given."""
         # through AsyncSocket.send: it re-checks the socket for input after sending,
         # without which an edge-triggered ZeroMQ FD can swallow the next arrival
         encoded = self.writer.encode(header)
+        on_lane = self.writer.encode(lane) if lane is not None else None
         for identity in self.ranks:
-            if not self.io.send([identity, encoded, *frames], copy=False):
+            parts = [identity, on_lane] if on_lane is not None and identity in self.shm_identities else [identity, encoded, *frames]
+            if not self.io.send(parts, copy=False):
                 self.drops["unreachable"] += 1
 
     def telemetry(self) -> dict:
@@ -317,5 +481,8 @@ class CpuAveraging:
             "aborted": self.aborted,
             "round_ms_p50": ms[len(ms) // 2] if ms else None,
             "round_ms_max": ms[-1] if ms else None,
+            "lane_mb": round(self.lane_bytes / 2**20, 1),
+            "ingress_mb": round(self.ingress_bytes / 2**20, 1),
+            "relays": len([s for s, ranks in self.members.items() if len(ranks) > 1 or s in self.relayed.values()]),
             "dropped": dict(self.drops) | {f"header_{k}": v for k, v in self.reader.drops.items()},
         }

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import zmq
 
-from .. import __version__
+from .. import __version__, curve
 from ..config import ApplyPolicy, AverageBackend, DdpRunConfig
 from ..env import PARENT_PID, child_environ, credentials_env, new_run_id, new_run_secret
 from ..checkpoint import CheckpointError, read_meta
@@ -37,7 +37,7 @@ from ..protocol.codec import Envelope
 from ..protocol.messages import PROTOCOL_VERSION
 from ..proc import terminate_then_kill
 from ..schedule import Schedule
-from ..transport import ControlEndpoint, make_router
+from ..transport import ControlEndpoint, host_name, make_router
 from ..dispatch import PROBE_BATCHES, PROBE_MIN_MS
 from .averaging import CpuAveraging
 from .cadence import CadenceLoop
@@ -191,10 +191,16 @@ class Controller:
         import torch.distributed as dist
 
         ctx = zmq.Context.instance()
+        if curve.requested():
+            curve.enable(self.secret)
         if not _is_loopback(self.launch.bind):
-            # every frame is signed (HMAC with the run secret), but nothing is encrypted
-            self.console.line(f"note: serving on {self.launch.bind} beyond loopback: frames are authenticated, not encrypted; "
-                              "keep the network trusted (or tunnel it)")
+            if curve.enabled():
+                self.console.line(f"note: serving on {self.launch.bind}: frames are authenticated and encrypted (CURVE); "
+                                  "torch's store and any nccl/gloo collectives are not")
+            else:
+                # every frame is signed (HMAC with the run secret), but nothing is encrypted
+                self.console.line(f"note: serving on {self.launch.bind} beyond loopback: frames are authenticated, not encrypted; "
+                                  "keep the network trusted, tunnel it, or run with --encrypt")
         sock, self.port = make_router(ctx, self.launch.bind, self.launch.port)
         self.endpoint = ControlEndpoint(sock, secret=self.secret, run_id=self.run_id, sender="controller", on_message=self._on_message)
         self.endpoint.start()
@@ -554,10 +560,26 @@ class Controller:
             self.members.expect_rank(rank, worker.host, device, now)
 
     def _send_worker_welcome(self, worker: WorkerInfo) -> None:
+        relay = self._relays(worker)
+        if relay:
+            self.averaging.admit_relay(worker.identity, worker.ranks)
         self.endpoint.send(
-            m.WorkerWelcome(ranks=worker.ranks, world_size=self._next_rank, task=self.launch.task, heartbeat_timeout_s=self.heartbeat_timeout_s),
+            m.WorkerWelcome(ranks=worker.ranks, world_size=self._next_rank, task=self.launch.task, heartbeat_timeout_s=self.heartbeat_timeout_s,
+                            bulk_port=self.averaging.port if self.averaging is not None else 0, bulk_relay=relay),
             worker.identity,
         )
+
+    def _relays(self, worker: WorkerInfo) -> bool:
+        """Does ``worker`` pre-average its ranks (CPU backend, two ranks or more, on another host)?
+
+        Ranks on this host reach the averager through shared memory already.
+        ``FLODL_BULK_RELAY=off`` sends every rank's snapshot here, ``always``
+        relays on this host too (benchmarks and tests compare).
+        """
+        setting = os.environ.get("FLODL_BULK_RELAY", "on").lower()
+        if self.averaging is None or len(worker.ranks) < 2 or setting in ("off", "0", "no"):
+            return False
+        return setting == "always" or worker.host != host_name()
 
     def _check_hello(self, hello: m.RankHello) -> str | None:
         """Why ``hello`` cannot join this run, or None."""
@@ -600,6 +622,8 @@ class Controller:
             seed=self._seed(),  # a resumed run keeps the bundle's shuffle on every rank
             bulk_port=self.averaging.port if self.averaging is not None else 0,
             late=late,
+            shm_probe=self.averaging.probe_path if self.averaging is not None else "",
+            shm_nonce=self.averaging.probe_nonce if self.averaging is not None else "",
         )
 
     # ============================================================ handlers

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", default=None, help="TOML file of options (keys are the option names)")
     parser.add_argument("--log-level", default="WARNING", help="logging level: DEBUG, INFO, WARNING")
+    parser.add_argument("--encrypt", action="store_true",
+                        help="encrypt the control and bulk planes with ZeroMQ CURVE, keys derived from the run secret "
+                             "(FLODL_ENCRYPT=1 does the same); external workers need --encrypt too")
     group = parser.add_argument_group("launch options")
     for f in dataclasses.fields(LaunchOptions):
         flag = "--" + f.name.replace("_", "-")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 @dataclass(slots=True)
@@ -44,6 +44,10 @@ class WorkerWelcome:
     """the task factory spec the ranks import (module:function or file.py:function)"""
     heartbeat_timeout_s: float
     """seconds of controller silence after which the worker stops its ranks and exits"""
+    bulk_port: int
+    """port of the controller's bulk-plane socket (CPU averaging backend), 0 when unused"""
+    bulk_relay: bool
+    """run a host relay: this host's ranks send their snapshots to the worker, which pre-averages them (weighted) and sends one snapshot upstream per round, so the controller's ingress grows with hosts, not ranks"""
 
 
 @dataclass(slots=True)
@@ -126,6 +130,10 @@ class RankWelcome:
     """port of the controller's bulk-plane socket (CPU averaging backend), 0 when unused"""
     late: bool
     """the rank joins a run already training: it waits for a Regroup that names it, then takes the consensus parameters instead of training from its own"""
+    shm_probe: str
+    """path of the controller's shared-memory probe (CPU averaging backend), empty when the same-host lane is off"""
+    shm_nonce: str
+    """what the probe holds: a rank that reads exactly this from it shares the controller's host and user and may use the same-host lane"""
 
 
 @dataclass(slots=True)
@@ -368,6 +376,12 @@ class Snapshot:
     """first element of the slice within that tensor"""
     count: int
     """elements in the slice; the single frame holds exactly count x itemsize bytes"""
+    shm: str
+    """empty: the slice is the frame that follows; else the path of the rank's shared-memory segment that holds it, and no frame follows"""
+    shm_offset: int
+    """byte offset of the slice in that segment (0 when shm is empty)"""
+    ranks: int
+    """how many ranks' snapshots this one averages: 1 from a rank; from a host relay, its ranks that trained (floating buffers are weighted by it)"""
 
 
 @dataclass(slots=True)
@@ -393,6 +407,10 @@ class Update:
     """first element of the slice within that tensor"""
     count: int
     """elements in the slice; the single frame holds exactly count x itemsize bytes"""
+    shm: str
+    """empty: the slice is the frame that follows; else the path of the controller's update segment that holds it as float32, and no frame follows"""
+    shm_offset: int
+    """byte offset of the slice in that segment; the segment's round stamp (int64 at byte 8) must equal round before and after reading"""
 
 
 @dataclass(slots=True)
@@ -461,11 +479,11 @@ class CheckpointDone:
 
 SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     1: ('WorkerHello', WorkerHello, (('host', 'str'), ('pid', 'int'), ('devices', 'list<str>'), ('versions', 'map<str,str>'),)),
-    2: ('WorkerWelcome', WorkerWelcome, (('ranks', 'list<int>'), ('world_size', 'int'), ('task', 'str'), ('heartbeat_timeout_s', 'float'),)),
+    2: ('WorkerWelcome', WorkerWelcome, (('ranks', 'list<int>'), ('world_size', 'int'), ('task', 'str'), ('heartbeat_timeout_s', 'float'), ('bulk_port', 'int'), ('bulk_relay', 'bool'),)),
     3: ('Reject', Reject, (('reason', 'str'),)),
     4: ('RankExited', RankExited, (('rank', 'int'), ('pid', 'int'), ('code', 'int'),)),
     5: ('RankHello', RankHello, (('rank', 'int'), ('host', 'str'), ('pid', 'int'), ('device', 'str'), ('versions', 'map<str,str>'), ('model_signature', 'str'), ('param_count', 'int'), ('shuffle_signature', 'str'), ('dataset_len', 'int'), ('has_eval', 'bool'), ('eval_metric', 'str'), ('batch_size', 'int'),)),
-    6: ('RankWelcome', RankWelcome, (('rank', 'int'), ('world_size', 'int'), ('generation', 'int'), ('store_host', 'str'), ('store_port', 'int'), ('store_prefix', 'str'), ('collective_timeout_s', 'float'), ('config', 'map<str,value>'), ('seed', 'int'), ('bulk_port', 'int'), ('late', 'bool'),)),
+    6: ('RankWelcome', RankWelcome, (('rank', 'int'), ('world_size', 'int'), ('generation', 'int'), ('store_host', 'str'), ('store_port', 'int'), ('store_prefix', 'str'), ('collective_timeout_s', 'float'), ('config', 'map<str,value>'), ('seed', 'int'), ('bulk_port', 'int'), ('late', 'bool'), ('shm_probe', 'str'), ('shm_nonce', 'str'),)),
     7: ('RankReady', RankReady, (('rank', 'int'), ('generation', 'int'), ('init_ms', 'float'),)),
     9: ('BatchDone', BatchDone, (('rank', 'int'), ('epoch', 'int'), ('step', 'int'), ('samples', 'int'), ('loss', 'float'), ('batch_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'),)),
     11: ('Heartbeat', Heartbeat, (('step', 'int'), ('sent_at', 'float'),)),
@@ -479,8 +497,8 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     19: ('Window', Window, (('window', 'int'), ('global_step', 'int'), ('grants', 'list<list<int>>'), ('quota_batches', 'int'), ('quota_ms', 'float'), ('sync_every', 'int'), ('rounds', 'int'), ('measure_divergence', 'bool'),)),
     20: ('WindowDone', WindowDone, (('rank', 'int'), ('window', 'int'), ('batches', 'int'), ('consumed', 'int'), ('loss_sum', 'float'), ('compute_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'), ('divergence', 'opt<float>'), ('pre_norm', 'opt<float>'), ('post_norm', 'opt<float>'), ('lr', 'opt<float>'), ('epochs', 'list<list<float>>'), ('scalars', 'map<str,list<float>>'), ('regrouped_at', 'int'), ('res', 'map<str,value>'), ('data', 'map<str,value>'),)),
     21: ('EndWindow', EndWindow, (('window', 'int'),)),
-    22: ('Snapshot', Snapshot, (('rank', 'int'), ('round', 'int'), ('weight', 'float'), ('groups', 'list<str>'), ('dtypes', 'list<str>'), ('numels', 'list<int>'), ('bucket', 'int'), ('start', 'int'), ('count', 'int'),)),
-    23: ('Update', Update, (('round', 'int'), ('aborted', 'bool'), ('ranks', 'int'), ('groups', 'list<str>'), ('dtypes', 'list<str>'), ('numels', 'list<int>'), ('bucket', 'int'), ('start', 'int'), ('count', 'int'),)),
+    22: ('Snapshot', Snapshot, (('rank', 'int'), ('round', 'int'), ('weight', 'float'), ('groups', 'list<str>'), ('dtypes', 'list<str>'), ('numels', 'list<int>'), ('bucket', 'int'), ('start', 'int'), ('count', 'int'), ('shm', 'str'), ('shm_offset', 'int'), ('ranks', 'int'),)),
+    23: ('Update', Update, (('round', 'int'), ('aborted', 'bool'), ('ranks', 'int'), ('groups', 'list<str>'), ('dtypes', 'list<str>'), ('numels', 'list<int>'), ('bucket', 'int'), ('start', 'int'), ('count', 'int'), ('shm', 'str'), ('shm_offset', 'int'),)),
     24: ('Regroup', Regroup, (('generation', 'int'), ('members', 'list<int>'), ('store_prefix', 'str'), ('reason', 'str'), ('sync_from', 'int'), ('first_round', 'int'),)),
     25: ('Fence', Fence, (('rank', 'int'), ('reason', 'str'),)),
     26: ('SaveCheckpoint', SaveCheckpoint, (('version', 'int'), ('stem', 'str'), ('reason', 'str'), ('epoch', 'int'), ('call_fn', 'bool'),)),

@@ -13,6 +13,12 @@ so the average lands and the progress made since the snapshot is kept (at
 for the update, so this is exactly ``local ← average``. GPU tensors are staged
 through host memory in both directions.
 
+On the controller's own host (``BulkLink.lane``, decided by the probe the
+welcome names) no tensor bytes cross the socket: the snapshot is copied into
+a shared-memory segment of the rank's (where, on CPU, the model's values
+live anyway, so a Sync round copies nothing), whose snapshot slot also serves as the snapshot kept for the blend, and the average is read
+straight from the controller's update segment (``shm.py``).
+
 Rounds are numbered by every rank in the same order (every rank enters the
 same number of averages per window), so round ``n`` of one rank meets round
 ``n`` of the others at the controller without anyone naming it.
@@ -28,6 +34,7 @@ from typing import Callable
 import torch
 import zmq
 
+from .. import curve, shm
 from ..bulk import as_frame, dtype_name, slices, unpack_slice
 from ..errors import DeadlineExceeded, ProtocolError
 from ..protocol import messages as m
@@ -40,16 +47,45 @@ log = logging.getLogger(__name__)
 class BulkLink:
     """The rank's bulk-plane DEALER (used by the training thread only)."""
 
-    def __init__(self, addr: str, *, identity: bytes, secret: bytes, run_id: str, sender: str, send_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, addr: str, *, identity: bytes, secret: bytes, run_id: str, sender: str, send_timeout_s: float = 60.0,
+        shm_probe: str = "", shm_nonce: str = "",
+    ) -> None:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.ROUTING_ID, identity)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 4)  # back-pressure: a few slices in flight, never a pile of models
         self.sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))  # a stalled controller is an error, not a hang
+        curve.client(self.sock)
         self.sock.connect(addr)
         self.writer = FrameWriter(secret, run_id, sender)
         self.reader = FrameReader(secret, run_id, max_frame=1 << 20, name=f"{sender} bulk")
         self.rejected = 0
+        self.run_id = run_id
+        # the same-host lane: taken only when the controller's probe is visible from here
+        self.lane = shm.probe_ok(shm_probe, shm_nonce, run_id)
+        self.update_seg: shm.Segment | None = None
+
+    def send_header(self, header: m.Snapshot) -> None:
+        """Send a lane header (the slice lies in our segment). Raises like ``send``."""
+        try:
+            self.sock.send(self.writer.encode(header))
+        except zmq.Again:
+            raise DeadlineExceeded("the controller's bulk socket took no snapshot slice within the send timeout") from None
+
+    def stamp(self) -> int:
+        """The round the controller's update segment holds now."""
+        return shm.UpdateSegment.stamp_of(self.update_seg)
+
+    def _lane_slice(self, update: m.Update, frames: list) -> torch.Tensor:
+        if frames or update.bucket < 0 or not 0 < update.count:
+            raise ProtocolError("bulk", "a shared-memory update header carries a frame or no slice")
+        if self.update_seg is None or str(self.update_seg.path) != update.shm:
+            path = shm.checked_path(update.shm, self.run_id, "update") if self.lane else None
+            if path is None:
+                raise ProtocolError("shm", f"the controller named {update.shm!r}, not its update segment in this run")
+            self.update_seg = shm.Segment.open(path)
+        return self.update_seg.view(update.shm_offset, update.count, torch.float32)
 
     def send(self, header: m.Snapshot, piece: torch.Tensor) -> None:
         """Send one slice (blocks only while ZeroMQ already holds a few of ours: back-pressure).
@@ -72,6 +108,8 @@ class BulkLink:
             self.rejected += 1
             return None
         try:
+            if env.msg.shm:
+                return env.msg, self._lane_slice(env.msg, parts[1:])
             return env.msg, unpack_slice(env.msg, parts[1:])
         except ProtocolError as exc:
             self.rejected += 1
@@ -111,6 +149,11 @@ class CpuAverager:
         self.pending: dict[int, _Pending] = {}
         self.last_drift: tuple[float | None, float, float] | None = None
         self.applied = self.aborted = 0
+        self.overruns = 0  # lane updates found overwritten before they were read (never expected)
+        self.segment: shm.SnapshotSegment | None = None
+        self.live_buckets: set[int] = set()  # buckets whose live values lie in our segment
+        if bulk.lane:
+            self._take_lane()
 
     def broadcast_from(self, root: int = 0) -> None:
         """Start every replica from ``root``'s values: a round only ``root`` weighs in."""
@@ -128,6 +171,81 @@ class CpuAverager:
             weight, measure, block, overwrite = 0.0, False, True, True
         buckets = self.flat.buckets
         layout = dict(groups=[b.group for b in buckets], dtypes=[dtype_name(b.flat.dtype) for b in buckets], numels=[b.numel for b in buckets])
+        if not (self.segment is not None and self._send_on_lane(weight, layout, measure=measure, block=block, overwrite=overwrite)):
+            self._send_frames(weight, layout, measure=measure, block=block, overwrite=overwrite)
+        mine = self.round - 1
+        if block:
+            # adopting waits a whole window for the peers' average; the controller
+            # (which it hears from) bounds that round, so no deadline of our own
+            self._wait_for(mine, bounded=not adopt)
+        ms = (time.perf_counter() - start) * 1000.0
+        d = self.last_drift if measure and self.last_drift else (None, 0.0, 0.0)
+        return Averaged(ms, *d) if measure else Averaged(ms)
+
+    def _take_lane(self) -> None:
+        """Create our segment and move the CPU buckets' live values into it (the same-host lane)."""
+        buckets = self.flat.buckets
+        live = [b.flat.device.type == "cpu" for b in buckets]
+        try:
+            self.segment = shm.SnapshotSegment.create_for(
+                self.bulk.run_id, self.rank, [b.numel * b.flat.element_size() for b in buckets],
+                [b.flat.numel() * b.flat.element_size() if here else 0 for b, here in zip(buckets, live)],
+            )
+        except OSError as exc:  # /dev/shm full or gone: the wire still works
+            log.warning("rank %d: no shared-memory segment (%s); snapshots go as frames", self.rank, exc)
+            self.bulk.lane = False
+            return
+        for i, (b, here) in enumerate(zip(buckets, live)):
+            if here:
+                self.flat.rehome(i, self.segment.view(self.segment.live_offset(i), b.flat.numel(), b.flat.dtype))
+                self.live_buckets.add(i)
+
+    def _send_on_lane(self, weight: float, layout: dict, *, measure: bool, block: bool, overwrite: bool) -> bool:
+        """Send the snapshot's headers, the slices lying in our segment; False when we must use frames.
+
+        Every earlier round's average is read first: our header of this round
+        tells the controller it may reuse its update slot (and our own slot is
+        free again). In a blocking round nothing trains until the average
+        lands, so CPU buckets go from their live storage with no copy at all;
+        otherwise (and for GPU buckets) each slice is copied into the slot just
+        before its header goes, and on CPU the slot is also the snapshot kept
+        for the blend.
+        """
+        self.settle()
+        if self.pending or self.must_stop():
+            return False  # stopping: whatever goes out now goes as frames
+        buckets = self.flat.buckets
+        seg = self.segment
+        in_place = block and not measure
+        live = [in_place and i in self.live_buckets for i in range(len(buckets))]
+        views = [None if here else seg.view(seg.offset(i, 0), b.numel, b.flat.dtype) for i, (b, here) in enumerate(zip(buckets, live))]
+        with torch.no_grad():
+            for bucket in buckets:
+                bucket.copy_in()
+            if in_place or overwrite:
+                snap = None  # the average replaces the values: nothing to blend against
+            else:
+                snap = [views[i] if b.flat.device.type == "cpu" else b.values.detach().clone() for i, b in enumerate(buckets)]
+            mine = self.round
+            self.pending[mine] = _Pending(snap, sum(b.numel for b in buckets), measure, [0.0, 0.0, 0.0])
+            self.round += 1
+            # no update is applied until every slice is in: the snapshot stays one moment's values
+            for bucket, first, count in slices(layout["numels"], [b.flat.element_size() for b in buckets]):
+                size = buckets[bucket].flat.element_size()
+                if live[bucket]:
+                    offset = seg.live_offset(bucket, first * size)
+                else:
+                    src = buckets[bucket].values if snap is None or snap[bucket] is views[bucket] else snap[bucket]
+                    views[bucket][first : first + count].copy_(src[first : first + count])
+                    offset = seg.offset(bucket, first * size)
+                self.bulk.send_header(m.Snapshot(rank=self.rank, round=mine, weight=float(weight), bucket=bucket, start=first, count=count,
+                                                 shm=str(seg.path), shm_offset=offset, ranks=1, **layout))
+        self.poll()
+        return True
+
+    def _send_frames(self, weight: float, layout: dict, *, measure: bool, block: bool, overwrite: bool) -> None:
+        """The snapshot as frames on the socket (the controller is on another host)."""
+        buckets = self.flat.buckets
         if block and not measure:
             # nothing trains before the average lands, so the average simply replaces the
             # values and the live buffers can go out as they are: no copy on CPU ranks
@@ -144,16 +262,22 @@ class CpuAverager:
         self.pending[mine] = _Pending(snap, sum(b.numel for b in buckets), measure, [0.0, 0.0, 0.0])
         self.round += 1
         for bucket, first, count in slices(layout["numels"], [t.element_size() for t in host]):
-            header = m.Snapshot(rank=self.rank, round=mine, weight=float(weight), bucket=bucket, start=first, count=count, **layout)
+            header = m.Snapshot(rank=self.rank, round=mine, weight=float(weight), bucket=bucket, start=first, count=count,
+                                shm="", shm_offset=0, ranks=1, **layout)
             self.bulk.send(header, host[bucket][first : first + count])
             self.poll()  # updates may arrive meanwhile: keep the receive side moving too
-        if block:
-            # adopting waits a whole window for the peers' average; the controller
-            # (which it hears from) bounds that round, so no deadline of our own
-            self._wait_for(mine, bounded=not adopt)
-        ms = (time.perf_counter() - start) * 1000.0
-        d = self.last_drift if measure and self.last_drift else (None, 0.0, 0.0)
-        return Averaged(ms, *d) if measure else Averaged(ms)
+
+    def _overrun(self, update: m.Update) -> None:
+        """The slot already holds a later round: this round is lost here, as if aborted."""
+        log.warning("rank %d: round %d's average was overwritten before it was read; keeping local values", self.rank, update.round)
+        self.overruns += 1
+        self.aborted += 1
+        del self.pending[update.round]
+
+    def close(self) -> None:
+        """Drop our segment's name (the controller normally already has)."""
+        if self.segment is not None:
+            self.segment.unlink()
 
     def poll(self) -> None:
         """Apply every update slice that has arrived (never blocks)."""
@@ -184,6 +308,9 @@ class CpuAverager:
             del self.pending[update.round]
             self.aborted += update.aborted
             return
+        if update.shm and self.bulk.stamp() != update.round:
+            self._overrun(update)
+            return
         bucket = self.flat.buckets[update.bucket]
         seg = slice(update.start, update.start + update.count)
         with torch.no_grad():
@@ -203,6 +330,9 @@ class CpuAverager:
                 values.add_(avg, alpha=self.alpha).sub_(s, alpha=self.alpha)
             if bucket.copied:
                 bucket.copy_out()
+        if update.shm and self.bulk.stamp() != update.round:
+            log.warning("rank %d: round %d's average was overwritten while it was applied", self.rank, update.round)
+            self.overruns += 1
         pending.left -= update.count
         if pending.left <= 0:
             del self.pending[update.round]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,8 @@ class Bucket:
     numel: int
     # tensors that keep storage of their own, copied in/out around averages: (tensor, offset)
     copied: list[tuple[torch.Tensor, int]]
+    # tensors whose .data is a view of ``flat``: (tensor, offset), re-pointed by ``FlatModel.rehome``
+    bound: list[tuple[torch.Tensor, int]] = field(default_factory=list)
 
     @property
     def values(self) -> torch.Tensor:
@@ -79,7 +81,7 @@ class FlatModel:
     def _pack(group: str, tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device, keep: set[int]) -> Bucket:
         numel = sum(t.numel() for t in tensors)
         flat = torch.empty(numel + 1, dtype=dtype, device=device)
-        copied = []
+        copied, bound = [], []
         offset = 0
         with torch.no_grad():
             for t in tensors:
@@ -90,8 +92,25 @@ class FlatModel:
                 else:
                     # rebinding .data keeps the Parameter object (and optimizer state keys) intact
                     t.data = flat[offset : offset + n].view_as(t)
+                    bound.append((t, offset))
                 offset += n
-        return Bucket(group, flat, numel, copied)
+        return Bucket(group, flat, numel, copied, bound)
+
+    def rehome(self, index: int, storage: torch.Tensor) -> None:
+        """Move bucket ``index`` into ``storage`` (numel + 1 elements of its dtype and device).
+
+        The model's tensors are re-pointed at the new storage (``.data`` again,
+        so Parameter objects and the optimizer's references stay valid); the
+        old storage is freed once nothing else holds it.
+        """
+        bucket = self.buckets[index]
+        if storage.shape != bucket.flat.shape or storage.dtype != bucket.flat.dtype or storage.device != bucket.flat.device:
+            raise ValueError(f"bucket {index} needs {tuple(bucket.flat.shape)} {bucket.flat.dtype} on {bucket.flat.device}")
+        with torch.no_grad():
+            storage.copy_(bucket.flat)
+            for t, offset in bucket.bound:
+                t.data = storage[offset : offset + t.numel()].view_as(t)
+        bucket.flat = storage
 
     @property
     def numel(self) -> int:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import TensorDataset
 
-from .. import __version__, scalars
+from .. import __version__, curve, scalars
 from ..checkpoint import CheckpointBundle, CheckpointError, load_model, load_optimizer
 from ..config import AverageBackend, DdpRunConfig
 from ..env import RankEnv, simulated_slowdown, vram_pool_disabled
@@ -182,6 +182,7 @@ class RankRunner:
             return EXIT_CONTROLLER_LOST
         finally:
             if isinstance(self.averager, CpuAverager):
+                self.averager.close()
                 self.averager.bulk.close()
             self.resources.close()
             if self.warmer is not None:
@@ -370,10 +371,15 @@ class RankRunner:
         # a joiner always averages (it takes the consensus from its peers)
         flat = FlatModel(self.model) if welcome.world_size > 1 or welcome.late else None
         if flat is not None and config.elche.mode.backend is AverageBackend.CPU:
+            # snapshots go to this host's relay when the worker runs one, else to the controller
+            addr, probe, nonce = f"tcp://{welcome.store_host}:{welcome.bulk_port}", welcome.shm_probe, welcome.shm_nonce
+            if self.env.bulk_relay:
+                addr, probe, nonce = (self.env.bulk_relay.split(" ") + ["", ""])[:3]
             bulk = BulkLink(
-                f"tcp://{welcome.store_host}:{welcome.bulk_port}", identity=self.link.sender.encode() + b"/bulk",
+                addr, identity=self.link.sender.encode() + b"/bulk",
                 secret=self.env.secret, run_id=self.env.run_id, sender=f"{self.link.sender}/bulk",
                 send_timeout_s=max(welcome.collective_timeout_s, 2.0 * config.snapshot_timeout_secs),
+                shm_probe=probe, shm_nonce=nonce,
             )
             self.averager = CpuAverager(
                 flat, bulk, rank=self.rank, alpha=config.elche.easgd_alpha or 1.0,
@@ -736,6 +742,8 @@ def main() -> int:
         print(f"flodl.rank is started by flodl.worker, not by hand (missing {exc})", file=sys.stderr)
         return EXIT_TASK_ERROR
     die_with_parent(env.parent_pid)
+    if curve.requested():
+        curve.enable(env.secret)  # the worker's environment says the run is encrypted
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the controller drives shutdown
     logging.basicConfig(level=logging.WARNING, format=f"[rank {env.rank}] %(levelname)s %(message)s", stream=sys.stderr)
     return RankRunner(env).run()

@@ -1,0 +1,182 @@
+"""The host relay: a host's ranks average locally first, one snapshot goes upstream.
+
+On the CPU averaging backend, a worker on another host than the controller
+(with two ranks or more) runs a relay on its event loop. Its ranks send their
+snapshots to it instead of the controller, over the same-host lane when they
+can (``shm.py``), so on a host with N ranks the controller receives one
+model per round instead of N: its ingress grows with hosts, not ranks.
+
+The relay is the controller's averaging actor turned inside out
+(``CpuAveraging`` with two overrides): a slice folded from every local rank is
+normalised to the local weighted average and sent upstream at once (streaming
+across the host boundary as the controller streams back), carrying the summed
+weight and how many local ranks trained (``Snapshot.ranks``), so the
+controller's average is exactly what it would have computed from every rank
+itself. The controller's averaged slices come back to the relay, land in its
+update segment and go to the local ranks as lane headers (or frames).
+
+The controller stays in charge of rounds: it times them out and aborts them,
+and the relay passes aborts on. The relay only stops waiting for a local rank
+whose process has ended (the worker tells it at once), and, as a safety net,
+gives a round up when nothing comes back for several snapshot timeouts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+import zmq
+
+from . import curve
+from .bulk import DTYPES, as_frame, slices, unpack_slice
+from .controller.averaging import CpuAveraging, _Round
+from .errors import ProtocolError
+from .protocol import messages as m
+from .protocol.codec import FrameReader, FrameWriter
+from .transport import AsyncSocket
+
+log = logging.getLogger("flodl.relay")
+
+
+class HostRelay(CpuAveraging):
+    """Pre-averages this host's ranks (weighted) and exchanges one snapshot per round with the controller."""
+
+    def __init__(self, *, secret: bytes, run_id: str, upstream: str, identity: str, ranks: list[int], timeout_s: float) -> None:
+        super().__init__(secret=secret, run_id=run_id, bind="127.0.0.1", timeout_s=timeout_s)
+        self.source = min(ranks)
+        self.local_live: set[int] = set(ranks)  # the worker drops a rank the moment its process ends
+        self.live = lambda: self.local_live
+        self.up_writer = FrameWriter(secret, run_id, identity)
+        self.up_reader = FrameReader(secret, run_id, max_frame=1 << 20, name=f"{identity} upstream")
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, identity.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)  # partial averages are copies we own: queued, never dropped
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        curve.client(sock)
+        sock.connect(upstream)
+        self.up = AsyncSocket(sock, self._on_upstream)
+        self.sent_up: set[int] = set()  # rounds whose every slice went upstream
+        self.received_up: Counter[int] = Counter()  # round -> averaged elements back from upstream
+        self.egress_bytes = 0
+        self._seen_any = False
+
+    def start(self) -> None:
+        super().start()
+        self.up.start()
+
+    def close(self) -> None:
+        super().close()
+        self.up.close()
+
+    def rank_ended(self, rank: int) -> None:
+        """A local rank's process is gone: rounds stop waiting for it."""
+        self.local_live.discard(rank)
+
+    # ------------------------------------------------------------ local side
+
+    async def _take(self, rank: int, msg: m.Snapshot, piece: torch.Tensor) -> None:
+        if not self._seen_any:
+            # a joining host's ranks start at the run's current round, not 0
+            self._seen_any = True
+            self.next_round = max(self.next_round, msg.round)
+        await super()._take(rank, msg, piece)
+
+    async def _send_slice(self, rnd: _Round, bucket: int, start: int, count: int) -> None:
+        """Send this host's weighted average of one slice upstream (weight 0 when no local rank trained)."""
+        if (bucket, start) in rnd.streamed:
+            return
+        sources = rnd.expected & set(rnd.weights)
+        weight, trained = rnd.sums(sources)
+        total = 1.0 if rnd.first.get((bucket, start)) else (weight if rnd.groups[bucket] == "p" else trained)
+        acc = rnd.acc[bucket][start : start + count]
+        out = self._normalise(acc, total, DTYPES[rnd.dtypes[bucket]])
+        if out is acc:
+            out = acc.clone()  # the controller's average will land in this slot: send a copy of ours
+        header = m.Snapshot(rank=self.source, round=rnd.number, weight=float(weight), ranks=int(trained), groups=rnd.groups,
+                            dtypes=rnd.dtypes, numels=rnd.numels, bucket=bucket, start=start, count=count, shm="", shm_offset=0)
+        if not self.up.send([self.up_writer.encode(header), as_frame(out)], copy=False):
+            self.drops["upstream"] += 1
+        self.egress_bytes += out.numel() * out.element_size()
+        rnd.streamed.add((bucket, start))
+
+    async def _finish(self, rnd: _Round) -> None:
+        """Every local snapshot is in: send what has not gone upstream yet, then wait for the controller."""
+        if rnd.number in self.sent_up:
+            return
+        for bucket, start, count in slices(rnd.numels, [DTYPES[d].itemsize for d in rnd.dtypes]):
+            await self._send_slice(rnd, bucket, start, count)
+        self.sent_up.add(rnd.number)
+
+    async def _check_timeout(self) -> None:
+        rnd = self.current
+        if rnd is not None and rnd.number in self.sent_up:
+            # the controller owns the round now; the safety net: it may be gone
+            if self.clock() - rnd.started > self.timeout_s:
+                log.warning("relay: no average for round %d from the controller within %g s; giving it up", rnd.number, self.timeout_s)
+                self._close_round(rnd.number, aborted=True, groups=rnd.groups, dtypes=rnd.dtypes, numels=rnd.numels)
+            return
+        await super()._check_timeout()
+
+    # ---------------------------------------------------------- upstream side
+
+    def _on_upstream(self, parts: list) -> None:
+        env = self.up_reader.read(parts[0], "controller")
+        if env is None:
+            return
+        msg = env.msg
+        if not isinstance(msg, m.Update):
+            self.drops["upstream_unexpected"] += 1
+            return
+        if msg.round < self.next_round:
+            self.drops["stale"] += 1
+            return
+        if msg.aborted or msg.ranks == 0:
+            self._close_round(msg.round, aborted=msg.aborted, groups=msg.groups, dtypes=msg.dtypes, numels=msg.numels)
+            return
+        rnd = self.current
+        if rnd is None or rnd.number != msg.round:
+            self.drops["upstream_unexpected"] += 1  # an average for a round we sent nothing of
+            return
+        try:
+            piece = unpack_slice(msg, parts[1:])
+        except ProtocolError as exc:
+            self.drops["bulk"] += 1
+            log.error("relay: rejected an averaged slice from the controller: %s", exc.detail)
+            return
+        fields = dict(round=msg.round, aborted=False, ranks=msg.ranks, groups=msg.groups, dtypes=msg.dtypes, numels=msg.numels,
+                      bucket=msg.bucket, start=msg.start, count=msg.count)
+        lane = None
+        if self.update_seg is not None:
+            # local ranks on the lane read the average where our partial sum was (sent already)
+            rnd.acc[msg.bucket][msg.start : msg.start + msg.count].copy_(piece)
+            lane = m.Update(**fields, shm=str(self.update_seg.path), shm_offset=self.update_seg.offset(msg.bucket, msg.start))
+        self._broadcast(m.Update(**fields, shm="", shm_offset=0), [parts[1]], lane=lane)
+        self.received_up[msg.round] += msg.count
+        if self.received_up[msg.round] >= rnd.total:
+            ms = (self.clock() - rnd.started) * 1000.0
+            self.round_ms.append(ms)
+            self.rounds_done += 1
+            self._forget(msg.round)
+            self._next(msg.round)
+            self.on_round(msg.round, ms)
+
+    def _close_round(self, number: int, *, aborted: bool, groups: list, dtypes: list, numels: list) -> None:
+        """Pass an abort (or an empty average) on to the local ranks and move past the round."""
+        if number != (self.current.number if self.current is not None else self.next_round):
+            return  # not the round we are in or about to open: nothing of ours waits on it
+        self._broadcast(m.Update(round=number, aborted=aborted, ranks=0, groups=list(groups), dtypes=list(dtypes), numels=list(numels),
+                                 bucket=-1, start=0, count=0, shm="", shm_offset=0), [])
+        self.aborted += aborted
+        self._forget(number)
+        self._next(number)
+
+    def _forget(self, number: int) -> None:
+        self.sent_up.discard(number)
+        self.received_up.pop(number, None)
+
+    def telemetry(self) -> dict:
+        return super().telemetry() | {"egress_mb": round(self.egress_bytes / 2**20, 1), "upstream_drops": dict(self.up.send_drops)}

@@ -1,0 +1,136 @@
+"""The host relay: a host's ranks pre-averaged, one snapshot upstream, the exact average back.
+
+Real sockets and a real controller averaging actor; each "host" is a
+``HostRelay`` on the same event loop with its ranks' averagers in threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from flodl.bulk import SLICE_BYTES
+from flodl.relay import HostRelay
+
+from .test_cpu_averaging import RUN, SECRET, Big, controller, rank_side, stop, values
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def relay_for(ctl, identity: str, ranks: list[int]) -> HostRelay:
+    ctl.admit_relay(identity.encode(), ranks)
+    for r in ranks:
+        ctl.admit(f"rank{r}.t".encode(), r)  # the controller admits ranks as it always does; their relay stands in
+    relay = HostRelay(secret=SECRET, run_id=RUN, upstream=f"tcp://127.0.0.1:{ctl.port}", identity=f"{identity}/bulk", ranks=ranks, timeout_s=10.0)
+    relay.start()
+    relay.task = asyncio.create_task(relay.run())
+    return relay
+
+
+def ranks_under(relay: HostRelay, models: dict[int, torch.nn.Module], *, lane: bool):
+    out = {}
+    for r, model in models.items():
+        out[r] = rank_side(relay, r, model, lane=lane)
+    return out
+
+
+async def close(relays, ctl, task, avgs):
+    for a in avgs:
+        a.close()
+    for relay in relays:
+        relay.task.cancel()
+        relay.close()
+    await stop(ctl, task, avgs)
+
+
+@pytest.mark.parametrize("lane", [False, True], ids=["wire", "lane"])
+async def test_relayed_hosts_average_exactly_what_every_rank_would(lane):
+    ctl, task = await controller()
+    models = {r: Big(r) for r in range(5)}
+    before = {r: values(mo) for r, mo in models.items()}
+    a = relay_for(ctl, "worker.a", [0, 1])
+    b = relay_for(ctl, "worker.b", [2, 3])
+    avgs = {**ranks_under(a, {0: models[0], 1: models[1]}, lane=lane), **ranks_under(b, {2: models[2], 3: models[3]}, lane=lane)}
+    avgs[4] = rank_side(ctl, 4, models[4])  # a rank alone on its host sends to the controller itself
+    weights = {0: 3.0, 1: 1.0, 2: 0.0, 3: 2.0, 4: 5.0}
+    await asyncio.gather(*[asyncio.to_thread(avgs[r].average, weights[r], measure=True) for r in range(5)])
+    total = sum(weights.values())
+    want_p = [sum(weights[r] * before[r][i] for r in range(5)) / total for i in (0, 1)]
+    trained = [r for r in range(5) if weights[r] > 0]
+    want_b = sum(before[r][2] for r in trained) / len(trained)  # buffers: equal among ranks that trained, across hosts
+    for mo in models.values():
+        got = values(mo)
+        assert torch.allclose(got[0], want_p[0], atol=1e-5) and torch.allclose(got[1], want_p[1], atol=1e-5)
+        assert torch.allclose(got[2], want_b, atol=1e-6)
+    model_bytes = sum(t.numel() * 4 for t in (models[0].w, models[0].v, models[0].stat))
+    # the controller took one model per host: two relays and the lone rank, not five
+    assert ctl.ingress_bytes == 3 * model_bytes, (ctl.ingress_bytes, model_bytes)
+    assert ctl.rounds_done == 1 and a.rounds_done == 1 and b.rounds_done == 1 and not ctl.drops and not a.drops
+    assert (a.lane_bytes > 0) == lane
+    await close([a, b], ctl, task, avgs.values())
+
+
+async def test_a_local_rank_that_dies_is_not_waited_for():
+    ctl, task = await controller()
+    models = {r: Big(r) for r in range(3)}
+    before = {r: values(mo) for r, mo in models.items()}
+    a = relay_for(ctl, "worker.a", [0, 1])
+    avgs = {**ranks_under(a, {0: models[0], 1: models[1]}, lane=True)}
+    avgs[2] = rank_side(ctl, 2, models[2])
+    a.rank_ended(1)  # its process is gone (the worker reaps it)
+    await asyncio.gather(*[asyncio.to_thread(avgs[r].average, 1.0) for r in (0, 2)])
+    want = (before[0][0] + before[2][0]) / 2
+    assert torch.allclose(models[0].w.double(), want, atol=1e-5) and torch.allclose(models[2].w.double(), want, atol=1e-5)
+    assert ctl.aborted == 0 and a.aborted == 0
+    await close([a], ctl, task, avgs.values())
+
+
+async def test_rounds_keep_streaming_through_the_relay_over_many_rounds():
+    ctl, task = await controller()
+    models = {r: Big(r) for r in range(3)}
+    a = relay_for(ctl, "worker.a", [0, 1])
+    avgs = {**ranks_under(a, {0: models[0], 1: models[1]}, lane=True)}
+    avgs[2] = rank_side(ctl, 2, models[2])
+    for n in range(4):  # Cadence-like: nobody waits, each rank reads the last average before sending the next
+        await asyncio.gather(*[asyncio.to_thread(avgs[r].average, 1.0 + n, block=False) for r in range(3)])
+    await asyncio.gather(*[asyncio.to_thread(avgs[r].settle) for r in range(3)])
+    assert ctl.rounds_done == 4 and a.rounds_done == 4 and ctl.aborted == 0
+    # the relayed ranks read each average before their next snapshot, so both end on the last average;
+    # rank 2 (the wire, no settling first) may have snapshotted before an average landed and keeps that delta
+    assert torch.allclose(models[0].w, models[1].w, atol=1e-5)
+    assert sum(x.overruns for x in avgs.values()) == 0
+    await close([a], ctl, task, avgs.values())
+
+
+async def test_an_abort_upstream_reaches_the_local_ranks():
+    ctl, task = await controller(timeout_s=0.5)
+    models = {r: Big(r) for r in range(3)}
+    before = {r: values(mo) for r, mo in models.items()}
+    a = relay_for(ctl, "worker.a", [0, 1])
+    avgs = {**ranks_under(a, {0: models[0], 1: models[1]}, lane=True)}
+    rank_side(ctl, 2, models[2])  # admitted, never sends: the controller aborts the round
+    await asyncio.gather(*[asyncio.to_thread(avgs[r].average, 1.0) for r in (0, 1)])
+    assert ctl.aborted == 1 and a.aborted == 1 and all(x.aborted == 1 for x in avgs.values())
+    assert torch.equal(models[0].w.double(), before[0][0])  # kept its own values
+    await close([a], ctl, task, avgs.values())
+
+
+async def test_a_relay_claiming_more_ranks_than_it_carries_is_dropped(caplog):
+    from flodl.protocol import messages as m
+
+    from .test_cpu_averaging import _send_raw
+
+    ctl, task = await controller()
+    ctl.admit_relay(b"worker.a", [0, 1])
+    header = m.Snapshot(rank=0, round=0, weight=1.0, groups=["p"], dtypes=["float32"], numels=[4], bucket=0, start=0, count=4,
+                        shm="", shm_offset=0, ranks=3)
+    _send_raw(ctl.port, b"worker.a/bulk", header, b"\0" * 16)
+    for _ in range(100):
+        if ctl.drops["bulk"]:
+            break
+        await asyncio.sleep(0.02)
+    assert ctl.drops["bulk"] == 1 and ctl.current is None and "claims 3 ranks, it carries 2" in caplog.text
+    assert SLICE_BYTES > 0
+    await stop(ctl, task)

@@ -1,0 +1,239 @@
+"""The bulk plane's same-host lane: probes, segments, and headers that name them.
+
+Real segments under /dev/shm, a real controller actor and real sockets; what
+must never happen: a header pointing the averager at a file that is not the
+sending rank's own segment, a slice outside it, a segment left behind, or a
+rank applying an average whose slot was already reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flodl import shm
+from flodl.controller.averaging import CpuAveraging
+from flodl.errors import ProtocolError
+from flodl.protocol import messages as m
+
+from .test_cpu_averaging import RUN, SECRET, Big, _send_raw, controller, rank_side, stop
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _ours() -> list[str]:
+    return sorted(p.name for p in shm.SHM_DIR.iterdir() if p.name.startswith(shm.prefix(RUN)))
+
+
+def test_probe_says_who_shares_the_host():
+    path, nonce = shm.create_probe("probe-run")
+    try:
+        assert shm.probe_ok(str(path), nonce, "probe-run")
+        assert not shm.probe_ok(str(path), "0" * 32, "probe-run")  # another controller's probe
+        assert not shm.probe_ok(str(path), nonce, "other-run")  # not this run's name
+        assert not shm.probe_ok("/tmp/" + path.name, nonce, "probe-run")  # outside the shm directory
+        assert not shm.probe_ok("", "", "probe-run")
+    finally:
+        shm.unlink(path)
+    assert not shm.probe_ok(str(path), nonce, "probe-run")  # gone: a rank elsewhere sees nothing
+
+
+def test_probe_off_switch(monkeypatch):
+    path, nonce = shm.create_probe("probe-run")
+    try:
+        monkeypatch.setenv("FLODL_SHM", "off")
+        assert not shm.enabled() and not shm.probe_ok(str(path), nonce, "probe-run")
+    finally:
+        shm.unlink(path)
+
+
+def test_segment_views_are_bounded_and_aligned():
+    seg = shm.Segment.create(shm.path_for("seg-run", "r0"), 256)
+    try:
+        seg.view(0, 64, torch.float32).fill_(1.5)
+        peer = shm.Segment.open(seg.path)
+        assert float(peer.view(0, 64, torch.float32).sum()) == 96.0  # the peer sees our writes
+        for offset, count in ((250, 4), (2, 1), (-4, 1)):
+            with pytest.raises(ProtocolError, match="outside or misaligned"):
+                peer.view(offset, count, torch.float32)
+    finally:
+        seg.unlink()
+    link = shm.SHM_DIR / "flodl-seg-run-1.0-r0"
+    os.symlink("/etc/passwd", link)
+    try:
+        with pytest.raises(ProtocolError, match="cannot open"):
+            shm.Segment.open(link)  # never through a link
+    finally:
+        link.unlink()
+
+
+def test_checked_path_accepts_only_the_runs_own_names():
+    ok = str(shm.SHM_DIR / f"{shm.prefix('x')}123.0-r4")
+    assert shm.checked_path(ok, "x", "r4") is not None
+    assert shm.checked_path(ok, "x", "r5") is None  # another rank's segment
+    assert shm.checked_path(ok, "y", "r4") is None
+    assert shm.checked_path(str(shm.SHM_DIR / "sub" / f"{shm.prefix('x')}123-r4"), "x", "r4") is None
+    assert shm.checked_path(str(shm.SHM_DIR / f"{shm.prefix('x')}../../etc-r4"), "x", "r4") is None
+
+
+def test_sweep_removes_segments_of_dead_processes_only():
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    stale = shm.SHM_DIR / f"{shm.prefix('sweep-run')}{int(dead.stdout)}.0-update"
+    live = shm.path_for("sweep-run", "probe")
+    stale.write_bytes(b"x")
+    live.write_bytes(b"x")
+    try:
+        assert shm.sweep_stale() >= 1
+        assert not stale.exists() and live.exists()
+    finally:
+        shm.unlink(stale)
+        shm.unlink(live)
+
+
+async def _until(cond, what: str) -> None:
+    for _ in range(200):
+        if cond():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(what)
+
+
+async def test_the_lane_leaves_no_file_behind():
+    ctl, task = await controller()
+    models = [Big(s) for s in range(2)]
+    avgs = [rank_side(ctl, r, mo, lane=True) for r, mo in enumerate(models)]
+    await asyncio.gather(*[asyncio.to_thread(a.average, 1.0) for a in avgs])
+    assert torch.equal(models[0].w, models[1].w)
+    seg = avgs[0].segment.bytes
+    assert seg.data_ptr() <= models[0].w.data_ptr() < seg.data_ptr() + seg.numel()  # the model trains in its segment
+    assert avgs[0].live_buckets == {0, 1}  # parameters and the floating buffer: a Sync round copies nothing
+    # the rank segments were unlinked once mapped; the probe and update segment remain while the run does
+    mine = {shm.Path(ctl.probe_path).name, ctl.update_seg.path.name}
+    assert mine <= set(_ours()) and not any(a.segment.path.exists() for a in avgs)
+    for a in avgs:
+        a.close()
+    await stop(ctl, task, avgs)
+    assert not mine & set(_ours())
+
+
+def _lane_header(**over) -> m.Snapshot:
+    fields = dict(rank=0, round=0, weight=1.0, groups=["p"], dtypes=["float32"], numels=[4], bucket=0, start=0, count=4,
+                  shm="", shm_offset=0, ranks=1) | over
+    return m.Snapshot(**fields)
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("foreign", "not a segment of its own"),
+    ("other-rank", "not a segment of its own"),
+    ("outside", "outside or misaligned"),
+    ("frame", "carries a frame"),
+])
+async def test_forged_lane_headers_are_dropped_with_a_reason(case, reason, caplog):
+    ctl, task = await controller()
+    ctl.admit(b"rank0.x", 0)
+    own = shm.Segment.create(shm.path_for(RUN, "r0"), 16)
+    other = shm.Segment.create(shm.path_for(RUN, "r1"), 16)
+    try:
+        header = {
+            "foreign": _lane_header(shm="/etc/passwd"),
+            "other-rank": _lane_header(shm=str(other.path)),
+            "outside": _lane_header(shm=str(own.path), shm_offset=8),
+            "frame": _lane_header(shm=str(own.path)),
+        }[case]
+        _send_raw(ctl.port, b"rank0.x/bulk", header, b"\0" * 16) if case == "frame" else _send_raw_header(ctl.port, header)
+        await _until(lambda: ctl.drops["bulk"], "the forged header to be dropped")
+        assert ctl.drops["bulk"] == 1 and ctl.current is None and ctl.rounds_done == 0
+        assert reason in caplog.text
+        assert other.path.exists()  # never touched (a mapped own segment is unlinked; a foreign one is not mapped at all)
+    finally:
+        own.unlink()
+        other.unlink()
+        await stop(ctl, task)
+
+
+def _send_raw_header(port: int, header: m.Snapshot) -> None:
+    import zmq
+
+    from flodl.protocol.codec import FrameWriter
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, b"rank0.x/bulk")
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock.send_multipart([FrameWriter(SECRET, RUN, "rank0.x/bulk").encode(header)])
+    sock.close()
+
+
+async def test_an_average_whose_slot_was_reused_is_never_applied():
+    ctl, task = await controller()
+    models = [Big(s) for s in range(2)]
+    avgs = [rank_side(ctl, r, mo, lane=True) for r, mo in enumerate(models)]
+    await asyncio.gather(*[asyncio.to_thread(a.average, 1.0) for a in avgs])  # round 0: maps the update segment
+    # round 1 sent without waiting, rank 0 first (its last poll comes before the round can finish);
+    # before rank 0 reads the average the slot is claimed by round 3
+    for a in avgs:
+        await asyncio.to_thread(a.average, 1.0, block=False)
+    await _until(lambda: ctl.rounds_done == 2, "round 1 to finish")
+    before = models[0].w.detach().clone()
+    ctl.update_seg.stamp(3)
+    avgs[0].poll()
+    assert avgs[0].overruns >= 1 and 1 not in avgs[0].pending
+    assert torch.equal(models[0].w, before)  # kept its own values, nothing half-applied
+    for a in avgs:
+        a.close()
+    await stop(ctl, task, avgs)
+
+
+def test_a_controller_without_shm_keeps_everyone_on_the_wire(monkeypatch):
+    monkeypatch.setenv("FLODL_SHM", "off")
+
+    async def main():
+        ctl, task = await controller()
+        assert ctl.probe_path == ""
+        avg = rank_side(ctl, 0, Big(0), lane=False)
+        await asyncio.to_thread(avg.average, 1.0)
+        assert ctl.lane_bytes == 0 and ctl.rounds_done == 1
+        await stop(ctl, task, [avg])
+
+    asyncio.run(main())
+
+
+async def test_a_round_waits_at_the_gate_until_every_lane_rank_has_read_the_last_average():
+    ctl, task = await controller()
+    models = [Big(s) for s in range(2)]
+    avgs = [rank_side(ctl, r, mo, lane=True) for r, mo in enumerate(models)]
+    for a in avgs:  # round 0 overlaps training (Cadence): nobody waits for it
+        await asyncio.to_thread(a.average, 1.0, block=False)
+    await _until(lambda: ctl.rounds_done == 1, "round 0 to finish")
+    # rank 0 reads round 0 and sends round 1; rank 1 may not have read round 0 yet
+    await asyncio.to_thread(avgs[0].average, 1.0, block=False)
+    await _until(lambda: ctl.held.get(1), "rank 0's round-1 slices to wait at the gate")
+    assert ctl.current is None and ctl.update_seg.stamp_of(ctl.update_seg) == 0  # round 0's average is intact
+    await asyncio.to_thread(avgs[1].average, 1.0, block=False)  # reads round 0 first, then opens the gate
+    await _until(lambda: ctl.rounds_done == 2, "round 1 to finish")
+    for a in avgs:
+        await asyncio.to_thread(a.settle)
+    assert torch.allclose(models[0].w, models[1].w, atol=1e-5)  # blended (local + avg − snapshot): equal up to rounding
+    assert ctl.aborted == 0 and sum(a.overruns for a in avgs) == 0
+    for a in avgs:
+        a.close()
+    await stop(ctl, task, avgs)
+
+
+async def test_a_round_held_at_the_gate_by_a_silent_rank_aborts_after_the_timeout():
+    ctl, task = await controller(timeout_s=0.5)
+    models = [Big(s) for s in range(2)]
+    avgs = [rank_side(ctl, r, mo, lane=True) for r, mo in enumerate(models)]
+    await asyncio.gather(*[asyncio.to_thread(a.average, 1.0) for a in avgs])
+    await asyncio.to_thread(avgs[0].average, 1.0, block=False)  # rank 1 never sends round 1
+    await _until(lambda: ctl.aborted == 1, "the gated round to abort")
+    await asyncio.to_thread(avgs[0].settle)
+    assert ctl.next_round == 2 and not ctl.held and avgs[0].aborted == 1
+    for a in avgs:
+        a.close()
+    await stop(ctl, task, avgs)
