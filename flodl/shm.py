@@ -119,18 +119,37 @@ class Segment:
         self.writable = writable
 
     @classmethod
-    def create(cls, path: Path, nbytes: int) -> Segment:
-        """A new zero-filled segment of ``nbytes`` (mode 0600; pages are only backed once written)."""
+    def create(cls, path: Path, nbytes: int, *, reserve: int | None = None) -> Segment:
+        """A new zero-filled segment of ``nbytes`` (mode 0600), its first ``reserve`` bytes (all by default) backed now.
+
+        Backing pages up front is what makes a full /dev/shm (a container's
+        64 MiB default) an ``OSError`` here rather than a SIGBUS at the first
+        write; pages past ``reserve`` are backed by ``reserve_range`` before use.
+
+        Raises:
+            OSError: no room (ENOSPC) or no /dev/shm; nothing is left behind.
+        """
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, nbytes)
-            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            if nbytes and (reserve is None or reserve > 0):
+                os.posix_fallocate(fd, 0, nbytes if reserve is None else min(reserve, nbytes))
+            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) if nbytes else mmap.mmap(-1, 1)
         except BaseException:
             os.close(fd)
             os.unlink(path)
             raise
-        os.close(fd)
-        return cls(path, mm, True)
+        seg = cls(path, mm, True)
+        seg.fd = fd  # kept to back later ranges (``reserve_range``)
+        return seg
+
+    def reserve_range(self, offset: int, length: int) -> bool:
+        """Back ``length`` bytes at ``offset`` with pages now; False when /dev/shm has no room."""
+        try:
+            os.posix_fallocate(self.fd, offset, length)
+            return True
+        except OSError:
+            return False
 
     @classmethod
     def open(cls, path: Path, *, min_bytes: int = 0) -> Segment:
@@ -168,6 +187,9 @@ class Segment:
 
     def unlink(self) -> None:
         unlink(self.path)
+        fd, self.fd = getattr(self, "fd", None), None
+        if fd is not None:
+            os.close(fd)
 
 
 class UpdateSegment(Segment):
@@ -222,9 +244,17 @@ class SnapshotSegment(Segment):
         """``nbytes``: each flat tensor's snapshot size; ``live_bytes``: its live storage here (0: not here)."""
         live_offsets, live_size = layout_offsets(live_bytes)
         offsets, slot = layout_offsets(nbytes)
-        seg = cls.create(path_for(run_id, f"r{rank}"), live_size + slot)
-        seg.live_offsets, seg.offsets, seg.live_size = live_offsets, offsets, live_size
+        # the live area is written at once; the slot is backed when a round first needs it
+        seg = cls.create(path_for(run_id, f"r{rank}"), live_size + slot, reserve=live_size)
+        seg.live_offsets, seg.offsets, seg.live_size, seg.slot_bytes = live_offsets, offsets, live_size, slot
+        seg.slot_ready = slot == 0
         return seg
+
+    def ready_slot(self) -> bool:
+        """Back the snapshot slot (once); False when /dev/shm has no room for it."""
+        if not self.slot_ready:
+            self.slot_ready = self.reserve_range(self.live_size, self.slot_bytes)
+        return self.slot_ready
 
     def live_offset(self, bucket: int, start_byte: int = 0) -> int:
         return self.live_offsets[bucket] + start_byte

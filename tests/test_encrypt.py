@@ -61,20 +61,24 @@ def _train(proc_env, tmp_path, port: int, *extra: str) -> dict:
     return json.loads(path.read_text())
 
 
-@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
-def test_an_encrypted_run_trains_and_shows_nothing_on_the_wire(proc_env, tmp_path, encrypt):
+def _sniffed_run(proc_env, tmp_path, *extra: str) -> tuple[dict, list[bytes]]:
     port = free_port()
     sniffer = _sniffer_or_skip(port)
     try:
-        summary = _train(proc_env, tmp_path, port, *(["--encrypt"] if encrypt else []))
+        summary = _train(proc_env, tmp_path, port, *extra)
     finally:
         sniffer.stop()
     assert summary["exit_reason"] == "completed" and summary["averaging"]["rounds"] > 0
-    frames = sniffer.snapshot()
-    if encrypt:
-        assert frames == []  # not one readable frame to the controller
-    else:
-        assert len(frames) > 10  # the sniffer does see plain frames: the encrypted case is not a blind spot
+    return summary, sniffer.snapshot()
+
+
+def test_an_encrypted_run_trains_and_shows_nothing_on_the_wire(proc_env, tmp_path):
+    _, plain = _sniffed_run(proc_env, tmp_path)
+    if not plain:
+        pytest.skip("the raw socket sees no loopback traffic here (a sandbox): nothing to compare against")
+    assert len(plain) > 10  # without --encrypt, frames are read straight off the wire
+    _, encrypted = _sniffed_run(proc_env, tmp_path, "--encrypt")
+    assert encrypted == []  # with it, not one
 
 
 def test_a_worker_without_encrypt_cannot_join_an_encrypted_controller(proc_env):

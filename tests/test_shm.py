@@ -237,3 +237,23 @@ async def test_a_round_held_at_the_gate_by_a_silent_rank_aborts_after_the_timeou
     for a in avgs:
         a.close()
     await stop(ctl, task, avgs)
+
+
+def test_a_full_shm_is_an_error_at_creation_never_a_crash_later(tmp_path, monkeypatch):
+    if os.geteuid() != 0:
+        pytest.skip("needs root (mounts a small tmpfs)")
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        monkeypatch.setattr(shm, "SHM_DIR", small)
+        with pytest.raises(OSError):
+            shm.Segment.create(shm.path_for("full-run", "update"), 8 << 20)  # a SIGBUS at the first write, without fallocate
+        assert list(small.iterdir()) == []  # nothing left behind
+        seg = shm.SnapshotSegment.create_for("full-run", 0, [4 << 20], [64 << 10])  # the live area fits, the slot does not
+        assert not seg.ready_slot()
+        seg.view(0, 1000, torch.float32).fill_(1.0)  # the backed part is writable
+        seg.unlink()
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)

@@ -218,6 +218,8 @@ class CpuAverager:
         seg = self.segment
         in_place = block and not measure
         live = [in_place and i in self.live_buckets for i in range(len(buckets))]
+        if not all(live) and not seg.ready_slot():
+            return False  # no room in /dev/shm for a snapshot copy: this one goes as frames
         views = [None if here else seg.view(seg.offset(i, 0), b.numel, b.flat.dtype) for i, (b, here) in enumerate(zip(buckets, live))]
         with torch.no_grad():
             for bucket in buckets:
