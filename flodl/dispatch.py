@@ -108,6 +108,9 @@ class Dispatcher:
         self.pools: dict[int, EpochPool] = {}
         self.next_epoch = start_epoch  # the next pool to create
         self.completed: list[int] = []  # epochs fully trained, in order
+        # epoch -> (its pool, positions not yet trained): settling a window is then O(ranks),
+        # where asking each pool ``done`` (a sum over its trained ranges) after every rank's settle was O(ranks²)
+        self._untrained: dict[int, tuple[EpochPool, int]] = {}
         self.throttled: list[int] = []  # ranks max_batch_diff held back in the last plan (for the timeline)
         total_batches = max(1, dataset_len // batch_size)
         self.overshoot_auto = max_overshoot is None and policy is ApplyPolicy.ASYNC
@@ -271,17 +274,27 @@ class Dispatcher:
     def settle(self, plan: WindowPlan, consumed: int) -> None:
         """The rank trained the first ``consumed`` samples of its grants; the rest go back."""
         for grant, used in plan.consumed_per_grant(consumed):
-            self.pools[grant.epoch].settle(plan.rank, [(grant.start, grant.size)], used)
+            pool = self.pools[grant.epoch]
+            left = self._untrained_in(pool)
+            self._untrained[pool.epoch] = (pool, left - pool.settle(plan.rank, [(grant.start, grant.size)], used))
         self._close_done()
+
+    def _untrained_in(self, pool: EpochPool) -> int:
+        """Positions of ``pool`` not yet trained (``pool.done`` is this being 0), kept up to date by ``settle``."""
+        cached = self._untrained.get(pool.epoch)
+        if cached is None or cached[0] is not pool:  # first sight, or a pool put in from outside (resume)
+            cached = self._untrained[pool.epoch] = (pool, pool.total - pool.trained_count)
+        return cached[1]
 
     def _close_done(self) -> None:
         """Retire finished pools in epoch order (a later epoch never closes before an earlier one)."""
         for epoch in sorted(self.pools):
             pool = self.pools[epoch]
-            if not pool.done:
+            if self._untrained_in(pool):
                 return
             pool.check()
             del self.pools[epoch]
+            self._untrained.pop(epoch, None)
             self.completed.append(epoch)
 
     def take_completed(self) -> list[int]:

@@ -9,6 +9,7 @@ the reference runtime are in ``tests/test_metrics.py``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Iterable
 
 
@@ -79,7 +80,7 @@ class EpochStats:
     scalars: dict[str, float]
     eval_value: float | None = None
 
-    @property
+    @cached_property  # read once per rank (to_dict, the monitor's epoch records): recomputing it each time was O(ranks²)
     def batch_share(self) -> dict[int, float]:
         """Each rank's fraction of the epoch's samples."""
         return {r: (p.samples / self.samples if self.samples else 0.0) for r, p in self.per_rank.items()}

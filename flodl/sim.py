@@ -10,13 +10,19 @@ collective: what is under test is the controller.
 
 Faults are explicit knobs: ``die_at_batch`` (the rank's socket closes and the
 worker reports it killed), ``silent_at_batch`` (it stops sending anything,
-heartbeats included).
+heartbeats included). Speeds: ``batch_ms`` x ``slowdown``, optionally drawn
+afresh for every batch (``jitter``). For runs at scale (hundreds of ranks in
+one process) call ``allow_peers`` before the first socket, and pass
+``record=True`` to keep the positions each rank trained (``trained``), so a
+caller can check coverage from the ranks' side too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import random
+import resource
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +48,25 @@ class SimRankSpec:
     eval_value: float = 0.5
     slowdown: float = 1.0  # simulated: this rank's batches take slowdown x batch_ms
     hello_delay_s: float = 0.0  # simulated: building the task takes this long before the hello
+    jitter: float = 0.0  # simulated: each batch takes batch_ms x slowdown x uniform(1 - jitter, 1 + jitter)
+    seed: int = 0  # the jitter's random stream
+
+
+def allow_peers(count: int) -> None:
+    """Let this process hold ``count`` simulated peers (one DEALER each).
+
+    ZeroMQ's context caps sockets at 1023 by default and each DEALER holds
+    about two file descriptors (its mailbox and its TCP connection): raise
+    both. Call it before the process creates its first ZeroMQ socket (the cap
+    is fixed when the shared context starts).
+    """
+    want = 2 * count + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
+    ctx = zmq.Context.instance()
+    if ctx.get(zmq.MAX_SOCKETS) < count + 64:
+        ctx.set(zmq.MAX_SOCKETS, count + 64)
 
 
 class _Peer:
@@ -52,6 +77,7 @@ class _Peer:
         self.inbox: asyncio.Queue[Any] = asyncio.Queue()
         self.silent = False
         self.end_window = -1
+        self.sent = 0
         self.endpoint = ControlEndpoint(
             make_dealer(zmq.Context.instance(), addr, sender), secret=secret, run_id=run_id, sender=sender, on_message=self._on_message
         )
@@ -66,6 +92,7 @@ class _Peer:
     def send(self, msg: Any) -> None:
         if not self.silent:
             self.endpoint.send(msg)
+            self.sent += 1
 
     async def expect(self, *kinds: type, timeout_s: float = 30.0) -> Any:
         async with asyncio.timeout(timeout_s):
@@ -112,7 +139,8 @@ def _window_batches(window: m.Window, batch_size: int, batch_ms: float) -> list[
 class SimWorker:
     """A worker whose ranks are tasks on this loop; ``await run()`` until Shutdown."""
 
-    def __init__(self, addr: str, secret: bytes, run_id: str, specs: list[SimRankSpec], *, dataset_len: int = 1000, batch_size: int = 10, host: str = "sim") -> None:
+    def __init__(self, addr: str, secret: bytes, run_id: str, specs: list[SimRankSpec], *, dataset_len: int = 1000, batch_size: int = 10, host: str = "sim",
+                 record: bool = False, training: asyncio.Event | None = None) -> None:
         self.addr, self.secret, self.run_id = addr, secret, run_id
         self.specs = specs
         self.dataset_len = dataset_len
@@ -121,6 +149,10 @@ class SimWorker:
         self.sender = f"worker.{host}.{os.getpid()}.{id(self)}"
         self.outcomes: dict[int, str] = {}
         self.batches_sent = 0
+        self.frames_sent = 0  # every frame its ranks sent (batches, windows, hellos, heartbeats ...)
+        # rank -> (epoch, start, size) of every position it trained and reported (``record``)
+        self.trained: dict[int, list[tuple[int, int, int]]] | None = {} if record else None
+        self.training = training  # set once one of its ranks receives its first Window
 
     async def run(self) -> None:
         peer = _Peer(self.addr, self.sender, self.secret, self.run_id)
@@ -144,6 +176,7 @@ class SimWorker:
                 await asyncio.sleep(0.05)
                 beat.cancel()
         finally:
+            self.frames_sent += peer.sent
             peer.close()
 
     async def _rank(self, worker: _Peer, rank: int, spec: SimRankSpec, welcome: m.WorkerWelcome) -> None:
@@ -153,6 +186,7 @@ class SimWorker:
             self.outcomes[rank] = await self._rank_life(worker, peer, rank, spec)
         finally:
             beat.cancel()
+            self.frames_sent += peer.sent
             peer.close()
 
     async def _rank_life(self, worker: _Peer, peer: _Peer, rank: int, spec: SimRankSpec) -> str:
@@ -169,6 +203,7 @@ class SimWorker:
             return "refused"
         peer.send(m.RankReady(rank=rank, generation=welcome.generation, init_ms=0.0))
         step = 0
+        rng = random.Random(spec.seed)
         while True:
             cmd = await peer.expect(m.Window, m.RunEval, m.Shutdown, timeout_s=3600)
             if isinstance(cmd, m.Shutdown):
@@ -179,7 +214,9 @@ class SimWorker:
                 peer.send(m.EvalResult(rank=rank, epoch=cmd.epoch, final=cmd.final, value=spec.eval_value, elapsed_ms=0.0, error=None))
                 continue
             if isinstance(cmd, m.Window):
-                step = await self._window(peer, rank, spec, cmd, step)
+                if self.training is not None:
+                    self.training.set()
+                step = await self._window(peer, rank, spec, cmd, step, rng)
                 if step == -2:
                     return "silent"
                 if step < 0:
@@ -187,29 +224,52 @@ class SimWorker:
                     return "died"
                 continue
 
-    async def _window(self, peer: _Peer, rank: int, spec: SimRankSpec, cmd: m.Window, step: int) -> int:
-        """Train a window's grants like a real rank would (simulated time); -1 if it died."""
-        batches = _window_batches(cmd, self.batch_size, spec.batch_ms * spec.slowdown)
+    async def _window(self, peer: _Peer, rank: int, spec: SimRankSpec, cmd: m.Window, step: int, rng: random.Random) -> int:
+        """Train a window's grants like a real rank would (simulated time); -1 if it died, -2 if it hung."""
+        base_ms = spec.batch_ms * spec.slowdown
+        if spec.jitter:
+            batches = _window_batches(cmd, self.batch_size, 0.0)  # the time quota is applied below, batch by batch
+            durations = [base_ms * rng.uniform(1.0 - spec.jitter, 1.0 + spec.jitter) for _ in batches]
+            if cmd.quota_ms:
+                spent, limit = 0.0, len(batches)
+                for i, ms in enumerate(durations):
+                    spent += ms
+                    if spent >= cmd.quota_ms:  # a real rank stops at the first batch boundary past the quota
+                        limit = i + 1
+                        break
+                batches, durations = batches[:limit], durations[:limit]
+        else:
+            batches = _window_batches(cmd, self.batch_size, base_ms)
+            durations = [base_ms] * len(batches)
         per_epoch: dict[int, list[float]] = {}
         trained = []
-        for epoch, samples in batches:
+        outcome = None
+        for (epoch, samples), ms in zip(batches, durations):
             if peer.end_window >= cmd.window:
                 break
-            trained.append((epoch, samples))
             step += 1
             if spec.die_at_batch is not None and step >= spec.die_at_batch:
-                return -1
+                outcome = -1
+                break
             if spec.silent_at_batch is not None and step >= spec.silent_at_batch:
                 peer.silent = True
-                await peer.expect(m.Shutdown, timeout_s=3600)  # a hung rank: it hears, never answers
-                return -2
-            if spec.batch_ms:
-                await asyncio.sleep(spec.batch_ms * spec.slowdown / 1000.0)
+                outcome = -2
+                break
+            if ms:
+                await asyncio.sleep(ms / 1000.0)
+            trained.append((epoch, samples))
             row = per_epoch.setdefault(epoch, [0.0] * 5)
-            for i, v in enumerate((1, samples, 1.0 / step, spec.batch_ms * spec.slowdown, 0.0)):
+            for i, v in enumerate((1, samples, 1.0 / step, ms, 0.0)):
                 row[i] += v
-            peer.send(m.BatchDone(rank, epoch, step, samples, 1.0 / step, spec.batch_ms * spec.slowdown, 0.0, 0.0))
+            peer.send(m.BatchDone(rank, epoch, step, samples, 1.0 / step, ms, 0.0, 0.0))
             self.batches_sent += 1
+        if self.trained is not None:
+            self._record(rank, cmd, sum(s for _, s in trained))
+        if outcome == -2:
+            await peer.expect(m.Shutdown, timeout_s=3600)  # a hung rank: it hears, never answers
+            return -2
+        if outcome is not None:
+            return outcome
         peer.send(
             m.WindowDone(
                 rank=rank, window=cmd.window, batches=len(trained), consumed=sum(s for _, s in trained),
@@ -220,3 +280,12 @@ class SimWorker:
             )
         )
         return step
+
+    def _record(self, rank: int, cmd: m.Window, consumed: int) -> None:
+        """The positions trained: the first ``consumed`` of the window's grants, in order."""
+        out = self.trained.setdefault(rank, [])
+        for epoch, start, size in cmd.grants:
+            used = min(size, consumed)
+            if used > 0:
+                out.append((int(epoch), int(start), used))
+            consumed -= used

@@ -58,6 +58,8 @@ MAX_COLLECTIVE_RETRIES = 3
 SHUTDOWN_WAIT_S = 40.0
 ABORT_WAIT_S = 10.0
 CHECKPOINT_WAIT_S = 120.0  # a rank writing a large model to slow storage
+#: Open files the controller keeps for itself (sockets' mailboxes, the store, logs, the dashboard).
+FD_RESERVE = 128
 
 
 class Controller:
@@ -131,6 +133,9 @@ class Controller:
         self.initial_world = 0  # ranks the run started with (the LR factor every replica keeps)
         self.schedule: Schedule | None = None  # passes, epochs and picks, once the task's size is known
         self._next_rank = 0  # rank numbers are never reused, so a late report can't be misread
+        self._timing_window = False  # a calibration window is being timed: every BatchDone wakes the conductor
+        self.fd_limit = 0  # the soft limit on open files once _open lifted it (0: unknown)
+        self._fd_warned = False
 
     # ================================================================ run
 
@@ -201,6 +206,7 @@ class Controller:
                 # every frame is signed (HMAC with the run secret), but nothing is encrypted
                 self.console.line(f"note: serving on {self.launch.bind} beyond loopback: frames are authenticated, not encrypted; "
                                   "keep the network trusted, tunnel it, or run with --encrypt")
+        self.fd_limit = _lift_fd_limit()
         sock, self.port = make_router(ctx, self.launch.bind, self.launch.port)
         self.endpoint = ControlEndpoint(sock, secret=self.secret, run_id=self.run_id, sender="controller", on_message=self._on_message)
         self.endpoint.start()
@@ -313,7 +319,11 @@ class Controller:
                     self.monitor.throttled(number, loop.dispatcher.throttled, now_s=self.clock())
                 in_flight.append(number)
                 if loop.open_ended(number):
-                    await self._end_when_timed(number, loop)
+                    self._timing_window = True
+                    try:
+                        await self._end_when_timed(number, loop)
+                    finally:
+                        self._timing_window = False
                     break  # calibrate before planning ahead
             if not in_flight:
                 if loop.finished:
@@ -558,6 +568,12 @@ class Controller:
         now = self.clock()
         for rank, device in zip(worker.ranks, worker.devices):
             self.members.expect_rank(rank, worker.host, device, now)
+        # every worker and rank holds a connection here, and every rank one to the store (or the bulk plane)
+        need = 2 * self._next_rank + len(self.members.workers) + FD_RESERVE
+        if self.fd_limit and need > self.fd_limit and not self._fd_warned:
+            self._fd_warned = True
+            self.console.line(f"warning: {self._next_rank} ranks on {len(self.members.workers)} workers need about {need} open files in the "
+                              f"controller, its limit is {self.fd_limit}: peers past it cannot connect (raise the hard limit, ulimit -Hn)")
 
     def _send_worker_welcome(self, worker: WorkerInfo) -> None:
         relay = self._relays(worker)
@@ -739,7 +755,7 @@ class Controller:
                 self._back = None
         if msg.rank in self.window_batches:
             self.window_batches[msg.rank] += 1
-            if self.cadence is not None and self.cadence.open_ended(self.cadence.window - 1):
+            if self._timing_window:  # a flag, not loop.open_ended(): that walks every rank's plan, per frame
                 self._changed.set()  # the calibration window waits on these
         self.rank_rates[msg.rank] = self.rank_rates.get(msg.rank, 0.0) + msg.samples
         if msg.epoch != self.current_epoch:
@@ -948,8 +964,7 @@ class Controller:
         msg = m.Regroup(generation=self.members.generation, members=survivors,
                         store_prefix=f"{self.run_id}/gen{self.members.generation}", reason=reason[:500],
                         sync_from=-1, first_round=-1)
-        for rank in survivors:
-            self._send_rank(rank, msg)
+        self._send_ranks(survivors, msg)
 
     def _training_ranks(self) -> list[int]:
         """The ranks in the collective and the plans: live, and admitted (not joiners)."""
@@ -993,8 +1008,7 @@ class Controller:
             msg = m.Regroup(generation=generation, members=members, store_prefix="", reason=reason,
                             sync_from=-1, first_round=loop.round_base)
             targets = ready  # the others' CPU rounds simply start expecting the joiners
-        for rank in targets:
-            self._send_rank(rank, msg)
+        self._send_ranks(targets, msg)
         self.joins.append({"at_s": now - self.started_at, "unix_time": time.time(), "generation": generation,
                            "ranks": ready, "hosts": hosts, "world": len(members)})
         self.monitor.ranks_joined({r: (self.members.ranks[r].host, self.members.ranks[r].device) for r in ready}, now_s=now)
@@ -1044,6 +1058,13 @@ class Controller:
 
     def _send_rank(self, rank: int, msg: Any) -> None:
         self.endpoint.send(msg, self.members.ranks[rank].identity)
+
+    def _send_ranks(self, ranks: list[int], msg: Any) -> None:
+        """The same message to several ranks, signed once (a Regroup lists every
+        member: signing it per rank made each death cost O(world²))."""
+        frame = self.endpoint.writer.encode(msg)
+        for rank in ranks:
+            self.endpoint.send_frame(frame, self.members.ranks[rank].identity)
 
     async def _shutdown_peers(self) -> None:
         """Clean end: Shutdown to everyone, then wait (bounded) for them to leave."""
@@ -1148,6 +1169,29 @@ class Controller:
             "cadence": self.cadence.telemetry() if self.cadence else None,
             "averaging": self.averaging.telemetry() if self.averaging else None,
         }
+
+
+def _lift_fd_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit; returns the soft limit
+    in force (0 if unknown). Every rank and worker holds a TCP connection to the controller,
+    so the common default of 1024 caps a run at a few hundred ranks: past it, connections
+    fail in ZeroMQ's I/O thread (which then spins on accept) and ranks look silent."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 0
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 30
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (OSError, ValueError):  # e.g. macOS caps the soft limit below an unlimited hard one
+            pass
+    return soft
 
 
 def _is_loopback(address: str) -> bool:
