@@ -179,3 +179,12 @@ def test_fault_plan_parses_and_names_bad_items():
             FaultPlan.from_env(1, bad)
     plan.reach("average")  # 1st of 5: nothing happens
     assert plan.seen["average"] == 1 and "average" in plan.armed
+
+
+def test_console_progress_summarises_many_ranks(clock):
+    out = io.StringIO()
+    con = Console(out=out, live=False, clock=clock)
+    clock.advance(5.1)
+    con.progress(epoch=0, epochs=1, done=10, total=100, rate=1.0, loss=None, ranks={r: float(r) for r in range(1000)})
+    line = out.getvalue().splitlines()[-1]
+    assert "[1000 ranks: slowest r0 0/s, median 500/s, fastest r999 999/s]" in line and len(line) < 200

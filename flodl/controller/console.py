@@ -15,6 +15,19 @@ from typing import Callable, TextIO
 from ..metrics import EpochStats
 
 
+#: Past this many ranks the progress line summarises their rates instead of listing each.
+LIST_RANKS_UP_TO = 8
+
+
+def _per_rank(ranks: dict[int, float]) -> str:
+    """Each rank's samples/s, or, for many ranks, the slowest, the median and the fastest."""
+    if len(ranks) <= LIST_RANKS_UP_TO:
+        return "  [" + " ".join(f"r{r} {v:,.0f}/s" for r, v in ranks.items()) + "]"
+    order = sorted(ranks, key=ranks.get)
+    lo, mid, hi = order[0], order[len(order) // 2], order[-1]
+    return f"  [{len(ranks)} ranks: slowest r{lo} {ranks[lo]:,.0f}/s, median {ranks[mid]:,.0f}/s, fastest r{hi} {ranks[hi]:,.0f}/s]"
+
+
 def _fmt_rate(samples_per_s: float) -> str:
     return f"{samples_per_s:,.0f} samples/s"
 
@@ -60,7 +73,7 @@ class Console:
         pct = 100.0 * done / total if total else 0.0
         left = (total - done) / rate if rate > 0 else 0.0
         loss_text = f"  loss {loss:.4f}" if loss is not None else ""
-        per_rank = "  [" + " ".join(f"r{r} {v:,.0f}/s" for r, v in ranks.items()) + "]" if ranks and len(ranks) > 1 else ""
+        per_rank = _per_rank(ranks) if ranks and len(ranks) > 1 else ""
         text = f"epoch {epoch + 1}/{epochs}  {pct:5.1f}%  {done}/{total}  {_fmt_rate(rate)}  eta {left:4.0f} s{loss_text}{per_rank}"
         if self.live:
             self.out.write("\r\033[K" + text)
