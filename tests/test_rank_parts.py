@@ -228,3 +228,13 @@ def test_step_clips_gradients_to_max_grad_norm(tmp_path):
     finally:
         runner.link._pipe_out.close(linger=0)
         runner.link._pipe_in.close(linger=0)
+
+
+def test_rank_thread_counts():
+    from flodl.rank.runner import ACCELERATOR_THREADS, cpu_threads
+
+    assert cpu_threads(16, 2, staged=False) == 8  # CPU ranks share the host's cores
+    assert cpu_threads(16, 1, staged=True) == 14  # and leave the data threads a core or two
+    assert cpu_threads(16, 1, staged=False, accelerator=True) == ACCELERATOR_THREADS  # a GPU rank needs few
+    assert cpu_threads(16, 8, staged=False, accelerator=True) == 2
+    assert cpu_threads(1, 4, staged=True) == 1

@@ -1,0 +1,78 @@
+"""A CUDA rank plus CPU ranks on the CPU averaging backend vs the CUDA rank alone.
+
+    python bench/mixed.py [--quick]
+
+The same task (``bench/tasks/mlp.py``: an MLP on synthetic data, width set so
+a CPU rank is far slower than the GPU) trains for the same number of epochs
+(a) on ``cuda:0`` alone and (b) on ``cuda:0`` with CPU ranks beside it
+(``cpu-cadence`` and ``cpu-async``): ElChe gives every rank the share its speed
+earns, and the CPU ranks average through the same-host lane. Reported: training
+throughput (samples/s of the run's training wall time), final loss, and the
+share of samples the CPU ranks trained. Needs a CUDA device; without one it
+says so and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import Row, report  # noqa: E402
+
+TASK = f"{ROOT / 'bench' / 'tasks' / 'mlp.py'}:task"
+
+
+def run(devices: str, mode: str | None, epochs: int, width: int, samples: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "s.json"
+        cmd = [sys.executable, "-m", "flodl.controller", "--task", TASK, "--devices", devices, "--epochs", str(epochs),
+               "--dashboard-port", "-1", "--summary-json", str(path)]
+        if mode:
+            cmd += ["--mode", mode]
+        env = {**os.environ, "FLODL_BENCH_WIDTH": str(width), "FLODL_BENCH_SAMPLES": str(samples),
+               "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        if res.returncode:
+            raise RuntimeError(f"{devices} {mode}: exit {res.returncode}\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+        return json.loads(path.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer samples and epochs")
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench/mixed.py needs a CUDA device; none here, nothing measured")
+        return
+    epochs, samples, width = (3, 32768, 1024) if args.quick else (6, 65536, 1024)
+    rows: list[Row] = []
+    alone = run("cuda:0", None, epochs, width, samples)
+    base = alone["samples_per_s"]
+    rows.append(Row("cuda:0 alone", "samples/s", base, "samples/s"))
+    rows.append(Row("cuda:0 alone", "final loss", alone["final_loss"], ""))
+    for devices in ("cuda:0,cpu,cpu", "cuda:0,cpu,cpu,cpu,cpu"):
+        for mode in ("cpu-cadence", "cpu-async"):
+            s = run(devices, mode, epochs, width, samples)
+            case = f"{devices} {mode}"
+            rate = s["samples_per_s"]
+            cpu_share = sum(r["samples"] for r in s["per_rank"] if r["device"] == "cpu") / max(1, sum(r["samples"] for r in s["per_rank"]))
+            rows.append(Row(case, "samples/s", rate, "samples/s"))
+            rows.append(Row(case, "vs cuda:0 alone", rate / base, "x"))
+            rows.append(Row(case, "CPU ranks' share", cpu_share * 100, "%"))
+            rows.append(Row(case, "final loss", s["final_loss"], ""))
+            rows.append(Row(case, "averaging round p50", s["averaging"]["round_ms_p50"] or 0.0, "ms"))
+    report("mixed_gpu", rows, note=f"bench/tasks/mlp.py width {width}, {samples} samples, {epochs} epochs; training wall time")
+
+
+if __name__ == "__main__":
+    main()
