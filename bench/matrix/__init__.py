@@ -1,0 +1,114 @@
+"""Model x mode matrix: six model families under every flodl mode, next to torchrun.
+
+    python -m bench.matrix [--quick]      # run the suite, write bench/results/matrix/ and bench/results/matrix.json
+    python -m bench.matrix.report         # tables into docs/benchmarks.md, plots into docs/img/ (needs matplotlib)
+
+Models (``bench/matrix/tasks.py``; data in ``bench/matrix/data.py``, nothing
+downloaded): logistic regression and an MLP on scikit-learn's digits, LeNet-5
+and ResNet-20 on generated 32x32 images, a char-RNN (GRU and LSTM) and GPT-nano
+on the source text of standard-library modules.
+
+Cases per model, each one real run (process start-up is not counted: every
+wall time is from the first dispatched batch to the final eval, evals taken
+out):
+
+* ``solo``: flodl on one rank;
+* ``nccl-sync``, ``nccl-cadence``, ``nccl-async`` (gloo on CPU ranks) and
+  ``cpu-sync``, ``cpu-cadence``, ``cpu-async``: flodl on 2 equal ranks;
+* ``torchrun-ddp`` and ``torchrun-postlocal``: the same model, data, budget and
+  batch per rank under ``torchrun`` (gloo) with DistributedDataParallel, and with
+  PyTorch's post-local SGD (``bench/matrix/ddp.py``);
+* ``...-4to1``: 2 ranks with rank 1 four times slower (flodl's
+  ``FLODL_SIMULATE_SLOWDOWN=1:4``; the same sleep in the DDP script) for
+  ``nccl-cadence``, ``nccl-async``, ``cpu-cadence``, ``cpu-async`` and both
+  torchrun variants.
+
+Every rank runs one intra-op thread (``OMP_NUM_THREADS=1``); seeds and sample
+budgets are fixed (``PLANS``). Each run's summary (flodl's ``--summary-json``,
+or the DDP script's summary in the same shape) is kept as
+``bench/results/matrix/<model>__<case>.json`` with a ``matrix`` key added
+(model, case, budget, loss-vs-time curve, the command); the directory is
+cleared when a suite starts, so it always holds one suite's runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS_DIR = ROOT / "bench" / "results" / "matrix"
+DOC = ROOT / "docs" / "benchmarks.md"
+IMG_DIR = ROOT / "docs" / "img"
+RATIO = 4  # the unequal case: rank 1 this many times slower
+
+
+@dataclass(frozen=True)
+class Case:
+    """One cell of the matrix for a model."""
+
+    id: str  # file name part, e.g. "nccl-cadence-4to1"
+    label: str  # table label
+    kind: str  # "flodl" | "torchrun"
+    mode: str  # flodl --mode, or the DDP script's --algo
+    nproc: int = 2
+    ratio: int = 1  # rank 1 is this many times slower
+
+
+FLODL_MODES = ("nccl-sync", "nccl-cadence", "nccl-async", "cpu-sync", "cpu-cadence", "cpu-async")
+_LABELS = {"nccl-sync": "NcclSync", "nccl-cadence": "NcclCadence", "nccl-async": "NcclAsync",
+           "cpu-sync": "CpuSync", "cpu-cadence": "CpuCadence", "cpu-async": "CpuAsync",
+           "ddp": "torchrun DDP", "postlocal": "torchrun post-local SGD"}
+
+
+def _flodl(mode: str, ratio: int = 1) -> Case:
+    suffix = f"-{ratio}to1" if ratio > 1 else ""
+    return Case(mode + suffix, _LABELS[mode] + (f" {ratio}:1" if ratio > 1 else ""), "flodl", mode, ratio=ratio)
+
+
+def _torchrun(algo: str, ratio: int = 1) -> Case:
+    suffix = f"-{ratio}to1" if ratio > 1 else ""
+    return Case(f"torchrun-{algo}{suffix}", _LABELS[algo] + (f" {ratio}:1" if ratio > 1 else ""), "torchrun", algo, ratio=ratio)
+
+
+SOLO = Case("solo", "solo (1 rank)", "flodl", "nccl-sync", nproc=1)
+EQUAL = (SOLO, *(_flodl(m) for m in FLODL_MODES), _torchrun("ddp"), _torchrun("postlocal"))
+UNEQUAL = (*(_flodl(m, RATIO) for m in ("nccl-cadence", "nccl-async", "cpu-cadence", "cpu-async")),
+           _torchrun("ddp", RATIO), _torchrun("postlocal", RATIO))
+ALL_CASES = EQUAL + UNEQUAL
+CASES = {c.id: c for c in ALL_CASES}
+#: the torchrun baseline each flodl case is compared with
+BASELINE = {1: "torchrun-ddp", RATIO: f"torchrun-ddp-{RATIO}to1"}
+BASELINE_POSTLOCAL = {1: "torchrun-postlocal", RATIO: f"torchrun-postlocal-{RATIO}to1"}
+GOAL_SPEEDUP = 1.8  # issue 9: Cadence/Async beat torchrun DDP on unequal ranks by >= 1.8x at 4:1 ...
+GOAL_EVAL_POINTS = 1.0  # ... with eval within 1 point
+
+
+@dataclass(frozen=True)
+class Budget:
+    samples: int  # training samples (the first N of the model's training set)
+    epochs: int
+
+
+MODEL_ORDER = ("logreg", "mlp", "lenet", "char_gru", "char_lstm", "gpt_nano", "resnet20")
+
+#: budget name -> model -> (budget, case ids)
+PLANS: dict[str, dict[str, tuple[Budget, tuple[str, ...]]]] = {
+    "full": {
+        "logreg": (Budget(1500, 6), tuple(CASES)),
+        "mlp": (Budget(1500, 6), tuple(CASES)),
+        "lenet": (Budget(8192, 4), tuple(CASES)),
+        "char_gru": (Budget(4096, 3), tuple(CASES)),
+        "char_lstm": (Budget(4096, 3), tuple(CASES)),
+        "gpt_nano": (Budget(4096, 3), tuple(CASES)),
+        "resnet20": (Budget(4096, 3), tuple(CASES)),
+    },
+    "quick": {
+        # the main cell: every mode, both torchrun variants, and the 4:1 case with its goal
+        "lenet": (Budget(8192, 3), tuple(CASES)),
+        # one small model of each other family: solo, the default mode, and torchrun DDP
+        "mlp": (Budget(1500, 4), ("solo", "nccl-cadence", "torchrun-ddp")),
+        "char_gru": (Budget(1024, 2), ("solo", "nccl-cadence", "torchrun-ddp")),
+        "gpt_nano": (Budget(1024, 2), ("solo", "nccl-cadence", "torchrun-ddp")),
+    },
+}

@@ -1,0 +1,218 @@
+"""A matrix model under torchrun: DistributedDataParallel, or PyTorch's post-local SGD.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 bench/matrix/ddp.py \\
+        --model lenet --algo ddp --epochs 3 --samples 8192 --slowdown 1:4 --out run.json
+
+The model, initial weights, data, batch size per rank, optimizer, loss and eval
+are ``bench.matrix.tasks``' (exactly what the flodl task trains). gloo backend,
+one intra-op thread per rank. Each epoch every rank trains its half of a seeded
+permutation of the training set (``perm[rank::world]``, like DistributedSampler).
+
+``--algo ddp``        plain DDP: gradients all-reduced every step.
+``--algo postlocal``  post-local SGD as PyTorch ships it: DDP with the
+                      ``post_localSGD_hook`` (gradients all-reduced for the first
+                      ``--warmup`` steps, then not at all:
+                      ``post_local_gradient_allreduce=False``, since on one host the
+                      default intra-node subgroup would be the whole world, i.e. DDP),
+                      and a ``PeriodicModelAverager`` averaging the parameters every
+                      ``--period`` steps after the optimizer step (which is what
+                      ``PostLocalSGDOptimizer.step`` does; called directly so its time
+                      is measured apart from compute).
+
+``--slowdown R:F`` makes rank R F times slower the way flodl's
+``FLODL_SIMULATE_SLOWDOWN`` does (flodl/rank/runner.py ``_step``): after each
+step the rank sleeps (F - 1) x that step's measured compute time. flodl times
+forward + backward + optimizer step, with no communication inside; here the
+backward also waits for DDP's gradient all-reduce, so the compute time is the
+step's wall time minus that wait (from the moment DDP's comm hook is handed the
+last gradient bucket to the end of ``backward()``), and the averaging of
+post-local SGD is outside it too.
+
+The clock runs from a barrier after set-up to the end of the final eval, like
+flodl's ``wall_s`` (from dispatch start to the final eval); ``eval_s`` is the
+time spent in evals (rank 0 scores after each epoch while the others wait).
+Rank 0 writes a summary shaped like flodl's (``mode``, ``wall_s``, ``eval_s``,
+``train_samples_per_s``, ``final_loss``, ``final_eval``, ``syncs``,
+``per_rank``, ``history``) plus ``curve``: [seconds, mean loss] points.
+"""
+
+# no ``from __future__ import annotations``: DDP checks at run time that a comm
+# hook's bucket annotation is the class dist.GradBucket, not a string
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.matrix import tasks  # noqa: E402
+
+CURVE_POINTS_PER_EPOCH = 8
+
+
+class Timing:
+    """The state of ``timed_hook``: the wrapped hook, its state, and when it last got the last bucket."""
+
+    def __init__(self, hook, state) -> None:
+        self.hook, self.state, self.last_ready = hook, state, 0.0
+
+
+def timed_hook(timing: Timing, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP comm hook wrapping another, noting when the step's last gradient bucket is handed over."""
+    if bucket.is_last():
+        timing.last_ready = time.perf_counter()
+    return timing.hook(timing.state, bucket)
+
+
+def parse_slowdown(text: str, rank: int) -> float:
+    table = {}
+    for item in filter(None, text.split(",")):
+        r, _, f = item.partition(":")
+        table[int(r)] = float(f)
+    return table.get(rank, 1.0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, choices=sorted(tasks.SPECS))
+    ap.add_argument("--algo", choices=("ddp", "postlocal"), default="ddp")
+    ap.add_argument("--epochs", type=int, required=True)
+    ap.add_argument("--samples", type=int, default=None)
+    ap.add_argument("--slowdown", default="")
+    ap.add_argument("--period", type=int, default=4, help="post-local SGD: steps between model averages")
+    ap.add_argument("--warmup", type=int, default=None, help="post-local SGD: DDP steps before local SGD (default: 10%% of an epoch's steps)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    spec = tasks.SPECS[args.model]
+    x, y = tasks.train_data(spec, args.samples)
+    n = len(x) - len(x) % world  # equal shares: DDP needs the same step count on every rank
+    model = tasks.make_model(spec)
+    ddp = DistributedDataParallel(model)
+    opt = spec.optimizer(model)
+    loss_fn = tasks.loss_fn(spec)
+    steps_per_epoch = -(-(n // world) // spec.batch)
+    averager = None
+    if args.algo == "ddp":
+        timed = Timing(default_hooks.allreduce_hook, None)
+    else:
+        warmup = args.warmup if args.warmup is not None else max(1, steps_per_epoch // 10)
+        timed = Timing(post_localSGD_hook, PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=warmup,
+                                                            post_local_gradient_allreduce=False))
+        averager = PeriodicModelAverager(period=args.period, warmup_steps=warmup)
+    ddp.register_comm_hook(timed, timed_hook)
+    slow = parse_slowdown(args.slowdown, rank)
+    chunk = max(1, steps_per_epoch // CURVE_POINTS_PER_EPOCH)
+
+    dist.barrier()
+    start = time.perf_counter()
+    eval_s, history, curve, evals = 0.0, [], [], []
+    compute_total = sync_total = 0.0
+    batches = samples = averages = 0
+    for epoch in range(args.epochs):
+        e_start = time.perf_counter()
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(tasks.SEED + epoch))[:n]
+        mine = perm[rank::world]
+        e_loss = e_count = 0.0
+        e_compute = e_sync = 0.0
+        c_loss, c_n = 0.0, 0
+        for step in range(steps_per_epoch):
+            idx = mine[step * spec.batch:(step + 1) * spec.batch]
+            xb, yb = x[idx], y[idx]
+            t0 = time.perf_counter()
+            loss = loss_fn(ddp(xb), yb)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            t_bwd = time.perf_counter()
+            wait = t_bwd - timed.last_ready if t0 < timed.last_ready < t_bwd else 0.0
+            opt.step()
+            value = float(loss.detach())
+            compute = time.perf_counter() - t0 - wait
+            sync = wait
+            if averager is not None:
+                t_avg = time.perf_counter()
+                before = averager.step
+                averager.average_parameters(model.parameters())
+                if before >= averager.warmup_steps and (before - averager.warmup_steps) % averager.period == 0:
+                    averages += 1
+                sync += time.perf_counter() - t_avg
+            if slow > 1.0:  # the simulated slower device, as flodl's FLODL_SIMULATE_SLOWDOWN
+                time.sleep(compute * (slow - 1.0))
+                compute *= slow
+            e_compute += compute
+            e_sync += sync
+            e_loss += value * len(idx)
+            e_count += len(idx)
+            c_loss += value
+            c_n += 1
+            batches += 1
+            samples += len(idx)
+            if c_n == chunk or step == steps_per_epoch - 1:
+                curve.append((time.perf_counter() - start, c_loss / c_n))
+                c_loss, c_n = 0.0, 0
+        compute_total += e_compute
+        sync_total += e_sync
+        t_train_end = time.perf_counter()
+        totals = torch.tensor([e_loss, e_count], dtype=torch.float64)
+        dist.all_reduce(totals)
+        value = None
+        t_eval = time.perf_counter()
+        if rank == 0:
+            value = tasks.evaluate(spec, model, torch.device("cpu"))
+        dist.barrier()
+        eval_s += time.perf_counter() - t_eval
+        per = [None] * world
+        dist.all_gather_object(per, {"compute_ms": e_compute * 1000, "sync_ms": e_sync * 1000, "data_ms": 0.0, "batches": steps_per_epoch,
+                                     "samples": len(mine)})
+        history.append({"epoch": epoch, "loss": totals[0].item() / totals[1].item(), "eval": value, "samples": int(totals[1].item()),
+                        "wall_s": t_train_end - e_start, "per_rank": {str(r): p for r, p in enumerate(per)}})
+        evals.append(value)
+    wall = time.perf_counter() - start
+    curves = [None] * world
+    dist.all_gather_object(curves, curve)
+    ranks = [None] * world
+    dist.all_gather_object(ranks, {"rank": rank, "samples": samples, "batches": batches, "compute_ms": compute_total * 1000,
+                                   "sync_ms": sync_total * 1000, "slowdown": slow})
+    if rank == 0:
+        # merge the ranks' curves point by point (same step counts on every rank): mean time, mean loss
+        merged = [(sum(c[i][0] for c in curves) / world, sum(c[i][1] for c in curves) / world) for i in range(min(map(len, curves)))]
+        total = sum(h["samples"] for h in history)
+        syncs = batches if args.algo == "ddp" else min(batches, averager.warmup_steps) + averages
+        summary = {
+            "mode": "TorchrunDDP" if args.algo == "ddp" else "TorchrunPostLocalSGD",
+            "world_size": world,
+            "epochs": args.epochs,
+            "epochs_completed": args.epochs,
+            "wall_s": wall,
+            "samples_per_s": total / wall,
+            "eval_s": eval_s,
+            "train_samples_per_s": total / max(1e-9, wall - eval_s),
+            "samples": total,
+            "per_rank": ranks,
+            "syncs": syncs,
+            "final_loss": history[-1]["loss"],
+            "final_eval": evals[-1],
+            "eval_metric_name": spec.metric,
+            "history": history,
+            "curve": merged,
+            "config": {"algo": args.algo, "period": args.period if averager else None,
+                       "warmup": averager.warmup_steps if averager else None, "slowdown": args.slowdown,
+                       "samples": n, "batch_size": spec.batch},
+        }
+        Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

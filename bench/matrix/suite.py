@@ -1,0 +1,238 @@
+"""Run the matrix: every planned (model, case) as a real run, one after another.
+
+    python -m bench.matrix            # the full plan (PLANS["full"]: every model x every case)
+    python -m bench.matrix --quick    # PLANS["quick"] (under 10 minutes on the 2-core dev VM)
+    python -m bench.matrix --models lenet --cases solo,nccl-cadence --results /tmp/m   # a slice, elsewhere
+
+Each flodl case is ``python -m flodl.controller --task bench.matrix.tasks:<model>``
+with ``--summary-json`` and a record log (for the sub-epoch loss curve); each
+torchrun case is ``python -m torch.distributed.run --standalone ... bench/matrix/ddp.py``.
+Results: ``bench/results/matrix/<model>__<case>.json`` per run, ``suite.json``
+(budget, machine, time taken), and ``bench/results/matrix.json`` (the common
+format; written only when the results go to the default directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import machine, report
+from bench.matrix import CASES, MODEL_ORDER, PLANS, RESULTS_DIR, ROOT, Budget, Case
+from bench.matrix import report as matrix_report
+from bench.matrix.tasks import SAMPLES_ENV, SPECS
+
+DDP_SCRIPT = ROOT / "bench" / "matrix" / "ddp.py"
+REPORTS_PER_EPOCH = 8
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+def _env(samples: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["OMP_NUM_THREADS"] = "1"  # one core per rank: two ranks side by side on two cores
+    env["PYTHONUNBUFFERED"] = "1"
+    env[SAMPLES_ENV] = str(samples)
+    env.pop("FLODL_SIMULATE_SLOWDOWN", None)
+    return env
+
+
+def _cpu_busy_s() -> float:
+    """Seconds of CPU the whole machine has been busy (all cores, /proc/stat; 0 where there is none)."""
+    try:
+        with open("/proc/stat") as fh:
+            f = [int(v) for v in fh.readline().split()[1:9]]
+        return (sum(f) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _children_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _run(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -> tuple[float, float | None]:
+    """Run one command; returns its wall time and the share of the machine's CPU that
+    other processes (not this command's tree) used meanwhile (None where /proc/stat is missing)."""
+    busy0, ours0 = _cpu_busy_s(), _children_cpu_s()
+    start = time.perf_counter()
+    with open(log, "w") as fh:
+        try:
+            code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            raise RunFailed(f"timed out after {timeout:.0f} s; log tail:\n{_tail(log)}") from None
+    took = time.perf_counter() - start
+    # whatever the machine did that this run's process tree did not (other users' jobs on a shared VM)
+    others = (_cpu_busy_s() - busy0) - (_children_cpu_s() - ours0)
+    share = max(0.0, others / (took * (os.cpu_count() or 1))) if busy0 else None
+    if code != 0:
+        raise RunFailed(f"exit {code}; log tail:\n{_tail(log)}")
+    return took, share
+
+
+def _tail(log: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def flodl_curve(logdir: Path) -> list[list[float]]:
+    """[seconds since the first batch, loss] from the root's sub-epoch records (epoch records if there are none)."""
+    from flodl.monitor.reader import load
+
+    recs = load(logdir).get("root", [])
+    meta = next((r for r in recs if r.get("kind") == "meta"), None)
+    if meta is None:
+        return []
+    nodes = [r for r in recs if r.get("kind") == "node" and "loss" in r.get("metrics", {})]
+    ticks = [r for r in nodes if "tick" in r] or [r for r in nodes if r.get("epoch_complete")]
+    return [[(r["ts"] - meta["ts"]) / 1000.0, r["metrics"]["loss"]] for r in ticks]
+
+
+def flodl_case(model: str, case: Case, budget: Budget, tmp: Path, timeout: float) -> tuple[dict, tuple, list[str]]:
+    summary_path, logs = tmp / "summary.json", tmp / "logs"
+    cmd = [sys.executable, "-m", "flodl.controller", "--task", f"bench.matrix.tasks:{model}", "--nproc-per-node", str(case.nproc),
+           "--mode", case.mode, "--epochs", str(budget.epochs), "--summary-json", str(summary_path), "--no-progress",
+           "--dashboard-port", "-1", "--record-log-dir", str(logs), "--reports-per-epoch", str(REPORTS_PER_EPOCH)]
+    env = _env(budget.samples)
+    if case.ratio > 1:
+        env["FLODL_SIMULATE_SLOWDOWN"] = f"1:{case.ratio}"
+    took = _run(cmd, env, tmp / "run.log", timeout)
+    if not summary_path.exists():
+        raise RunFailed(f"no summary written; log tail:\n{_tail(tmp / 'run.log')}")
+    summary = json.loads(summary_path.read_text())
+    if summary.get("exit_reason") != "completed":
+        raise RunFailed(f"exit_reason {summary.get('exit_reason')!r}")
+    summary.setdefault("matrix", {})["curve"] = flodl_curve(logs)
+    prefix = [f"FLODL_SIMULATE_SLOWDOWN=1:{case.ratio}"] if case.ratio > 1 else []
+    return summary, took, prefix + cmd[1:]
+
+
+def torchrun_case(model: str, case: Case, budget: Budget, tmp: Path, timeout: float) -> tuple[dict, tuple, list[str]]:
+    out = tmp / "summary.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(case.nproc), str(DDP_SCRIPT),
+           "--model", model, "--algo", case.mode, "--epochs", str(budget.epochs), "--samples", str(budget.samples), "--out", str(out)]
+    if case.ratio > 1:
+        cmd += ["--slowdown", f"1:{case.ratio}"]
+    took = _run(cmd, _env(budget.samples), tmp / "run.log", timeout)
+    if not out.exists():
+        raise RunFailed(f"no summary written; log tail:\n{_tail(tmp / 'run.log')}")
+    summary = json.loads(out.read_text())
+    summary.setdefault("matrix", {})["curve"] = summary.pop("curve", [])
+    return summary, took, cmd[1:]
+
+
+def run_one(model: str, case: Case, budget: Budget, budget_name: str, timeout: float) -> dict:
+    spec = SPECS[model]
+    meta = {"model": model, "title": spec.title, "case": case.id, "label": case.label, "kind": case.kind, "mode": case.mode,
+            "nproc": case.nproc, "ratio": case.ratio, "samples": budget.samples, "epochs": budget.epochs, "batch": spec.batch,
+            "metric": spec.metric, "budget": budget_name, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    with tempfile.TemporaryDirectory(prefix=f"flodl-matrix-{model}-") as td:
+        try:
+            runner = flodl_case if case.kind == "flodl" else torchrun_case
+            summary, (process_s, others), cmd = runner(model, case, budget, Path(td), timeout)
+        except RunFailed as exc:
+            meta["error"] = str(exc)
+            return {"matrix": meta}
+    meta.update(process_s=process_s, others_cpu=others, command="python " + " ".join(cmd), curve=summary.get("matrix", {}).get("curve", []))
+    summary["matrix"] = meta
+    return summary
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:.0f}%"
+
+
+def covers(plan: dict[str, tuple[Budget, tuple[str, ...]]]) -> str:
+    parts = []
+    for model in [m for m in MODEL_ORDER if m in plan]:
+        budget, cases = plan[model]
+        what = "all 15 cases" if set(cases) == set(CASES) else ", ".join(cases)
+        parts.append(f"{model} ({budget.samples} samples × {budget.epochs} epochs): {what}")
+    return "; ".join(parts) + "."
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the quick plan: lenet in every case, three other models in three (< 10 min here)")
+    ap.add_argument("--models", default="", help="comma-separated subset of the plan's models")
+    ap.add_argument("--cases", default="", help="comma-separated subset of case ids (e.g. solo,nccl-cadence-4to1)")
+    ap.add_argument("--results", type=Path, default=RESULTS_DIR, help="where the runs go (cleared first)")
+    ap.add_argument("--samples", type=int, default=None, help="override every model's sample budget (smoke tests)")
+    ap.add_argument("--epochs", type=int, default=None, help="override every model's epochs (smoke tests)")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds per run (default 240 quick, 1200 full)")
+    args = ap.parse_args(argv)
+    budget_name = "quick" if args.quick else "full"
+    plan = dict(PLANS[budget_name])
+    if args.models:
+        wanted = args.models.split(",")
+        unknown = [m for m in wanted if m not in SPECS]
+        if unknown:
+            ap.error(f"unknown model(s) {unknown}; known: {', '.join(SPECS)}")
+        plan = {m: plan.get(m, (PLANS["full"][m][0], tuple(CASES))) for m in wanted}
+    if args.cases:
+        wanted = args.cases.split(",")
+        unknown = [c for c in wanted if c not in CASES]
+        if unknown:
+            ap.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
+        plan = {m: (b, tuple(c for c in wanted)) for m, (b, _) in plan.items()}
+    if args.samples or args.epochs:
+        budget_name += " (overridden)"
+        plan = {m: (Budget(args.samples or b.samples, args.epochs or b.epochs), c) for m, (b, c) in plan.items()}
+    timeout = args.timeout or (240.0 if args.quick else 1200.0)
+
+    args.results.mkdir(parents=True, exist_ok=True)
+    for old in [*args.results.glob("*__*.json"), args.results / matrix_report.MANIFEST]:
+        old.unlink(missing_ok=True)
+    todo = [(m, CASES[c]) for m in MODEL_ORDER + tuple(m for m in plan if m not in MODEL_ORDER) if m in plan
+            for c in CASES if c in plan[m][1]]
+    print(f"bench.matrix ({budget_name}): {len(todo)} runs -> {args.results}", flush=True)
+    start = time.perf_counter()
+    failed = 0
+    for i, (model, case) in enumerate(todo, 1):
+        budget = plan[model][0]
+        result = run_one(model, case, budget, budget_name, timeout)
+        (args.results / f"{model}__{case.id}.json").write_text(json.dumps(result, indent=1) + "\n")
+        took = time.perf_counter() - start
+        if "error" in result["matrix"]:
+            failed += 1
+            print(f"[{i}/{len(todo)} {took:5.0f} s] {model} {case.id}: FAILED {result['matrix']['error']}", flush=True)
+            continue
+        ev = result.get("final_eval")
+        print(f"[{i}/{len(todo)} {took:5.0f} s] {model} {case.id}: train wall {matrix_report.train_wall(result):.2f} s, "
+              f"eval {'-' if ev is None else f'{ev * 100:.2f}%'}, loss {result.get('final_loss') or 0:.4f}, "
+              f"syncs {result.get('syncs')}, process {result['matrix']['process_s']:.1f} s, "
+              f"others' CPU {_pct(result['matrix'].get('others_cpu'))}", flush=True)
+    elapsed = time.perf_counter() - start
+    import torch
+
+    manifest = {"budget": budget_name, "machine": machine(), "torch": torch.__version__, "python": platform.python_version(),
+                "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "elapsed_s": elapsed, "runs": len(todo), "failed": failed,
+                "covers": covers(plan),
+                "plan": {m: {"samples": b.samples, "epochs": b.epochs, "cases": list(c)} for m, (b, c) in plan.items()}}
+    (args.results / matrix_report.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    _, runs = matrix_report.load(args.results)
+    rows = matrix_report.rows(runs)
+    note = (f"{budget_name} budget, {len(todo)} runs in {elapsed:.0f} s ({failed} failed); 2 CPU ranks x 1 thread (solo: 1), "
+            f"batch 32 per rank; train wall = wall_s - eval_s (start-up excluded); 4:1 = rank 1 simulated 4x slower. "
+            f"Covers: {manifest['covers']}")
+    if args.results.resolve() == RESULTS_DIR.resolve():
+        report("matrix", rows, note=note)
+    else:
+        for r in rows:
+            print(f"{r.case:<34}{r.metric:<32}{r.value:>10.3f} {r.unit:<7} {r.goal or ''} {'' if r.met is None else r.met}")
+    print(f"suite took {elapsed:.0f} s")
+    return 1 if failed else 0

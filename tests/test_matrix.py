@@ -1,0 +1,223 @@
+"""The model x mode benchmark's pieces, cheaply: tasks, data, the DDP script's helpers, the report.
+
+The suite itself (``python -m bench.matrix``) is run on purpose, never here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.matrix import CASES, PLANS, RATIO, report  # noqa: E402
+from bench.matrix import data as mdata  # noqa: E402
+from bench.matrix import tasks  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+NO_SKLEARN = "scikit-learn not installed (pip install 'flodl[examples]')"
+
+
+def _needs_data(name: str) -> None:
+    if tasks.SPECS[name].data == "digits":
+        pytest.importorskip("sklearn", reason=NO_SKLEARN)
+
+
+@pytest.fixture(autouse=True)
+def small_budget(monkeypatch, tmp_path):
+    monkeypatch.setenv(tasks.SAMPLES_ENV, "64")
+    monkeypatch.setenv("FLODL_MATRIX_CACHE", str(tmp_path / "cache"))
+    mdata.images.cache_clear()
+    yield
+    mdata.images.cache_clear()
+
+
+@pytest.mark.parametrize("name", list(tasks.SPECS))
+def test_each_task_builds_and_trains_one_batch(name):
+    _needs_data(name)
+    start = time.perf_counter()
+    task = getattr(tasks, name)()  # the factory flodl imports: bench.matrix.tasks:<name>
+    ds = task.build_dataset()
+    assert len(ds) == 64
+    model = task.model()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = task.optimizer(model)
+    x, y = default_collate([ds[i] for i in range(task.batch_size)])
+    loss = task.loss_fn(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    assert math.isfinite(loss.item())
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert time.perf_counter() - start < 10.0  # a second or two here; generous for a loaded machine
+    # the same initial weights every time (flodl and the DDP script build it the same way)
+    again = tasks.make_model(tasks.SPECS[name])
+    assert all(torch.equal(a, b) for a, b in zip(before, again.parameters()))
+
+
+@pytest.mark.parametrize("name", ["logreg", "mlp", "char_gru"])
+def test_eval_is_an_accuracy(name):
+    _needs_data(name)
+    task = tasks.task(name)
+    value = task.eval_fn(task.model(), torch.device("cpu"))
+    assert 0.0 <= value <= 1.0
+
+
+def test_task_specs_resolve():
+    from flodl.taskspec import resolve
+
+    for name in tasks.SPECS:
+        assert callable(resolve(f"bench.matrix.tasks:{name}"))
+
+
+def test_images_are_deterministic_and_cached(tmp_path):
+    a = mdata.generate_images(50, seed=1)
+    b = mdata.generate_images(50, seed=1)
+    c = mdata.generate_images(50, seed=2)
+    assert a[0].shape == (50, 3, 32, 32) and a[0].dtype == torch.float32 and a[1].dtype == torch.int64
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c[0])
+    assert int(a[1].min()) >= 0 and int(a[1].max()) < mdata.IMAGE_CLASSES
+    first = mdata.images(50, 1)  # generated, then written to the cache
+    assert list((tmp_path / "cache").glob("images-*.npz"))
+    mdata.images.cache_clear()
+    second = mdata.images(50, 1)  # read back
+    assert torch.equal(first[0], a[0]) and torch.equal(second[0], a[0]) and torch.equal(second[1], a[1])
+
+
+def test_text_and_digits_are_deterministic():
+    pytest.importorskip("sklearn", reason=NO_SKLEARN)
+    assert mdata.corpus() == mdata.corpus()
+    x, y, xe, ye = mdata.text()
+    assert x.shape[1] == mdata.CONTEXT and torch.equal(x[:, 1:], y[:, :-1])
+    assert int(x.max()) < mdata.VOCAB_SIZE and len(xe) > 0
+    ids = mdata.encode("a\n\u2014")
+    assert ids.tolist() == [mdata.ALPHABET.index("a"), 0, mdata.UNK_ID]
+    d1, d2 = mdata.digits(), tasks.train_data(tasks.SPECS["mlp"], 1500)
+    assert torch.equal(d1[0], d2[0]) and len(d1[2]) == 297
+
+
+def test_plans_name_known_cases():
+    for plan in PLANS.values():
+        for model, (budget, cases) in plan.items():
+            assert model in tasks.SPECS and budget.samples > 0 and budget.epochs > 0
+            assert set(cases) <= set(CASES)
+    assert len(CASES) == 15 and set(PLANS["quick"]["lenet"][1]) == set(CASES)
+
+
+def test_ddp_slowdown_matches_flodl_syntax():
+    from bench.matrix.ddp import parse_slowdown
+    from flodl.env import simulated_slowdown
+
+    assert parse_slowdown("1:4", 1) == 4.0 and parse_slowdown("1:4", 0) == 1.0 and parse_slowdown("", 1) == 1.0
+    import os
+
+    os.environ["FLODL_SIMULATE_SLOWDOWN"] = "1:4"
+    try:
+        assert simulated_slowdown(1) == parse_slowdown("1:4", 1)
+    finally:
+        del os.environ["FLODL_SIMULATE_SLOWDOWN"]
+
+
+def test_flodl_curve_reads_the_record_log(tmp_path):
+    from bench.matrix.suite import flodl_curve
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    recs = [{"v": 1, "ts": 1000, "kind": "meta", "run": {}},
+            {"v": 1, "ts": 1500, "kind": "node", "path": "root", "tick": 0, "epoch": 0, "metrics": {"loss": 2.0}},
+            {"v": 1, "ts": 1600, "kind": "node", "path": "root", "epoch": 0, "epoch_complete": True, "metrics": {"loss": 1.9}},
+            {"v": 1, "ts": 2250, "kind": "node", "path": "root", "tick": 3, "epoch": 1, "metrics": {"loss": 1.0}}]
+    (logs / "root.log").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert flodl_curve(logs) == [[0.5, 2.0], [1.25, 1.0]]
+
+
+# ------------------------------------------------------------------ report
+
+
+def _summary(mode: str, wall: float, ev: float, *, ranks: int = 2, compute_ms: float = 500.0, case: str, ratio: int = 1) -> dict:
+    per = {str(r): {"samples": 100, "batches": 4, "compute_ms": compute_ms, "sync_ms": 10.0, "data_ms": 1.0} for r in range(ranks)}
+    return {"mode": mode, "world_size": ranks, "epochs": 1, "wall_s": wall + 0.1, "eval_s": 0.1, "samples": 200,
+            "train_samples_per_s": 200 / wall, "syncs": 4, "final_loss": 0.5, "final_eval": ev,
+            "history": [{"epoch": 0, "loss": 0.5, "eval": ev, "wall_s": wall, "per_rank": per}],
+            "matrix": {"model": "lenet", "title": "LeNet test", "case": case, "samples": 200, "epochs": 1, "metric": "accuracy",
+                       "process_s": wall + 5, "ratio": ratio, "curve": [[0.1, 2.0], [wall, 0.5]]}}
+
+
+@pytest.fixture
+def fake_results(tmp_path):
+    res = tmp_path / "results"
+    res.mkdir()
+    runs = {
+        "solo": _summary("NcclSync", 4.0, 0.90, ranks=1, case="solo"),
+        "nccl-cadence": _summary("NcclCadence", 2.0, 0.89, case="nccl-cadence"),
+        "torchrun-ddp": _summary("TorchrunDDP", 4.0, 0.88, case="torchrun-ddp"),
+        f"nccl-cadence-{RATIO}to1": _summary("NcclCadence", 5.0, 0.87, case=f"nccl-cadence-{RATIO}to1", ratio=RATIO),
+        f"cpu-async-{RATIO}to1": _summary("CpuAsync", 8.0, 0.85, case=f"cpu-async-{RATIO}to1", ratio=RATIO),
+        f"torchrun-ddp-{RATIO}to1": _summary("TorchrunDDP", 10.0, 0.875, case=f"torchrun-ddp-{RATIO}to1", ratio=RATIO),
+    }
+    for case, s in runs.items():
+        (res / f"lenet__{case}.json").write_text(json.dumps(s))
+    (res / "lenet__cpu-sync.json").write_text(json.dumps({"matrix": {"model": "lenet", "case": "cpu-sync", "error": "exit 3; boom"}}))
+    (res / report.MANIFEST).write_text(json.dumps({"budget": "quick", "machine": "test box", "when": "now", "elapsed_s": 12.0,
+                                                   "covers": "lenet: some cases."}))
+    return res
+
+
+def test_report_rows_and_goals(fake_results):
+    _, runs = report.load(fake_results)
+    rows = report.rows(runs)
+    by = {(r.case, r.metric): r for r in rows}
+    speed = by[(f"lenet NcclCadence {RATIO}:1", f"speed-up vs torchrun DDP {RATIO}:1")]
+    assert speed.value == pytest.approx(2.0) and speed.met is True
+    slow = by[(f"lenet CpuAsync {RATIO}:1", f"speed-up vs torchrun DDP {RATIO}:1")]
+    assert slow.value == pytest.approx(1.25) and slow.met is False
+    assert by[(f"lenet CpuAsync {RATIO}:1", f"eval - torchrun DDP {RATIO}:1")].met is False  # 2.5 points below
+    assert by[(f"lenet NcclCadence {RATIO}:1", f"eval - torchrun DDP {RATIO}:1")].met is True
+    assert by[("lenet NcclCadence", "wall / torchrun DDP")].value == pytest.approx(0.5)
+    assert by[("lenet CpuSync", "failed")].met is False
+    assert report.idle_shares(runs["lenet"]["nccl-cadence"]) == [pytest.approx(0.75), pytest.approx(0.75)]
+
+
+def test_report_writes_only_between_markers(fake_results, tmp_path):
+    doc = tmp_path / "bench.md"
+    doc.write_text("# Benchmarks\n\nhand-written text\n")
+    assert report.main(["--results", str(fake_results), "--doc", str(doc), "--img", str(tmp_path / "img"), "--no-plots"]) == 0
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nhand-written text\n")
+    assert text.count(report.BEGIN) == 1 and text.count(report.END) == 1
+    assert "test box" in text and "| NcclCadence | 0.5000 | 89.00% | 2.00 s |" in text
+    assert "2.00× ✔" in text and "1.25× ✘" in text and "failed: exit 3; boom" in text
+    # again, with text after the section: replaced in place, the rest untouched
+    doc.write_text(text + "\n## After\n")
+    report.main(["--results", str(fake_results), "--doc", str(doc), "--img", str(tmp_path / "img"), "--no-plots"])
+    again = doc.read_text()
+    assert again.count(report.BEGIN) == 1 and again.endswith("\n## After\n") and again.startswith("# Benchmarks\n")
+
+
+def test_report_plots(fake_results, tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib not installed (pip install 'flodl[bench]')")
+    doc, img = tmp_path / "bench.md", tmp_path / "img"
+    assert report.main(["--results", str(fake_results), "--doc", str(doc), "--img", str(img)]) == 0
+    png = img / "matrix_lenet.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "img/matrix_lenet.png" in doc.read_text()
+
+
+def test_report_without_matplotlib_says_so(fake_results, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    doc = tmp_path / "bench.md"
+    with pytest.raises(SystemExit) as info:
+        report.main(["--results", str(fake_results), "--doc", str(doc), "--img", str(tmp_path / "img")])
+    assert "pip install" in str(info.value) and "matplotlib" in str(info.value)
+    assert not doc.exists()  # nothing written
