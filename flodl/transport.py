@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 
 #: Messages handled per loop callback before yielding to other tasks.
 DRAIN_BATCH = 256
+#: ZeroMQ-level pings on the controller's ROUTER: a dead connection is closed after the timeout,
+#: freeing its routing id for the peer's reconnect (application heartbeats judge liveness).
+ZMQ_HEARTBEAT_IVL_MS = 1000
+ZMQ_HEARTBEAT_TIMEOUT_MS = 5000
 
 
 class AsyncSocket:
@@ -194,12 +198,17 @@ def make_router(ctx: zmq.Context, bind: str, port: int) -> tuple[zmq.Socket, int
     """A ROUTER bound to ``tcp://bind:port`` (port 0 picks a free one); returns it and its port.
 
     ``ROUTER_MANDATORY`` turns sends to unknown or gone peers into counted
-    errors instead of silent loss; ``ROUTER_HANDOVER`` lets a reconnecting peer
-    with the same routing id take over its route.
+    errors instead of silent loss. A second connection claiming a routing id
+    already in use is refused (no ``ROUTER_HANDOVER``): routing ids are not
+    authenticated, and with handover anyone who learnt a rank's id could steal
+    its route. A peer that really reconnected gets its id back once its old
+    connection is gone, which ZeroMQ heartbeats notice within seconds.
     """
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 100_000)
     sock.setsockopt(zmq.SNDHWM, 100_000)

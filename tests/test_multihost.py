@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -28,7 +26,11 @@ from flodl.hostfile import Host, load_hostfile, parse_host_flag, ssh_argv, with_
 from flodl.launcher import check_controller_args, split_argv
 from flodl.worker import read_stdin_credentials
 
-from .conftest import PY, ROOT, task_spec
+from .conftest import PY, task_spec
+from .netns import Cluster, NsHost, Unavailable, ssh_cluster, unusable_reason
+from .netns import cmdline as _cmdline
+from .netns import must as _must
+from .netns import run as _run
 from .test_process import Proc
 
 pytestmark = pytest.mark.timeout(180)
@@ -143,13 +145,6 @@ def test_stdin_credentials_line():
 # ================================================================== processes
 
 
-def _cmdline(p: psutil.Process) -> str:
-    try:
-        return " ".join(p.cmdline())
-    except psutil.Error:
-        return ""
-
-
 def _await(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -188,169 +183,27 @@ def test_worker_reads_its_secret_from_stdin_and_stops_on_eof(proc_env):
 
 BRIDGE = "flodl-br0"
 GATEWAY = "10.77.0.1"
-SSH_OPTIONS = ["StrictHostKeyChecking=no", "UserKnownHostsFile=/dev/null", "LogLevel=ERROR"]
-
-
-@dataclass(frozen=True)
-class NsHost:
-    """One fake host: a network namespace with an address, a hostname and an sshd."""
-
-    name: str  # namespace name and hostname
-    addr: str
-    veth: str  # the root-namespace end of its link: set it down to cut the host off
-
-    def pids(self) -> list[int]:
-        res = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True, text=True, timeout=10)
-        return [int(p) for p in res.stdout.split()]
-
-    def flodl_procs(self) -> list[str]:
-        """Command lines of flodl workers and ranks running in this namespace."""
-        found = []
-        for pid in self.pids():
-            try:
-                p = psutil.Process(pid)
-                if p.status() != psutil.STATUS_ZOMBIE and ("flodl.worker" in _cmdline(p) or "flodl.rank" in _cmdline(p)):
-                    found.append(f"{pid}: {_cmdline(p)}")
-            except psutil.Error:
-                pass
-        return found
-
-
-@dataclass(frozen=True)
-class Cluster:
-    hosts: list[NsHost]
-    key: Path
-
-    def hostfile(self, path: Path, *, env: dict[str, str], per_host_ifname: bool = True, ssh_port: int | None = None) -> Path:
-        blocks = []
-        for h in self.hosts:
-            lines = [f'host = "{h.addr}"', 'devices = "cpu"', f'python = "{PY}"', f'workdir = "{ROOT}"', 'ssh_user = "root"',
-                     f'identity_file = "{self.key}"', f"ssh_options = {json.dumps(SSH_OPTIONS)}",
-                     "env = { " + ", ".join(f'{k} = "{v}"' for k, v in env.items()) + " }"]
-            if per_host_ifname:
-                lines.append('gloo_socket_ifname = "eth0"')
-            if ssh_port:
-                lines.append(f"ssh_port = {ssh_port}")
-            blocks.append("[[hosts]]\n" + "\n".join(lines))
-        path.write_text("\n\n".join(blocks) + "\n")
-        return path
-
-
-def _run(*argv: str, timeout: float = 20) -> subprocess.CompletedProcess:
-    return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
-
-
-def _must(*argv: str) -> None:
-    res = _run(*argv)
-    if res.returncode:
-        raise RuntimeError(f"{' '.join(argv)}: {res.stderr.strip() or res.returncode}")
-
-
-def _unusable_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces)"
-    for tool in ("ip", "ssh", "ssh-keygen", "unshare", "hostname"):
-        if shutil.which(tool) is None:
-            return f"{tool} not found"
-    if not os.access("/usr/sbin/sshd", os.X_OK):
-        return "/usr/sbin/sshd not found (apt-get install -y openssh-server)"
-    return None
-
-
-def _teardown_hosts(hosts: list[NsHost]) -> None:
-    """Kill everything in each namespace, delete them and the bridge; safe to call on a half-built set-up."""
-    for h in hosts:
-        if _run("ip", "netns", "pids", h.name).returncode == 0:
-            for pid in h.pids():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        # the pair goes with the namespace, but only once the kernel's async netns clean-up runs: delete it now
-        _run("ip", "link", "del", h.veth)
-        _run("ip", "netns", "del", h.name)
-    _run("ip", "link", "del", BRIDGE)
-
-
-def _make_hosts(hosts: list[NsHost]) -> None:
-    _must("ip", "link", "add", BRIDGE, "type", "bridge")
-    _must("ip", "addr", "add", f"{GATEWAY}/24", "dev", BRIDGE)
-    _must("ip", "link", "set", BRIDGE, "up")
-    for h in hosts:
-        _must("ip", "netns", "add", h.name)
-        _must("ip", "link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns", h.name)
-        _must("ip", "link", "set", h.veth, "master", BRIDGE, "up")
-        _must("ip", "-n", h.name, "addr", "add", f"{h.addr}/24", "dev", "eth0")
-        _must("ip", "-n", h.name, "link", "set", "eth0", "up")
-        _must("ip", "-n", h.name, "link", "set", "lo", "up")
-
-
-def _start_sshd(h: NsHost, tmp: Path) -> subprocess.Popen:
-    config = tmp / f"sshd_{h.name}.conf"
-    config.write_text("\n".join([
-        "Port 22", f"ListenAddress {h.addr}", f"HostKey {tmp / 'host_key'}", f"AuthorizedKeysFile {tmp / 'authorized_keys'}",
-        "PermitRootLogin prohibit-password", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
-        "StrictModes no", "UsePAM no", f"PidFile {tmp / ('sshd_' + h.name + '.pid')}", "LogLevel ERROR", "",
-    ]))
-    _must("/usr/sbin/sshd", "-t", "-f", str(config))
-    log = open(tmp / f"sshd_{h.name}.log", "w")
-    # its own UTS namespace: workers and ranks report this host's name, as on a real cluster
-    return subprocess.Popen(["ip", "netns", "exec", h.name, "unshare", "--uts", "sh", "-c",
-                             f"hostname {h.name} && exec /usr/sbin/sshd -D -e -f {config}"], stdout=log, stderr=subprocess.STDOUT)
-
-
-def _ssh_ready(h: NsHost, key: Path, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        res = _run("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=2", *sum((["-o", o] for o in SSH_OPTIONS), []),
-                   "-i", str(key), f"root@{h.addr}", "hostname", timeout=10)
-        if res.returncode == 0 and res.stdout.strip() == h.name:
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"sshd on {h.name} ({h.addr}) not reachable: {res.stderr.strip()}")
-        time.sleep(0.2)
+HOSTS = [NsHost(f"flodl-h{i}", f"10.77.0.1{i}", f"flodl-v{i}") for i in (1, 2, 3)]
 
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
     """Three namespace hosts with sshd, torn down at the end even on failure; skips when unusable."""
-    reason = _unusable_reason()
+    reason = unusable_reason()
     if reason:
         pytest.skip(f"namespace hosts unavailable: {reason}")
-    tmp = tmp_path_factory.mktemp("netns")
-    hosts = [NsHost(f"flodl-h{i}", f"10.77.0.1{i}", f"flodl-v{i}") for i in (1, 2, 3)]
-    sshds: list[subprocess.Popen] = []
-    _teardown_hosts(hosts)  # a previous run killed mid-way may have left them
     try:
-        _must("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / "host_key"))
-        _must("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / "client_key"))
-        shutil.copy(tmp / "client_key.pub", tmp / "authorized_keys")
-        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
-        _make_hosts(hosts)
-        sshds = [_start_sshd(h, tmp) for h in hosts]
-        for h in hosts:
-            _ssh_ready(h, tmp / "client_key")
-    except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
-        _stop_all(sshds, hosts)
+        with ssh_cluster(tmp_path_factory.mktemp("netns"), HOSTS, BRIDGE, GATEWAY) as built:
+            yield built
+    except Unavailable as exc:
         pytest.skip(f"namespace hosts unavailable: {exc}")
-    try:
-        yield Cluster(hosts, tmp / "client_key")
-    finally:
-        _stop_all(sshds, hosts)
-
-
-def _stop_all(sshds: list[subprocess.Popen], hosts: list[NsHost]) -> None:
-    for p in sshds:
-        p.kill()
-        p.wait(10)
-    _teardown_hosts(hosts)
 
 
 def _launch(cluster: Cluster, tmp_path: Path, proc_env: dict, *, step_sleep: str, epochs: int, extra: list[str] = (),
             launcher_extra: list[str] = (), **hostfile) -> Proc:
     """``python -m flodl.launcher`` on the three hosts; ``extra`` goes to the controller, ``launcher_extra`` to the launcher."""
     path = cluster.hostfile(tmp_path / "hosts.toml", env={"FLODL_TEST_STEP_SLEEP": step_sleep}, **hostfile)
-    args = ["--hostfile", str(path), "--advertise", GATEWAY, "--grace-secs", "3", *launcher_extra, "--",
+    args = ["--hostfile", str(path), "--advertise", cluster.gateway, "--grace-secs", "3", *launcher_extra, "--",
             "--task", "tests/tasks/tiny.py:task", "--epochs", str(epochs), "--dashboard-port", "-1",
             "--summary-json", str(tmp_path / "summary.json"), *extra]
     return Proc([PY, "-m", "flodl.launcher", *args], proc_env)

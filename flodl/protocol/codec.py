@@ -66,6 +66,11 @@ class _Invalid(Exception):
 # on encode (so we never emit a frame our peers would drop) and on decode.
 
 
+def _printable(text: str, limit: int) -> str:
+    """``text`` with every non-printable character escaped (newlines, ANSI escapes), cut at ``limit``."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+
+
 def _check_int(x: Any) -> int:
     if type(x) is int and _INT_MIN <= x <= _INT_MAX:
         return x
@@ -461,6 +466,9 @@ class FrameReader:
         self._windows.pop(sender, None)
 
     def _drop(self, reason: str, peer: str, detail: str) -> None:
+        # a peer's name is its ZeroMQ routing id, which anyone who connects chooses:
+        # escaped, so no byte of it can start a line of its own in our output
+        peer, detail = _printable(peer, 80), _printable(detail, 300)
         self.drops[reason] += 1
         if (peer, reason) not in self._logged and len(self._logged) < 10_000:
             self._logged.add((peer, reason))

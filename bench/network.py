@@ -1,0 +1,152 @@
+"""Network latency: how much throughput each mode keeps when every link adds 5 or 20 ms.
+
+    python -m bench.network [--quick]
+
+Four network namespaces on one bridge stand in for four machines: the
+controller's (``flodl-b0``) and three hosts (``flodl-b1..b3``), each host's
+worker in a UTS and mount namespace of its own (its own host name and its own
+``/dev/shm``, so no shared-memory shortcut sees through the fake network).
+Each run starts the controller and the three workers directly (``ip netns
+exec``; no ssh), one CPU rank per host. Every link delays what its node sends
+by D = 0, 5 or 20 ms (``tc netem delay D`` on each namespace's ``eth0``, or
+the userspace relay of ``tests/netns.py`` where the kernel has no netem), so
+any message between two machines takes D longer one way and a round trip 2D.
+The 0 ms case goes through the same path, so the difference is the latency.
+
+Throughput is training samples/s from the controller's summary
+(``train_samples_per_s``: eval pauses excluded) for each mode: the collective
+family (``nccl-*``, gloo between the hosts' CPU ranks) and, in the full run,
+the controller-averaging family (``cpu-*``). "loss vs 0 ms" is the share of
+the 0 ms throughput of the same mode that the latency costs.
+
+The task is ``bench/tasks/latency.py``: a 1,218-parameter MLP, batch 16,
+9,600 samples (200 steps per rank per epoch), every step sleeping 20 ms in
+place of compute, like a small model's step on a GPU. An average moves under
+5 KB, so what the network costs is latency, not bandwidth. The step sleeps
+rather than computes because this VM has two cores for three ranks, the
+controller and the relay: a compute-bound step would measure CPU contention,
+not the network. An epoch is long enough (200 steps) for ElChe to stretch its
+windows; with a few dozen steps per epoch the averages every epoch edge
+forces would dominate whatever the mode. At 20 ms one way, a Sync step (one
+all-reduce per batch: gloo's among three hosts took eight one-way delays,
+165 ms, measured with torch.distributed alone) costs several steps of
+compute; a Cadence window averages once per many batches.
+
+``--quick``: 0 and 20 ms, the ``nccl-*`` modes, one epoch of half the samples
+(fixed costs, such as the calibration window and the last eval, weigh more).
+
+Goal: Cadence (nccl-cadence and cpu-cadence, each on its own row) loses < 10%
+of its 0 ms throughput at 20 ms.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import Row, quick_flag, report  # noqa: E402
+from tests.netns import Netem, NsHost, Shaper, make_hosts, netem_in_kernel, teardown_hosts, unusable_reason  # noqa: E402
+
+TASK = "bench.tasks.latency:task"
+STEP_S = 0.02
+SAMPLES = 9600  # 200 steps per rank per epoch
+BRIDGE = "flodl-bbr0"
+CONTROLLER = NsHost("flodl-b0", "10.79.0.10", "flodl-bv0")
+HOSTS = [NsHost(f"flodl-b{i}", f"10.79.0.1{i}", f"flodl-bv{i}") for i in (1, 2, 3)]
+GOAL = "Cadence loses < 10% at 20 ms"
+RUN_TIMEOUT_S = 240
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLODL_")}
+    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def one_run(mode: str, epochs: int, samples: int, port: int, log_dir: Path) -> dict:
+    """One run: the controller in flodl-b0, a worker with one CPU rank on each host; its summary."""
+    secret, run_id = secrets.token_hex(32), f"net-{secrets.token_hex(4)}"
+    creds = {"FLODL_RUN_SECRET": secret, "FLODL_RUN_ID": run_id}
+    summary = log_dir / f"{run_id}.json"
+    log = open(log_dir / f"{run_id}.log", "w")
+    procs = [subprocess.Popen(
+        ["ip", "netns", "exec", CONTROLLER.name, sys.executable, "-m", "flodl.controller", "--task", TASK, "--workers", "3",
+         "--bind", CONTROLLER.addr, "--port", str(port), "--epochs", str(epochs), "--mode", mode, "--dashboard-port", "-1",
+         "--no-progress", "--summary-json", str(summary)],
+        env=_env(**creds), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)]
+    worker = f"{sys.executable} -m flodl.worker --controller tcp://{CONTROLLER.addr}:{port} --devices cpu"
+    for h in HOSTS:
+        # its own host name and /dev/shm, as on a separate machine
+        procs.append(subprocess.Popen(
+            ["ip", "netns", "exec", h.name, "unshare", "--uts", "--mount", "sh", "-c",
+             f"hostname {h.name} && mount -t tmpfs tmpfs /dev/shm && exec {worker}"],
+            env=_env(**creds, GLOO_SOCKET_IFNAME="eth0", FLODL_BENCH_STEP_SLEEP=str(STEP_S), FLODL_BENCH_SAMPLES=str(samples)), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        code = procs[0].wait(RUN_TIMEOUT_S)
+        for p in procs[1:]:
+            p.wait(30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        log.close()
+    if code != 0 or not summary.exists():
+        raise RuntimeError(f"{mode}: the controller exited {code}:\n{(log_dir / f'{run_id}.log').read_text()[-3000:]}")
+    return json.loads(summary.read_text())
+
+
+def main() -> None:
+    quick = quick_flag(__doc__, "0 and 20 ms, the nccl-* modes, fewer epochs (under two minutes)")
+    reason = unusable_reason(sshd=False)
+    if reason:
+        sys.exit(f"bench/network.py: namespace hosts unavailable: {reason}")
+    latencies = (0, 20) if quick else (0, 5, 20)
+    modes = ("nccl-sync", "nccl-cadence", "nccl-async") + (() if quick else ("cpu-sync", "cpu-cadence", "cpu-async"))
+    epochs = 1 if quick else 2
+    samples = SAMPLES // 2 if quick else SAMPLES  # quick: 100 steps per rank, so fixed costs (start, last eval) weigh more
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on SIGTERM too, as on Ctrl-C
+    nodes = [CONTROLLER, *HOSTS]
+    results: dict[tuple[int, str], dict] = {}  # (delay, mode) -> the run's summary
+    backend = "tc netem" if netem_in_kernel() else "userspace relay (no netem in this kernel)"
+    teardown_hosts(nodes, BRIDGE)  # what a killed earlier run may have left
+    port = 29400
+    try:
+        make_hosts(nodes, BRIDGE, None)
+        with tempfile.TemporaryDirectory(prefix="flodl-network-") as td:
+            for delay in latencies:
+                with Shaper(nodes, BRIDGE, egress=Netem(delay_ms=delay), seed=delay) as shaper:
+                    for mode in modes:
+                        port += 1
+                        s = one_run(mode, epochs, samples, port, Path(td))
+                        results[(delay, mode)] = s
+                        print(f"{delay:>2} ms {mode:<13} {s['train_samples_per_s']:8.1f} samples/s, {s['syncs']} averages, "
+                              f"eval {s['final_eval']:.3f}, {s['wall_s']:.1f} s ({shaper})", flush=True)
+    finally:
+        teardown_hosts(nodes, BRIDGE)
+    rows: list[Row] = []
+    for delay in latencies:
+        for mode in modes:
+            rate = results[(delay, mode)]["train_samples_per_s"]
+            loss = (1 - rate / results[(0, mode)]["train_samples_per_s"]) * 100
+            case = f"{delay} ms {mode}"
+            goal = mode.endswith("cadence") and delay == 20
+            rows.append(Row(case, "throughput", rate, "samples/s"))
+            rows.append(Row(case, "loss vs 0 ms", loss, "%", GOAL if goal else None, loss < 10 if goal else None))
+            rows.append(Row(case, "averages", results[(delay, mode)]["syncs"], "rounds"))
+    report("network", rows, note=f"3 hosts x 1 CPU rank + controller, each in a network namespace; added one-way delay per link via "
+                                 f"{backend}; {TASK}, {STEP_S * 1000:.0f} ms/step, batch 16, {epochs} epoch(s) x {samples} samples; "
+                                 "one run per case (this VM swings by ~15% between identical runs)")
+
+
+if __name__ == "__main__":
+    main()
