@@ -483,6 +483,7 @@ class CpuAveraging:
             "round_ms_max": ms[-1] if ms else None,
             "lane_mb": round(self.lane_bytes / 2**20, 1),
             "ingress_mb": round(self.ingress_bytes / 2**20, 1),
+            "ingress_bytes": self.ingress_bytes,  # snapshot bytes that came through the socket (exact)
             "relays": len([s for s, ranks in self.members.items() if len(ranks) > 1 or s in self.relayed.values()]),
             "dropped": dict(self.drops) | {f"header_{k}": v for k, v in self.reader.drops.items()},
         }
