@@ -37,6 +37,11 @@ compute; a Cadence window averages once per many batches.
 
 Goal: Cadence (nccl-cadence and cpu-cadence, each on its own row) loses < 10%
 of its 0 ms throughput at 20 ms.
+
+**Host relay** (full run, or ``--relay`` alone): at 20 ms, ``cpu-cadence`` with
+two CPU ranks per host, the hosts' relays on and off (``FLODL_BULK_RELAY``):
+training samples/s and the snapshot bytes the controller takes per averaging
+round (one model per host with relays, one per rank without).
 """
 
 from __future__ import annotations
@@ -72,8 +77,8 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def one_run(mode: str, epochs: int, samples: int, port: int, log_dir: Path) -> dict:
-    """One run: the controller in flodl-b0, a worker with one CPU rank on each host; its summary."""
+def one_run(mode: str, epochs: int, samples: int, port: int, log_dir: Path, *, devices: str = "cpu", relay: str = "on") -> dict:
+    """One run: the controller in flodl-b0, a worker with ``devices`` on each host; its summary."""
     secret, run_id = secrets.token_hex(32), f"net-{secrets.token_hex(4)}"
     creds = {"FLODL_RUN_SECRET": secret, "FLODL_RUN_ID": run_id}
     summary = log_dir / f"{run_id}.json"
@@ -82,8 +87,8 @@ def one_run(mode: str, epochs: int, samples: int, port: int, log_dir: Path) -> d
         ["ip", "netns", "exec", CONTROLLER.name, sys.executable, "-m", "flodl.controller", "--task", TASK, "--workers", "3",
          "--bind", CONTROLLER.addr, "--port", str(port), "--epochs", str(epochs), "--mode", mode, "--dashboard-port", "-1",
          "--no-progress", "--summary-json", str(summary)],
-        env=_env(**creds), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)]
-    worker = f"{sys.executable} -m flodl.worker --controller tcp://{CONTROLLER.addr}:{port} --devices cpu"
+        env=_env(**creds, FLODL_BULK_RELAY=relay), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)]
+    worker = f"{sys.executable} -m flodl.worker --controller tcp://{CONTROLLER.addr}:{port} --devices {devices}"
     for h in HOSTS:
         # its own host name and /dev/shm, as on a separate machine
         procs.append(subprocess.Popen(
@@ -105,11 +110,35 @@ def one_run(mode: str, epochs: int, samples: int, port: int, log_dir: Path) -> d
     return json.loads(summary.read_text())
 
 
+def relay_rows(port: int, log_dir: Path, epochs: int, samples: int) -> list[Row]:
+    """At 20 ms (the shaper already on): cpu-cadence with 2 ranks per host, relays on and off."""
+    rows, per_round = [], {}
+    for relay in ("on", "off"):
+        s = one_run("cpu-cadence", epochs, samples, port + (relay == "off"), log_dir, devices="cpu,cpu", relay=relay)
+        avg = s["averaging"]
+        per_round[relay] = avg["ingress_bytes"] / max(1, avg["rounds"])
+        case = f"20 ms cpu-cadence 3x2 ranks, relay {relay}"
+        print(f"{case}: {s['train_samples_per_s']:.1f} samples/s, {avg['rounds']} rounds, {per_round[relay]:,.0f} B per round in", flush=True)
+        rows.append(Row(case, "throughput", s["train_samples_per_s"], "samples/s"))
+        rows.append(Row(case, "controller ingress", per_round[relay], "B/round"))
+    rows.append(Row("20 ms cpu-cadence 3x2 ranks", "ingress, relays off / on", per_round["off"] / max(1.0, per_round["on"]), "x",
+                    "ingress grows with hosts, not ranks (2x)", abs(per_round["off"] / max(1.0, per_round["on"]) - 2) < 0.05))
+    return rows
+
+
 def main() -> None:
-    quick = quick_flag(__doc__, "0 and 20 ms, the nccl-* modes, fewer epochs (under two minutes)")
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="0 and 20 ms, the nccl-* modes, fewer epochs (under two minutes)")
+    parser.add_argument("--relay", action="store_true", help="only the host-relay comparison at 20 ms (results in network_relay.json)")
+    args = parser.parse_args()
+    quick = args.quick
     reason = unusable_reason(sshd=False)
     if reason:
         sys.exit(f"bench/network.py: namespace hosts unavailable: {reason}")
+    if args.relay:
+        return relay_only()
     latencies = (0, 20) if quick else (0, 5, 20)
     modes = ("nccl-sync", "nccl-cadence", "nccl-async") + (() if quick else ("cpu-sync", "cpu-cadence", "cpu-async"))
     epochs = 1 if quick else 2
@@ -131,6 +160,9 @@ def main() -> None:
                         results[(delay, mode)] = s
                         print(f"{delay:>2} ms {mode:<13} {s['train_samples_per_s']:8.1f} samples/s, {s['syncs']} averages, "
                               f"eval {s['final_eval']:.3f}, {s['wall_s']:.1f} s ({shaper})", flush=True)
+                    if delay == 20 and not quick:
+                        relay = relay_rows(port + 1, Path(td), epochs, samples)
+                        port += 2
     finally:
         teardown_hosts(nodes, BRIDGE)
     rows: list[Row] = []
@@ -143,9 +175,24 @@ def main() -> None:
             rows.append(Row(case, "throughput", rate, "samples/s"))
             rows.append(Row(case, "loss vs 0 ms", loss, "%", GOAL if goal else None, loss < 10 if goal else None))
             rows.append(Row(case, "averages", results[(delay, mode)]["syncs"], "rounds"))
+    if not quick:
+        rows += relay
     report("network", rows, note=f"3 hosts x 1 CPU rank + controller, each in a network namespace; added one-way delay per link via "
                                  f"{backend}; {TASK}, {STEP_S * 1000:.0f} ms/step, batch 16, {epochs} epoch(s) x {samples} samples; "
                                  "one run per case (this VM swings by ~15% between identical runs)")
+
+
+def relay_only() -> None:
+    nodes = [CONTROLLER, *HOSTS]
+    teardown_hosts(nodes, BRIDGE)
+    try:
+        make_hosts(nodes, BRIDGE, None)
+        with tempfile.TemporaryDirectory(prefix="flodl-network-") as td, Shaper(nodes, BRIDGE, egress=Netem(delay_ms=20), seed=20):
+            rows = relay_rows(29480, Path(td), 1, SAMPLES // 2)
+    finally:
+        teardown_hosts(nodes, BRIDGE)
+    report("network_relay", rows, note=f"3 hosts x 2 CPU ranks + controller in network namespaces, 20 ms one way per link; {TASK}, "
+                                       f"{STEP_S * 1000:.0f} ms/step, 1 epoch x {SAMPLES // 2} samples")
 
 
 if __name__ == "__main__":

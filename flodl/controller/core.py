@@ -992,6 +992,11 @@ class Controller:
             if now > deadline and self.members.ranks[rank].state is not PeerState.READY:
                 self._drop_joiner(rank, f"not ready within join_timeout_secs ({self.launch.join_timeout_secs:g} s)")
         ready = sorted(r for r in self.joiners if self.members.ranks[r].state is PeerState.READY)
+        if self.averaging is not None:
+            # a relaying host joins whole: its relay sends one snapshot for all its ranks, from one first round
+            waiting = {self.averaging.relayed[r] for r in self.joiners
+                       if r in self.averaging.relayed and self.members.ranks[r].state is not PeerState.READY}
+            ready = [r for r in ready if self.averaging.relayed.get(r) not in waiting]
         if not ready or loop.dispatcher.finished or (self.averaging is None and in_flight):
             return
         old = list(loop.ranks)
