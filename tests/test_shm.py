@@ -255,5 +255,7 @@ def test_a_full_shm_is_an_error_at_creation_never_a_crash_later(tmp_path, monkey
         assert not seg.ready_slot()
         seg.view(0, 1000, torch.float32).fill_(1.0)  # the backed part is writable
         seg.unlink()
+        del seg
     finally:
-        subprocess.run(["umount", str(small)], capture_output=True)
+        # lazy: a mapping the interpreter has not released yet must not leave the mount behind
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)
