@@ -78,13 +78,15 @@ def flodl_run(epochs: int) -> float:
 def step_width(target_ms: float) -> int:
     """The hidden width whose plain step takes about ``target_ms``."""
     os.environ["FLODL_BENCH_SAMPLES"] = "2048"
+    os.environ["FLODL_BENCH_WIDTH"] = "256"
+    plain_loop(1)  # warm-up (CUDA context, kernels, allocator): else the first width looks slow and wins
     best = None
     widths = (256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048, 2560, 3072)
     if DEVICE == "cuda":
         widths = (1024, 2048, 4096, 6144, 8192, 10240, 12288, 16384, 20480, 24576)
     for w in widths:
         os.environ["FLODL_BENCH_WIDTH"] = str(w)
-        _, ms = plain_loop(1)
+        _, ms = plain_loop(2)  # the second epoch's steps: steady state
         best = w
         if ms >= target_ms:
             break
