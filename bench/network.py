@@ -58,7 +58,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Row, quick_flag, report  # noqa: E402
+from bench.common import Row, report  # noqa: E402
 from tests.netns import Netem, NsHost, Shaper, make_hosts, netem_in_kernel, teardown_hosts, unusable_reason  # noqa: E402
 
 TASK = "bench.tasks.latency:task"

@@ -58,14 +58,11 @@ def slices(numels: Sequence[int], itemsizes: Sequence[int]) -> list[tuple[int, i
     return out
 
 
-def unpack_slice(header: Any, frames: Sequence[Any]) -> torch.Tensor | None:
-    """Check one slice message against its header; view its frame as a tensor (no copy).
-
-    Returns None for a message that carries no slice (``bucket`` -1, no frame).
+def check_layout(header: Any) -> None:
+    """The header's layout lists agree in length and name known dtypes and groups.
 
     Raises:
-        ProtocolError: ``bulk`` naming what disagrees (layout lists, frame
-            count, dtype, group, bucket or slice bounds, byte length).
+        ProtocolError: ``bulk`` naming what disagrees.
     """
     n = len(header.numels)
     if len(header.dtypes) != n or len(header.groups) != n:
@@ -75,17 +72,43 @@ def unpack_slice(header: Any, frames: Sequence[Any]) -> torch.Tensor | None:
             raise ProtocolError("bulk", f"tensor {i}: dtype {name!r} is not one of {sorted(DTYPES)}")
         if group not in ("p", "b"):
             raise ProtocolError("bulk", f"tensor {i}: group {group!r} is not p or b")
-    if header.bucket == -1:
-        if frames or header.count:
-            raise ProtocolError("bulk", "a message with no slice carries data")
-        return None
-    if len(frames) != 1:
-        raise ProtocolError("bulk", f"a slice message carries exactly one frame, this one {len(frames)}")
+
+
+def check_slice(header: Any) -> torch.dtype:
+    """A header that names a slice: its layout, bucket and bounds are sound; returns the slice's dtype.
+
+    For slices whose bytes are not a frame (the same-host lane) as for those that are.
+
+    Raises:
+        ProtocolError: ``bulk`` naming what disagrees.
+    """
+    check_layout(header)
+    n = len(header.numels)
     if not 0 <= header.bucket < n:
         raise ProtocolError("bulk", f"bucket {header.bucket} outside the {n} tensors of the layout")
     if header.start < 0 or header.count < 1 or header.start + header.count > header.numels[header.bucket]:
         raise ProtocolError("bulk", f"slice [{header.start}, {header.start + header.count}) outside tensor {header.bucket} of {header.numels[header.bucket]} elements")
-    dtype = DTYPES[header.dtypes[header.bucket]]
+    return DTYPES[header.dtypes[header.bucket]]
+
+
+def unpack_slice(header: Any, frames: Sequence[Any]) -> torch.Tensor | None:
+    """Check one slice message against its header; view its frame as a tensor (no copy).
+
+    Returns None for a message that carries no slice (``bucket`` -1, no frame).
+
+    Raises:
+        ProtocolError: ``bulk`` naming what disagrees (layout lists, frame
+            count, dtype, group, bucket or slice bounds, byte length).
+    """
+    if header.bucket == -1:
+        check_layout(header)
+        if frames or header.count:
+            raise ProtocolError("bulk", "a message with no slice carries data")
+        return None
+    if len(frames) != 1:
+        check_layout(header)  # a bad layout is named first, as before
+        raise ProtocolError("bulk", f"a slice message carries exactly one frame, this one {len(frames)}")
+    dtype = check_slice(header)
     buf = frames[0].buffer if hasattr(frames[0], "buffer") else memoryview(frames[0])
     want = header.count * torch.empty(0, dtype=dtype).element_size()
     if buf.nbytes != want:

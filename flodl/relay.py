@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from typing import Any
 
 import torch
 import zmq
@@ -89,11 +90,8 @@ class HostRelay(CpuAveraging):
         """Send this host's weighted average of one slice upstream (weight 0 when no local rank trained)."""
         if (bucket, start) in rnd.streamed:
             return
-        sources = rnd.expected & set(rnd.weights)
-        weight, trained = rnd.sums(sources)
-        total = 1.0 if rnd.first.get((bucket, start)) else (weight if rnd.groups[bucket] == "p" else trained)
-        acc = rnd.acc[bucket][start : start + count]
-        out = self._normalise(acc, total, DTYPES[rnd.dtypes[bucket]])
+        weight, trained = rnd.sums(rnd.expected & set(rnd.weights))
+        out, acc = self._averaged(rnd, bucket, start, count, weight, trained)
         if out is acc:
             out = acc.clone()  # the controller's average will land in this slot: send a copy of ours
         header = m.Snapshot(rank=self.source, round=rnd.number, weight=float(weight), ranks=int(trained), groups=rnd.groups,
@@ -117,7 +115,7 @@ class HostRelay(CpuAveraging):
             # the controller owns the round now; the safety net: it may be gone
             if self.clock() - rnd.started > self.timeout_s:
                 log.warning("relay: no average for round %d from the controller within %g s; giving it up", rnd.number, self.timeout_s)
-                self._close_round(rnd.number, aborted=True, groups=rnd.groups, dtypes=rnd.dtypes, numels=rnd.numels)
+                self._close_round(rnd.number, rnd, aborted=True)
             return
         await super()._check_timeout()
 
@@ -135,7 +133,7 @@ class HostRelay(CpuAveraging):
             self.drops["stale"] += 1
             return
         if msg.aborted or msg.ranks == 0:
-            self._close_round(msg.round, aborted=msg.aborted, groups=msg.groups, dtypes=msg.dtypes, numels=msg.numels)
+            self._close_round(msg.round, msg, aborted=msg.aborted)
             return
         rnd = self.current
         if rnd is None or rnd.number != msg.round:
@@ -157,19 +155,14 @@ class HostRelay(CpuAveraging):
         self._broadcast(m.Update(**fields, shm="", shm_offset=0), [parts[1]], lane=lane)
         self.received_up[msg.round] += msg.count
         if self.received_up[msg.round] >= rnd.total:
-            ms = (self.clock() - rnd.started) * 1000.0
-            self.round_ms.append(ms)
-            self.rounds_done += 1
             self._forget(msg.round)
-            self._next(msg.round)
-            self.on_round(msg.round, ms)
+            self._round_done(rnd)
 
-    def _close_round(self, number: int, *, aborted: bool, groups: list, dtypes: list, numels: list) -> None:
+    def _close_round(self, number: int, layout: Any, *, aborted: bool) -> None:
         """Pass an abort (or an empty average) on to the local ranks and move past the round."""
         if number != (self.current.number if self.current is not None else self.next_round):
             return  # not the round we are in or about to open: nothing of ours waits on it
-        self._broadcast(m.Update(round=number, aborted=aborted, ranks=0, groups=list(groups), dtypes=list(dtypes), numels=list(numels),
-                                 bucket=-1, start=0, count=0, shm="", shm_offset=0), [])
+        self._broadcast(self._empty(layout, number, aborted=aborted), [])
         self.aborted += aborted
         self._forget(number)
         self._next(number)

@@ -41,7 +41,7 @@ from flodl.protocol.codec import DROP_REASONS, unpack_frame
 
 from .conftest import PY, ROOT
 from .intruder import FORGED_LINE
-from .netns import Netem, NsHost, Shaper, Unavailable, add_host, remove_host, ssh_cluster, unusable_reason
+from .netns import Netem, NsHost, Shaper, Unavailable, add_host, remove_host, ssh_cluster
 from .sniff import Sniffer, sender_seq
 from .test_multihost import _assert_no_flodl_left, _launch, _parent
 
@@ -59,10 +59,7 @@ SHARED_STORAGE_NOTE = "it must be on storage every host sees"
 @pytest.fixture(scope="module")
 def net(tmp_path_factory):
     """The three ssh hosts and the intruder's namespace, torn down at the end even on failure."""
-    reason = unusable_reason()
-    if reason:
-        pytest.skip(f"namespace hosts unavailable: {reason}")
-    try:
+    try:  # ssh_cluster checks for root, the tools and sshd first (Unavailable says which is missing)
         with ssh_cluster(tmp_path_factory.mktemp("netns-net"), HOSTS, BRIDGE, GATEWAY) as built:
             try:
                 add_host(INTRUDER, BRIDGE)

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from flodl import shm
-from flodl.controller.averaging import CpuAveraging
 from flodl.errors import ProtocolError
 from flodl.protocol import messages as m
 

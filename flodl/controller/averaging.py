@@ -39,13 +39,13 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import zmq
 
 from .. import curve, shm
-from ..bulk import DTYPES, as_frame, slices, unpack_slice
+from ..bulk import DTYPES, as_frame, check_slice, slices, unpack_slice
 from ..errors import ProtocolError
 from ..protocol import messages as m
 from ..protocol.codec import FrameReader, FrameWriter
@@ -238,19 +238,9 @@ class CpuAveraging:
             seg = self.segments[rank] = shm.Segment.open(path)
             seg.unlink()  # mapped: the name is no longer needed, and a killed rank leaves nothing
             self.shm_identities.add(identity)
-        self._check_layout(msg)
-        dtype = DTYPES[msg.dtypes[msg.bucket]]
+        dtype = check_slice(msg)
         self.lane_bytes += msg.count * dtype.itemsize
         return seg.view(msg.shm_offset, msg.count, dtype)
-
-    @staticmethod
-    def _check_layout(msg: m.Snapshot) -> None:
-        """The header's own consistency (what ``unpack_slice`` checks, minus the frame)."""
-        n = len(msg.numels)
-        if len(msg.dtypes) != n or len(msg.groups) != n or any(d not in DTYPES for d in msg.dtypes):
-            raise ProtocolError("bulk", "header layout lists differ in length or name an unknown dtype")
-        if not 0 <= msg.bucket < n or msg.start < 0 or msg.count < 1 or msg.start + msg.count > msg.numels[msg.bucket]:
-            raise ProtocolError("bulk", f"slice [{msg.start}, {msg.start + msg.count}) of bucket {msg.bucket} outside the layout")
 
     # -------------------------------------------------------------------- actor
 
@@ -319,10 +309,12 @@ class CpuAveraging:
         of it: a rank sends one only after it has read the previous average
         out of the segment, so no reader is ever overwritten.
         """
-        if self.update_seg is None:
-            return True
-        lane = {r for r in self.segments if r in self._expected(number)}
-        return lane <= self.arrived.get(number, set())
+        return self.update_seg is None or not self._lane_missing(number)
+
+    def _lane_missing(self, number: int) -> set[int]:
+        """Ranks on the lane that round ``number`` expects and that have sent nothing of it yet."""
+        expected = self._expected(number)
+        return {r for r in self.segments if r in expected} - self.arrived.get(number, set())
 
     def _start(self, msg: m.Snapshot) -> None:
         """Open ``msg``'s round and replay the slices held at its gate."""
@@ -373,15 +365,10 @@ class CpuAveraging:
 
     async def _send_slice(self, rnd: _Round, bucket: int, start: int, count: int) -> None:
         """Normalise one slice of the accumulator and send it to every rank."""
-        ranks = rnd.expected & set(rnd.weights)
-        param_weight, buffer_weight = rnd.sums(ranks)
+        param_weight, buffer_weight = rnd.sums(rnd.expected & set(rnd.weights))
         if param_weight <= 0:
             return  # nobody trained: the empty update goes out when the round is done
-        total = param_weight if rnd.groups[bucket] == "p" else buffer_weight
-        if rnd.first.get((bucket, start)):
-            total = 1.0  # folded pre-normalised
-        acc = rnd.acc[bucket][start : start + count]
-        out = self._normalise(acc, total, DTYPES[rnd.dtypes[bucket]])
+        out, acc = self._averaged(rnd, bucket, start, count, param_weight, buffer_weight)
         fields = dict(round=rnd.number, aborted=False, ranks=int(buffer_weight), groups=rnd.groups, dtypes=rnd.dtypes,
                       numels=rnd.numels, bucket=bucket, start=start, count=count)
         lane = None
@@ -400,12 +387,28 @@ class CpuAveraging:
                 if (bucket, start) not in rnd.streamed:
                     await self._send_slice(rnd, bucket, start, count)
         else:  # nobody trained: there is nothing to average
-            self._broadcast(self._empty(rnd, aborted=False), [])
+            self._broadcast(self._empty(rnd, rnd.number, aborted=False), [])
+        self._round_done(rnd)
+
+    def _round_done(self, rnd: _Round) -> None:
+        """Count a finished round, time it, and move to the next."""
         ms = (self.clock() - rnd.started) * 1000.0
         self.round_ms.append(ms)
         self.rounds_done += 1
         self._next(rnd.number)
         self.on_round(rnd.number, ms)
+
+    def _averaged(self, rnd: _Round, bucket: int, start: int, count: int, weight: float, trained: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(average, accumulator slice)`` of one slice: normalised in place, in its bucket's dtype.
+
+        ``weight`` and ``trained`` are the sums over the sources that sent it
+        (parameters divide by the first, floating buffers by the second); a
+        slice folded pre-normalised needs no division. The average is the
+        accumulator slice itself for float32.
+        """
+        total = 1.0 if rnd.first.get((bucket, start)) else (weight if rnd.groups[bucket] == "p" else trained)
+        acc = rnd.acc[bucket][start : start + count]
+        return self._normalise(acc, total, DTYPES[rnd.dtypes[bucket]]), acc
 
     @staticmethod
     def _normalise(acc: torch.Tensor, total: float, dtype: torch.dtype) -> torch.Tensor:
@@ -414,9 +417,10 @@ class CpuAveraging:
         return acc if dtype is torch.float32 else acc.to(dtype)
 
     @staticmethod
-    def _empty(rnd: _Round, *, aborted: bool) -> m.Update:
-        return m.Update(round=rnd.number, aborted=aborted, ranks=0, groups=rnd.groups, dtypes=rnd.dtypes,
-                        numels=rnd.numels, bucket=-1, start=0, count=0, shm="", shm_offset=0)
+    def _empty(layout: Any, number: int, *, aborted: bool) -> m.Update:
+        """Round ``number``'s update with no slice (aborted, or nobody trained); ``layout`` is a round or a header."""
+        return m.Update(round=number, aborted=aborted, ranks=0, groups=list(layout.groups), dtypes=list(layout.dtypes),
+                        numels=list(layout.numels), bucket=-1, start=0, count=0, shm="", shm_offset=0)
 
     def _next(self, number: int) -> None:
         """Close round ``number`` and replay what was held for the round after it."""
@@ -442,7 +446,7 @@ class CpuAveraging:
         if (self.clock() - rnd.started) > self.timeout_s:
             missing = sorted(rnd.expected - rnd.complete())
             log.warning("averaging round %d aborted: no complete snapshot from rank(s) %s within %g s", rnd.number, missing, self.timeout_s)
-            self._broadcast(self._empty(rnd, aborted=True), [])
+            self._broadcast(self._empty(rnd, rnd.number, aborted=True), [])
             self.aborted += 1
             self._next(rnd.number)
 
@@ -456,10 +460,9 @@ class CpuAveraging:
             return
         if self.clock() - self.gate_since > self.timeout_s:
             _, msg, _ = held[0]
-            missing = sorted({r for r in self.segments if r in self._expected(self.next_round)} - self.arrived.get(self.next_round, set()))
+            missing = sorted(self._lane_missing(self.next_round))
             log.warning("averaging round %d aborted: rank(s) %s sent nothing within %g s", self.next_round, missing, self.timeout_s)
-            self._broadcast(m.Update(round=self.next_round, aborted=True, ranks=0, groups=list(msg.groups), dtypes=list(msg.dtypes),
-                                     numels=list(msg.numels), bucket=-1, start=0, count=0, shm="", shm_offset=0), [])
+            self._broadcast(self._empty(msg, self.next_round, aborted=True), [])
             self.aborted += 1
             self._next(self.next_round)
 

@@ -35,7 +35,7 @@ import torch
 import zmq
 
 from .. import curve, shm
-from ..bulk import as_frame, dtype_name, slices, unpack_slice
+from ..bulk import as_frame, check_slice, dtype_name, slices, unpack_slice
 from ..errors import DeadlineExceeded, ProtocolError
 from ..protocol import messages as m
 from ..protocol.codec import FrameReader, FrameWriter
@@ -78,8 +78,9 @@ class BulkLink:
         return shm.UpdateSegment.stamp_of(self.update_seg)
 
     def _lane_slice(self, update: m.Update, frames: list) -> torch.Tensor:
-        if frames or update.bucket < 0 or not 0 < update.count:
-            raise ProtocolError("bulk", "a shared-memory update header carries a frame or no slice")
+        if frames:
+            raise ProtocolError("bulk", "a shared-memory update header carries a frame")
+        check_slice(update)
         if self.update_seg is None or str(self.update_seg.path) != update.shm:
             path = shm.checked_path(update.shm, self.run_id, "update") if self.lane else None
             if path is None:
