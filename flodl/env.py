@@ -134,7 +134,8 @@ def simulated_slowdown(rank: int) -> float:
     """This rank's simulated compute multiplier (1.0 = real speed).
 
     SIMULATION ONLY, for tests and benchmarks on one machine: a rank with
-    factor f sleeps (f - 1) x its measured compute time after every step, so it
+    factor f sleeps (f - 1) x its measured compute time after every step but the
+    first (set-up and warm-up, which a slower device would not multiply), so it
     behaves like a device f times slower. Never set on real mixed hardware.
 
     Raises:

@@ -66,6 +66,13 @@ class Task:
             (``epoch_callback_policy``) every ``checkpoint_every`` epochs, with
             ``worker.model`` holding the consensus parameters. Exceptions are
             logged and training goes on.
+        bn_recalibration_batches: before an eval that follows averages, the
+            eval rank re-estimates the model's BatchNorm running statistics
+            from this many training batches (forward passes, no gradients):
+            averaged statistics were measured under each replica's own weights
+            and fit the averaged weights badly (docs/cadence.md). 0 turns it
+            off; models without BatchNorm, solo runs and ``train_step`` tasks
+            (whose model input flodl cannot know) skip it.
     """
 
     model: ModelFactory
@@ -80,6 +87,7 @@ class Task:
     lr_schedule: LrSchedule | None = None
     epoch_fn: EpochFn | None = None
     checkpoint_fn: CheckpointFn | None = None
+    bn_recalibration_batches: int = 16
 
     def __post_init__(self) -> None:
         self.validate()
@@ -101,6 +109,9 @@ class Task:
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TaskError(f"Task.{name} must be callable, got {value!r}")
+        n = self.bn_recalibration_batches
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise TaskError(f"Task.bn_recalibration_batches must be an int >= 0, got {n!r}")
         if not isinstance(self.eval_metric, str) or not self.eval_metric:
             raise TaskError("Task.eval_metric must be a non-empty string")
 

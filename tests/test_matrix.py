@@ -221,3 +221,27 @@ def test_report_without_matplotlib_says_so(fake_results, tmp_path, monkeypatch):
         report.main(["--results", str(fake_results), "--doc", str(doc), "--img", str(tmp_path / "img")])
     assert "pip install" in str(info.value) and "matplotlib" in str(info.value)
     assert not doc.exists()  # nothing written
+
+
+def test_gpu_report_has_its_own_section_beside_the_cpu_one(fake_results, tmp_path):
+    doc = tmp_path / "bench.md"
+    args = ["--results", str(fake_results), "--doc", str(doc), "--img", str(tmp_path / "img"), "--no-plots"]
+    assert report.main(args) == 0 and report.main(["--device", "cuda", *args]) == 0
+    text = doc.read_text()
+    begin, end = report.markers("matrix_gpu")
+    assert text.count(begin) == 1 and text.count(end) == 1 and text.count(report.BEGIN) == 1
+    gpu = text.split(begin, 1)[1]
+    assert "on GPUs" in gpu and "NCCL" in gpu and "--device cuda" in gpu
+    assert "on GPUs" not in text.split(report.BEGIN, 1)[1].split(report.END, 1)[0]
+
+
+def test_the_gpu_suite_refuses_a_machine_without_two_gpus(capsys):
+    import torch
+
+    from bench.matrix import suite
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has 2 GPUs")
+    with pytest.raises(SystemExit):
+        suite.main(["--device", "cuda", "--quick"])
+    assert "needs 2 GPUs" in capsys.readouterr().err

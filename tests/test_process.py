@@ -333,6 +333,22 @@ def test_each_mode_with_a_3x_slower_rank_covers_every_sample(proc_env, tmp_path,
     assert summary["final_eval"] > 0.7
 
 
+def test_a_first_step_warm_up_is_not_taken_for_the_rank_pace(proc_env, tmp_path):
+    """A first step 40x longer than the rest (a GPU's lazy set-up) is timed as the step after it:
+    the compute the ranks report stays far below it, while the wall clock still holds it."""
+    env = {**proc_env, "FLODL_TEST_STEP_SLEEP": "0.005", "FLODL_TEST_FIRST_STEP_SLEEP": "0.8", "FLODL_SIMULATE_SLOWDOWN": "1:3"}
+    path = tmp_path / "s.json"
+    run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "2", "--mode", "nccl-cadence", "--summary-json", str(path)], env)
+    assert run.wait(120) == 0, run.output
+    summary = json.loads(path.read_text())
+    compute = {r: sum(h["per_rank"][r]["compute_ms"] for h in summary["history"]) for r in ("0", "1")}
+    batches = {r: sum(h["per_rank"][r]["batches"] for h in summary["history"]) for r in ("0", "1")}
+    # without the retiming each rank would report >= 800 ms (rank 1, slowed 3x, >= 2400 ms)
+    assert compute["0"] < 800 and compute["1"] < 800, (compute, batches)
+    assert summary["wall_s"] >= 0.8
+    assert batches["0"] > 1.5 * batches["1"], batches  # the 3x slower rank was seen as such, not as 1:1 or 40:1
+
+
 def test_epoch_fn_and_lr_schedule_follow_the_global_step(proc_env, tmp_path):
     path = tmp_path / "s.json"
     run = Run(["--task", task_spec("tiny.py", "scheduled_task"), "--nproc-per-node", "2", "--epochs", "4", "--mode", "nccl-sync",

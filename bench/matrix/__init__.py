@@ -37,9 +37,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS_DIR = ROOT / "bench" / "results" / "matrix"
 DOC = ROOT / "docs" / "benchmarks.md"
 IMG_DIR = ROOT / "docs" / "img"
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a suite runs its ranks, and where its results and report go."""
+
+    device: str  # "cpu": CPU ranks, gloo; "cuda": one GPU per rank, NCCL
+    name: str  # results directory, common-format JSON (bench/results/<name>.json), doc markers, plot prefix
+
+    @property
+    def results_dir(self) -> Path:
+        return ROOT / "bench" / "results" / self.name
+
+    def devices(self, nproc: int) -> str | None:
+        """flodl's ``--devices`` for ``nproc`` ranks (None: the embedded worker's default, CPU ranks here)."""
+        return ",".join(f"cuda:{i}" for i in range(nproc)) if self.device == "cuda" else None
+
+
+TARGETS = {"cpu": Target("cpu", "matrix"), "cuda": Target("cuda", "matrix_gpu")}
 RATIO = 4  # the unequal case: rank 1 this many times slower
 
 
@@ -110,5 +128,16 @@ PLANS: dict[str, dict[str, tuple[Budget, tuple[str, ...]]]] = {
         "mlp": (Budget(1500, 4), ("solo", "nccl-cadence", "torchrun-ddp")),
         "char_gru": (Budget(1024, 2), ("solo", "nccl-cadence", "torchrun-ddp")),
         "gpt_nano": (Budget(1024, 2), ("solo", "nccl-cadence", "torchrun-ddp")),
+    },
+    # --device cuda: 2 GPUs (NCCL refuses two ranks on one GPU); the models that give a GPU some work
+    "gpu": {
+        "lenet": (Budget(16384, 4), tuple(CASES)),
+        "gpt_nano": (Budget(8192, 3), tuple(CASES)),
+        "resnet20": (Budget(8192, 3), tuple(CASES)),
+    },
+    "gpu-quick": {
+        "lenet": (Budget(8192, 3), tuple(CASES)),
+        "resnet20": (Budget(4096, 2), ("torchrun-ddp", "nccl-cadence-4to1", "nccl-async-4to1", "cpu-cadence-4to1", "cpu-async-4to1",
+                                        "torchrun-ddp-4to1")),
     },
 }

@@ -5,7 +5,9 @@
 
 The model, initial weights, data, batch size per rank, optimizer, loss and eval
 are ``bench.matrix.tasks``' (exactly what the flodl task trains). gloo backend,
-one intra-op thread per rank. Each epoch every rank trains its half of a seeded
+one intra-op thread per rank; ``--device cuda``: NCCL, one GPU per rank
+(``LOCAL_RANK``), the training set copied to the GPU once (as flodl's VRAM pool
+holds it). Each epoch every rank trains its half of a seeded
 permutation of the training set (``perm[rank::world]``, like DistributedSampler).
 
 ``--algo ddp``        plain DDP: gradients all-reduced every step.
@@ -21,12 +23,15 @@ permutation of the training set (``perm[rank::world]``, like DistributedSampler)
 
 ``--slowdown R:F`` makes rank R F times slower the way flodl's
 ``FLODL_SIMULATE_SLOWDOWN`` does (flodl/rank/runner.py ``_step``): after each
-step the rank sleeps (F - 1) x that step's measured compute time. flodl times
+step but the first (set-up and warm-up) the rank sleeps (F - 1) x that step's measured compute time. flodl times
 forward + backward + optimizer step, with no communication inside; here the
 backward also waits for DDP's gradient all-reduce, so the compute time is the
 step's wall time minus that wait (from the moment DDP's comm hook is handed the
 last gradient bucket to the end of ``backward()``), and the averaging of
-post-local SGD is outside it too.
+post-local SGD is outside it too. On CUDA those host timestamps say nothing
+(kernels run after they are launched): CUDA events in the compute stream
+(start, last gradient ready, backward done, optimizer step done; read after the
+loss read, so nothing extra blocks) give the compute and the all-reduce wait.
 
 The clock runs from a barrier after set-up to the end of the final eval, like
 flodl's ``wall_s`` (from dispatch start to the final eval); ``eval_s`` is the
@@ -59,17 +64,37 @@ CURVE_POINTS_PER_EPOCH = 8
 
 
 class Timing:
-    """The state of ``timed_hook``: the wrapped hook, its state, and when it last got the last bucket."""
+    """The state of ``timed_hook``: the wrapped hook, its state, and when it last got the last bucket
+    (a host timestamp on CPU; on CUDA an event in the compute stream, after the last gradient's kernels)."""
 
-    def __init__(self, hook, state) -> None:
+    def __init__(self, hook, state, cuda: bool = False) -> None:
         self.hook, self.state, self.last_ready = hook, state, 0.0
+        self.ready_event = torch.cuda.Event(enable_timing=True) if cuda else None
 
 
 def timed_hook(timing: Timing, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """A DDP comm hook wrapping another, noting when the step's last gradient bucket is handed over."""
     if bucket.is_last():
         timing.last_ready = time.perf_counter()
+        if timing.ready_event is not None:
+            timing.ready_event.record()
     return timing.hook(timing.state, bucket)
+
+
+class CudaStepTimer:
+    """A step's GPU compute from events, never blocking: start, the last gradient ready
+    (``Timing.ready_event``), backward done (the stream has waited for the all-reduce
+    by then), optimizer step done; compute = the two spans that are not the wait."""
+
+    def __init__(self, timing: Timing) -> None:
+        self.timing = timing
+        self.start, self.backward, self.end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+
+    def compute_and_wait_s(self) -> tuple[float, float]:
+        """Call once the step's results were read (the loss value: the events are done)."""
+        ready = self.timing.ready_event
+        wait = ready.elapsed_time(self.backward) / 1000.0
+        return (self.start.elapsed_time(ready) + self.backward.elapsed_time(self.end)) / 1000.0, max(0.0, wait)
 
 
 def parse_slowdown(text: str, rank: int) -> float:
@@ -89,31 +114,38 @@ def main() -> None:
     ap.add_argument("--slowdown", default="")
     ap.add_argument("--period", type=int, default=4, help="post-local SGD: steps between model averages")
     ap.add_argument("--warmup", type=int, default=None, help="post-local SGD: DDP steps before local SGD (default: 10%% of an epoch's steps)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo")
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
     spec = tasks.SPECS[args.model]
     x, y = tasks.train_data(spec, args.samples)
+    x, y = x.to(device), y.to(device)
     n = len(x) - len(x) % world  # equal shares: DDP needs the same step count on every rank
-    model = tasks.make_model(spec)
-    ddp = DistributedDataParallel(model)
+    model = tasks.make_model(spec).to(device)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     opt = spec.optimizer(model)
     loss_fn = tasks.loss_fn(spec)
     steps_per_epoch = -(-(n // world) // spec.batch)
     averager = None
     if args.algo == "ddp":
-        timed = Timing(default_hooks.allreduce_hook, None)
+        timed = Timing(default_hooks.allreduce_hook, None, cuda)
     else:
         warmup = args.warmup if args.warmup is not None else max(1, steps_per_epoch // 10)
         timed = Timing(post_localSGD_hook, PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=warmup,
-                                                            post_local_gradient_allreduce=False))
+                                                            post_local_gradient_allreduce=False), cuda)
         averager = PeriodicModelAverager(period=args.period, warmup_steps=warmup)
     ddp.register_comm_hook(timed, timed_hook)
     slow = parse_slowdown(args.slowdown, rank)
     chunk = max(1, steps_per_epoch // CURVE_POINTS_PER_EPOCH)
+    timer = CudaStepTimer(timed) if cuda else None
 
     dist.barrier()
     start = time.perf_counter()
@@ -123,7 +155,7 @@ def main() -> None:
     for epoch in range(args.epochs):
         e_start = time.perf_counter()
         perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(tasks.SEED + epoch))[:n]
-        mine = perm[rank::world]
+        mine = perm[rank::world].to(device)
         e_loss = e_count = 0.0
         e_compute = e_sync = 0.0
         c_loss, c_n = 0.0, 0
@@ -131,23 +163,34 @@ def main() -> None:
             idx = mine[step * spec.batch:(step + 1) * spec.batch]
             xb, yb = x[idx], y[idx]
             t0 = time.perf_counter()
+            if timer:
+                timer.start.record()
             loss = loss_fn(ddp(xb), yb)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             t_bwd = time.perf_counter()
             wait = t_bwd - timed.last_ready if t0 < timed.last_ready < t_bwd else 0.0
+            if timer:
+                timer.backward.record()
             opt.step()
+            if timer:
+                timer.end.record()
             value = float(loss.detach())
-            compute = time.perf_counter() - t0 - wait
+            if timer:  # host timestamps are only launch times on CUDA: the events tell
+                compute, wait = timer.compute_and_wait_s()
+            else:
+                compute = time.perf_counter() - t0 - wait
             sync = wait
             if averager is not None:
                 t_avg = time.perf_counter()
                 before = averager.step
                 averager.average_parameters(model.parameters())
+                if cuda:
+                    torch.cuda.synchronize(device)  # so its time is counted here, not in the next step's compute
                 if before >= averager.warmup_steps and (before - averager.warmup_steps) % averager.period == 0:
                     averages += 1
                 sync += time.perf_counter() - t_avg
-            if slow > 1.0:  # the simulated slower device, as flodl's FLODL_SIMULATE_SLOWDOWN
+            if slow > 1.0 and batches > 0:  # the simulated slower device, as flodl's FLODL_SIMULATE_SLOWDOWN (not the first step)
                 time.sleep(compute * (slow - 1.0))
                 compute *= slow
             e_compute += compute
@@ -164,12 +207,12 @@ def main() -> None:
         compute_total += e_compute
         sync_total += e_sync
         t_train_end = time.perf_counter()
-        totals = torch.tensor([e_loss, e_count], dtype=torch.float64)
+        totals = torch.tensor([e_loss, e_count], dtype=torch.float64, device=device)
         dist.all_reduce(totals)
         value = None
         t_eval = time.perf_counter()
         if rank == 0:
-            value = tasks.evaluate(spec, model, torch.device("cpu"))
+            value = tasks.evaluate(spec, model, device)
         dist.barrier()
         eval_s += time.perf_counter() - t_eval
         per = [None] * world

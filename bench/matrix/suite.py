@@ -3,13 +3,17 @@
     python -m bench.matrix            # the full plan (PLANS["full"]: every model x every case)
     python -m bench.matrix --quick    # PLANS["quick"] (under 10 minutes on the 2-core dev VM)
     python -m bench.matrix --models lenet --cases solo,nccl-cadence --results /tmp/m   # a slice, elsewhere
+    python -m bench.matrix --device cuda [--quick]   # 2 GPUs, NCCL: PLANS["gpu"] / PLANS["gpu-quick"]
 
 Each flodl case is ``python -m flodl.controller --task bench.matrix.tasks:<model>``
 with ``--summary-json`` and a record log (for the sub-epoch loss curve); each
 torchrun case is ``python -m torch.distributed.run --standalone ... bench/matrix/ddp.py``.
 Results: ``bench/results/matrix/<model>__<case>.json`` per run, ``suite.json``
 (budget, machine, time taken), and ``bench/results/matrix.json`` (the common
-format; written only when the results go to the default directory).
+format; written only when the results go to the default directory). With
+``--device cuda`` every rank gets a GPU of its own (flodl ``--devices
+cuda:0,cuda:1``, torchrun with NCCL) and everything goes to ``matrix_gpu``
+instead of ``matrix``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import time
 from pathlib import Path
 
 from bench.common import machine, report
-from bench.matrix import CASES, MODEL_ORDER, PLANS, RESULTS_DIR, ROOT, Budget, Case
+from bench.matrix import CASES, MODEL_ORDER, PLANS, ROOT, TARGETS, Budget, Case, Target
 from bench.matrix import report as matrix_report
 from bench.matrix.tasks import SAMPLES_ENV, SPECS
 
@@ -102,11 +106,13 @@ def flodl_curve(logdir: Path) -> list[list[float]]:
     return [[(r["ts"] - meta["ts"]) / 1000.0, r["metrics"]["loss"]] for r in ticks]
 
 
-def flodl_case(model: str, case: Case, budget: Budget, tmp: Path, timeout: float) -> tuple[dict, tuple, list[str]]:
+def flodl_case(model: str, case: Case, budget: Budget, tmp: Path, timeout: float, target: Target) -> tuple[dict, tuple, list[str]]:
     summary_path, logs = tmp / "summary.json", tmp / "logs"
     cmd = [sys.executable, "-m", "flodl.controller", "--task", f"bench.matrix.tasks:{model}", "--nproc-per-node", str(case.nproc),
            "--mode", case.mode, "--epochs", str(budget.epochs), "--summary-json", str(summary_path), "--no-progress",
            "--dashboard-port", "-1", "--record-log-dir", str(logs), "--reports-per-epoch", str(REPORTS_PER_EPOCH)]
+    if target.devices(case.nproc):
+        cmd += ["--devices", target.devices(case.nproc)]
     env = _env(budget.samples)
     if case.ratio > 1:
         env["FLODL_SIMULATE_SLOWDOWN"] = f"1:{case.ratio}"
@@ -121,10 +127,11 @@ def flodl_case(model: str, case: Case, budget: Budget, tmp: Path, timeout: float
     return summary, took, prefix + cmd[1:]
 
 
-def torchrun_case(model: str, case: Case, budget: Budget, tmp: Path, timeout: float) -> tuple[dict, tuple, list[str]]:
+def torchrun_case(model: str, case: Case, budget: Budget, tmp: Path, timeout: float, target: Target) -> tuple[dict, tuple, list[str]]:
     out = tmp / "summary.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(case.nproc), str(DDP_SCRIPT),
-           "--model", model, "--algo", case.mode, "--epochs", str(budget.epochs), "--samples", str(budget.samples), "--out", str(out)]
+           "--model", model, "--algo", case.mode, "--epochs", str(budget.epochs), "--samples", str(budget.samples), "--out", str(out),
+           "--device", target.device]
     if case.ratio > 1:
         cmd += ["--slowdown", f"1:{case.ratio}"]
     took = _run(cmd, _env(budget.samples), tmp / "run.log", timeout)
@@ -135,15 +142,15 @@ def torchrun_case(model: str, case: Case, budget: Budget, tmp: Path, timeout: fl
     return summary, took, cmd[1:]
 
 
-def run_one(model: str, case: Case, budget: Budget, budget_name: str, timeout: float) -> dict:
+def run_one(model: str, case: Case, budget: Budget, budget_name: str, timeout: float, target: Target = TARGETS["cpu"]) -> dict:
     spec = SPECS[model]
     meta = {"model": model, "title": spec.title, "case": case.id, "label": case.label, "kind": case.kind, "mode": case.mode,
             "nproc": case.nproc, "ratio": case.ratio, "samples": budget.samples, "epochs": budget.epochs, "batch": spec.batch,
-            "metric": spec.metric, "budget": budget_name, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "metric": spec.metric, "budget": budget_name, "device": target.device, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     with tempfile.TemporaryDirectory(prefix=f"flodl-matrix-{model}-") as td:
         try:
             runner = flodl_case if case.kind == "flodl" else torchrun_case
-            summary, (process_s, others), cmd = runner(model, case, budget, Path(td), timeout)
+            summary, (process_s, others), cmd = runner(model, case, budget, Path(td), timeout, target)
         except RunFailed as exc:
             meta["error"] = str(exc)
             return {"matrix": meta}
@@ -170,12 +177,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the quick plan: lenet in every case, three other models in three (< 10 min here)")
     ap.add_argument("--models", default="", help="comma-separated subset of the plan's models")
     ap.add_argument("--cases", default="", help="comma-separated subset of case ids (e.g. solo,nccl-cadence-4to1)")
-    ap.add_argument("--results", type=Path, default=RESULTS_DIR, help="where the runs go (cleared first)")
+    ap.add_argument("--device", choices=sorted(TARGETS), default="cpu",
+                    help="cpu: CPU ranks (gloo); cuda: one GPU per rank (NCCL; needs 2 GPUs) and the gpu plans")
+    ap.add_argument("--results", type=Path, default=None, help="where the runs go (cleared first; default bench/results/matrix[_gpu])")
     ap.add_argument("--samples", type=int, default=None, help="override every model's sample budget (smoke tests)")
     ap.add_argument("--epochs", type=int, default=None, help="override every model's epochs (smoke tests)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per run (default 240 quick, 1200 full)")
     args = ap.parse_args(argv)
-    budget_name = "quick" if args.quick else "full"
+    target = TARGETS[args.device]
+    results = args.results or target.results_dir
+    if target.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            ap.error(f"--device cuda needs 2 GPUs (one per rank: NCCL refuses two ranks on one GPU); "
+                     f"this machine has {torch.cuda.device_count()}")
+        budget_name = "gpu-quick" if args.quick else "gpu"
+    else:
+        budget_name = "quick" if args.quick else "full"
     plan = dict(PLANS[budget_name])
     if args.models:
         wanted = args.models.split(",")
@@ -194,18 +213,18 @@ def main(argv: list[str] | None = None) -> int:
         plan = {m: (Budget(args.samples or b.samples, args.epochs or b.epochs), c) for m, (b, c) in plan.items()}
     timeout = args.timeout or (240.0 if args.quick else 1200.0)
 
-    args.results.mkdir(parents=True, exist_ok=True)
-    for old in [*args.results.glob("*__*.json"), args.results / matrix_report.MANIFEST]:
+    results.mkdir(parents=True, exist_ok=True)
+    for old in [*results.glob("*__*.json"), results / matrix_report.MANIFEST]:
         old.unlink(missing_ok=True)
     todo = [(m, CASES[c]) for m in MODEL_ORDER + tuple(m for m in plan if m not in MODEL_ORDER) if m in plan
             for c in CASES if c in plan[m][1]]
-    print(f"bench.matrix ({budget_name}): {len(todo)} runs -> {args.results}", flush=True)
+    print(f"bench.matrix ({budget_name}): {len(todo)} runs -> {results}", flush=True)
     start = time.perf_counter()
     failed = 0
     for i, (model, case) in enumerate(todo, 1):
         budget = plan[model][0]
-        result = run_one(model, case, budget, budget_name, timeout)
-        (args.results / f"{model}__{case.id}.json").write_text(json.dumps(result, indent=1) + "\n")
+        result = run_one(model, case, budget, budget_name, timeout, target)
+        (results / f"{model}__{case.id}.json").write_text(json.dumps(result, indent=1) + "\n")
         took = time.perf_counter() - start
         if "error" in result["matrix"]:
             failed += 1
@@ -219,18 +238,19 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - start
     import torch
 
-    manifest = {"budget": budget_name, "machine": machine(), "torch": torch.__version__, "python": platform.python_version(),
+    manifest = {"budget": budget_name, "device": target.device, "machine": machine(), "torch": torch.__version__, "python": platform.python_version(),
                 "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "elapsed_s": elapsed, "runs": len(todo), "failed": failed,
                 "covers": covers(plan),
                 "plan": {m: {"samples": b.samples, "epochs": b.epochs, "cases": list(c)} for m, (b, c) in plan.items()}}
-    (args.results / matrix_report.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    _, runs = matrix_report.load(args.results)
+    (results / matrix_report.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    _, runs = matrix_report.load(results)
     rows = matrix_report.rows(runs)
-    note = (f"{budget_name} budget, {len(todo)} runs in {elapsed:.0f} s ({failed} failed); 2 CPU ranks x 1 thread (solo: 1), "
+    ranks = "2 GPU ranks (NCCL), 1 intra-op thread each" if target.device == "cuda" else "2 CPU ranks x 1 thread"
+    note = (f"{budget_name} budget, {len(todo)} runs in {elapsed:.0f} s ({failed} failed); {ranks} (solo: 1), "
             f"batch 32 per rank; train wall = wall_s - eval_s (start-up excluded); 4:1 = rank 1 simulated 4x slower. "
             f"Covers: {manifest['covers']}")
-    if args.results.resolve() == RESULTS_DIR.resolve():
-        report("matrix", rows, note=note)
+    if results.resolve() == target.results_dir.resolve():
+        report(target.name, rows, note=note)
     else:
         for r in rows:
             print(f"{r.case:<34}{r.metric:<32}{r.value:>10.3f} {r.unit:<7} {r.goal or ''} {'' if r.met is None else r.met}")

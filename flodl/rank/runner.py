@@ -11,6 +11,7 @@ bounded, for the controller's Shutdown so no peer is left waiting on it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -54,6 +55,7 @@ from .cpu_average import BulkLink, CpuAverager
 from .flat import Averaged, FlatModel, model_digest
 from .saving import checkpoint, emergency_save
 from .data import BatchSource, to_device
+from .norms import norm_layers, recalibrate
 from .prefetch import CacheWarmer, Prefetcher
 from .staging import DiskStage, RamCache, TieredSamples, VramPool, ram_budget, vram_budget
 from .handle import LrState, WorkerHandle
@@ -111,6 +113,12 @@ class RoundStats:
         row[3] += compute_ms
         row[4] += data_ms
 
+    def retime(self, epoch: int, old_ms: float, new_ms: float) -> None:
+        """Count a step already added as taking ``new_ms`` of compute instead of ``old_ms``."""
+        self.compute_ms += new_ms - old_ms
+        if epoch in self.per_epoch:
+            self.per_epoch[epoch][3] += new_ms - old_ms
+
 
 def model_signature(model: torch.nn.Module) -> str:
     """Hash of parameter and buffer names, shapes and dtypes (not values)."""
@@ -163,6 +171,8 @@ class RankRunner:
         self.welcome: m.RankWelcome | None = None
         self.handle = WorkerHandle(self)
         self.slowdown = simulated_slowdown(env.rank)
+        self.norm_layers: list = []  # BatchNorm layers to re-estimate before an eval (none until set up)
+        self.norms_stale = False  # an average changed the model since they were last re-estimated
         self.faults = FaultPlan.from_env(env.rank)  # tests and benchmarks only (FLODL_INJECT_FAULT)
         self.resources = ResourceSampler([env.device])  # gauges for the monitor, summarised per window
         self._data_seen: dict[str, int] = {}  # staging-tier counters already reported
@@ -409,6 +419,7 @@ class RankRunner:
         self.lr = LrState(self.optimizer, config.lr_factor(welcome.world_size), self.task.lr_schedule)
         self.max_grad_norm = config.max_grad_norm
         self.source = self._batch_source(config, welcome.seed)
+        self.norm_layers = norm_layers(self.model) if self.task.bn_recalibration_batches and self.task.train_step is None else []
         self.link.send(m.RankReady(rank=self.rank, generation=welcome.generation, init_ms=(time.perf_counter() - start) * 1000))
 
     def _batch_source(self, config: DdpRunConfig, seed: int) -> BatchSource:
@@ -552,6 +563,12 @@ class RankRunner:
                 loss, compute_ms = self._step(batch)
                 stepped += 1
                 stats.add(epoch, len(idx), loss, compute_ms, data_ms)
+                if last is not None and last.step == 1 and self.step_count == 2:
+                    # the process's first step carries lazy CUDA/cuDNN set-up, kernel autotuning and
+                    # allocator warm-up (hundreds of ms on a GPU): no device's pace. Timed as the step
+                    # after it, ElChe and the dispatcher learn the real speed from the first window.
+                    stats.retime(last.epoch, last.batch_ms, compute_ms)
+                    last = dataclasses.replace(last, batch_ms=compute_ms)
                 if last is not None:
                     self.link.send_lazy(last)
                 last = m.BatchDone(self.rank, epoch, self.step_count, len(idx), loss, compute_ms, data_ms, 0.0)
@@ -573,7 +590,9 @@ class RankRunner:
         while True:
             self._maybe_regroup()
             try:
-                return self.averager.average(weight, measure=measure, block=block)
+                averaged = self.averager.average(weight, measure=measure, block=block)
+                self.norms_stale = self.norms_stale or self.world_size > 1
+                return averaged
             except RuntimeError as exc:
                 if self.averager.backend != "collective" or not _is_collective_error(exc):
                     raise
@@ -665,7 +684,8 @@ class RankRunner:
         self.optimizer.step()
         value = float(loss.detach())  # also waits for the device, so the timing is honest
         compute_ms = (time.perf_counter() - t0) * 1000.0
-        if self.slowdown > 1.0:  # SIMULATION (FLODL_SIMULATE_SLOWDOWN): behave like a slower device
+        if self.slowdown > 1.0 and self.step_count > 0:  # SIMULATION (FLODL_SIMULATE_SLOWDOWN): a slower device
+            # (from the second step: the first is set-up and warm-up, no device's pace)
             time.sleep(compute_ms * (self.slowdown - 1.0) / 1000.0)
             compute_ms *= self.slowdown
         self.step_count += 1
@@ -690,6 +710,7 @@ class RankRunner:
         if self.task.eval_fn is None:
             error = "the task has no eval_fn"
         else:
+            self._refresh_norms(cmd.epoch)
             was_training = self.model.training
             self.model.eval()
             try:
@@ -710,6 +731,21 @@ class RankRunner:
                 error=error,
             )
         )
+
+
+    def _refresh_norms(self, epoch: int) -> None:
+        """Before scoring a model that averages changed: its BatchNorm statistics
+        re-estimated from the first ``bn_recalibration_batches`` batches of this
+        epoch's order (flodl/rank/norms.py says why)."""
+        if not (self.norms_stale and self.norm_layers):
+            return
+        self.norms_stale = False
+        size = min(self.task.bn_recalibration_batches * self.task.batch_size, self.source.schedule.epoch_len(epoch))
+        inputs = (to_device(batch, self.device)[0] for _, batch in self.source.batches(epoch, 0, size))
+        try:
+            recalibrate(self.model, self.norm_layers, inputs)
+        except Exception as exc:  # a data or model error here must not cost the eval
+            log.warning("rank %d: BatchNorm statistics not re-estimated (%s: %s)", self.rank, type(exc).__name__, exc)
 
 
 #: Intra-op threads of a GPU rank: its CPU work is batch gathers and small host ops.

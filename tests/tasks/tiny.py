@@ -1,6 +1,7 @@
 """A tiny task for process tests, steered by environment variables.
 
 FLODL_TEST_STEP_SLEEP   seconds to sleep in every training step (make runs long enough to kill)
+FLODL_TEST_FIRST_STEP_SLEEP  extra seconds to sleep in a process's first step (a GPU's warm-up)
 FLODL_TEST_FAIL_AT      raise RuntimeError at this local step (a broken user task)
 FLODL_TEST_EVAL_FAIL    make eval_fn raise
 """
@@ -30,6 +31,8 @@ def train_step(model, batch, device):
     if fail_at and _STEP["n"] >= fail_at:
         raise RuntimeError(f"injected failure at step {_STEP['n']}")
     time.sleep(float(os.environ.get("FLODL_TEST_STEP_SLEEP", "0") or 0))
+    if _STEP["n"] == 1:
+        time.sleep(float(os.environ.get("FLODL_TEST_FIRST_STEP_SLEEP", "0") or 0))
     x, y = batch
     return F.cross_entropy(model(x.to(device)), y.to(device))
 
@@ -143,3 +146,21 @@ def broken_data_task():
     t = task()
     t.dataset = SlowDataset(raise_at=77)
     return t
+
+
+def _bn_model():
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+
+def _bn_batches_seen(model, device):
+    """eval_fn: how many batches the BatchNorm layer's statistics come from (a re-estimate resets the count)."""
+    return float(model[1].num_batches_tracked)
+
+
+def batchnorm_task():
+    """A BatchNorm model on the loss_fn path; its 'eval' reports the statistics' batch count.
+    FLODL_TEST_BN_BATCHES sets Task.bn_recalibration_batches."""
+    x, y = _data(512, 0)
+    return Task(model=_bn_model, optimizer=make_optimizer, dataset=torch.utils.data.TensorDataset(x, y), batch_size=16,
+                loss_fn=F.cross_entropy, eval_fn=_bn_batches_seen, eval_metric="bn_batches",
+                bn_recalibration_batches=int(os.environ.get("FLODL_TEST_BN_BATCHES", "16")))
