@@ -231,8 +231,8 @@ def test_gpu_report_has_its_own_section_beside_the_cpu_one(fake_results, tmp_pat
     begin, end = report.markers("matrix_gpu")
     assert text.count(begin) == 1 and text.count(end) == 1 and text.count(report.BEGIN) == 1
     gpu = text.split(begin, 1)[1]
-    assert "on GPUs" in gpu and "NCCL" in gpu and "--device cuda" in gpu
-    assert "on GPUs" not in text.split(report.BEGIN, 1)[1].split(report.END, 1)[0]
+    assert "matrix on GPUs" in gpu and "NCCL" in gpu and "--device cuda" in gpu
+    assert "matrix on GPUs" not in text.split(report.BEGIN, 1)[1].split(report.END, 1)[0]
 
 
 def test_the_gpu_suite_refuses_a_machine_without_two_gpus(capsys):

@@ -87,10 +87,15 @@ def _run(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -> tupl
 
 
 def _tail(log: Path, lines: int = 15) -> str:
+    """The log's last lines, after up to 10 earlier lines that say what went wrong (torchrun's own
+    summary at the end only names the signal a rank died of)."""
     try:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+        text = log.read_text(errors="replace").splitlines()
     except OSError:
         return ""
+    keys = ("error", "terminate", "what()", "exception", "abort")
+    causes = [ln for ln in text[:-lines] if any(k in ln.lower() for k in keys)][:10]
+    return "\n".join([*causes, *(["..."] if causes else []), *text[-lines:]])
 
 
 def flodl_curve(logdir: Path) -> list[list[float]]:
