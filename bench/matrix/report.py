@@ -259,7 +259,7 @@ def plans_text(target: Target = TARGETS["cpu"]) -> str:
         head = (f"Plans: **`--device cuda --quick`**: {one(PLANS['gpu-quick'])}. **`--device cuda`**: {one(PLANS['gpu'])}. "
                 "Both need 2 GPUs. The")
     else:
-        head = (f"Plans: **`--quick`** (under 10 minutes here): {one(PLANS['quick'])}. **Full** (no flag; about 45 "
+        head = (f"Plans: **`--quick`** (under 10 minutes here): {one(PLANS['quick'])}. **Full** (no flag; about 30 "
                 f"minutes here): {one(PLANS['full'])}. The")
     return (f"{head} {len(CASES)} cases: `solo`, the six flodl modes on 2 equal "
             f"ranks, `torchrun-ddp`, `torchrun-postlocal`, and at {RATIO}:1 `nccl-cadence`, `nccl-async`, `cpu-cadence`, "
