@@ -116,8 +116,9 @@ def flodl_case(model: str, case: Case, budget: Budget, tmp: Path, timeout: float
     cmd = [sys.executable, "-m", "flodl.controller", "--task", f"bench.matrix.tasks:{model}", "--nproc-per-node", str(case.nproc),
            "--mode", case.mode, "--epochs", str(budget.epochs), "--summary-json", str(summary_path), "--no-progress",
            "--dashboard-port", "-1", "--record-log-dir", str(logs), "--reports-per-epoch", str(REPORTS_PER_EPOCH)]
-    if target.devices(case.nproc):
-        cmd += ["--devices", target.devices(case.nproc)]
+    devices = target.devices(case.nproc)
+    if devices:
+        cmd += ["--devices", devices]
     env = _env(budget.samples)
     if case.ratio > 1:
         env["FLODL_SIMULATE_SLOWDOWN"] = f"1:{case.ratio}"

@@ -732,7 +732,6 @@ class RankRunner:
             )
         )
 
-
     def _refresh_norms(self, epoch: int) -> None:
         """Before scoring a model that averages changed: its BatchNorm statistics
         re-estimated from the first ``bn_recalibration_batches`` batches of this
