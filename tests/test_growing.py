@@ -95,7 +95,11 @@ class Cluster:
 
     def __init__(self, proc_env, tmp_path, mode: str, extra=(), task: str = task_spec("tiny.py")) -> None:
         self.port = free_port()
-        self.env = {**proc_env, "FLODL_RUN_SECRET": os.urandom(32).hex(), "FLODL_RUN_ID": "grow-run", "FLODL_TEST_STEP_SLEEP": "0.04"}
+        # slow steps until the test releases the run (``release_after``): however long the late
+        # worker takes to start on a loaded machine, the run cannot end before it has been seen
+        self.hold = tmp_path / "released"
+        self.env = {**proc_env, "FLODL_RUN_SECRET": os.urandom(32).hex(), "FLODL_RUN_ID": "grow-run", "FLODL_TEST_STEP_SLEEP": "0.04",
+                    "FLODL_TEST_HOLD_FILE": str(self.hold), "FLODL_TEST_HOLD_SLEEP": "0.5"}
         self.summary_path = tmp_path / "s.json"
         self.run = Run(["--task", task, "--workers", "1", "--port", str(self.port), "--epochs", str(EPOCHS),
                         "--mode", mode, "--heartbeat-timeout-secs", "5", "--summary-json", str(self.summary_path), *extra], self.env)
@@ -106,6 +110,11 @@ class Cluster:
                                 env=self.env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.workers.append(proc)
         return proc
+
+    def release_after(self, needle: str) -> None:
+        """Once the controller printed ``needle``, let the ranks train at full speed."""
+        self.run.wait_for_line(needle, timeout=120)
+        self.hold.touch()
 
     def finish(self) -> dict:
         try:
@@ -126,6 +135,7 @@ def test_relayed_hosts_train_and_a_relayed_joiner_takes_the_consensus(proc_env, 
     cluster.worker("cpu", "cpu")
     cluster.run.wait_for_line("epoch 1/12", timeout=90)
     cluster.worker("cpu", "cpu")
+    cluster.release_after("training with 4 rank(s)")
     summary = cluster.finish()
     assert [h["samples"] for h in summary["history"]] == [512] * EPOCHS
     assert [j["ranks"] for j in summary["joins"]] == [[2, 3]]
@@ -144,6 +154,7 @@ def test_a_late_worker_joins_and_trains(proc_env, tmp_path, mode):
     cluster.worker("cpu", "cpu")
     cluster.run.wait_for_line("epoch 1/12", timeout=90)
     cluster.worker("cpu")
+    cluster.release_after("training with 3 rank(s)")
     summary = cluster.finish()
     out = cluster.run.output
     assert "worker on host" in out and "joins: starting rank(s) [2]" in out
@@ -174,6 +185,7 @@ def test_a_late_worker_with_another_model_is_refused_and_the_run_goes_on(proc_en
     cluster.worker("cpu", "cpu")
     cluster.run.wait_for_line("epoch 1/12", timeout=90)
     cluster.worker("cpu")
+    cluster.release_after("could not join the run")
     summary = cluster.finish()
     assert "could not join the run: its model signature" in cluster.run.output
     assert summary["joins"] == [] and summary["deaths"] == []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import threading
+import time
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ import torch.distributed as dist
 
 from flodl import Task, TaskError, record_scalar
 from flodl import scalars
-from flodl.rank.collective import CollectiveAverager
+from flodl.rank.collective import CollectiveAverager, Superseded, build_group
 from flodl.rank.flat import FlatModel
 from flodl.rank.data import BatchSource, to_device
 from flodl.schedule import slice_indices
@@ -198,6 +200,54 @@ def test_weighted_average_is_exact_against_float64_reference():
         for g in got:
             assert torch.allclose(torch.tensor(g[2][i], dtype=torch.float64), want, atol=1e-6), i
     assert [g[3] for g in got] == [1, 2, 3]  # integer buffers stay local
+
+
+def _members(port: int, prefix: str, delays: list[float], **kw) -> dict[int, object]:
+    """Each member (a thread with its own gloo group) starts after its delay, then all-reduces its rank + 1."""
+    out: dict[int, object] = {}
+
+    def member(rank: int) -> None:
+        time.sleep(delays[rank])
+        try:
+            group = build_group(store_host="127.0.0.1", store_port=port, prefix=prefix, rank=rank, world_size=len(delays),
+                                device=torch.device("cpu"), timeout_s=0.5, **kw)
+            value = torch.full((3,), float(rank + 1))
+            group.allreduce([value]).wait()
+            out[rank] = value.tolist()
+        except Exception as exc:
+            out[rank] = exc
+
+    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(len(delays))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    return out
+
+
+def test_a_member_later_than_the_group_timeout_still_joins():
+    """A survivor can reach a new generation a whole collective timeout after the others
+    (it sat in the failed collective): gathering first lets the group form anyway."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    late = [0.0, 1.5]  # three times the 0.5 s group timeout
+    without = _members(store.port, "bare/gen1", late)
+    assert isinstance(without[0], Exception)  # torch's own rendezvous gives up first
+    gathered = _members(store.port, "run/gen1", late, gather_s=10.0)
+    assert gathered == {0: [3.0] * 3, 1: [3.0] * 3}
+
+
+def test_gathering_gives_up_for_a_newer_generation_and_names_who_never_came():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    newer = threading.Event()
+    threading.Timer(0.3, newer.set).start()
+    started = time.monotonic()
+    with pytest.raises(Superseded):
+        build_group(store_host="127.0.0.1", store_port=store.port, prefix="run/gen2", rank=0, world_size=3,
+                    device=torch.device("cpu"), timeout_s=0.5, gather_s=30.0, give_up=newer.is_set)
+    assert time.monotonic() - started < 5  # at once, not after the 30 s wait
+    with pytest.raises(RuntimeError, match=r"member\(s\) \[1, 2\] of 3 never arrived within 0.3 s"):
+        build_group(store_host="127.0.0.1", store_port=store.port, prefix="run/gen3", rank=0, world_size=3,
+                    device=torch.device("cpu"), timeout_s=0.5, gather_s=0.3)
 
 
 def _runner(tmp_path):

@@ -6,6 +6,13 @@ torch's global default group, so a later membership generation can build a
 fresh group without restarting the process. NCCL on CUDA devices, gloo
 otherwise ("Nccl" modes mean this collective backend).
 
+Before the group itself forms, every member marks its arrival in the store
+and waits for all the others (``gather_members``), in short slices that can
+give up. Members reach a new generation at different times (one survivor may
+still sit in the collective that failed until its timeout), and torch's own
+rendezvous waits only ``timeout_s``: without the barrier a survivor late by
+more than that ended the run instead of joining it.
+
 ``CollectiveAverager`` averages a ``FlatModel`` (flat.py) in place: one
 all-reduce per bucket with no copies; every bucket carries one spare slot for
 the rank's weight, so a single collective returns both the weighted sum and
@@ -18,6 +25,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -32,6 +40,30 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+class Superseded(Exception):
+    """A member gave up gathering: a newer membership generation was announced (or the run stops)."""
+
+
+def gather_members(store: dist.Store, rank: int, world_size: int, *, wait_s: float,
+                   give_up: Callable[[], bool] | None = None, poll_s: float = 0.02) -> None:
+    """Mark this member's arrival and wait until every member of the generation has arrived.
+
+    Raises:
+        Superseded: ``give_up()`` turned true while waiting.
+        RuntimeError: not every member arrived within ``wait_s`` (names the missing ones).
+    """
+    store.set(f"arrived/{rank}", b"1")
+    keys = [f"arrived/{r}" for r in range(world_size)]
+    deadline = time.monotonic() + wait_s
+    while not store.check(keys):
+        if give_up is not None and give_up():
+            raise Superseded
+        if time.monotonic() > deadline:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            raise RuntimeError(f"process group: member(s) {missing} of {world_size} never arrived within {wait_s:g} s")
+        time.sleep(poll_s)
+
+
 def build_group(
     *,
     store_host: str,
@@ -41,16 +73,24 @@ def build_group(
     world_size: int,
     device: torch.device,
     timeout_s: float,
+    gather_s: float | None = None,
+    give_up: Callable[[], bool] | None = None,
 ) -> dist.ProcessGroup:
     """Join this generation's process group through the controller's store.
 
+    ``gather_s`` (when set): first wait up to that long for every member to
+    arrive (``gather_members``), giving up when ``give_up()`` turns true.
+
     Raises:
+        Superseded: ``give_up()`` turned true before every member arrived.
         RuntimeError: the group could not form within ``timeout_s`` (a peer
             never arrived); torch's own error text is kept.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timeout, wait_for_workers=False)
     pstore = dist.PrefixStore(prefix, store)
+    if gather_s is not None:
+        gather_members(pstore, rank, world_size, wait_s=gather_s, give_up=give_up)
     if backend_for(device) == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         # flodl's own detection (heartbeats, exits) must act first: its Regroup aborts the

@@ -50,7 +50,7 @@ from ..task import Task
 from ..taskspec import load_task
 from ..taskspec import resolve as resolve_spec
 from ..transport import host_name
-from .collective import CollectiveAverager, build_group
+from .collective import CollectiveAverager, Superseded, build_group
 from .cpu_average import BulkLink, CpuAverager
 from .flat import Averaged, FlatModel, model_digest
 from .saving import checkpoint, emergency_save
@@ -218,6 +218,8 @@ class RankRunner:
             return EXIT_OK if not reply.abort else EXIT_RANK_LOST
         try:
             self._join(reply)
+        except Superseded:  # the run stopped while the first group gathered
+            return self._stopped()
         except _UserError as exc:
             return self._fail(exc.stage, exc.original, EXIT_TASK_ERROR)
         except CheckpointError as exc:  # resume_from names a bundle this model cannot load
@@ -403,6 +405,7 @@ class RankRunner:
                 group = build_group(
                     store_host=welcome.store_host, store_port=welcome.store_port, prefix=welcome.store_prefix,
                     rank=self.rank, world_size=welcome.world_size, device=self.device, timeout_s=welcome.collective_timeout_s,
+                    gather_s=self._gather_s(), give_up=lambda: self.link.must_stop or self.terminated,
                 )
             self.averager = CollectiveAverager(flat, group)
             self.link.on_regroup = lambda msg: self.averager.abort()  # NCCL: break a hang on the dead peer
@@ -622,25 +625,51 @@ class RankRunner:
                 self.averager.round = msg.first_round
                 self.generation = msg.generation
             return
-        if self.rank not in msg.members:
-            raise _Stop  # declared dead (we were too slow, or cut off): leave
+        while True:
+            if self.rank not in msg.members:
+                raise _Stop  # declared dead (we were too slow, or cut off): leave
+            try:
+                group = self._group_for(msg)
+                break
+            except Superseded:
+                if self.link.must_stop or self.terminated:
+                    raise _Stop from None
+                msg = self.link.regroup  # the world changed again while we gathered: join the newer one
         self.generation = msg.generation
         world = len(msg.members)
-        group = None
-        if world > 1:
-            if self.averager.flat is None:  # a run that started alone and just grew
-                self.averager.flat = FlatModel(self.model)
-            group = build_group(
-                store_host=self.welcome.store_host, store_port=self.welcome.store_port, prefix=msg.store_prefix,
-                rank=msg.members.index(self.rank), world_size=world, device=self.device,
-                timeout_s=self.welcome.collective_timeout_s,
-            )
         self.averager.group = group
         self.world_size = world
         if msg.sync_from >= 0 and msg.sync_from in msg.members:
             self.averager.broadcast_from(msg.members.index(msg.sync_from))
             self.averager.adopting = False
         (log.info if msg.sync_from >= 0 else log.warning)("rank %d: now one of %d ranks (generation %d): %s", self.rank, world, msg.generation, msg.reason)
+
+    def _group_for(self, msg: m.Regroup) -> torch.distributed.ProcessGroup | None:
+        """Build ``msg``'s process group (None for a world of one).
+
+        Members arrive at different times: a survivor can sit in the failed
+        collective until its own timeout, and one that lost the race to a
+        newer generation never comes. So every member first waits for all the
+        others, long enough to outlast a collective timeout, and gives up as
+        soon as a newer generation is announced or the run stops.
+        """
+        world = len(msg.members)
+        if world <= 1:
+            return None
+        if self.averager.flat is None:  # a run that started alone and just grew
+            self.averager.flat = FlatModel(self.model)
+        return build_group(
+            store_host=self.welcome.store_host, store_port=self.welcome.store_port, prefix=msg.store_prefix,
+            rank=msg.members.index(self.rank), world_size=world, device=self.device,
+            timeout_s=self.welcome.collective_timeout_s, gather_s=self._gather_s(),
+            give_up=lambda: self.link.must_stop or self.terminated
+            or (self.link.regroup is not None and self.link.regroup.generation > msg.generation),
+        )
+
+    def _gather_s(self) -> float:
+        """How long a member waits for the others of a new group: a late survivor's failed
+        collective (its timeout) and the controller's death detection (heartbeats), with margin."""
+        return 2 * self.welcome.collective_timeout_s + 2 * self.env.heartbeat_timeout_s + 10
 
     def _await_regroup(self) -> None:
         """Wait (bounded) for the controller to announce the survivors' new world."""

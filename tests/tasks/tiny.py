@@ -2,6 +2,8 @@
 
 FLODL_TEST_STEP_SLEEP   seconds to sleep in every training step (make runs long enough to kill)
 FLODL_TEST_FIRST_STEP_SLEEP  extra seconds to sleep in a process's first step (a GPU's warm-up)
+FLODL_TEST_HOLD_FILE    while this file does not exist, steps sleep FLODL_TEST_HOLD_SLEEP instead
+                        (a test keeps a run long until something it waits for, e.g. a join, happened)
 FLODL_TEST_FAIL_AT      raise RuntimeError at this local step (a broken user task)
 FLODL_TEST_EVAL_FAIL    make eval_fn raise
 """
@@ -30,7 +32,11 @@ def train_step(model, batch, device):
     fail_at = int(os.environ.get("FLODL_TEST_FAIL_AT", "0") or 0)
     if fail_at and _STEP["n"] >= fail_at:
         raise RuntimeError(f"injected failure at step {_STEP['n']}")
-    time.sleep(float(os.environ.get("FLODL_TEST_STEP_SLEEP", "0") or 0))
+    held = os.environ.get("FLODL_TEST_HOLD_FILE")
+    if held and not os.path.exists(held):
+        time.sleep(float(os.environ.get("FLODL_TEST_HOLD_SLEEP", "0.5")))
+    else:
+        time.sleep(float(os.environ.get("FLODL_TEST_STEP_SLEEP", "0") or 0))
     if _STEP["n"] == 1:
         time.sleep(float(os.environ.get("FLODL_TEST_FIRST_STEP_SLEEP", "0") or 0))
     x, y = batch
