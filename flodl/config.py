@@ -7,7 +7,7 @@ cadence tuning, guards). Both are frozen dataclasses: builders
 threads, hashed, and shipped to ranks (``to_dict`` / ``from_dict``) without
 anyone changing it underneath.
 
-Each field carries its own checker in its metadata. The checker runs at
+Each field carries its own checker (config_checks.py) in its metadata. The checker runs at
 construction, so a bad value fails at the builder call (or the ``from_dict``
 call) that introduced it, naming the field. Checks that relate fields to each
 other or to the world size live in ``validate()``, so builders can be chained
@@ -22,532 +22,59 @@ refuses anything else, so no option is ever silently ignored.
 from __future__ import annotations
 
 import dataclasses
-import decimal
 import enum
-import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any
 
 from .errors import ConfigError
+
+# the value types (config_values.py) and the field checkers (config_checks.py) have
+# their own modules; the public names stay importable from here (``__all__``)
+from .config_values import (
+    CORE_REDUCTIONS,
+    ApplyPolicy,
+    AverageBackend,
+    ElCheMode,
+    EpochCallbackPolicy,
+    MaxFailureThreshold,
+    Reduction,
+    _is_int,
+)
+from .config_checks import (
+    _alpha,
+    _callback_policy,
+    _check_fields,
+    _choice,
+    _clamped,
+    _count,
+    _flag,
+    _max_failure,
+    _mode,
+    _multiplicity,
+    _non_negative,
+    _normalise_fields,
+    _option,
+    _positive,
+    _ratios,
+    _reductions,
+    _text,
+    _transform,
+    _within,
+)
 
 # Documented fallbacks for options whose ``None`` means "use the built-in value".
 DEFAULT_HEARTBEAT_TIMEOUT_SECS = 30
 DEFAULT_MAX_LOG_BYTES = 32 * 1024 * 1024
 DEFAULT_DIVERGENCE_THRESHOLD = 0.05
 EASGD_DIVERGENCE_THRESHOLD = 0.3  # elastic blending tolerates more drift
-SYNC_PRESET_ANCHOR = 1
-CADENCE_PRESET_ANCHOR = 10
-
-
-# ---------------------------------------------------------------------------
-# Enums
-# ---------------------------------------------------------------------------
-
-
-def _squash(text: str) -> str:
-    """Spelling-insensitive key: ``"Nccl-Sync"`` and ``"nccl_sync"`` both give ``"ncclsync"``."""
-    return "".join(ch for ch in text.lower() if ch.isalnum())
-
-
-class _TextEnum(str, enum.Enum):
-    """A str-valued enum whose text form is its value and that parses leniently."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    @classmethod
-    def parse(cls, text: Any, *, field_name: str | None = None) -> Any:
-        """Return the member named or valued ``text`` (case, ``-`` and ``_`` ignored)."""
-        if isinstance(text, cls):
-            return text
-        name = field_name or _snake(cls.__name__)
-        if isinstance(text, str):
-            key = _squash(text)
-            for member in cls:
-                if key in (_squash(member.name), _squash(member.value)):
-                    return member
-        raise ConfigError(name, f"unknown value {text!r}; valid values: {cls.spellings()}")
-
-    @classmethod
-    def spellings(cls) -> str:
-        """The valid values for messages, e.g. ``nccl-sync (NcclSync), cpu-sync (CpuSync)``."""
-        return ", ".join(
-            m.value if m.name.lower() == m.value else f"{m.value} ({m.name})" for m in cls
-        )
-
-
-def _snake(camel: str) -> str:
-    """``ApplyPolicy`` -> ``apply_policy`` (used to name the option in parse errors)."""
-    return "".join(f"_{c.lower()}" if c.isupper() else c for c in camel).lstrip("_")
-
-
-class ApplyPolicy(_TextEnum):
-    """WHEN replicas are averaged: every step, every ``anchor`` batches, or free-running."""
-
-    SYNC = "sync"
-    CADENCE = "cadence"
-    ASYNC = "async"
-
-
-class AverageBackend(_TextEnum):
-    """HOW replicas are averaged.
-
-    ``NCCL`` is the collective backend: an in-place all-reduce of the
-    parameters (NCCL on CUDA ranks, gloo otherwise). ``CPU`` sends snapshots
-    to the coordinator, which averages them and pushes the result back.
-    """
-
-    NCCL = "nccl"
-    CPU = "cpu"
-
-
-class ElCheMode(_TextEnum):
-    """One name for an (ApplyPolicy, AverageBackend) pair.
-
-    "Nccl" is the collective backend (NCCL on CUDA ranks, gloo otherwise);
-    "Cpu" is coordinator-side averaging. ``NcclAsync`` exists so every pair
-    has a name (``from_parts``/``split`` are exact inverses), although the
-    reference runtime dropped it in 0.6; ``AVAILABLE_MODES`` says which modes
-    this version can run.
-    """
-
-    NcclSync = "nccl-sync"
-    NcclCadence = "nccl-cadence"
-    NcclAsync = "nccl-async"
-    CpuSync = "cpu-sync"
-    CpuCadence = "cpu-cadence"
-    CpuAsync = "cpu-async"
-
-    @classmethod
-    def parse(cls, text: Any, *, field_name: str | None = "mode") -> ElCheMode:
-        """Accept ``NcclSync``, ``nccl-sync``, ``nccl_sync``, ``ncclsync`` (any case)."""
-        return super().parse(text, field_name=field_name)
-
-    @classmethod
-    def from_parts(cls, policy: ApplyPolicy | str, backend: AverageBackend | str) -> ElCheMode:
-        """The mode for ``(policy, backend)``; the inverse of ``split``."""
-        pair = (
-            ApplyPolicy.parse(policy, field_name="policy"),
-            AverageBackend.parse(backend, field_name="backend"),
-        )
-        return _MODE_BY_PARTS[pair]
-
-    def split(self) -> tuple[ApplyPolicy, AverageBackend]:
-        """``(policy, backend)`` of this mode."""
-        return _PARTS_BY_MODE[self]
-
-    @property
-    def policy(self) -> ApplyPolicy:
-        return self.split()[0]
-
-    @property
-    def backend(self) -> AverageBackend:
-        return self.split()[1]
-
-    @property
-    def preset_anchor(self) -> int:
-        """Initial anchor when none is given: 1 for Sync (every batch), 10 otherwise."""
-        return SYNC_PRESET_ANCHOR if self.policy is ApplyPolicy.SYNC else CADENCE_PRESET_ANCHOR
-
-
-_PARTS_BY_MODE: dict[ElCheMode, tuple[ApplyPolicy, AverageBackend]] = {
-    ElCheMode.NcclSync: (ApplyPolicy.SYNC, AverageBackend.NCCL),
-    ElCheMode.NcclCadence: (ApplyPolicy.CADENCE, AverageBackend.NCCL),
-    ElCheMode.NcclAsync: (ApplyPolicy.ASYNC, AverageBackend.NCCL),
-    ElCheMode.CpuSync: (ApplyPolicy.SYNC, AverageBackend.CPU),
-    ElCheMode.CpuCadence: (ApplyPolicy.CADENCE, AverageBackend.CPU),
-    ElCheMode.CpuAsync: (ApplyPolicy.ASYNC, AverageBackend.CPU),
-}
-_MODE_BY_PARTS = {parts: mode for mode, parts in _PARTS_BY_MODE.items()}
-
-
-class Reduction(_TextEnum):
-    """How one metric key rolls up across ranks in the record tree."""
-
-    MEAN = "mean"
-    SUM = "sum"
-    MAX = "max"
-    MIN = "min"
-    LAST = "last"
-
-    @classmethod
-    def parse(cls, text: Any, *, field_name: str | None = "scalar_reductions") -> Reduction:
-        return super().parse(text, field_name=field_name)
-
-
-#: Keys whose roll-up is fixed by the runtime; user declarations cannot change them.
-CORE_REDUCTIONS: Mapping[str, Reduction] = {
-    "loss": Reduction.MEAN,
-    "throughput": Reduction.SUM,
-    "batch_share": Reduction.SUM,
-    "data_starve": Reduction.MAX,
-    "compute_only_ms": Reduction.MAX,
-}
-
-
-# ---------------------------------------------------------------------------
-# Small value types
-# ---------------------------------------------------------------------------
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True, slots=True)
-class MaxFailureThreshold:
-    """How many dead ranks make a cluster run unrecoverable.
-
-    ``absolute(n)``: the run stops once ``n`` ranks have died (``n`` may
-    exceed the world size, meaning "never by count"). ``percent(p)``: the
-    limit is ``ceil(p * world_size)``, so ``percent(0)`` stops at the first
-    death and ``percent(1)`` only when every rank is dead. Text form: ``"3"``
-    or ``"20%"``.
-    """
-
-    kind: str  # "absolute" | "percent"
-    value: int | float
-
-    def __post_init__(self) -> None:
-        if self.kind == "absolute":
-            if not _is_int(self.value) or self.value < 0:
-                raise ConfigError("max_failure", f"must be a whole number of ranks >= 0, got {self.value!r}")
-        elif self.kind == "percent":
-            ok = _is_real(self.value) and math.isfinite(self.value) and 0.0 <= self.value <= 1.0
-            if not ok:
-                raise ConfigError("max_failure", f"percent must be a fraction in [0, 1], got {self.value!r}")
-            object.__setattr__(self, "value", float(self.value))
-        else:
-            raise ConfigError("max_failure", f"kind must be 'absolute' or 'percent', got {self.kind!r}")
-
-    @classmethod
-    def absolute(cls, n: int) -> MaxFailureThreshold:
-        return cls("absolute", n)
-
-    @classmethod
-    def percent(cls, p: float) -> MaxFailureThreshold:
-        """``p`` is a fraction: ``percent(0.2)`` is 20 %."""
-        return cls("percent", p)
-
-    def limit_for(self, world_size: int) -> int:
-        """Dead-rank count at which the run is declared unrecoverable."""
-        if self.kind == "absolute":
-            return int(self.value)
-        exact = min(max(self.value, 0.0), 1.0) * world_size
-        # Round away float noise first: 0.3 * 10 is 3.0000000000000004 in binary,
-        # and "30% of 10 ranks" must mean 3, not 4.
-        return math.ceil(round(exact, 9))
-
-    @classmethod
-    def parse(cls, text: Any) -> MaxFailureThreshold:
-        """``"3"`` -> absolute(3); ``"20%"`` -> percent(0.2)."""
-        if isinstance(text, MaxFailureThreshold):
-            return text
-        if _is_int(text):
-            return cls.absolute(text)
-        if not isinstance(text, str):
-            raise ConfigError("max_failure", f"expected a rank count like '3' or a percentage like '20%', got {text!r}")
-        body = text.strip()
-        try:
-            if body.endswith("%"):
-                # Decimal keeps "12.5%" -> 0.125 exact, so str() round-trips bit for bit.
-                fraction = decimal.Decimal(body[:-1].strip()) / 100
-                if not fraction.is_finite():
-                    raise decimal.InvalidOperation
-                return cls.percent(float(fraction))
-            return cls.absolute(int(body))
-        except (ValueError, decimal.InvalidOperation):
-            raise ConfigError(
-                "max_failure", f"expected a rank count like '3' or a percentage like '20%', got {text!r}"
-            ) from None
-
-    def __str__(self) -> str:
-        if self.kind == "absolute":
-            return str(self.value)
-        # repr() is the shortest decimal that reads back as this float; scaling it
-        # by 100 in decimal is exact, so parse(str(x)) == x.
-        percent = decimal.Decimal(repr(self.value)) * 100
-        return f"{percent.normalize():f}%"
-
-
-@dataclass(frozen=True, slots=True)
-class EpochCallbackPolicy:
-    """Which rank runs the user's per-epoch callbacks (epoch, checkpoint, eval).
-
-    ``EpochCallbackPolicy.FASTEST`` (the default, ``rank is None``) elects the
-    live rank with the lowest smoothed ms/batch; ``EpochCallbackPolicy.on_rank(n)``
-    pins global rank ``n``. Text form: ``"fastest"`` or ``"rank:N"``.
-    """
-
-    rank: int | None = None
-
-    FASTEST: ClassVar[EpochCallbackPolicy]
-
-    def __post_init__(self) -> None:
-        if self.rank is not None and (not _is_int(self.rank) or self.rank < 0):
-            raise ConfigError("epoch_callback_policy", f"rank must be an integer >= 0, got {self.rank!r}")
-
-    @classmethod
-    def on_rank(cls, n: int) -> EpochCallbackPolicy:
-        return cls(rank=n)
-
-    @property
-    def is_fastest(self) -> bool:
-        return self.rank is None
-
-    @classmethod
-    def parse(cls, text: Any) -> EpochCallbackPolicy:
-        """``"fastest"``, ``"rank:2"`` or ``"2"`` (case-insensitive)."""
-        if isinstance(text, EpochCallbackPolicy):
-            return text
-        if _is_int(text):
-            return cls.on_rank(text)
-        body = text.strip().lower() if isinstance(text, str) else None
-        if body == "fastest":
-            return cls.FASTEST
-        if body is not None:
-            digits = body.removeprefix("rank:").strip()
-            if digits.isdecimal():
-                return cls.on_rank(int(digits))
-        raise ConfigError("epoch_callback_policy", f"expected 'fastest' or 'rank:N', got {text!r}")
-
-    def validate(self, world_size: int) -> None:
-        """A pinned rank must exist in a world of ``world_size`` ranks."""
-        if self.rank is not None and self.rank >= world_size:
-            raise ConfigError(
-                "epoch_callback_policy",
-                f"rank {self.rank} does not exist in a world of {world_size} ranks (valid: 0..{world_size - 1})",
-            )
-
-    def __str__(self) -> str:
-        return "fastest" if self.rank is None else f"rank:{self.rank}"
-
-
-EpochCallbackPolicy.FASTEST = EpochCallbackPolicy()
-
-
-# ---------------------------------------------------------------------------
-# Field checkers. Each takes (field name, value) and returns the normalised
-# value or raises ConfigError naming the field. They run at construction and
-# again in validate().
-# ---------------------------------------------------------------------------
-
-Check = Callable[[str, Any], Any]
-
-
-def _count(minimum: int = 0, *, optional: bool = True, zero_is_none: bool = False) -> Check:
-    """A whole number >= ``minimum``; ``zero_is_none`` maps 0 to "off" (None)."""
-
-    def check(name: str, value: Any) -> Any:
-        if value is None and optional:
-            return None
-        if zero_is_none and value == 0 and _is_int(value):
-            return None
-        if not _is_int(value) or value < minimum:
-            raise ConfigError(name, f"must be an integer >= {minimum}, got {value!r}")
-        return value
-
-    return check
-
-
-def _multiplicity(name: str, value: Any) -> int:
-    """A count that is at least 1; 0 is lifted to 1 like the reference setter does."""
-    if not _is_int(value) or value < 0:
-        raise ConfigError(name, f"must be an integer >= 1, got {value!r}")
-    return max(value, 1)
-
-
-def _real(name: str, value: Any, what: str) -> float:
-    if not _is_real(value) or not math.isfinite(value):
-        raise ConfigError(name, f"must be {what}, got {value!r}")
-    return float(value)
-
-
-def _positive(*, optional: bool = True) -> Check:
-    def check(name: str, value: Any) -> float | None:
-        if value is None and optional:
-            return None
-        number = _real(name, value, "a positive finite number")
-        if number <= 0:
-            raise ConfigError(name, f"must be a positive finite number, got {value!r}")
-        return number
-
-    return check
-
-
-def _non_negative(name: str, value: Any) -> float:
-    number = _real(name, value, "a finite number >= 0")
-    if number < 0:
-        raise ConfigError(name, f"must be a finite number >= 0, got {value!r}")
-    return number
-
-
-def _within(low: float, high: float) -> Check:
-    """A finite number in ``[low, high]``; anything else is an error."""
-
-    def check(name: str, value: Any) -> float:
-        number = _real(name, value, f"a number in [{low}, {high}]")
-        if not low <= number <= high:
-            raise ConfigError(name, f"must be a number in [{low}, {high}], got {value!r}")
-        return number
-
-    return check
-
-
-def _clamped(low: float, high: float) -> Check:
-    """A finite number, clamped into ``[low, high]`` (the reference runtime's behaviour)."""
-
-    def check(name: str, value: Any) -> float:
-        return min(max(_real(name, value, f"a number (clamped to [{low}, {high}])"), low), high)
-
-    return check
-
-
-def _alpha(name: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    number = _real(name, value, "a number in (0, 1]")
-    if not 0.0 < number <= 1.0:
-        raise ConfigError(name, f"must be a number in (0, 1], got {value!r}")
-    return number
-
-
-def _flag(*, optional: bool = False) -> Check:
-    def check(name: str, value: Any) -> bool | None:
-        if value is None and optional:
-            return None
-        if not isinstance(value, bool):
-            raise ConfigError(name, f"must be true or false, got {value!r}")
-        return value
-
-    return check
-
-
-def _text(name: str, value: Any) -> str | None:
-    """An optional non-empty string; paths (``os.PathLike``) are stored as strings."""
-    if value is None:
-        return None
-    if isinstance(value, os.PathLike):
-        value = os.fspath(value)
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError(name, f"must be a non-empty string, got {value!r}")
-    return value
-
-
-def _choice(*choices: str) -> Check:
-    def check(name: str, value: Any) -> str | None:
-        if value is None:
-            return None
-        if not isinstance(value, str) or value.strip().lower() not in choices:
-            raise ConfigError(name, f"must be one of {', '.join(choices)}, got {value!r}")
-        return value.strip().lower()
-
-    return check
-
-
-def _mode(name: str, value: Any) -> ElCheMode:
-    return ElCheMode.parse(value, field_name=name)
-
-
-def _max_failure(name: str, value: Any) -> MaxFailureThreshold | None:
-    return None if value is None else MaxFailureThreshold.parse(value)
-
-
-def _callback_policy(name: str, value: Any) -> EpochCallbackPolicy:
-    return EpochCallbackPolicy.parse(value)
-
-
-def _transform(name: str, value: Any) -> Any:
-    """None, an importable ``"module:function"`` spec, or a callable."""
-    if value is None or callable(value):
-        return value
-    if isinstance(value, str):
-        module, sep, function = value.partition(":")
-        if sep and module.strip() and function.strip():
-            return value
-    raise ConfigError(name, f"must be a 'module:function' string or a callable, got {value!r}")
-
-
-def _ratios(name: str, value: Any) -> tuple[float, ...] | None:
-    """Per-rank shares, normalised to sum to 1 (left alone when they already do,
-    so normalising is idempotent and ``from_dict(to_dict())`` is exact)."""
-    if value is None:
-        return None
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise ConfigError(name, f"must be a list of numbers like [0.7, 0.3], got {value!r}")
-    ratios = tuple(value)
-    if not ratios:
-        raise ConfigError(name, "must not be empty")
-    for ratio in ratios:
-        if not _is_real(ratio) or not math.isfinite(ratio) or ratio < 0:
-            raise ConfigError(name, f"every ratio must be a finite number >= 0, got {ratio!r}")
-    total = math.fsum(ratios)
-    if total <= 0:
-        raise ConfigError(name, f"ratios must not all be zero, got {list(ratios)!r}")
-    if abs(total - 1.0) > 1e-9:
-        return tuple(float(r) / total for r in ratios)
-    return tuple(float(r) for r in ratios)
-
-
-def _reductions(name: str, value: Any) -> tuple[tuple[str, Reduction], ...]:
-    """A key -> Reduction map, stored as key-sorted pairs so the config stays hashable
-    and two equal maps compare equal whatever order they were declared in."""
-    if isinstance(value, Mapping):
-        items = list(value.items())
-    elif isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
-        items = list(value)
-    else:
-        raise ConfigError(name, f"must map metric keys to reductions, got {value!r}")
-    declared: dict[str, Reduction] = {}
-    for item in items:
-        if not isinstance(item, (tuple, list)) or len(item) != 2:
-            raise ConfigError(name, f"expected (key, reduction) pairs, got {item!r}")
-        key, reduction = item
-        if not isinstance(key, str) or not key.strip():
-            raise ConfigError(name, f"metric key must be a non-empty string, got {key!r}")
-        if key in CORE_REDUCTIONS:
-            # The reference silently keeps the core roll-up; we say so instead.
-            raise ConfigError(
-                name, f"{key!r} is a core metric (always {CORE_REDUCTIONS[key].value}); its reduction cannot be changed"
-            )
-        declared[key] = Reduction.parse(reduction, field_name=name)  # later declaration wins
-    return tuple(sorted(declared.items()))
 
 
 def _elche(name: str, value: Any) -> ElCheConfig:
     if not isinstance(value, ElCheConfig):
         raise ConfigError(name, f"must be an ElCheConfig, got {type(value).__name__}")
     return value
-
-
-def _option(default: Any = dataclasses.MISSING, *, check: Check, kind: str, help: str,
-            default_text: str | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field that knows how to check itself and how to describe itself.
-
-    ``kind`` names the value's shape ("int", "float", "bool", "text", "path",
-    "mode", ...), which ``options.py`` maps to a CLI/TOML parser; ``help`` and
-    ``default_text`` feed the CLI help and docs/options.md.
-    """
-    meta = {"check": check, "kind": kind, "help": help, "default_text": default_text}
-    return field(default=default, default_factory=default_factory, metadata=meta)
-
-
-def _normalise_fields(obj: Any) -> None:
-    """Run every field's checker and store its normalised value (frozen-safe)."""
-    for f in dataclasses.fields(obj):
-        value = f.metadata["check"](f.name, getattr(obj, f.name))
-        object.__setattr__(obj, f.name, value)
-
-
-def _check_fields(obj: Any) -> None:
-    for f in dataclasses.fields(obj):
-        f.metadata["check"](f.name, getattr(obj, f.name))
 
 
 # ---------------------------------------------------------------------------

@@ -99,7 +99,7 @@ class Cluster:
         # worker takes to start on a loaded machine, the run cannot end before it has been seen
         self.hold = tmp_path / "released"
         self.env = {**proc_env, "FLODL_RUN_SECRET": os.urandom(32).hex(), "FLODL_RUN_ID": "grow-run", "FLODL_TEST_STEP_SLEEP": "0.04",
-                    "FLODL_TEST_HOLD_FILE": str(self.hold), "FLODL_TEST_HOLD_SLEEP": "0.5"}
+                    "FLODL_TEST_HOLD_FILE": str(self.hold), "FLODL_TEST_HOLD_SLEEP": "0.3"}
         self.summary_path = tmp_path / "s.json"
         self.run = Run(["--task", task, "--workers", "1", "--port", str(self.port), "--epochs", str(EPOCHS),
                         "--mode", mode, "--heartbeat-timeout-secs", "5", "--summary-json", str(self.summary_path), *extra], self.env)

@@ -197,9 +197,15 @@ def cluster(tmp_path_factory):
 
 
 def _launch(cluster: Cluster, tmp_path: Path, proc_env: dict, *, step_sleep: str, epochs: int, extra: list[str] = (),
-            launcher_extra: list[str] = (), **hostfile) -> Proc:
-    """``python -m flodl.launcher`` on the three hosts; ``extra`` goes to the controller, ``launcher_extra`` to the launcher."""
-    path = cluster.hostfile(tmp_path / "hosts.toml", env={"FLODL_TEST_STEP_SLEEP": step_sleep}, **hostfile)
+            launcher_extra: list[str] = (), hold: Path | None = None, **hostfile) -> Proc:
+    """``python -m flodl.launcher`` on the three hosts; ``extra`` goes to the controller, ``launcher_extra`` to the launcher.
+
+    ``hold``: until that file exists, every step sleeps 0.2 s (the namespaces share this file
+    system), so the run outlasts whatever the test does meanwhile, however loaded the machine."""
+    env = {"FLODL_TEST_STEP_SLEEP": step_sleep}
+    if hold is not None:
+        env |= {"FLODL_TEST_HOLD_FILE": str(hold), "FLODL_TEST_HOLD_SLEEP": "0.2"}
+    path = cluster.hostfile(tmp_path / "hosts.toml", env=env, **hostfile)
     args = ["--hostfile", str(path), "--advertise", cluster.gateway, "--grace-secs", "3", *launcher_extra, "--",
             "--task", "tests/tasks/tiny.py:task", "--epochs", str(epochs), "--dashboard-port", "-1",
             "--summary-json", str(tmp_path / "summary.json"), *extra]

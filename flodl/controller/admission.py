@@ -1,0 +1,256 @@
+"""Admission: who may join the run, how ranks are numbered and welcomed, and growing.
+
+A mixin of ``Controller`` (core.py), which holds all the state these methods
+read and write. Workers are checked and numbered as they arrive; ranks are
+checked against the first rank's task (protocol, model, data, shuffle) and
+welcomed; a worker that arrives while the run trains is started at once and
+its ranks are admitted at the next window boundary (``_admit_joiners``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from .. import __version__
+from ..errors import EXIT_CONFIG, EXIT_TASK_ERROR
+from ..membership import PeerState, WorkerInfo
+from ..protocol import messages as m
+from ..protocol.codec import Envelope
+from ..protocol.messages import PROTOCOL_VERSION
+from ..transport import host_name
+from .cadence import CadenceLoop
+
+#: Open files the controller keeps for itself (sockets' mailboxes, the store, logs, the dashboard).
+FD_RESERVE = 128
+
+
+class Admission:
+    """Workers and ranks in: checks, numbering, welcomes, joiners."""
+
+    def _welcome_workers(self) -> None:
+        for worker in self.members.workers.values():
+            self._assign_ranks(worker)
+        self.initial_world = self._next_rank
+        devices = {d.split(":")[0] for w in self.members.workers.values() for d in w.devices}
+        if len(devices) > 1 and self.averaging is None:
+            self._fail(
+                f"ranks mix device types {sorted(devices)}: the collective backend needs one type; "
+                "use a Cpu* mode (e.g. --mode cpu-cadence) to average through the controller",
+                EXIT_CONFIG,
+            )
+            return
+        for worker in self.members.workers.values():
+            self._send_worker_welcome(worker)
+        self._changed.set()
+
+    def _assign_ranks(self, worker: WorkerInfo) -> None:
+        """Number ``worker``'s ranks from the next unused number and expect them (silence counts from now)."""
+        first = self._next_rank
+        worker.ranks = list(range(first, first + len(worker.devices)))
+        self._next_rank += len(worker.devices)
+        now = self.clock()
+        for rank, device in zip(worker.ranks, worker.devices):
+            self.members.expect_rank(rank, worker.host, device, now)
+        # every worker and rank holds a connection here, and every rank one to the store (or the bulk plane)
+        need = 2 * self._next_rank + len(self.members.workers) + FD_RESERVE
+        if self.fd_limit and need > self.fd_limit and not self._fd_warned:
+            self._fd_warned = True
+            self.console.line(f"warning: {self._next_rank} ranks on {len(self.members.workers)} workers need about {need} open files in the "
+                              f"controller, its limit is {self.fd_limit}: peers past it cannot connect (raise the hard limit, ulimit -Hn)")
+
+    def _send_worker_welcome(self, worker: WorkerInfo) -> None:
+        relay = self._relays(worker)
+        if relay:
+            self.averaging.admit_relay(worker.identity, worker.ranks)
+        self.endpoint.send(
+            m.WorkerWelcome(ranks=worker.ranks, world_size=self._next_rank, task=self.launch.task, heartbeat_timeout_s=self.heartbeat_timeout_s,
+                            bulk_port=self.averaging.port if self.averaging is not None else 0, bulk_relay=relay),
+            worker.identity,
+        )
+
+    def _relays(self, worker: WorkerInfo) -> bool:
+        """Does ``worker`` pre-average its ranks (CPU backend, two ranks or more, on another host)?
+
+        Ranks on this host reach the averager through shared memory already.
+        ``FLODL_BULK_RELAY=off`` sends every rank's snapshot here, ``always``
+        relays on this host too (benchmarks and tests compare).
+        """
+        setting = os.environ.get("FLODL_BULK_RELAY", "on").lower()
+        if self.averaging is None or len(worker.ranks) < 2 or setting in ("off", "0", "no"):
+            return False
+        return setting == "always" or worker.host != host_name()
+
+    def _check_hello(self, hello: m.RankHello) -> str | None:
+        """Why ``hello`` cannot join this run, or None."""
+        if hello.versions.get("protocol") != str(PROTOCOL_VERSION):
+            return f"protocol {hello.versions.get('protocol')} != controller's {PROTOCOL_VERSION}"
+        if hello.versions.get("flodl") != __version__:
+            return f"flodl {hello.versions.get('flodl')} != controller's {__version__}"
+        first = self.task_info
+        if first is None:
+            return None
+        checks = [
+            ("model signature", hello.model_signature, first.model_signature),
+            ("dataset length", hello.dataset_len, first.dataset_len),
+            ("shuffle signature (torch RNG differs)", hello.shuffle_signature, first.shuffle_signature),
+            ("batch size", hello.batch_size, first.batch_size),
+        ]
+        for what, mine, theirs in checks:
+            if mine != theirs:
+                return f"its {what} {mine} differs from rank {first.rank}'s {theirs}"
+        return None
+
+    def _welcome_ranks(self) -> None:
+        for rank in range(self.initial_world):
+            self._send_rank(rank, self._rank_welcome(rank, late=False))
+            if self.averaging is not None:
+                self.averaging.admit(self.members.ranks[rank].identity, rank)
+
+    def _rank_welcome(self, rank: int, *, late: bool) -> m.RankWelcome:
+        """A late rank gets the world the run started with (so its LR factor matches
+        its peers'); its collective membership comes with the Regroup that admits it."""
+        return m.RankWelcome(
+            rank=rank,
+            world_size=self.initial_world,
+            generation=self.members.generation,
+            store_host=self.launch.advertise_host,
+            store_port=self.store.port,
+            store_prefix=f"{self.run_id}/gen{self.members.generation}",
+            collective_timeout_s=self.heartbeat_timeout_s,
+            config=self.config.to_dict(),
+            seed=self._seed(),  # a resumed run keeps the bundle's shuffle on every rank
+            bulk_port=self.averaging.port if self.averaging is not None else 0,
+            late=late,
+            shm_probe=self.averaging.probe_path if self.averaging is not None else "",
+            shm_nonce=self.averaging.probe_nonce if self.averaging is not None else "",
+        )
+
+    def _h_worker_hello(self, identity: bytes, env: Envelope, msg: m.WorkerHello) -> None:
+        problem = self._worker_problem(env.sender, msg)
+        if problem:
+            self.endpoint.send(m.Reject(reason=problem), identity)
+            if self.phase in ("joining", "training"):
+                self.console.line(f"refused a worker on host {msg.host} (pid {msg.pid}): {problem}")
+            return
+        worker = WorkerInfo(env.sender, identity, msg.host, msg.pid, list(msg.devices))
+        self.members.add_worker(worker, self.clock())
+        if self.phase in ("joining", "training"):
+            self._grow(worker)
+        self._changed.set()
+
+    def _worker_problem(self, sender: str, msg: m.WorkerHello) -> str | None:
+        """Why a worker cannot join now, or None (during gathering, or to grow a training run)."""
+        if sender in self.members.workers:
+            return "this worker already joined"
+        if msg.versions.get("protocol") != str(PROTOCOL_VERSION):
+            return f"protocol {msg.versions.get('protocol')} != {PROTOCOL_VERSION}"
+        if not msg.devices:
+            return "no devices"
+        if self.phase in ("starting", "gathering"):
+            return None
+        if self.phase not in ("joining", "training") or self.failure is not None:
+            return f"the run is {self.phase}; a worker can join while it starts or trains"
+        if self.config.elche.partition_ratios is not None:
+            return "partition_ratios fixes the world size; this run cannot grow"
+        if self.averaging is not None and self.initial_world < 2:
+            return "a one-rank Cpu* run does not average, so it cannot take a joiner; start it with two ranks to let it grow"
+        kinds = {d.split(":")[0] for d in msg.devices} | {r.device.split(":")[0] for r in self.members.live_ranks()}
+        if len(kinds) > 1 and self.averaging is None:
+            return f"its devices {list(msg.devices)} mix device types with the run's; the collective backend needs one type"
+        return None
+
+    def _grow(self, worker: WorkerInfo) -> None:
+        """A worker arrived while training: number its ranks above every rank so far
+        and start them; they join at a window boundary once ready (``_admit_joiners``)."""
+        self._assign_ranks(worker)
+        deadline = self.clock() + self.launch.join_timeout_secs
+        for rank in worker.ranks:
+            self.joiners[rank] = deadline
+        self.console.line(f"worker on host {worker.host} joins: starting rank(s) {worker.ranks} on {', '.join(worker.devices)}")
+        self._send_worker_welcome(worker)
+
+    def _h_rank_hello(self, identity: bytes, env: Envelope, msg: m.RankHello) -> None:
+        info = self.members.ranks[msg.rank]
+        if info.identity and info.identity != identity:
+            return  # a second process claiming a rank that already said hello
+        problem = self._check_hello(msg)
+        if problem:
+            self.endpoint.send(m.Reject(reason=problem), identity)
+            if msg.rank in self.joiners:
+                self._drop_joiner(msg.rank, problem)  # a bad latecomer never stops a training run
+            else:
+                self._fail(f"rank {msg.rank} on host {msg.host} (pid {msg.pid}) cannot join: {problem}", EXIT_TASK_ERROR)
+            return
+        info.identity, info.host, info.pid, info.device = identity, msg.host, msg.pid, msg.device
+        self.members.by_identity[identity] = info
+        self.hellos[msg.rank] = msg
+        if self.task_info is None:
+            self.task_info = msg
+        if msg.rank in self.joiners:
+            self._send_rank(msg.rank, self._rank_welcome(msg.rank, late=True))
+        self._changed.set()
+
+    def _h_rank_ready(self, identity: bytes, env: Envelope, msg: m.RankReady) -> None:
+        self.members.ranks[msg.rank].state = PeerState.READY
+        self._changed.set()
+
+    def _admit_joiners(self, loop: CadenceLoop, in_flight: list[int]) -> None:
+        """Growing, at a window boundary: admit the joiners that are ready.
+
+        Collective backend: only between windows (no rank inside an average);
+        a Regroup names the grown world and the lowest surviving rank, whose
+        parameters (the consensus) every member takes after rebuilding the
+        group. CPU backend: the joiners are expected from the next window's
+        first averaging round, whose average they take whole before training.
+        Either way ElChe plans them from the next window on.
+        """
+        now = self.clock()
+        for rank, deadline in list(self.joiners.items()):
+            if now > deadline and self.members.ranks[rank].state is not PeerState.READY:
+                self._drop_joiner(rank, f"not ready within join_timeout_secs ({self.launch.join_timeout_secs:g} s)")
+        ready = sorted(r for r in self.joiners if self.members.ranks[r].state is PeerState.READY)
+        if self.averaging is not None:
+            # a relaying host joins whole: its relay sends one snapshot for all its ranks, from one first round
+            waiting = {self.averaging.relayed[r] for r in self.joiners
+                       if r in self.averaging.relayed and self.members.ranks[r].state is not PeerState.READY}
+            ready = [r for r in ready if self.averaging.relayed.get(r) not in waiting]
+        if not ready or loop.dispatcher.finished or (self.averaging is None and in_flight):
+            return
+        old = list(loop.ranks)
+        loop.add_ranks(ready)
+        for rank in ready:
+            del self.joiners[rank]
+        self.members.generation += 1
+        generation, members = self.members.generation, list(loop.ranks)
+        hosts = sorted({self.members.ranks[r].host for r in ready})
+        reason = f"rank(s) {', '.join(map(str, ready))} on {', '.join(hosts)} joined"
+        if self.averaging is None:
+            msg = m.Regroup(generation=generation, members=members, store_prefix=f"{self.run_id}/gen{generation}",
+                            reason=reason, sync_from=old[0], first_round=-1)
+            targets = members
+        else:
+            for rank in ready:
+                self.averaging.admit(self.members.ranks[rank].identity, rank, from_round=loop.round_base)
+            msg = m.Regroup(generation=generation, members=members, store_prefix="", reason=reason,
+                            sync_from=-1, first_round=loop.round_base)
+            targets = ready  # the others' CPU rounds simply start expecting the joiners
+        self._send_ranks(targets, msg)
+        self.joins.append({"at_s": now - self.started_at, "unix_time": time.time(), "generation": generation,
+                           "ranks": ready, "hosts": hosts, "world": len(members)})
+        self.monitor.ranks_joined({r: (self.members.ranks[r].host, self.members.ranks[r].device) for r in ready}, now_s=now)
+        self.console.line(f"{reason}; training with {len(members)} rank(s) (generation {generation})")
+
+    def _drop_joiner(self, rank: int, why: str) -> None:
+        """A joiner that cannot join leaves the run's books; its process is fenced."""
+        self.joiners.pop(rank, None)
+        self.hellos.pop(rank, None)
+        info = self.members.ranks.pop(rank, None)
+        if info is None:
+            return
+        self.members.by_identity.pop(info.identity, None)
+        self.console.line(f"{info.where()} could not join the run: {why}")
+        if info.exit_code is None:
+            for worker in self.members.workers.values():
+                if rank in worker.ranks and not worker.exited:
+                    self.endpoint.send(m.Fence(rank=rank, reason=why[:500]), worker.identity)

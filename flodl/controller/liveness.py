@@ -1,0 +1,188 @@
+"""Liveness: heartbeats out, silence and deaths in, and the run going on without the dead.
+
+A mixin of ``Controller`` (core.py), which holds all the state these methods
+read and write. The liveness task beats to every peer and judges the roster
+several times a second (``Membership.assess`` decides, with a reason); a
+death either ends the run (below the backend's minimum, past
+``max_failure``: saving first when asked) or is recovered: the dead are
+fenced, their work re-planned, and the survivors regrouped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+from ..errors import EXIT_CONFIG, EXIT_RANK_LOST, EXIT_TASK_ERROR
+from ..membership import PeerState, unrecoverable
+from ..protocol import messages as m
+from ..protocol.codec import Envelope
+
+HEARTBEAT_INTERVAL_S = 1.0
+LIVENESS_TICK_S = 0.2
+#: A collective error on one rank usually means a peer died; wait this long for
+#: the death report so the message names the dead rank, not the witness.
+COLLECTIVE_ERROR_GRACE_S = 1.0
+#: Collective failures no death explains, rebuilt in place, before the run is stopped.
+MAX_COLLECTIVE_RETRIES = 3
+
+
+class Liveness:
+    """Heartbeats, deaths, fencing and regrouping."""
+
+    async def _liveness(self) -> None:
+        """Beat to every peer every second; judge silence and deaths several times a second."""
+        next_beat = 0.0
+        while True:
+            now = self.clock()
+            if now >= next_beat:
+                frame = self.endpoint.writer.encode(m.Heartbeat(step=self.global_step, sent_at=time.time()))
+                for identity in self._peer_identities():
+                    self.endpoint.send_frame(frame, identity)
+                next_beat = now + HEARTBEAT_INTERVAL_S
+                self._report_drops()
+            self._judge()
+            await asyncio.sleep(LIVENESS_TICK_S)
+
+    def _report_drops(self) -> None:
+        """Frames dropped (forged, malformed, unauthorized) since the last beat: a control_drop alert."""
+        total = sum(self.endpoint.drops.values())
+        if total > self._drops_seen:
+            detail = ", ".join(f"{k} {v}" for k, v in sorted(self.endpoint.drops.items()))
+            self.monitor.event("control_drop", f"{total - self._drops_seen} control frame(s) dropped (so far: {detail})", now_s=self.clock())
+            self._drops_seen = total
+
+    def _peer_identities(self) -> list[bytes]:
+        ids = [w.identity for w in self.members.workers.values() if not w.exited]
+        ids += [r.identity for r in self.members.ranks.values() if r.identity and r.state not in (PeerState.EXITED, PeerState.DEAD)]
+        return ids
+
+    def _judge(self) -> None:
+        """Turn deaths, silence and lingering collective errors into a failure."""
+        if self.phase in ("shutting down", "aborting", "done"):
+            return
+        now = self.clock()
+        # a rank that never said hello is judged by the join timeout, not by heartbeats
+        for info in self.members.ranks.values():
+            if not info.identity and info.death is None:
+                info.last_seen = now
+        verdict = self.members.assess(now)
+        if not verdict.healthy:
+            self._on_deaths(set(verdict.dead), verdict.reason)
+            return
+        for worker in self.members.silent_workers(now):
+            if any(r.state is not PeerState.DEAD for r in self.members.ranks.values() if r.rank in worker.ranks):
+                continue  # its ranks are judged on their own heartbeats
+            worker.exited = True
+        if self.collective_error is not None and now - self.collective_error[0] > COLLECTIVE_ERROR_GRACE_S:
+            # a collective failed and no death explains it: rebuild it among the same ranks
+            _, rank, err = self.collective_error
+            self.collective_error = None
+            self.collective_retries += 1
+            if self.collective_retries > MAX_COLLECTIVE_RETRIES:
+                self._fail(f"{self.members.ranks[rank].where()} saw its collective fail {self.collective_retries} times: {err.error}", EXIT_RANK_LOST)
+                return
+            self.members.generation += 1
+            self._regroup(f"{self.members.ranks[rank].where()} saw its collective fail: {err.error}")
+
+    def _h_rank_error(self, identity: bytes, env: Envelope, msg: m.RankError) -> None:
+        info = self.members.ranks[msg.rank]
+        if msg.rank in self.joiners:
+            self._drop_joiner(msg.rank, f"failed during {msg.stage}: {msg.error}")
+            return
+        if msg.stage == "collective":
+            # usually a symptom of a peer's death: give the death report a moment to arrive
+            if self.collective_error is None and msg.generation >= self.members.generation:
+                self.collective_error = (self.clock(), msg.rank, msg)
+            return
+        misconfigured = msg.stage in ("resume", "config")  # a bad bundle or option: no traceback needed
+        if self.failure is None and not misconfigured:
+            sys.stderr.write(f"--- traceback from {info.where()} ---\n{msg.detail}\n")
+        self._fail(f"{info.where()} failed during {msg.stage}: {msg.error}", EXIT_CONFIG if misconfigured else EXIT_TASK_ERROR)
+
+    def _h_rank_exited(self, identity: bytes, env: Envelope, msg: m.RankExited) -> None:
+        worker = self.members.workers.get(env.sender)
+        if worker is None or worker.identity != identity or msg.rank not in worker.ranks:
+            self.endpoint.drops["unauthorized"] += 1  # only a rank's own worker may report its exit
+            return
+        if self.phase in ("shutting down", "aborting", "done"):
+            # we told it to go: leaving now is not a death, whatever the code
+            info = self.members.ranks.get(msg.rank)
+            if info is not None:
+                info.exit_code = msg.code
+                self.members.rank_left(msg.rank)
+            self._changed.set()
+            return
+        info = self.members.rank_exited(msg.rank, msg.code)
+        if info is not None and info.pid == 0:
+            info.pid = msg.pid
+        self._judge()
+
+    def _on_deaths(self, dead: set[int], reason: str) -> None:
+        """Ranks died: go on without them if the run can, else stop (saving if asked)."""
+        for rank in sorted(dead & set(self.joiners)):
+            self._drop_joiner(rank, self.members.ranks[rank].death or "died")  # never admitted: nothing to recover
+        dead -= set(self.joiners) | {r for r in dead if r not in self.members.ranks}
+        if not dead:
+            return
+        if self.phase != "training" or self.cadence is None:
+            self._fail(f"{reason}. The run stopped before training began.", EXIT_RANK_LOST)
+            return
+        dead_total = sum(1 for r in self.members.ranks.values() if r.state is PeerState.DEAD)
+        survivors = sorted(r.rank for r in self.members.live_ranks())
+        problem = unrecoverable(self.config, len(self.members.ranks), dead_total, len(survivors))
+        if problem:
+            code, why = problem
+            if self.checkpoints.stem and survivors:
+                self._save_and_stop(f"{reason}. {why}", code)
+            else:
+                self._fail(f"{reason}. {why}", EXIT_RANK_LOST)
+            return
+        self._fence(dead, reason)
+        for lost in [s for r in dead for s in self.checkpoints.rank_died(r)]:
+            self.console.line(f"rank {lost.rank} died before writing checkpoint {lost.version}; asking another rank")
+            self._checkpoint_now(lost.reason, call_fn=False, files=bool(lost.stem))
+        self.collective_error = None  # the death explains it
+        self.deaths_handled += len(dead)
+        for rank in sorted(dead):
+            self.monitor.event("rank_lost", f"{self.members.ranks[rank].where()} {self.members.ranks[rank].death}", rank=rank, now_s=self.clock())
+        self.cadence.remove_ranks(dead)
+        self._regroup(reason)
+        self.console.line(f"lost {reason}; continuing with {len(survivors)} rank(s) (generation {self.members.generation})")
+        for epoch, rank in list(self.eval_requests.items()):
+            if rank in dead and epoch not in self.evals:
+                self._request_eval(epoch)  # its eval died with it: ask the next rank
+        self._changed.set()
+
+    def _fence(self, dead: set[int], reason: str) -> None:
+        """A rank declared dead whose process may live on (hung, stopped, cut off)
+        is killed by its worker: it must never rejoin a world that went on without it."""
+        for rank in dead:
+            info = self.members.ranks[rank]
+            if info.exit_code is not None:
+                continue  # its worker saw it exit: nothing to kill
+            for worker in self.members.workers.values():
+                if rank in worker.ranks and not worker.exited:
+                    self.endpoint.send(m.Fence(rank=rank, reason=reason[:500]), worker.identity)
+
+    def _regroup(self, reason: str) -> None:
+        """Tell the survivors of the collective backend to rebuild it (CPU ranks need nothing)."""
+        survivors = self._training_ranks()
+        self.recoveries.append({"at_s": self.clock() - self.started_at, "unix_time": time.time(), "generation": self.members.generation,
+                                "survivors": survivors, "reason": reason, "training_again_s": None})
+        # "training again" = every survivor has reported a batch since this moment
+        self._back: tuple[float, set[int]] | None = (self.clock(), set(survivors))
+        if self.averaging is not None:
+            return  # the CPU backend has no group: rounds simply stop waiting for the dead
+        msg = m.Regroup(generation=self.members.generation, members=survivors,
+                        store_prefix=f"{self.run_id}/gen{self.members.generation}", reason=reason[:500],
+                        sync_from=-1, first_round=-1)
+        self._send_ranks(survivors, msg)
+
+    def _training_ranks(self) -> list[int]:
+        """The ranks in the collective and the plans: live, and admitted (not joiners)."""
+        live = {r.rank for r in self.members.live_ranks()} - set(self.joiners)
+        if self.cadence is not None:
+            live &= set(self.cadence.ranks)
+        return sorted(live)
