@@ -19,9 +19,20 @@ from .config import (  # noqa: E402
     Reduction,
 )
 from .errors import ConfigError, FlodlError, RunAborted, TaskError  # noqa: E402
-from .scalars import record_scalar  # noqa: E402
-from .task import Task  # noqa: E402
-from .trainer import Trainer  # noqa: E402
+
+#: Names imported on first use: they bring torch, which the worker and the
+#: controller's CLI do not need to start (about a second per process).
+_LAZY = {"Task": ".task", "Trainer": ".trainer", "record_scalar": ".scalars"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'flodl' has no attribute {name!r}")
 
 __all__ = [
     "ApplyPolicy",

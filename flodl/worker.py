@@ -31,7 +31,7 @@ import select
 import signal
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -40,11 +40,13 @@ from .devices import choose_devices
 from .env import PARENT_PID, RankEnv, child_environ, parse_run_secret, read_run_credentials
 from .errors import EXIT_CONFIG, EXIT_CONTROLLER_LOST, EXIT_INTERRUPTED, EXIT_OK, ConfigError
 from .proc import die_with_parent, nap, terminate_then_kill
-from .relay import HostRelay
 from .protocol import messages as m
 from .protocol.codec import Envelope
 from .protocol.messages import PROTOCOL_VERSION
 from .transport import ControlEndpoint, host_name, make_dealer
+
+if TYPE_CHECKING:
+    from .relay import HostRelay
 
 log = logging.getLogger("flodl.worker")
 
@@ -225,6 +227,8 @@ class Worker:
 
     def _start_relay(self, tg: asyncio.TaskGroup) -> str:
         """Start the host relay; returns what the ranks are told of it ("ADDR PROBE NONCE")."""
+        from .relay import HostRelay  # it averages with torch: only a relaying worker pays torch's import
+
         welcome = self.welcome
         host = self.controller.rsplit(":", 1)[0]  # tcp://HOST
         self.relay = HostRelay(

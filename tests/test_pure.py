@@ -188,3 +188,15 @@ def test_console_progress_summarises_many_ranks(clock):
     con.progress(epoch=0, epochs=1, done=10, total=100, rate=1.0, loss=None, ranks={r: float(r) for r in range(1000)})
     line = out.getvalue().splitlines()[-1]
     assert "[1000 ranks: slowest r0 0/s, median 500/s, fastest r999 999/s]" in line and len(line) < 200
+
+
+def test_the_worker_starts_without_importing_torch():
+    """A worker only spawns and watches ranks: torch's import (about a second, more on a
+    loaded host) is paid by the ranks, and by the worker only when it relays snapshots."""
+    import subprocess
+    import sys
+
+    probe = "import sys, flodl.worker, flodl; assert 'torch' not in sys.modules, 'torch imported'; print(flodl.DdpRunConfig().elche.mode)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=25)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "nccl-cadence"

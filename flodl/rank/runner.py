@@ -4,9 +4,13 @@ Lifecycle, in order: connect the link; build the task (model, optimizer,
 dataset); say hello; on welcome join the collective and take rank 0's
 parameters; then obey commands until ``Shutdown``: ``Window`` trains granted
 slices of epoch permutations, averaging (through the collective or the
-controller) as the window's stop rule says; ``RunEval`` scores the model. Errors in the user's task are reported to the
-controller once with a traceback (it stops the run); the rank then waits,
-bounded, for the controller's Shutdown so no peer is left waiting on it.
+controller) as the window's stop rule says; ``RunEval`` scores the model.
+Errors in the user's task are reported to the controller once with a
+traceback (it stops the run); the rank then waits, bounded, for the
+controller's Shutdown so no peer is left waiting on it.
+
+Averaging across membership changes is regroup.py's, scoring evaluation.py's
+(mixins of ``RankRunner``); how work ends early is outcomes.py's.
 """
 
 from __future__ import annotations
@@ -52,10 +56,13 @@ from ..taskspec import resolve as resolve_spec
 from ..transport import host_name
 from .collective import CollectiveAverager, Superseded, build_group
 from .cpu_average import BulkLink, CpuAverager
-from .flat import Averaged, FlatModel, model_digest
+from .flat import FlatModel, model_digest
 from .saving import checkpoint, emergency_save
 from .data import BatchSource, to_device
-from .norms import norm_layers, recalibrate
+from .evaluation import Evaluating
+from .norms import norm_layers
+from .outcomes import Stop, UserError, is_collective_error
+from .regroup import Regrouping
 from .prefetch import CacheWarmer, Prefetcher
 from .staging import DiskStage, RamCache, TieredSamples, VramPool, ram_budget, vram_budget
 from .handle import LrState, WorkerHandle
@@ -65,19 +72,6 @@ log = logging.getLogger(__name__)
 
 #: Batches fetched ahead of training, for datasets not already in memory.
 PREFETCH_DEPTH = 4
-
-
-class _Stop(Exception):
-    """Internal: the controller is gone, ordered an abort, or we got SIGTERM."""
-
-
-class _UserError(Exception):
-    """Internal: a user callback raised; carries where, for the report."""
-
-    def __init__(self, stage: str, exc: BaseException) -> None:
-        super().__init__(f"{type(exc).__name__}: {exc}")
-        self.stage = stage
-        self.original = exc
 
 
 @dataclass
@@ -138,7 +132,7 @@ def versions() -> dict[str, str]:
     }
 
 
-class RankRunner:
+class RankRunner(Regrouping, Evaluating):
     """Runs one rank from spawn to exit; ``run()`` returns the exit code."""
 
     def __init__(self, env: RankEnv) -> None:
@@ -209,7 +203,7 @@ class RankRunner:
         self.link.send(hello)
         try:
             reply = self._await(m.RankWelcome, m.Reject, m.Shutdown)
-        except _Stop:
+        except Stop:
             return self._stopped()
         if isinstance(reply, m.Reject):
             log.error("rank %d refused by the controller: %s", self.rank, reply.reason)
@@ -220,7 +214,7 @@ class RankRunner:
             self._join(reply)
         except Superseded:  # the run stopped while the first group gathered
             return self._stopped()
-        except _UserError as exc:
+        except UserError as exc:
             return self._fail(exc.stage, exc.original, EXIT_TASK_ERROR)
         except CheckpointError as exc:  # resume_from names a bundle this model cannot load
             return self._fail("resume", exc, EXIT_CONFIG)
@@ -233,7 +227,7 @@ class RankRunner:
         while True:
             try:
                 cmd = self._next()
-            except _Stop:
+            except Stop:
                 return self._stopped()
             if isinstance(cmd, m.Shutdown):
                 self._save_on_shutdown(cmd)
@@ -247,15 +241,15 @@ class RankRunner:
                     self._evaluate(cmd)
                 elif isinstance(cmd, m.SaveCheckpoint):
                     self._checkpoint(cmd)
-            except _Stop:
+            except Stop:
                 return self._stopped()
-            except _UserError as exc:
+            except UserError as exc:
                 return self._fail(exc.stage, exc.original, EXIT_TASK_ERROR)
             except DeadlineExceeded as exc:  # a CPU averaging round never came back
                 return self._fail("collective", exc, EXIT_RANK_LOST)
             except RuntimeError as exc:
                 # torch raises RuntimeError for collective failures (peer gone, timeout)
-                stage = "collective" if _is_collective_error(exc) else "train"
+                stage = "collective" if is_collective_error(exc) else "train"
                 return self._fail(stage, exc, EXIT_RANK_LOST if stage == "collective" else EXIT_TASK_ERROR)
             except Exception as exc:
                 return self._fail("train", exc, EXIT_TASK_ERROR)
@@ -307,7 +301,7 @@ class RankRunner:
         self.link.send(m.RankError(rank=self.rank, stage=stage, error=f"{type(exc).__name__}: {exc}"[:2000], detail=detail, generation=self.generation))
         try:
             self._await(m.Shutdown, timeout_s=self.env.heartbeat_timeout_s)
-        except (DeadlineExceeded, PeerLost, _Stop):
+        except (DeadlineExceeded, PeerLost, Stop):
             pass
         if self.link.shutdown is not None:
             self._save_on_shutdown(self.link.shutdown)  # the run stops, but what we hold is kept
@@ -317,12 +311,12 @@ class RankRunner:
         """The next command, checking for SIGTERM while waiting.
 
         Raises:
-            _Stop: SIGTERM arrived. PeerLost: the controller is gone.
+            Stop: SIGTERM arrived. PeerLost: the controller is gone.
             DeadlineExceeded: ``deadline`` (monotonic) passed.
         """
         while True:
             if self.terminated:
-                raise _Stop
+                raise Stop
             wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
             if wait <= 0:
                 raise DeadlineExceeded("no command from the controller in time")
@@ -377,7 +371,7 @@ class RankRunner:
         self.generation = welcome.generation
         config = self.config = DdpRunConfig.from_dict(welcome.config)  # validated, typed: the controller's options
         if config.checkpoint_every and self.task.checkpoint_fn is None and not config.save_path:
-            raise _UserError("config", TaskError("checkpoint_every is set, but the task has no checkpoint_fn and there is no save_path: nothing would be saved"))
+            raise UserError("config", TaskError("checkpoint_every is set, but the task has no checkpoint_fn and there is no save_path: nothing would be saved"))
         if config.resume_from and not welcome.late:
             load_model(self.model, config.resume_from)  # before the broadcast: every replica starts from the bundle
         # flatten before the optimizer exists, so it holds the views, not stale tensors;
@@ -434,7 +428,7 @@ class RankRunner:
             try:
                 transform = resolve_spec(transform)
             except TaskError as exc:
-                raise _UserError("config", TaskError(f"transform: {exc}")) from exc
+                raise UserError("config", TaskError(f"transform: {exc}")) from exc
         schedule = Schedule(len(dataset), config.augment, config.epoch_splits)
         source = BatchSource(dataset, self.task.batch_size, seed=seed, collate_fn=self.task.collate_fn, schedule=schedule, transform=transform)
         if not source.in_memory:  # a tensor dataset is already in memory: nothing to stage
@@ -552,7 +546,7 @@ class RankRunner:
                     exhausted = True
                     break
                 if self.link.must_stop or self.terminated:
-                    raise _Stop
+                    raise Stop
                 t0 = time.perf_counter()
                 item = next(batches, None)
                 data_ms = (time.perf_counter() - t0) * 1000.0
@@ -586,101 +580,6 @@ class RankRunner:
         stats.wall_ms = (time.perf_counter() - start) * 1000.0
         return stats
 
-    def _average(self, weight: float, *, measure: bool, block: bool, round_index: int, stats: "RoundStats") -> Averaged:
-        """Average, surviving a peer's death: if the collective fails, put the values
-        back, join the survivors' new group, and do this same average again there."""
-        self.faults.reach("average")
-        while True:
-            self._maybe_regroup()
-            try:
-                averaged = self.averager.average(weight, measure=measure, block=block)
-                self.norms_stale = self.norms_stale or self.world_size > 1
-                return averaged
-            except RuntimeError as exc:
-                if self.averager.backend != "collective" or not _is_collective_error(exc):
-                    raise
-                log.warning("rank %d: averaging failed (%s); waiting for the survivors' new group", self.rank, exc)
-                announced = self.link.regroup
-                if announced is None or announced.generation <= self.generation:
-                    # tell the controller: a death it has not seen yet, or a group to rebuild
-                    # (a failure a newer generation already explains needs no hint)
-                    self.link.send(m.RankError(rank=self.rank, stage="collective", error=f"{type(exc).__name__}: {exc}"[:2000], detail="", generation=self.generation))
-                self.averager.restore()
-                self._await_regroup()
-                stats.regrouped_at = round_index
-
-    def _maybe_regroup(self) -> None:
-        """Act on a new membership generation the controller announced.
-
-        Collective backend: rebuild the group among the members; when ranks
-        joined, every member then takes ``sync_from``'s parameters (the
-        consensus) in one broadcast. CPU backend: only a joiner acts, learning
-        which averaging round is its first.
-        """
-        msg = self.link.regroup
-        if msg is None or msg.generation <= self.generation:
-            return
-        if self.averager.backend != "collective":
-            if self.averager.adopting and self.rank in msg.members and msg.first_round >= 0:
-                self.averager.round = msg.first_round
-                self.generation = msg.generation
-            return
-        while True:
-            if self.rank not in msg.members:
-                raise _Stop  # declared dead (we were too slow, or cut off): leave
-            try:
-                group = self._group_for(msg)
-                break
-            except Superseded:
-                if self.link.must_stop or self.terminated:
-                    raise _Stop from None
-                msg = self.link.regroup  # the world changed again while we gathered: join the newer one
-        self.generation = msg.generation
-        world = len(msg.members)
-        self.averager.group = group
-        self.world_size = world
-        if msg.sync_from >= 0 and msg.sync_from in msg.members:
-            self.averager.broadcast_from(msg.members.index(msg.sync_from))
-            self.averager.adopting = False
-        (log.info if msg.sync_from >= 0 else log.warning)("rank %d: now one of %d ranks (generation %d): %s", self.rank, world, msg.generation, msg.reason)
-
-    def _group_for(self, msg: m.Regroup) -> torch.distributed.ProcessGroup | None:
-        """Build ``msg``'s process group (None for a world of one).
-
-        Members arrive at different times: a survivor can sit in the failed
-        collective until its own timeout, and one that lost the race to a
-        newer generation never comes. So every member first waits for all the
-        others, long enough to outlast a collective timeout, and gives up as
-        soon as a newer generation is announced or the run stops.
-        """
-        world = len(msg.members)
-        if world <= 1:
-            return None
-        if self.averager.flat is None:  # a run that started alone and just grew
-            self.averager.flat = FlatModel(self.model)
-        return build_group(
-            store_host=self.welcome.store_host, store_port=self.welcome.store_port, prefix=msg.store_prefix,
-            rank=msg.members.index(self.rank), world_size=world, device=self.device,
-            timeout_s=self.welcome.collective_timeout_s, gather_s=self._gather_s(),
-            give_up=lambda: self.link.must_stop or self.terminated
-            or (self.link.regroup is not None and self.link.regroup.generation > msg.generation),
-        )
-
-    def _gather_s(self) -> float:
-        """How long a member waits for the others of a new group: a late survivor's failed
-        collective (its timeout) and the controller's death detection (heartbeats), with margin."""
-        return 2 * self.welcome.collective_timeout_s + 2 * self.env.heartbeat_timeout_s + 10
-
-    def _await_regroup(self) -> None:
-        """Wait (bounded) for the controller to announce the survivors' new world."""
-        deadline = time.monotonic() + 2 * self.env.heartbeat_timeout_s + 10
-        while self.link.regroup is None or self.link.regroup.generation <= self.generation:
-            if self.link.must_stop or self.terminated:
-                raise _Stop
-            if time.monotonic() > deadline:
-                raise DeadlineExceeded("a collective failed and no new membership generation came")
-            time.sleep(0.01)
-
     def _enter_epoch(self, epoch: int) -> None:
         """Fire the user's epoch_fn the first time this rank trains ``epoch``."""
         if epoch <= self.current_epoch:
@@ -692,7 +591,7 @@ class RankRunner:
             try:
                 self.task.epoch_fn(epoch, self.handle)
             except Exception as exc:
-                raise _UserError("epoch_fn", exc) from exc
+                raise UserError("epoch_fn", exc) from exc
 
     def _step(self, batch: Any) -> tuple[float, float]:
         """One optimizer step; returns (loss, compute ms)."""
@@ -724,58 +623,6 @@ class RankRunner:
         self.link.step = self.step_count
         return value, compute_ms
 
-    def _evaluate(self, cmd: m.RunEval) -> None:
-        """Score the model with the task's eval function and report it (errors included)."""
-        value, error = None, None
-        start = time.perf_counter()
-        if isinstance(self.averager, CpuAverager):
-            # CPU backend: land the averages already sent; before the final score, all of them
-            if cmd.final:
-                try:
-                    self.averager.settle()
-                except DeadlineExceeded as exc:
-                    log.warning("rank %d: scoring without the last average: %s", self.rank, exc)
-            self.averager.poll()
-        if self.task.eval_fn is None:
-            error = "the task has no eval_fn"
-        else:
-            self._refresh_norms(cmd.epoch)
-            was_training = self.model.training
-            self.model.eval()
-            try:
-                with torch.no_grad():
-                    value = float(self.task.eval_fn(self.model, self.device))
-            except Exception as exc:  # the user's eval failing is reported, not fatal
-                error = f"{type(exc).__name__}: {exc}"
-                log.error("rank %d: eval failed: %s", self.rank, error)
-            finally:
-                self.model.train(was_training)
-        self.link.send(
-            m.EvalResult(
-                rank=self.rank,
-                epoch=cmd.epoch,
-                final=cmd.final,
-                value=value,
-                elapsed_ms=(time.perf_counter() - start) * 1000.0,
-                error=error,
-            )
-        )
-
-    def _refresh_norms(self, epoch: int) -> None:
-        """Before scoring a model that averages changed: its BatchNorm statistics
-        re-estimated from the first ``bn_recalibration_batches`` batches of this
-        epoch's order (flodl/rank/norms.py says why)."""
-        if not (self.norms_stale and self.norm_layers):
-            return
-        self.norms_stale = False
-        size = min(self.task.bn_recalibration_batches * self.task.batch_size, self.source.schedule.epoch_len(epoch))
-        inputs = (to_device(batch, self.device)[0] for _, batch in self.source.batches(epoch, 0, size))
-        try:
-            recalibrate(self.model, self.norm_layers, inputs)
-        except Exception as exc:  # a data or model error here must not cost the eval
-            log.warning("rank %d: BatchNorm statistics not re-estimated (%s: %s)", self.rank, type(exc).__name__, exc)
-
-
 #: Intra-op threads of a GPU rank: its CPU work is batch gathers and small host ops.
 ACCELERATOR_THREADS = 4
 
@@ -800,11 +647,6 @@ def cpu_threads(cores: int, local_world: int, *, staged: bool, accelerator: bool
     if staged:
         share -= 2 if share >= 8 else 1 if share >= 4 else 0
     return max(1, share)
-
-
-def _is_collective_error(exc: RuntimeError) -> bool:
-    text = str(exc).lower()
-    return any(k in text for k in ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket"))
 
 
 def main() -> int:

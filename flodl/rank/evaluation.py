@@ -1,0 +1,78 @@
+"""Scoring the model when the controller asks (``RunEval``).
+
+A mixin of ``RankRunner`` (runner.py), which holds the state these methods
+read and write. On the CPU backend the averages already sent are landed
+first (all of them before the final score); BatchNorm statistics that
+averages left stale are re-estimated (norms.py); the user's ``eval_fn``
+failing is reported, never fatal.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..errors import DeadlineExceeded
+from ..protocol import messages as m
+from .cpu_average import CpuAverager
+from .data import to_device
+from .norms import recalibrate
+
+log = logging.getLogger("flodl.rank.runner")
+
+
+class Evaluating:
+    """Evals, and the BatchNorm refresh before them."""
+
+    def _evaluate(self, cmd: m.RunEval) -> None:
+        """Score the model with the task's eval function and report it (errors included)."""
+        value, error = None, None
+        start = time.perf_counter()
+        if isinstance(self.averager, CpuAverager):
+            # CPU backend: land the averages already sent; before the final score, all of them
+            if cmd.final:
+                try:
+                    self.averager.settle()
+                except DeadlineExceeded as exc:
+                    log.warning("rank %d: scoring without the last average: %s", self.rank, exc)
+            self.averager.poll()
+        if self.task.eval_fn is None:
+            error = "the task has no eval_fn"
+        else:
+            self._refresh_norms(cmd.epoch)
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                with torch.no_grad():
+                    value = float(self.task.eval_fn(self.model, self.device))
+            except Exception as exc:  # the user's eval failing is reported, not fatal
+                error = f"{type(exc).__name__}: {exc}"
+                log.error("rank %d: eval failed: %s", self.rank, error)
+            finally:
+                self.model.train(was_training)
+        self.link.send(
+            m.EvalResult(
+                rank=self.rank,
+                epoch=cmd.epoch,
+                final=cmd.final,
+                value=value,
+                elapsed_ms=(time.perf_counter() - start) * 1000.0,
+                error=error,
+            )
+        )
+
+    def _refresh_norms(self, epoch: int) -> None:
+        """Before scoring a model that averages changed: its BatchNorm statistics
+        re-estimated from the first ``bn_recalibration_batches`` batches of this
+        epoch's order (flodl/rank/norms.py says why)."""
+        if not (self.norms_stale and self.norm_layers):
+            return
+        self.norms_stale = False
+        size = min(self.task.bn_recalibration_batches * self.task.batch_size, self.source.schedule.epoch_len(epoch))
+        inputs = (to_device(batch, self.device)[0] for _, batch in self.source.batches(epoch, 0, size))
+        try:
+            recalibrate(self.model, self.norm_layers, inputs)
+        except Exception as exc:  # a data or model error here must not cost the eval
+            log.warning("rank %d: BatchNorm statistics not re-estimated (%s: %s)", self.rank, type(exc).__name__, exc)

@@ -1,0 +1,127 @@
+"""Averaging that survives membership changes: a rank's side of regrouping.
+
+A mixin of ``RankRunner`` (runner.py), which holds the state these methods
+read and write. When a collective fails (a peer died) the rank puts its
+values back, waits for the controller's ``Regroup``, joins the survivors'
+new group (gathering first: collective.py says why) and redoes the same
+average there; a ``Regroup`` for ranks that joined also carries whose
+parameters (the consensus) every member takes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import DeadlineExceeded
+from ..protocol import messages as m
+from .collective import Superseded, build_group
+from .flat import Averaged, FlatModel
+from .outcomes import Stop, is_collective_error
+
+if TYPE_CHECKING:
+    from .runner import RoundStats
+
+log = logging.getLogger("flodl.rank.runner")
+
+
+class Regrouping:
+    """Averages, and the rebuilt process groups they continue in."""
+
+    def _average(self, weight: float, *, measure: bool, block: bool, round_index: int, stats: "RoundStats") -> Averaged:
+        """Average, surviving a peer's death: if the collective fails, put the values
+        back, join the survivors' new group, and do this same average again there."""
+        self.faults.reach("average")
+        while True:
+            self._maybe_regroup()
+            try:
+                averaged = self.averager.average(weight, measure=measure, block=block)
+                self.norms_stale = self.norms_stale or self.world_size > 1
+                return averaged
+            except RuntimeError as exc:
+                if self.averager.backend != "collective" or not is_collective_error(exc):
+                    raise
+                log.warning("rank %d: averaging failed (%s); waiting for the survivors' new group", self.rank, exc)
+                announced = self.link.regroup
+                if announced is None or announced.generation <= self.generation:
+                    # tell the controller: a death it has not seen yet, or a group to rebuild
+                    # (a failure a newer generation already explains needs no hint)
+                    self.link.send(m.RankError(rank=self.rank, stage="collective", error=f"{type(exc).__name__}: {exc}"[:2000], detail="", generation=self.generation))
+                self.averager.restore()
+                self._await_regroup()
+                stats.regrouped_at = round_index
+
+    def _maybe_regroup(self) -> None:
+        """Act on a new membership generation the controller announced.
+
+        Collective backend: rebuild the group among the members; when ranks
+        joined, every member then takes ``sync_from``'s parameters (the
+        consensus) in one broadcast. CPU backend: only a joiner acts, learning
+        which averaging round is its first.
+        """
+        msg = self.link.regroup
+        if msg is None or msg.generation <= self.generation:
+            return
+        if self.averager.backend != "collective":
+            if self.averager.adopting and self.rank in msg.members and msg.first_round >= 0:
+                self.averager.round = msg.first_round
+                self.generation = msg.generation
+            return
+        while True:
+            if self.rank not in msg.members:
+                raise Stop  # declared dead (we were too slow, or cut off): leave
+            try:
+                group = self._group_for(msg)
+                break
+            except Superseded:
+                if self.link.must_stop or self.terminated:
+                    raise Stop from None
+                msg = self.link.regroup  # the world changed again while we gathered: join the newer one
+        self.generation = msg.generation
+        world = len(msg.members)
+        self.averager.group = group
+        self.world_size = world
+        if msg.sync_from >= 0 and msg.sync_from in msg.members:
+            self.averager.broadcast_from(msg.members.index(msg.sync_from))
+            self.averager.adopting = False
+        (log.info if msg.sync_from >= 0 else log.warning)("rank %d: now one of %d ranks (generation %d): %s", self.rank, world, msg.generation, msg.reason)
+
+    def _group_for(self, msg: m.Regroup) -> torch.distributed.ProcessGroup | None:
+        """Build ``msg``'s process group (None for a world of one).
+
+        Members arrive at different times: a survivor can sit in the failed
+        collective until its own timeout, and one that lost the race to a
+        newer generation never comes. So every member first waits for all the
+        others, long enough to outlast a collective timeout, and gives up as
+        soon as a newer generation is announced or the run stops.
+        """
+        world = len(msg.members)
+        if world <= 1:
+            return None
+        if self.averager.flat is None:  # a run that started alone and just grew
+            self.averager.flat = FlatModel(self.model)
+        return build_group(
+            store_host=self.welcome.store_host, store_port=self.welcome.store_port, prefix=msg.store_prefix,
+            rank=msg.members.index(self.rank), world_size=world, device=self.device,
+            timeout_s=self.welcome.collective_timeout_s, gather_s=self._gather_s(),
+            give_up=lambda: self.link.must_stop or self.terminated
+            or (self.link.regroup is not None and self.link.regroup.generation > msg.generation),
+        )
+
+    def _gather_s(self) -> float:
+        """How long a member waits for the others of a new group: a late survivor's failed
+        collective (its timeout) and the controller's death detection (heartbeats), with margin."""
+        return 2 * self.welcome.collective_timeout_s + 2 * self.env.heartbeat_timeout_s + 10
+
+    def _await_regroup(self) -> None:
+        """Wait (bounded) for the controller to announce the survivors' new world."""
+        deadline = time.monotonic() + 2 * self.env.heartbeat_timeout_s + 10
+        while self.link.regroup is None or self.link.regroup.generation <= self.generation:
+            if self.link.must_stop or self.terminated:
+                raise Stop
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded("a collective failed and no new membership generation came")
+            time.sleep(0.01)
