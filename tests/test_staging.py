@@ -15,11 +15,11 @@ import psutil
 import pytest
 import torch
 
-from flodl.rank import staging
+from flodl.rank import disk_stage, staging
 from flodl.rank.prefetch import Prefetcher
 from flodl.rank.sample_codec import SampleCodec
+from flodl.rank.disk_stage import DiskStage
 from flodl.rank.staging import (
-    DiskStage,
     RamCache,
     TieredSamples,
     VramPool,
@@ -358,7 +358,7 @@ def test_disk_stage_write_error_turns_the_tier_off(tmp_path, monkeypatch, caplog
     def full(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(staging.os, "pwrite", full)
+    monkeypatch.setattr(disk_stage.os, "pwrite", full)
     with caplog.at_level(logging.WARNING, logger="flodl.rank.staging"):
         assert not disk.put(1, torch.ones(3))
         assert not disk.put(2, torch.ones(3))
@@ -370,7 +370,7 @@ def test_disk_stage_write_error_turns_the_tier_off(tmp_path, monkeypatch, caplog
 def test_disk_stage_read_error_turns_the_tier_off(tmp_path, monkeypatch, caplog):
     disk = DiskStage(str(tmp_path), MiB)
     disk.put(0, torch.ones(3))
-    monkeypatch.setattr(staging.os, "pread", lambda fd, n, off: b"\x00" * (n - 1))
+    monkeypatch.setattr(disk_stage.os, "pread", lambda fd, n, off: b"\x00" * (n - 1))
     with caplog.at_level(logging.WARNING, logger="flodl.rank.staging"):
         assert disk.get(0) is None
     assert not disk.enabled and "short read" in caplog.text

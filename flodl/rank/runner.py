@@ -64,7 +64,8 @@ from .norms import norm_layers
 from .outcomes import Stop, UserError, is_collective_error
 from .regroup import Regrouping
 from .prefetch import CacheWarmer, Prefetcher
-from .staging import DiskStage, RamCache, TieredSamples, VramPool, ram_budget, vram_budget
+from .disk_stage import DiskStage
+from .staging import RamCache, TieredSamples, VramPool, ram_budget, vram_budget
 from .handle import LrState, WorkerHandle
 from .link import ControllerLink
 
