@@ -8,6 +8,8 @@ step), which looks to everyone else exactly like a hung device. Points:
 * ``batch``   mid-batch: gradients computed, step not taken
 * ``average`` mid-averaging: the replica backed up, peers already inside the round
 * ``epoch``   at an epoch edge: the first batch of epoch ``n`` (0-based) about to run
+* ``regroup`` rebuilding the process group of the ``n``-th new generation (collective
+              backend): every member has arrived, the group is not yet connected
 
 Several faults are comma-separated. Real processes really die, so the elastic
 path under test is the one users get; nothing here is consulted unless the
@@ -21,7 +23,7 @@ import signal
 from dataclasses import dataclass, field
 
 INJECT_FAULT = "FLODL_INJECT_FAULT"
-POINTS = ("batch", "average", "epoch")
+POINTS = ("batch", "average", "epoch", "regroup")
 ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 
 

@@ -55,6 +55,21 @@ def test_a_rank_dies_at_a_chosen_point_and_the_run_finishes(proc_env, tmp_path, 
     assert summary["final_eval"] > 0.7
 
 
+def test_a_survivor_lost_while_the_group_is_rebuilt_costs_only_itself(proc_env, tmp_path):
+    """Rank 3 dies averaging; rank 1 dies after the survivors gathered for the new group but
+    before it connected. Ranks 0 and 2, stuck in torch's rendezvous, report the failed build and
+    join the generation after it: the run finishes on them."""
+    proc_env = {**proc_env, "FLODL_INJECT_FAULT": "3:average:6,1:regroup:1"}
+    run, path = start(proc_env, tmp_path, "nccl-cadence", nproc=4)
+    summary = finish(run, path)
+    assert sorted(d["rank"] for d in summary["deaths"]) == [1, 3]
+    assert summary["recoveries"][-1]["survivors"] == [0, 2]
+    assert set(summary["final_digests"]) == {"0", "2"}
+    assert summary["final_digests"]["0"] == summary["final_digests"]["2"]
+    assert "building generation 1 failed" in run.output
+    assert summary["final_eval"] > 0.7
+
+
 def test_kill_9_from_outside_mid_run(proc_env, tmp_path):
     run, path = start(proc_env, tmp_path, "nccl-cadence")
     ranks = run.ranks(3)

@@ -75,11 +75,13 @@ def build_group(
     timeout_s: float,
     gather_s: float | None = None,
     give_up: Callable[[], bool] | None = None,
+    on_gathered: Callable[[], None] | None = None,
 ) -> dist.ProcessGroup:
     """Join this generation's process group through the controller's store.
 
     ``gather_s`` (when set): first wait up to that long for every member to
-    arrive (``gather_members``), giving up when ``give_up()`` turns true.
+    arrive (``gather_members``), giving up when ``give_up()`` turns true;
+    then ``on_gathered()`` (fault injection's ``regroup`` point).
 
     Raises:
         Superseded: ``give_up()`` turned true before every member arrived.
@@ -91,6 +93,8 @@ def build_group(
     pstore = dist.PrefixStore(prefix, store)
     if gather_s is not None:
         gather_members(pstore, rank, world_size, wait_s=gather_s, give_up=give_up)
+    if on_gathered is not None:
+        on_gathered()
     if backend_for(device) == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         # flodl's own detection (heartbeats, exits) must act first: its Regroup aborts the

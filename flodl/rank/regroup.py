@@ -80,6 +80,16 @@ class Regrouping:
                 if self.link.must_stop or self.terminated:
                     raise Stop from None
                 msg = self.link.regroup  # the world changed again while we gathered: join the newer one
+            except RuntimeError as exc:
+                if not is_collective_error(exc):
+                    raise
+                # a member died after everyone arrived, while torch connected the group: like a
+                # failed average, tell the controller and join the generation that follows
+                log.warning("rank %d: building generation %d failed (%s); waiting for the next one", self.rank, msg.generation, exc)
+                self.link.send(m.RankError(rank=self.rank, stage="collective", error=f"{type(exc).__name__}: {exc}"[:2000],
+                                           detail="", generation=msg.generation))
+                self._await_regroup(after=msg.generation)
+                msg = self.link.regroup
         self.generation = msg.generation
         world = len(msg.members)
         self.averager.group = group
@@ -109,6 +119,7 @@ class Regrouping:
             timeout_s=self.welcome.collective_timeout_s, gather_s=self._gather_s(),
             give_up=lambda: self.link.must_stop or self.terminated
             or (self.link.regroup is not None and self.link.regroup.generation > msg.generation),
+            on_gathered=lambda: self.faults.reach("regroup"),
         )
 
     def _gather_s(self) -> float:
@@ -116,10 +127,12 @@ class Regrouping:
         collective (its timeout) and the controller's death detection (heartbeats), with margin."""
         return 2 * self.welcome.collective_timeout_s + 2 * self.env.heartbeat_timeout_s + 10
 
-    def _await_regroup(self) -> None:
-        """Wait (bounded) for the controller to announce the survivors' new world."""
+    def _await_regroup(self, after: int | None = None) -> None:
+        """Wait (bounded) for the controller to announce the survivors' new world:
+        a generation above ``after`` (default: the one this rank is in)."""
+        after = self.generation if after is None else after
         deadline = time.monotonic() + 2 * self.env.heartbeat_timeout_s + 10
-        while self.link.regroup is None or self.link.regroup.generation <= self.generation:
+        while self.link.regroup is None or self.link.regroup.generation <= after:
             if self.link.must_stop or self.terminated:
                 raise Stop
             if time.monotonic() > deadline:
