@@ -171,8 +171,8 @@ def test_devices():
 def test_fault_plan_parses_and_names_bad_items():
     from flodl.faults import FaultPlan
 
-    plan = FaultPlan.from_env(1, "1:average:5, 2:batch:3:stop,1:epoch:2:stop")
-    assert plan.armed == {"average": (5, "kill"), "epoch": (2, "stop")}
+    plan = FaultPlan.from_env(1, "1:average:5, 2:batch:3:stop,1:epoch:2:stop,1:regroup:1")
+    assert plan.armed == {"average": (5, "kill"), "epoch": (2, "stop"), "regroup": (1, "kill")}
     assert FaultPlan.from_env(3, "1:average:5").armed == {}
     for bad in ("1:average", "x:batch:1", "1:nowhere:1", "1:batch:1:explode"):
         with pytest.raises(ValueError, match="FLODL_INJECT_FAULT"):
