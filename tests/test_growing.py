@@ -171,6 +171,26 @@ def test_a_late_worker_joins_and_trains(proc_env, tmp_path, mode):
     assert summary["final_eval"] > 0.7
 
 
+def test_a_member_lost_while_a_joiner_is_admitted_leaves_the_joiner_training(proc_env, tmp_path):
+    """Rank 1 dies after every member gathered for the grown group, before it connected: the
+    consensus broadcast never happens. The joiner takes the consensus from its first average
+    instead (it adds nothing to it) and trains from the window after."""
+    cluster = Cluster(proc_env | {"FLODL_INJECT_FAULT": "1:regroup:1"}, tmp_path, "nccl-cadence")
+    cluster.worker("cpu", "cpu")
+    cluster.run.wait_for_line("epoch 1/12", timeout=90)
+    cluster.worker("cpu")
+    cluster.release_after("training with 3 rank(s)")
+    summary = cluster.finish()
+    assert [h["samples"] for h in summary["history"]] == [512] * EPOCHS
+    assert [j["ranks"] for j in summary["joins"]] == [[2]]
+    assert [d["rank"] for d in summary["deaths"]] == [1]
+    per_rank = {row["rank"]: row for row in summary["per_rank"]}
+    assert per_rank[2]["samples"] > 0
+    digests = summary["final_digests"]
+    assert set(digests) == {"0", "2"} and digests["0"] == digests["2"]
+    assert summary["final_eval"] > 0.7
+
+
 def test_a_late_worker_with_another_model_is_refused_and_the_run_goes_on(proc_env, tmp_path):
     """A joiner whose model differs is turned away; the run neither stops nor counts it as lost."""
     spec = tmp_path / "mixed.py"

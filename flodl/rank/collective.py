@@ -124,7 +124,9 @@ class CollectiveAverager:
         self.flat = flat
         self._group = group
         self.aborted = False  # set from the link thread when a regroup aborts the group
-        self.adopting = False  # joined a running job: no consensus until the admitting regroup's broadcast
+        # joined a running job: no consensus until the admitting regroup's broadcast, or (when a
+        # death broke that broadcast) until an average the others trained for lands here whole
+        self.adopting = False
         self._backed_up = 0  # buckets whose backup belongs to the average in progress
         self.backup: list[torch.Tensor] | None = None  # values before the last average, for recovery
 
@@ -205,6 +207,7 @@ class CollectiveAverager:
             return Averaged(0.0, 0.0 if measure else None)
         collective_ms = 0.0  # what ElChe weighs against compute: the collective, not our bookkeeping
         pre_all, post_all = [], []
+        landed = True  # every parameter bucket came back as the others' weighted average
         if self.backup is None:  # allocated once: an average must not allocate a model each time
             self.backup = [torch.empty_like(b.values) for b in self.flat.buckets]
         self._backed_up = 0
@@ -233,10 +236,13 @@ class CollectiveAverager:
                     values.div_(total)
                 else:
                     values.copy_(pre)
+                    landed = landed and bucket.group != PARAMS
                 bucket.copy_out()
                 if measure and bucket.group == PARAMS:
                     pre_all.append(pre)
                     post_all.append(values)
+        if self.adopting and landed and weight == 0:
+            self.adopting = False  # we added nothing, so what came back is the others' consensus
         if not measure:
             return Averaged(collective_ms)
         return Averaged(collective_ms, *drift(pre_all, post_all))

@@ -74,8 +74,8 @@ class Regrouping:
             if self.rank not in msg.members:
                 raise Stop  # declared dead (we were too slow, or cut off): leave
             try:
-                group = self._group_for(msg)
-                break
+                self._enter(msg)
+                return
             except Superseded:
                 if self.link.must_stop or self.terminated:
                     raise Stop from None
@@ -83,13 +83,19 @@ class Regrouping:
             except RuntimeError as exc:
                 if not is_collective_error(exc):
                     raise
-                # a member died after everyone arrived, while torch connected the group: like a
-                # failed average, tell the controller and join the generation that follows
+                # a member died after everyone arrived, while torch connected the group or the
+                # consensus went out: like a failed average, tell the controller and join the
+                # generation that follows (a joiner left without the consensus takes it from
+                # its first average: CollectiveAverager.adopting)
                 log.warning("rank %d: building generation %d failed (%s); waiting for the next one", self.rank, msg.generation, exc)
                 self.link.send(m.RankError(rank=self.rank, stage="collective", error=f"{type(exc).__name__}: {exc}"[:2000],
                                            detail="", generation=msg.generation))
                 self._await_regroup(after=msg.generation)
                 msg = self.link.regroup
+
+    def _enter(self, msg: m.Regroup) -> None:
+        """Become one of ``msg``'s members: its group, then (ranks joined) the consensus."""
+        group = self._group_for(msg)
         self.generation = msg.generation
         world = len(msg.members)
         self.averager.group = group
