@@ -446,12 +446,16 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
             if deadline is not None and self.clock() > deadline:
                 self._fail(f"timed out after {timeout_s:g} s waiting for {what} ({self.members.assess(self.clock()).reason})", EXIT_RANK_LOST)
                 continue
-            self._changed.clear()
-            try:
-                async with asyncio.timeout(0.5):
-                    await self._changed.wait()
-            except TimeoutError:
-                pass
+            await self._next_change(0.5)
+
+    async def _next_change(self, at_most_s: float) -> None:
+        """Sleep until a handler records a change (``_changed``), or ``at_most_s`` passes."""
+        self._changed.clear()
+        try:
+            async with asyncio.timeout(at_most_s):
+                await self._changed.wait()
+        except TimeoutError:
+            pass
 
     def _fail(self, message: str, code: int) -> None:
         """Latch the run's failure (the first one wins) and wake the conductor."""

@@ -88,11 +88,6 @@ class Teardown:
 
         deadline = self.clock() + timeout_s
         while not gone() and self.clock() < deadline:
-            self._changed.clear()
-            try:
-                async with asyncio.timeout(0.2):
-                    await self._changed.wait()
-            except TimeoutError:
-                pass
+            await self._next_change(0.2)
         if not gone():
             log.warning("peers still running %.0f s after shutdown; stopping the local worker", timeout_s)

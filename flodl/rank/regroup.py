@@ -49,7 +49,7 @@ class Regrouping:
                 if announced is None or announced.generation <= self.generation:
                     # tell the controller: a death it has not seen yet, or a group to rebuild
                     # (a failure a newer generation already explains needs no hint)
-                    self.link.send(m.RankError(rank=self.rank, stage="collective", error=f"{type(exc).__name__}: {exc}"[:2000], detail="", generation=self.generation))
+                    self._report_collective_failure(exc, self.generation)
                 self.averager.restore()
                 self._await_regroup()
                 stats.regrouped_at = round_index
@@ -88,10 +88,14 @@ class Regrouping:
                 # generation that follows (a joiner left without the consensus takes it from
                 # its first average: CollectiveAverager.adopting)
                 log.warning("rank %d: building generation %d failed (%s); waiting for the next one", self.rank, msg.generation, exc)
-                self.link.send(m.RankError(rank=self.rank, stage="collective", error=f"{type(exc).__name__}: {exc}"[:2000],
-                                           detail="", generation=msg.generation))
+                self._report_collective_failure(exc, msg.generation)
                 self._await_regroup(after=msg.generation)
                 msg = self.link.regroup
+
+    def _report_collective_failure(self, exc: RuntimeError, generation: int) -> None:
+        """Tell the controller a collective of ``generation`` failed (a death it may not have seen yet)."""
+        self.link.send(m.RankError(rank=self.rank, stage="collective", error=f"{type(exc).__name__}: {exc}"[:2000],
+                                   detail="", generation=generation))
 
     def _enter(self, msg: m.Regroup) -> None:
         """Become one of ``msg``'s members: its group, then (ranks joined) the consensus."""
