@@ -64,8 +64,7 @@ def rank_main(rank: int, world: int, numel: int, store_port: int, bulk_port: int
     group = dist.ProcessGroupGloo(dist.PrefixStore("bench", store), rank, world, datetime.timedelta(seconds=120))
     model = Flat(numel, rank)
     flat = FlatModel(model)
-    identity = f"rank{rank}.bench".encode()
-    bulk = BulkLink(f"tcp://127.0.0.1:{bulk_port}", identity=identity + b"/bulk", secret=SECRET, run_id=RUN, sender=f"rank{rank}.bench/bulk",
+    bulk = BulkLink(f"tcp://127.0.0.1:{bulk_port}", rank=rank, secret=SECRET, run_id=RUN, sender=f"rank{rank}.bench/bulk",
                     shm_probe=probe[0], shm_nonce=probe[1])
     avg = CpuAverager(flat, bulk, rank=rank, timeout_s=600.0, must_stop=lambda: False)
     barrier = torch.zeros(1)

@@ -48,6 +48,23 @@ def as_frame(t: torch.Tensor) -> memoryview:
 SLICE_BYTES = int(os.environ.get("FLODL_BULK_SLICE_BYTES", 8 << 20))  # env: benchmarks and tuning only
 
 
+#: ``ZMQ_MAXMSGSIZE`` of every bulk-plane socket: a message part is a header (a control frame, at
+#: most the codec's 1 MiB) or one slice; libzmq closes a connection announcing a bigger part.
+MAX_MSG_BYTES = SLICE_BYTES + (1 << 20) + 4096
+
+
+def announcement(rank: int) -> Any:
+    """The header a bulk socket sends first: no slice, round -1; it tells the receiver which
+    connection reaches ``rank`` before its first snapshot (an abort may come before it)."""
+    from .protocol.messages import Snapshot
+
+    return Snapshot(rank=rank, round=-1, weight=0.0, groups=[], dtypes=[], numels=[], bucket=-1, start=0, count=0, shm="", shm_offset=0, ranks=0)
+
+
+def is_announcement(header: Any) -> bool:
+    return header.round == -1 and header.bucket == -1 and header.count == 0
+
+
 def slices(numels: Sequence[int], itemsizes: Sequence[int]) -> list[tuple[int, int, int]]:
     """``(bucket, start, count)`` of every slice of a layout, in order."""
     out = []

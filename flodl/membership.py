@@ -32,7 +32,8 @@ class RankInfo:
     host: str = "?"
     pid: int = 0
     device: str = "?"
-    identity: bytes = b""
+    identity: bytes = b""  # the route (ZeroMQ routing id) its frames come on; follows its signed frames
+    sender: str = ""  # the sender name of its hello: every frame of the rank is signed under it
     state: PeerState = PeerState.JOINING
     last_seen: float = 0.0
     exit_code: int | None = None
@@ -91,6 +92,7 @@ class Membership:
         self.workers: dict[str, WorkerInfo] = {}
         self.ranks: dict[int, RankInfo] = {}
         self.by_identity: dict[bytes, RankInfo] = {}  # routing id -> rank, for O(1) liveness
+        self.by_sender: dict[str, RankInfo] = {}  # the sender name of a rank's hello -> the rank (its route follows its frames)
 
     # ---------------------------------------------------------------- facts
 

@@ -31,7 +31,7 @@ import torch
 import zmq
 
 from . import curve
-from .bulk import DTYPES, as_frame, slices, unpack_slice
+from .bulk import DTYPES, MAX_MSG_BYTES, announcement, as_frame, slices, unpack_slice
 from .controller.averaging import CpuAveraging, _Round
 from .errors import ProtocolError
 from .protocol import messages as m
@@ -50,10 +50,10 @@ class HostRelay(CpuAveraging):
         self.local_live: set[int] = set(ranks)  # the worker drops a rank the moment its process ends
         self.live = lambda: self.local_live
         self.up_writer = FrameWriter(secret, run_id, identity)
-        self.up_reader = FrameReader(secret, run_id, max_frame=1 << 20, name=f"{identity} upstream")
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.ROUTING_ID, identity.encode())
+        self.up_reader = FrameReader(secret, run_id, max_frame=1 << 20, name=f"{identity} upstream", own=identity)
+        sock = zmq.Context.instance().socket(zmq.DEALER)  # routing id assigned upstream; ``identity`` signs our headers
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)
         sock.setsockopt(zmq.SNDHWM, 0)  # partial averages are copies we own: queued, never dropped
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
@@ -68,6 +68,7 @@ class HostRelay(CpuAveraging):
     def start(self) -> None:
         super().start()
         self.up.start()
+        self.up.send([self.up_writer.encode(announcement(self.source))])  # binds our route upstream before any round
 
     def close(self) -> None:
         super().close()

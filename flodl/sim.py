@@ -79,7 +79,7 @@ class _Peer:
         self.end_window = -1
         self.sent = 0
         self.endpoint = ControlEndpoint(
-            make_dealer(zmq.Context.instance(), addr, sender), secret=secret, run_id=run_id, sender=sender, on_message=self._on_message
+            make_dealer(zmq.Context.instance(), addr), secret=secret, run_id=run_id, sender=sender, on_message=self._on_message
         )
         self.endpoint.start()
 

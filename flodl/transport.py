@@ -23,7 +23,7 @@ from typing import Any, Callable
 import zmq
 
 from . import curve
-from .protocol.codec import DEFAULT_MAX_FRAME, Envelope, FrameReader, FrameWriter
+from .protocol.codec import DEFAULT_MAX_FRAME, Envelope, FrameReader, FrameWriter, _printable
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,10 @@ DRAIN_BATCH = 256
 #: freeing its routing id for the peer's reconnect (application heartbeats judge liveness).
 ZMQ_HEARTBEAT_IVL_MS = 1000
 ZMQ_HEARTBEAT_TIMEOUT_MS = 5000
+#: ``ZMQ_MAXMSGSIZE`` of control sockets: a little over the codec's frame limit. libzmq reads a
+#: message part's size before its bytes and closes a connection announcing more, so a stranger's
+#: 200 MB frame costs the receiver nothing (the codec would only drop it once it was all in memory).
+CONTROL_MAX_MSG_BYTES = DEFAULT_MAX_FRAME + 4096
 
 
 class AsyncSocket:
@@ -153,7 +157,7 @@ class ControlEndpoint:
         max_frame: int = DEFAULT_MAX_FRAME,
     ) -> None:
         self.router = sock.type == zmq.ROUTER
-        self.reader = FrameReader(secret, run_id, max_frame=max_frame, name=sender)
+        self.reader = FrameReader(secret, run_id, max_frame=max_frame, name=sender, own=sender)  # our own frames reflected: dropped
         self.writer = FrameWriter(secret, run_id, sender)
         self.on_message = on_message
         self.io = AsyncSocket(sock, self._on_parts)
@@ -177,7 +181,7 @@ class ControlEndpoint:
                 self.reader.drops["malformed"] += 1
                 return
             identity, frame = b"", parts[0]
-        env = self.reader.read(frame, identity.decode("utf-8", "replace") or "controller")
+        env = self.reader.read(frame, peer_name(identity) if self.router else "controller")
         if env is not None:
             self.on_message(identity, env)
 
@@ -198,11 +202,11 @@ def make_router(ctx: zmq.Context, bind: str, port: int) -> tuple[zmq.Socket, int
     """A ROUTER bound to ``tcp://bind:port`` (port 0 picks a free one); returns it and its port.
 
     ``ROUTER_MANDATORY`` turns sends to unknown or gone peers into counted
-    errors instead of silent loss. A second connection claiming a routing id
-    already in use is refused (no ``ROUTER_HANDOVER``): routing ids are not
-    authenticated, and with handover anyone who learnt a rank's id could steal
-    its route. A peer that really reconnected gets its id back once its old
-    connection is gone, which ZeroMQ heartbeats notice within seconds.
+    errors instead of silent loss. Routing ids are not authenticated, so
+    nothing is decided on them: flodl's peers let this socket assign one per
+    connection (never seen on the wire), and the controller binds a peer's
+    route to the sender name of its signed, fresh frames (``Routes``). A
+    connection claiming an id in use is refused (no ``ROUTER_HANDOVER``).
     """
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -212,6 +216,7 @@ def make_router(ctx: zmq.Context, bind: str, port: int) -> tuple[zmq.Socket, int
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 100_000)
     sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_MSG_BYTES)
     curve.server(sock)  # encrypted when the run asks for it (--encrypt)
     if port == 0:
         port = sock.bind_to_random_port(f"tcp://{bind}")
@@ -220,22 +225,70 @@ def make_router(ctx: zmq.Context, bind: str, port: int) -> tuple[zmq.Socket, int
     return sock, port
 
 
-def make_dealer(ctx: zmq.Context, addr: str, identity: str) -> zmq.Socket:
-    """A DEALER connected to ``addr`` whose routing id is ``identity``.
+def make_dealer(ctx: zmq.Context, addr: str) -> zmq.Socket:
+    """A DEALER connected to ``addr``; the controller's ROUTER gives each of its connections a routing id.
 
     Connecting never blocks: ZeroMQ retries in the background and delivers
     queued frames once the controller is up, so start order does not matter.
+    A reconnect (after a reset) is a new connection with a new routing id;
+    the controller moves the peer's route there on its next signed frame.
     """
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.ROUTING_ID, identity.encode())
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 100_000)
     sock.setsockopt(zmq.RCVHWM, 100_000)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+    sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_MSG_BYTES)
     curve.client(sock)
     sock.connect(addr)
     return sock
+
+
+def peer_name(route: bytes) -> str:
+    """How logs name the connection a frame came on: ``conn:<hex>`` for an id the ROUTER assigned,
+    else the id its peer chose (escaped when logged)."""
+    if len(route) == 5 and route[0] == 0:
+        return f"conn:{route[1:].hex()}"
+    return _printable(route.decode("utf-8", "replace"), 80) or "?"
+
+
+def route_moves(known: bytes | None, route: bytes, env: Envelope) -> bool:
+    """Does a bound sender's route (``known``) move to the connection ``env`` came on (``route``)?
+    Only for an authenticated frame newer than anything accepted from that sender."""
+    return bool(known) and known != route and env.newest
+
+
+class Routes:
+    """Which connection (routing id) reaches each sender: bound by signed frames, never by ids.
+
+    A sender's route is set by its first authenticated frame (the caller
+    decides which: a hello) and moves to another connection only on a frame
+    that is authenticated and the newest ever accepted from that sender
+    (``Envelope.newest``): a reconnect after a reset moves it, a replay or a
+    stranger's connection never does.
+    """
+
+    def __init__(self) -> None:
+        self._by_sender: dict[str, bytes] = {}
+        self.moves = 0
+
+    def get(self, sender: str) -> bytes | None:
+        return self._by_sender.get(sender)
+
+    def bind(self, sender: str, route: bytes) -> None:
+        self._by_sender[sender] = route
+
+    def follow(self, env: Envelope, route: bytes) -> bool:
+        """Move a bound sender's route to ``route`` if ``env`` allows it; True if it moved."""
+        if not route_moves(self._by_sender.get(env.sender), route, env):
+            return False
+        self._by_sender[env.sender] = route
+        self.moves += 1
+        return True
+
+    def forget(self, sender: str) -> None:
+        self._by_sender.pop(sender, None)
 
 
 def host_name() -> str:

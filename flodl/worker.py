@@ -129,7 +129,7 @@ class Worker:
     async def run(self) -> int:
         ctx = zmq.Context.instance()
         self.endpoint = ControlEndpoint(
-            make_dealer(ctx, self.controller, self.sender),
+            make_dealer(ctx, self.controller),
             secret=self.secret,
             run_id=self.run_id,
             sender=self.sender,

@@ -13,8 +13,9 @@ not encrypted, so anyone on the path can copy them). It tries, in order:
    a rank's exit, a rank's error, a ping the controller would answer), signed
    with a secret of its own, plus one captured frame with a byte flipped;
 3. malformed messages: empty, shorter than a header, wrong magic, an unknown
-   protocol version, a header announcing a body over the size limit, a 2 MB
-   message, a three-part message;
+   protocol version, a header announcing a body over the size limit, a
+   three-part message, and a 2 MB message (on its own connection, which
+   libzmq closes at the size header: it never reaches the codec);
 4. replays: every captured frame, sent again unchanged from its own
    connection. Each was already accepted from its real sender, so the
    controller's per-sender replay window must drop it (``replayed``), whatever
@@ -188,7 +189,17 @@ def main() -> int:
         send(sock, b"GARBAGE!" + secrets.token_bytes(56), "bad_magic")
         send(sock, HEADER.pack(MAGIC, 99, 11, 8) + b"\x00" * (8 + TAG_LEN), "unknown_version")
         send(sock, HEADER.pack(MAGIC, PROTOCOL_VERSION, 11, 0xFFFFFFFF) + b"\x00" * (TAG_LEN + 4), "oversized")  # 4 GiB announced
-        send(sock, MAGIC + secrets.token_bytes(2 << 20), "oversized")
+        # 2 MB: over every control socket's ZMQ_MAXMSGSIZE, so libzmq closes the connection at the
+        # size header and the codec never sees it (not counted); on a socket of its own, since the
+        # connection it rides on is closed, with whatever follows it
+        big = ctx.socket(zmq.DEALER)
+        big.setsockopt(zmq.LINGER, 1000)
+        big.connect(args.controller)
+        try:
+            big.send(MAGIC + secrets.token_bytes(2 << 20), zmq.NOBLOCK)
+        except zmq.Again:
+            unsent[0] += 1
+        big.close()
         send(sock, [b"two", b"parts"], "malformed")
 
     liar = None

@@ -46,7 +46,7 @@ def rank_side(ctl: CpuAveraging, rank: int, model: torch.nn.Module, *, timeout_s
     identity = f"rank{rank}.t".encode()
     ctl.admit(identity, rank)
     probe = dict(shm_probe=ctl.probe_path, shm_nonce=ctl.probe_nonce) if lane else {}
-    bulk = BulkLink(f"tcp://127.0.0.1:{ctl.port}", identity=identity + b"/bulk", secret=SECRET, run_id=RUN, sender=f"rank{rank}.t/bulk", **probe)
+    bulk = BulkLink(f"tcp://127.0.0.1:{ctl.port}", rank=rank, secret=SECRET, run_id=RUN, sender=f"rank{rank}.t/bulk", **probe)
     assert bulk.lane == lane
     return CpuAverager(FlatModel(model), bulk, rank=rank, timeout_s=timeout_s, must_stop=lambda: False)
 

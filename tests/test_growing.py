@@ -210,3 +210,37 @@ def test_a_late_worker_with_another_model_is_refused_and_the_run_goes_on(proc_en
     assert "could not join the run: its model signature" in cluster.run.output
     assert summary["joins"] == [] and summary["deaths"] == []
     assert [h["samples"] for h in summary["history"]] == [512] * EPOCHS
+
+
+# ------------------------------------------------------------------ loopback
+
+
+async def test_a_joiners_second_rank_ready_before_its_first_waits_for_it(quiet_console):
+    """A late worker's ranks join in rank order: its second rank, ready first, is admitted with its
+    first (once that one is ready), never ahead of it (the plans only grow at the end)."""
+    import asyncio
+
+    from flodl.controller import Controller, LaunchOptions
+    from flodl.sim import SimRankSpec, SimWorker
+
+    secret, run_id = b"g" * 32, "grow-order"
+    launch = LaunchOptions(task="sim:task", epochs=8, workers=1, progress=False, join_timeout_secs=20.0)
+    ctl = Controller(launch, DdpRunConfig().with_mode("nccl-cadence"), secret=secret, run_id=run_id, console=quiet_console)
+    run = asyncio.create_task(ctl.run())
+    await ctl.ready.wait()
+    addr = f"tcp://127.0.0.1:{ctl.port}"
+    first = asyncio.create_task(SimWorker(addr, secret, run_id, [SimRankSpec(batch_ms=5)], host="a").run())
+    try:
+        async with asyncio.timeout(30):
+            while ctl.phase != "training":
+                await asyncio.sleep(0.01)
+        late = SimWorker(addr, secret, run_id, [SimRankSpec(batch_ms=5, hello_delay_s=1.0), SimRankSpec(batch_ms=5)], host="late")
+        await asyncio.wait_for(late.run(), 60)
+        summary = await asyncio.wait_for(run, 60)
+        await first
+    finally:
+        run.cancel()
+        first.cancel()
+    assert summary["exit_reason"] == "completed"
+    assert [j["ranks"] for j in summary["joins"]] == [[1, 2]]
+    assert late.outcomes == {1: "completed", 2: "completed"}

@@ -150,7 +150,7 @@ async def test_garbage_frames_change_nothing(quiet_console):
     addr = f"tcp://127.0.0.1:{ctl.port}"
     sim = SimWorker(addr, SECRET, RUN, [SimRankSpec(batch_ms=1), SimRankSpec(batch_ms=1)])
     sim_task = asyncio.create_task(sim.run())
-    attacker = make_dealer(zmq.Context.instance(), addr, "intruder")
+    attacker = make_dealer(zmq.Context.instance(), addr)
     rng = random.Random(3)
     forged = FrameWriter(b"wrong secret" * 3, RUN, "intruder")
     genuine = FrameWriter(SECRET, RUN, "rank0.forged")

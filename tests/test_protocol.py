@@ -15,6 +15,8 @@ import pytest
 from flodl.errors import ProtocolError
 from flodl.protocol import messages as m
 from flodl.protocol.codec import (
+    DROP_LOG_BURST,
+    DROP_LOG_INTERVAL_S,
     DROP_REASONS,
     HEADER,
     MAGIC,
@@ -28,6 +30,8 @@ from flodl.protocol.codec import (
     sign,
     unpack_frame,
 )
+
+from .conftest import FakeClock
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -93,7 +97,7 @@ def test_golden_invalid_reasons(vector):
 
 def test_invalid_vectors_cover_every_stateless_reason():
     golden = json.loads((ROOT / "proto" / "golden" / "invalid.json").read_text())
-    assert {v["reason"] for v in golden["vectors"]} == set(DROP_REASONS) - {"replayed"}
+    assert {v["reason"] for v in golden["vectors"]} == set(DROP_REASONS) - {"replayed", "reflected"}  # both need a reader's state
 
 
 def test_round_trip_every_message_random_values():
@@ -188,21 +192,49 @@ def test_replay_window():
     assert w.accept(2000 - 1023)
 
 
-def test_reader_counts_and_logs_once_per_peer_and_reason(caplog):
+def test_reader_counts_every_drop_and_logs_a_peer_at_most_once_per_interval(caplog):
+    clock = FakeClock()
     writer = FrameWriter(SECRET, RUN, "rank0.1")
-    reader = FrameReader(SECRET, RUN)
-    frame = writer.encode(m.Heartbeat(step=1, sent_at=1.0))
+    reader = FrameReader(SECRET, RUN, clock=clock)
+    frame = writer.encode(m.Ping(nonce=1, sent_at=1.0))
     assert reader.read(frame, "peerA") is not None
     with caplog.at_level("WARNING"):
         for _ in range(5):
             assert reader.read(frame, "peerA") is None  # replayed
         assert reader.read(b"junk", "peerA") is None
         assert reader.read(b"junk", "peerB") is None
-    assert reader.drops == {"replayed": 5, "truncated": 2}
+        clock.advance(DROP_LOG_INTERVAL_S)
+        assert reader.read(b"junk", "peerA") is None
+    assert reader.drops == {"replayed": 5, "truncated": 3}
     assert reader.accepted == 1
     lines = [r.getMessage() for r in caplog.records]
-    assert sum("replayed" in line for line in lines) == 1
-    assert sum("truncated" in line for line in lines) == 2
+    assert len(lines) == 3, lines  # peerA, peerB, then peerA again once the interval is over
+    assert "replayed" in lines[0] and "peerB" in lines[1]
+    assert "5 more from this peer" in lines[2], lines[2]
+
+
+def test_a_thousand_strangers_write_a_few_lines_not_a_thousand(caplog):
+    clock = FakeClock()
+    reader = FrameReader(SECRET, RUN, clock=clock)
+    with caplog.at_level("WARNING"):
+        for i in range(1000):
+            reader.read(b"junk", f"conn:{i:08x}")
+        clock.advance(DROP_LOG_INTERVAL_S)
+        reader.read(b"junk", "conn:last")
+    lines = [r.getMessage() for r in caplog.records]
+    assert reader.drops == {"truncated": 1001}
+    assert len(lines) == DROP_LOG_BURST + 1, len(lines)
+    assert f"{1000 - DROP_LOG_BURST} more from other peers" in lines[-1], lines[-1]
+
+
+def test_own_frames_reflected_back_are_dropped():
+    """A frame signed under the reader's own name (or a sub-name such as controller/bulk) was ours: someone copied it back."""
+    reader = FrameReader(SECRET, RUN, own="controller")
+    for sender in ("controller", "controller/bulk"):
+        frame = FrameWriter(SECRET, RUN, sender).encode(m.Ping(nonce=1, sent_at=1.0))
+        assert reader.read(frame, "x") is None
+    assert reader.drops == {"reflected": 2} and reader.accepted == 0
+    assert reader.read(FrameWriter(SECRET, RUN, "controllerish").encode(m.Ping(nonce=1, sent_at=1.0)), "x") is not None
 
 
 def test_reader_survives_random_garbage():

@@ -62,7 +62,7 @@ class Admission:
     def _send_worker_welcome(self, worker: WorkerInfo) -> None:
         relay = self._relays(worker)
         if relay:
-            self.averaging.admit_relay(worker.identity, worker.ranks)
+            self.averaging.admit_relay(worker.sender.encode(), worker.ranks)
         self.endpoint.send(
             m.WorkerWelcome(ranks=worker.ranks, world_size=self._next_rank, task=self.launch.task, heartbeat_timeout_s=self.heartbeat_timeout_s,
                             bulk_port=self.averaging.port if self.averaging is not None else 0, bulk_relay=relay),
@@ -105,7 +105,7 @@ class Admission:
         for rank in range(self.initial_world):
             self._send_rank(rank, self._rank_welcome(rank, late=False))
             if self.averaging is not None:
-                self.averaging.admit(self.members.ranks[rank].identity, rank)
+                self.averaging.admit(self.members.ranks[rank].sender.encode(), rank)
 
     def _rank_welcome(self, rank: int, *, late: bool) -> m.RankWelcome:
         """A late rank gets the world the run started with (so its LR factor matches
@@ -172,8 +172,8 @@ class Admission:
 
     def _h_rank_hello(self, identity: bytes, env: Envelope, msg: m.RankHello) -> None:
         info = self.members.ranks[msg.rank]
-        if info.identity and info.identity != identity:
-            return  # a second process claiming a rank that already said hello
+        if info.sender:
+            return  # said hello already (a later connection of its own moved its route in _on_message), or a second process claiming the rank
         problem = self._check_hello(msg)
         if problem:
             self.endpoint.send(m.Reject(reason=problem), identity)
@@ -182,8 +182,9 @@ class Admission:
             else:
                 self._fail(f"rank {msg.rank} on host {msg.host} (pid {msg.pid}) cannot join: {problem}", EXIT_TASK_ERROR)
             return
-        info.identity, info.host, info.pid, info.device = identity, msg.host, msg.pid, msg.device
+        info.identity, info.sender, info.host, info.pid, info.device = identity, env.sender, msg.host, msg.pid, msg.device
         self.members.by_identity[identity] = info
+        self.members.by_sender[env.sender] = info
         self.hellos[msg.rank] = msg
         if self.task_info is None:
             self.task_info = msg
@@ -209,7 +210,10 @@ class Admission:
         for rank, deadline in list(self.joiners.items()):
             if now > deadline and self.members.ranks[rank].state is not PeerState.READY:
                 self._drop_joiner(rank, f"not ready within join_timeout_secs ({self.launch.join_timeout_secs:g} s)")
-        ready = sorted(r for r in self.joiners if self.members.ranks[r].state is PeerState.READY)
+        # joiners join in rank order (the plans only grow at the end): a ready rank waits
+        # while a lower-numbered joiner is not ready yet (or until that one is dropped)
+        waiting_below = min((r for r in self.joiners if self.members.ranks[r].state is not PeerState.READY), default=None)
+        ready = sorted(r for r in self.joiners if self.members.ranks[r].state is PeerState.READY and (waiting_below is None or r < waiting_below))
         if self.averaging is not None:
             # a relaying host joins whole: its relay sends one snapshot for all its ranks, from one first round
             waiting = {self.averaging.relayed[r] for r in self.joiners
@@ -231,7 +235,7 @@ class Admission:
             targets = members
         else:
             for rank in ready:
-                self.averaging.admit(self.members.ranks[rank].identity, rank, from_round=loop.round_base)
+                self.averaging.admit(self.members.ranks[rank].sender.encode(), rank, from_round=loop.round_base)
             msg = m.Regroup(generation=generation, members=members, store_prefix="", reason=reason,
                             sync_from=-1, first_round=loop.round_base)
             targets = ready  # the others' CPU rounds simply start expecting the joiners
@@ -249,6 +253,7 @@ class Admission:
         if info is None:
             return
         self.members.by_identity.pop(info.identity, None)
+        self.members.by_sender.pop(info.sender, None)
         self.console.line(f"{info.where()} could not join the run: {why}")
         if info.exit_code is None:
             for worker in self.members.workers.values():

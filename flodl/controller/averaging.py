@@ -45,11 +45,11 @@ import torch
 import zmq
 
 from .. import curve, shm
-from ..bulk import DTYPES, as_frame, check_slice, slices, unpack_slice
+from ..bulk import DTYPES, MAX_MSG_BYTES, as_frame, check_slice, is_announcement, slices, unpack_slice
 from ..errors import ProtocolError
 from ..protocol import messages as m
 from ..protocol.codec import FrameReader, FrameWriter
-from ..transport import AsyncSocket
+from ..transport import AsyncSocket, Routes, peer_name
 
 log = logging.getLogger("flodl.averaging")
 
@@ -99,7 +99,7 @@ class CpuAveraging:
     """Collects snapshot slices, averages them on the CPU, sends the average back."""
 
     def __init__(self, *, secret: bytes, run_id: str, bind: str, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.reader = FrameReader(secret, run_id, max_frame=1 << 20, name="controller bulk")
+        self.reader = FrameReader(secret, run_id, max_frame=1 << 20, name="controller bulk", own="controller")
         self.writer = FrameWriter(secret, run_id, "controller/bulk")
         self.timeout_s = timeout_s
         self.clock = clock
@@ -108,10 +108,12 @@ class CpuAveraging:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 4)  # a few slices per peer in flight; TCP holds the rest
         sock.setsockopt(zmq.SNDHWM, 0)  # updates reference the accumulator: never dropped
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)  # a part bigger than a slice closes the connection unread
         curve.server(sock)
         self.port = sock.bind_to_random_port(f"tcp://{bind}")
         self.io = AsyncSocket(sock, self._on_parts)
-        self.ranks: dict[bytes, int] = {}  # bulk identity -> source (a rank, or a relay's lowest rank)
+        self.ranks: dict[bytes, int] = {}  # bulk sender name -> source (a rank, or a relay's lowest rank)
+        self.routes = Routes()  # bulk sender name -> the connection its signed headers come on
         self.members: dict[int, set[int]] = {}  # source -> the ranks it carries
         self.relayed: dict[int, int] = {}  # rank -> the relay source that carries it
         self.first_round: dict[int, int] = {}  # source -> the first round it takes part in (joiners start later)
@@ -148,7 +150,7 @@ class CpuAveraging:
     # ------------------------------------------------------------------ wiring
 
     def admit(self, identity: bytes, rank: int, *, from_round: int = 0) -> None:
-        """``identity`` is the rank's control routing id; its bulk socket adds ``/bulk``.
+        """``identity`` is the rank's control sender name; its bulk headers are signed as ``<identity>/bulk``.
 
         A rank joining a running job is expected from ``from_round`` on: the
         rounds before it are its peers' alone.
@@ -164,7 +166,7 @@ class CpuAveraging:
         self.first_round[rank] = from_round
 
     def admit_relay(self, identity: bytes, ranks: list[int]) -> None:
-        """``identity`` (a worker's control routing id, ``/bulk`` added) relays ``ranks``.
+        """``identity`` (a worker's control sender name, ``/bulk`` added) relays ``ranks``.
 
         It becomes one source, keyed by the lowest of them, expected once they are admitted.
         """
@@ -193,15 +195,20 @@ class CpuAveraging:
         if len(parts) < 2:
             self.drops["malformed"] += 1
             return
-        identity, header, frames = parts[0], parts[1], parts[2:]
-        env = self.reader.read(header, identity.decode("utf-8", "replace"))
+        route, header, frames = parts[0], parts[1], parts[2:]
+        env = self.reader.read(header, peer_name(route))
         if env is None:
             return
         msg = env.msg
+        if isinstance(msg, m.Snapshot) and is_announcement(msg) and not frames:
+            self._route(env, route)  # a bulk socket's first header (it may come before the rank is admitted)
+            return
+        identity = env.sender.encode()  # signed: the routing id is the connection's, chosen by nobody we trust
         rank = self.ranks.get(identity)
         if not isinstance(msg, m.Snapshot) or rank is None or rank != msg.rank:
             self.drops["unauthorized"] += 1
             return
+        self._route(env, route)
         if not 0 <= msg.ranks <= len(self.members.get(rank, ())):
             self.drops["bulk"] += 1
             log.error("rejected a snapshot slice from source %d: it claims %d ranks, it carries %d", rank, msg.ranks, len(self.members.get(rank, ())))
@@ -220,6 +227,13 @@ class CpuAveraging:
         self.queue.put_nowait((rank, msg, piece))
         # read ahead a few slices while one is folded, then stop: memory stays bounded
         self.io.paused = self.queue.qsize() >= READ_AHEAD
+
+    def _route(self, env: Any, route: bytes) -> None:
+        """The connection that reaches a sender: its first authenticated header binds it, its newest moves it (a reconnect)."""
+        if self.routes.get(env.sender) is None:
+            self.routes.bind(env.sender, route)
+        else:
+            self.routes.follow(env, route)
 
     def _lane_slice(self, identity: bytes, rank: int, msg: m.Snapshot, frames: list) -> torch.Tensor:
         """The slice a header names in the rank's segment (mapped on first use, then unlinked).
@@ -473,7 +487,11 @@ class CpuAveraging:
         encoded = self.writer.encode(header)
         on_lane = self.writer.encode(lane) if lane is not None else None
         for identity in self.ranks:
-            parts = [identity, on_lane] if on_lane is not None and identity in self.shm_identities else [identity, encoded, *frames]
+            route = self.routes.get(identity.decode())
+            if route is None:  # never heard from: nothing reaches it yet
+                self.drops["unreachable"] += 1
+                continue
+            parts = [route, on_lane] if on_lane is not None and identity in self.shm_identities else [route, encoded, *frames]
             if not self.io.send(parts, copy=False):
                 self.drops["unreachable"] += 1
 

@@ -29,13 +29,13 @@ from ..config import ApplyPolicy, AverageBackend, DdpRunConfig
 from ..env import new_run_id, new_run_secret
 from ..checkpoint import CheckpointError, read_meta
 from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_RANK_LOST, RunAborted
-from ..membership import Membership, PeerState
+from ..membership import Membership, PeerState, RankInfo
 from ..metrics import EpochStats
 from ..protocol import messages as m
 from ..protocol.codec import Envelope
 from ..proc import terminate_then_kill
 from ..schedule import Schedule
-from ..transport import ControlEndpoint, make_router
+from ..transport import ControlEndpoint, make_router, route_moves
 from ..dispatch import PROBE_BATCHES, PROBE_MIN_MS
 from .admission import Admission
 from .averaging import CpuAveraging
@@ -472,9 +472,10 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         handler = _HANDLERS.get(type(msg))
         if handler is None:
             return  # a message we never act on in this direction
+        self._follow_route(identity, env)
         rank = getattr(msg, "rank", None)
         if rank is not None and rank >= 0 and type(msg) is not m.RankExited:
-            if not self._is_rank_sender(rank, identity, msg):
+            if not self._is_rank_sender(rank, env.sender, msg):
                 return
             self.members.seen_rank(rank, now)
         else:
@@ -483,16 +484,29 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
                 self._seen_by_identity(identity, now)
         getattr(self, handler)(identity, env, msg)
 
-    def _is_rank_sender(self, rank: int, identity: bytes, msg: Any) -> bool:
-        """A rank message must come from the identity that said that rank's hello."""
+    def _is_rank_sender(self, rank: int, sender: str, msg: Any) -> bool:
+        """A rank message must be signed by the sender that said that rank's hello
+        (sender names are authenticated; the connection it came on is not)."""
         info = self.members.ranks.get(rank)
         if info is None:
             return False
         if isinstance(msg, m.RankHello):
             return True
-        if isinstance(msg, m.RankError) and not info.identity:
+        if isinstance(msg, m.RankError) and not info.sender:
             return True  # it failed before its hello (building the task): say so now, not at a timeout
-        return info.identity == identity
+        return info.sender == sender
+
+    def _follow_route(self, identity: bytes, env: Envelope) -> None:
+        """A known peer's frame on another connection (it reconnected after a reset): its route
+        moves there if the frame is the newest ever accepted from it, never for a replay."""
+        peer = self.members.workers.get(env.sender) or self.members.by_sender.get(env.sender)
+        if peer is None or not route_moves(peer.identity, identity, env):
+            return
+        log.info("%s now reaches us on another connection", env.sender)
+        if isinstance(peer, RankInfo):
+            self.members.by_identity.pop(peer.identity, None)
+            self.members.by_identity[identity] = peer
+        peer.identity = identity
 
     def _seen_by_identity(self, identity: bytes, now: float) -> None:
         info = self.members.by_identity.get(identity)

@@ -15,6 +15,7 @@ import hmac
 import itertools
 import logging
 import struct
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -53,7 +54,12 @@ DROP_REASONS = (
     "schema",
     "wrong_run",
     "replayed",
+    "reflected",
 )
+#: A peer's dropped frames are logged at most once per this many seconds (the rest are counted and summed up).
+DROP_LOG_INTERVAL_S = 5.0
+#: Lines about dropped frames per interval, all peers together (a thousand strangers write no thousand lines).
+DROP_LOG_BURST = 10
 
 
 class _Invalid(Exception):
@@ -237,6 +243,7 @@ class Envelope:
     seq: int
     run_id: str
     msg: Any
+    newest: bool = False  # set by FrameReader: the highest seq ever accepted from this sender (a route may follow it)
 
 
 class Signer:
@@ -403,6 +410,7 @@ class ReplayWindow:
         self.mask = 0
 
     def accept(self, seq: int) -> bool:
+        """True the first time ``seq`` is seen within the window (``seq > top`` afterwards: it was the newest)."""
         if seq > self.top:
             shift = seq - self.top
             self.mask = ((self.mask << shift) | 1) & ((1 << REPLAY_WINDOW) - 1) if shift < REPLAY_WINDOW else 1
@@ -432,19 +440,23 @@ class FrameReader:
     """Turns received bytes into envelopes; drops, counts and logs bad frames.
 
     ``read`` never raises for anything a peer sends: a dropped frame returns
-    ``None`` and increments ``drops[reason]``; the first drop of each
-    ``(peer, reason)`` pair is logged as a warning, later ones only counted.
+    ``None`` and increments ``drops[reason]``. Frames signed under the
+    reader's own name (``own``, or ``own/...``) are ours reflected back by
+    someone who copied them off the wire: dropped as ``reflected``. Warnings
+    are rate-limited (``DropLog``): every drop is counted, few are printed.
     """
 
-    def __init__(self, secret: bytes, run_id: str, *, max_frame: int = DEFAULT_MAX_FRAME, name: str = "") -> None:
+    def __init__(self, secret: bytes, run_id: str, *, max_frame: int = DEFAULT_MAX_FRAME, name: str = "", own: str = "",
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.signer = Signer(secret)
         self.run_id = run_id
         self.max_frame = max_frame
         self.name = name
+        self.own = own
         self.drops: Counter[str] = Counter()
         self.accepted = 0
         self._windows: dict[str, ReplayWindow] = {}
-        self._logged: set[tuple[str, str]] = set()
+        self.log = DropLog(clock=clock)
 
     def read(self, data: bytes, peer: str = "?") -> Envelope | None:
         try:
@@ -452,12 +464,17 @@ class FrameReader:
         except ProtocolError as exc:
             self._drop(exc.reason, peer, exc.detail)
             return None
+        if self.own and (env.sender == self.own or env.sender.startswith(self.own + "/")):
+            self._drop("reflected", peer, f"seq {env.seq} signed as {env.sender}")
+            return None
         window = self._windows.get(env.sender)
         if window is None:
             window = self._windows[env.sender] = ReplayWindow()
+        top = window.top
         if not window.accept(env.seq):
             self._drop("replayed", peer, f"seq {env.seq} from {env.sender}")
             return None
+        env.newest = env.seq > top
         self.accepted += 1
         return env
 
@@ -466,10 +483,49 @@ class FrameReader:
         self._windows.pop(sender, None)
 
     def _drop(self, reason: str, peer: str, detail: str) -> None:
+        self.drops[reason] += 1
         # a peer's name is its ZeroMQ routing id, which anyone who connects chooses:
         # escaped, so no byte of it can start a line of its own in our output
-        peer, detail = _printable(peer, 80), _printable(detail, 300)
-        self.drops[reason] += 1
-        if (peer, reason) not in self._logged and len(self._logged) < 10_000:
-            self._logged.add((peer, reason))
-            log.warning("%sdropped frame from %s: %s %s (further drops counted only)", self.name and f"{self.name}: ", peer, reason, detail)
+        peer = _printable(peer, 80)
+        line = self.log.line(peer)
+        if line is not None:
+            log.warning("%sdropped frame from %s: %s %s%s", self.name and f"{self.name}: ", peer, reason, _printable(detail, 300), line)
+
+
+class DropLog:
+    """Decides which dropped frames get a warning line: at most one per peer
+    per ``interval_s`` and ``burst`` for all peers together per interval; a
+    line says how many drops went unprinted since the last one."""
+
+    def __init__(self, *, interval_s: float = DROP_LOG_INTERVAL_S, burst: int = DROP_LOG_BURST, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self.burst = burst
+        self.clock = clock
+        self._peers: dict[str, list] = {}  # peer -> [time of its last line, drops unprinted since]
+        self._window = (0.0, 0)  # start of the current interval, lines printed in it
+        self._unprinted = 0  # drops of every peer unprinted since the last line
+
+    def line(self, peer: str) -> str | None:
+        """None: count this drop only; else the suffix of the line to print (the summary of what went unprinted)."""
+        now = self.clock()
+        seen = self._peers.get(peer)
+        start, printed = self._window
+        if now - start >= self.interval_s:
+            start, printed = now, 0
+        if (seen is not None and now - seen[0] < self.interval_s) or printed >= self.burst:
+            if seen is not None:
+                seen[1] += 1
+            self._unprinted += 1
+            self._window = (start, printed)
+            return None
+        if len(self._peers) >= 10_000:  # bounded: strangers can open any number of connections
+            self._peers.clear()
+        quiet = seen[1] if seen is not None else 0
+        others = self._unprinted - quiet
+        self._peers[peer] = [now, 0]
+        self._unprinted = 0
+        self._window = (start, printed + 1)
+        parts = [f"{quiet} more from this peer"] if quiet else []
+        if others > 0:
+            parts.append(f"{others} more from other peers")
+        return f" ({', '.join(parts)} dropped since the last line; every drop is counted)" if parts else ""

@@ -35,7 +35,7 @@ import torch
 import zmq
 
 from .. import curve, shm
-from ..bulk import as_frame, check_slice, dtype_name, slices, unpack_slice
+from ..bulk import MAX_MSG_BYTES, announcement, as_frame, check_slice, dtype_name, slices, unpack_slice
 from ..errors import DeadlineExceeded, ProtocolError
 from ..protocol import messages as m
 from ..protocol.codec import FrameReader, FrameWriter
@@ -48,12 +48,14 @@ class BulkLink:
     """The rank's bulk-plane DEALER (used by the training thread only)."""
 
     def __init__(
-        self, addr: str, *, identity: bytes, secret: bytes, run_id: str, sender: str, send_timeout_s: float = 60.0,
+        self, addr: str, *, rank: int, secret: bytes, run_id: str, sender: str, send_timeout_s: float = 60.0,
         shm_probe: str = "", shm_nonce: str = "",
     ) -> None:
+        # no routing id of our own: the receiver assigns one per connection and binds it to ``sender``
+        # (the name our headers are signed with) on the first of them, the announcement below
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.ROUTING_ID, identity)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)
         self.sock.setsockopt(zmq.SNDHWM, 4)  # back-pressure: a few slices in flight, never a pile of models
         self.sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))  # a stalled controller is an error, not a hang
         curve.client(self.sock)
@@ -62,6 +64,10 @@ class BulkLink:
         self.reader = FrameReader(secret, run_id, max_frame=1 << 20, name=f"{sender} bulk")
         self.rejected = 0
         self.run_id = run_id
+        try:
+            self.sock.send(self.writer.encode(announcement(rank)), zmq.NOBLOCK)  # queued until connected
+        except zmq.Again:  # cannot happen on a fresh socket; its first snapshot binds the route then
+            pass
         # the same-host lane: taken only when the controller's probe is visible from here
         self.lane = shm.probe_ok(shm_probe, shm_nonce, run_id)
         self.update_seg: shm.Segment | None = None

@@ -60,7 +60,7 @@ class ControllerLink:
         self.parent_pid = parent_pid
         self.exit_grace_s = exit_grace_s
         self.writer = FrameWriter(secret, run_id, sender)
-        self.reader = FrameReader(secret, run_id, name=sender)
+        self.reader = FrameReader(secret, run_id, name=sender, own=sender)  # our own frames reflected back: dropped
         self.commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lazy: collections.deque[bytes] = collections.deque()
         self.step = 0  # written by the training thread, read by heartbeats
@@ -142,7 +142,7 @@ class ControllerLink:
     # ---------------------------------------------------------- link thread
 
     def _run(self) -> None:
-        dealer = make_dealer(self._ctx, self.addr, self.sender)
+        dealer = make_dealer(self._ctx, self.addr)
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(self._pipe_in, zmq.POLLIN)

@@ -384,7 +384,7 @@ class RankRunner(Regrouping, Evaluating):
             if self.env.bulk_relay:
                 addr, probe, nonce = (self.env.bulk_relay.split(" ") + ["", ""])[:3]
             bulk = BulkLink(
-                addr, identity=self.link.sender.encode() + b"/bulk",
+                addr, rank=self.rank,
                 secret=self.env.secret, run_id=self.env.run_id, sender=f"{self.link.sender}/bulk",
                 send_timeout_s=max(welcome.collective_timeout_s, 2.0 * config.snapshot_timeout_secs),
                 shm_probe=probe, shm_nonce=nonce,
