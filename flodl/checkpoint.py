@@ -1,22 +1,20 @@
 """Checkpoint bundles: the consensus model, an optimizer state, and the run's trajectory.
 
-A bundle is three files next to each other, named from one *stem*:
+A bundle is a sidecar and the two data files it names (checkpoint_files.py
+has the layout and the order of a save that never tears a bundle):
 
-* ``<stem>.fdl``       the consensus parameters and buffers (safetensors; keys
+* ``<stem>.<tag>.fdl``   the consensus parameters and buffers (safetensors; keys
   ``p0, p1, ...`` for parameters and ``b0, ...`` for buffers in module order,
   their names kept in the metadata for people reading the file)
-* ``<stem>.optim``     the writing rank's optimizer state (safetensors; the
+* ``<stem>.<tag>.optim`` the writing rank's optimizer state (safetensors; the
   non-tensor part as JSON in the metadata; no pickle)
-* ``<stem>.meta.json`` where the run stood: schema version, epoch, global
+* ``<stem>.meta.json``   where the run stood: schema version, epoch, global
   step, sync rounds, ElChe state, data coverage, save reason, world at save,
-  and the sha256 of the ``.fdl`` it belongs to
+  and the name and sha256 of each data file: the commit marker, written last
 
-Every file is written atomically (temporary file, fsync, rename), and the
-sidecar last: it is the commit marker, so a bundle whose sidecar names a
-different ``.fdl`` than the one on disk is reported as torn, not loaded.
-
-The controller writes the sidecar; the elected rank writes ``.fdl`` and
-``.optim``. On several hosts the stem must be on storage every host sees.
+The controller writes the sidecar; the elected rank writes the data files. On
+several hosts the stem must be on storage every host sees. Non-finite values
+are refused both ways: a rank does not save them, a resume does not load them.
 """
 
 from __future__ import annotations
@@ -24,58 +22,33 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from . import safetensors_io
+from .checkpoint_files import (
+    SCHEMA_VERSION, CheckpointBundle, CheckpointError, data_files, new_tag, read_sidecar,
+    remove_superseded, resolve, stem_of,
+)
 from .safetensors_io import CorruptFile, write_atomic
 
-SCHEMA_VERSION = 1
+__all__ = [
+    "SAVE_REASONS", "SCHEMA_VERSION", "CheckpointBundle", "CheckpointError", "check_model_file", "file_sha256",
+    "first_non_finite", "load_model", "load_optimizer", "new_tag", "optimizer_tensors", "read_meta", "save_model", "save_optimizer",
+    "stem_of", "write_meta",
+]
+
 SAVE_REASONS = ("checkpoint", "final", "interrupted", "max_failure_exceeded", "single_survivor", "all_ranks_lost", "controller_lost")
-_SUFFIXES = (".meta.json", ".fdl", ".optim")
 
 
-class CheckpointError(ValueError):
-    """A bundle that cannot be used: missing, corrupt, torn, or made for another model or run."""
-
-
-def stem_of(path: str | os.PathLike) -> Path:
-    """``ckpt``, ``ckpt.fdl`` and ``ckpt.meta.json`` all name the bundle ``ckpt``."""
-    text = os.fspath(path)
-    for suffix in _SUFFIXES:
-        if text.endswith(suffix):
-            return Path(text[: -len(suffix)])
-    return Path(text)
-
-
-@dataclass(frozen=True)
-class CheckpointBundle:
-    """The three paths of one bundle."""
-
-    stem: Path
-
-    @classmethod
-    def at(cls, path: str | os.PathLike) -> "CheckpointBundle":
-        return cls(stem_of(path))
-
-    @property
-    def model(self) -> Path:
-        return self.stem.with_name(self.stem.name + ".fdl")
-
-    @property
-    def optim(self) -> Path:
-        return self.stem.with_name(self.stem.name + ".optim")
-
-    @property
-    def meta(self) -> Path:
-        return self.stem.with_name(self.stem.name + ".meta.json")
-
-    def rank_file(self, rank: int, suffix: str) -> Path:
-        """``<stem>.rank<N><suffix>``: what one rank saved on its own (controller lost)."""
-        return self.stem.with_name(f"{self.stem.name}.rank{rank}{suffix}")
+def first_non_finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """The name of the first floating tensor holding NaN or Inf, else None (one reduction per tensor)."""
+    for name, tensor in tensors:
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return name
+    return None
 
 
 # ----------------------------------------------------------------- the model
@@ -95,24 +68,32 @@ def _model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], lis
 def save_model(model: torch.nn.Module, path: str | os.PathLike) -> str:
     """Write the model's parameters and buffers to ``path`` atomically; returns the file's sha256."""
     tensors, names = _model_tensors(model)
-    safetensors_io.save(path, tensors, {"format": "flodl-consensus", "names": json.dumps(names)})
-    return file_sha256(path)
+    return safetensors_io.save(path, tensors, {"format": "flodl-consensus", "names": json.dumps(names)})
 
 
 def load_model(model: torch.nn.Module, path: str | os.PathLike) -> None:
-    """Load a ``.fdl`` (or a bundle stem) into ``model`` in place, checking it fits first.
+    """Load a bundle's model (named by its stem, sidecar or ``.fdl``) into ``model`` in place.
+
+    The file is found through the sidecar when there is one; its checksum is
+    the controller's to check (``read_meta``), the fit and the values are
+    checked here.
 
     Raises:
-        CheckpointError: the file is missing or corrupt, or its tensors do not
-            match the model's (count, shape or dtype), naming the first mismatch.
+        CheckpointError: the file is missing or corrupt, its tensors do not
+            match the model's (count, shape or dtype), or one holds NaN/Inf,
+            naming the first such tensor.
     """
-    file = _model_path(path)
+    file = resolve(path, "model")
     check_model_file(model, file)  # from the header alone: refuse before reading the tensors
     try:
-        stored, _ = safetensors_io.load(file)
+        stored, metadata = safetensors_io.load(file)
     except CorruptFile as exc:
         raise CheckpointError(str(exc)) from None
-    mine, _ = _model_tensors(model)
+    mine, names = _model_tensors(model)
+    bad = first_non_finite((names[i], stored[key]) for i, key in enumerate(mine))
+    if bad is not None:
+        raise CheckpointError(f"{file}: {bad} holds NaN or Inf; the run diverged before this save. "
+                              "Resume from an earlier bundle")
     with torch.no_grad():
         for key, tensor in mine.items():
             tensor.copy_(stored[key].to(tensor.device))
@@ -137,7 +118,7 @@ def check_fits(file: Path, stored: dict[str, tuple[list[int], torch.dtype]], min
 
 def check_model_file(model: torch.nn.Module, path: str | os.PathLike) -> None:
     """Check a ``.fdl`` fits ``model`` reading only its header (cheap, for a fast refusal)."""
-    file = _model_path(path)
+    file = resolve(path, "model")
     try:
         header, _, _ = safetensors_io.read_header(file)
     except FileNotFoundError:
@@ -148,16 +129,20 @@ def check_model_file(model: torch.nn.Module, path: str | os.PathLike) -> None:
     check_fits(file, {k: (list(e["shape"]), safetensors_io.FROM_CODE[e["dtype"]]) for k, e in header.items()}, mine, names)
 
 
-def _model_path(path: str | os.PathLike) -> Path:
-    text = os.fspath(path)
-    return Path(text) if text.endswith(".fdl") else CheckpointBundle.at(text).model
-
-
 # ------------------------------------------------------------- the optimizer
 
 
-def save_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike) -> None:
-    """Write an optimizer's state: tensors as safetensors, everything else as JSON metadata."""
+def optimizer_tensors(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every tensor in the optimizer's state, named after the model's parameter when given."""
+    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    for param, values in optimizer.state.items():
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                yield f"{names.get(id(param), 'a parameter')}'s {key}", value
+
+
+def save_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike) -> str:
+    """Write an optimizer's state (tensors as safetensors, the rest as JSON metadata); returns the file's sha256."""
     state = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     plain: dict[str, dict[str, Any]] = {}
@@ -167,17 +152,17 @@ def save_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike) ->
                 tensors[f"state.{pid}.{key}"] = value
             else:
                 plain.setdefault(str(pid), {})[key] = value
-    safetensors_io.save(path, tensors, {"format": "flodl-optim", "param_groups": json.dumps(state["param_groups"]), "plain": json.dumps(plain)})
+    return safetensors_io.save(path, tensors, {"format": "flodl-optim", "param_groups": json.dumps(state["param_groups"]), "plain": json.dumps(plain)})
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike) -> None:
-    """Load a ``.optim`` (or a bundle stem) into ``optimizer``.
+    """Load a bundle's optimizer state (named by its stem, sidecar or ``.optim``) into ``optimizer``.
 
     Raises:
-        CheckpointError: missing, corrupt, or made for other parameter groups.
+        CheckpointError: missing, corrupt, made for other parameter groups, or
+            holding NaN/Inf (naming the tensor).
     """
-    text = os.fspath(path)
-    file = Path(text) if text.endswith(".optim") else CheckpointBundle.at(text).optim
+    file = resolve(path, "optim")
     try:
         tensors, metadata = safetensors_io.load(file)
         groups = json.loads(metadata["param_groups"])
@@ -186,6 +171,10 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike) ->
         raise CheckpointError(f"{file}: no such optimizer file") from None
     except (CorruptFile, KeyError, ValueError) as exc:
         raise CheckpointError(f"{file}: not a flodl optimizer file ({exc})") from None
+    bad = first_non_finite(tensors.items())
+    if bad is not None:
+        raise CheckpointError(f"{file}: optimizer state tensor {bad} holds NaN or Inf; the run diverged before this "
+                              "save. Resume from an earlier bundle, or this one's weights alone (resume_weights_only)")
     mine = optimizer.state_dict()["param_groups"]
     if [len(g["params"]) for g in groups] != [len(g["params"]) for g in mine]:
         raise CheckpointError(f"{file} does not fit this optimizer: parameter groups of sizes "
@@ -217,37 +206,58 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def write_meta(bundle: CheckpointBundle, meta: dict[str, Any]) -> None:
-    """Write the sidecar (the commit marker) atomically, pretty-printed."""
+def write_meta(bundle: CheckpointBundle, meta: dict[str, Any], *, busy: Iterable[str] = ()) -> list[Path]:
+    """Commit a bundle: write its sidecar atomically, then delete the data files it superseded.
+
+    ``meta`` must name and checksum both data files (``model_file``,
+    ``model_sha256``, ``optim_file``, ``optim_sha256``); ``busy`` are tags of
+    saves still being written, whose files stay. Returns the deleted files.
+    """
     if meta.get("save_reason") not in SAVE_REASONS:
         raise ValueError(f"save_reason must be one of {SAVE_REASONS}, got {meta.get('save_reason')!r}")
-    write_atomic(bundle.meta, [json.dumps({"schema_version": SCHEMA_VERSION, **meta}, indent=2).encode() + b"\n"])
+    record = {"schema_version": SCHEMA_VERSION, **meta}
+    try:
+        files = data_files(bundle, record)
+    except CheckpointError as exc:
+        raise ValueError(str(exc)) from None
+    write_atomic(bundle.meta, [json.dumps(record, indent=2).encode() + b"\n"])
+    # only now: until the rename above, the files of the previous commit are the bundle
+    return remove_superseded(bundle, keep={path.name for path, _ in files.values()}, busy=busy)
 
 
-def read_meta(path: str | os.PathLike, *, verify_model: bool = True) -> dict[str, Any]:
-    """Read and check a bundle's sidecar (and that its ``.fdl`` is the one it names).
+def read_meta(path: str | os.PathLike, *, verify: bool = True, weights_only: bool = False) -> dict[str, Any]:
+    """Read and check a bundle's sidecar and (``verify``) the data files it names.
+
+    Every data file must be present with the sha256 the sidecar records; with
+    ``weights_only`` the optimizer file is not needed (a resume that starts
+    a fresh optimizer on purpose).
 
     Raises:
         CheckpointError: what is missing or wrong, and with which file.
     """
     bundle = CheckpointBundle.at(path)
-    try:
-        meta = json.loads(bundle.meta.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{bundle.meta}: no such file (resume_from names a bundle stem: the files <stem>.fdl, .optim, .meta.json)") from None
-    except ValueError as exc:
-        raise CheckpointError(f"{bundle.meta}: not JSON ({exc}); the bundle is corrupt") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("schema_version"), int):
-        raise CheckpointError(f"{bundle.meta}: no schema_version; not a flodl checkpoint sidecar")
-    if meta["schema_version"] > SCHEMA_VERSION:
-        raise CheckpointError(f"{bundle.meta}: schema_version {meta['schema_version']} is newer than this flodl reads ({SCHEMA_VERSION}); upgrade flodl")
+    meta = read_sidecar(bundle)
     for key in ("epoch", "global_step", "save_reason", "world_at_save", "coverage"):
         if key not in meta:
             raise CheckpointError(f"{bundle.meta}: field {key!r} is missing; the bundle is corrupt")
-    if verify_model and meta.get("model_sha256"):
-        if not bundle.model.exists():
-            raise CheckpointError(f"{bundle.model}: missing (the sidecar {bundle.meta.name} expects it next to it)")
-        if file_sha256(bundle.model) != meta["model_sha256"]:
-            raise CheckpointError(f"{bundle.model} is not the file {bundle.meta.name} was written with (sha256 differs): "
-                                  "corrupt, or torn by a save that did not finish")
+    files = data_files(bundle, meta)
+    if verify:
+        for kind, (file, digest) in files.items():
+            if kind == "optim" and weights_only:
+                continue
+            _verify(bundle, kind, file, digest)
     return meta
+
+
+def _verify(bundle: CheckpointBundle, kind: str, file: Path, digest: str | None) -> None:
+    if not file.exists():
+        if kind == "optim":
+            raise CheckpointError(
+                f"{file}: missing. The sidecar {bundle.meta.name} names it as the bundle's optimizer state, and "
+                "resuming without it would silently restart the optimizer (momentum, Adam moments) from zero. "
+                "Put the file back, or resume the weights alone on purpose with --resume-weights-only "
+                "(resume_weights_only = true)")
+        raise CheckpointError(f"{file}: missing (the sidecar {bundle.meta.name} names it as the bundle's model)")
+    if digest is not None and file_sha256(file) != digest:
+        raise CheckpointError(f"{file} is not the file {bundle.meta.name} was written with (sha256 differs): "
+                              "corrupt, or replaced after the save")

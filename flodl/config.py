@@ -212,8 +212,8 @@ class DdpRunConfig:
     lr_scale_ratio: float = _option(1.0, check=_non_negative, kind="float",
                                     help="LR scaling with world size: factor = 1 + (W - 1) * ratio.")
     save_path: str | None = _option(None, check=_text, kind="path", default_text="none",
-                                    help="Checkpoint bundle stem <stem>.fdl/.optim/.meta.json: final, "
-                                         "periodic and save-on-failure bundles (shared storage on multi-host).")
+                                    help="Checkpoint bundle stem (<stem>.meta.json and the .fdl/.optim it names): "
+                                         "final, periodic and save-on-failure bundles (shared storage on multi-host).")
     max_failure: MaxFailureThreshold | None = _option(None, check=_max_failure, kind="max_failure",
                                                       default_text="none (backend limits only)",
                                                       help="Dead ranks that make the run unrecoverable: "
@@ -246,6 +246,9 @@ class DdpRunConfig:
     resume_from: str | None = _option(None, check=_text, kind="path", default_text="fresh run",
                                       help="Bundle stem to continue: trains exactly what it had not "
                                            "trained, loading its model and optimizer on every rank.")
+    resume_weights_only: bool = _option(False, check=_flag(), kind="bool",
+                                        help="Resume the bundle's weights with a fresh optimizer, on purpose "
+                                             "(a bundle without its .optim is refused otherwise).")
     checkpoint_at_epoch: int | None = _option(None, check=_count(0), kind="int", default_text="none",
                                               help="One-shot checkpoint (with mid-epoch coverage) once the "
                                                    "cohort trains this epoch; needs save_path.")
@@ -300,6 +303,8 @@ class DdpRunConfig:
             # every mode dispatches windows from a coverage ledger here, Sync included
             if self.save_path is None:
                 raise ConfigError("checkpoint_at_epoch", "needs save_path (the bundle stem to write)")
+        if self.resume_weights_only and self.resume_from is None:
+            raise ConfigError("resume_weights_only", "needs resume_from (the bundle whose weights to load)")
         if world_size is not None:
             self._validate_world(world_size)
 
@@ -450,6 +455,10 @@ class DdpRunConfig:
     def with_resume_from(self, stem: str | os.PathLike[str] | None) -> DdpRunConfig:
         return self._replace(resume_from=stem)
 
+    def with_resume_weights_only(self, enabled: bool = True) -> DdpRunConfig:
+        """Load only the bundle's weights on resume; the optimizer starts fresh (its .optim may be missing)."""
+        return self._replace(resume_weights_only=enabled)
+
     def with_checkpoint_at_epoch(self, epoch: int | None) -> DdpRunConfig:
         return self._replace(checkpoint_at_epoch=epoch)
 
@@ -580,6 +589,7 @@ AVAILABLE_FIELDS: frozenset[str] = frozenset({
     "snapshot_timeout_secs", "easgd_alpha",
     # elastic membership, checkpoints and resume
     "max_failure", "save_path", "checkpoint_every", "checkpoint_at_epoch", "resume_from",
+    "resume_weights_only",
     # the monitor: record stream, dashboard, timeline
     "eval_every_epochs", "reports_per_epoch", "record_log_dir", "max_log_size", "dashboard_html", "dashboard_theme",
     "scalar_reductions", "timeline",

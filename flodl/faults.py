@@ -10,6 +10,8 @@ step), which looks to everyone else exactly like a hung device. Points:
 * ``epoch``   at an epoch edge: the first batch of epoch ``n`` (0-based) about to run
 * ``regroup`` rebuilding the process group of the ``n``-th new generation (collective
               backend): every member has arrived, the group is not yet connected
+* ``save``    the ``n``-th checkpoint's data files are written, the controller not yet
+              told (so it has not committed them)
 
 Several faults are comma-separated. Real processes really die, so the elastic
 path under test is the one users get; nothing here is consulted unless the
@@ -23,7 +25,7 @@ import signal
 from dataclasses import dataclass, field
 
 INJECT_FAULT = "FLODL_INJECT_FAULT"
-POINTS = ("batch", "average", "epoch", "regroup")
+POINTS = ("batch", "average", "epoch", "regroup", "save")
 ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 
 

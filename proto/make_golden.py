@@ -45,7 +45,7 @@ SAMPLES = [
     m.Heartbeat(step=1234, sent_at=1700000000.5),
     m.RunEval(epoch=5, final=True),
     m.EvalResult(rank=0, epoch=5, final=True, value=0.96875, elapsed_ms=3.5, error=None),
-    m.Shutdown(reason="run complete", abort=False, save_stem="", save_rank=-1),
+    m.Shutdown(reason="run complete", abort=False, save_stem="", save_rank=-1, save_tag=""),
     m.Exiting(rank=-1, reason="shutdown", digest=""),
     m.RankError(rank=1, stage="train", error="RuntimeError: boom", detail="Traceback ...", generation=0),
     m.Ping(nonce=7, sent_at=12.25),
@@ -64,8 +64,8 @@ SAMPLES = [
               sync_from=-1, first_round=-1),
     m.Regroup(generation=3, members=[0, 2, 3], store_prefix="golden-run/gen3", reason="rank 3 on host node-c joined",
               sync_from=0, first_round=-1),
-    m.SaveCheckpoint(version=2, stem="/shared/run/ckpt", reason="checkpoint", epoch=4, call_fn=True),
-    m.CheckpointDone(rank=0, version=2, model_sha256="ab" * 32, elapsed_ms=41.5, error=None),
+    m.SaveCheckpoint(version=2, stem="/shared/run/ckpt", tag="0a1b2c3d4e5f", reason="checkpoint", epoch=4, call_fn=True),
+    m.CheckpointDone(rank=0, version=2, model_sha256="ab" * 32, optim_sha256="cd" * 32, elapsed_ms=41.5, error=None),
     m.Fence(rank=3, reason="sent nothing for 10.2 s (heartbeat timeout 10 s)"),
 ]
 

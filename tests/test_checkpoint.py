@@ -13,11 +13,13 @@ import pytest
 import torch
 
 from flodl.checkpoint import (
-    CheckpointBundle, CheckpointError, check_model_file, load_model, load_optimizer, read_meta,
+    CheckpointBundle, CheckpointError, check_model_file, file_sha256, load_model, load_optimizer, read_meta,
     save_model, save_optimizer, stem_of, write_meta,
 )
 from flodl.config import DdpRunConfig
 from flodl.controller.cadence import CadenceLoop
+from flodl.controller.checkpoints import Checkpointer
+from flodl.rank.saving import checkpoint, emergency_save
 from flodl import safetensors_io
 
 from .conftest import task_spec
@@ -31,6 +33,52 @@ def model():
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
     net(torch.randn(5, 4))  # move the BatchNorm running stats off their defaults
     return net
+
+
+def adam(net, steps=3):
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    for _ in range(steps):
+        opt.zero_grad()
+        net(torch.randn(6, 4)).sum().backward()
+        opt.step()
+    return opt
+
+
+META = {"epoch": 0, "global_step": 5, "world_at_save": 1, "coverage": {}}
+
+
+def _checkpointer(stem):
+    return Checkpointer(DdpRunConfig().with_save_path(str(stem)), say=lambda line: None)
+
+
+def _write(ck, net, opt, rank=0):
+    """The controller asks, the rank writes its files: the save up to, not including, the commit."""
+    msg = ck.request(rank=rank, reason="checkpoint", epoch=0, meta=META, call_fn=False)
+    return checkpoint(rank=rank, model=net, optimizer=opt, stem=msg.stem, tag=msg.tag, version=msg.version, call_fn=None, handle=None)
+
+
+def _save(ck, net, opt):
+    done = _write(ck, net, opt)
+    assert done.error is None and ck.on_done(done)
+    return done
+
+
+def _committed(tmp_path):
+    """A bundle ``run`` with one committed save of a trained model, and the checkpointer that made it."""
+    bundle = CheckpointBundle.at(tmp_path / "run")
+    ck, net = _checkpointer(bundle.stem), model()
+    opt = adam(net)
+    _save(ck, net, opt)
+    return bundle, ck, net, opt
+
+
+def _files(bundle):
+    meta = json.loads(bundle.meta.read_text())
+    return {kind: bundle.stem.with_name(meta[f"{kind}_file"]) for kind in ("model", "optim")}
+
+
+def _params(net):
+    return [t.clone() for t in net.state_dict().values()]
 
 
 # ------------------------------------------------------------------ files
@@ -108,21 +156,21 @@ def test_sidecar_checks_missing_corrupt_torn_and_future(tmp_path):
     assert stem_of(tmp_path / "run.meta.json") == bundle.stem
     with pytest.raises(CheckpointError, match="no such file"):
         read_meta(bundle.stem)
-    digest = save_model(model(), bundle.model)
-    meta = {"epoch": 1, "global_step": 5, "world_at_save": 2, "coverage": {}, "save_reason": "checkpoint", "model_sha256": digest}
-    write_meta(bundle, meta)
+    ck, net, opt = _checkpointer(bundle.stem), model(), adam(model())
+    _save(ck, net, opt)
     assert read_meta(bundle.stem)["global_step"] == 5
-    save_model(torch.nn.Sequential(torch.nn.Linear(4, 8)), bundle.model)  # a newer .fdl without its sidecar
+    files = _files(bundle)
+    save_model(torch.nn.Sequential(torch.nn.Linear(4, 8)), files["model"])  # the file swapped after the commit
     with pytest.raises(CheckpointError, match="sha256 differs"):
         read_meta(bundle.stem)
     bundle.meta.write_text("{not json")
     with pytest.raises(CheckpointError, match="not JSON"):
         read_meta(bundle.stem)
-    bundle.meta.write_text(json.dumps({**meta, "schema_version": 99}))
+    bundle.meta.write_text(json.dumps({**META, "schema_version": 99}))
     with pytest.raises(CheckpointError, match="newer"):
         read_meta(bundle.stem)
     with pytest.raises(ValueError, match="save_reason"):
-        write_meta(bundle, {**meta, "save_reason": "whim"})
+        write_meta(bundle, {**META, "save_reason": "whim"})
 
 
 def test_coverage_restore_plans_exactly_the_untrained_positions():
@@ -145,6 +193,174 @@ def test_coverage_restore_plans_exactly_the_untrained_positions():
     assert second.global_step == 12 and second.syncs == 3
 
 
+# ------------------------------------------- crash safety and integrity
+
+
+def _restored(bundle):
+    """A fresh model and optimizer loaded from the bundle."""
+    net = model()
+    opt = torch.optim.Adam(net.parameters(), lr=0.5)
+    load_model(net, bundle.stem)
+    load_optimizer(opt, bundle.stem)
+    return net, opt
+
+
+def _moved(net):
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1.0)
+
+
+def test_a_save_the_controller_never_commits_leaves_the_previous_bundle_whole(tmp_path):
+    bundle, ck, net, opt = _committed(tmp_path)
+    committed = _params(net)
+    _moved(net)
+    done = _write(ck, net, opt)  # the rank wrote new files; the controller dies before the sidecar
+    assert done.model_sha256 and done.optim_sha256
+    read_meta(bundle.stem)  # still complete and consistent
+    back, _ = _restored(bundle)
+    assert all(torch.equal(a, b) for a, b in zip(_params(back), committed))
+    assert len(list(tmp_path.glob("run.*.fdl"))) == 2  # the uncommitted file is garbage, not the bundle
+
+
+def test_a_crash_while_the_sidecar_is_written_leaves_the_old_sidecar(tmp_path, monkeypatch):
+    bundle, ck, net, opt = _committed(tmp_path)
+    committed, before = _params(net), bundle.meta.read_text()
+    _moved(net)
+    done = _write(ck, net, opt)
+    real_replace = os.replace
+
+    def crash(src, dst):
+        if str(dst).endswith(".meta.json"):
+            raise KeyboardInterrupt("killed between the sidecar's fsync and its rename")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        ck.on_done(done)
+    monkeypatch.undo()
+    assert bundle.meta.with_name("run.meta.json.tmp").exists() and bundle.meta.read_text() == before
+    back, _ = _restored(bundle)
+    assert all(torch.equal(a, b) for a, b in zip(_params(back), committed))
+
+
+def test_a_commit_deletes_superseded_files_but_not_a_save_in_flight_or_other_bundles(tmp_path):
+    bundle = CheckpointBundle.at(tmp_path / "run")
+    ck, net = _checkpointer(bundle.stem), model()
+    opt = adam(net)
+    save_model(net, bundle.model)  # a schema-1 bundle's files, and a crashed writer's temporary
+    save_optimizer(opt, bundle.optim)
+    (tmp_path / "run.0123456789ab.fdl.tmp").write_bytes(b"half")
+    emergency_save(model=net, optimizer=opt, stem=str(bundle.stem), rank=0, reason="controller_lost", why="test",
+                   epoch=0, global_step=1)
+    others = {"run.v2.meta.json", "run.v2.fdl", "run.rank0.meta.json", *(p.name for p in tmp_path.glob("run.rank0.*"))}
+    for name in ("run.v2.meta.json", "run.v2.fdl"):  # another bundle whose stem starts like this one
+        (tmp_path / name).write_text("{}")
+    _save(ck, net, opt)
+    first = set(_files(bundle).values())
+    second, third = _write(ck, net, opt), _write(ck, net, opt)  # two saves asked and written, none committed
+    in_flight = {p for p in tmp_path.iterdir() if p.name.startswith("run.") and p not in first} - {tmp_path / n for n in others}
+    assert ck.on_done(second)
+    now = set(tmp_path.iterdir())
+    assert not first & now  # superseded by the commit
+    assert {bundle.model, bundle.optim, tmp_path / "run.0123456789ab.fdl.tmp"}.isdisjoint(now)
+    assert set(_files(bundle).values()) < in_flight <= now  # the third save's files stay until it commits
+    assert {tmp_path / n for n in others} <= now
+    assert ck.on_done(third)
+    assert {p.name for p in tmp_path.iterdir()} == {"run.meta.json", *others, *(p.name for p in _files(bundle).values())}
+    load_model(model(), bundle.rank_file(0, ".fdl"))  # the rank bundle is untouched
+
+
+def test_a_rank_refuses_to_save_nan_and_the_previous_bundle_stays(tmp_path):
+    bundle, ck, net, opt = _committed(tmp_path)
+    before = bundle.meta.read_text()
+    with torch.no_grad():
+        net[0].weight[0, 0] = float("nan")
+    done = _write(ck, net, opt)
+    assert not done.model_sha256 and "0.weight holds NaN or Inf" in done.error and "previous bundle is kept" in done.error
+    assert not ck.on_done(done) and bundle.meta.read_text() == before
+    net = model()
+    opt = adam(net)
+    next(iter(opt.state.values()))["exp_avg_sq"][0] = float("inf")
+    done = _write(ck, net, opt)
+    assert not done.model_sha256 and "optimizer state 0.weight's exp_avg_sq holds NaN or Inf" in done.error
+    assert len(list(tmp_path.glob("run.*.fdl"))) == 1  # nothing written
+    emergency_save(model=net, optimizer=opt, stem=str(bundle.stem), rank=1, reason="controller_lost", why="test",
+                   epoch=0, global_step=1)
+    assert not bundle.rank_file(1, ".meta.json").exists()
+
+
+def test_resume_refuses_nan_in_either_file_naming_it(tmp_path):
+    bundle, ck, net, opt = _committed(tmp_path)
+    files = _files(bundle)
+    tensors, metadata = safetensors_io.load(files["optim"])
+    tensors["state.1.exp_avg"][0] = float("nan")
+    safetensors_io.save(files["optim"], tensors, metadata)
+    with pytest.raises(CheckpointError, match=r"run\.\w+\.optim: optimizer state tensor state.1.exp_avg holds NaN"):
+        load_optimizer(torch.optim.Adam(model().parameters()), bundle.stem)
+    tensors, metadata = safetensors_io.load(files["model"])
+    tensors["p3"][1] = float("-inf")  # p3: the BatchNorm bias
+    safetensors_io.save(files["model"], tensors, metadata)
+    with pytest.raises(CheckpointError, match=r"run\.\w+\.fdl: 1.bias holds NaN or Inf"):
+        load_model(model(), bundle.stem)
+
+
+def test_every_file_is_required_and_checksummed(tmp_path):
+    bundle, ck, net, opt = _committed(tmp_path)
+    files, meta = _files(bundle), json.loads(bundle.meta.read_text())
+    files["optim"].write_bytes(files["optim"].read_bytes() + b" ")
+    with pytest.raises(CheckpointError, match=r"\.optim is not the file run.meta.json was written with"):
+        read_meta(bundle.stem)
+    files["optim"].unlink()
+    with pytest.raises(CheckpointError, match=r"\.optim: missing.*--resume-weights-only"):
+        read_meta(bundle.stem)
+    assert read_meta(bundle.stem, weights_only=True)["epoch"] == 0
+    for key in ("model_sha256", "optim_sha256", "optim_file"):
+        bundle.meta.write_text(json.dumps({k: v for k, v in meta.items() if k != key}))
+        with pytest.raises(CheckpointError, match=f"field '{key}' is missing; a sidecar must name and checksum"):
+            read_meta(bundle.stem, weights_only=True)
+    with pytest.raises(ValueError, match="model_file"):
+        write_meta(bundle, {**META, "save_reason": "final", "model_sha256": "ab"})  # a commit names its files
+
+
+def test_a_schema_1_bundle_still_loads_and_one_without_a_checksum_is_refused(tmp_path):
+    bundle = CheckpointBundle.at(tmp_path / "old")
+    net = model()
+    opt = adam(net)
+    legacy = {**META, "schema_version": 1, "save_reason": "final", "model_sha256": save_model(net, bundle.model)}
+    save_optimizer(opt, bundle.optim)
+    bundle.meta.write_text(json.dumps(legacy))
+    assert read_meta(tmp_path / "old.fdl")["save_reason"] == "final"
+    back, _ = _restored(bundle)
+    assert all(torch.equal(a, b) for a, b in zip(_params(back), _params(net)))
+    bundle.meta.write_text(json.dumps({**legacy, "model_sha256": ""}))
+    with pytest.raises(CheckpointError, match="'model_sha256' is missing"):
+        read_meta(bundle.stem)
+
+
+def test_an_emergency_save_replaces_its_previous_one_crash_safely(tmp_path, monkeypatch):
+    stem = tmp_path / "lost"
+    rank = CheckpointBundle.at(stem).rank(3)
+    net = model()
+    opt = adam(net)
+    save = dict(model=net, optimizer=opt, stem=str(stem), rank=3, reason="controller_lost", why="test", epoch=1, global_step=2)
+    emergency_save(**save)
+    first = _params(net)
+    _moved(net)
+    monkeypatch.setattr(os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError("disk gone"))
+                        if str(dst).endswith(".meta.json") else os.rename(src, dst))
+    emergency_save(**save)  # logged, not raised: the previous replica must still load
+    monkeypatch.undo()
+    back = model()
+    load_model(back, rank.stem)
+    assert all(torch.equal(a, b) for a, b in zip(_params(back), first))
+    emergency_save(**save)
+    assert len(list(tmp_path.glob("lost.rank3.*.fdl"))) == 1 and len(list(tmp_path.glob("lost.rank3.*.optim"))) == 1
+    load_model(back, rank.stem)
+    load_optimizer(torch.optim.Adam(back.parameters()), rank.stem)
+    assert all(torch.equal(a, b) for a, b in zip(_params(back), _params(net)))
+
+
 # ---------------------------------------------------------- real processes
 
 
@@ -162,7 +378,7 @@ def test_single_survivor_saves_and_the_resume_trains_exactly_the_rest(proc_env, 
     assert run.wait(90) == 6, run.output
     assert f"--resume-from {stem}" in run.output
     meta = read_meta(stem)  # complete and consistent: the sidecar names this .fdl
-    assert meta["save_reason"] == "single_survivor" and CheckpointBundle.at(stem).optim.exists()
+    assert meta["save_reason"] == "single_survivor" and _files(CheckpointBundle.at(stem))["optim"].exists()
     first = json.loads(path.read_text())
     cov = meta["coverage"]
     covered_open = sum(item["total"] - sum(z for _, z in item["uncovered"]) for item in cov["open"])
@@ -194,8 +410,9 @@ def test_corrupt_or_foreign_bundles_are_refused_before_training(proc_env, tmp_pa
     foreign, _ = _run(proc_env, tmp_path, "--resume-from", str(stem), epochs=3, func="other_model_task")
     assert foreign.wait(60) == 2, foreign.output
     assert "does not fit this model" in foreign.output and "epoch 3/3" not in foreign.output
-    data = CheckpointBundle.at(stem).model.read_bytes()
-    CheckpointBundle.at(stem).model.write_bytes(data[: len(data) // 2])
+    model_file = _files(CheckpointBundle.at(stem))["model"]
+    data = model_file.read_bytes()
+    model_file.write_bytes(data[: len(data) // 2])
     corrupt, _ = _run(proc_env, tmp_path, "--resume-from", str(stem), epochs=3)
     assert corrupt.wait(60) == 2, corrupt.output
     assert "sha256 differs" in corrupt.output
@@ -242,3 +459,70 @@ def test_losing_the_controller_saves_each_replica_and_leaves_no_process(proc_env
         load_model(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)),
                    CheckpointBundle.at(stem).rank_file(rank, ".fdl"))
     assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.timeout(180)
+def test_resume_needs_every_file_of_the_bundle_and_finite_values(proc_env, tmp_path):
+    stem = tmp_path / "run"
+    run, _ = _run(proc_env, tmp_path, "--save-path", str(stem), epochs=2, func="momentum_task")
+    assert run.wait(60) == 0, run.output
+    bundle = CheckpointBundle.at(stem)
+    files, sidecar = _files(bundle), bundle.meta.read_text()
+    tensors, metadata = safetensors_io.load(files["optim"])
+    assert "state.0.momentum_buffer" in tensors
+    good = files["optim"].read_bytes()
+    tensors["state.0.momentum_buffer"][0, 0] = float("nan")  # as a diverged run would have saved it
+    safetensors_io.save(files["optim"], tensors, metadata)
+    bundle.meta.write_text(sidecar.replace(json.loads(sidecar)["optim_sha256"], file_sha256(files["optim"])))
+    nan, _ = _run(proc_env, tmp_path, "--resume-from", str(stem), epochs=3, func="momentum_task")
+    assert nan.wait(60) == 2, nan.output
+    assert f"{files['optim']}: optimizer state tensor state.0.momentum_buffer holds NaN" in nan.output
+    assert "epoch 3/3" not in nan.output
+    files["optim"].unlink()
+    bundle.meta.write_text(sidecar)
+    missing, _ = _run(proc_env, tmp_path, "--resume-from", str(stem), epochs=3, func="momentum_task")
+    assert missing.wait(60) == 2, missing.output
+    assert f"{files['optim']}: missing" in missing.output and "--resume-weights-only" in missing.output
+    weights, path = _run(proc_env, tmp_path, "--resume-from", str(stem), "--resume-weights-only", epochs=3,
+                         func="momentum_task", name="weights.json")
+    assert weights.wait(60) == 0, weights.output
+    assert [h["epoch"] for h in json.loads(path.read_text())["history"]] == [2]  # the trajectory resumed too
+    files["optim"].write_bytes(good)
+
+
+def _status(proc):
+    try:
+        return proc.status()
+    except psutil.NoSuchProcess:
+        return None
+
+
+@pytest.mark.timeout(180)
+def test_killing_the_controller_while_a_rank_saves_leaves_the_last_committed_bundle(proc_env, tmp_path):
+    """SIGKILL the controller after a rank wrote a checkpoint's files and before the sidecar names them."""
+    stem = tmp_path / "run"
+    env = {**proc_env, "FLODL_TEST_STEP_SLEEP": "0.002", "FLODL_INJECT_FAULT": "0:save:2:stop,1:save:2:stop"}
+    run, _ = _run(env, tmp_path, "--save-path", str(stem), "--checkpoint-every", "1", epochs=50, func="momentum_task")
+    ranks = run.ranks(2)
+    deadline = time.monotonic() + 90
+    stopped = []
+    while not stopped and time.monotonic() < deadline and run.proc.poll() is None:
+        stopped = [p for p in ranks if _status(p) == psutil.STATUS_STOPPED]
+        time.sleep(0.02)
+    assert stopped, run.output
+    committed = json.loads(CheckpointBundle.at(stem).meta.read_text())
+    tree = run.tree()
+    os.kill(run.proc.pid, signal.SIGKILL)
+    run.wait(10)
+    for rank in stopped:  # it finishes its save, finds no controller, and goes (SIGTERM was pending)
+        rank.resume()
+    assert_all_gone(tree, timeout=30)
+    bundle = CheckpointBundle.at(stem)
+    meta = read_meta(stem)  # complete and consistent: every file it names is there, with its sha256
+    assert meta == committed
+    uncommitted = {p.name for p in tmp_path.glob("run.*.fdl")} - {meta["model_file"]} - {
+        p.name for p in tmp_path.glob("run.rank*.fdl")}
+    assert uncommitted, "the stopped rank's files were written before the kill"
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    load_model(net, bundle.stem)
+    load_optimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), bundle.stem)

@@ -99,6 +99,7 @@ SEED_DEFAULTS = {
     "dashboard_theme": None,
     "scalar_reductions": (),
     "resume_from": None,
+    "resume_weights_only": False,
     "checkpoint_at_epoch": None,
 }
 
@@ -180,6 +181,7 @@ BUILDERS = [
     ("with_dashboard_theme", ("light",), "dashboard_theme", "light"),
     ("with_scalar_reductions", ({"tokens": "sum"},), "scalar_reductions", (("tokens", Reduction.SUM),)),
     ("with_resume_from", ("ckpt/run",), "resume_from", "ckpt/run"),
+    ("with_resume_weights_only", (), "resume_weights_only", True),
     ("with_checkpoint_at_epoch", (3,), "checkpoint_at_epoch", 3),
     # ElChe passthroughs
     ("with_mode", (ElCheMode.CpuAsync,), "mode", ElCheMode.CpuAsync),
@@ -364,6 +366,7 @@ def test_validate_catches_values_smuggled_past_construction():
         (DdpRunConfig().with_anchor(20).with_max_anchor(10), None, "anchor"),
         (DdpRunConfig().with_mode("cpu-cadence").with_max_anchor(5), None, "anchor"),  # preset 10
         (DdpRunConfig().with_mode("nccl-cadence").with_checkpoint_at_epoch(2), None, "checkpoint_at_epoch"),
+        (DdpRunConfig().with_resume_weights_only(), None, "resume_weights_only"),  # weights of which bundle?
         (DdpRunConfig(), 0, "world_size"),
     ],
 )
@@ -519,7 +522,7 @@ def everything_set() -> DdpRunConfig:
         .with_epoch_callback_policy("rank:1").with_eval_every_epochs(3).with_reports_per_epoch(4)
         .with_record_log("logs", 4096).with_dashboard_html("dash.html").with_dashboard_theme("dark")
         .with_scalar_reduction("tokens", "sum").with_scalar_reduction("peak_mem", "max")
-        .with_resume_from("ckpt/old").with_checkpoint_at_epoch(5)
+        .with_resume_from("ckpt/old").with_resume_weights_only().with_checkpoint_at_epoch(5)
     )
 
 

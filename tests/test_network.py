@@ -297,7 +297,7 @@ def test_a_run_stopped_part_way_resumes_across_hosts_from_shared_storage(net, tm
         assert first.wait(60) == 130, first.output
     finally:
         first.kill()
-    assert f"saved the run to {stem}.fdl/.optim/.meta.json; continue it with --resume-from {stem}" in first.output
+    assert f"saved the run to the bundle {stem} (sidecar {stem}.meta.json); continue it with --resume-from {stem}" in first.output
     assert first.output.count(SHARED_STORAGE_NOTE) == 1, first.output
     meta = read_meta(stem)  # .fdl and .optim written by a rank on its host, .meta.json by the controller here
     assert meta["save_reason"] == "interrupted" and meta["world_at_save"] == 3 and meta["epoch"] in (1, 2), meta

@@ -3,9 +3,12 @@
 A consensus checkpoint is a coverage snapshot taken *now* plus the elected
 rank's model and optimizer files, written when that rank next stands between
 windows (so its parameters hold at least everything the snapshot calls
-trained: a resume may train a few samples twice, never lose one). When the
-rank's ``CheckpointDone`` arrives the controller writes ``<stem>.meta.json``
-last, as the commit marker, naming the ``.fdl`` it belongs to by sha256.
+trained: a resume may train a few samples twice, never lose one). The
+controller picks each save's file tag (``<stem>.<tag>.fdl/.optim``), so it
+knows the names without reading the rank's storage; when the rank's
+``CheckpointDone`` brings their sha256 it writes ``<stem>.meta.json`` last, as
+the commit marker, then deletes the files of older saves (not those of saves
+still being written).
 
 Triggers: ``checkpoint_every`` (every k closed epochs; files if ``save_path``,
 the task's ``checkpoint_fn`` either way), ``checkpoint_at_epoch`` (one-shot,
@@ -20,7 +23,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..checkpoint import CheckpointBundle, write_meta
+from ..checkpoint import CheckpointBundle, new_tag, write_meta
 from ..config import DdpRunConfig
 from ..protocol import messages as m
 
@@ -38,6 +41,7 @@ class PendingSave:
     reason: str
     stem: str
     meta: dict[str, Any]
+    tag: str  # the data files' name part: <stem>.<tag>.fdl and .optim
 
 
 class Checkpointer:
@@ -72,12 +76,13 @@ class Checkpointer:
         """Register a checkpoint and return the message for ``rank``."""
         self.version += 1
         stem = self.stem if files else ""
-        self.pending[self.version] = PendingSave(self.version, rank, reason, stem, meta)
-        return m.SaveCheckpoint(version=self.version, stem=stem, reason=reason, epoch=epoch, call_fn=call_fn)
+        save = self.pending[self.version] = PendingSave(self.version, rank, reason, stem, meta, new_tag())
+        return m.SaveCheckpoint(version=self.version, stem=stem, tag=save.tag, reason=reason, epoch=epoch, call_fn=call_fn)
 
-    def request_shutdown_save(self, *, rank: int, reason: str, meta: dict[str, Any]) -> None:
-        """ShutdownWithSave: ``rank`` writes when the Shutdown reaches it."""
-        self.pending[SHUTDOWN_SAVE] = PendingSave(SHUTDOWN_SAVE, rank, reason, self.stem, meta)
+    def request_shutdown_save(self, *, rank: int, reason: str, meta: dict[str, Any]) -> str:
+        """ShutdownWithSave: ``rank`` writes when the Shutdown reaches it; returns the files' tag."""
+        save = self.pending[SHUTDOWN_SAVE] = PendingSave(SHUTDOWN_SAVE, rank, reason, self.stem, meta, new_tag())
+        return save.tag
 
     def on_done(self, msg: m.CheckpointDone) -> bool:
         """A rank finished its part; commit the sidecar. True if a bundle was committed."""
@@ -88,13 +93,14 @@ class Checkpointer:
             self.failed.append(msg.error)
             log.warning("checkpoint %s on rank %d failed: %s (training goes on)", save.reason, msg.rank, msg.error)
             self.say(f"checkpoint failed on rank {msg.rank}: {msg.error}")
-            if not msg.model_sha256:
-                return False
-        if not save.stem:
-            return False
+        if not save.stem or not msg.model_sha256 or not msg.optim_sha256:
+            return False  # nothing (complete) to commit: the previous bundle stays the bundle
         bundle = CheckpointBundle.at(save.stem)
-        write_meta(bundle, {**save.meta, "save_reason": save.reason, "model_sha256": msg.model_sha256,
-                            "written_by_rank": msg.rank})
+        busy = [s.tag for s in self.pending.values() if s.stem == save.stem]
+        write_meta(bundle, {**save.meta, "save_reason": save.reason, "written_by_rank": msg.rank,
+                            "model_file": bundle.data_file(save.tag, ".fdl").name, "model_sha256": msg.model_sha256,
+                            "optim_file": bundle.data_file(save.tag, ".optim").name, "optim_sha256": msg.optim_sha256},
+                   busy=busy)
         self.written.append({"version": save.version, "reason": save.reason, "epoch": save.meta["epoch"],
                              "stem": str(bundle.stem), "ms": round(msg.elapsed_ms, 1)})
         return True

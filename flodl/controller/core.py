@@ -117,7 +117,7 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         self._drops_seen = 0  # dropped control frames already alerted
         self.data_stats: dict[int, dict[str, int]] = {}  # rank -> staging-tier totals (hits, fetches, bytes held)
         self.resume_meta: dict | None = None  # the bundle sidecar this run continues from
-        self.shutdown_save: tuple[str, int] | None = None  # ShutdownWithSave: (stem, writer rank)
+        self.shutdown_save: tuple[str, int, str] | None = None  # ShutdownWithSave: (stem, writer rank, file tag)
         self._storage_reminded = False
         self.started_at = 0.0
         self.finished_at = 0.0
@@ -145,7 +145,7 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         self.started_at = self.clock()
         if self.config.resume_from:
             try:
-                self.resume_meta = read_meta(self.config.resume_from)
+                self.resume_meta = read_meta(self.config.resume_from, weights_only=self.config.resume_weights_only)
             except CheckpointError as exc:  # before anything starts: nothing to clean up
                 message = f"resume_from: {exc}"
                 self.console.failed(message)

@@ -85,7 +85,7 @@ class Saving:
     def _h_checkpoint_done(self, identity: bytes, env: Envelope, msg: m.CheckpointDone) -> None:
         if self.checkpoints.on_done(msg):
             last = self.checkpoints.written[-1]
-            self.console.line(f"checkpoint ({last['reason']}) at epoch {last['epoch']} -> {last['stem']}.fdl/.optim/.meta.json")
+            self.console.line(f"checkpoint ({last['reason']}) at epoch {last['epoch']} -> {last['stem']}")
             now = self.clock()
             self.monitor.span("checkpoint", start_s=now - msg.elapsed_ms / 1000.0, end_s=now, rank=msg.rank, args={"reason": last["reason"]})
             self.monitor.event("checkpoint", f"checkpoint ({last['reason']}) at epoch {last['epoch']} written by rank {msg.rank}", rank=msg.rank, now_s=now)
@@ -95,8 +95,8 @@ class Saving:
         """ShutdownWithSave: the run stops here; a survivor writes the bundle on its way out."""
         self._remind_shared_storage()
         rank = self._eval_rank()
-        self.checkpoints.request_shutdown_save(rank=rank, reason=reason, meta=self._trajectory())
-        self.shutdown_save = (self.checkpoints.stem, rank)
+        tag = self.checkpoints.request_shutdown_save(rank=rank, reason=reason, meta=self._trajectory())
+        self.shutdown_save = (self.checkpoints.stem, rank, tag)
         self._fail(message, code)
 
     def _on_signal(self, sig: int) -> None:

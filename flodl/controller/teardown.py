@@ -56,7 +56,7 @@ class Teardown:
     async def _shutdown_peers(self) -> None:
         """Clean end: Shutdown to everyone, then wait (bounded) for them to leave."""
         self.phase = "shutting down"
-        self._broadcast_shutdown(m.Shutdown(reason="run complete", abort=False, save_stem="", save_rank=-1))
+        self._broadcast_shutdown(m.Shutdown(reason="run complete", abort=False, save_stem="", save_rank=-1, save_tag=""))
         await self._wait_peers_gone(SHUTDOWN_WAIT_S)
         self.phase = "done"
 
@@ -65,13 +65,13 @@ class Teardown:
         self.phase = "aborting"
         self.finished_at = self.finished_at or self.clock()
         self.console.failed(str(exc))
-        stem, writer = self.shutdown_save or ("", -1)
+        stem, writer, tag = self.shutdown_save or ("", -1, "")
         if self.endpoint is not None:
-            self._broadcast_shutdown(m.Shutdown(reason=str(exc)[:500], abort=True, save_stem=stem, save_rank=writer))
+            self._broadcast_shutdown(m.Shutdown(reason=str(exc)[:500], abort=True, save_stem=stem, save_rank=writer, save_tag=tag))
         await self._wait_peers_gone(ABORT_WAIT_S + (CHECKPOINT_WAIT_S if stem else 0.0))
         if stem:
             if self.checkpoints.written and self.checkpoints.written[-1]["version"] == SHUTDOWN_SAVE:
-                self.console.line(f"saved the run to {stem}.fdl/.optim/.meta.json; continue it with --resume-from {stem}")
+                self.console.line(f"saved the run to the bundle {stem} (sidecar {stem}.meta.json); continue it with --resume-from {stem}")
             else:
                 if exc.exit_code == EXIT_SAVED:
                     exc.exit_code = EXIT_RANK_LOST

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 @dataclass(slots=True)
@@ -225,7 +225,9 @@ class Shutdown:
     save_stem: str
     """ShutdownWithSave: the bundle stem save_rank writes before exiting (empty: no save)"""
     save_rank: int
-    """the rank that writes <stem>.fdl and <stem>.optim (-1: none)"""
+    """the rank that writes the bundle's data files (-1: none)"""
+    save_tag: str
+    """name part of that save's data files: save_rank writes <save_stem>.<save_tag>.fdl and .optim, new names, so the committed bundle stays whole until the controller's sidecar names the new files (empty: no save)"""
 
 
 @dataclass(slots=True)
@@ -445,13 +447,15 @@ class Fence:
 
 @dataclass(slots=True)
 class SaveCheckpoint:
-    """Between windows, the elected rank writes the consensus bundle's model and optimizer files and/or calls the task's checkpoint_fn; the controller writes the sidecar when CheckpointDone says the files are in. (controller -> rank)"""
+    """Between windows, the elected rank writes the consensus bundle's model and optimizer files and/or calls the task's checkpoint_fn; the controller commits the sidecar naming those files when CheckpointDone says they are in. (controller -> rank)"""
 
     KIND: ClassVar[int] = 26
     version: int
     """checkpoint number in this run (1, 2, ...)"""
     stem: str
-    """bundle stem for <stem>.fdl and <stem>.optim; empty: write no files"""
+    """bundle stem; empty: write no files"""
+    tag: str
+    """name part of this save's data files, chosen by the controller: the rank writes <stem>.<tag>.fdl and <stem>.<tag>.optim, never over a file the committed sidecar names"""
     reason: str
     """checkpoint or final"""
     epoch: int
@@ -470,7 +474,9 @@ class CheckpointDone:
     version: int
     """the SaveCheckpoint's version; -1 for a ShutdownWithSave"""
     model_sha256: str
-    """sha256 of the <stem>.fdl written (empty if none)"""
+    """sha256 of the <stem>.<tag>.fdl written (empty if none: nothing to commit)"""
+    optim_sha256: str
+    """sha256 of the <stem>.<tag>.optim written (empty if none)"""
     elapsed_ms: float
     """time spent writing and in checkpoint_fn"""
     error: str | None
@@ -489,7 +495,7 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     11: ('Heartbeat', Heartbeat, (('step', 'int'), ('sent_at', 'float'),)),
     12: ('RunEval', RunEval, (('epoch', 'int'), ('final', 'bool'),)),
     13: ('EvalResult', EvalResult, (('rank', 'int'), ('epoch', 'int'), ('final', 'bool'), ('value', 'opt<float>'), ('elapsed_ms', 'float'), ('error', 'opt<str>'),)),
-    14: ('Shutdown', Shutdown, (('reason', 'str'), ('abort', 'bool'), ('save_stem', 'str'), ('save_rank', 'int'),)),
+    14: ('Shutdown', Shutdown, (('reason', 'str'), ('abort', 'bool'), ('save_stem', 'str'), ('save_rank', 'int'), ('save_tag', 'str'),)),
     15: ('Exiting', Exiting, (('rank', 'int'), ('reason', 'str'), ('digest', 'str'),)),
     16: ('RankError', RankError, (('rank', 'int'), ('stage', 'str'), ('error', 'str'), ('detail', 'str'), ('generation', 'int'),)),
     17: ('Ping', Ping, (('nonce', 'int'), ('sent_at', 'float'),)),
@@ -501,6 +507,6 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     23: ('Update', Update, (('round', 'int'), ('aborted', 'bool'), ('ranks', 'int'), ('groups', 'list<str>'), ('dtypes', 'list<str>'), ('numels', 'list<int>'), ('bucket', 'int'), ('start', 'int'), ('count', 'int'), ('shm', 'str'), ('shm_offset', 'int'),)),
     24: ('Regroup', Regroup, (('generation', 'int'), ('members', 'list<int>'), ('store_prefix', 'str'), ('reason', 'str'), ('sync_from', 'int'), ('first_round', 'int'),)),
     25: ('Fence', Fence, (('rank', 'int'), ('reason', 'str'),)),
-    26: ('SaveCheckpoint', SaveCheckpoint, (('version', 'int'), ('stem', 'str'), ('reason', 'str'), ('epoch', 'int'), ('call_fn', 'bool'),)),
-    27: ('CheckpointDone', CheckpointDone, (('rank', 'int'), ('version', 'int'), ('model_sha256', 'str'), ('elapsed_ms', 'float'), ('error', 'opt<str>'),)),
+    26: ('SaveCheckpoint', SaveCheckpoint, (('version', 'int'), ('stem', 'str'), ('tag', 'str'), ('reason', 'str'), ('epoch', 'int'), ('call_fn', 'bool'),)),
+    27: ('CheckpointDone', CheckpointDone, (('rank', 'int'), ('version', 'int'), ('model_sha256', 'str'), ('optim_sha256', 'str'), ('elapsed_ms', 'float'), ('error', 'opt<str>'),)),
 }

@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from .. import __version__, curve, scalars
-from ..checkpoint import CheckpointBundle, CheckpointError, load_model, load_optimizer
+from ..checkpoint import CheckpointError, load_model, load_optimizer
 from ..config import AverageBackend, DdpRunConfig
 from ..env import RankEnv, simulated_slowdown, vram_pool_disabled
 from ..faults import FaultPlan
@@ -278,11 +278,12 @@ class RankRunner(Regrouping, Evaluating):
 
     def _checkpoint(self, cmd: m.SaveCheckpoint) -> None:
         """Write this rank's part of a consensus checkpoint between windows and say so."""
-        digest, elapsed_ms, error = checkpoint(
-            model=self.model, optimizer=self.optimizer, stem=cmd.stem, version=cmd.version,
+        done = checkpoint(
+            rank=self.rank, model=self.model, optimizer=self.optimizer, stem=cmd.stem, tag=cmd.tag, version=cmd.version,
             call_fn=self.task.checkpoint_fn if cmd.call_fn else None, handle=self.handle,
         )
-        self.link.send(m.CheckpointDone(rank=self.rank, version=cmd.version, model_sha256=digest, elapsed_ms=elapsed_ms, error=error))
+        self.faults.reach("save")  # tests: the files are written, the controller has not committed them
+        self.link.send(done)
 
     def _save_on_shutdown(self, cmd: m.Shutdown) -> None:
         """ShutdownWithSave: the elected survivor writes the model and optimizer files."""
@@ -290,9 +291,8 @@ class RankRunner(Regrouping, Evaluating):
             return
         self._saved_on_shutdown = True
         self.link.saving = True  # the link must not hard-exit us mid-write
-        digest, elapsed_ms, error = checkpoint(model=self.model, optimizer=self.optimizer, stem=cmd.save_stem,
-                                               version=-1, call_fn=None, handle=self.handle)
-        self.link.send(m.CheckpointDone(rank=self.rank, version=-1, model_sha256=digest, elapsed_ms=elapsed_ms, error=error))
+        self.link.send(checkpoint(rank=self.rank, model=self.model, optimizer=self.optimizer, stem=cmd.save_stem,
+                                  tag=cmd.save_tag, version=-1, call_fn=None, handle=self.handle))
         self.link.saving = False
 
     def _fail(self, stage: str, exc: BaseException, code: int) -> int:
@@ -411,8 +411,8 @@ class RankRunner(Regrouping, Evaluating):
         else:
             self.averager.broadcast_from(0)
         self.optimizer = self.task.optimizer(self.model)
-        if config.resume_from and not welcome.late and CheckpointBundle.at(config.resume_from).optim.exists():
-            load_optimizer(self.optimizer, config.resume_from)
+        if config.resume_from and not welcome.late and not config.resume_weights_only:
+            load_optimizer(self.optimizer, config.resume_from)  # required: a fresh optimizer only when asked for
         self.world_size = welcome.world_size
         self.lr = LrState(self.optimizer, config.lr_factor(welcome.world_size), self.task.lr_schedule)
         self.max_grad_norm = config.max_grad_norm

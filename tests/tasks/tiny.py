@@ -5,6 +5,7 @@ FLODL_TEST_FIRST_STEP_SLEEP  extra seconds to sleep in a process's first step (a
 FLODL_TEST_HOLD_FILE    while this file does not exist, steps sleep FLODL_TEST_HOLD_SLEEP instead
                         (a test keeps a run long until something it waits for, e.g. a join, happened)
 FLODL_TEST_FAIL_AT      raise RuntimeError at this local step (a broken user task)
+FLODL_TEST_BUILD_SLEEP  seconds the task factory takes (a task that prepares its data at start)
 FLODL_TEST_EVAL_FAIL    make eval_fn raise
 """
 
@@ -57,6 +58,7 @@ def _data(n, seed):
 
 
 def task():
+    time.sleep(float(os.environ.get("FLODL_TEST_BUILD_SLEEP", "0") or 0))
     x, y = _data(512, 0)
     return Task(model=make_model, optimizer=make_optimizer, dataset=torch.utils.data.TensorDataset(x, y),
                 batch_size=16, train_step=train_step, eval_fn=evaluate, eval_metric="accuracy")
@@ -104,6 +106,13 @@ def note_checkpoint(version, worker):
 def checkpointing_task():
     t = task()
     t.checkpoint_fn = note_checkpoint
+    return t
+
+
+def momentum_task():
+    """SGD with momentum: the optimizer has state tensors (a .optim with something in it)."""
+    t = task()
+    t.optimizer = lambda model: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return t
 
 
