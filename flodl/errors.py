@@ -80,4 +80,6 @@ EXIT_TASK_ERROR = 4  # the user's task raised on a rank
 EXIT_CONTROLLER_LOST = 5  # a worker or rank lost the controller
 EXIT_SAVED = 6  # the run could not go on (ranks lost); a bundle was saved: continue with --resume-from
 EXIT_LAUNCH_FAILED = 7  # the ssh launcher could not start the run (controller or a host failed at start)
+EXIT_NONFINITE = 8  # a rank's loss turned NaN or infinite; nothing was averaged or saved from it
+EXIT_EVALS_FAILED = 9  # training completed, but every eval raised: nothing says how well it went
 EXIT_INTERRUPTED = 130  # SIGINT / SIGTERM

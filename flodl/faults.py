@@ -3,7 +3,12 @@
 ``FLODL_INJECT_FAULT="1:average:5"`` makes rank 1 SIGKILL itself the 5th time
 it reaches an averaging round; ``"2:batch:40:stop"`` makes rank 2 SIGSTOP
 itself in the middle of its 40th batch (after backward, before the optimizer
-step), which looks to everyone else exactly like a hung device. Points:
+step), which looks to everyone else exactly like a hung device. Actions:
+``kill`` (SIGKILL, the default), ``stop`` (SIGSTOP: the whole process
+freezes), ``hang`` (only the training thread blocks for good, as in a
+deadlocked data read or user code that never returns: heartbeats go on),
+``nan`` (at ``batch``: the gradients turn NaN, so the next loss is NaN).
+Points:
 
 * ``batch``   mid-batch: gradients computed, step not taken
 * ``average`` mid-averaging: the replica backed up, peers already inside the round
@@ -22,11 +27,13 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from dataclasses import dataclass, field
 
 INJECT_FAULT = "FLODL_INJECT_FAULT"
 POINTS = ("batch", "average", "epoch", "regroup", "save")
-ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+ACTIONS = (*SIGNALS, "hang", "nan")
 
 
 @dataclass
@@ -49,17 +56,25 @@ class FaultPlan:
             except (IndexError, ValueError):
                 raise ValueError(f"{INJECT_FAULT}: {item!r} is not rank:point:n[:kill|stop]") from None
             if point not in POINTS or action not in ACTIONS or nth < 0 or len(parts) > 4:
-                raise ValueError(f"{INJECT_FAULT}: {item!r}: point must be one of {POINTS}, action kill or stop, n >= 0")
+                raise ValueError(f"{INJECT_FAULT}: {item!r}: point must be one of {POINTS}, action one of {ACTIONS}, n >= 0")
             if who == rank:
                 plan.armed[point] = (nth, action)
         return plan
 
-    def reach(self, point: str, index: int | None = None) -> None:
-        """Called at ``point``; fires when its count (or the given index) equals the armed n."""
+    def reach(self, point: str, index: int | None = None) -> str | None:
+        """Called at ``point``; fires when its count (or the given index) equals the armed n.
+
+        Returns the action the caller must carry out itself (``nan``), else None.
+        """
         if point not in self.armed:
-            return
+            return None
         count = self.seen[point] = self.seen.get(point, 0) + 1
         nth, action = self.armed[point]
-        if (index if index is not None else count) == nth:
-            del self.armed[point]  # once: a stopped process that is resumed carries on
-            os.kill(os.getpid(), ACTIONS[action])
+        if (index if index is not None else count) != nth:
+            return None
+        del self.armed[point]  # once: a stopped process that is resumed carries on
+        if action == "hang":
+            threading.Event().wait()  # this thread never returns; the rest of the process lives on
+        if action in SIGNALS:
+            os.kill(os.getpid(), SIGNALS[action])
+        return action

@@ -6,8 +6,8 @@ and asks ``assess(now)`` for a verdict; the verdict carries a reason string
 that goes straight into the log, so a membership decision is always
 explained. Tests drive it with a fake clock instead of sleeping.
 
-This version keeps the world fixed: any rank death stops the run (elastic
-shrinking comes with the fault-handling work and plugs into ``assess``).
+A rank is alive while it makes progress, not merely while it beats:
+``note_stalls`` applies progress.py's deadlines to what the heartbeats say.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, field
 from enum import Enum
+
+from .progress import Progress, ProgressLimits, stalled
 
 
 class PeerState(str, Enum):
@@ -38,6 +40,8 @@ class RankInfo:
     last_seen: float = 0.0
     exit_code: int | None = None
     death: str | None = None
+    progress: Progress = field(default_factory=Progress)  # its training thread, as its last heartbeat said
+    averaged: int = -1  # the generation of its last completed average, as its heartbeats say
 
     def where(self) -> str:
         """``rank 1 on host h (pid 42)`` — how every message names a rank."""
@@ -114,6 +118,20 @@ class Membership:
         info = self.ranks.get(rank)
         if info is not None:
             info.last_seen = now
+
+    def heard_progress(self, info: RankInfo, busy: str, busy_s: float, step_ms: float, averaged: int, now: float) -> None:
+        """A rank's heartbeat: what its training thread does and since when it made no progress."""
+        info.progress = Progress(busy=busy, busy_s=busy_s, step_ms=step_ms, at=now)
+        info.averaged = max(info.averaged, averaged)
+
+    def note_stalls(self, now: float, limits: ProgressLimits) -> None:
+        """Mark as dying every live rank whose training thread is past its deadline
+        (``assess`` then declares it dead, with that reason)."""
+        for info in self.ranks.values():
+            if info.death is None and info.state not in (PeerState.EXITED, PeerState.DEAD):
+                why = stalled(info.progress, now, limits)
+                if why is not None:
+                    info.death = why
 
     def rank_exited(self, rank: int, code: int) -> RankInfo | None:
         """The worker reaped the rank's process (the fast death path)."""
@@ -192,3 +210,16 @@ def unrecoverable(config, world_size: int, dead: int, survivors: int) -> tuple[s
     if survivors < 1:
         return "all_ranks_lost", "every rank is lost"
     return None
+
+
+#: Healing's back-off: the n-th restart of a slot waits BASE × 2^(n-1) seconds, at most MAX.
+RESTART_BACKOFF_BASE_S = 1.0
+RESTART_BACKOFF_MAX_S = 30.0
+
+
+def restart_delay(used: int, max_restarts: int) -> float | None:
+    """Seconds to wait before restarting a slot that has been restarted ``used`` times, or
+    None when its ``max_restarts`` are spent (the run then goes on without it)."""
+    if used >= max_restarts:
+        return None
+    return min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_BASE_S * 2**used)

@@ -103,7 +103,7 @@ class _Peer:
 
     async def beat(self) -> None:
         while True:
-            self.send(m.Heartbeat(step=0, sent_at=time.time()))
+            self.send(m.Heartbeat(step=0, sent_at=time.time(), busy="", busy_s=0.0, step_ms=0.0, averaged=-1))
             await asyncio.sleep(1.0)
 
     def close(self) -> None:

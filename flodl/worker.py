@@ -94,6 +94,8 @@ class Worker:
         self.relay_task: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._interrupted = False
+        self._tg: asyncio.TaskGroup | None = None  # owns the reapers and respawns once ranks run
+        self._relay_addr = ""  # what ranks are told of this host's relay ("" when none)
 
     # ---------------------------------------------------------------- wire
 
@@ -109,6 +111,8 @@ class Worker:
             self.shutdown = msg
         elif isinstance(msg, m.Fence):
             self._fence(msg)
+        elif isinstance(msg, m.Respawn) and self._tg is not None and self.shutdown is None:
+            self._tg.create_task(self._respawn(msg))
         self._wake.set()
 
     def _fence(self, msg: m.Fence) -> None:
@@ -220,7 +224,7 @@ class Worker:
 
     async def _heartbeats(self) -> None:
         while True:
-            self._send(m.Heartbeat(step=0, sent_at=time.time()))
+            self._send(m.Heartbeat(step=0, sent_at=time.time(), busy="", busy_s=0.0, step_ms=0.0, averaged=-1))
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     # ---------------------------------------------------------------- ranks
@@ -242,28 +246,51 @@ class Worker:
 
     async def _spawn(self, tg: asyncio.TaskGroup) -> None:
         welcome = self.welcome
-        relay = self._start_relay(tg) if welcome.bulk_relay and welcome.bulk_port else ""
+        self._tg = tg
+        self._relay_addr = self._start_relay(tg) if welcome.bulk_relay and welcome.bulk_port else ""
         for rank, device in zip(welcome.ranks, self.devices):
-            env = RankEnv(
-                controller=self.controller,
-                secret=self.secret,
-                run_id=self.run_id,
-                rank=rank,
-                device=device,
-                task=welcome.task,
-                local_world=len(self.devices),
-                heartbeat_timeout_s=welcome.heartbeat_timeout_s,
-                parent_pid=os.getpid(),
-                bulk_relay=relay,
-            )
-            # with --secret-from-stdin, stdin is the launcher's line: ranks must not hold or read it
-            stdin = asyncio.subprocess.DEVNULL if self.watch_stdin else None
-            proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "flodl.rank", env=child_environ(env.to_env()), stdin=stdin)
-            self.procs[rank] = proc
-            if self.relay is not None:
-                self.relay.admit(f"rank{rank}.{proc.pid}".encode(), rank)  # the rank's bulk identity, as it will connect
-            tg.create_task(self._reap(rank, proc))
+            await self._start_rank(rank, device)
         log.info("%s spawned ranks %s on %s", self.sender, welcome.ranks, self.devices)
+
+    async def _start_rank(self, rank: int, device: str) -> None:
+        """Start one rank process and its reaper."""
+        welcome = self.welcome
+        env = RankEnv(
+            controller=self.controller,
+            secret=self.secret,
+            run_id=self.run_id,
+            rank=rank,
+            device=device,
+            task=welcome.task,
+            local_world=len(self.devices),
+            heartbeat_timeout_s=welcome.heartbeat_timeout_s,
+            parent_pid=os.getpid(),
+            bulk_relay=self._relay_addr,
+        )
+        # with --secret-from-stdin, stdin is the launcher's line: ranks must not hold or read it
+        stdin = asyncio.subprocess.DEVNULL if self.watch_stdin else None
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "flodl.rank", env=child_environ(env.to_env()), stdin=stdin)
+        self.procs[rank] = proc
+        if self.relay is not None:
+            self.relay.admit(f"rank{rank}.{proc.pid}".encode(), rank)  # the rank's bulk identity, as it will connect
+        self._tg.create_task(self._reap(rank, proc))
+
+    async def _respawn(self, msg: m.Respawn) -> None:
+        """Healing: once the dead rank's process is surely gone (its device free), wait the
+        back-off and start the new rank in its place."""
+        old = self.procs.get(msg.replaces)
+        if old is not None and old.returncode is None:
+            try:
+                async with asyncio.timeout(KILL_GRACE_S):
+                    await old.wait()
+            except TimeoutError:
+                old.kill()  # declared dead: it must not hold the device the new rank needs
+                await old.wait()
+        await asyncio.sleep(max(0.0, msg.delay_s))
+        if self.shutdown is not None or self._interrupted:
+            return
+        log.warning("%s: restarting rank %d as rank %d on %s (attempt %d)", self.sender, msg.replaces, msg.rank, msg.device, msg.attempt)
+        await self._start_rank(msg.rank, msg.device)
 
     async def _reap(self, rank: int, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()

@@ -42,7 +42,8 @@ SAMPLES = [
     ),
     m.RankReady(rank=1, generation=0, init_ms=12.5),
     m.BatchDone(rank=1, epoch=3, step=97, samples=32, loss=0.25, batch_ms=5.5, data_ms=0.125, sync_ms=0.75),
-    m.Heartbeat(step=1234, sent_at=1700000000.5),
+    m.Respawn(rank=3, device="cuda:1", replaces=1, attempt=1, delay_s=1.0),
+    m.Heartbeat(step=1234, sent_at=1700000000.5, busy="step", busy_s=0.25, step_ms=12.5, averaged=3),
     m.RunEval(epoch=5, final=True),
     m.EvalResult(rank=0, epoch=5, final=True, value=0.96875, elapsed_ms=3.5, error=None),
     m.Shutdown(reason="run complete", abort=False, save_stem="", save_rank=-1, save_tag=""),
@@ -103,7 +104,7 @@ def _resign(unsigned: bytes) -> bytes:
 
 
 def invalid_vectors() -> list[dict]:
-    good = pack_frame(SECRET, m.Heartbeat(step=1, sent_at=2.0), sender="rank0.1", seq=1, run_id=RUN_ID)
+    good = pack_frame(SECRET, m.Heartbeat(step=1, sent_at=2.0, busy="", busy_s=0.0, step_ms=0.0, averaged=-1), sender="rank0.1", seq=1, run_id=RUN_ID)
     body = good[HEADER.size : -16]
 
     def frame(kind: int = 11, version: int = PROTOCOL_VERSION, payload: bytes = body, magic: bytes = MAGIC) -> bytes:
@@ -125,7 +126,7 @@ def invalid_vectors() -> list[dict]:
         ("schema", frame(payload=msgpack.packb(["rank0.1", 1, RUN_ID, "1", 2.0])), "str where int is due"),
         ("schema", frame(payload=msgpack.packb(["rank0.1", 1, RUN_ID, True, 2.0])), "bool is not int"),
         ("schema", frame(payload=msgpack.packb(["rank0.1", 0, RUN_ID, 1, 2.0])), "seq must be >= 1"),
-        ("wrong_run", frame(payload=msgpack.packb(["rank0.1", 1, "other-run", 1, 2.0])), "another run's frame"),
+        ("wrong_run", frame(payload=msgpack.packb(["rank0.1", 1, "other-run", 1, 2.0, "", 0.0, 0.0, -1])), "another run's frame"),
     ]
     return [{"reason": r, "frame_hex": f.hex(), "note": note} for r, f, note in cases]
 

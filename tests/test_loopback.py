@@ -167,7 +167,7 @@ async def test_garbage_frames_change_nothing(quiet_console):
             data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)  # any bit flip breaks the tag
             frame = bytes(data)
         elif kind == 3:
-            frame = FrameWriter(SECRET, "other-run", "x").encode(m.Heartbeat(step=1, sent_at=0.0))
+            frame = FrameWriter(SECRET, "other-run", "x").encode(m.Heartbeat(step=1, sent_at=0.0, busy="", busy_s=0.0, step_ms=0.0, averaged=-1))
         else:
             frame = kill[:-1] + bytes([kill[-1] ^ 0x80])
         attacker.send(frame)

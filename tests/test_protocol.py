@@ -134,7 +134,7 @@ def test_round_trip_every_message_random_values():
 
 
 def test_int_accepted_for_float_on_decode():
-    body = msgpack.packb(["rank0.1", 1, RUN, 3, 7])  # Heartbeat.sent_at written as int 7
+    body = msgpack.packb(["rank0.1", 1, RUN, 3, 7, "", 0, 0.0, -1])  # Heartbeat.sent_at (and busy_s) written as ints
     unsigned = HEADER.pack(MAGIC, m.PROTOCOL_VERSION, m.Heartbeat.KIND, len(body)) + body
     env = unpack_frame(SECRET, unsigned + sign(SECRET, unsigned), run_id=RUN)
     assert env.msg.sent_at == 7.0 and type(env.msg.sent_at) is float
@@ -142,7 +142,7 @@ def test_int_accepted_for_float_on_decode():
 
 def test_encoder_refuses_invalid_message():
     with pytest.raises(ProtocolError) as err:
-        pack_frame(SECRET, m.Heartbeat(step="one", sent_at=1.0), sender="s", seq=1, run_id=RUN)
+        pack_frame(SECRET, m.Heartbeat(step="one", sent_at=1.0, busy="", busy_s=0.0, step_ms=0.0, averaged=-1), sender="s", seq=1, run_id=RUN)
     assert err.value.reason == "schema"
     with pytest.raises(ProtocolError):
         message_fields(object())
@@ -177,7 +177,7 @@ def test_long_strings_and_big_maps_are_malformed():
 
 
 def test_wrong_secret_is_bad_tag():
-    frame = pack_frame(b"another secret", m.Heartbeat(step=1, sent_at=1.0), sender="s", seq=1, run_id=RUN)
+    frame = pack_frame(b"another secret", m.Heartbeat(step=1, sent_at=1.0, busy="", busy_s=0.0, step_ms=0.0, averaged=-1), sender="s", seq=1, run_id=RUN)
     with pytest.raises(ProtocolError) as err:
         unpack_frame(SECRET, frame, run_id=RUN)
     assert err.value.reason == "bad_tag"

@@ -51,6 +51,8 @@ def run_controller(controller: Controller) -> dict:
         write_summary(controller.launch.summary_json, exc.summary)
         raise
     write_summary(controller.launch.summary_json, summary)
+    if summary.get("exit_code"):  # it ran to the end, but not as a plain success (every eval failed)
+        raise RunAborted(summary.get("failure", summary["exit_reason"]), summary["exit_code"], summary)
     return summary
 
 

@@ -149,15 +149,24 @@ class Admission:
             return "no devices"
         if self.phase in ("starting", "gathering"):
             return None
+        problem = self._grow_problem()
+        if problem is not None:
+            return problem
+        kinds = {d.split(":")[0] for d in msg.devices} | {r.device.split(":")[0] for r in self.members.live_ranks()}
+        if len(kinds) > 1 and self.averaging is None:
+            return f"its devices {list(msg.devices)} mix device types with the run's; the collective backend needs one type"
+        return None
+
+    def _grow_problem(self) -> str | None:
+        """Why the run cannot take new ranks now (a worker's, or a restart's), or None."""
         if self.phase not in ("joining", "training") or self.failure is not None:
             return f"the run is {self.phase}; a worker can join while it starts or trains"
         if self.config.elche.partition_ratios is not None:
             return "partition_ratios fixes the world size; this run cannot grow"
         if self.averaging is not None and self.initial_world < 2:
             return "a one-rank Cpu* run does not average, so it cannot take a joiner; start it with two ranks to let it grow"
-        kinds = {d.split(":")[0] for d in msg.devices} | {r.device.split(":")[0] for r in self.members.live_ranks()}
-        if len(kinds) > 1 and self.averaging is None:
-            return f"its devices {list(msg.devices)} mix device types with the run's; the collective backend needs one type"
+        if self.cadence is not None and self.cadence.dispatcher.finished:
+            return "the run has planned its last window"
         return None
 
     def _grow(self, worker: WorkerInfo) -> None:

@@ -28,8 +28,9 @@ from .. import curve
 from ..config import ApplyPolicy, AverageBackend, DdpRunConfig
 from ..env import new_run_id, new_run_secret
 from ..checkpoint import CheckpointError, read_meta
-from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_RANK_LOST, RunAborted
+from ..errors import EXIT_CONFIG, EXIT_EVALS_FAILED, EXIT_FAILED, EXIT_RANK_LOST, RunAborted
 from ..membership import Membership, PeerState, RankInfo
+from ..progress import ProgressLimits
 from ..metrics import EpochStats
 from ..protocol import messages as m
 from ..protocol.codec import Envelope
@@ -79,6 +80,8 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         self.clock = clock
         self.heartbeat_timeout_s = float(config.effective_heartbeat_timeout_secs)
         self.members = Membership(self.heartbeat_timeout_s)
+        self.progress_limits = ProgressLimits(heartbeat_s=self.heartbeat_timeout_s, first_step_s=launch.join_timeout_secs,
+                                              eval_s=launch.eval_timeout_secs, step_s=launch.step_timeout_secs)
         self.endpoint: ControlEndpoint | None = None
         self.port: int | None = None
         self.ready = asyncio.Event()  # set once the socket is bound (tests read .port)
@@ -107,7 +110,10 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         self.collective_retries = 0
         self.deaths_handled = 0
         self.recoveries: list[dict] = []  # every regroup: when, generation, survivors, why
-        self._back: tuple[float, set[int]] | None = None  # a recovery waiting for every survivor's next batch
+        self.restarts: list[dict] = []  # healing: every rank started in place of a dead one
+        self._slot_of: dict[int, int] = {}  # a restarted rank -> the original rank whose restarts it counts against
+        self._restarts_used: dict[int, int] = {}  # original rank -> restarts so far
+        self._back: tuple[float, set[int]] | None = None  # a recovery waiting for every survivor's first average in it
         self.eval_requests: dict[int, int] = {}  # epoch -> rank asked to score it
         self.checkpoints = Checkpointer(config, say=self.console.line)
         self.monitor = Monitor(config, say=self.console.line, clock=clock,
@@ -279,6 +285,14 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         self.finished_at = self.clock()
         self._flush_epoch_lines()
         await self._shutdown_peers()
+        failed = [e for e in self.evals.values() if e.error] if info.has_eval else []
+        if failed and len(failed) == len(self.evals):
+            # trained, but nothing says how well: not a plain success (the last error says why)
+            summary = self.summary("completed, every eval failed", EXIT_EVALS_FAILED)
+            summary["failure"] = f"every eval failed ({len(failed)} of {len(failed)}; the last: {failed[-1].error})"
+            self.console.done(summary)
+            self.console.line(f"flodl: {summary['failure']}")
+            return summary  # run_controller turns a non-zero exit_code into RunAborted, summary written
         summary = self.summary("completed", 0)
         self.console.done(summary)
         return summary
@@ -298,7 +312,7 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         if self.resume_meta is not None:
             self._resume(loop)
         if self.averaging is not None:
-            self.averaging.on_round = lambda number, ms: loop.note_round(ms)
+            self.averaging.on_round = lambda number, ms: (loop.note_round(ms), self._cpu_round_done(number, ms))
         policy = self.config.elche.mode.policy
         depth = 2 if self.averaging is not None and policy is not ApplyPolicy.SYNC else 1
         in_flight: list[int] = []
@@ -514,12 +528,6 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
             info.last_seen = now
 
     def _h_batch_done(self, identity: bytes, env: Envelope, msg: m.BatchDone) -> None:
-        if self._back is not None:
-            since, waiting = self._back
-            waiting.discard(msg.rank)
-            if not waiting:
-                self.recoveries[-1]["training_again_s"] = self.clock() - since
-                self._back = None
         if msg.rank in self.window_batches:
             self.window_batches[msg.rank] += 1
             if self._timing_window:  # a flag, not loop.open_ended(): that walks every rank's plan, per frame
@@ -580,7 +588,12 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         self.endpoint.send(m.Pong(nonce=msg.nonce, sent_at=msg.sent_at), identity)
 
     def _h_heartbeat(self, identity: bytes, env: Envelope, msg: m.Heartbeat) -> None:
-        pass  # liveness was recorded in _on_message
+        """Liveness was recorded in _on_message; a rank's beat also says whether it makes progress."""
+        info = self.members.by_identity.get(identity)
+        if info is None or not msg.busy:
+            return
+        self.members.heard_progress(info, msg.busy, msg.busy_s, msg.step_ms, msg.averaged, self.clock())
+        self._note_averaging_again(info.rank, msg.averaged)
 
     # ============================================================ sending
 

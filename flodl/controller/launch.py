@@ -36,6 +36,8 @@ class LaunchOptions:
     summary_json: str | None = None
     join_timeout_secs: float = 120.0
     eval_timeout_secs: float = 600.0
+    step_timeout_secs: float | None = None
+    max_restarts: int = 0
     progress: bool | None = None
     dashboard_port: int = 0
 
@@ -51,12 +53,16 @@ class LaunchOptions:
             raise ConfigError("workers", f"must be >= 0, got {self.workers}")
         if self.workers and (self.nproc_per_node is not None or self.devices):
             raise ConfigError("workers", "external workers choose their own devices; drop --nproc-per-node / --devices")
+        if self.max_restarts < 0:
+            raise ConfigError("max_restarts", f"must be >= 0, got {self.max_restarts}")
         if not 0 <= self.port <= 65535:
             raise ConfigError("port", f"must be a TCP port, got {self.port}")
         if not -1 <= self.dashboard_port <= 65535:
             raise ConfigError("dashboard_port", f"must be a TCP port, 0 (pick a free one) or -1 (off), got {self.dashboard_port}")
-        if self.join_timeout_secs <= 0 or self.eval_timeout_secs <= 0:
-            raise ConfigError("join_timeout_secs", "timeouts must be positive")
+        for name in ("join_timeout_secs", "eval_timeout_secs", "step_timeout_secs"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(name, f"must be a positive number of seconds, got {value:g}")
 
     @property
     def embedded(self) -> bool:
@@ -83,7 +89,10 @@ _HELP = {
     "seed": "shuffle seed; epoch e uses the permutation seeded seed + e",
     "summary_json": "write the run summary (the dict run() returns) to this JSON file",
     "join_timeout_secs": "seconds to wait for every worker and rank to join",
-    "eval_timeout_secs": "seconds an eval may take before the run is stopped",
+    "eval_timeout_secs": "seconds an eval, a user callback or a checkpoint write may go without finishing before its rank is declared hung",
+    "max_restarts": "healing: restart a rank that died up to this many times (per rank, back-off 1, 2, 4 ... 30 s); "
+                    "the new rank joins the running world at a window boundary (0: go on without it)",
+    "step_timeout_secs": "seconds a training step may take before its rank is declared hung (default: heartbeat timeout + 3x the rank's slowest recent step; its first step: join_timeout_secs)",
     "progress": "live progress line (default: on when stdout is a terminal)",
     "dashboard_port": "live dashboard port, served read-only on the bind address (0 picks a free one and prints it; -1 turns it off)",
 }

@@ -14,8 +14,8 @@ import asyncio
 import sys
 import time
 
-from ..errors import EXIT_CONFIG, EXIT_RANK_LOST, EXIT_TASK_ERROR
-from ..membership import PeerState, unrecoverable
+from ..errors import EXIT_CONFIG, EXIT_NONFINITE, EXIT_RANK_LOST, EXIT_TASK_ERROR
+from ..membership import PeerState, restart_delay, unrecoverable
 from ..protocol import messages as m
 from ..protocol.codec import Envelope
 
@@ -37,7 +37,7 @@ class Liveness:
         while True:
             now = self.clock()
             if now >= next_beat:
-                frame = self.endpoint.writer.encode(m.Heartbeat(step=self.global_step, sent_at=time.time()))
+                frame = self.endpoint.writer.encode(m.Heartbeat(step=self.global_step, sent_at=time.time(), busy="", busy_s=0.0, step_ms=0.0, averaged=-1))
                 for identity in self._peer_identities():
                     self.endpoint.send_frame(frame, identity)
                 next_beat = now + HEARTBEAT_INTERVAL_S
@@ -67,6 +67,7 @@ class Liveness:
         for info in self.members.ranks.values():
             if not info.identity and info.death is None:
                 info.last_seen = now
+        self.members.note_stalls(now, self.progress_limits)  # a training thread stuck in user code is hung
         verdict = self.members.assess(now)
         if not verdict.healthy:
             self._on_deaths(set(verdict.dead), verdict.reason)
@@ -95,6 +96,9 @@ class Liveness:
             # usually a symptom of a peer's death: give the death report a moment to arrive
             if self.collective_error is None and msg.generation >= self.members.generation:
                 self.collective_error = (self.clock(), msg.rank, msg)
+            return
+        if msg.stage == "nonfinite":  # the rank names epoch and step: no traceback, no save over a good bundle
+            self._fail(f"{info.where()}: {msg.error.split(': ', 1)[-1]}", EXIT_NONFINITE)
             return
         misconfigured = msg.stage in ("resume", "config")  # a bad bundle or option: no traceback needed
         if self.failure is None and not misconfigured:
@@ -150,10 +154,59 @@ class Liveness:
         self.cadence.remove_ranks(dead)
         self._regroup(reason)
         self.console.line(f"lost {reason}; continuing with {len(survivors)} rank(s) (generation {self.members.generation})")
+        for rank in sorted(dead):
+            self._heal(rank)
         for epoch, rank in list(self.eval_requests.items()):
             if rank in dead and epoch not in self.evals:
                 self._request_eval(epoch)  # its eval died with it: ask the next rank
         self._changed.set()
+
+    def _heal(self, rank: int) -> None:
+        """Healing: have the dead rank's worker start a new rank in its place (``max_restarts``
+        per original rank, with back-off); it joins at a window boundary like any joiner."""
+        slot = self._slot_of.get(rank, rank)
+        used = self._restarts_used.get(slot, 0)
+        delay = restart_delay(used, self.launch.max_restarts)
+        info = self.members.ranks[rank]
+        worker = next((w for w in self.members.workers.values() if rank in w.ranks and not w.exited), None)
+        if delay is None or worker is None or self._grow_problem() is not None:
+            return
+        if self.averaging is not None and rank in self.averaging.relayed:
+            return  # a relaying host's relay counts its ranks from its welcome: not healed (docs)
+        new = self._next_rank
+        self._next_rank += 1
+        worker.ranks.append(new)
+        now = self.clock()
+        self.members.expect_rank(new, worker.host, info.device, now)
+        self.joiners[new] = now + delay + self.launch.join_timeout_secs
+        self._slot_of[new] = slot
+        self._restarts_used[slot] = used + 1
+        self.restarts.append({"at_s": now - self.started_at, "unix_time": time.time(), "rank": new, "replaces": rank, "slot": slot,
+                              "attempt": used + 1, "delay_s": delay, "host": worker.host, "device": info.device})
+        self.endpoint.send(m.Respawn(rank=new, device=info.device, replaces=rank, attempt=used + 1, delay_s=delay), worker.identity)
+        self.console.line(f"restarting rank {rank} as rank {new} on host {worker.host} ({info.device}) in {delay:g} s "
+                          f"(restart {used + 1} of {self.launch.max_restarts}); it joins at a window boundary")
+
+    def _note_averaging_again(self, rank: int, averaged: int) -> None:
+        """Collective backend: a survivor's heartbeat says it completed an average in the
+        recovery's generation; once every survivor has, the run is averaging again."""
+        if self._back is None or averaged < self.recoveries[-1]["generation"]:
+            return
+        since, waiting = self._back
+        waiting.discard(rank)
+        if not waiting:
+            self.recoveries[-1]["training_again_s"] = self.clock() - since
+            self._back = None
+
+    def _cpu_round_done(self, number: int, ms: float) -> None:
+        """CPU backend: the first averaging round that started after a recovery and
+        closed (with every survivor: rounds no longer wait for the dead) marks it done."""
+        if self._back is None or self.averaging is None:
+            return
+        since, _ = self._back
+        if self.clock() - ms / 1000.0 >= since:
+            self.recoveries[-1]["training_again_s"] = self.clock() - since
+            self._back = None
 
     def _fence(self, dead: set[int], reason: str) -> None:
         """A rank declared dead whose process may live on (hung, stopped, cut off)
@@ -171,7 +224,8 @@ class Liveness:
         survivors = self._training_ranks()
         self.recoveries.append({"at_s": self.clock() - self.started_at, "unix_time": time.time(), "generation": self.members.generation,
                                 "survivors": survivors, "reason": reason, "training_again_s": None})
-        # "training again" = every survivor has reported a batch since this moment
+        # "training again" = every survivor has completed an average since this moment (a local
+        # batch says nothing: a survivor can train alone while its peers sit in a stalled collective)
         self._back: tuple[float, set[int]] | None = (self.clock(), set(survivors))
         if self.averaging is not None:
             return  # the CPU backend has no group: rounds simply stop waiting for the dead

@@ -54,6 +54,7 @@ class RunSummary:
                 if r.state is PeerState.DEAD
             ],
             "recoveries": self.recoveries,
+            "restarts": self.restarts,
             "joins": self.joins,
             "checkpoints": self.checkpoints.written,
             "regranted_samples": self.cadence.regranted if self.cadence else 0,

@@ -174,13 +174,21 @@ class BatchDone:
 
 @dataclass(slots=True)
 class Heartbeat:
-    """A sign of life, sent every second in both directions; any frame also counts as one. (any -> any)"""
+    """A sign of life, sent every second in both directions; any frame also counts as one. A rank's also says what its training thread is doing and for how long it has made no progress, so a thread stuck in user code is told from a busy one. (any -> any)"""
 
     KIND: ClassVar[int] = 11
     step: int
     """the sender's step count (controller: global step)"""
     sent_at: float
     """sender's wall clock, seconds since the epoch"""
+    busy: str
+    """what the sender's training thread is doing: build, step, average, eval, callback, save, idle (empty from controllers and workers)"""
+    busy_s: float
+    """seconds since that thread last made progress (finished a step, an average, an eval) in this activity"""
+    step_ms: float
+    """the rank's recent slowest step in milliseconds (0 before its first step); sets its step deadline"""
+    averaged: int
+    """the membership generation of the rank's last completed average (-1: none yet)"""
 
 
 @dataclass(slots=True)
@@ -483,6 +491,23 @@ class CheckpointDone:
     """what failed (the files, or checkpoint_fn), or null"""
 
 
+@dataclass(slots=True)
+class Respawn:
+    """Healing: start a new rank process in place of one of this worker's ranks that died; it joins the running world at a window boundary like any joiner. (controller -> worker)"""
+
+    KIND: ClassVar[int] = 28
+    rank: int
+    """the new rank's global number (numbers are never reused)"""
+    device: str
+    """the device it trains on (the dead rank's)"""
+    replaces: int
+    """the dead rank it stands in for (its process is reaped, or killed, first)"""
+    attempt: int
+    """restarts of this slot so far, this one included (1-based)"""
+    delay_s: float
+    """back-off: seconds to wait before starting it"""
+
+
 SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     1: ('WorkerHello', WorkerHello, (('host', 'str'), ('pid', 'int'), ('devices', 'list<str>'), ('versions', 'map<str,str>'),)),
     2: ('WorkerWelcome', WorkerWelcome, (('ranks', 'list<int>'), ('world_size', 'int'), ('task', 'str'), ('heartbeat_timeout_s', 'float'), ('bulk_port', 'int'), ('bulk_relay', 'bool'),)),
@@ -492,7 +517,7 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     6: ('RankWelcome', RankWelcome, (('rank', 'int'), ('world_size', 'int'), ('generation', 'int'), ('store_host', 'str'), ('store_port', 'int'), ('store_prefix', 'str'), ('collective_timeout_s', 'float'), ('config', 'map<str,value>'), ('seed', 'int'), ('bulk_port', 'int'), ('late', 'bool'), ('shm_probe', 'str'), ('shm_nonce', 'str'),)),
     7: ('RankReady', RankReady, (('rank', 'int'), ('generation', 'int'), ('init_ms', 'float'),)),
     9: ('BatchDone', BatchDone, (('rank', 'int'), ('epoch', 'int'), ('step', 'int'), ('samples', 'int'), ('loss', 'float'), ('batch_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'),)),
-    11: ('Heartbeat', Heartbeat, (('step', 'int'), ('sent_at', 'float'),)),
+    11: ('Heartbeat', Heartbeat, (('step', 'int'), ('sent_at', 'float'), ('busy', 'str'), ('busy_s', 'float'), ('step_ms', 'float'), ('averaged', 'int'),)),
     12: ('RunEval', RunEval, (('epoch', 'int'), ('final', 'bool'),)),
     13: ('EvalResult', EvalResult, (('rank', 'int'), ('epoch', 'int'), ('final', 'bool'), ('value', 'opt<float>'), ('elapsed_ms', 'float'), ('error', 'opt<str>'),)),
     14: ('Shutdown', Shutdown, (('reason', 'str'), ('abort', 'bool'), ('save_stem', 'str'), ('save_rank', 'int'), ('save_tag', 'str'),)),
@@ -509,4 +534,5 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     25: ('Fence', Fence, (('rank', 'int'), ('reason', 'str'),)),
     26: ('SaveCheckpoint', SaveCheckpoint, (('version', 'int'), ('stem', 'str'), ('tag', 'str'), ('reason', 'str'), ('epoch', 'int'), ('call_fn', 'bool'),)),
     27: ('CheckpointDone', CheckpointDone, (('rank', 'int'), ('version', 'int'), ('model_sha256', 'str'), ('optim_sha256', 'str'), ('elapsed_ms', 'float'), ('error', 'opt<str>'),)),
+    28: ('Respawn', Respawn, (('rank', 'int'), ('device', 'str'), ('replaces', 'int'), ('attempt', 'int'), ('delay_s', 'float'),)),
 }

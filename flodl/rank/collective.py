@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -116,14 +118,27 @@ class CollectiveAverager:
     Parameters are weighted by the batches each rank trained since the last
     average; floating buffers equally among the ranks that trained. With no
     group (one rank) averaging is the identity and costs nothing.
+
+    No wait here is uninterruptible. A gloo collective blocked on a peer (a
+    dead one, or a survivor that already left the failed round) is not woken
+    by aborting its group, so the rank never blocks in ``work.wait()``: it
+    waits on the work's completion event in short slices and, once a regroup
+    aborts the group or the run stops, abandons the collective at once. The
+    abandoned work keeps running in gloo's threads until its own timeout, so
+    it is parked with its group (``_graveyard``: dropping a group whose work
+    still runs would block in its destructor) and the buckets it may still
+    write into are replaced by fresh storage before the values are restored.
     """
 
     backend = "collective"
 
-    def __init__(self, flat: FlatModel | None, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, flat: FlatModel | None, group: dist.ProcessGroup | None,
+                 must_stop: Callable[[], bool] = lambda: False) -> None:
         self.flat = flat
         self._group = group
+        self.must_stop = must_stop  # the run stops: no collective is worth waiting for
         self.aborted = False  # set from the link thread when a regroup aborts the group
+        self._graveyard: list[tuple[Any, Any]] = []  # (group, work) abandoned while the work still ran
         # joined a running job: no consensus until the admitting regroup's broadcast, or (when a
         # death broke that broadcast) until an average the others trained for lands here whole
         self.adopting = False
@@ -157,14 +172,61 @@ class CollectiveAverager:
                 bucket.copy_out()
 
     def abort(self) -> None:
-        """Break a collective that is waiting on a dead peer (NCCL hangs rather than raise)."""
+        """Break a collective that is waiting on a dead peer (called from the link thread on a regroup).
+
+        NCCL hangs rather than raise, so its communicator is aborted; a gloo
+        wait ends through ``aborted`` (``_wait``), since aborting a gloo group
+        does not wake a blocked receive.
+        """
         group = self.group
         self.aborted = True  # NCCL may hand back half-reduced values without an error: never trust them
-        if group is not None and hasattr(group, "abort"):
+        if group is not None and isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):
             try:
                 group.abort()
             except Exception:  # already aborted or not abortable: the timeout still applies
                 log.debug("process group abort failed", exc_info=True)
+
+    def _wait(self, work: dist.Work) -> None:
+        """Wait for a collective, abandoning it once a regroup aborts the group or the run stops.
+
+        Raises:
+            RuntimeError: the collective failed, or was abandoned (``_aborted``).
+        """
+        if self.flat is not None and self.flat.buckets and self.flat.buckets[0].flat.is_cuda:
+            self._await_device(work)
+            work.wait()
+            return
+        if not work.is_completed():
+            done = threading.Event()
+            work.get_future().add_done_callback(lambda _: done.set())
+            while not done.wait(0.05):
+                if self.aborted or self.must_stop():
+                    self._abandon(work)
+                    raise _aborted()
+        work.wait()  # raises the collective's own error
+
+    def _abandon(self, work: dist.Work) -> None:
+        """Leave a running collective behind: park it with its group, and move every bucket
+        to fresh storage so a late write of the abandoned work lands in memory nobody reads."""
+        self._graveyard.append((self._group, work))
+        for index, bucket in enumerate(self.flat.buckets):
+            self.flat.rehome(index, torch.empty_like(bucket.flat))
+        self._bury()
+
+    def _bury(self) -> None:
+        """Drop abandoned collectives that have ended (their timeout passed), and their groups."""
+        self._graveyard = [(g, w) for g, w in self._graveyard if not w.is_completed()]
+
+    def highest(self, value: int) -> int:
+        """The largest ``value`` over the group (one tiny all-reduce): how members agree on a redo."""
+        if self.group is None:
+            return value
+        device = self.flat.buckets[0].flat.device if self.flat is not None and self.flat.buckets else torch.device("cpu")
+        top = torch.tensor([value], dtype=torch.int64, device=device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self._wait(self.group.allreduce([top], opts))
+        return int(top.item())
 
     def _await_device(self, work: dist.Work) -> None:
         """Wait for an NCCL collective without holding the GIL.
@@ -176,7 +238,7 @@ class CollectiveAverager:
         """
         delay = 0.0001
         while not work.is_completed():
-            if self.aborted:
+            if self.aborted or self.must_stop():
                 raise _aborted()
             time.sleep(delay)
             delay = min(delay * 2, 0.002)
@@ -188,7 +250,7 @@ class CollectiveAverager:
         with torch.no_grad():
             for bucket in self.flat.buckets:
                 bucket.copy_in()
-                self.group.broadcast(bucket.flat, root).wait()
+                self._wait(self.group.broadcast(bucket.flat, root))
                 bucket.copy_out()
 
     def poll(self) -> None:
@@ -211,6 +273,8 @@ class CollectiveAverager:
         if self.backup is None:  # allocated once: an average must not allocate a model each time
             self.backup = [torch.empty_like(b.values) for b in self.flat.buckets]
         self._backed_up = 0
+        if self._graveyard:
+            self._bury()
         with torch.no_grad():
             for bucket, pre in zip(self.flat.buckets, self.backup):
                 bucket.copy_in()
@@ -224,10 +288,7 @@ class CollectiveAverager:
                     values.mul_(w)
                 slot.fill_(w)
                 start = time.perf_counter()
-                work = self.group.allreduce([bucket.flat])
-                if bucket.flat.is_cuda:
-                    self._await_device(work)
-                work.wait()
+                self._wait(self.group.allreduce([bucket.flat]))
                 total = float(slot.item())
                 if self.aborted:
                     raise _aborted()

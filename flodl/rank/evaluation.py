@@ -30,6 +30,7 @@ class Evaluating:
         """Score the model with the task's eval function and report it (errors included)."""
         value, error = None, None
         start = time.perf_counter()
+        self.link.doing("eval")
         if isinstance(self.averager, CpuAverager):
             # CPU backend: land the averages already sent; before the final score, all of them
             if cmd.final:

@@ -64,6 +64,12 @@ class ControllerLink:
         self.commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lazy: collections.deque[bytes] = collections.deque()
         self.step = 0  # written by the training thread, read by heartbeats
+        # what the training thread is doing and when it last made progress in it (perf_counter):
+        # heartbeats carry both, so the controller tells a thread stuck in user code from a busy one
+        self.busy = "build"
+        self.busy_since = time.perf_counter()
+        self.step_ms = 0.0  # the recent slowest step (decays), for the controller's step deadline
+        self.averaged = -1  # the generation of the last completed average
         self.saving = False  # set by the training thread around a checkpoint write
         self._saving_since: float | None = None
         self.lost: str | None = None  # why the controller is considered gone
@@ -78,6 +84,7 @@ class ControllerLink:
         self._pipe_out = self._ctx.socket(zmq.PAIR)  # the training thread's end
         self._pipe_out.setsockopt(zmq.SNDHWM, 0)
         self._pipe_out.connect(pipe)
+        self._beat_due = False
         self._stop = threading.Event()
         self._done = threading.Event()  # the training thread finished its wind-down
         self._thread = threading.Thread(target=self._run, name="flodl-link", daemon=True)
@@ -127,6 +134,23 @@ class ControllerLink:
         except queue.Empty:
             return None
 
+    def doing(self, busy: str) -> None:
+        """The training thread starts ``busy`` (progress.BUSY); its stall clock restarts."""
+        self.busy_since = time.perf_counter()
+        self.busy = busy
+
+    def progressed(self, now: float, step_ms: float = 0.0) -> None:
+        """The training thread finished a unit of work at ``now`` (perf_counter); two stores, no lock."""
+        self.busy_since = now
+        if step_ms > self.step_ms:
+            self.step_ms = step_ms
+        else:  # decay, so one slow outlier does not stretch the deadline for ever
+            self.step_ms -= (self.step_ms - step_ms) * 0.01
+
+    def beat_now(self) -> None:
+        """Send a heartbeat at once (after a first average in a new generation: recovery is timed by it)."""
+        self._beat_due = True
+
     @property
     def must_stop(self) -> bool:
         """True once the controller is gone or ordered an abort: stop at the next batch."""
@@ -146,7 +170,7 @@ class ControllerLink:
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(self._pipe_in, zmq.POLLIN)
-        last_heard = time.monotonic()
+        last_heard: float | None = None  # the silence clock starts with the controller's first frame (below)
         next_beat = 0.0
         give_up_at: float | None = None
         try:
@@ -159,7 +183,8 @@ class ControllerLink:
                 if dealer in events:
                     if self._receive(dealer):
                         last_heard = now
-                if now >= next_beat:
+                if now >= next_beat or self._beat_due:
+                    self._beat_due = False
                     self._beat(dealer)
                     next_beat = now + HEARTBEAT_INTERVAL_S
                 if self.lost is None:
@@ -223,13 +248,19 @@ class ControllerLink:
             self.commands.put(msg)
 
     def _beat(self, dealer: zmq.Socket) -> None:
+        busy = self.busy
+        stalled = 0.0 if busy == "idle" else max(0.0, time.perf_counter() - self.busy_since)
+        beat = Heartbeat(step=self.step, sent_at=time.time(), busy=busy, busy_s=stalled, step_ms=self.step_ms, averaged=self.averaged)
         try:
-            dealer.send(self.writer.encode(Heartbeat(step=self.step, sent_at=time.time())), zmq.NOBLOCK)
+            dealer.send(self.writer.encode(beat), zmq.NOBLOCK)
         except zmq.Again:
             pass
 
-    def _check_alive(self, now: float, last_heard: float) -> None:
-        if now - last_heard > self.silence_timeout_s:
+    def _check_alive(self, now: float, last_heard: float | None) -> None:
+        # Before the controller's first frame (the rank still builds its task, which may take
+        # longer than the heartbeat timeout) the rank relies on its worker, which watches the
+        # controller and terminates its ranks when it goes, and on dying with that worker.
+        if last_heard is not None and now - last_heard > self.silence_timeout_s:
             self.lost = f"heard nothing from the controller at {self.addr} for {now - last_heard:.1f} s"
         elif self.parent_pid and os.getppid() != self.parent_pid:
             self.lost = "its worker process is gone"

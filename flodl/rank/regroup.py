@@ -35,15 +35,29 @@ class Regrouping:
         """Average, surviving a peer's death: if the collective fails, put the values
         back, join the survivors' new group, and do this same average again there."""
         self.faults.reach("average")
+        self.link.doing("average")
         while True:
             self._maybe_regroup()
+            if self.skip_redo:
+                # the others completed the average this rank lost: it holds what we sent, and we
+                # take it from the next average, adding nothing to it (the adopting path)
+                self.skip_redo = self.redoing = False
+                self.averager.adopting = True
+                self.position += 1
+                log.warning("rank %d: the survivors completed the failed average; taking their consensus next", self.rank)
+                return self._averaged(Averaged(0.0))
             try:
                 averaged = self.averager.average(weight, measure=measure, block=block)
                 self.norms_stale = self.norms_stale or self.world_size > 1
-                return averaged
+                self.redoing = False
+                self.position += 1
+                return self._averaged(averaged)
             except RuntimeError as exc:
                 if self.averager.backend != "collective" or not is_collective_error(exc):
                     raise
+                if self.link.must_stop or self.terminated:
+                    raise Stop from None  # the run stops: an abandoned average is not worth redoing
+                self.redoing = True
                 log.warning("rank %d: averaging failed (%s); waiting for the survivors' new group", self.rank, exc)
                 announced = self.link.regroup
                 if announced is None or announced.generation <= self.generation:
@@ -53,6 +67,15 @@ class Regrouping:
                 self.averager.restore()
                 self._await_regroup()
                 stats.regrouped_at = round_index
+
+    def _averaged(self, averaged: Averaged) -> Averaged:
+        """An average completed: progress for the controller's liveness; the first in a new
+        generation is reported at once (the controller times the recovery by it)."""
+        self.link.doing("step")
+        if self.link.averaged < self.generation:
+            self.link.averaged = self.generation
+            self.link.beat_now()
+        return averaged
 
     def _maybe_regroup(self) -> None:
         """Act on a new membership generation the controller announced.
@@ -70,6 +93,15 @@ class Regrouping:
                 self.averager.round = msg.first_round
                 self.generation = msg.generation
             return
+        busy = self.link.busy
+        self.link.doing("average")
+        try:
+            self._regroup_to(msg)
+        finally:
+            self.link.doing(busy)
+
+    def _regroup_to(self, msg: m.Regroup) -> None:
+        """Join ``msg``'s generation, or a newer one when the world changes again meanwhile."""
         while True:
             if self.rank not in msg.members:
                 raise Stop  # declared dead (we were too slow, or cut off): leave
@@ -107,6 +139,14 @@ class Regrouping:
         if msg.sync_from >= 0 and msg.sync_from in msg.members:
             self.averager.broadcast_from(msg.members.index(msg.sync_from))
             self.averager.adopting = False
+        elif group is not None:
+            # A death mid-average can leave some survivors with the average done and others
+            # without (a ring's last step reached some). Every member says which average it does
+            # next (``position``: window and round); a member redoing a failed average that
+            # another member already has behind it skips the redo and takes the others'
+            # consensus from the next average (``_average``); otherwise all do it together.
+            ahead = self.averager.highest(self.position) > self.position  # every member calls it: a collective
+            self.skip_redo = self.redoing and ahead
         (log.info if msg.sync_from >= 0 else log.warning)("rank %d: now one of %d ranks (generation %d): %s", self.rank, world, msg.generation, msg.reason)
 
     def _group_for(self, msg: m.Regroup) -> torch.distributed.ProcessGroup | None:

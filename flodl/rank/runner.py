@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import os
 import platform
 import signal
@@ -40,6 +41,7 @@ from ..errors import (
     EXIT_CONFIG,
     EXIT_CONTROLLER_LOST,
     EXIT_INTERRUPTED,
+    EXIT_NONFINITE,
     EXIT_OK,
     EXIT_RANK_LOST,
     EXIT_TASK_ERROR,
@@ -61,7 +63,7 @@ from .saving import checkpoint, emergency_save
 from .data import BatchSource, to_device
 from .evaluation import Evaluating
 from .norms import norm_layers
-from .outcomes import Stop, UserError, is_collective_error
+from .outcomes import NonFiniteLoss, Stop, UserError, is_collective_error
 from .regroup import Regrouping
 from .prefetch import CacheWarmer, Prefetcher
 from .disk_stage import DiskStage
@@ -163,6 +165,9 @@ class RankRunner(Regrouping, Evaluating):
         self.config: DdpRunConfig | None = None
         self._saved_on_shutdown = False
         self.generation = 0
+        self.redoing = False  # an average failed and is to be redone in the next generation
+        self.skip_redo = False  # ... unless the other survivors completed it (regroup.py)
+        self.position = 0  # the next average's place in the run: window << 16 | round (regroup.py compares them)
         self.welcome: m.RankWelcome | None = None
         self.handle = WorkerHandle(self)
         self.slowdown = simulated_slowdown(env.rank)
@@ -244,6 +249,8 @@ class RankRunner(Regrouping, Evaluating):
                     self._checkpoint(cmd)
             except Stop:
                 return self._stopped()
+            except NonFiniteLoss as exc:
+                return self._fail("nonfinite", exc, EXIT_NONFINITE)
             except UserError as exc:
                 return self._fail(exc.stage, exc.original, EXIT_TASK_ERROR)
             except DeadlineExceeded as exc:  # a CPU averaging round never came back
@@ -278,6 +285,7 @@ class RankRunner(Regrouping, Evaluating):
 
     def _checkpoint(self, cmd: m.SaveCheckpoint) -> None:
         """Write this rank's part of a consensus checkpoint between windows and say so."""
+        self.link.doing("save")
         done = checkpoint(
             rank=self.rank, model=self.model, optimizer=self.optimizer, stem=cmd.stem, tag=cmd.tag, version=cmd.version,
             call_fn=self.task.checkpoint_fn if cmd.call_fn else None, handle=self.handle,
@@ -315,9 +323,15 @@ class RankRunner(Regrouping, Evaluating):
             Stop: SIGTERM arrived. PeerLost: the controller is gone.
             DeadlineExceeded: ``deadline`` (monotonic) passed.
         """
+        self.link.doing("idle")
         while True:
             if self.terminated:
                 raise Stop
+            if self.welcome is not None and self.link.regroup is not None and self.link.regroup.generation > self.generation:
+                # join a new group while waiting, not at the next window: a survivor that lost the
+                # failed average waits for this one in the new group, and the next window waits for it
+                self._maybe_regroup()
+                self.link.doing("idle")
             wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
             if wait <= 0:
                 raise DeadlineExceeded("no command from the controller in time")
@@ -402,7 +416,7 @@ class RankRunner(Regrouping, Evaluating):
                     rank=self.rank, world_size=welcome.world_size, device=self.device, timeout_s=welcome.collective_timeout_s,
                     gather_s=self._gather_s(), give_up=lambda: self.link.must_stop or self.terminated,
                 )
-            self.averager = CollectiveAverager(flat, group)
+            self.averager = CollectiveAverager(flat, group, must_stop=lambda: self.link.must_stop or self.terminated)
             self.link.on_regroup = lambda msg: self.averager.abort()  # NCCL: break a hang on the dead peer
         if welcome.late:
             # joining a running job: the consensus comes with the Regroup that admits us
@@ -460,6 +474,7 @@ class RankRunner(Regrouping, Evaluating):
     def _train_window(self, window: m.Window) -> None:
         """Train granted positions until a quota, average, and report (progressive dispatch)."""
         self.global_step = window.global_step
+        self.link.doing("step")
         self._maybe_regroup()  # a membership change announced between windows (a rank joined)
         self._start_warmer()
         stats = self._run_rounds(
@@ -533,6 +548,7 @@ class RankRunner(Regrouping, Evaluating):
         self.model.train()  # once per window, not per step: it walks every module
         exhausted = False
         for round_index in range(rounds):
+            self.position = ((window or 0) << 16) | round_index
             stepped = 0
             last: m.BatchDone | None = None
             while not exhausted and (not sync_every or stepped < sync_every):
@@ -589,10 +605,12 @@ class RankRunner(Regrouping, Evaluating):
         self.faults.reach("epoch", index=epoch)
         if self.task.epoch_fn is not None:
             self.lr.apply(self.global_step)  # so the handle shows the LR of the step about to run
+            self.link.doing("callback")
             try:
                 self.task.epoch_fn(epoch, self.handle)
             except Exception as exc:
                 raise UserError("epoch_fn", exc) from exc
+            self.link.doing("step")
 
     def _step(self, batch: Any) -> tuple[float, float]:
         """One optimizer step; returns (loss, compute ms)."""
@@ -607,11 +625,16 @@ class RankRunner(Regrouping, Evaluating):
             loss = task.loss_fn(model(x), y)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        self.faults.reach("batch")
+        if self.faults.reach("batch") == "nan":  # tests: a diverging step
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
         if self.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         value = float(loss.detach())  # also waits for the device, so the timing is honest
+        if not math.isfinite(value):  # free: the value is on the host already
+            raise NonFiniteLoss(value, self.current_epoch, self.step_count + 1)
         compute_ms = (time.perf_counter() - t0) * 1000.0
         if self.slowdown > 1.0 and self.step_count > 0:  # SIMULATION (FLODL_SIMULATE_SLOWDOWN): a slower device
             # (from the second step: the first is set-up and warm-up, no device's pace)
@@ -622,6 +645,8 @@ class RankRunner(Regrouping, Evaluating):
             self._open_vram_pool()
         self.global_step += 1
         self.link.step = self.step_count
+        # progress for the controller's liveness; the first step (warm-up) sets no deadline
+        self.link.progressed(time.perf_counter(), compute_ms if self.step_count > 1 else 0.0)
         return value, compute_ms
 
 #: Intra-op threads of a GPU rank: its CPU work is batch gathers and small host ops.
