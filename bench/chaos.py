@@ -1,0 +1,513 @@
+"""Chaos: one fault per real run, at a uniformly random moment, across the six modes.
+
+    python bench/chaos.py [--quick] [--faults N] [--seed S] [--parallel P]
+
+Every run is ``python -m flodl.controller --task tests/tasks/tiny.py:task``
+with 3 local ranks and ``--heartbeat-timeout-secs 3``. Fault kinds (run ``i``
+gets kind ``i mod 5`` and mode ``i mod 6``, so 30 runs cover every pair; the
+order is shuffled with the seed):
+
+* ``kill``        SIGKILL of a random non-zero rank from outside, at a random moment of training
+* ``stop``        SIGSTOP of a random non-zero rank from outside (a hang: found by heartbeat)
+* ``stuck``       ``FLODL_INJECT_FAULT=<rank>:batch:<random n>:hang`` (the training thread
+                  blocks for good, heartbeats go on)
+* ``slow-build``  ``FLODL_TEST_BUILD_SLEEP`` > heartbeat timeout: the run must simply start and finish
+* ``ctl-kill``    SIGKILL of the controller at a random moment after the first checkpoint
+                  (``--save-path`` + ``--checkpoint-every 1``); a loadable bundle must be left
+                  (``read_meta`` + ``load_model`` into the task's model; an earlier epoch's is fine)
+
+Every run is checked: exit code 0 (ctl-kill: none), every epoch's samples ==
+the dataset length, final eval > 0.7, exactly the expected death, the whole
+process tree gone, no ``flodl`` segment of the run left in /dev/shm. A run
+failing any check is *lost*. From the summary: detection (the recovery's
+``unix_time`` minus our kill/stop time; for a stuck thread the stall the death
+reason names, which starts mid-batch at the fault) and ``training_again_s``
+(seconds from the recovery until every survivor completed an average in the
+new membership). Goals (issue: faults at any moment): 0 runs lost, 0 samples
+lost or repeated, detection <= 1 s for exits and <= heartbeat + 1 s for hangs
+and stuck threads, all survivors averaging again <= 3 s after detection at p99
+(max <= 5 s), a loadable bundle after every controller kill. Full mode also
+runs torchrun's elastic restart on the same SIGKILL (``bench/faults.py``'s case).
+Run logs stay in a temporary folder printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import Row, report  # noqa: E402
+
+TASK = f"{ROOT / 'tests' / 'tasks' / 'tiny.py'}:task"
+NPROC = 3
+HEARTBEAT_S = 3
+DATASET = 512  # tiny.py's samples per epoch
+BATCHES_PER_RANK_EPOCH = DATASET // 16 // NPROC  # about 10 batches of 16 per rank per epoch
+MODES = ("nccl-sync", "nccl-cadence", "nccl-async", "cpu-sync", "cpu-cadence", "cpu-async")
+KINDS = ("kill", "stop", "stuck", "slow-build", "ctl-kill")
+SHM = Path(os.environ.get("FLODL_SHM_DIR", "/dev/shm"))
+RUN_TIMEOUT_S = 240
+EVAL_MIN = 0.7
+
+#: kind -> (the detection goal in seconds, its text); slow-build and ctl-kill have no detection
+DETECT_GOAL = {"kill": (1.0, "<= 1 s"), "stop": (HEARTBEAT_S + 1.0, f"<= heartbeat {HEARTBEAT_S} s + 1 s"),
+               "stuck": (HEARTBEAT_S + 1.0, f"<= heartbeat {HEARTBEAT_S} s + 1 s")}
+AGAIN_P99_S = 3.0
+AGAIN_MAX_S = 5.0
+
+
+@dataclass
+class Plan:
+    index: int
+    kind: str
+    mode: str
+    victim: int  # the rank hit (non-zero); unused by slow-build and ctl-kill
+    at: float  # fraction of the nominal training time at which the fault fires
+    batch: int  # stuck: the victim's batch that hangs
+
+
+@dataclass
+class Result:
+    plan: Plan
+    landed: bool = True  # the fault hit a run still training
+    failures: list[str] = field(default_factory=list)
+    detect_s: float | None = None
+    again_s: float | None = None
+    exit_code: int | None = None
+    wall_s: float = 0.0
+    start_s: float | None = None  # from launch to the controller's header (every rank joined)
+    log: str = ""
+    note: str = ""
+
+    @property
+    def lost(self) -> bool:
+        return bool(self.failures)
+
+
+# ---------------------------------------------------------------- pure aggregation
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between closest ranks (numpy's default); nan if empty."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _under(value: float, limit: float) -> bool | None:
+    return None if math.isnan(value) else value <= limit
+
+
+def rows_for(results: list[Result]) -> list[Row]:
+    """The table: per fault kind, counts, runs lost, detection and averaging-again percentiles, with goals."""
+    rows: list[Row] = []
+    for kind in KINDS:
+        mine = [r for r in results if r.plan.kind == kind]
+        if not mine:
+            continue
+        landed = [r for r in mine if r.landed or r.lost]
+        lost = [r for r in mine if r.lost]
+        coverage = [r for r in mine if any(f.startswith("samples") for f in r.failures)]
+        rows += [
+            Row(kind, "faults", len(mine), "runs"),
+            Row(kind, "faults landed", len(landed), "runs"),
+            Row(kind, "runs lost", len(lost), "runs", "0", not lost),
+        ]
+        if kind != "ctl-kill":
+            rows.append(Row(kind, "runs losing samples", len(coverage), "runs", "0 lost or repeated", not coverage))
+        else:
+            unloadable = [r for r in mine if any(f.startswith("bundle") for f in r.failures)]
+            rows.append(Row(kind, "no loadable bundle", len(unloadable), "runs", "0 (bundle after every kill)", not unloadable))
+        if kind in DETECT_GOAL:
+            limit, text = DETECT_GOAL[kind]
+            detect = [r.detect_s for r in mine if r.detect_s is not None]
+            again = [r.again_s for r in mine if r.again_s is not None]
+            for name, q in (("p50", 50), ("p99", 99), ("max", 100)):
+                v = percentile(detect, q)
+                rows.append(Row(kind, f"detection {name}", v, "s", text, _under(v, limit)))
+            for name, q in (("p50", 50), ("p99", 99), ("max", 100)):
+                v = percentile(again, q)
+                goal = {"p99": (f"<= {AGAIN_P99_S:g} s", AGAIN_P99_S), "max": (f"<= {AGAIN_MAX_S:g} s", AGAIN_MAX_S)}.get(name)
+                rows.append(Row(kind, f"averaging again {name}", v, "s after det.", goal and goal[0], goal and _under(v, goal[1])))
+            unmeasured = sum(1 for r in mine if r.landed and not r.lost and r.again_s is None)
+            rows.append(Row(kind, "again not measured", unmeasured, "runs"))
+    lost = [r for r in results if r.lost]
+    rows += [Row("all", "faults", len(results), "runs"),
+             Row("all", "runs lost", len(lost), "runs", "0", not lost)]
+    return rows
+
+
+def make_plans(count: int, seed: int, epochs: int) -> list[Plan]:
+    """Run i: kind i mod 5, mode i mod 6 (every pair in 30 runs); moments drawn uniformly; order shuffled."""
+    rng = random.Random(seed)
+    plans = []
+    last_batch = max(2, int(0.8 * BATCHES_PER_RANK_EPOCH * epochs))
+    for i in range(count):
+        plans.append(Plan(i, KINDS[i % len(KINDS)], MODES[i % len(MODES)], rng.randrange(1, NPROC), rng.uniform(0.05, 0.8),
+                          rng.randint(2, last_batch)))
+    rng.shuffle(plans)
+    return plans
+
+
+# ---------------------------------------------------------------- one run
+
+
+def _env(extra: dict) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("FLODL_INJECT_FAULT", None)
+    env.update(extra)
+    return env
+
+
+class Tree:
+    """Every process of the controller's tree seen while the run lasted (ranks start late)."""
+
+    def __init__(self, pid: int) -> None:
+        self.root = psutil.Process(pid)
+        self.seen: dict[int, psutil.Process] = {pid: self.root}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self.poll()
+            time.sleep(0.1)
+
+    def poll(self) -> None:
+        try:
+            for p in self.root.children(recursive=True):
+                self.seen.setdefault(p.pid, p)
+        except psutil.Error:
+            pass
+
+    def ranks(self) -> list[psutil.Process]:
+        out = []
+        for p in list(self.seen.values()):
+            try:
+                if "flodl.rank" in " ".join(p.cmdline()) and _running(p):
+                    out.append(p)
+            except psutil.Error:
+                pass
+        return sorted(out, key=lambda p: p.pid)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+    def leftovers(self, timeout: float) -> list[str]:
+        """Processes of the tree still running after ``timeout`` s (then killed, so nothing stays)."""
+        deadline = time.monotonic() + timeout
+        alive = [p for p in self.seen.values() if _running(p)]
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [p for p in alive if _running(p)]
+        left = []
+        for p in alive:
+            try:
+                left.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
+                p.kill()
+            except psutil.Error:
+                pass
+        return left
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _rank_of(p: psutil.Process) -> int | None:
+    try:
+        return int(p.environ().get("FLODL_RANK", ""))
+    except (psutil.Error, ValueError):
+        return None
+
+
+def _shm_names() -> set[str]:
+    try:
+        return {p.name for p in SHM.iterdir() if "flodl" in p.name}
+    except OSError:
+        return set()
+
+
+def _run_id(log: Path) -> str | None:
+    m = re.search(r"flodl run (\S+)", log.read_text(errors="replace"))
+    return m.group(1) if m else None
+
+
+def _wait_for(log: Path, needle: str, proc: subprocess.Popen, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if needle in log.read_text(errors="replace"):
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.02)
+    return False
+
+
+def bundle_check(stem: Path) -> str | None:
+    """None when ``stem`` is a loadable bundle (sidecar and checksums, model into tiny's model), else why not."""
+    from flodl.checkpoint import load_model, read_meta
+
+    sys.path.insert(0, str(ROOT / "tests" / "tasks"))
+    from tiny import make_model  # noqa: E402
+
+    try:
+        meta = read_meta(stem)
+        load_model(make_model(), stem)
+    except Exception as exc:  # noqa: BLE001 - any failure is the finding
+        return f"{type(exc).__name__}: {exc}"
+    return None if meta else "empty sidecar"
+
+
+def stray_files(stem: Path) -> list[str]:
+    """Data files of the run's bundle (``<stem>.<hash>.fdl/.optim``) its sidecar does not name: a save cut short."""
+    try:
+        meta = json.loads(stem.with_name(stem.name + ".meta.json").read_text())
+    except (OSError, ValueError):
+        meta = {}
+    named = {Path(str(meta.get(k, ""))).name for k in ("model_file", "optim_file")}
+    pattern = re.compile(re.escape(stem.name) + r"\.[0-9a-f]{8,}\.(fdl|optim)$")
+    return sorted(p.name for p in stem.parent.iterdir() if pattern.match(p.name) and p.name not in named)
+
+
+def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
+    """Start a run, inject the plan's fault at its moment, wait, and check everything."""
+    res = Result(plan)
+    tag = f"{plan.index:03d}-{plan.kind}-{plan.mode}"
+    log_path, summary_path, stem = tmp / f"{tag}.log", tmp / f"{tag}.json", tmp / tag / "ckpt"
+    res.log = str(log_path)
+    extra = {"FLODL_TEST_STEP_SLEEP": str(step_s)}
+    args = ["--task", TASK, "--nproc-per-node", str(NPROC), "--epochs", str(epochs), "--mode", plan.mode,
+            "--heartbeat-timeout-secs", str(HEARTBEAT_S), "--summary-json", str(summary_path), "--no-progress"]
+    if plan.kind == "stuck":
+        extra["FLODL_INJECT_FAULT"] = f"{plan.victim}:batch:{plan.batch}:hang"
+    elif plan.kind == "slow-build":
+        extra["FLODL_TEST_BUILD_SLEEP"] = str(HEARTBEAT_S + 2)
+    elif plan.kind == "ctl-kill":
+        args += ["--save-path", str(stem), "--checkpoint-every", "1"]
+    shm_before = _shm_names()
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "flodl.controller", *args], env=_env(extra), stdout=log,
+                                stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    tree = Tree(proc.pid)
+    hit_at: float | None = None
+    nominal = epochs * BATCHES_PER_RANK_EPOCH * step_s  # a lower bound of the training time
+    try:
+        if _wait_for(log_path, "samples, batch", proc, 120):
+            res.start_s = time.monotonic() - started
+        if plan.kind in ("kill", "stop"):
+            if res.start_s is not None:
+                time.sleep(plan.at * nominal)
+                tree.poll()
+                ranks = tree.ranks()
+                victim = next((r for r in ranks if _rank_of(r) == plan.victim), None)
+                if proc.poll() is None and victim is not None:
+                    hit_at = time.time()
+                    os.kill(victim.pid, signal.SIGKILL if plan.kind == "kill" else signal.SIGSTOP)
+                else:
+                    res.landed = False
+        elif plan.kind == "ctl-kill":
+            meta = stem.parent / "ckpt.meta.json"
+            deadline = time.monotonic() + 120
+            while not meta.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if proc.poll() is None and meta.exists():
+                time.sleep(plan.at * nominal * (epochs - 1) / epochs)
+                if proc.poll() is None:
+                    tree.poll()
+                    hit_at = time.time()
+                    os.kill(proc.pid, signal.SIGKILL)
+                else:
+                    res.landed = False
+            else:
+                res.landed = False
+        try:
+            res.exit_code = proc.wait(RUN_TIMEOUT_S - (time.monotonic() - started))
+        except subprocess.TimeoutExpired:
+            res.failures.append(f"still running after {RUN_TIMEOUT_S} s")
+            os.killpg(proc.pid, signal.SIGKILL)
+            res.exit_code = proc.wait(10)
+    finally:
+        tree.stop()
+    res.wall_s = time.monotonic() - started
+    left = tree.leftovers(20 if plan.kind == "ctl-kill" else 10)
+    if left:
+        res.failures.append(f"processes left: {left}")
+    run_id = _run_id(log_path)
+    pids = {str(p) for p in tree.seen}
+    new_shm = [n for n in _shm_names() - shm_before
+               if (run_id and run_id in n) or any(f"-{pid}." in n for pid in pids)]
+    if new_shm:
+        res.failures.append(f"shm left: {sorted(new_shm)}")
+        for n in new_shm:  # do not let one lost run pollute the next
+            (SHM / n).unlink(missing_ok=True)
+    if plan.kind == "ctl-kill":
+        if hit_at is None:
+            res.note = "the run ended before the kill"
+            if res.exit_code != 0:
+                res.failures.append(f"exit code {res.exit_code}")
+        why = bundle_check(stem) if stem.parent.exists() else "no bundle folder"
+        stray = stray_files(stem) if stem.parent.exists() else []
+        if stray:
+            res.note = f"left unreferenced by the sidecar: {', '.join(stray)}"
+        if why is not None and (hit_at is not None or res.exit_code == 0):
+            res.failures.append(f"bundle not loadable: {why}")
+        return res
+    if res.exit_code != 0:
+        res.failures.append(f"exit code {res.exit_code}")
+    if not summary_path.exists():
+        res.failures.append("no summary")
+        return res
+    s = json.loads(summary_path.read_text())
+    samples = [h["samples"] for h in s["history"]]
+    if samples != [DATASET] * epochs:
+        res.failures.append(f"samples per epoch {samples}, want {DATASET} x {epochs}")
+    if s.get("final_eval") is None or s["final_eval"] <= EVAL_MIN:
+        res.failures.append(f"final eval {s.get('final_eval')}")
+    deaths, recoveries = s["deaths"], s["recoveries"]
+    if plan.kind == "slow-build":
+        if deaths:
+            res.failures.append(f"deaths in a slow build: {deaths}")
+        return res
+    if plan.kind in ("kill", "stop") and hit_at is None:
+        res.landed = False
+        res.note = "the run ended before the fault"
+    if plan.kind == "stuck" and not deaths and res.exit_code == 0:
+        res.landed = False  # the victim never reached that batch (a hung thread cannot finish a run)
+        res.note = f"rank {plan.victim} never reached batch {plan.batch}"
+    if not res.landed:
+        if deaths:
+            res.failures.append(f"deaths without a fault: {deaths}")
+        return res
+    if len(deaths) != 1:
+        res.failures.append(f"{len(deaths)} deaths, want 1: {deaths}")
+    if plan.kind == "stuck" and deaths and deaths[0]["rank"] != plan.victim:
+        res.failures.append(f"rank {deaths[0]['rank']} died, rank {plan.victim} was stuck")
+    if not recoveries:
+        res.failures.append("no recovery")
+        return res
+    rec = recoveries[0]
+    if plan.kind == "stuck":
+        m = re.search(r"for ([0-9.]+) s", deaths[0]["reason"]) if deaths else None
+        res.detect_s = float(m.group(1)) if m else None
+    elif hit_at is not None:
+        res.detect_s = rec["unix_time"] - hit_at
+    res.again_s = rec.get("training_again_s")
+    return res
+
+
+def torchrun_rows(runs: int, tmp: Path) -> list[Row]:
+    """bench/faults.py's torchrun + DDP ``--max-restarts 3`` case, the same kill -9 of a worker."""
+    from bench.faults import NPROC as TR_NPROC, torchrun_case
+
+    again, restarted = [], []
+    for i in range(runs):
+        sub = tmp / f"torchrun-{i}"
+        sub.mkdir()
+        t = torchrun_case(4, sub)
+        again.append(t["again_s"])
+        restarted.append(t["restarted"])
+        print(f"torchrun {i}: {t}", flush=True)
+    case = "torchrun DDP kill"
+    return [Row(case, "runs", runs, "runs"),
+            Row(case, "kill to all again p50", percentile(again, 50), "s"),
+            Row(case, "kill to all again max", percentile(again, 100), "s"),
+            Row(case, "processes restarted", max(restarted), "processes", "whole world", min(restarted) == TR_NPROC)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="6 faults, shorter runs (under two minutes)")
+    parser.add_argument("--faults", type=int, default=None, help="faults (runs) to inject (default 100; quick 6)")
+    parser.add_argument("--seed", type=int, default=1, help="seed of the fault plan")
+    parser.add_argument("--parallel", type=int, default=2, help="runs at a time (default 2)")
+    parser.add_argument("--torchrun", type=int, default=None,
+                        help="torchrun elastic-restart runs on the same SIGKILL, side by side (default 1; quick 0)")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="start no new run after this many minutes; report the runs done")
+    parser.add_argument("--name", default="chaos", help="results file name (bench/results/<name>.json)")
+    a = parser.parse_args()
+    count = a.faults or (6 if a.quick else 100)
+    if a.torchrun is None:
+        a.torchrun = 0 if a.quick else 1
+    epochs, step_s = (4, 0.05) if a.quick else (8, 0.05)
+    tmp = Path(tempfile.mkdtemp(prefix="flodl-chaos-"))
+    plans = make_plans(count, a.seed, epochs)
+    print(f"{count} faults, seed {a.seed}, {epochs} epochs x {DATASET} samples, {step_s * 1000:.0f} ms/step, "
+          f"{a.parallel} at a time; logs in {tmp}", flush=True)
+    results: list[Result] = []
+    lock = threading.Lock()
+    t0 = time.monotonic()
+
+    stop_at = t0 + a.max_minutes * 60 if a.max_minutes else math.inf
+
+    def one(plan: Plan) -> Result | None:
+        if time.monotonic() > stop_at:
+            return None
+        try:
+            r = run_one(plan, epochs, step_s, tmp)
+        except Exception as exc:  # noqa: BLE001 - a bench bug must not hide the other runs
+            r = Result(plan, failures=[f"bench error: {type(exc).__name__}: {exc}"])
+        with lock:
+            results.append(r)
+            state = "LOST " + "; ".join(r.failures) if r.lost else ("ok" if r.landed else "not landed")
+            state += f" ({r.note})" if r.note else ""
+            det = "-" if r.detect_s is None else f"{r.detect_s:.2f}"
+            again = "-" if r.again_s is None else f"{r.again_s:.2f}"
+            print(f"[{len(results):3d}/{count} {time.monotonic() - t0:6.0f} s] {plan.kind:<10} {plan.mode:<12} "
+                  f"victim {plan.victim} at {plan.at:.2f} batch {plan.batch:3d}  detect {det:>5}  again {again:>5}  "
+                  f"start {r.start_s or 0:5.1f} wall {r.wall_s:5.1f}  {state}", flush=True)
+        return r
+
+    with ThreadPoolExecutor(max_workers=max(1, a.parallel)) as pool:
+        list(pool.map(one, plans))
+    results.sort(key=lambda r: r.plan.index)
+    cut = f" (stopped after {a.max_minutes:g} min: {len(results)} of {count} done)" if len(results) < count else ""
+    rows = rows_for(results)
+    if a.torchrun:
+        try:
+            rows += torchrun_rows(a.torchrun, tmp)
+        except Exception as exc:  # noqa: BLE001
+            print(f"torchrun comparison failed: {exc}", flush=True)
+    lost = [f"#{r.plan.index} {r.plan.kind} {r.plan.mode}: {'; '.join(r.failures)} (log {r.log})" for r in results if r.lost]
+    note = (f"{'quick' if a.quick else 'full'}: {len(results)} faults{cut}, seed {a.seed}, {NPROC} CPU ranks, tiny task "
+            f"{DATASET} samples x {epochs} epochs, {step_s * 1000:.0f} ms/step, heartbeat {HEARTBEAT_S} s, "
+            f"{a.parallel} runs at a time; {time.monotonic() - t0:.0f} s")
+    if lost:
+        note += "\nlost runs:\n" + "\n".join(lost)
+    report(a.name, rows, note=note)
+    print(f"logs in {tmp}")
+
+
+if __name__ == "__main__":
+    main()

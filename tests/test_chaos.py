@@ -1,0 +1,67 @@
+"""The chaos benchmark's pure parts: the fault plan, percentiles and goal checks.
+
+The benchmark itself (``python bench/chaos.py``) starts real runs and is run on purpose, never here.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.chaos import KINDS, MODES, Plan, Result, make_plans, percentile, rows_for  # noqa: E402
+
+
+def test_percentile_interpolates_like_numpy():
+    xs = [float(v) for v in range(1, 11)]  # 1..10
+    assert percentile(xs, 50) == 5.5
+    assert percentile(xs, 100) == 10.0
+    assert percentile(xs, 0) == 1.0
+    assert math.isclose(percentile(xs, 99), 9.91)
+    assert percentile([3.0], 99) == 3.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_thirty_plans_cover_every_kind_and_mode_pair_and_repeat_with_the_seed():
+    plans = make_plans(30, seed=4, epochs=6)
+    assert {(p.kind, p.mode) for p in plans} == {(k, m) for k in KINDS for m in MODES}
+    assert all(p.victim != 0 and 0 < p.at < 1 and p.batch >= 2 for p in plans)
+    assert make_plans(30, seed=4, epochs=6) == plans
+    assert make_plans(30, seed=5, epochs=6) != plans
+
+
+def _result(kind, *, detect=None, again=None, failures=(), landed=True):
+    return Result(Plan(0, kind, "cpu-sync", 1, 0.5, 10), landed=landed, failures=list(failures), detect_s=detect, again_s=again)
+
+
+def _row(rows, case, metric):
+    [row] = [r for r in rows if r.case == case and r.metric == metric]
+    return row
+
+
+def test_rows_check_each_goal():
+    results = [_result("kill", detect=0.05, again=0.2), _result("kill", detect=0.08, again=4.0),
+               _result("stop", detect=3.4, again=0.1, failures=["samples per epoch [512, 500], want 512 x 2"]),
+               _result("stuck", detect=3.3, again=None),  # the run ended before every survivor averaged
+               _result("stuck", landed=False),
+               _result("ctl-kill", failures=["bundle not loadable: CheckpointError: x"]),
+               _result("slow-build")]
+    rows = rows_for(results)
+    assert _row(rows, "kill", "detection max").met is True
+    assert _row(rows, "kill", "averaging again max").value == 4.0
+    assert _row(rows, "kill", "averaging again max").met is True  # <= 5 s
+    assert _row(rows, "kill", "averaging again p99").met is False  # > 3 s
+    assert _row(rows, "kill", "averaging again p50").goal is None
+    assert _row(rows, "kill", "runs lost").met is True
+    assert _row(rows, "stop", "detection p99").met is True  # <= heartbeat 3 s + 1 s
+    assert _row(rows, "stop", "runs losing samples").value == 1 and _row(rows, "stop", "runs lost").met is False
+    assert _row(rows, "stuck", "faults landed").value == 1
+    assert _row(rows, "stuck", "again not measured").value == 1
+    assert _row(rows, "stuck", "averaging again p99").met is None  # nothing measured: no verdict
+    assert _row(rows, "ctl-kill", "no loadable bundle").met is False
+    assert not [r for r in rows if r.case == "slow-build" and r.metric.startswith("detection")]
+    assert _row(rows, "all", "runs lost").value == 2
