@@ -171,10 +171,15 @@ class Membership:
                 newly.append(rank)
                 reasons.append(f"{info.where()} {info.death}")
         if newly:
-            self.generation += 1
+            self.new_generation()
         alive = sum(1 for r in self.ranks.values() if r.state is PeerState.READY)
         reason = "; ".join(reasons) if reasons else f"[{alive}/{len(self.ranks)} ranks ready]"
         return Verdict(tuple(newly), reason)
+
+    def new_generation(self) -> int:
+        """The world changed (deaths, joiners, a collective rebuilt): the only writer of ``generation``."""
+        self.generation += 1
+        return self.generation
 
     def silent_workers(self, now: float) -> list[WorkerInfo]:
         """Workers silent past the timeout (their ranks will be judged on their own)."""
@@ -196,17 +201,15 @@ class Membership:
 def unrecoverable(config, world_size: int, dead: int, survivors: int) -> tuple[str, str] | None:
     """``(save_reason, why)`` if the run cannot go on without its dead ranks, else None.
 
-    In order: the user's ``max_failure`` limit; the collective backend's need
-    for two ranks; the CPU backend's need for one. ``save_reason`` is the
-    code a checkpoint sidecar records.
+    In order: the user's ``max_failure`` limit; a rank left at all (either
+    backend goes on with one). ``save_reason`` is the code a checkpoint
+    sidecar records.
     """
-    from .config import AverageBackend  # local: membership stays importable without torch-heavy config users
-
     limit = config.max_failure.limit_for(world_size) if config.max_failure is not None else None
     if limit is not None and dead >= limit:
         return "max_failure_exceeded", f"{dead} of {world_size} ranks lost reaches max_failure {config.max_failure} (limit {limit})"
-    if config.elche.mode.backend is AverageBackend.NCCL and survivors < 2:
-        return "single_survivor", f"{survivors} rank(s) left; the collective backend needs 2 (a Cpu* mode can go on with 1)"
+    # one collective rank trains alone (its averages are the identity) and the run grows again
+    # when a worker joins or a restart comes back: losing one of two ranks is no reason to stop
     if survivors < 1:
         return "all_ranks_lost", "every rank is lost"
     return None

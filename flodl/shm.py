@@ -51,7 +51,7 @@ import torch
 from .errors import ProtocolError
 
 #: Where segments live (tmpfs on every Linux).
-SHM_DIR = Path(os.environ.get("FLODL_SHM_DIR", "/dev/shm"))
+from .shm_sweep import SHM_DIR, sweep_stale  # noqa: E402,F401  (torch-free: the worker sweeps too)
 #: The controller's segment header: magic, the round its slot holds.
 MAGIC = b"FLODLSH1"
 HEADER_BYTES = 64
@@ -307,29 +307,3 @@ def checked_path(path: str, run_id: str, role: str) -> Path | None:
         return None
     pid = name[len(prefix(run_id)) : -len(role) - 1]
     return p if re.fullmatch(r"\d+\.\d+", pid) else None
-
-
-def sweep_stale() -> int:
-    """Remove segments whose creator is gone (a controller or rank killed outright); returns how many."""
-    removed = 0
-    try:
-        names = [p for p in SHM_DIR.iterdir() if p.name.startswith("flodl-")]
-    except OSError:
-        return 0
-    for p in names:
-        m = re.match(r"flodl-[A-Za-z0-9_.-]*?-(\d+)\.\d+-(probe|update|r\d+)$", p.name)
-        if m is None:
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-            continue  # alive (or another user's): leave it
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        try:
-            p.unlink()
-            removed += 1
-        except OSError:
-            pass
-    return removed

@@ -55,6 +55,18 @@ class TrainerBuilder:
     def join_timeout_secs(self, secs: float) -> "TrainerBuilder":
         return self._set(join_timeout_secs=secs)
 
+    def eval_timeout_secs(self, secs: float) -> "TrainerBuilder":
+        """How long an eval, a user callback or a checkpoint write may run before its rank is hung."""
+        return self._set(eval_timeout_secs=secs)
+
+    def step_timeout_secs(self, secs: float | None) -> "TrainerBuilder":
+        """How long one training step may take before its rank is hung (None: derived)."""
+        return self._set(step_timeout_secs=secs)
+
+    def max_restarts(self, n: int) -> "TrainerBuilder":
+        """Healing: restart a dead rank up to ``n`` times (it rejoins at a window boundary)."""
+        return self._set(max_restarts=n)
+
     def config(self, config: DdpRunConfig) -> "TrainerBuilder":
         """The run options (``DdpRunConfig().with_...``)."""
         if not isinstance(config, DdpRunConfig):

@@ -40,6 +40,7 @@ from .devices import choose_devices
 from .env import PARENT_PID, RankEnv, child_environ, parse_run_secret, read_run_credentials
 from .errors import EXIT_CONFIG, EXIT_CONTROLLER_LOST, EXIT_INTERRUPTED, EXIT_OK, ConfigError
 from .proc import die_with_parent, nap, terminate_then_kill
+from .shm_sweep import sweep_stale
 from .protocol import messages as m
 from .protocol.codec import Envelope
 from .protocol.messages import PROTOCOL_VERSION
@@ -159,6 +160,9 @@ class Worker:
             await terminate_then_kill(list(self.procs.values()), KILL_GRACE_S)
             if self.relay is not None:
                 self.relay.close()
+            # a controller killed outright on this host left its shared-memory segments (so may a
+            # rank): its ranks are gone now, so sweep what no live process owns
+            sweep_stale()
             self.endpoint.io.sock.setsockopt(zmq.LINGER, 500)  # let the goodbye frames out
             self.endpoint.close()
 

@@ -371,14 +371,14 @@ def _run(proc_env, tmp_path, *args, epochs=30, nproc=2, func="task", name="s.jso
     return run, path
 
 
-def test_single_survivor_saves_and_the_resume_trains_exactly_the_rest(proc_env, tmp_path):
+def test_a_death_past_max_failure_saves_and_the_resume_trains_exactly_the_rest(proc_env, tmp_path):
     stem = tmp_path / "ck" / "run"
     env = {**proc_env, "FLODL_TEST_STEP_SLEEP": "0.005", "FLODL_INJECT_FAULT": "1:average:9"}
-    run, path = _run(env, tmp_path, "--mode", "nccl-cadence", "--save-path", str(stem), func="big_data_task")
+    run, path = _run(env, tmp_path, "--mode", "nccl-cadence", "--max-failure", "1", "--save-path", str(stem), func="big_data_task")
     assert run.wait(90) == 6, run.output
     assert f"--resume-from {stem}" in run.output
     meta = read_meta(stem)  # complete and consistent: the sidecar names this .fdl
-    assert meta["save_reason"] == "single_survivor" and _files(CheckpointBundle.at(stem))["optim"].exists()
+    assert meta["save_reason"] == "max_failure_exceeded" and _files(CheckpointBundle.at(stem))["optim"].exists()
     first = json.loads(path.read_text())
     cov = meta["coverage"]
     covered_open = sum(item["total"] - sum(z for _, z in item["uncovered"]) for item in cov["open"])

@@ -86,18 +86,21 @@ def test_random_kills_mid_collective_never_stall_the_survivors(proc_env, tmp_pat
     left waiting on another survivor used to stall that long; every recovery must complete its
     first average of all survivors within a few seconds of the death."""
     rng = random.Random(int(os.environ.get("FLODL_TEST_SEED", "16")))
-    run, path = run_tiny(proc_env, tmp_path, "nccl-sync", nproc=6, epochs=6, heartbeat=20,
-                         env={"FLODL_TEST_STEP_SLEEP": "0.02"})
+    hold = tmp_path / "kills-done"  # steps stay slow (0.2 s) until every kill is in, then the run ends fast
+    run, path = run_tiny(proc_env, tmp_path, "nccl-sync", nproc=6, epochs=12, heartbeat=20,
+                         env={"FLODL_TEST_HOLD_FILE": str(hold), "FLODL_TEST_HOLD_SLEEP": "0.2"})
     ranks = run.ranks(6)
     run.wait_for_line("epoch 1/")
     for victim in rng.sample(ranks[1:], 3):
         time.sleep(rng.uniform(0.2, 1.5))
         os.kill(victim.pid, signal.SIGKILL)
-    summary = finished(run, path, 6)
+    time.sleep(3.0)  # the last recovery completes while steps are still slow
+    hold.touch()
+    summary = finished(run, path, 12)
     assert len(summary["deaths"]) == 3
     again = [r["training_again_s"] for r in summary["recoveries"]]
     assert all(a is not None for a in again[-1:]), summary["recoveries"]
-    assert max(a for a in again if a is not None) < 5.0, summary["recoveries"]
+    assert max(a for a in again if a is not None) < 5.0, (summary["recoveries"], run.output)
     assert len(set(summary["final_digests"].values())) == 1  # the survivors end on one consensus
 
 
@@ -140,3 +143,67 @@ def test_healing_stops_after_max_restarts(proc_env, tmp_path):
     summary = finished(run, path, 10)
     assert summary["restarts"] == [] and summary["joins"] == []
     assert set(summary["final_digests"]) == {"0", "2"}
+
+
+def test_a_killed_worker_does_not_keep_the_controller_waiting_for_its_dead_ranks(proc_env, tmp_path):
+    """The local worker is SIGKILLed (its ranks die with it): the controller stops the run at
+    once instead of waiting its abort grace (10 s) for ranks that can no longer answer."""
+    run, path = run_tiny(proc_env, tmp_path, "nccl-cadence", nproc=2, epochs=30, env={"FLODL_TEST_STEP_SLEEP": "0.05"})
+    run.ranks(2)
+    run.wait_for_line("epoch 1/")
+    [worker] = [p for p in run.tree() if "flodl.worker" in " ".join(p.cmdline())]
+    killed = time.monotonic()
+    worker.kill()
+    assert run.wait(60) == 3, run.output
+    assert time.monotonic() - killed < 8.0, run.output
+    assert "the local worker" in run.output
+
+
+def test_an_empty_dataset_is_the_users_error_exit_2_without_a_traceback(proc_env, tmp_path):
+    path = tmp_path / "s.json"
+    run = Run(["--task", task_spec("tiny.py", "empty_task"), "--nproc-per-node", "2", "--summary-json", str(path)], proc_env)
+    assert run.wait(90) == 2, run.output
+    assert "Task.dataset is empty" in run.output
+    assert "Traceback" not in run.output and "--- traceback" not in run.output
+
+
+@pytest.mark.parametrize(("mode", "restarts"), [("nccl-cadence", 0), ("cpu-cadence", 0), ("nccl-cadence", 1)])
+def test_a_rank_that_dies_while_the_others_start_costs_only_itself(proc_env, tmp_path, mode, restarts):
+    """Rank 1 crashes while building its task: the others start without it (the first group
+    forms among them, on rank 0's parameters) and the run finishes; with a restart left, its
+    replacement joins at the first window boundary."""
+    env = {"FLODL_TEST_BUILD_CRASH": "1", "FLODL_TEST_BUILD_SLEEP": "1"}
+    hold = tmp_path / "joined"
+    if restarts:  # steps are slow until the replacement joined, so it joins mid-run
+        env.update(FLODL_TEST_HOLD_FILE=str(hold), FLODL_TEST_HOLD_SLEEP="0.2")
+    run, path = run_tiny(proc_env, tmp_path, mode, epochs=6, env=env, extra=("--max-restarts", str(restarts)))
+    if restarts:
+        run.wait_for_line("training with 3 rank(s)", timeout=120)
+        hold.touch()
+    summary = finished(run, path, 6)
+    assert [d["rank"] for d in summary["deaths"]] == [1]
+    assert "exited with code 1" in summary["deaths"][0]["reason"]
+    expected = {"0", "2", "3"} if restarts else {"0", "2"}
+    assert set(summary["final_digests"]) == expected
+    if mode != "cpu-cadence":
+        assert len(set(summary["final_digests"].values())) == 1
+
+
+def test_a_controller_killed_outright_leaves_no_shared_memory(proc_env, tmp_path):
+    """SIGKILL on the controller of a CPU-backend run (its ranks average through /dev/shm): the
+    local worker stops the ranks and, as it exits, sweeps the segments nobody owns any more."""
+    shm_dir = tmp_path / "shm"  # this run's own: no other run's sweep can tidy up for it
+    shm_dir.mkdir()
+    run, path = run_tiny(proc_env, tmp_path, "cpu-cadence", nproc=2, epochs=40,
+                         env={"FLODL_TEST_STEP_SLEEP": "0.03", "FLODL_SHM_DIR": str(shm_dir)})
+    ranks = run.ranks(2)
+    run.wait_for_line("epoch 2/")
+    controller = run.proc.pid
+    owned = [p.name for p in shm_dir.iterdir() if f"-{controller}." in p.name]
+    assert owned, "the controller holds its update segment while the run trains"
+    tree = run.tree()
+    os.kill(controller, signal.SIGKILL)
+    run.wait(30)
+    assert_all_gone(tree + ranks, timeout=30)
+    left = [p.name for p in shm_dir.iterdir()]
+    assert left == []

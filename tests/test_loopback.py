@@ -76,7 +76,7 @@ async def test_two_workers_get_consecutive_ranks(quiet_console):
 
 @pytest.mark.parametrize("mode", ["nccl-sync", "nccl-cadence", "nccl-async"])
 async def test_rank_death_stops_run_naming_rank_and_host(quiet_console, mode):
-    ctl = make_controller(quiet_console, epochs=5, mode=mode)
+    ctl = make_controller(quiet_console, epochs=5, mode=mode, config=DdpRunConfig().with_max_failure(1))  # else rank 0 trains on alone
     start = time.monotonic()
     result, (sim,) = await run_with(ctl, ([SimRankSpec(batch_ms=1), SimRankSpec(batch_ms=1, die_at_batch=30)], {"host": "node-b"}))
     assert isinstance(result, RunAborted) and result.exit_code == EXIT_RANK_LOST
@@ -88,7 +88,7 @@ async def test_rank_death_stops_run_naming_rank_and_host(quiet_console, mode):
 
 @pytest.mark.parametrize("mode", ["nccl-sync", "nccl-cadence", "nccl-async"])
 async def test_silent_rank_is_declared_dead_after_heartbeat_timeout(quiet_console, mode):
-    ctl = make_controller(quiet_console, epochs=50, heartbeat=1, mode=mode)
+    ctl = make_controller(quiet_console, epochs=50, heartbeat=1, mode=mode, config=DdpRunConfig().with_max_failure(1))
     result, (sim,) = await run_with(ctl, ([SimRankSpec(batch_ms=2), SimRankSpec(batch_ms=2, silent_at_batch=20)], {}))
     assert isinstance(result, RunAborted) and result.exit_code == EXIT_RANK_LOST
     assert "rank 1" in str(result) and "sent nothing for" in str(result)

@@ -102,10 +102,15 @@ class Admission:
         return None
 
     def _welcome_ranks(self) -> None:
+        """Welcome the first ranks that said hello (one that died before is left out: the
+        survivors' Regroup, sent right after, forms the first group without it)."""
         for rank in range(self.initial_world):
+            if rank not in self.hellos or self.members.ranks[rank].state is PeerState.DEAD:
+                continue
             self._send_rank(rank, self._rank_welcome(rank, late=False))
             if self.averaging is not None:
                 self.averaging.admit(self.members.ranks[rank].sender.encode(), rank)
+        self.welcomed = True
 
     def _rank_welcome(self, rank: int, *, late: bool) -> m.RankWelcome:
         """A late rank gets the world the run started with (so its LR factor matches
@@ -234,7 +239,7 @@ class Admission:
         loop.add_ranks(ready)
         for rank in ready:
             del self.joiners[rank]
-        self.members.generation += 1
+        self.members.new_generation()
         generation, members = self.members.generation, list(loop.ranks)
         hosts = sorted({self.members.ranks[r].host for r in ready})
         reason = f"rank(s) {', '.join(map(str, ready))} on {', '.join(hosts)} joined"

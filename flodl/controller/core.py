@@ -133,6 +133,7 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         self.joiners: dict[int, float] = {}  # rank -> deadline to be ready
         self.joins: list[dict] = []  # every admission: when, generation, ranks, host
         self.initial_world = 0  # ranks the run started with (the LR factor every replica keeps)
+        self.welcomed = False  # the first ranks were welcomed: a death from now on regroups them
         self.schedule: Schedule | None = None  # passes, epochs and picks, once the task's size is known
         self._next_rank = 0  # rank numbers are never reused, so a late report can't be misread
         self._timing_window = False  # a calibration window is being timed: every BatchDone wakes the conductor
@@ -252,9 +253,13 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         self._welcome_workers()
         self.phase = "joining"
         first = [r for r in range(self.initial_world)]  # a worker arriving meanwhile waits to be admitted
-        await self._until(lambda: all(r in self.hellos for r in first), self.launch.join_timeout_secs, "ranks to start and say hello")
+        lost = lambda r: r in self.members.ranks and self.members.ranks[r].state is PeerState.DEAD  # noqa: E731  (died starting: the run goes on)
+        await self._until(lambda: all(r in self.hellos or lost(r) for r in first), self.launch.join_timeout_secs, "ranks to start and say hello")
         self._welcome_ranks()
-        await self._until(lambda: all(self.members.ranks[r].state is PeerState.READY for r in first if r in self.members.ranks),
+        if any(lost(r) for r in first):
+            self.members.new_generation()
+            self._regroup(f"rank(s) {', '.join(str(r) for r in first if lost(r))} died while starting")
+        await self._until(lambda: all(self.members.ranks[r].state is PeerState.READY or lost(r) for r in first if r in self.members.ranks),
                           self.launch.join_timeout_secs, "ranks to join the collective")
         self.phase = "training"
         info = self.task_info

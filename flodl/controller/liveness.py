@@ -3,9 +3,10 @@
 A mixin of ``Controller`` (core.py), which holds all the state these methods
 read and write. The liveness task beats to every peer and judges the roster
 several times a second (``Membership.assess`` decides, with a reason); a
-death either ends the run (below the backend's minimum, past
-``max_failure``: saving first when asked) or is recovered: the dead are
-fenced, their work re-planned, and the survivors regrouped.
+death either ends the run (no rank left, or past ``max_failure``: saving
+first when asked) or is recovered: the dead are fenced, their work
+re-planned, the survivors regrouped, and (``max_restarts``) the dead
+restarted by their workers.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import asyncio
 import sys
 import time
 
-from ..errors import EXIT_CONFIG, EXIT_NONFINITE, EXIT_RANK_LOST, EXIT_TASK_ERROR
-from ..membership import PeerState, restart_delay, unrecoverable
+from ..errors import EXIT_NONFINITE
+from ..decisions import Outcome, after_collective_error, after_deaths, after_rank_error, unexplained_collective_error
+from ..membership import PeerState, restart_delay
 from ..protocol import messages as m
 from ..protocol.codec import Envelope
 
@@ -24,8 +26,6 @@ LIVENESS_TICK_S = 0.2
 #: A collective error on one rank usually means a peer died; wait this long for
 #: the death report so the message names the dead rank, not the witness.
 COLLECTIVE_ERROR_GRACE_S = 1.0
-#: Collective failures no death explains, rebuilt in place, before the run is stopped.
-MAX_COLLECTIVE_RETRIES = 3
 
 
 class Liveness:
@@ -76,34 +76,38 @@ class Liveness:
             if any(r.state is not PeerState.DEAD for r in self.members.ranks.values() if r.rank in worker.ranks):
                 continue  # its ranks are judged on their own heartbeats
             worker.exited = True
-        if self.collective_error is not None and now - self.collective_error[0] > COLLECTIVE_ERROR_GRACE_S:
-            # a collective failed and no death explains it: rebuild it among the same ranks
-            _, rank, err = self.collective_error
+        if self.collective_error is not None:
+            # a collective failed and no death explains it (yet): rebuild it among the same ranks
+            since, rank, err = self.collective_error
+            decision = unexplained_collective_error(waited_s=now - since, grace_s=COLLECTIVE_ERROR_GRACE_S, retries=self.collective_retries,
+                                                    where=self.members.ranks[rank].where(), error=err.error)
+            if decision.outcome is Outcome.WAIT:
+                return
             self.collective_error = None
             self.collective_retries += 1
-            if self.collective_retries > MAX_COLLECTIVE_RETRIES:
-                self._fail(f"{self.members.ranks[rank].where()} saw its collective fail {self.collective_retries} times: {err.error}", EXIT_RANK_LOST)
+            if decision.outcome is Outcome.STOP:
+                self._fail(decision.why, decision.code)
                 return
-            self.members.generation += 1
-            self._regroup(f"{self.members.ranks[rank].where()} saw its collective fail: {err.error}")
+            self.members.new_generation()
+            self._regroup(decision.why)
 
     def _h_rank_error(self, identity: bytes, env: Envelope, msg: m.RankError) -> None:
         info = self.members.ranks[msg.rank]
-        if msg.rank in self.joiners:
+        decision = after_rank_error(msg.stage, joiner=msg.rank in self.joiners)
+        if decision.outcome is Outcome.IGNORE:
             self._drop_joiner(msg.rank, f"failed during {msg.stage}: {msg.error}")
-            return
-        if msg.stage == "collective":
+        elif decision.outcome is Outcome.WAIT:
             # usually a symptom of a peer's death: give the death report a moment to arrive
-            if self.collective_error is None and msg.generation >= self.members.generation:
+            waiting = after_collective_error(reported_generation=msg.generation, generation=self.members.generation,
+                                             pending=self.collective_error is not None)
+            if waiting.outcome is Outcome.WAIT:
                 self.collective_error = (self.clock(), msg.rank, msg)
-            return
-        if msg.stage == "nonfinite":  # the rank names epoch and step: no traceback, no save over a good bundle
-            self._fail(f"{info.where()}: {msg.error.split(': ', 1)[-1]}", EXIT_NONFINITE)
-            return
-        misconfigured = msg.stage in ("resume", "config")  # a bad bundle or option: no traceback needed
-        if self.failure is None and not misconfigured:
-            sys.stderr.write(f"--- traceback from {info.where()} ---\n{msg.detail}\n")
-        self._fail(f"{info.where()} failed during {msg.stage}: {msg.error}", EXIT_CONFIG if misconfigured else EXIT_TASK_ERROR)
+        elif decision.code == EXIT_NONFINITE:  # the rank names epoch and step: no traceback, no save over a good bundle
+            self._fail(f"{info.where()}: {msg.error.split(': ', 1)[-1]}", decision.code)
+        else:
+            if self.failure is None and decision.why == "traceback":  # a bad bundle or option needs none
+                sys.stderr.write(f"--- traceback from {info.where()} ---\n{msg.detail}\n")
+            self._fail(f"{info.where()} failed during {msg.stage}: {msg.error}", decision.code)
 
     def _h_rank_exited(self, identity: bytes, env: Envelope, msg: m.RankExited) -> None:
         worker = self.members.workers.get(env.sender)
@@ -130,18 +134,16 @@ class Liveness:
         dead -= set(self.joiners) | {r for r in dead if r not in self.members.ranks}
         if not dead:
             return
-        if self.phase != "training" or self.cadence is None:
-            self._fail(f"{reason}. The run stopped before training began.", EXIT_RANK_LOST)
-            return
         dead_total = sum(1 for r in self.members.ranks.values() if r.state is PeerState.DEAD)
         survivors = sorted(r.rank for r in self.members.live_ranks())
-        problem = unrecoverable(self.config, len(self.members.ranks), dead_total, len(survivors))
-        if problem:
-            code, why = problem
-            if self.checkpoints.stem and survivors:
-                self._save_and_stop(f"{reason}. {why}", code)
-            else:
-                self._fail(f"{reason}. {why}", EXIT_RANK_LOST)
+        decision = after_deaths(self.config, started=self.phase in ("joining", "training"),
+                                world_size=len(self.members.ranks), dead_total=dead_total, survivors=len(survivors),
+                                can_save=bool(self.checkpoints.stem))
+        if decision.outcome is Outcome.SAVE_AND_STOP:
+            self._save_and_stop(f"{reason}. {decision.why}", decision.save_reason)
+            return
+        if decision.outcome is Outcome.STOP:
+            self._fail(f"{reason}. {decision.why}", decision.code)
             return
         self._fence(dead, reason)
         for lost in [s for r in dead for s in self.checkpoints.rank_died(r)]:
@@ -151,8 +153,10 @@ class Liveness:
         self.deaths_handled += len(dead)
         for rank in sorted(dead):
             self.monitor.event("rank_lost", f"{self.members.ranks[rank].where()} {self.members.ranks[rank].death}", rank=rank, now_s=self.clock())
-        self.cadence.remove_ranks(dead)
-        self._regroup(reason)
+        if self.cadence is not None:
+            self.cadence.remove_ranks(dead)
+        if self.phase == "training" or self.welcomed:  # before the welcomes, those leave the dead out
+            self._regroup(reason)
         self.console.line(f"lost {reason}; continuing with {len(survivors)} rank(s) (generation {self.members.generation})")
         for rank in sorted(dead):
             self._heal(rank)
@@ -229,9 +233,12 @@ class Liveness:
         self._back: tuple[float, set[int]] | None = (self.clock(), set(survivors))
         if self.averaging is not None:
             return  # the CPU backend has no group: rounds simply stop waiting for the dead
+        # while the run starts, the first group may never have formed (nor rank 0's parameters
+        # reached everyone): the survivors then all take the lowest one's
+        sync_from = survivors[0] if self.phase == "joining" and survivors else -1
         msg = m.Regroup(generation=self.members.generation, members=survivors,
                         store_prefix=f"{self.run_id}/gen{self.members.generation}", reason=reason[:500],
-                        sync_from=-1, first_round=-1)
+                        sync_from=sync_from, first_round=-1)
         self._send_ranks(survivors, msg)
 
     def _training_ranks(self) -> list[int]:

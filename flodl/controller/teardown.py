@@ -81,7 +81,12 @@ class Teardown:
 
     async def _wait_peers_gone(self, timeout_s: float) -> None:
         def gone() -> bool:
-            ranks = all(r.state in (PeerState.EXITED, PeerState.DEAD) or r.exit_code is not None for r in self.members.ranks.values())
+            if self.worker_proc is not None and self.worker_proc.returncode is not None:
+                return True  # the local worker is gone, and its ranks died with it (PDEATHSIG)
+            # a worker that left stopped its ranks first (or they died with it): no word will come from them
+            with_worker = {r for w in self.members.workers.values() if w.exited for r in w.ranks}
+            ranks = all(r.rank in with_worker or r.state in (PeerState.EXITED, PeerState.DEAD) or r.exit_code is not None
+                        for r in self.members.ranks.values())
             if self.worker_proc is not None:
                 return ranks and self.worker_proc.returncode is not None
             return ranks and all(w.exited for w in self.members.workers.values())

@@ -104,7 +104,39 @@ def build_group(
         # environment) to clean up without killing the process
         opts._timeout = datetime.timedelta(seconds=2 * timeout_s + 10)
         return dist.ProcessGroupNCCL(pstore, rank, world_size, opts)
-    return dist.ProcessGroupGloo(pstore, rank, world_size, timeout)
+    if give_up is None:
+        return dist.ProcessGroupGloo(pstore, rank, world_size, timeout)
+    return _interruptible(lambda: dist.ProcessGroupGloo(pstore, rank, world_size, timeout), give_up)
+
+
+def _interruptible(make: Callable[[], Any], give_up: Callable[[], bool], poll_s: float = 0.02) -> Any:
+    """Run ``make()`` (gloo connecting a group: it blocks until every member connected, or its
+    timeout) on a thread of its own, so a member lost after everyone gathered costs the others
+    nothing: once ``give_up()`` turns true (the next generation is announced) they leave it
+    behind, and the abandoned attempt ends with its own timeout.
+
+    Raises:
+        Superseded: ``give_up()`` turned true first.
+        RuntimeError: ``make()`` failed (torch's error is kept).
+    """
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def attempt() -> None:
+        try:
+            box["value"] = make()
+        except BaseException as exc:  # handed to the caller, or dropped with an abandoned attempt
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=attempt, name="flodl-group-connect", daemon=True).start()
+    while not done.wait(poll_s):
+        if give_up():
+            raise Superseded
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _aborted() -> RuntimeError:
@@ -133,10 +165,13 @@ class CollectiveAverager:
     backend = "collective"
 
     def __init__(self, flat: FlatModel | None, group: dist.ProcessGroup | None,
-                 must_stop: Callable[[], bool] = lambda: False) -> None:
+                 must_stop: Callable[[], bool] = lambda: False, superseded: Callable[[], bool] = lambda: False) -> None:
         self.flat = flat
         self._group = group
         self.must_stop = must_stop  # the run stops: no collective is worth waiting for
+        # a newer generation was announced: this group is obsolete (read directly, so an abort that
+        # came while the group was still being built is never lost to the setter's reset)
+        self.superseded = superseded
         self.aborted = False  # set from the link thread when a regroup aborts the group
         self._graveyard: list[tuple[Any, Any]] = []  # (group, work) abandoned while the work still ran
         # joined a running job: no consensus until the admitting regroup's broadcast, or (when a
@@ -200,7 +235,7 @@ class CollectiveAverager:
             done = threading.Event()
             work.get_future().add_done_callback(lambda _: done.set())
             while not done.wait(0.05):
-                if self.aborted or self.must_stop():
+                if self.aborted or self.must_stop() or self.superseded():
                     self._abandon(work)
                     raise _aborted()
         work.wait()  # raises the collective's own error
@@ -238,7 +273,7 @@ class CollectiveAverager:
         """
         delay = 0.0001
         while not work.is_completed():
-            if self.aborted or self.must_stop():
+            if self.aborted or self.must_stop() or self.superseded():
                 raise _aborted()
             time.sleep(delay)
             delay = min(delay * 2, 0.002)

@@ -204,6 +204,8 @@ class RankRunner(Regrouping, Evaluating):
     def _run(self) -> int:
         try:
             hello = self._build()
+        except UserError as exc:  # the task is unusable as written (an empty dataset): the user's, no traceback
+            return self._fail(exc.stage, exc.original, EXIT_CONFIG)
         except Exception as exc:
             return self._fail("build", exc, EXIT_TASK_ERROR)
         self.link.send(hello)
@@ -359,8 +361,11 @@ class RankRunner(Regrouping, Evaluating):
             # a collective NCCL gives up on must raise in this rank, not kill it: the
             # survivors of a dead peer rebuild their group and go on (2 = clean up only)
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        task = self.task = load_task(self.env.task)
-        dataset = task.build_dataset()
+        try:  # a spec that names nothing, or a task whose dataset is unusable (empty): the user's, exit 2
+            task = self.task = load_task(self.env.task)
+            dataset = task.build_dataset()
+        except TaskError as exc:
+            raise UserError("task spec", exc) from exc
         if not os.environ.get("OMP_NUM_THREADS"):
             torch.set_num_threads(cpu_threads(os.cpu_count() or 1, self.env.local_world, staged=not isinstance(dataset, TensorDataset),
                                               accelerator=self.device.type != "cpu"))
@@ -409,21 +414,18 @@ class RankRunner(Regrouping, Evaluating):
                 must_stop=lambda: self.link.must_stop or self.terminated,
             )
         else:
-            group = None
-            if flat is not None and not welcome.late:  # a joiner's group comes with its Regroup
-                group = build_group(
-                    store_host=welcome.store_host, store_port=welcome.store_port, prefix=welcome.store_prefix,
-                    rank=self.rank, world_size=welcome.world_size, device=self.device, timeout_s=welcome.collective_timeout_s,
-                    gather_s=self._gather_s(), give_up=lambda: self.link.must_stop or self.terminated,
-                )
-            self.averager = CollectiveAverager(flat, group, must_stop=lambda: self.link.must_stop or self.terminated)
+            group = self._first_group(welcome) if flat is not None and not welcome.late else None  # a joiner's comes with its Regroup
+            self.averager = CollectiveAverager(
+                flat, group, must_stop=lambda: self.link.must_stop or self.terminated,
+                superseded=lambda: self.link.regroup is not None and self.link.regroup.generation > self.generation,
+            )
             self.link.on_regroup = lambda msg: self.averager.abort()  # NCCL: break a hang on the dead peer
         if welcome.late:
             # joining a running job: the consensus comes with the Regroup that admits us
             # (collective: a broadcast; CPU: the next average, taken whole)
             self.averager.adopting = True
         else:
-            self.averager.broadcast_from(0)
+            self._take_first_consensus(welcome)
         self.optimizer = self.task.optimizer(self.model)
         if config.resume_from and not welcome.late and not config.resume_weights_only:
             load_optimizer(self.optimizer, config.resume_from)  # required: a fresh optimizer only when asked for
@@ -433,6 +435,37 @@ class RankRunner(Regrouping, Evaluating):
         self.source = self._batch_source(config, welcome.seed)
         self.norm_layers = norm_layers(self.model) if self.task.bn_recalibration_batches and self.task.train_step is None else []
         self.link.send(m.RankReady(rank=self.rank, generation=welcome.generation, init_ms=(time.perf_counter() - start) * 1000))
+
+    def _first_group(self, welcome: m.RankWelcome) -> torch.distributed.ProcessGroup | None:
+        """The run's first process group, or None when a rank died while it formed: the
+        controller then regroups the survivors, naming whose parameters all take (``sync_from``)."""
+        superseded = lambda: self.link.regroup is not None and self.link.regroup.generation > welcome.generation  # noqa: E731
+        try:
+            return build_group(
+                store_host=welcome.store_host, store_port=welcome.store_port, prefix=welcome.store_prefix,
+                rank=self.rank, world_size=welcome.world_size, device=self.device, timeout_s=welcome.collective_timeout_s,
+                gather_s=self._gather_s(), give_up=lambda: self.link.must_stop or self.terminated or superseded(),
+            )
+        except Superseded:
+            if self.link.must_stop or self.terminated:
+                raise
+        except RuntimeError as exc:
+            if not is_collective_error(exc):
+                raise
+            log.warning("rank %d: the first group did not form (%s); waiting for the survivors' group", self.rank, exc)
+            self._report_collective_failure(exc, welcome.generation)
+        return None
+
+    def _take_first_consensus(self, welcome: m.RankWelcome) -> None:
+        """Take rank 0's parameters, unless the first group never formed or a rank died during
+        the broadcast: the survivors' Regroup then names whose parameters every member takes."""
+        try:
+            self.averager.broadcast_from(0)
+        except RuntimeError as exc:
+            if self.averager.backend != "collective" or not is_collective_error(exc):
+                raise
+            log.warning("rank %d: the first broadcast failed (%s); waiting for the survivors' group", self.rank, exc)
+            self._report_collective_failure(exc, welcome.generation)
 
     def _batch_source(self, config: DdpRunConfig, seed: int) -> BatchSource:
         """The rank's data path: the run's schedule (augment, epoch_splits), its

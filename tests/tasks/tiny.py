@@ -6,6 +6,7 @@ FLODL_TEST_HOLD_FILE    while this file does not exist, steps sleep FLODL_TEST_H
                         (a test keeps a run long until something it waits for, e.g. a join, happened)
 FLODL_TEST_FAIL_AT      raise RuntimeError at this local step (a broken user task)
 FLODL_TEST_BUILD_SLEEP  seconds the task factory takes (a task that prepares its data at start)
+FLODL_TEST_BUILD_CRASH  the rank of this number crashes (exit 1) while it builds the task
 FLODL_TEST_EVAL_FAIL    make eval_fn raise
 """
 
@@ -59,9 +60,19 @@ def _data(n, seed):
 
 def task():
     time.sleep(float(os.environ.get("FLODL_TEST_BUILD_SLEEP", "0") or 0))
+    crash = os.environ.get("FLODL_TEST_BUILD_CRASH")
+    if crash is not None and crash == os.environ.get("FLODL_RANK"):
+        os._exit(1)
     x, y = _data(512, 0)
     return Task(model=make_model, optimizer=make_optimizer, dataset=torch.utils.data.TensorDataset(x, y),
                 batch_size=16, train_step=train_step, eval_fn=evaluate, eval_metric="accuracy")
+
+
+def empty_task():
+    """No samples at all: refused at start as the user's error (exit 2)."""
+    t = task()
+    t.dataset = torch.utils.data.TensorDataset(torch.zeros(0, 8), torch.zeros(0, dtype=torch.long))
+    return t
 
 
 def other_model_task():

@@ -1,0 +1,43 @@
+"""Sweeping shared-memory segments whose creator is gone, without importing torch.
+
+flodl's segments are named ``flodl-<run>-<pid>.<n>-<role>`` (shm.py). A
+controller or rank killed outright cannot unlink its own; the next CPU
+averaging round on the host sweeps them (controller/averaging.py), and so
+does every worker as it exits (worker.py), which is the moment the run's
+controller on that host has gone. A segment of a live process, or of another
+user's, is left alone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+SHM_DIR = Path(os.environ.get("FLODL_SHM_DIR", "/dev/shm"))
+
+
+def sweep_stale() -> int:
+    """Remove segments whose creator is gone (a controller or rank killed outright); returns how many."""
+    removed = 0
+    try:
+        names = [p for p in SHM_DIR.iterdir() if p.name.startswith("flodl-")]
+    except OSError:
+        return 0
+    for p in names:
+        m = re.match(r"flodl-[A-Za-z0-9_.-]*?-(\d+)\.\d+-(probe|update|r\d+)$", p.name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # alive (or another user's): leave it
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            p.unlink()
+            removed += 1
+        except OSError:
+            pass
+    return removed
