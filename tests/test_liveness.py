@@ -55,7 +55,7 @@ def test_a_stuck_thread_is_detected_within_the_heartbeat_timeout(proc_env, tmp_p
     summary = finished(run, path, 10)
     [death] = summary["deaths"]
     stuck = float(death["reason"].split("for ")[1].split(" s")[0])
-    assert 3.0 < stuck < 4.5, death["reason"]
+    assert 3.0 <= stuck < 4.5, death["reason"]  # the deadline (3 s + 3 steps), printed to 0.1 s
 
 
 def test_a_task_slower_to_build_than_the_heartbeat_timeout_starts(proc_env, tmp_path):
