@@ -45,7 +45,8 @@ class Regrouping:
                 self.averager.adopting = True
                 self.position += 1
                 log.warning("rank %d: the survivors completed the failed average; taking their consensus next", self.rank)
-                return self._averaged(Averaged(0.0))
+                self.link.doing("step")  # not an average of this generation: the adopting one will be
+                return Averaged(0.0)
             try:
                 averaged = self.averager.average(weight, measure=measure, block=block)
                 self.norms_stale = self.norms_stale or self.world_size > 1
@@ -168,7 +169,7 @@ class Regrouping:
             rank=msg.members.index(self.rank), world_size=world, device=self.device,
             timeout_s=self.welcome.collective_timeout_s, gather_s=self._gather_s(),
             give_up=lambda: self.link.must_stop or self.terminated
-            or (self.link.regroup is not None and self.link.regroup.generation > msg.generation),
+            or self._announced_after(msg.generation),
             on_gathered=lambda: self.faults.reach("regroup"),
         )
 
@@ -182,7 +183,7 @@ class Regrouping:
         a generation above ``after`` (default: the one this rank is in)."""
         after = self.generation if after is None else after
         deadline = time.monotonic() + 2 * self.env.heartbeat_timeout_s + 10
-        while self.link.regroup is None or self.link.regroup.generation <= after:
+        while not self._announced_after(after):
             if self.link.must_stop or self.terminated:
                 raise Stop
             if time.monotonic() > deadline:

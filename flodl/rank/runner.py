@@ -329,7 +329,7 @@ class RankRunner(Regrouping, Evaluating):
         while True:
             if self.terminated:
                 raise Stop
-            if self.welcome is not None and self.link.regroup is not None and self.link.regroup.generation > self.generation:
+            if self.welcome is not None and self._announced_after(self.generation):
                 # join a new group while waiting, not at the next window: a survivor that lost the
                 # failed average waits for this one in the new group, and the next window waits for it
                 self._maybe_regroup()
@@ -417,7 +417,7 @@ class RankRunner(Regrouping, Evaluating):
             group = self._first_group(welcome) if flat is not None and not welcome.late else None  # a joiner's comes with its Regroup
             self.averager = CollectiveAverager(
                 flat, group, must_stop=lambda: self.link.must_stop or self.terminated,
-                superseded=lambda: self.link.regroup is not None and self.link.regroup.generation > self.generation,
+                superseded=lambda: self._announced_after(self.generation),
             )
             self.link.on_regroup = lambda msg: self.averager.abort()  # NCCL: break a hang on the dead peer
         if welcome.late:
@@ -439,12 +439,12 @@ class RankRunner(Regrouping, Evaluating):
     def _first_group(self, welcome: m.RankWelcome) -> torch.distributed.ProcessGroup | None:
         """The run's first process group, or None when a rank died while it formed: the
         controller then regroups the survivors, naming whose parameters all take (``sync_from``)."""
-        superseded = lambda: self.link.regroup is not None and self.link.regroup.generation > welcome.generation  # noqa: E731
         try:
             return build_group(
                 store_host=welcome.store_host, store_port=welcome.store_port, prefix=welcome.store_prefix,
                 rank=self.rank, world_size=welcome.world_size, device=self.device, timeout_s=welcome.collective_timeout_s,
-                gather_s=self._gather_s(), give_up=lambda: self.link.must_stop or self.terminated or superseded(),
+                gather_s=self._gather_s(),
+                give_up=lambda: self.link.must_stop or self.terminated or self._announced_after(welcome.generation),
             )
         except Superseded:
             if self.link.must_stop or self.terminated:
@@ -455,6 +455,10 @@ class RankRunner(Regrouping, Evaluating):
             log.warning("rank %d: the first group did not form (%s); waiting for the survivors' group", self.rank, exc)
             self._report_collective_failure(exc, welcome.generation)
         return None
+
+    def _announced_after(self, generation: int) -> bool:
+        """Has the controller announced a membership generation newer than ``generation``?"""
+        return self.link.regroup is not None and self.link.regroup.generation > generation
 
     def _take_first_consensus(self, welcome: m.RankWelcome) -> None:
         """Take rank 0's parameters, unless the first group never formed or a rank died during
