@@ -183,7 +183,11 @@ def make_hosts(hosts: list[NsHost], bridge: str, gateway: str | None) -> None:
 
 
 def add_host(h: NsHost, bridge: str) -> None:
-    """A namespace for ``h`` with its address on ``eth0``, linked into ``bridge`` (which must exist)."""
+    """A namespace for ``h`` with its address on ``eth0``, linked into ``bridge`` (which must exist).
+
+    Whatever a killed earlier run left under ``h``'s names goes first: CI machines are reused.
+    """
+    remove_host(h)
     must("ip", "netns", "add", h.name)
     must("ip", "link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns", h.name)
     must("ip", "link", "set", h.veth, "master", bridge, "up")
