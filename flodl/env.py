@@ -128,20 +128,42 @@ def vram_pool_disabled() -> bool:
 
 
 SIMULATE_SLOWDOWN = "FLODL_SIMULATE_SLOWDOWN"  # "1:3.0,2:1.5": rank -> compute multiplier
+SIMULATE_BASE_MS = "FLODL_SIMULATE_BASE_MS"  # "1:2.5" rank -> base step ms, or "2.5" for every rank
 
 
 def simulated_slowdown(rank: int) -> float:
     """This rank's simulated compute multiplier (1.0 = real speed).
 
     SIMULATION ONLY, for tests and benchmarks on one machine: a rank with
-    factor f sleeps (f - 1) x its measured compute time after every step but the
-    first (set-up and warm-up, which a slower device would not multiply), so it
-    behaves like a device f times slower. Never set on real mixed hardware.
+    factor f is paced as a device f times slower (``paced_step``), from its
+    second step on (the first is set-up and warm-up, which a slower device
+    would not multiply). Never set on real mixed hardware.
 
     Raises:
         ValueError: the variable is not ``rank:factor[,rank:factor...]`` with factors >= 1.
     """
-    text = os.environ.get(SIMULATE_SLOWDOWN, "").strip()
+    return parse_slowdown(os.environ.get(SIMULATE_SLOWDOWN, ""), rank)
+
+
+def simulated_base_ms(rank: int) -> float | None:
+    """The base step time (ms) a simulated slow rank is paced against (None: not set).
+
+    Benchmarks set it to the rank's solo step time measured in the same set-up,
+    so that factor f makes the rank's step period exactly f x that time.
+
+    Raises:
+        ValueError: the variable is not ``ms`` or ``rank:ms[,rank:ms...]`` with finite times > 0.
+    """
+    return parse_base_ms(os.environ.get(SIMULATE_BASE_MS, ""), rank)
+
+
+def parse_slowdown(text: str, rank: int, source: str = SIMULATE_SLOWDOWN) -> float:
+    """``rank``'s factor in ``rank:factor[,rank:factor...]`` (1.0 if absent); ``source`` names the text in errors.
+
+    Raises:
+        ValueError: malformed, or a factor below 1.
+    """
+    text = text.strip()
     if not text:
         return 1.0
     table = {}
@@ -150,7 +172,58 @@ def simulated_slowdown(rank: int) -> float:
         try:
             table[int(r)] = float(f)
         except ValueError:
-            raise ValueError(f"{SIMULATE_SLOWDOWN}={text!r}: expected rank:factor pairs, e.g. 1:3.0") from None
-        if not sep or table[int(r)] < 1.0:
-            raise ValueError(f"{SIMULATE_SLOWDOWN}={text!r}: factors must be >= 1")
+            raise ValueError(f"{source}={text!r}: expected rank:factor pairs, e.g. 1:3.0") from None
+        if not sep or not table[int(r)] >= 1.0 or table[int(r)] == float("inf"):
+            raise ValueError(f"{source}={text!r}: factors must be finite and >= 1")
     return table.get(rank, 1.0)
+
+
+def parse_base_ms(text: str, rank: int, source: str = SIMULATE_BASE_MS) -> float | None:
+    """``rank``'s base step ms in ``ms`` (every rank) or ``rank:ms[,rank:ms...]`` (a bare ``ms`` item
+    is the default for ranks not named); None if ``text`` is empty or names neither.
+
+    Raises:
+        ValueError: malformed, or a time that is not a finite number > 0.
+    """
+    text = text.strip()
+    if not text:
+        return None
+    table: dict[int | None, float] = {}
+    for item in text.split(","):
+        r, sep, ms = item.rpartition(":") if ":" in item else ("", "", item)
+        try:
+            key = int(r) if sep else None
+            value = float(ms)
+        except ValueError:
+            raise ValueError(f"{source}={text!r}: expected milliseconds (e.g. 2.5) or rank:ms pairs (e.g. 1:2.5)") from None
+        if key in table:
+            raise ValueError(f"{source}={text!r}: {'rank ' + str(key) if sep else 'the default'} is given twice")
+        if not 0.0 < value < float("inf"):
+            raise ValueError(f"{source}={text!r}: step times must be finite and > 0 ms")
+        table[key] = value
+    return table.get(rank, table.get(None))
+
+
+def paced_step(compute_ms: float, factor: float, base_ms: float | None) -> tuple[float, float]:
+    """How long a rank simulated ``factor`` times slower sleeps after a step, and the step time it reports.
+
+    Pure arithmetic, ms in and out: ``(sleep_ms, step_ms)``.
+
+    * With ``base_ms`` (the rank's solo step time, measured in the same set-up)
+      the rank is *paced*: its step period is ``factor x base_ms``. It sleeps
+      ``max(0, factor x base_ms - compute_ms)`` and reports
+      ``max(compute_ms, factor x base_ms)``: a 4:1 pair really steps 4:1,
+      whatever the step right after a sleep costs.
+    * Without it, the old rule: sleep ``(factor - 1) x compute_ms`` and report
+      ``factor x compute_ms``. It OVERSHOOTS: compute right after a sleep is
+      slower (cold caches, a lower clock), and that inflated time is multiplied
+      too; 1:4 measured 5-7x on the 2-core dev VM.
+
+    A factor of 1 (or less) does nothing: ``(0, compute_ms)``.
+    """
+    if factor <= 1.0:
+        return 0.0, compute_ms
+    if base_ms is None:
+        return compute_ms * (factor - 1.0), compute_ms * factor
+    period = factor * base_ms
+    return max(0.0, period - compute_ms), max(compute_ms, period)

@@ -1,6 +1,8 @@
 """The model x mode benchmark's pieces, cheaply: tasks, data, the DDP script's helpers, the report.
 
-The suite itself (``python -m bench.matrix``) is run on purpose, never here.
+The suite's numbers (``python -m bench.matrix``) are made on purpose, never here; one smoke
+(``test_the_suite_runs_end_to_end``: logistic regression, two 4:1 cases, a few steps, into a
+temporary folder) keeps it from rotting.
 """
 
 from __future__ import annotations
@@ -115,18 +117,26 @@ def test_plans_name_known_cases():
     assert len(CASES) == 15 and set(PLANS["quick"]["lenet"][1]) == set(CASES)
 
 
-def test_ddp_slowdown_matches_flodl_syntax():
-    from bench.matrix.ddp import parse_slowdown
-    from flodl.env import simulated_slowdown
+def test_ddp_paces_with_flodls_own_rule():
+    from bench.matrix import ddp
+    from flodl import env
 
-    assert parse_slowdown("1:4", 1) == 4.0 and parse_slowdown("1:4", 0) == 1.0 and parse_slowdown("", 1) == 1.0
-    import os
+    # the same functions, not copies: the DDP ranks are paced exactly as flodl's
+    assert ddp.paced_step is env.paced_step and ddp.parse_slowdown is env.parse_slowdown and ddp.parse_base_ms is env.parse_base_ms
+    ranks = [{"rank": 0, "slowdown": 1.0, "step_ms": 2.0}, {"rank": 1, "slowdown": 4.0, "step_ms": 8.4}]
+    assert ddp.measured_ratio(ranks) == pytest.approx(4.2)
+    assert ddp.measured_ratio([{"slowdown": 1.0, "step_ms": 2.0}] * 2) is None
 
-    os.environ["FLODL_SIMULATE_SLOWDOWN"] = "1:4"
-    try:
-        assert simulated_slowdown(1) == parse_slowdown("1:4", 1)
-    finally:
-        del os.environ["FLODL_SIMULATE_SLOWDOWN"]
+
+def test_a_4to1_plan_gets_its_solo_calibration():
+    from bench.matrix.suite import solo_base_ms, with_calibration
+
+    assert with_calibration(("nccl-cadence-4to1", "torchrun-ddp-4to1"), False) == ("solo", "nccl-cadence-4to1", "torchrun-ddp-4to1")
+    assert with_calibration(("nccl-cadence-4to1",), True) == ("nccl-cadence-4to1",)  # --base-ms given
+    assert with_calibration(("nccl-cadence", "torchrun-ddp"), False) == ("nccl-cadence", "torchrun-ddp")
+    solo = _summary("NcclSync", 4.0, 0.9, ranks=1, case="solo")
+    assert solo_base_ms(solo) == pytest.approx(125.0)  # 500 ms over 4 batches
+    assert solo_base_ms({"matrix": {"error": "boom"}}) is None
 
 
 def test_flodl_curve_reads_the_record_log(tmp_path):
@@ -145,13 +155,16 @@ def test_flodl_curve_reads_the_record_log(tmp_path):
 # ------------------------------------------------------------------ report
 
 
-def _summary(mode: str, wall: float, ev: float, *, ranks: int = 2, compute_ms: float = 500.0, case: str, ratio: int = 1) -> dict:
+def _summary(mode: str, wall: float, ev: float, *, ranks: int = 2, compute_ms: float = 500.0, case: str, ratio: int = 1,
+             seed: int = 0, slow_ms: float | None = None) -> dict:
     per = {str(r): {"samples": 100, "batches": 4, "compute_ms": compute_ms, "sync_ms": 10.0, "data_ms": 1.0} for r in range(ranks)}
+    if slow_ms is not None:
+        per["1"]["compute_ms"] = slow_ms
     return {"mode": mode, "world_size": ranks, "epochs": 1, "wall_s": wall + 0.1, "eval_s": 0.1, "samples": 200,
             "train_samples_per_s": 200 / wall, "syncs": 4, "final_loss": 0.5, "final_eval": ev,
             "history": [{"epoch": 0, "loss": 0.5, "eval": ev, "wall_s": wall, "per_rank": per}],
             "matrix": {"model": "lenet", "title": "LeNet test", "case": case, "samples": 200, "epochs": 1, "metric": "accuracy",
-                       "process_s": wall + 5, "ratio": ratio, "curve": [[0.1, 2.0], [wall, 0.5]]}}
+                       "process_s": wall + 5, "ratio": ratio, "seed": seed, "curve": [[0.1, 2.0], [wall, 0.5]]}}
 
 
 @pytest.fixture
@@ -159,34 +172,51 @@ def fake_results(tmp_path):
     res = tmp_path / "results"
     res.mkdir()
     runs = {
-        "solo": _summary("NcclSync", 4.0, 0.90, ranks=1, case="solo"),
-        "nccl-cadence": _summary("NcclCadence", 2.0, 0.89, case="nccl-cadence"),
-        "torchrun-ddp": _summary("TorchrunDDP", 4.0, 0.88, case="torchrun-ddp"),
-        f"nccl-cadence-{RATIO}to1": _summary("NcclCadence", 5.0, 0.87, case=f"nccl-cadence-{RATIO}to1", ratio=RATIO),
-        f"cpu-async-{RATIO}to1": _summary("CpuAsync", 8.0, 0.85, case=f"cpu-async-{RATIO}to1", ratio=RATIO),
-        f"torchrun-ddp-{RATIO}to1": _summary("TorchrunDDP", 10.0, 0.875, case=f"torchrun-ddp-{RATIO}to1", ratio=RATIO),
+        "solo": [_summary("NcclSync", 4.0, 0.90, ranks=1, case="solo")],
+        "nccl-cadence": [_summary("NcclCadence", 2.0, 0.89, case="nccl-cadence")],
+        "torchrun-ddp": [_summary("TorchrunDDP", 4.0, 0.88, case="torchrun-ddp")],
+        # two seeds: evals 87 and 89 (mean 88), train walls 5 and 7 (median 6); rank 1 steps 4x rank 0
+        f"nccl-cadence-{RATIO}to1": [_summary("NcclCadence", w, ev, case=f"nccl-cadence-{RATIO}to1", ratio=RATIO, seed=k, slow_ms=2000.0)
+                                     for k, (w, ev) in enumerate(((5.0, 0.87), (7.0, 0.89)))],
+        f"cpu-async-{RATIO}to1": [_summary("CpuAsync", 8.0, 0.85, case=f"cpu-async-{RATIO}to1", ratio=RATIO, slow_ms=2000.0)],
+        f"torchrun-ddp-{RATIO}to1": [_summary("TorchrunDDP", 12.0, 0.875, case=f"torchrun-ddp-{RATIO}to1", ratio=RATIO, slow_ms=2000.0)],
     }
-    for case, s in runs.items():
-        (res / f"lenet__{case}.json").write_text(json.dumps(s))
+    for case, ss in runs.items():
+        for s in ss:
+            (res / report.run_file("lenet", case, s["matrix"]["seed"])).write_text(json.dumps(s))
     (res / "lenet__cpu-sync.json").write_text(json.dumps({"matrix": {"model": "lenet", "case": "cpu-sync", "error": "exit 3; boom"}}))
     (res / report.MANIFEST).write_text(json.dumps({"budget": "quick", "machine": "test box", "when": "now", "elapsed_s": 12.0,
-                                                   "covers": "lenet: some cases."}))
+                                                   "seeds": 2, "lr_scaling": "linear", "covers": "lenet: some cases."}))
     return res
 
 
 def test_report_rows_and_goals(fake_results):
     _, runs = report.load(fake_results)
+    assert [s["matrix"]["seed"] for s in runs["lenet"][f"nccl-cadence-{RATIO}to1"]] == [0, 1]
     rows = report.rows(runs)
     by = {(r.case, r.metric): r for r in rows}
-    speed = by[(f"lenet NcclCadence {RATIO}:1", f"speed-up vs torchrun DDP {RATIO}:1")]
-    assert speed.value == pytest.approx(2.0) and speed.met is True
-    slow = by[(f"lenet CpuAsync {RATIO}:1", f"speed-up vs torchrun DDP {RATIO}:1")]
-    assert slow.value == pytest.approx(1.25) and slow.met is False
-    assert by[(f"lenet CpuAsync {RATIO}:1", f"eval - torchrun DDP {RATIO}:1")].met is False  # 2.5 points below
-    assert by[(f"lenet NcclCadence {RATIO}:1", f"eval - torchrun DDP {RATIO}:1")].met is True
-    assert by[("lenet NcclCadence", "wall / torchrun DDP")].value == pytest.approx(0.5)
-    assert by[("lenet CpuSync", "failed")].met is False
-    assert report.idle_shares(runs["lenet"]["nccl-cadence"]) == [pytest.approx(0.75), pytest.approx(0.75)]
+    cad = f"lenet NcclCadence {RATIO}:1"
+    assert by[(cad, "seeds")].value == 2
+    assert by[(cad, "train wall (median)")].value == pytest.approx(6.0)
+    assert by[(cad, "command wall (median)")].value == pytest.approx(11.0)
+    assert by[(cad, "final eval (mean)")].value == pytest.approx(88.0)
+    assert by[(cad, "final eval (min)")].value == pytest.approx(87.0) and by[(cad, "final eval (max)")].value == pytest.approx(89.0)
+    assert by[(cad, "measured ratio (slow/fast step)")].value == pytest.approx(4.0)
+    # ideal = solo rate (50/s) x (1 + 1/4) = 62.5/s; the two seeds ran 40/s and 28.6/s, each against seed 0's solo
+    assert by[(cad, "ideal samples/s (median)")].value == pytest.approx(62.5)
+    frac = by[(cad, "of ideal (median)")]
+    assert frac.value == pytest.approx((40 + 200 / 7) / 2 / 62.5) and frac.goal == ">= 0.90 of ideal" and frac.met is False
+    speed = by[(cad, f"train speed-up vs torchrun DDP {RATIO}:1")]
+    assert speed.value == pytest.approx(2.0) and speed.met is True and speed.goal == ">= 1.8x"
+    assert by[(cad, f"command speed-up vs torchrun DDP {RATIO}:1")].value == pytest.approx(17.0 / 11.0)
+    assert by[(cad, f"eval - torchrun DDP {RATIO}:1 (means)")].met is True
+    slow = by[(f"lenet CpuAsync {RATIO}:1", f"train speed-up vs torchrun DDP {RATIO}:1")]
+    assert slow.value == pytest.approx(1.5) and slow.met is False
+    assert by[(f"lenet CpuAsync {RATIO}:1", f"eval - torchrun DDP {RATIO}:1 (means)")].met is False  # 2.5 points below
+    assert by[(f"lenet torchrun DDP {RATIO}:1", "measured ratio (slow/fast step)")].value == pytest.approx(4.0)
+    assert by[("lenet NcclCadence", "train speed-up vs torchrun DDP")].value == pytest.approx(2.0)
+    assert by[("lenet CpuSync", "failed runs")].met is False
+    assert report.idle_shares(runs["lenet"]["nccl-cadence"][0]) == [pytest.approx(0.75), pytest.approx(0.75)]
 
 
 def test_report_writes_only_between_markers(fake_results, tmp_path):
@@ -196,13 +226,30 @@ def test_report_writes_only_between_markers(fake_results, tmp_path):
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nhand-written text\n")
     assert text.count(report.BEGIN) == 1 and text.count(report.END) == 1
-    assert "test box" in text and "| NcclCadence | 0.5000 | 89.00% | 2.00 s |" in text
-    assert "2.00× ✔" in text and "1.25× ✘" in text and "failed: exit 3; boom" in text
+    assert "test box" in text and "| NcclCadence | 1 | 89.00% | 0.5000 | 2.00 s | 7.0 s |" in text
+    assert "| NcclCadence 4:1 | 2 | 88.00% (87.00–89.00) |" in text
+    assert "2.00× ✔" in text and "1.50× ✘" in text and "failed: exit 3; boom" in text
+    assert "linear scaling rule" in text and "predate" not in text and "4.00× / 4.00×" in text
     # again, with text after the section: replaced in place, the rest untouched
     doc.write_text(text + "\n## After\n")
     report.main(["--results", str(fake_results), "--doc", str(doc), "--img", str(tmp_path / "img"), "--no-plots"])
     again = doc.read_text()
     assert again.count(report.BEGIN) == 1 and again.endswith("\n## After\n") and again.startswith("# Benchmarks\n")
+
+
+def test_report_reads_results_from_before_the_seeds(fake_results, tmp_path):
+    """Old results: one ``<model>__<case>.json`` each, no seeds in the manifest: seed 0, marked as predating."""
+    for path in fake_results.glob("*__seed1.json"):
+        path.unlink()
+    for path in fake_results.glob("*__seed0.json"):
+        path.rename(path.with_name(path.name.replace("__seed0", "")))
+    manifest = fake_results / report.MANIFEST
+    manifest.write_text(json.dumps({k: v for k, v in json.loads(manifest.read_text()).items() if k not in ("seeds", "lr_scaling")}))
+    _, runs = report.load(fake_results)
+    assert [s["matrix"]["seed"] for s in runs["lenet"]["solo"]] == [0]
+    doc = tmp_path / "bench.md"
+    assert report.main(["--results", str(fake_results), "--doc", str(doc), "--img", str(tmp_path / "img"), "--no-plots"]) == 0
+    assert "predate the issue-22 protocol" in doc.read_text()
 
 
 def test_report_plots(fake_results, tmp_path):
@@ -245,3 +292,39 @@ def test_the_gpu_suite_refuses_a_machine_without_two_gpus(capsys):
     with pytest.raises(SystemExit):
         suite.main(["--device", "cuda", "--quick"])
     assert "needs 2 GPUs" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)  # 13-15 s on a quiet 2-core VM (two runs, mostly process start-up); 30 s under heavy load
+def test_the_suite_runs_end_to_end(tmp_path, capsys):
+    """A flodl 4:1 case and a torchrun DDP 4:1 case, for real, into a temporary folder (never bench/results)."""
+    pytest.importorskip("sklearn", reason=NO_SKLEARN)
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available: torchrun cannot run here")
+    from bench.matrix import suite
+
+    out = tmp_path / "matrix"
+    # --base-ms 2: rank 1 steps every 8 ms, far above a logistic regression step even over 4 noisy steps
+    code = suite.main(["--models", "logreg", "--cases", f"nccl-cadence-{RATIO}to1,torchrun-ddp-{RATIO}to1", "--samples", "256",
+                       "--epochs", "1", "--seeds", "1", "--base-ms", "2", "--results", str(out), "--timeout", "60"])
+    assert code == 0, capsys.readouterr().out[-3000:]
+    manifest = json.loads((out / report.MANIFEST).read_text())
+    assert manifest["seeds"] == 1 and manifest["lr_scaling"] == "linear" and manifest["failed"] == 0
+    runs = {}
+    for case in (f"nccl-cadence-{RATIO}to1", f"torchrun-ddp-{RATIO}to1"):
+        s = json.loads((out / report.run_file("logreg", case, 0)).read_text())
+        meta = runs[case] = s["matrix"]
+        assert "error" not in meta
+        assert 0 < meta["train_s"] < meta["command_s"]  # both times: training alone, and the whole command
+        assert meta["base_ms"] == 2.0 and meta["measured_ratio"] > 1.0 and meta["seed"] == 0
+        assert "python -m " in meta["command"]
+    assert runs[f"nccl-cadence-{RATIO}to1"]["command"].startswith(  # the command as one would type it
+        f"FLODL_MATRIX_SEED=0 FLODL_SIMULATE_SLOWDOWN=1:{RATIO} FLODL_SIMULATE_BASE_MS=1:2.0000 python -m flodl.controller ")
+    ddp = runs[f"torchrun-ddp-{RATIO}to1"]
+    assert ddp["lr_scaling"] == "linear" and ddp["lr_ddp"] == pytest.approx(2 * ddp["lr"])
+    printed = capsys.readouterr().out
+    for metric in ("measured ratio (slow/fast step)", "command wall (median)", "train wall (median)",
+                   f"command speed-up vs torchrun DDP {RATIO}:1", f"train speed-up vs torchrun DDP {RATIO}:1"):
+        assert metric in printed
+    assert not (out / "matrix.json").exists()

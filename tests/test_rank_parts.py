@@ -288,3 +288,21 @@ def test_rank_thread_counts():
     assert cpu_threads(16, 1, staged=False, accelerator=True) == ACCELERATOR_THREADS  # a GPU rank needs few
     assert cpu_threads(16, 8, staged=False, accelerator=True) == 2
     assert cpu_threads(1, 4, staged=True) == 1
+
+
+def test_a_simulated_slow_rank_is_paced_to_factor_times_base(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLODL_SIMULATE_SLOWDOWN", "0:4")
+    monkeypatch.setenv("FLODL_SIMULATE_BASE_MS", "0:5")
+    runner = _runner(tmp_path)
+    try:
+        runner.task = load_task(task_spec("tiny.py"))
+        runner.model = runner.task.model()
+        runner.optimizer = torch.optim.SGD(runner.model.parameters(), lr=0.01)
+        batch = (torch.randn(16, 8), torch.randint(0, 2, (16,)))
+        runner._step(batch)  # set-up and warm-up: not paced
+        paced = [runner._step(batch)[1] for _ in range(3)]
+        # each later step takes 4 x 5 ms, the sleep included, and reports the time it really took
+        assert all(20.0 <= ms < 60.0 for ms in paced), paced
+    finally:
+        runner.link._pipe_out.close(linger=0)
+        runner.link._pipe_in.close(linger=0)

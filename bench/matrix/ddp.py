@@ -1,7 +1,7 @@
 """A matrix model under torchrun: DistributedDataParallel, or PyTorch's post-local SGD.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 bench/matrix/ddp.py \\
-        --model lenet --algo ddp --epochs 3 --samples 8192 --slowdown 1:4 --out run.json
+        --model lenet --algo ddp --epochs 3 --samples 8192 --slowdown 1:4 --base-ms 1:6.1 --out run.json
 
 The model, initial weights, data, batch size per rank, optimizer, loss and eval
 are ``bench.matrix.tasks``' (exactly what the flodl task trains). gloo backend,
@@ -21,24 +21,46 @@ permutation of the training set (``perm[rank::world]``, like DistributedSampler)
                       ``PostLocalSGDOptimizer.step`` does; called directly so its time
                       is measured apart from compute).
 
-``--slowdown R:F`` makes rank R F times slower the way flodl's
-``FLODL_SIMULATE_SLOWDOWN`` does (flodl/rank/runner.py ``_step``): after each
-step but the first (set-up and warm-up) the rank sleeps (F - 1) x that step's measured compute time. flodl times
-forward + backward + optimizer step, with no communication inside; here the
-backward also waits for DDP's gradient all-reduce, so the compute time is the
-step's wall time minus that wait (from the moment DDP's comm hook is handed the
-last gradient bucket to the end of ``backward()``), and the averaging of
-post-local SGD is outside it too. On CUDA those host timestamps say nothing
-(kernels run after they are launched): CUDA events in the compute stream
-(start, last gradient ready, backward done, optimizer step done; read after the
-loss read, so nothing extra blocks) give the compute and the all-reduce wait.
+``--lr-scaling linear|none`` (default ``linear``): the baseline at its best
+reasonable setting. DDP averages the gradients of world x batch samples, so at
+the task's LR it takes 1/world of Local SGD's optimizer steps per sample; the
+linear scaling rule (Goyal et al. 2017) multiplies the LR by the world size.
+``--algo ddp`` trains at LR x world throughout (none of the matrix's models has
+an LR schedule, so there is no schedule warm-up to keep); ``--algo postlocal``
+uses LR x world in its DDP warm-up phase and the task's per-rank LR in its
+local phase (per-rank batches, like flodl). ``none``: the task's LR everywhere.
+
+``--seed S`` (default ``FLODL_MATRIX_SEED``, else 0): the initial weights'
+seed; epoch e's permutation is seeded S + e.
+
+``--slowdown R:F`` makes rank R F times slower exactly as flodl's
+``FLODL_SIMULATE_SLOWDOWN`` does (``flodl.env.paced_step``, the same function;
+flodl/rank/runner.py ``_step``), from the second step on (the first is set-up
+and warm-up). ``--base-ms`` (``ms`` or ``R:ms``, the syntax of
+``FLODL_SIMULATE_BASE_MS``; the suite passes the solo case's step time) paces
+it: the rank sleeps ``max(0, F x base - compute)`` after the step, so its step
+period is F x base. Without ``--base-ms`` it sleeps (F - 1) x its compute,
+which overshoots (compute right after a sleep is slower). The step time a rank
+reports is its compute plus the time it really slept. flodl times forward +
+backward + optimizer step, with no communication inside; here the backward also
+waits for DDP's gradient all-reduce, so the compute time is the step's wall
+time minus that wait (from the moment DDP's comm hook is handed the last
+gradient bucket to the end of ``backward()``), and the averaging of post-local
+SGD is outside it too (the sleep comes before it, as a slow device's compute
+would). On CUDA those host timestamps say nothing (kernels run after they are
+launched): CUDA events in the compute stream (start, last gradient ready,
+backward done, optimizer step done; read after the loss read, so nothing extra
+blocks) give the compute and the all-reduce wait.
 
 The clock runs from a barrier after set-up to the end of the final eval, like
 flodl's ``wall_s`` (from dispatch start to the final eval); ``eval_s`` is the
 time spent in evals (rank 0 scores after each epoch while the others wait).
 Rank 0 writes a summary shaped like flodl's (``mode``, ``wall_s``, ``eval_s``,
 ``train_samples_per_s``, ``final_loss``, ``final_eval``, ``syncs``,
-``per_rank``, ``history``) plus ``curve``: [seconds, mean loss] points.
+``per_rank`` with each rank's ``step_ms``, ``history``) plus ``curve``:
+[seconds, mean loss] points, ``measured_ratio`` (the slowed rank's mean step
+time over the fastest other rank's; None with no slowdown) and ``config``
+(``lr_scaling``, ``lr``, ``lr_ddp``: the LR of the all-reduce steps).
 """
 
 # no ``from __future__ import annotations``: DDP checks at run time that a comm
@@ -59,6 +81,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.matrix import tasks  # noqa: E402
+from flodl.env import paced_step, parse_base_ms, parse_slowdown  # noqa: E402
 
 CURVE_POINTS_PER_EPOCH = 8
 
@@ -97,12 +120,18 @@ class CudaStepTimer:
         return (self.start.elapsed_time(ready) + self.backward.elapsed_time(self.end)) / 1000.0, max(0.0, wait)
 
 
-def parse_slowdown(text: str, rank: int) -> float:
-    table = {}
-    for item in filter(None, text.split(",")):
-        r, _, f = item.partition(":")
-        table[int(r)] = float(f)
-    return table.get(rank, 1.0)
+def scale_lr(opt: torch.optim.Optimizer, factor: float) -> None:
+    for group in opt.param_groups:
+        group["lr"] *= factor
+
+
+def measured_ratio(ranks: list[dict]) -> float | None:
+    """The slowed rank's mean step time over the fastest other rank's (None without a slowed rank)."""
+    slowed = [r for r in ranks if r.get("slowdown", 1.0) > 1.0 and r.get("step_ms")]
+    others = [r["step_ms"] for r in ranks if r.get("slowdown", 1.0) <= 1.0 and r.get("step_ms")]
+    if not slowed or not others:
+        return None
+    return max(r["step_ms"] for r in slowed) / min(others)
 
 
 def main() -> None:
@@ -111,7 +140,11 @@ def main() -> None:
     ap.add_argument("--algo", choices=("ddp", "postlocal"), default="ddp")
     ap.add_argument("--epochs", type=int, required=True)
     ap.add_argument("--samples", type=int, default=None)
-    ap.add_argument("--slowdown", default="")
+    ap.add_argument("--slowdown", default="", help="R:F: rank R simulated F times slower (FLODL_SIMULATE_SLOWDOWN's syntax)")
+    ap.add_argument("--base-ms", default="", help="ms or R:ms: the step time a slowed rank is paced against (FLODL_SIMULATE_BASE_MS's syntax)")
+    ap.add_argument("--lr-scaling", choices=("linear", "none"), default="linear",
+                    help="linear: LR x world size for the all-reduced (DDP) steps; none: the task's LR")
+    ap.add_argument("--seed", type=int, default=None, help="initial weights and permutation seed (default FLODL_MATRIX_SEED, else 0)")
     ap.add_argument("--period", type=int, default=4, help="post-local SGD: steps between model averages")
     ap.add_argument("--warmup", type=int, default=None, help="post-local SGD: DDP steps before local SGD (default: 10%% of an epoch's steps)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank")
@@ -126,15 +159,21 @@ def main() -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
     spec = tasks.SPECS[args.model]
+    seed = tasks.run_seed() if args.seed is None else args.seed
+    slow = parse_slowdown(args.slowdown, rank, "--slowdown")
+    base_ms = parse_base_ms(args.base_ms, rank, "--base-ms")
     x, y = tasks.train_data(spec, args.samples)
     x, y = x.to(device), y.to(device)
     n = len(x) - len(x) % world  # equal shares: DDP needs the same step count on every rank
-    model = tasks.make_model(spec).to(device)
+    model = tasks.make_model(spec, seed).to(device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     opt = spec.optimizer(model)
+    lr = opt.param_groups[0]["lr"]
+    lr_factor = float(world) if args.lr_scaling == "linear" else 1.0
     loss_fn = tasks.loss_fn(spec)
     steps_per_epoch = -(-(n // world) // spec.batch)
     averager = None
+    scaled_steps = None  # how many steps train at lr x lr_factor (None: all of them)
     if args.algo == "ddp":
         timed = Timing(default_hooks.allreduce_hook, None, cuda)
     else:
@@ -142,8 +181,9 @@ def main() -> None:
         timed = Timing(post_localSGD_hook, PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=warmup,
                                                             post_local_gradient_allreduce=False), cuda)
         averager = PeriodicModelAverager(period=args.period, warmup_steps=warmup)
+        scaled_steps = warmup  # the DDP warm-up; the local phase trains per-rank batches at the task's LR
+    scale_lr(opt, lr_factor)
     ddp.register_comm_hook(timed, timed_hook)
-    slow = parse_slowdown(args.slowdown, rank)
     chunk = max(1, steps_per_epoch // CURVE_POINTS_PER_EPOCH)
     timer = CudaStepTimer(timed) if cuda else None
 
@@ -152,14 +192,17 @@ def main() -> None:
     eval_s, history, curve, evals = 0.0, [], [], []
     compute_total = sync_total = 0.0
     batches = samples = averages = 0
+    first_compute = 0.0
     for epoch in range(args.epochs):
         e_start = time.perf_counter()
-        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(tasks.SEED + epoch))[:n]
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed + epoch))[:n]
         mine = perm[rank::world].to(device)
         e_loss = e_count = 0.0
         e_compute = e_sync = 0.0
         c_loss, c_n = 0.0, 0
         for step in range(steps_per_epoch):
+            if batches == scaled_steps and lr_factor != 1.0:
+                scale_lr(opt, 1.0 / lr_factor)  # post-local SGD: its local phase at the per-rank LR
             idx = mine[step * spec.batch:(step + 1) * spec.batch]
             xb, yb = x[idx], y[idx]
             t0 = time.perf_counter()
@@ -181,6 +224,12 @@ def main() -> None:
             else:
                 compute = time.perf_counter() - t0 - wait
             sync = wait
+            if slow > 1.0 and batches > 0:  # the simulated slower device: flodl's rule (not the first step)
+                pause_ms, _ = paced_step(compute * 1000.0, slow, base_ms)
+                if pause_ms > 0.0:
+                    t_sleep = time.perf_counter()
+                    time.sleep(pause_ms / 1000.0)
+                    compute += time.perf_counter() - t_sleep
             if averager is not None:
                 t_avg = time.perf_counter()
                 before = averager.step
@@ -190,9 +239,12 @@ def main() -> None:
                 if before >= averager.warmup_steps and (before - averager.warmup_steps) % averager.period == 0:
                     averages += 1
                 sync += time.perf_counter() - t_avg
-            if slow > 1.0 and batches > 0:  # the simulated slower device, as flodl's FLODL_SIMULATE_SLOWDOWN (not the first step)
-                time.sleep(compute * (slow - 1.0))
-                compute *= slow
+            if batches == 0:
+                first_compute = compute
+            elif batches == 1 and step == 1:
+                # the process's first step carries lazy set-up and warm-up, no device's pace: timed as the
+                # second one, as flodl does (stats.retime in flodl/rank/runner.py)
+                e_compute += compute - first_compute
             e_compute += compute
             e_sync += sync
             e_loss += value * len(idx)
@@ -226,7 +278,8 @@ def main() -> None:
     dist.all_gather_object(curves, curve)
     ranks = [None] * world
     dist.all_gather_object(ranks, {"rank": rank, "samples": samples, "batches": batches, "compute_ms": compute_total * 1000,
-                                   "sync_ms": sync_total * 1000, "slowdown": slow})
+                                   "step_ms": compute_total * 1000 / max(1, batches), "sync_ms": sync_total * 1000,
+                                   "slowdown": slow, "base_ms": base_ms})
     if rank == 0:
         # merge the ranks' curves point by point (same step counts on every rank): mean time, mean loss
         merged = [(sum(c[i][0] for c in curves) / world, sum(c[i][1] for c in curves) / world) for i in range(min(map(len, curves)))]
@@ -249,8 +302,10 @@ def main() -> None:
             "eval_metric_name": spec.metric,
             "history": history,
             "curve": merged,
+            "measured_ratio": measured_ratio(ranks),
             "config": {"algo": args.algo, "period": args.period if averager else None,
                        "warmup": averager.warmup_steps if averager else None, "slowdown": args.slowdown,
+                       "base_ms": args.base_ms, "seed": seed, "lr_scaling": args.lr_scaling, "lr": lr, "lr_ddp": lr * lr_factor,
                        "samples": n, "batch_size": spec.batch},
         }
         Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")

@@ -1,19 +1,51 @@
-"""Run the matrix: every planned (model, case) as a real run, one after another.
+"""Run the matrix: every planned (model, case, seed) as a real run, one after another.
 
-    python -m bench.matrix            # the full plan (PLANS["full"]: every model x every case)
-    python -m bench.matrix --quick    # PLANS["quick"] (under 10 minutes on the 2-core dev VM)
+    python -m bench.matrix            # the full plan (PLANS["full"]: every model x every case, 3 seeds)
+    python -m bench.matrix --quick    # PLANS["quick"], 1 seed (about 10 minutes on the 2-core dev VM)
     python -m bench.matrix --models lenet --cases solo,nccl-cadence --results /tmp/m   # a slice, elsewhere
     python -m bench.matrix --device cuda [--quick]   # 2 GPUs, NCCL: PLANS["gpu"] / PLANS["gpu-quick"]
 
 Each flodl case is ``python -m flodl.controller --task bench.matrix.tasks:<model>``
 with ``--summary-json`` and a record log (for the sub-epoch loss curve); each
 torchrun case is ``python -m torch.distributed.run --standalone ... bench/matrix/ddp.py``.
-Results: ``bench/results/matrix/<model>__<case>.json`` per run, ``suite.json``
-(budget, machine, time taken), and ``bench/results/matrix.json`` (the common
-format; written only when the results go to the default directory). With
-``--device cuda`` every rank gets a GPU of its own (flodl ``--devices
-cuda:0,cuda:1``, torchrun with NCCL) and everything goes to ``matrix_gpu``
-instead of ``matrix``.
+Results: ``bench/results/matrix/<model>__<case>__seed<k>.json`` per run,
+``suite.json`` (budget, seeds, machine, time taken), and
+``bench/results/matrix.json`` (the common format; written only when the results
+go to the default directory). With ``--device cuda`` every rank gets a GPU of
+its own (flodl ``--devices cuda:0,cuda:1``, torchrun with NCCL) and everything
+goes to ``matrix_gpu`` instead of ``matrix``.
+
+The protocol (issue 22):
+
+* every case is timed twice: *train wall* (the summary's ``wall_s - eval_s``,
+  start-up excluded) and *command* (``process_s``: process start to exit, the
+  controller's or torchrun's, timed here around the subprocess); both go into
+  each run's ``matrix`` block (``train_s``, ``command_s``) and the rows;
+* the 4:1 cases are *paced*: rank 1's step period is 4 x the base step time,
+  the mean step time of the same seed's ``solo`` run (``FLODL_SIMULATE_BASE_MS``
+  for flodl, ``--base-ms`` for the DDP script: the same rule,
+  ``flodl.env.paced_step``). A plan with a 4:1 case and no ``solo`` gets ``solo``
+  added (it calibrates), unless ``--base-ms`` gives the base. Every 4:1 run
+  records its ``measured_ratio`` (rank 1's mean step time over rank 0's) and,
+  for flodl, ``of_ideal``: train samples/s over solo rate x (1 + 1 / measured
+  ratio);
+* torchrun runs with the linear LR scaling rule (``--lr-scaling``; see ddp.py);
+* each case runs once per seed (``--seeds``): evals reported as mean and
+  lowest..highest seed, timings as medians (bench/matrix/report.py).
+
+Options:
+
+--quick             the quick plan, 1 seed by default
+--models M,...      a subset of the plan's models
+--cases C,...       a subset of case ids (e.g. solo,nccl-cadence-4to1)
+--device cpu|cuda   CPU ranks (gloo), or one GPU per rank (NCCL) and the gpu plans
+--results DIR       where the runs go (cleared first; default bench/results/matrix[_gpu]); anywhere
+                    else leaves bench/results/matrix.json alone (tests and slices use it)
+--seeds N           runs per case, seeds 0..N-1 (default 3; 1 with --quick)
+--lr-scaling linear|none   torchrun's LR rule (default linear: LR x world size for the all-reduced steps)
+--base-ms MS        the 4:1 base step time in ms for every model (default: measured by each seed's solo run)
+--samples N, --epochs N    override every model's budget (smoke tests)
+--timeout S         seconds per run (default 240 quick, 1200 full)
 """
 
 from __future__ import annotations
@@ -27,12 +59,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import machine, report
 from bench.matrix import CASES, MODEL_ORDER, PLANS, ROOT, TARGETS, Budget, Case, Target
 from bench.matrix import report as matrix_report
-from bench.matrix.tasks import SAMPLES_ENV, SPECS
+from bench.matrix.tasks import SAMPLES_ENV, SEED_ENV, SPECS
+from flodl.env import SIMULATE_BASE_MS, SIMULATE_SLOWDOWN
 
 DDP_SCRIPT = ROOT / "bench" / "matrix" / "ddp.py"
 REPORTS_PER_EPOCH = 8
@@ -42,13 +76,24 @@ class RunFailed(RuntimeError):
     pass
 
 
-def _env(samples: int) -> dict[str, str]:
+@dataclass(frozen=True)
+class Setup:
+    """How one run is made, beyond its model, case and budget."""
+
+    seed: int = 0
+    base_ms: float | None = None  # the 4:1 cases' base step time (None: the old, overshooting rule)
+    lr_scaling: str = "linear"  # torchrun's LR rule
+
+
+def _env(samples: int, seed: int = 0) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["OMP_NUM_THREADS"] = "1"  # one core per rank: two ranks side by side on two cores
     env["PYTHONUNBUFFERED"] = "1"
     env[SAMPLES_ENV] = str(samples)
-    env.pop("FLODL_SIMULATE_SLOWDOWN", None)
+    env[SEED_ENV] = str(seed)
+    env.pop(SIMULATE_SLOWDOWN, None)
+    env.pop(SIMULATE_BASE_MS, None)
     return env
 
 
@@ -67,7 +112,7 @@ def _children_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _run(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -> tuple[float, float | None]:
+def timed_run(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -> tuple[float, float | None]:
     """Run one command; returns its wall time and the share of the machine's CPU that
     other processes (not this command's tree) used meanwhile (None where /proc/stat is missing)."""
     busy0, ours0 = _cpu_busy_s(), _children_cpu_s()
@@ -111,62 +156,109 @@ def flodl_curve(logdir: Path) -> list[list[float]]:
     return [[(r["ts"] - meta["ts"]) / 1000.0, r["metrics"]["loss"]] for r in ticks]
 
 
-def flodl_case(model: str, case: Case, budget: Budget, tmp: Path, timeout: float, target: Target) -> tuple[dict, tuple, list[str]]:
+def flodl_case(model: str, case: Case, budget: Budget, tmp: Path, timeout: float, target: Target,
+               setup: Setup = Setup()) -> tuple[dict, tuple, str]:
+    """One flodl run: its summary, ``(process_s, others_cpu)`` and the command line (environment included)."""
     summary_path, logs = tmp / "summary.json", tmp / "logs"
     cmd = [sys.executable, "-m", "flodl.controller", "--task", f"bench.matrix.tasks:{model}", "--nproc-per-node", str(case.nproc),
-           "--mode", case.mode, "--epochs", str(budget.epochs), "--summary-json", str(summary_path), "--no-progress",
-           "--dashboard-port", "-1", "--record-log-dir", str(logs), "--reports-per-epoch", str(REPORTS_PER_EPOCH)]
+           "--mode", case.mode, "--epochs", str(budget.epochs), "--seed", str(setup.seed), "--summary-json", str(summary_path),
+           "--no-progress", "--dashboard-port", "-1", "--record-log-dir", str(logs), "--reports-per-epoch", str(REPORTS_PER_EPOCH)]
     devices = target.devices(case.nproc)
     if devices:
         cmd += ["--devices", devices]
-    env = _env(budget.samples)
+    env = _env(budget.samples, setup.seed)
+    prefix = [f"{SEED_ENV}={setup.seed}"]
     if case.ratio > 1:
-        env["FLODL_SIMULATE_SLOWDOWN"] = f"1:{case.ratio}"
-    took = _run(cmd, env, tmp / "run.log", timeout)
+        env[SIMULATE_SLOWDOWN] = f"1:{case.ratio}"
+        prefix.append(f"{SIMULATE_SLOWDOWN}=1:{case.ratio}")
+        if setup.base_ms:
+            env[SIMULATE_BASE_MS] = f"1:{setup.base_ms:.4f}"
+            prefix.append(f"{SIMULATE_BASE_MS}={env[SIMULATE_BASE_MS]}")
+    took = timed_run(cmd, env, tmp / "run.log", timeout)
     if not summary_path.exists():
         raise RunFailed(f"no summary written; log tail:\n{_tail(tmp / 'run.log')}")
     summary = json.loads(summary_path.read_text())
     if summary.get("exit_reason") != "completed":
         raise RunFailed(f"exit_reason {summary.get('exit_reason')!r}")
     summary.setdefault("matrix", {})["curve"] = flodl_curve(logs)
-    prefix = [f"FLODL_SIMULATE_SLOWDOWN=1:{case.ratio}"] if case.ratio > 1 else []
-    return summary, took, prefix + cmd[1:]
+    return summary, took, " ".join([*prefix, "python", *cmd[1:]])
 
 
-def torchrun_case(model: str, case: Case, budget: Budget, tmp: Path, timeout: float, target: Target) -> tuple[dict, tuple, list[str]]:
+def torchrun_case(model: str, case: Case, budget: Budget, tmp: Path, timeout: float, target: Target,
+                  setup: Setup = Setup()) -> tuple[dict, tuple, str]:
+    """One torchrun run: its summary, ``(process_s, others_cpu)`` and the command line."""
     out = tmp / "summary.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(case.nproc), str(DDP_SCRIPT),
            "--model", model, "--algo", case.mode, "--epochs", str(budget.epochs), "--samples", str(budget.samples), "--out", str(out),
-           "--device", target.device]
+           "--device", target.device, "--seed", str(setup.seed), "--lr-scaling", setup.lr_scaling]
     if case.ratio > 1:
         cmd += ["--slowdown", f"1:{case.ratio}"]
-    took = _run(cmd, _env(budget.samples), tmp / "run.log", timeout)
+        if setup.base_ms:
+            cmd += ["--base-ms", f"1:{setup.base_ms:.4f}"]
+    took = timed_run(cmd, _env(budget.samples, setup.seed), tmp / "run.log", timeout)
     if not out.exists():
         raise RunFailed(f"no summary written; log tail:\n{_tail(tmp / 'run.log')}")
     summary = json.loads(out.read_text())
     summary.setdefault("matrix", {})["curve"] = summary.pop("curve", [])
-    return summary, took, cmd[1:]
+    return summary, took, " ".join(["python", *cmd[1:]])
 
 
-def run_one(model: str, case: Case, budget: Budget, budget_name: str, timeout: float, target: Target = TARGETS["cpu"]) -> dict:
+def run_one(model: str, case: Case, budget: Budget, budget_name: str, timeout: float, target: Target = TARGETS["cpu"],
+            setup: Setup = Setup(), solo: dict | None = None) -> dict:
+    """One run; its summary with a ``matrix`` block (or only that block, with ``error``, if it failed).
+
+    ``solo``: the same seed's solo run, for the ``of_ideal`` of a flodl 4:1 case.
+    """
     spec = SPECS[model]
     meta = {"model": model, "title": spec.title, "case": case.id, "label": case.label, "kind": case.kind, "mode": case.mode,
-            "nproc": case.nproc, "ratio": case.ratio, "samples": budget.samples, "epochs": budget.epochs, "batch": spec.batch,
-            "metric": spec.metric, "budget": budget_name, "device": target.device, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "nproc": case.nproc, "ratio": case.ratio, "seed": setup.seed, "samples": budget.samples, "epochs": budget.epochs,
+            "batch": spec.batch, "metric": spec.metric, "budget": budget_name, "device": target.device,
+            "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if case.ratio > 1:
+        meta["base_ms"] = setup.base_ms  # None: uncalibrated (the old rule, which overshoots)
+    if case.kind == "torchrun":
+        meta["lr_scaling"] = setup.lr_scaling
     with tempfile.TemporaryDirectory(prefix=f"flodl-matrix-{model}-") as td:
         try:
             runner = flodl_case if case.kind == "flodl" else torchrun_case
-            summary, (process_s, others), cmd = runner(model, case, budget, Path(td), timeout, target)
+            summary, (process_s, others), cmd = runner(model, case, budget, Path(td), timeout, target, setup)
         except RunFailed as exc:
             meta["error"] = str(exc)
             return {"matrix": meta}
-    meta.update(process_s=process_s, others_cpu=others, command="python " + " ".join(cmd), curve=summary.get("matrix", {}).get("curve", []))
+    meta.update(process_s=process_s, others_cpu=others, command=cmd, curve=summary.get("matrix", {}).get("curve", []))
     summary["matrix"] = meta
+    meta.update(train_s=matrix_report.train_wall(summary), command_s=process_s)
+    if case.kind == "torchrun":
+        meta.update(lr=summary.get("config", {}).get("lr"), lr_ddp=summary.get("config", {}).get("lr_ddp"))
+    if case.nproc > 1:
+        meta["measured_ratio"] = matrix_report.measured_ratio(summary)
+    if case.kind == "flodl" and case.ratio > 1:
+        ideal = matrix_report.of_ideal(summary, solo)
+        meta.update(of_ideal=ideal[0] if ideal else None, ideal_samples_per_s=ideal[1] if ideal else None)
     return summary
+
+
+def solo_base_ms(solo: dict | None) -> float | None:
+    """The base step time (ms) of the 4:1 cases: the solo run's mean step time (None if it failed)."""
+    if not matrix_report.ok(solo):
+        return None
+    ms = matrix_report.step_ms(solo)
+    return ms[0] if ms and ms[0] > 0 else None
+
+
+def with_calibration(cases: tuple[str, ...], base_given: bool) -> tuple[str, ...]:
+    """The cases to run: ``solo`` added in front when a 4:1 case needs it to calibrate its pace."""
+    if base_given or "solo" in cases or not any(CASES[c].ratio > 1 for c in cases):
+        return cases
+    return ("solo", *cases)
 
 
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v * 100:.0f}%"
+
+
+def _num(v: float | None, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
 
 
 def covers(plan: dict[str, tuple[Budget, tuple[str, ...]]]) -> str:
@@ -180,18 +272,28 @@ def covers(plan: dict[str, tuple[Budget, tuple[str, ...]]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="the quick plan: lenet in every case, three other models in three (< 10 min here)")
+    ap.add_argument("--quick", action="store_true", help="the quick plan: lenet in every case, three other models in three (~10 min here)")
     ap.add_argument("--models", default="", help="comma-separated subset of the plan's models")
     ap.add_argument("--cases", default="", help="comma-separated subset of case ids (e.g. solo,nccl-cadence-4to1)")
     ap.add_argument("--device", choices=sorted(TARGETS), default="cpu",
                     help="cpu: CPU ranks (gloo); cuda: one GPU per rank (NCCL; needs 2 GPUs) and the gpu plans")
     ap.add_argument("--results", type=Path, default=None, help="where the runs go (cleared first; default bench/results/matrix[_gpu])")
+    ap.add_argument("--seeds", type=int, default=None, help="runs per case, seeds 0..N-1 (default 3; 1 with --quick)")
+    ap.add_argument("--lr-scaling", choices=("linear", "none"), default="linear",
+                    help="torchrun's LR: linear = LR x world size for the all-reduced steps (default); none = the task's LR")
+    ap.add_argument("--base-ms", type=float, default=None,
+                    help="the 4:1 cases' base step time in ms (default: each seed's solo run's mean step time)")
     ap.add_argument("--samples", type=int, default=None, help="override every model's sample budget (smoke tests)")
     ap.add_argument("--epochs", type=int, default=None, help="override every model's epochs (smoke tests)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per run (default 240 quick, 1200 full)")
     args = ap.parse_args(argv)
     target = TARGETS[args.device]
     results = args.results or target.results_dir
+    seeds = args.seeds if args.seeds is not None else (1 if args.quick else 3)
+    if seeds < 1:
+        ap.error("--seeds must be at least 1")
+    if args.base_ms is not None and not args.base_ms > 0:
+        ap.error("--base-ms must be > 0")
     if target.device == "cuda":
         import torch
 
@@ -217,48 +319,65 @@ def main(argv: list[str] | None = None) -> int:
     if args.samples or args.epochs:
         budget_name += " (overridden)"
         plan = {m: (Budget(args.samples or b.samples, args.epochs or b.epochs), c) for m, (b, c) in plan.items()}
+    plan = {m: (b, with_calibration(c, args.base_ms is not None)) for m, (b, c) in plan.items()}
     timeout = args.timeout or (240.0 if args.quick else 1200.0)
 
     results.mkdir(parents=True, exist_ok=True)
     for old in [*results.glob("*__*.json"), results / matrix_report.MANIFEST]:
         old.unlink(missing_ok=True)
-    todo = [(m, CASES[c]) for m in MODEL_ORDER + tuple(m for m in plan if m not in MODEL_ORDER) if m in plan
-            for c in CASES if c in plan[m][1]]
-    print(f"bench.matrix ({budget_name}): {len(todo)} runs -> {results}", flush=True)
+    # per model, seed by seed, solo first: each seed's 4:1 cases are paced against that seed's solo run
+    todo = [(m, seed, CASES[c]) for m in MODEL_ORDER + tuple(m for m in plan if m not in MODEL_ORDER) if m in plan
+            for seed in range(seeds) for c in CASES if c in plan[m][1]]
+    print(f"bench.matrix ({budget_name}, {seeds} seed{'s' if seeds > 1 else ''}): {len(todo)} runs -> {results}", flush=True)
     start = time.perf_counter()
     failed = 0
-    for i, (model, case) in enumerate(todo, 1):
+    solos: dict[tuple[str, int], dict] = {}
+    for i, (model, seed, case) in enumerate(todo, 1):
         budget = plan[model][0]
-        result = run_one(model, case, budget, budget_name, timeout, target)
-        (results / f"{model}__{case.id}.json").write_text(json.dumps(result, indent=1) + "\n")
+        solo = solos.get((model, seed))
+        base = args.base_ms if args.base_ms is not None else solo_base_ms(solo)
+        setup = Setup(seed=seed, base_ms=base if case.ratio > 1 else None, lr_scaling=args.lr_scaling)
+        result = run_one(model, case, budget, budget_name, timeout, target, setup, solo)
+        if case.id == "solo":
+            solos[(model, seed)] = result
+        (results / matrix_report.run_file(model, case.id, seed)).write_text(json.dumps(result, indent=1) + "\n")
         took = time.perf_counter() - start
-        if "error" in result["matrix"]:
+        head = f"[{i}/{len(todo)} {took:5.0f} s] {model} {case.id} seed {seed}"
+        meta = result["matrix"]
+        if "error" in meta:
             failed += 1
-            print(f"[{i}/{len(todo)} {took:5.0f} s] {model} {case.id}: FAILED {result['matrix']['error']}", flush=True)
+            print(f"{head}: FAILED {meta['error']}", flush=True)
             continue
         ev = result.get("final_eval")
-        print(f"[{i}/{len(todo)} {took:5.0f} s] {model} {case.id}: train wall {matrix_report.train_wall(result):.2f} s, "
+        extra = ""
+        if case.ratio > 1:
+            extra = f", base {_num(meta.get('base_ms'), '.2f')} ms, measured ratio {_num(meta.get('measured_ratio'), '.2f')}"
+            if case.kind == "flodl":
+                extra += f", of ideal {_num(meta.get('of_ideal'), '.2f')}"
+        print(f"{head}: train wall {meta['train_s']:.2f} s, command {meta['command_s']:.1f} s, "
               f"eval {'-' if ev is None else f'{ev * 100:.2f}%'}, loss {result.get('final_loss') or 0:.4f}, "
-              f"syncs {result.get('syncs')}, process {result['matrix']['process_s']:.1f} s, "
-              f"others' CPU {_pct(result['matrix'].get('others_cpu'))}", flush=True)
+              f"syncs {result.get('syncs')}{extra}, others' CPU {_pct(meta.get('others_cpu'))}", flush=True)
     elapsed = time.perf_counter() - start
     import torch
 
     manifest = {"budget": budget_name, "device": target.device, "machine": machine(), "torch": torch.__version__, "python": platform.python_version(),
                 "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "elapsed_s": elapsed, "runs": len(todo), "failed": failed,
-                "covers": covers(plan),
+                "seeds": seeds, "lr_scaling": args.lr_scaling, "base_ms": args.base_ms, "covers": covers(plan),
                 "plan": {m: {"samples": b.samples, "epochs": b.epochs, "cases": list(c)} for m, (b, c) in plan.items()}}
     (results / matrix_report.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     _, runs = matrix_report.load(results)
     rows = matrix_report.rows(runs)
     ranks = "2 GPU ranks (NCCL), 1 intra-op thread each" if target.device == "cuda" else "2 CPU ranks x 1 thread"
-    note = (f"{budget_name} budget, {len(todo)} runs in {elapsed:.0f} s ({failed} failed); {ranks} (solo: 1), "
-            f"batch 32 per rank; train wall = wall_s - eval_s (start-up excluded); 4:1 = rank 1 simulated 4x slower. "
+    note = (f"{budget_name} budget, {seeds} seed(s), {len(todo)} runs in {elapsed:.0f} s ({failed} failed); {ranks} (solo: 1), "
+            f"batch 32 per rank; train wall = wall_s - eval_s (start-up excluded), command wall = process start to exit; "
+            f"medians over seeds, evals mean/min/max; 4:1 = rank 1 paced to 4 x "
+            f"{'--base-ms' if args.base_ms else 'the solo run' + chr(39) + 's step time'} (measured ratio reported); "
+            f"of ideal = train samples/s / (solo rate x (1 + 1/measured ratio)); torchrun LR scaling: {args.lr_scaling}. "
             f"Covers: {manifest['covers']}")
     if results.resolve() == target.results_dir.resolve():
         report(target.name, rows, note=note)
     else:
         for r in rows:
-            print(f"{r.case:<34}{r.metric:<32}{r.value:>10.3f} {r.unit:<7} {r.goal or ''} {'' if r.met is None else r.met}")
+            print(f"{r.case:<34}{r.metric:<40}{r.value:>10.3f} {r.unit:<9} {r.goal or ''} {'' if r.met is None else r.met}")
     print(f"suite took {elapsed:.0f} s")
     return 1 if failed else 0

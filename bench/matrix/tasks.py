@@ -8,6 +8,8 @@ builds the ``flodl.Task`` and ``bench/matrix/ddp.py`` builds the very same model
 
 FLODL_MATRIX_SAMPLES  training samples (the first N of the model's training set;
                       default: the model's full-budget size, ``Spec.samples``)
+FLODL_MATRIX_SEED     the seed of the initial weights (default 0; the suite's ``--seeds N``
+                      runs seeds 0..N-1, and passes the same number as the shuffle seed)
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from flodl import Task
 
 from . import data, models
 
-SEED = 0
+SEED = 0  # the default run seed
 SAMPLES_ENV = "FLODL_MATRIX_SAMPLES"
+SEED_ENV = "FLODL_MATRIX_SEED"
 
 
 def sgd(model: nn.Module, lr: float, wd: float = 0.0) -> torch.optim.Optimizer:
@@ -80,6 +83,11 @@ def samples_for(spec: Spec) -> int:
     return int(os.environ.get(SAMPLES_ENV, spec.samples))
 
 
+def run_seed() -> int:
+    """This run's seed (``FLODL_MATRIX_SEED``, default ``SEED``)."""
+    return int(os.environ.get(SEED_ENV, SEED))
+
+
 def train_data(spec: Spec, samples: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``samples`` training pairs (all of them if the set is smaller)."""
     n = samples_for(spec) if samples is None else samples
@@ -102,10 +110,10 @@ def eval_data(spec: Spec) -> tuple[torch.Tensor, torch.Tensor]:
     return data.images(spec.eval_samples, seed=2)
 
 
-def make_model(spec: Spec) -> nn.Module:
-    """The model with the same initial weights in every process and run."""
+def make_model(spec: Spec, seed: int | None = None) -> nn.Module:
+    """The model with the same initial weights in every process of a run (seeded ``seed``, default ``run_seed()``)."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
+        torch.manual_seed(run_seed() if seed is None else seed)
         return spec.build()
 
 

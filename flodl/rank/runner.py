@@ -34,7 +34,7 @@ from torch.utils.data import TensorDataset
 from .. import __version__, curve, scalars
 from ..checkpoint import CheckpointError, load_model, load_optimizer
 from ..config import AverageBackend, DdpRunConfig
-from ..env import RankEnv, simulated_slowdown, vram_pool_disabled
+from ..env import RankEnv, paced_step, simulated_base_ms, simulated_slowdown, vram_pool_disabled
 from ..faults import FaultPlan
 from ..monitor.resources import ResourceSampler
 from ..errors import (
@@ -170,7 +170,8 @@ class RankRunner(Regrouping, Evaluating):
         self.position = 0  # the next average's place in the run: window << 16 | round (regroup.py compares them)
         self.welcome: m.RankWelcome | None = None
         self.handle = WorkerHandle(self)
-        self.slowdown = simulated_slowdown(env.rank)
+        self.slowdown = simulated_slowdown(env.rank)  # SIMULATION only (benchmarks, tests): 1.0 on real hardware
+        self.slow_base_ms = simulated_base_ms(env.rank) if self.slowdown > 1.0 else None
         self.norm_layers: list = []  # BatchNorm layers to re-estimate before an eval (none until set up)
         self.norms_stale = False  # an average changed the model since they were last re-estimated
         self.faults = FaultPlan.from_env(env.rank)  # tests and benchmarks only (FLODL_INJECT_FAULT)
@@ -674,9 +675,12 @@ class RankRunner(Regrouping, Evaluating):
             raise NonFiniteLoss(value, self.current_epoch, self.step_count + 1)
         compute_ms = (time.perf_counter() - t0) * 1000.0
         if self.slowdown > 1.0 and self.step_count > 0:  # SIMULATION (FLODL_SIMULATE_SLOWDOWN): a slower device
-            # (from the second step: the first is set-up and warm-up, no device's pace)
-            time.sleep(compute_ms * (self.slowdown - 1.0) / 1000.0)
-            compute_ms *= self.slowdown
+            # (from the second step: the first is set-up and warm-up, no device's pace), paced to
+            # slowdown x FLODL_SIMULATE_BASE_MS; reported as the time the step really took, sleep included
+            pause_ms, _ = paced_step(compute_ms, self.slowdown, self.slow_base_ms)
+            if pause_ms > 0.0:
+                time.sleep(pause_ms / 1000.0)
+                compute_ms = (time.perf_counter() - t0) * 1000.0
         self.step_count += 1
         if self.step_count == 1:
             self._open_vram_pool()
