@@ -7,7 +7,9 @@ with 3 local ranks and ``--heartbeat-timeout-secs 3``. Fault kinds (run ``i``
 gets kind ``i mod 5`` and mode ``i mod 6``, so 30 runs cover every pair; the
 order is shuffled with the seed):
 
-* ``kill``        SIGKILL of a random non-zero rank from outside, at a random moment of training
+* ``kill``        SIGKILL of a random non-zero rank from outside, at a random moment of training;
+                  every other kill run has healing on (``--max-restarts 1``): the killed rank is
+                  restarted and must rejoin (world back to full size) when the run has time left
 * ``stop``        SIGSTOP of a random non-zero rank from outside (a hang: found by heartbeat)
 * ``stuck``       ``FLODL_INJECT_FAULT=<rank>:batch:<random n>:hang`` (the training thread
                   blocks for good, heartbeats go on)
@@ -82,6 +84,7 @@ class Plan:
     victim: int  # the rank hit (non-zero); unused by slow-build and ctl-kill
     at: float  # fraction of the nominal training time at which the fault fires
     batch: int  # stuck: the victim's batch that hangs
+    heal: bool = False  # kill: run with --max-restarts 1 and check the restarted rank rejoins
 
 
 @dataclass
@@ -96,6 +99,7 @@ class Result:
     start_s: float | None = None  # from launch to the controller's header (every rank joined)
     log: str = ""
     note: str = ""
+    healed_s: float | None = None  # heal: seconds from detection until the restarted rank joined
 
     @property
     def lost(self) -> bool:
@@ -152,6 +156,13 @@ def rows_for(results: list[Result]) -> list[Row]:
                 rows.append(Row(kind, f"averaging again {name}", v, "s after det.", goal and goal[0], goal and _under(v, goal[1])))
             unmeasured = sum(1 for r in mine if r.landed and not r.lost and r.again_s is None)
             rows.append(Row(kind, "again not measured", unmeasured, "runs"))
+        heals = [r for r in mine if r.plan.heal]
+        if heals:
+            healed = [r.healed_s for r in heals if r.healed_s is not None]
+            rows += [Row(kind, "healing runs", len(heals), "runs"),
+                     Row(kind, "healed (world back to full size)", len(healed), "runs"),
+                     Row(kind, "back to full size p50", percentile(healed, 50), "s after det."),
+                     Row(kind, "back to full size max", percentile(healed, 100), "s after det.")]
     lost = [r for r in results if r.lost]
     rows += [Row("all", "faults", len(results), "runs"),
              Row("all", "runs lost", len(lost), "runs", "0", not lost)]
@@ -164,8 +175,10 @@ def make_plans(count: int, seed: int, epochs: int) -> list[Plan]:
     plans = []
     last_batch = max(2, int(0.8 * BATCHES_PER_RANK_EPOCH * epochs))
     for i in range(count):
-        plans.append(Plan(i, KINDS[i % len(KINDS)], MODES[i % len(MODES)], rng.randrange(1, NPROC), rng.uniform(0.05, 0.8),
-                          rng.randint(2, last_batch)))
+        kind = KINDS[i % len(KINDS)]
+        heal = kind == "kill" and (i // len(KINDS)) % 2 == 1  # every other kill run heals
+        plans.append(Plan(i, kind, MODES[i % len(MODES)], rng.randrange(1, NPROC), rng.uniform(0.05, 0.8),
+                          rng.randint(2, last_batch), heal))
     rng.shuffle(plans)
     return plans
 
@@ -302,12 +315,14 @@ def stray_files(stem: Path) -> list[str]:
 def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
     """Start a run, inject the plan's fault at its moment, wait, and check everything."""
     res = Result(plan)
-    tag = f"{plan.index:03d}-{plan.kind}-{plan.mode}"
+    tag = f"{plan.index:03d}-{plan.kind}{'-heal' if plan.heal else ''}-{plan.mode}"
     log_path, summary_path, stem = tmp / f"{tag}.log", tmp / f"{tag}.json", tmp / tag / "ckpt"
     res.log = str(log_path)
     extra = {"FLODL_TEST_STEP_SLEEP": str(step_s)}
     args = ["--task", TASK, "--nproc-per-node", str(NPROC), "--epochs", str(epochs), "--mode", plan.mode,
             "--heartbeat-timeout-secs", str(HEARTBEAT_S), "--summary-json", str(summary_path), "--no-progress"]
+    if plan.heal:
+        args += ["--max-restarts", "1"]
     if plan.kind == "stuck":
         extra["FLODL_INJECT_FAULT"] = f"{plan.victim}:batch:{plan.batch}:hang"
     elif plan.kind == "slow-build":
@@ -423,7 +438,25 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
     elif hit_at is not None:
         res.detect_s = rec["unix_time"] - hit_at
     res.again_s = rec.get("training_again_s")
+    if plan.heal:
+        _check_heal(res, s, rec)
     return res
+
+
+def _check_heal(res: Result, s: dict, rec: dict) -> None:
+    """Healing: exactly one restart, of the dead rank; when it joined, the world was back to full size."""
+    restarts = s.get("restarts", [])
+    if len(restarts) != 1 or (s["deaths"] and restarts[0]["replaces"] != s["deaths"][0]["rank"]):
+        res.failures.append(f"restarts {restarts}, want one of the dead rank")
+        return
+    new = restarts[0]["rank"]
+    joined = next((j for j in s.get("joins", []) if new in j["ranks"]), None)
+    if joined is None:
+        res.note = f"rank {new} (restarting rank {restarts[0]['replaces']}) had not joined when the run ended"
+    elif joined["world"] != NPROC:
+        res.failures.append(f"after the heal the world is {joined['world']}, want {NPROC}")
+    else:
+        res.healed_s = joined["unix_time"] - rec["unix_time"]
 
 
 def torchrun_rows(runs: int, tmp: Path) -> list[Row]:

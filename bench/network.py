@@ -35,7 +35,7 @@ compute; a Cadence window averages once per many batches.
 ``--quick``: 0 and 20 ms, the ``nccl-*`` modes, one epoch of half the samples
 (fixed costs, such as the calibration window and the last eval, weigh more).
 
-Goal: Cadence (nccl-cadence and cpu-cadence, each on its own row) loses < 10%
+Goal: Cadence (nccl-cadence and cpu-cadence, each on its own row) loses < 5%
 of its 0 ms throughput at 20 ms.
 
 **Host relay** (full run, or ``--relay`` alone): at 20 ms, ``cpu-cadence`` with
@@ -67,7 +67,8 @@ SAMPLES = 9600  # 200 steps per rank per epoch
 BRIDGE = "flodl-bbr0"
 CONTROLLER = NsHost("flodl-b0", "10.79.0.10", "flodl-bv0")
 HOSTS = [NsHost(f"flodl-b{i}", f"10.79.0.1{i}", f"flodl-bv{i}") for i in (1, 2, 3)]
-GOAL = "Cadence loses < 10% at 20 ms"
+GOAL_PCT = 5.0  # issue 22 (was 10% before two windows in flight on the collective backend)
+GOAL = f"Cadence loses < {GOAL_PCT:g}% at 20 ms"
 RUN_TIMEOUT_S = 240
 
 
@@ -173,7 +174,7 @@ def main() -> None:
             case = f"{delay} ms {mode}"
             goal = mode.endswith("cadence") and delay == 20
             rows.append(Row(case, "throughput", rate, "samples/s"))
-            rows.append(Row(case, "loss vs 0 ms", loss, "%", GOAL if goal else None, loss < 10 if goal else None))
+            rows.append(Row(case, "loss vs 0 ms", loss, "%", GOAL if goal else None, loss < GOAL_PCT if goal else None))
             rows.append(Row(case, "averages", results[(delay, mode)]["syncs"], "rounds"))
     if not quick:
         rows += relay

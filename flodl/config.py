@@ -108,7 +108,8 @@ class ElCheConfig:
                                          help="Max batch lead of the fastest over the slowest rank (0 = lockstep).")
     max_overshoot: int | None = _option(None, check=_count(0), kind="int", default_text="auto",
                                         help="Max batches a rank may stream past the planned sync point "
-                                             "(0 = no cross-epoch streaming).")
+                                             "(0 = no cross-epoch streaming). Auto: Async streams a few (auto-tuned); "
+                                             "Cadence lets epochs flow into each other with full windows.")
     divergence_threshold: float | None = _option(None, check=_positive(), kind="float",
                                                  default_text="0.05 (0.3 with easgd_alpha)",
                                                  help="Replica drift above which the guard stops anchor growth.")

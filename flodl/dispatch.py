@@ -9,15 +9,18 @@ from the epoch's ``EpochPool``), and when to stop:
 * **Sync** — every rank the same number of batches, averaging after each.
 * **Cadence** — a wall-time quota: every rank trains until the slow rank's
   ``anchor`` batches' worth of time has passed (``ElChe.anchor_wall_ms``), so
-  a fast rank does proportionally more batches instead of waiting.
+  a fast rank does proportionally more batches instead of waiting. With
+  ``max_overshoot`` auto, epochs flow into each other: the window that reaches
+  an epoch's end finishes it and goes on into the next (no short tail window).
 * **Async** — a batch quota per rank (ElChe's counts); at an epoch's tail a
   rank may stream into the next epoch, at most ``max_overshoot`` batches.
 
 Cold start (no timing yet): an open-ended probe window in which every rank
 trains as fast as it can until the controller has timed a few batches of the
-slowest, so nobody idles while speeds are measured. Tail:
-when an epoch has less left than a full window, the rest is split in
-proportion to speed so the ranks finish together. Grants not consumed go back
+slowest, so nobody idles while speeds are measured. Tail
+(the run's last epoch, Sync, Async, or Cadence with an explicit
+``max_overshoot``): when an epoch has less left than a full window, the rest
+is split in proportion to speed so the ranks finish together. Grants not consumed go back
 to the pool, so coverage stays exact whatever the ranks actually did.
 """
 
@@ -117,8 +120,12 @@ class Dispatcher:
         self.overshoot_initial = min(5, max(2, total_batches // 100))
         self.overshoot_cap = min(10, max(3, total_batches // 50))
         self.max_overshoot = self.overshoot_initial if max_overshoot is None else max_overshoot
+        # Cadence with max_overshoot auto: epochs flow into each other. A window that reaches an
+        # epoch's end is still a full window: each rank's share of the old epoch's rest, topped
+        # up from the next epoch (no short tail window, no extra average at every epoch edge).
+        self.flows = policy is ApplyPolicy.CADENCE and max_overshoot is None and progressive
         if policy is not ApplyPolicy.ASYNC:
-            self.max_overshoot = 0  # Sync and Cadence are barrier-paced at epoch edges
+            self.max_overshoot = 0  # Sync (and Cadence with an explicit 0) are barrier-paced at epoch edges
 
     # ----------------------------------------------------------------- pools
 
@@ -231,7 +238,11 @@ class Dispatcher:
         else:
             tail = sum(counts.values()) > self._batches(pool.remaining)
         if tail:
-            self._plan_tail(pool, plans, counts)
+            nxt = self._next_pool(pool, counts) if self.flows and not pool.reserved else None
+            if nxt is None:
+                self._plan_tail(pool, plans, counts)
+                return
+            self._plan_across_edge(pool, nxt, plans, elche, counts, cap)
             return
         for r, plan in plans.items():
             plan.kind = "full"
@@ -246,17 +257,48 @@ class Dispatcher:
             for r, plan in plans.items():
                 self._grant(pool, plan, int(counts[r] * (CADENCE_HEADROOM - 1.0)) + 1)
 
+    def _next_pool(self, pool: EpochPool, counts: dict[int, int]) -> EpochPool | None:
+        """The epoch after ``pool``'s (opened now if need be), or None at the run's last epoch."""
+        nxt = self.pools.get(pool.epoch + 1)
+        if nxt is None and self.next_epoch == pool.epoch + 1:
+            nxt = self._open_next({r: float(c) for r, c in counts.items()})
+        return nxt
+
+    def _split_by_speed(self, batches: int, counts: dict[int, int]) -> dict[int, int]:
+        """``batches`` shared in proportion to ``counts``; what rounding leaves goes to the fastest."""
+        total = sum(counts.values()) or 1
+        split = {r: batches * counts[r] // total for r in self.ranks}
+        for r in sorted(self.ranks, key=lambda r: -counts[r])[: batches - sum(split.values())]:
+            split[r] += 1
+        return split
+
+    def _plan_across_edge(self, pool: EpochPool, nxt: EpochPool, plans: dict[int, WindowPlan], elche: ElChe,
+                          counts: dict[int, int], cap: int | None) -> None:
+        """Cadence, epochs flowing: a full window that finishes ``pool`` and goes on into ``nxt``.
+
+        Each rank's grants start with its speed-proportional share of the old
+        epoch's rest (so the old epoch completes in this window when speeds hold),
+        then the next epoch's positions up to its full count, then the usual
+        headroom. The time quota is the usual one; whatever is not consumed goes
+        back to its own epoch's pool.
+        """
+        old = self._split_by_speed(self._batches(pool.remaining), counts)
+        for r, plan in plans.items():
+            plan.kind = "full"
+            self._grant(pool, plan, old[r])
+            self._grant(nxt, plan, max(0, counts[r] - old[r]))
+            plan.quota_ms = elche.anchor_wall_ms()
+            plan.quota_batches = cap or 0
+        for r, plan in plans.items():
+            self._grant(nxt, plan, int(counts[r] * (CADENCE_HEADROOM - 1.0)) + 1)
+
     def _plan_tail(self, pool: EpochPool, plans: dict[int, WindowPlan], counts: dict[int, int]) -> None:
         """Less than a window left: split it by speed so everyone finishes together."""
-        total = sum(counts.values()) or 1
         if pool.reserved:
             for r, plan in plans.items():
                 self._grant(pool, plan, min(counts[r], self._batches(pool.remaining_for(r))))
         else:
-            left = self._batches(pool.remaining)
-            split = {r: left * counts[r] // total for r in self.ranks}
-            for r in sorted(self.ranks, key=lambda r: -counts[r])[: left - sum(split.values())]:
-                split[r] += 1  # leftover batches to the fastest
+            split = self._split_by_speed(self._batches(pool.remaining), counts)
             for r, plan in plans.items():
                 self._grant(pool, plan, split[r])
         for r, plan in plans.items():

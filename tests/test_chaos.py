@@ -65,3 +65,20 @@ def test_rows_check_each_goal():
     assert _row(rows, "ctl-kill", "no loadable bundle").met is False
     assert not [r for r in rows if r.case == "slow-build" and r.metric.startswith("detection")]
     assert _row(rows, "all", "runs lost").value == 2
+
+
+def test_every_other_kill_heals_and_the_quick_set_has_one():
+    plans = make_plans(30, seed=4, epochs=6)
+    kills = sorted((p for p in plans if p.kind == "kill"), key=lambda p: p.index)
+    assert [p.heal for p in kills] == [False, True] * 3
+    assert not [p for p in plans if p.heal and p.kind != "kill"]
+    assert [p for p in make_plans(6, seed=0, epochs=4) if p.heal]
+
+
+def test_heal_rows_count_only_runs_back_at_full_size():
+    healed = Result(Plan(5, "kill", "cpu-sync", 1, 0.5, 10, heal=True), detect_s=0.02, again_s=0.3, healed_s=4.5)
+    too_late = Result(Plan(15, "kill", "cpu-async", 2, 0.7, 10, heal=True), detect_s=0.03, again_s=0.2)
+    rows = rows_for([healed, too_late, _result("kill", detect=0.05, again=0.2)])
+    assert _row(rows, "kill", "healing runs").value == 2
+    assert _row(rows, "kill", "healed (world back to full size)").value == 1
+    assert _row(rows, "kill", "back to full size max").value == 4.5

@@ -157,3 +157,26 @@ def test_non_progressive_dead_rank_partition_goes_to_the_survivors(policy):
         done += d.take_completed()
     assert done == [0, 1]
     assert trained[0] == trained[2]  # the orphaned partition was split evenly
+
+
+def test_cadence_epochs_flow_into_each_other_with_full_windows():
+    che = calibrated([2.0, 6.0])  # counts [30, 10]
+    d = Dispatcher(ApplyPolicy.CADENCE, [0, 1], 300, 10, 3)  # 30 batches an epoch: less than one window
+    plans = d.plan(che)
+    assert all(p.quota_ms > 0 and p.kind == "full" for p in plans.values())  # a time-quota window, not a tail
+    first = {r: [g for g in p.grants if g.epoch == 0] for r, p in plans.items()}
+    assert [sum(g.size for g in first[r]) for r in (0, 1)] == [230, 70]  # the old epoch's rest, split by speed
+    # topped up from the next epoch to the full counts (30, 10), plus headroom
+    assert [sum(g.size for g in p.grants if g.epoch == 1) // 10 for p in plans.values()] == [7 + 8, 3 + 3]
+    consume_all(d, plans)
+    assert d.take_completed() == [0]
+
+
+def test_cadence_flow_ends_at_the_last_epoch_and_an_explicit_zero_keeps_the_barrier():
+    che = calibrated([2.0, 6.0])
+    last = Dispatcher(ApplyPolicy.CADENCE, [0, 1], 200, 10, 1)
+    assert {g.epoch for p in last.plan(che).values() for g in p.grants} == {0}
+    barrier = Dispatcher(ApplyPolicy.CADENCE, [0, 1], 200, 10, 3, max_overshoot=0)
+    plans = barrier.plan(che)
+    assert {g.epoch for p in plans.values() for g in p.grants} == {0}
+    assert [p.quota_batches for p in plans.values()] == [15, 5]

@@ -210,8 +210,11 @@ class Admission:
         self.members.ranks[msg.rank].state = PeerState.READY
         self._changed.set()
 
-    def _admit_joiners(self, loop: CadenceLoop, in_flight: list[int]) -> None:
+    def _admit_joiners(self, loop: CadenceLoop, in_flight: list[int]) -> bool:
         """Growing, at a window boundary: admit the joiners that are ready.
+
+        Returns True when ready joiners wait for the windows in flight to drain
+        (the caller then plans nothing ahead until they are in).
 
         Collective backend: only between windows (no rank inside an average);
         a Regroup names the grown world and the lowest surviving rank, whose
@@ -233,8 +236,10 @@ class Admission:
             waiting = {self.averaging.relayed[r] for r in self.joiners
                        if r in self.averaging.relayed and self.members.ranks[r].state is not PeerState.READY}
             ready = [r for r in ready if self.averaging.relayed.get(r) not in waiting]
-        if not ready or loop.dispatcher.finished or (self.averaging is None and in_flight):
-            return
+        if not ready or loop.dispatcher.finished:
+            return False
+        if self.averaging is None and in_flight:
+            return True  # the group is rebuilt with nothing queued on any rank
         old = list(loop.ranks)
         loop.add_ranks(ready)
         for rank in ready:
@@ -258,6 +263,7 @@ class Admission:
                            "ranks": ready, "hosts": hosts, "world": len(members)})
         self.monitor.ranks_joined({r: (self.members.ranks[r].host, self.members.ranks[r].device) for r in ready}, now_s=now)
         self.console.line(f"{reason}; training with {len(members)} rank(s) (generation {generation})")
+        return False
 
     def _drop_joiner(self, rank: int, why: str) -> None:
         """A joiner that cannot join leaves the run's books; its process is fenced."""

@@ -305,9 +305,12 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
     async def _run_windows(self) -> None:
         """Progressive dispatch: window after window until every epoch is trained.
 
-        On the CPU backend (Cadence/Async) the next window is planned and sent
-        while the current one trains (two in flight): ranks never wait for the
-        average, so they must never wait for their next plan either.
+        Cadence and Async keep two windows in flight on either backend: the
+        next window is planned and sent while the current one trains, so a
+        rank goes from one window's average straight into the next without a
+        controller round trip (ElChe plans from timings one window old). Sync
+        plans one at a time. A collective joiner drains the pipeline first:
+        its group is rebuilt with nothing queued on any rank.
         """
         ranks = self._training_ranks()  # workers that arrived while these started join at a boundary
         self.cadence = loop = CadenceLoop(
@@ -319,11 +322,12 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         if self.averaging is not None:
             self.averaging.on_round = lambda number, ms: (loop.note_round(ms), self._cpu_round_done(number, ms))
         policy = self.config.elche.mode.policy
-        depth = 2 if self.averaging is not None and policy is not ApplyPolicy.SYNC else 1
+        depth = 1 if policy is ApplyPolicy.SYNC else 2
         in_flight: list[int] = []
         while True:
             while len(in_flight) < depth:
-                self._admit_joiners(loop, in_flight)
+                if self._admit_joiners(loop, in_flight):
+                    break  # ready joiners wait for an empty pipeline
                 number = loop.window
                 windows = loop.next_windows(self.clock())
                 if windows is None:
