@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import platform
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -58,8 +59,15 @@ def machine() -> str:
     return f"{os.cpu_count()} x {cpu}, {mem:.0f} GiB RAM{gpu}, Python {platform.python_version()}"
 
 
-def report(bench: str, rows: list[Row], *, note: str = "") -> Path:
-    """Print the table and write the JSON; returns its path."""
+def smoke_results() -> Path:
+    """Where a ``--smoke`` run writes: ``$FLODL_BENCH_RESULTS``, else a fresh temporary
+    folder; never ``bench/results``, whose files are the committed numbers."""
+    where = os.environ.get("FLODL_BENCH_RESULTS")
+    return Path(where) if where else Path(tempfile.mkdtemp(prefix="flodl-bench-smoke-"))
+
+
+def report(bench: str, rows: list[Row], *, note: str = "", results: Path | None = None) -> Path:
+    """Print the table and write the JSON (into ``results``, default ``bench/results``); returns its path."""
     width = max(len(r.case) for r in rows) + 2
     print(f"\n{bench} on {machine()}")
     print(f"{'case':<{width}}{'metric':<22}{'value':>14}  {'unit':<10}{'goal':<26}met")
@@ -68,8 +76,9 @@ def report(bench: str, rows: list[Row], *, note: str = "") -> Path:
         print(f"{r.case:<{width}}{r.metric:<22}{r.value:>14,.2f}  {r.unit:<10}{(r.goal or '-'):<26}{met}")
     if note:
         print(note)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{bench}.json"
+    folder = RESULTS if results is None else results
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{bench}.json"
     payload = {"bench": bench, "machine": machine(), "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": [asdict(r) for r in rows]}
     if note:
         payload["note"] = note

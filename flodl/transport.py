@@ -23,7 +23,7 @@ from typing import Any, Callable
 import zmq
 
 from . import curve
-from .protocol.codec import DEFAULT_MAX_FRAME, Envelope, FrameReader, FrameWriter, _printable
+from .protocol.codec import DEFAULT_MAX_FRAME, Envelope, FrameReader, FrameWriter, route_name
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class ControlEndpoint:
                 self.reader.drops["malformed"] += 1
                 return
             identity, frame = b"", parts[0]
-        env = self.reader.read(frame, peer_name(identity) if self.router else "controller")
+        env = self.reader.read(frame, identity if self.router else "controller")  # the route is named only if a drop is logged
         if env is not None:
             self.on_message(identity, env)
 
@@ -248,9 +248,7 @@ def make_dealer(ctx: zmq.Context, addr: str) -> zmq.Socket:
 def peer_name(route: bytes) -> str:
     """How logs name the connection a frame came on: ``conn:<hex>`` for an id the ROUTER assigned,
     else the id its peer chose (escaped when logged)."""
-    if len(route) == 5 and route[0] == 0:
-        return f"conn:{route[1:].hex()}"
-    return _printable(route.decode("utf-8", "replace"), 80) or "?"
+    return route_name(route)
 
 
 def route_moves(known: bytes | None, route: bytes, env: Envelope) -> bool:

@@ -259,3 +259,88 @@ def test_reader_survives_random_garbage():
     assert reader.accepted == 0
     assert sum(reader.drops.values()) == 5000
     assert set(reader.drops) <= set(DROP_REASONS)
+
+
+def test_writer_makes_the_bytes_pack_frame_makes():
+    """FrameWriter's fast path (spec header, generated body list, a Packer per thread) is byte-exact."""
+    golden = json.loads((ROOT / "proto" / "golden" / "valid.json").read_text())
+    writer = FrameWriter(SECRET, RUN, "rank0.4301")
+    for seq, vector in enumerate(golden["vectors"], start=1):
+        msg = message_types()[vector["message"]](**from_json(vector["decoded"]["fields"]))
+        assert writer.encode(msg) == pack_frame(SECRET, msg, sender="rank0.4301", seq=seq, run_id=RUN), vector["message"]
+    with pytest.raises(ProtocolError) as err:
+        writer.encode(m.Heartbeat(step="one", sent_at=1.0, busy="", busy_s=0.0, step_ms=0.0, averaged=-1))
+    assert err.value.reason == "schema"
+    with pytest.raises(ProtocolError):
+        writer.encode(object())
+    with pytest.raises(UnicodeEncodeError):  # a string msgpack cannot write: nothing of it leaks into the next frame
+        writer.encode(m.Reject(reason="\ud800"))
+    after = writer.encode(m.Ping(nonce=1, sent_at=1.0))
+    assert unpack_frame(SECRET, after, run_id=RUN).msg == m.Ping(nonce=1, sent_at=1.0)
+
+
+def test_writer_threads_each_pack_their_own_frames():
+    """A rank's training and link threads share one writer: every frame stays whole and numbered once."""
+    import threading
+
+    writer = FrameWriter(SECRET, RUN, "rank0.1")
+    frames: list[bytes] = []
+
+    def work(base: int) -> None:
+        for i in range(2000):
+            frames.append(writer.encode(m.BatchDone(base, 0, i + 1, 32, 0.5, 1.0, 0.0, 0.0)))
+
+    threads = [threading.Thread(target=work, args=(b,)) for b in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    envs = [unpack_frame(SECRET, f, run_id=RUN) for f in frames]  # stateless: the threads' frames interleave beyond a replay window
+    assert sorted(e.seq for e in envs) == list(range(1, 8001))
+    assert sorted((e.msg.rank, e.msg.step) for e in envs) == [(b, i + 1) for b in range(4) for i in range(2000)]
+
+
+def test_reader_fast_path_drops_for_the_reasons_unpack_frame_gives():
+    """FrameReader.read goes straight to the tag for a sound header; any frame it drops is
+    dropped for the reason the full check order (``unpack_frame``) gives, and good ones pass."""
+    rng = random.Random(11)
+    writer = FrameWriter(SECRET, RUN, "rank0.1")
+    samples = [m.BatchDone(0, 0, 1, 32, 0.5, 1.0, 0.0, 0.0), m.Ping(nonce=3, sent_at=2.0), m.Reject(reason="x" * 300)]
+    for i in range(3000):
+        frame = bytearray(writer.encode(rng.choice(samples)))
+        mode = i % 6
+        if mode == 1:
+            frame[rng.randrange(len(frame))] ^= 1 << rng.randrange(8)
+        elif mode == 2:
+            frame = frame[: rng.randrange(len(frame))]
+        elif mode == 3:
+            frame += rng.randbytes(rng.randint(1, 5))
+        elif mode == 4:  # a valid tag over a body that lies about its kind or its length
+            body = bytes(frame[HEADER.size : -16])
+            kind = rng.choice([m.Ping.KIND, m.BatchDone.KIND, 999])
+            unsigned = HEADER.pack(MAGIC, m.PROTOCOL_VERSION, kind, len(body) + rng.choice([0, 0, 1, -1])) + body
+            frame = bytearray(unsigned + sign(SECRET, unsigned))
+        elif mode == 5:  # someone else's run
+            unsigned = bytes(frame[:-16]).replace(RUN.encode(), b"other-run".ljust(len(RUN), b"-"))
+            frame = bytearray(unsigned + sign(SECRET, unsigned))
+        data = bytes(frame)
+        try:
+            unpack_frame(SECRET, data, run_id=RUN)
+            want = None
+        except ProtocolError as exc:
+            want = exc.reason
+        reader = FrameReader(SECRET, RUN)
+        env = reader.read(data, b"\x00\x01\x02\x03\x04")
+        if want is None:
+            assert env is not None and not reader.drops
+        else:
+            assert env is None and reader.drops == {want: 1}, (mode, want, reader.drops)
+
+
+def test_a_route_names_its_connection_only_in_a_drop_line(caplog):
+    reader = FrameReader(SECRET, RUN)
+    with caplog.at_level("WARNING"):
+        assert reader.read(b"junk", b"\x00\x80\x00\x00\x2a") is None
+        assert reader.read(b"junk", b"evil\nline") is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert "conn:8000002a" in lines[0] and "evil\\nline" in lines[1]
