@@ -12,14 +12,14 @@ has the layout and the order of a save that never tears a bundle):
   step, sync rounds, ElChe state, data coverage, save reason, world at save,
   and the name and sha256 of each data file: the commit marker, written last
 
-The controller writes the sidecar; the elected rank writes the data files. On
-several hosts the stem must be on storage every host sees. Non-finite values
-are refused both ways: a rank does not save them, a resume does not load them.
+The controller writes the sidecar (``checkpoint_meta.py``, torch-free and
+re-exported here); the elected rank writes the data files. On several hosts
+the stem must be on storage every host sees. Non-finite values are refused
+both ways: a rank does not save them, a resume does not load them.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -28,19 +28,15 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from . import safetensors_io
-from .checkpoint_files import (
-    SCHEMA_VERSION, CheckpointBundle, CheckpointError, data_files, new_tag, read_sidecar,
-    remove_superseded, resolve, stem_of,
-)
-from .safetensors_io import CorruptFile, write_atomic
+from .checkpoint_files import SCHEMA_VERSION, CheckpointBundle, CheckpointError, new_tag, resolve, stem_of
+from .checkpoint_meta import SAVE_REASONS, file_sha256, read_meta, write_meta
+from .safetensors_io import CorruptFile
 
 __all__ = [
     "SAVE_REASONS", "SCHEMA_VERSION", "CheckpointBundle", "CheckpointError", "check_model_file", "file_sha256",
     "first_non_finite", "load_model", "load_optimizer", "new_tag", "optimizer_tensors", "read_meta", "save_model", "save_optimizer",
     "stem_of", "write_meta",
 ]
-
-SAVE_REASONS = ("checkpoint", "final", "interrupted", "max_failure_exceeded", "single_survivor", "all_ranks_lost", "controller_lost")
 
 
 def first_non_finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> str | None:
@@ -193,71 +189,3 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike) ->
         optimizer.load_state_dict({"state": state, "param_groups": groups})
     except (ValueError, KeyError, RuntimeError) as exc:
         raise CheckpointError(f"{file} does not fit this optimizer: {exc}") from None
-
-
-# ------------------------------------------------------------------ the meta
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def write_meta(bundle: CheckpointBundle, meta: dict[str, Any], *, busy: Iterable[str] = ()) -> list[Path]:
-    """Commit a bundle: write its sidecar atomically, then delete the data files it superseded.
-
-    ``meta`` must name and checksum both data files (``model_file``,
-    ``model_sha256``, ``optim_file``, ``optim_sha256``); ``busy`` are tags of
-    saves still being written, whose files stay. Returns the deleted files.
-    """
-    if meta.get("save_reason") not in SAVE_REASONS:
-        raise ValueError(f"save_reason must be one of {SAVE_REASONS}, got {meta.get('save_reason')!r}")
-    record = {"schema_version": SCHEMA_VERSION, **meta}
-    try:
-        files = data_files(bundle, record)
-    except CheckpointError as exc:
-        raise ValueError(str(exc)) from None
-    write_atomic(bundle.meta, [json.dumps(record, indent=2).encode() + b"\n"])
-    # only now: until the rename above, the files of the previous commit are the bundle
-    return remove_superseded(bundle, keep={path.name for path, _ in files.values()}, busy=busy)
-
-
-def read_meta(path: str | os.PathLike, *, verify: bool = True, weights_only: bool = False) -> dict[str, Any]:
-    """Read and check a bundle's sidecar and (``verify``) the data files it names.
-
-    Every data file must be present with the sha256 the sidecar records; with
-    ``weights_only`` the optimizer file is not needed (a resume that starts
-    a fresh optimizer on purpose).
-
-    Raises:
-        CheckpointError: what is missing or wrong, and with which file.
-    """
-    bundle = CheckpointBundle.at(path)
-    meta = read_sidecar(bundle)
-    for key in ("epoch", "global_step", "save_reason", "world_at_save", "coverage"):
-        if key not in meta:
-            raise CheckpointError(f"{bundle.meta}: field {key!r} is missing; the bundle is corrupt")
-    files = data_files(bundle, meta)
-    if verify:
-        for kind, (file, digest) in files.items():
-            if kind == "optim" and weights_only:
-                continue
-            _verify(bundle, kind, file, digest)
-    return meta
-
-
-def _verify(bundle: CheckpointBundle, kind: str, file: Path, digest: str | None) -> None:
-    if not file.exists():
-        if kind == "optim":
-            raise CheckpointError(
-                f"{file}: missing. The sidecar {bundle.meta.name} names it as the bundle's optimizer state, and "
-                "resuming without it would silently restart the optimizer (momentum, Adam moments) from zero. "
-                "Put the file back, or resume the weights alone on purpose with --resume-weights-only "
-                "(resume_weights_only = true)")
-        raise CheckpointError(f"{file}: missing (the sidecar {bundle.meta.name} names it as the bundle's model)")
-    if digest is not None and file_sha256(file) != digest:
-        raise CheckpointError(f"{file} is not the file {bundle.meta.name} was written with (sha256 differs): "
-                              "corrupt, or replaced after the save")

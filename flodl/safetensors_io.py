@@ -7,21 +7,22 @@ to write here directly, so bundles need no extra dependency; files written
 here load with the ``safetensors`` package and the other way round (a test
 checks both directions when that package is installed).
 
-Writes are atomic and durable: ``<path>.tmp``, fsync, rename, fsync of the
-directory; they return the sha256 of what they wrote, so a checkpoint needs no
-second read to checksum its files. A reader that finds a truncated or
-inconsistent file raises ``CorruptFile`` naming the path.
+Writes are atomic and durable (``atomic_file.py``: ``<path>.tmp``, fsync,
+rename, fsync of the directory); they return the sha256 of what they wrote,
+so a checkpoint needs no second read to checksum its files. A reader that
+finds a truncated or inconsistent file raises ``CorruptFile`` naming the path.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
 from pathlib import Path
 
 import torch
+
+from .atomic_file import write_atomic
 
 DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -33,37 +34,6 @@ MAX_HEADER = 100 * 1024 * 1024
 
 class CorruptFile(ValueError):
     """A tensor file that is truncated, garbled or not in the safetensors format."""
-
-
-def write_atomic(path: Path, chunks: list[bytes | memoryview]) -> str:
-    """Write ``chunks`` to ``path`` through a temporary file and a rename (never half a file); returns their sha256."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    digest = hashlib.sha256()
-    with open(tmp, "wb") as f:
-        for chunk in chunks:
-            f.write(chunk)
-            digest.update(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-    return digest.hexdigest()
-
-
-def fsync_dir(folder: Path) -> None:
-    """Make a rename in ``folder`` survive a power cut (the entry lives in the directory)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some network filesystems refuse fsync on a directory: the rename is as durable as they make it
-        pass
-    finally:
-        os.close(fd)
 
 
 def save(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:

@@ -1,19 +1,22 @@
 """Epoch permutations: the global shuffle every rank derives on its own.
 
-Pure logic. Every epoch has one global permutation of the dataset, seeded
-``seed + epoch``; the controller grants ranges of positions in it
-(``dispatch.py``) and ranks turn a range back into sample indices, so only a
-few integers cross the network. ``shuffle_signature`` lets the controller
-prove at join time that every rank derives the same permutations (same torch
-RNG algorithm).
+Pure logic; torch is imported only to draw a permutation (the controller,
+which never draws one, starts without it). Every epoch has one global
+permutation of the dataset, seeded ``seed + epoch``; the controller grants
+ranges of positions in it (``dispatch.py``) and ranks turn a range back into
+sample indices, so only a few integers cross the network.
+``shuffle_signature`` lets the controller prove at join time that every rank
+derives the same permutations (same torch RNG algorithm).
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 #: Default shuffle seed (the reference runtime's SHUFFLE_BASE_SEED).
 DEFAULT_SEED = 42
@@ -21,6 +24,8 @@ DEFAULT_SEED = 42
 
 def epoch_permutation(dataset_len: int, seed: int, epoch: int) -> torch.Tensor:
     """The global permutation of an epoch (identical on every rank)."""
+    import torch  # here, not at the top: the controller uses only the pure parts and starts without torch
+
     gen = torch.Generator()
     gen.manual_seed(seed + epoch)
     return torch.randperm(dataset_len, generator=gen)

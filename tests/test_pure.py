@@ -200,3 +200,18 @@ def test_the_worker_starts_without_importing_torch():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=25)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "nccl-cadence"
+
+
+@pytest.mark.timeout(60)
+def test_the_controller_starts_without_importing_torch():
+    """The controller reads and writes sidecars, grants ranges and watches peers: none of it
+    needs torch, so its import (about a second) stays off every run's and every test's start.
+    Checked in a fresh interpreter: other tests' imports would hide a regression here."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, flodl.controller, flodl.checkpoint_meta, flodl.schedule; "
+             "assert 'torch' not in sys.modules, 'torch imported'; print(flodl.schedule.Schedule(10).epochs)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1"

@@ -23,7 +23,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..checkpoint import CheckpointBundle, new_tag, write_meta
+from ..checkpoint_files import CheckpointBundle, new_tag
+from ..checkpoint_meta import write_meta
 from ..config import DdpRunConfig
 from ..protocol import messages as m
 

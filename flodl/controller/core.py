@@ -20,14 +20,15 @@ import gc
 import logging
 import signal
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
 
 from .. import curve
 from ..config import ApplyPolicy, AverageBackend, DdpRunConfig
 from ..env import new_run_id, new_run_secret
-from ..checkpoint import CheckpointError, read_meta
+from ..checkpoint_files import CheckpointError
+from ..checkpoint_meta import read_meta
 from ..errors import EXIT_CONFIG, EXIT_EVALS_FAILED, EXIT_FAILED, EXIT_RANK_LOST, RunAborted
 from ..membership import Membership, PeerState, RankInfo
 from ..progress import ProgressLimits
@@ -39,7 +40,6 @@ from ..schedule import Schedule
 from ..transport import ControlEndpoint, make_router, route_moves
 from ..dispatch import PROBE_BATCHES, PROBE_MIN_MS
 from .admission import Admission
-from .averaging import CpuAveraging
 from .cadence import CadenceLoop
 from .checkpoints import Checkpointer
 from .console import Console
@@ -49,6 +49,9 @@ from .saving import Saving
 from .summary import RunSummary
 from .teardown import Teardown
 from ..monitor.hub import Monitor
+
+if TYPE_CHECKING:
+    from .averaging import CpuAveraging  # torch: imported in _open, only when the CPU backend averages
 
 log = logging.getLogger("flodl.controller")
 
@@ -216,6 +219,8 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         # the ranks' rendezvous; survives membership generations (each gets a key prefix)
         self.store = dist.TCPStore(self.launch.bind, 0, is_master=True, wait_for_workers=False)
         if self.config.elche.mode.backend is AverageBackend.CPU:
+            from .averaging import CpuAveraging  # torch, shm, bulk: only the CPU backend needs them
+
             self.averaging = CpuAveraging(
                 secret=self.secret, run_id=self.run_id, bind=self.launch.bind,
                 timeout_s=float(self.config.snapshot_timeout_secs), clock=self.clock,

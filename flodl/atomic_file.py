@@ -1,0 +1,45 @@
+"""Atomic, durable file writes (torch-free): ``<path>.tmp``, fsync, rename, fsync of the directory.
+
+Shared by the tensor files (``safetensors_io.py``) and the checkpoint sidecar
+(``checkpoint_meta.py``); kept apart from them so the controller, which writes
+only sidecars, never imports torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+__all__ = ["fsync_dir", "write_atomic"]
+
+
+def write_atomic(path: Path, chunks: list[bytes | memoryview]) -> str:
+    """Write ``chunks`` to ``path`` through a temporary file and a rename (never half a file); returns their sha256."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    digest = hashlib.sha256()
+    with open(tmp, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+            digest.update(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return digest.hexdigest()
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` survive a power cut (the entry lives in the directory)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some network filesystems refuse fsync on a directory: the rename is as durable as they make it
+        pass
+    finally:
+        os.close(fd)
