@@ -41,6 +41,9 @@ PROBE_MIN_MS = 300.0
 #: speeds up does not run dry before its time quota; the rest is given back.
 CADENCE_HEADROOM = 1.25
 OVERSHOOT_CEILING = 15
+#: Cadence with epochs flowing: a window may span up to this many epochs' batches
+#: (short epochs: otherwise every window pays an average per epoch, whatever its length).
+FLOW_MAX_EPOCHS = 4
 
 
 @dataclass(frozen=True)
@@ -274,23 +277,33 @@ class Dispatcher:
 
     def _plan_across_edge(self, pool: EpochPool, nxt: EpochPool, plans: dict[int, WindowPlan], elche: ElChe,
                           counts: dict[int, int], cap: int | None) -> None:
-        """Cadence, epochs flowing: a full window that finishes ``pool`` and goes on into ``nxt``.
+        """Cadence, epochs flowing: a full window that finishes ``pool`` and goes on into ``nxt`` (and on).
 
         Each rank's grants start with its speed-proportional share of the old
         epoch's rest (so the old epoch completes in this window when speeds hold),
-        then the next epoch's positions up to its full count, then the usual
-        headroom. The time quota is the usual one; whatever is not consumed goes
-        back to its own epoch's pool.
+        then the following epochs' positions up to its full count (a window may
+        span several short epochs), then the usual headroom. The time quota is
+        the usual one; whatever is not consumed goes back to its own epoch's pool.
         """
         old = self._split_by_speed(self._batches(pool.remaining), counts)
         for r, plan in plans.items():
             plan.kind = "full"
             self._grant(pool, plan, old[r])
-            self._grant(nxt, plan, max(0, counts[r] - old[r]))
             plan.quota_ms = elche.anchor_wall_ms()
             plan.quota_batches = cap or 0
         for r, plan in plans.items():
-            self._grant(nxt, plan, int(counts[r] * (CADENCE_HEADROOM - 1.0)) + 1)
+            self._grant_flowing(nxt, plan, max(0, counts[r] - old[r]), counts)
+        for r, plan in plans.items():
+            self._grant_flowing(nxt, plan, int(counts[r] * (CADENCE_HEADROOM - 1.0)) + 1, counts)
+
+    def _grant_flowing(self, pool: EpochPool, plan: WindowPlan, batches: int, counts: dict[int, int]) -> None:
+        """Grant ``batches`` from ``pool``, going on into the epochs after it while they run out."""
+        while batches > 0 and pool is not None:
+            before = plan.samples
+            self._grant(pool, plan, batches)
+            batches -= self._batches(plan.samples - before)
+            if batches > 0:
+                pool = self._next_pool(pool, counts)
 
     def _plan_tail(self, pool: EpochPool, plans: dict[int, WindowPlan], counts: dict[int, int]) -> None:
         """Less than a window left: split it by speed so everyone finishes together."""

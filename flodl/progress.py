@@ -79,6 +79,10 @@ class Progress:
     at: float = 0.0  # controller clock when the heartbeat arrived
 
 
+#: A heartbeat comes every second (rank/link.py); after this long without one a rank is silent, not stuck.
+SILENT_AFTER_S = 2.0
+
+
 def stalled(progress: Progress, now: float, limits: ProgressLimits) -> str | None:
     """Why the rank is hung (for the log and the summary), or None while it makes progress.
 
@@ -88,7 +92,9 @@ def stalled(progress: Progress, now: float, limits: ProgressLimits) -> str | Non
     limit = limits.deadline(progress.busy, progress.step_ms)
     if limit is None:
         return None
-    stuck = progress.busy_s + max(0.0, now - progress.at)
+    # extrapolated only while heartbeats are due: a rank silent for longer (SIGSTOP, a cut link)
+    # is not known to be stuck, and the silence check names what really happened
+    stuck = progress.busy_s + min(max(0.0, now - progress.at), SILENT_AFTER_S)
     if stuck <= limit:
         return None
     basis = _basis(progress, limits)

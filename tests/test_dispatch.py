@@ -180,3 +180,21 @@ def test_cadence_flow_ends_at_the_last_epoch_and_an_explicit_zero_keeps_the_barr
     plans = barrier.plan(che)
     assert {g.epoch for p in plans.values() for g in p.grants} == {0}
     assert [p.quota_batches for p in plans.values()] == [15, 5]
+
+
+def test_cadence_window_spans_several_short_epochs_and_coverage_stays_exact():
+    che = calibrated([2.0, 6.0])  # counts [30, 10]: 40 batches a window
+    d = Dispatcher(ApplyPolicy.CADENCE, [0, 1], 100, 10, 8)  # 10-batch epochs
+    plans = d.plan(che)
+    assert {g.epoch for p in plans.values() for g in p.grants} >= {0, 1, 2, 3}
+    assert all(p.quota_ms > 0 for p in plans.values())
+    consume_all(d, plans)
+    done = d.take_completed()
+    assert done[:3] == [0, 1, 2]
+    windows = 0
+    while (plans := d.plan(che)) is not None:
+        windows += 1
+        assert windows < 1000
+        consume_all(d, plans, 0.5 if windows % 3 == 0 else 1.0)  # now and then a time quota cuts a window short
+        done += d.take_completed()
+    assert done == list(range(8)) and d.finished

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.timeout(180)
 EPOCHS = 12
 
 
-def start(proc_env, tmp_path, mode, nproc=3, heartbeat=4, extra=()):
-    env = {**proc_env, "FLODL_TEST_STEP_SLEEP": "0.01"}
+def start(proc_env, tmp_path, mode, nproc=3, heartbeat=4, extra=(), step_sleep="0.01"):
+    env = {**proc_env, "FLODL_TEST_STEP_SLEEP": step_sleep}
     path = tmp_path / "s.json"
     run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", str(nproc), "--epochs", str(EPOCHS), "--mode", mode,
                "--heartbeat-timeout-secs", str(heartbeat), "--summary-json", str(path), *extra], env)
@@ -72,7 +72,8 @@ def test_a_survivor_lost_while_the_group_is_rebuilt_costs_only_itself(proc_env, 
 
 
 def test_kill_9_from_outside_mid_run(proc_env, tmp_path):
-    run, path = start(proc_env, tmp_path, "nccl-cadence")
+    # steps slow enough that the run is still training when the kill lands after "epoch 4/"
+    run, path = start(proc_env, tmp_path, "nccl-cadence", step_sleep="0.05")
     ranks = run.ranks(3)
     run.wait_for_line("epoch 4/")
     victim = ranks[1]

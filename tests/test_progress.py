@@ -36,12 +36,13 @@ def test_deadlines(busy, step_ms, limits, deadline):
     ("progress", "now", "hung"),
     [
         (Progress("step", 10.0, 200.0, at=100.0), 100.0, False),
-        (Progress("step", 10.0, 200.0, at=100.0), 120.0, False),  # 30 s stuck, deadline 30.6
-        (Progress("step", 10.0, 200.0, at=100.0), 121.0, True),  # the time since the beat counts too
+        (Progress("step", 29.0, 200.0, at=100.0), 101.5, False),  # 30.5 s stuck, deadline 30.6
+        (Progress("step", 29.0, 200.0, at=100.0), 101.9, True),  # the time since the beat counts too ...
+        (Progress("step", 10.0, 200.0, at=100.0), 200.0, False),  # ... while beats are due: silent, not stuck
         (Progress("step", 31.0, 200.0, at=100.0), 100.0, True),
         (Progress("idle", 10_000.0, 200.0, at=100.0), 10_000.0, False),
-        (Progress("eval", 500.0, 200.0, at=100.0), 150.0, False),
-        (Progress("eval", 500.0, 200.0, at=100.0), 201.0, True),
+        (Progress("eval", 599.0, 200.0, at=100.0), 100.5, False),
+        (Progress("eval", 599.0, 200.0, at=100.0), 101.5, True),
     ],
 )
 def test_stalled(progress, now, hung):

@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass, field
 
 from ..config import ApplyPolicy, AverageBackend, DdpRunConfig
-from ..dispatch import Dispatcher, WindowPlan
+from ..dispatch import FLOW_MAX_EPOCHS, Dispatcher, WindowPlan
 from ..pool import EpochPool
 from ..schedule import Schedule
 from ..elche import ElChe
@@ -49,6 +49,7 @@ class CadenceLoop:
         seed: int,
         global_step: int = 0,
         schedule: Schedule | None = None,
+        span_epochs: int = FLOW_MAX_EPOCHS,
     ) -> None:
         elche_cfg = config.elche
         self.policy = elche_cfg.mode.policy
@@ -58,7 +59,11 @@ class CadenceLoop:
         self.schedule = schedule or Schedule(dataset_len, passes=epochs)
         epochs = self.schedule.epochs
         batches_per_epoch = max(1, self.schedule.epoch_len(0) // batch_size)
-        self.elche = ElChe.from_config(elche_cfg, len(self.ranks), max_total_batches=batches_per_epoch)
+        flows = self.policy is ApplyPolicy.CADENCE and elche_cfg.max_overshoot is None and config.effective_progressive_dispatch
+        # a window is at most an epoch's batches, or a few epochs' when epochs flow into each other
+        # (dispatch.py) and nothing needs every edge (``span_epochs``: the caller's evals, checkpoints)
+        self.window_cap = batches_per_epoch * (max(1, min(span_epochs, FLOW_MAX_EPOCHS)) if flows else 1)
+        self.elche = ElChe.from_config(elche_cfg, len(self.ranks), max_total_batches=self.window_cap)
         self.guard = make_guard(elche_cfg)
         self.meta = MetaController() if elche_cfg.meta_controller and self.policy is not ApplyPolicy.SYNC else None
         self.dispatcher = Dispatcher(
@@ -140,7 +145,7 @@ class CadenceLoop:
         self.ranks = [self.ranks[i] for i in keep]
         self.dispatcher.ranks = list(self.ranks)
         state = self.elche.state_dict()
-        shrunk = ElChe.from_config(self.config.elche, len(self.ranks), max_total_batches=self.batches_per_epoch)
+        shrunk = ElChe.from_config(self.config.elche, len(self.ranks), max_total_batches=self.window_cap)
         anchor_rank = state["anchor_rank"]
         state.update(
             world_size=len(self.ranks),
@@ -174,7 +179,7 @@ class CadenceLoop:
         self.ranks = self.ranks + joined
         self.dispatcher.ranks = list(self.ranks)
         state = self.elche.state_dict()
-        grown = ElChe.from_config(self.config.elche, len(self.ranks), max_total_batches=self.batches_per_epoch)
+        grown = ElChe.from_config(self.config.elche, len(self.ranks), max_total_batches=self.window_cap)
         slowest = min(state["batch_counts"]) if state["batch_counts"] else grown.anchor
         state.update(
             world_size=len(self.ranks),
@@ -239,6 +244,11 @@ class CadenceLoop:
         return min(self.epochs) if self.epochs else self.dispatcher.next_epoch
 
     # --------------------------------------------------------------- settle
+
+    def granted_batches(self, window: int, rank: int) -> int:
+        """Batches ``rank`` was granted in ``window`` (0 when it has no plan there)."""
+        plan = self.plans.get(window, {}).get(rank)
+        return -(-plan.samples // self.dispatcher.batch_size) if plan is not None else 0
 
     def waiting_on(self, window: int) -> set[int]:
         """Ranks whose report ``window`` still needs (the dead report nothing)."""

@@ -38,7 +38,7 @@ from ..protocol.codec import Envelope
 from ..proc import terminate_then_kill
 from ..schedule import Schedule
 from ..transport import ControlEndpoint, make_router, route_moves
-from ..dispatch import PROBE_BATCHES, PROBE_MIN_MS
+from ..dispatch import FLOW_MAX_EPOCHS, PROBE_BATCHES, PROBE_MIN_MS
 from .admission import Admission
 from .cadence import CadenceLoop
 from .checkpoints import Checkpointer
@@ -321,6 +321,7 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         self.cadence = loop = CadenceLoop(
             self.config, ranks, dataset_len=self.task_info.dataset_len, batch_size=self.task_info.batch_size,
             epochs=self.total_epochs, seed=self._seed(), global_step=self.global_step, schedule=self.schedule,
+            span_epochs=self._edges_needed_every(),
         )
         if self.resume_meta is not None:
             self._resume(loop)
@@ -330,7 +331,8 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         depth = 1 if policy is ApplyPolicy.SYNC else 2
         in_flight: list[int] = []
         while True:
-            while len(in_flight) < depth:
+            # a collective joiner on its way: plan one window at a time, so it waits for one boundary, not two
+            while len(in_flight) < (1 if self.averaging is None and self.joiners else depth):
                 if self._admit_joiners(loop, in_flight):
                     break  # ready joiners wait for an empty pipeline
                 number = loop.window
@@ -369,6 +371,16 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
             if self.checkpoints.at_epoch_due(loop.dispatcher.next_epoch - 1):
                 await self._checkpoint("checkpoint", call_fn=False)
 
+    def _edges_needed_every(self) -> int:
+        """Every how many epochs an average must fall on the edge: evals and checkpoints score and
+        keep the model of an epoch's end (a window may span more epochs than that only in between)."""
+        every = [FLOW_MAX_EPOCHS]
+        if self.task_info.has_eval:
+            every.append(self.config.eval_every_epochs or 1)
+        if self.config.checkpoint_every:
+            every.append(self.config.checkpoint_every)
+        return min(every)
+
     async def _end_when_timed(self, number: int, loop: CadenceLoop) -> None:
         """Calibration window: end it once every rank has timed a few batches."""
         start = self.clock()
@@ -376,9 +388,12 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         def timed() -> bool:
             waiting = loop.waiting_on(number)
             done = waiting <= set(self.window_reports.get(number, {}))  # grants ran out first
-            counts = [self.window_batches.get(r, 0) for r in waiting]
-            enough = min(counts, default=PROBE_BATCHES) >= PROBE_BATCHES and (self.clock() - start) * 1000 >= PROBE_MIN_MS
-            return done or enough
+            counts = {r: self.window_batches.get(r, 0) for r in waiting}
+            # a rank through its whole equal share would only wait for the others from here:
+            # once every rank has its batches timed, end the probe then, not at PROBE_MIN_MS
+            dry = any(n >= loop.granted_batches(number, r) for r, n in counts.items())
+            timed_all = min(counts.values(), default=PROBE_BATCHES) >= PROBE_BATCHES
+            return done or (timed_all and (dry or (self.clock() - start) * 1000 >= PROBE_MIN_MS))
 
         await self._until(timed, None, f"calibration window {number}")
         self._broadcast_ranks(m.EndWindow(window=number))

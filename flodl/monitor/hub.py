@@ -67,6 +67,7 @@ class Monitor:
         self.hosts: dict[int, str] = {}
         self.res: dict[int, dict] = {}  # rank -> its latest resource summary
         self.data: dict[int, list[int]] = {}  # rank -> [tier hits, source fetches, bytes held] since the last epoch record
+        self.data_rates: dict[int, dict[str, float]] = {}  # rank -> the tiers' last per-epoch rates (see epoch_done)
         self.reporter: SubEpochReporter | None = None
         self.epoch_batches: dict[int, int] = {}  # epoch -> batches trained so far (sub-epoch reports)
         self.report_epoch = -1
@@ -181,8 +182,13 @@ class Monitor:
 
     def epoch_done(self, stats: EpochStats, *, alive: set[int], now_s: float) -> None:
         """An epoch is trained, averaged and (if due) scored: its records, one per node."""
-        extra = {rank: _data_metrics(*acc) for rank, acc in self.data.items()}
-        for acc in self.data.values():
+        extra = {}
+        for rank, acc in self.data.items():
+            if acc[0] + acc[1]:
+                self.data_rates[rank] = _data_metrics(*acc)
+            # two epochs closed by one window (epochs flow into each other): the second has no reads of
+            # its own since the first took the window's; it shows the rates of the window that closed both
+            extra[rank] = {**self.data_rates.get(rank, {}), "staged_bytes": float(acc[2])}
             acc[0] = acc[1] = 0  # hit rates are per epoch; bytes held carry on
         records = epoch_records(stats, self.paths, self.reductions, ts_ms=wall_ms(), alive=alive, res=self.res, extra=extra)
         if records and self.anchor is not None:

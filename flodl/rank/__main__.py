@@ -1,7 +1,6 @@
 """``python -m flodl.rank``: started by ``flodl.worker``, one per device."""
 
-import sys
-
+from ..proc import exit_now
 from .runner import main
 
-sys.exit(main())
+exit_now(main())  # the work is flushed; torch's interpreter teardown would cost most of a second

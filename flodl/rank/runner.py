@@ -92,11 +92,6 @@ class RoundStats:
     regrouped_at: int = -1  # the averaging round redone in a new generation, if any
     per_epoch: dict[int, list[float]] = field(default_factory=dict)  # epoch -> [batches, samples, loss, compute, data]
 
-    @property
-    def train_ms(self) -> float:
-        """Time spent training (the quota clock): compute plus waiting for data."""
-        return self.compute_ms + self.data_ms
-
     def add(self, epoch: int, samples: int, loss: float, compute_ms: float, data_ms: float) -> None:
         self.batches += 1
         self.samples += samples
@@ -595,7 +590,10 @@ class RankRunner(Regrouping, Evaluating):
                     break
                 if (
                     (quota_batches and stats.batches >= quota_batches)
-                    or (quota_ms and stats.train_ms >= quota_ms)
+                    # the quota clock is the window's wall time less its averages: a fast rank's
+                    # per-step work outside compute and data (hundreds of steps' worth) must not
+                    # make it arrive late at the average its slow partner is already waiting in
+                    or (quota_ms and (time.perf_counter() - start) * 1000.0 - stats.sync_ms >= quota_ms)
                     or (window is not None and self.link.end_window >= window)
                 ):
                     exhausted = True
