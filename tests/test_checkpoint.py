@@ -441,6 +441,18 @@ def test_checkpoint_at_epoch_is_mid_epoch_and_resumable(proc_env, tmp_path):
     assert "checkpoint (checkpoint)" in run.output
 
 
+def test_resuming_a_complete_bundle_trains_nothing_scores_it_and_ends(proc_env, tmp_path):
+    """The final save of a finished run, resumed: no window to plan, one eval, exit 0 (it waited for an eval nobody asked for)."""
+    stem = tmp_path / "done"
+    first, _ = _run(proc_env, tmp_path, "--save-path", str(stem), epochs=2)
+    assert first.wait(60) == 0, first.output
+    again, path = _run(proc_env, tmp_path, "--resume-from", str(stem), epochs=2, name="again.json")
+    assert again.wait(60) == 0, again.output
+    assert "0 samples left to train" in again.output
+    summary = json.loads(path.read_text())
+    assert summary["samples"] == 0 and summary["final_eval"] is not None
+
+
 def test_losing_the_controller_saves_each_replica_and_leaves_no_process(proc_env, tmp_path):
     stem = tmp_path / "lost"
     env = {**proc_env, "FLODL_TEST_STEP_SLEEP": "0.01"}

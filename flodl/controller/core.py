@@ -288,6 +288,9 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         self.monitor.begin(self._run_description(), {r.rank: (r.host, r.device) for r in self.members.ranks.values()},
                            steps_per_epoch=max(1, self.schedule.epoch_len(0) // info.batch_size))
         await self._run_windows()
+        if info.has_eval and self.total_epochs - 1 not in self.eval_requests:
+            # nothing was left to train (a resumed bundle that was complete): score it once all the same
+            self._request_eval(self.total_epochs - 1)
         if info.has_eval:
             await self._until(lambda: self.total_epochs - 1 in self.evals, self.launch.eval_timeout_secs, "the final eval")
         if self.checkpoints.stem:
