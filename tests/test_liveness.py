@@ -145,6 +145,17 @@ def test_healing_stops_after_max_restarts(proc_env, tmp_path):
     assert set(summary["final_digests"]) == {"0", "2"}
 
 
+def test_a_restart_still_starting_when_the_run_ends_is_fenced_not_waited_for(proc_env, tmp_path):
+    """Rank 1 dies late; its restart is still building when training ends. It could not hear the
+    Shutdown before its hello, so its worker would wait out the 30 s grace: the controller drops it."""
+    run, path = run_tiny(proc_env, tmp_path, "nccl-cadence", nproc=2, epochs=6,
+                         env={"FLODL_TEST_STEP_SLEEP": "0.02", "FLODL_INJECT_FAULT": "1:batch:75"}, extra=["--max-restarts", "1"])
+    summary = finished(run, path, 6)
+    assert [r["replaces"] for r in summary["restarts"]] == [1]
+    assert "could not join the run: the run ended before it joined" in run.output, run.output
+    assert "still running" not in run.output, run.output  # the worker did not wait for it
+
+
 def test_a_killed_worker_does_not_keep_the_controller_waiting_for_its_dead_ranks(proc_env, tmp_path):
     """The local worker is SIGKILLed (its ranks die with it): the controller stops the run at
     once instead of waiting its abort grace (10 s) for ranks that can no longer answer."""

@@ -284,7 +284,7 @@ def test_a_run_converges_over_delayed_lossy_links(net, tmp_path, proc_env):
 def test_a_run_stopped_part_way_resumes_across_hosts_from_shared_storage(net, tmp_path, proc_env):
     """Ctrl-C part-way (mid-epoch, as a rule) saves the run to a stem every host sees; a second launch continues it exactly."""
     stem = tmp_path / "ckpt" / "run"
-    epochs, samples = 3, 4 * SAMPLES
+    epochs, samples = 6, 4 * SAMPLES  # long enough that the Ctrl-C lands mid-run though epoch lines trail a window
     task = ["--task", "tests/tasks/tiny.py:big_data_task"]  # 2048 samples: an epoch lasts long enough to stop inside one
     (tmp_path / "first").mkdir()
     (tmp_path / "second").mkdir()
@@ -300,7 +300,7 @@ def test_a_run_stopped_part_way_resumes_across_hosts_from_shared_storage(net, tm
     assert f"saved the run to the bundle {stem} (sidecar {stem}.meta.json); continue it with --resume-from {stem}" in first.output
     assert first.output.count(SHARED_STORAGE_NOTE) == 1, first.output
     meta = read_meta(stem)  # .fdl and .optim written by a rank on its host, .meta.json by the controller here
-    assert meta["save_reason"] == "interrupted" and meta["world_at_save"] == 3 and meta["epoch"] in (1, 2), meta
+    assert meta["save_reason"] == "interrupted" and meta["world_at_save"] == 3 and 0 < meta["epoch"] < epochs - 1, meta
     saved_at = meta["epoch"]  # 1 on this VM; 2 if epoch 2 happened to close first
     before = _summary(tmp_path / "first" / "summary.json")
     assert len(before["history"]) == saved_at

@@ -56,6 +56,10 @@ class Teardown:
     async def _shutdown_peers(self) -> None:
         """Clean end: Shutdown to everyone, then wait (bounded) for them to leave."""
         self.phase = "shutting down"
+        for rank in list(self.joiners):
+            # a rank still starting (a late worker's, a healing restart) would not hear the Shutdown
+            # until it said hello: its worker would wait out its whole grace period for it
+            self._drop_joiner(rank, "the run ended before it joined")
         self._broadcast_shutdown(m.Shutdown(reason="run complete", abort=False, save_stem="", save_rank=-1, save_tag=""))
         await self._wait_peers_gone(SHUTDOWN_WAIT_S)
         self.phase = "done"
