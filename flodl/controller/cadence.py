@@ -59,13 +59,6 @@ class CadenceLoop:
         self.schedule = schedule or Schedule(dataset_len, passes=epochs)
         epochs = self.schedule.epochs
         batches_per_epoch = max(1, self.schedule.epoch_len(0) // batch_size)
-        flows = self.policy is ApplyPolicy.CADENCE and elche_cfg.max_overshoot is None and config.effective_progressive_dispatch
-        # a window is at most an epoch's batches, or a few epochs' when epochs flow into each other
-        # (dispatch.py) and nothing needs every edge (``span_epochs``: the caller's evals, checkpoints)
-        self.window_cap = batches_per_epoch * (max(1, min(span_epochs, FLOW_MAX_EPOCHS)) if flows else 1)
-        self.elche = ElChe.from_config(elche_cfg, len(self.ranks), max_total_batches=self.window_cap)
-        self.guard = make_guard(elche_cfg)
-        self.meta = MetaController() if elche_cfg.meta_controller and self.policy is not ApplyPolicy.SYNC else None
         self.dispatcher = Dispatcher(
             self.policy,
             self.ranks,
@@ -77,6 +70,12 @@ class CadenceLoop:
             max_batch_diff=elche_cfg.max_batch_diff,
             epoch_len=self.schedule.epoch_len,
         )
+        # a window is at most an epoch's batches, or a few epochs' when epochs flow into each other
+        # (the dispatcher's ``flows``) and nothing needs every edge (``span_epochs``: evals, checkpoints)
+        self.window_cap = batches_per_epoch * (max(1, min(span_epochs, FLOW_MAX_EPOCHS)) if self.dispatcher.flows else 1)
+        self.elche = ElChe.from_config(elche_cfg, len(self.ranks), max_total_batches=self.window_cap)
+        self.guard = make_guard(elche_cfg)
+        self.meta = MetaController() if elche_cfg.meta_controller and self.policy is not ApplyPolicy.SYNC else None
         self.global_step = global_step
         self.window = 0
         self.config = config
