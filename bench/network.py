@@ -1,6 +1,6 @@
 """Network latency: how much throughput each mode keeps when every link adds 5 or 20 ms.
 
-    python -m bench.network [--quick]
+    python -m bench.network [--quick] [--results DIR]
 
 Four network namespaces on one bridge stand in for four machines: the
 controller's (``flodl-b0``) and three hosts (``flodl-b1..b3``), each host's
@@ -133,13 +133,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="0 and 20 ms, the nccl-* modes, fewer epochs (under two minutes)")
     parser.add_argument("--relay", action="store_true", help="only the host-relay comparison at 20 ms (results in network_relay.json)")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="folder for the JSON (default bench/results; --quick writes network_quick.json there, "
+                             "so a quick check never replaces the full run's network.json)")
     args = parser.parse_args()
     quick = args.quick
     reason = unusable_reason(sshd=False)
     if reason:
         sys.exit(f"bench/network.py: namespace hosts unavailable: {reason}")
     if args.relay:
-        return relay_only()
+        return relay_only(args.results)
     latencies = (0, 20) if quick else (0, 5, 20)
     modes = ("nccl-sync", "nccl-cadence", "nccl-async") + (() if quick else ("cpu-sync", "cpu-cadence", "cpu-async"))
     epochs = 1 if quick else 2
@@ -178,12 +181,12 @@ def main() -> None:
             rows.append(Row(case, "averages", results[(delay, mode)]["syncs"], "rounds"))
     if not quick:
         rows += relay
-    report("network", rows, note=f"3 hosts x 1 CPU rank + controller, each in a network namespace; added one-way delay per link via "
+    report("network_quick" if quick else "network", rows, results=args.results, note=f"3 hosts x 1 CPU rank + controller, each in a network namespace; added one-way delay per link via "
                                  f"{backend}; {TASK}, {STEP_S * 1000:.0f} ms/step, batch 16, {epochs} epoch(s) x {samples} samples; "
                                  "one run per case (this VM swings by ~15% between identical runs)")
 
 
-def relay_only() -> None:
+def relay_only(results: Path | None = None) -> None:
     nodes = [CONTROLLER, *HOSTS]
     teardown_hosts(nodes, BRIDGE)
     try:
@@ -192,7 +195,7 @@ def relay_only() -> None:
             rows = relay_rows(29480, Path(td), 1, SAMPLES // 2)
     finally:
         teardown_hosts(nodes, BRIDGE)
-    report("network_relay", rows, note=f"3 hosts x 2 CPU ranks + controller in network namespaces, 20 ms one way per link; {TASK}, "
+    report("network_relay", rows, results=results, note=f"3 hosts x 2 CPU ranks + controller in network namespaces, 20 ms one way per link; {TASK}, "
                                        f"{STEP_S * 1000:.0f} ms/step, 1 epoch x {SAMPLES // 2} samples")
 
 

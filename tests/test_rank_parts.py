@@ -250,6 +250,112 @@ def test_gathering_gives_up_for_a_newer_generation_and_names_who_never_came():
                     device=torch.device("cpu"), timeout_s=0.5, gather_s=0.3)
 
 
+def _background_pair(port: int, prefix: str, script) -> dict[int, object]:
+    """Two members (threads, each with its own gloo group and model) run ``script(rank, averager, model)``."""
+    out: dict[int, object] = {}
+
+    def member(rank: int) -> None:
+        try:
+            group = build_group(store_host="127.0.0.1", store_port=port, prefix=prefix, rank=rank, world_size=2,
+                                device=torch.device("cpu"), timeout_s=2.0, gather_s=10.0)
+            torch.manual_seed(7 + rank)  # the replicas start different
+            model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+            out[rank] = script(rank, CollectiveAverager(FlatModel(model), group), model)
+        except Exception as exc:
+            out[rank] = exc
+
+    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def _values(model) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in [*model.parameters(), model[1].running_mean, model[1].running_var]]
+
+
+def test_a_background_average_keeps_the_progress_made_meanwhile_and_lands_exactly():
+    """Cadence/Async window ends on the collective backend: the launch returns while the peer
+    is still 0.4 s away; the average lands as (local − snapshot) + average; an eval of that
+    window scores the average itself while the live values are kept; with no step in between,
+    both replicas end bit-identical."""
+    weights = [3.0, 1.0]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def script(rank, avg, model):
+        before = _values(model)
+        if rank == 1:
+            time.sleep(0.4)  # the slow rank reaches the window end late
+        started = time.perf_counter()
+        avg.average(weights[rank], block=False, tag=5 << 16)
+        launch_s = time.perf_counter() - started
+        with torch.no_grad():
+            model[0].weight.add_(rank + 1.0)  # progress made while the average runs
+        assert avg.settle()
+        landed = _values(model)
+        with torch.no_grad():
+            model[0].bias.add_(10.0)  # the next window's training, before an eval of window 5 comes
+        trained = _values(model)
+        with avg.scoring(5 << 16) as exact:  # the eval of window 5 scores its average, exactly
+            scored = _values(model)
+        assert exact and all(torch.equal(a, b) for a, b in zip(trained, _values(model)))  # live values back
+        with avg.scoring(4 << 16) as exact:
+            assert not exact  # an average no longer held: the model as it is
+        with torch.no_grad():
+            model[0].bias.sub_(10.0)
+        avg.average(1.0, block=False)  # nobody steps now: this one must land exactly
+        with avg.scoring(5 << 16) as exact:
+            assert not exact  # a later average launched: window 5's result is gone
+        avg.settle()
+        return before, landed, _values(model), launch_s, scored
+
+    got = _background_pair(store.port, "bg/1", script)
+    assert not any(isinstance(g, Exception) for g in got.values()), got
+    assert got[0][3] < 0.2  # rank 0 did not wait for its slow peer
+    (b0, l0, e0, _, s0), (b1, l1, e1, _, s1) = got[0], got[1]
+    n_params = 4  # weight, bias of Linear, weight, bias of BatchNorm; then two buffers (equal weights)
+    for i, (x, y) in enumerate(zip(b0, b1)):
+        w = weights if i < n_params else [1.0, 1.0]
+        mean = (w[0] * x + w[1] * y) / (w[0] + w[1])
+        progress = [1.0, 2.0] if i == 0 else [0.0, 0.0]
+        assert torch.allclose(l0[i], mean + progress[0], atol=1e-5), i
+        assert torch.allclose(l1[i], mean + progress[1], atol=1e-5), i
+        assert torch.allclose(s0[i], mean, atol=1e-5) and torch.equal(s0[i], s1[i]), i  # the average itself
+    for x, y in zip(e0, e1):
+        assert torch.equal(x, y)  # bit-identical replicas after an average nobody trained past
+
+
+def test_a_background_average_a_peer_never_joins_is_dropped_and_the_values_kept():
+    """A peer lost before the window end: the average is given up on the regroup (``abort``),
+    the live values stay as trained, and the next average allocates fresh buffers."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    gone = threading.Event()
+
+    def script(rank, avg, model):
+        if rank == 1:
+            gone.wait(20)  # never reaches the average
+            return None
+        avg.average(1.0, block=False)
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        trained = _values(model)
+        threading.Timer(0.3, avg.abort).start()  # the link thread, on the controller's Regroup
+        try:
+            with pytest.raises(RuntimeError, match="collective aborted"):
+                avg.settle()
+        finally:
+            gone.set()
+        return trained, _values(model), avg.dropped, avg._sends
+
+    got = _background_pair(store.port, "bg/2", script)
+    trained, after, dropped, sends = got[0]
+    assert dropped == 1 and sends is None
+    for x, y in zip(trained, after):
+        assert torch.equal(x, y)
+
+
 def _runner(tmp_path):
     from flodl.env import RankEnv
     from flodl.rank.runner import RankRunner

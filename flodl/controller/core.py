@@ -366,7 +366,7 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
             dead_batches = {r: self.window_batches.get(r, 0) for r in loop.dead}
             reports = self.window_reports.pop(number, {})
             for stats in loop.on_reports(number, reports, self.clock(), dead_batches):
-                self._finish_epoch(stats)
+                self._finish_epoch(stats, number)
             self.monitor.window_settled(number, reports, now_s=self.clock())
             self.monitor.event("sync", f"window {number}: {sum(r.consumed for r in reports.values())} samples averaged", now_s=self.clock())
             self.monitor.anchor_changed(loop.elche.anchor, now_s=self.clock(), counts=list(loop.elche.batch_counts))
@@ -412,11 +412,11 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
             self.epoch_samples = 0
             self.epoch_loss = None
 
-    def _finish_epoch(self, stats: EpochStats) -> None:
-        """An epoch is fully trained and averaged: record it, ask for its eval, print it."""
+    def _finish_epoch(self, stats: EpochStats, window: int = -1) -> None:
+        """An epoch is fully trained and averaged (by ``window``): record it, ask for its eval, print it."""
         self.history.append(stats)
         if self.task_info.has_eval and self._eval_due(stats.epoch):
-            self._request_eval(stats.epoch)
+            self._request_eval(stats.epoch, window)
         if self.checkpoints.every_due(stats.epoch):
             self._checkpoint_now("checkpoint", call_fn=True, files=bool(self.checkpoints.stem))
         self._flush_epoch_lines()
@@ -434,11 +434,13 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
                 "batch_size": info.batch_size, "eval_metric": info.eval_metric if info.has_eval else None,
                 "reports_per_epoch": self.config.reports_per_epoch}
 
-    def _request_eval(self, epoch: int) -> None:
-        """The eval rank scores the averaged model, then takes its next plan."""
+    def _request_eval(self, epoch: int, window: int = -1) -> None:
+        """The eval rank scores the averaged model between two of its batches: exactly the average
+        of ``window`` (the one that closed the epoch) on the collective backend, even when it
+        has trained into the next window since (-1: the model once its last average landed)."""
         rank = self._eval_rank()
         self.eval_requests[epoch] = rank
-        self._send_rank(rank, m.RunEval(epoch=epoch, final=epoch == self.total_epochs - 1))
+        self._send_rank(rank, m.RunEval(epoch=epoch, final=epoch == self.total_epochs - 1, window=window))
 
     # ===================================================== evals, failure
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 @dataclass(slots=True)
@@ -193,13 +193,15 @@ class Heartbeat:
 
 @dataclass(slots=True)
 class RunEval:
-    """Score the current (averaged) model with the task's eval function before taking the next plan. (controller -> rank)"""
+    """Score the averaged model with the task's eval function, between batches (the rank does not wait for its window to end). (controller -> rank)"""
 
     KIND: ClassVar[int] = 12
     epoch: int
     """the epoch the score is reported for (number of epochs for the final eval)"""
     final: bool
     """whether this is the run's final eval"""
+    window: int
+    """the window whose average closed the epoch: the rank scores exactly that average, even if it has trained on since (-1: the model as it is once its last average landed)"""
 
 
 @dataclass(slots=True)
@@ -518,7 +520,7 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     7: ('RankReady', RankReady, (('rank', 'int'), ('generation', 'int'), ('init_ms', 'float'),)),
     9: ('BatchDone', BatchDone, (('rank', 'int'), ('epoch', 'int'), ('step', 'int'), ('samples', 'int'), ('loss', 'float'), ('batch_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'),)),
     11: ('Heartbeat', Heartbeat, (('step', 'int'), ('sent_at', 'float'), ('busy', 'str'), ('busy_s', 'float'), ('step_ms', 'float'), ('averaged', 'int'),)),
-    12: ('RunEval', RunEval, (('epoch', 'int'), ('final', 'bool'),)),
+    12: ('RunEval', RunEval, (('epoch', 'int'), ('final', 'bool'), ('window', 'int'),)),
     13: ('EvalResult', EvalResult, (('rank', 'int'), ('epoch', 'int'), ('final', 'bool'), ('value', 'opt<float>'), ('elapsed_ms', 'float'), ('error', 'opt<str>'),)),
     14: ('Shutdown', Shutdown, (('reason', 'str'), ('abort', 'bool'), ('save_stem', 'str'), ('save_rank', 'int'), ('save_tag', 'str'),)),
     15: ('Exiting', Exiting, (('rank', 'int'), ('reason', 'str'), ('digest', 'str'),)),

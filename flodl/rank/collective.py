@@ -13,20 +13,36 @@ still sit in the collective that failed until its timeout), and torch's own
 rendezvous waits only ``timeout_s``: without the barrier a survivor late by
 more than that ended the run instead of joining it.
 
-``CollectiveAverager`` averages a ``FlatModel`` (flat.py) in place: one
-all-reduce per bucket with no copies; every bucket carries one spare slot for
-the rank's weight, so a single collective returns both the weighted sum and
-the sum of weights. A rank that trained nothing since the last average joins
-with weight 0 and simply receives the result.
+``CollectiveAverager`` averages a ``FlatModel`` (flat.py): one all-reduce per
+bucket; every bucket carries one spare slot for the rank's weight, so a single
+collective returns both the weighted sum and the sum of weights. A rank that
+trained nothing since the last average joins with weight 0 and simply
+receives the result.
+
+A blocking average (Sync's per-batch rounds, a joiner adopting) reduces the
+live buckets in place. A window's end average in Cadence and Async runs in the
+background instead, as the CPU backend's does: the weighted values go into a
+send buffer, the all-reduce runs on gloo's threads (or NCCL's stream) while the
+rank trains on, and when it completes the result lands at a batch boundary as
+
+    local ← (local − snapshot) + average
+
+so a fast rank never waits at the barrier for a slow one, and the progress made
+meanwhile is kept. With no step in between this is exactly ``local ← average``
+(the subtraction gives exact zeros), so replicas that stop training together
+end bit-identical. A background average that fails (a peer died) is dropped:
+the live values were never touched, so there is nothing to restore.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -144,6 +160,17 @@ def _aborted() -> RuntimeError:
     return RuntimeError("collective aborted: the membership changed (peer lost) during the average")
 
 
+@dataclass
+class _Background:
+    """An average in flight while the rank trains: one all-reduce per bucket, into ``sends``."""
+
+    works: list[Any]
+    sends: list[torch.Tensor]
+    measure: bool
+    weight: float
+    tag: int  # the runner's position of this average (regroup.py aligns redos by it)
+
+
 class CollectiveAverager:
     """Weighted in-place averaging of a ``FlatModel`` over a process group.
 
@@ -179,6 +206,17 @@ class CollectiveAverager:
         self.adopting = False
         self._backed_up = 0  # buckets whose backup belongs to the average in progress
         self.backup: list[torch.Tensor] | None = None  # values before the last average, for recovery
+        # the background average (at most one): ``backup`` then holds its snapshot, ``_sends`` its buffers
+        self._background: _Background | None = None
+        self._sends: list[torch.Tensor] | None = None
+        self.last_drift: tuple[float | None, float, float] | None = None
+        self.landed = self.dropped = 0  # background averages applied / given up (a peer lost)
+        self.dropped_tag, self.dropped_weight = -1, 0.0  # the last one given up: what a redo repeats
+        # the last background average to land: its tag, and whether ``_sends`` still hold its result
+        # (until the next launch): an eval asked for that average scores exactly it (``scoring``)
+        self.landed_tag = -1
+        self._kept: list[bool] | None = None  # per bucket: the send buffer holds the average
+        self._scratch: list[torch.Tensor] | None = None
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -186,7 +224,9 @@ class CollectiveAverager:
 
     @group.setter
     def group(self, group: dist.ProcessGroup | None) -> None:
-        """A new generation's group: averages may run again."""
+        """A new generation's group: averages may run again (one still in flight on the old group is given up)."""
+        if self._background is not None:
+            self._drop(self._background)
         self._group = group
         self.aborted = False
 
@@ -221,8 +261,9 @@ class CollectiveAverager:
             except Exception:  # already aborted or not abortable: the timeout still applies
                 log.debug("process group abort failed", exc_info=True)
 
-    def _wait(self, work: dist.Work) -> None:
-        """Wait for a collective, abandoning it once a regroup aborts the group or the run stops.
+    def _wait(self, work: dist.Work, abandon: Callable[[dist.Work], None] | None = None) -> None:
+        """Wait for a collective, abandoning it once a regroup aborts the group or the run stops
+        (``abandon``: how; by default the live buckets it reduces into are moved away).
 
         Raises:
             RuntimeError: the collective failed, or was abandoned (``_aborted``).
@@ -236,7 +277,7 @@ class CollectiveAverager:
             work.get_future().add_done_callback(lambda _: done.set())
             while not done.wait(0.05):
                 if self.aborted or self.must_stop() or self.superseded():
-                    self._abandon(work)
+                    (abandon or self._abandon)(work)
                     raise _aborted()
         work.wait()  # raises the collective's own error
 
@@ -288,11 +329,147 @@ class CollectiveAverager:
                 self._wait(self.group.broadcast(bucket.flat, root))
                 bucket.copy_out()
 
-    def poll(self) -> None:
-        """Nothing arrives between averages on this backend."""
+    # ------------------------------------------------------- background averages
 
-    def average(self, weight: float, *, measure: bool = False, block: bool = True) -> Averaged:
-        """Replace every replica's tensors by the weighted average (always blocking here).
+    def poll(self) -> bool:
+        """Land the background average if its collectives completed (never blocks); True if one landed.
+
+        Raises:
+            RuntimeError: it failed (a peer died); it is dropped, the live values kept.
+        """
+        bg = self._background
+        if bg is None or not all(w.is_completed() for w in bg.works):
+            return False
+        self._land(bg)
+        return True
+
+    def settle(self) -> bool:
+        """Wait for the background average and land it; True if one landed. The wait gives up
+        like any other (a regroup, the run stopping): the average is then dropped.
+
+        Raises:
+            RuntimeError: it failed or was given up; the live values are kept.
+        """
+        bg = self._background
+        if bg is None:
+            return False
+        try:
+            for work in bg.works:
+                if self.flat.buckets[0].flat.is_cuda:
+                    self._await_device(work)
+                else:
+                    self._wait(work, abandon=lambda _: None)
+        except BaseException:
+            self._drop(bg)
+            raise
+        self._land(bg)
+        return True
+
+    def _land(self, bg: _Background) -> None:
+        """``local ← (local − snapshot) + average``, bucket by bucket (see the module docstring)."""
+        self._background = None
+        pre_all, post_all = [], []
+        kept = []
+        try:
+            with torch.no_grad():
+                for bucket, pre, send, work in zip(self.flat.buckets, self.backup, bg.sends, bg.works):
+                    work.wait()  # completed: raises the collective's own error, if any
+                    total = float(send[bucket.numel :].item())
+                    if self.aborted:
+                        raise _aborted()  # NCCL may hand back half-reduced values after an abort
+                    kept.append(total > 0)
+                    if total <= 0:
+                        continue  # nobody trained since the last average: nothing to take
+                    average = send[: bucket.numel].div_(total)
+                    bucket.copy_in()
+                    bucket.values.sub_(pre).add_(average)
+                    bucket.copy_out()
+                    if bg.measure and bucket.group == PARAMS:
+                        pre_all.append(pre)
+                        post_all.append(average)
+        except BaseException:
+            self._drop(bg)
+            raise
+        self.landed += 1
+        self.landed_tag, self._kept = bg.tag, kept
+        if bg.measure:
+            self.last_drift = drift(pre_all, post_all)
+
+    def _drop(self, bg: _Background) -> None:
+        """Give up a background average; unfinished collectives are parked with their group
+        and their send buffers left to them (the next average allocates fresh ones)."""
+        self._background = None
+        self._kept = None
+        self.dropped += 1
+        self.dropped_tag, self.dropped_weight = bg.tag, bg.weight
+        running = [w for w in bg.works if not w.is_completed()]
+        if running:
+            self._graveyard.extend((self._group, w) for w in running)
+            self._sends = None
+
+    def _launch(self, weight: float, measure: bool, tag: int) -> Averaged:
+        """Start the average in the background from a snapshot of the values (``backup``)."""
+        start = time.perf_counter()
+        buckets = self.flat.buckets
+        if self._sends is None:
+            self._sends = [torch.empty_like(b.flat) for b in buckets]
+        self._kept = None  # the buffers are about to hold the next average
+        works = []
+        with torch.no_grad():
+            for bucket, pre, send in zip(buckets, self.backup, self._sends):
+                bucket.copy_in()
+                w = weight if bucket.group == PARAMS else (1.0 if weight > 0 else 0.0)
+                pre.copy_(bucket.values)
+                torch.mul(bucket.values, w, out=send[: bucket.numel])
+                send[bucket.numel :].fill_(w)
+                works.append(self.group.allreduce([send]))
+        self._background = _Background(works, self._sends, measure, weight, tag)
+        ms = (time.perf_counter() - start) * 1000.0
+        if not measure:
+            return Averaged(ms)
+        return Averaged(ms, *(self.last_drift or (None, 0.0, 0.0)))
+
+    def pending_tag(self) -> int:
+        """The tag of the background average in flight (-1: none)."""
+        return self._background.tag if self._background is not None else -1
+
+    @contextlib.contextmanager
+    def scoring(self, tag: int) -> Iterator[bool]:
+        """Hold the result of the background average ``tag`` in the model while the block runs,
+        then put the live values back: an eval scores the model exactly as that average left it,
+        whatever this rank trained since. Yields False (and changes nothing) when that result is
+        no longer held (a later average launched, or it was dropped)."""
+        if self._kept is None or self.landed_tag != tag:
+            yield False
+            return
+        buckets = self.flat.buckets
+        if self._scratch is None:
+            self._scratch = [torch.empty_like(b.values) for b in buckets]
+        with torch.no_grad():
+            for bucket, keep, send, pre, live in zip(buckets, self._kept, self._sends, self.backup, self._scratch):
+                bucket.copy_in()
+                live.copy_(bucket.values)
+                # a bucket nobody trained kept its launch values (the snapshot): that is the average's
+                bucket.values.copy_(send[: bucket.numel] if keep else pre)
+                bucket.copy_out()
+        try:
+            yield True
+        finally:
+            with torch.no_grad():
+                for bucket, live in zip(buckets, self._scratch):
+                    bucket.values.copy_(live)
+                    bucket.copy_out()
+
+    # ------------------------------------------------------------------ average
+
+    def average(self, weight: float, *, measure: bool = False, block: bool = True, tag: int = -1) -> Averaged:
+        """Replace every replica's tensors by the weighted average (``tag``: the caller's name for it).
+
+        ``block=False`` (a window's end in Cadence and Async) starts it in the
+        background and returns at once; it lands at a later ``poll``/``settle``
+        (drift then reported one average late, as on the CPU backend). A
+        joiner still adopting always blocks. Either way the previous background
+        average lands first: one average in flight at a time.
 
         With ``measure`` the replica's drift ``‖pre − post‖ / ‖post‖`` is reported
         too (one copy of the values, not counted in ``ms``).
@@ -302,14 +479,18 @@ class CollectiveAverager:
         """
         if self.group is None:
             return Averaged(0.0, 0.0 if measure else None)
+        self._backed_up = 0  # a failure from here on leaves the live values as they are, until the backup below
+        if self._graveyard:
+            self._bury()
+        self.settle()
+        self._kept = None  # the buffers the landed result lies in are reused from here
+        if self.backup is None:  # allocated once: an average must not allocate a model each time
+            self.backup = [torch.empty_like(b.values) for b in self.flat.buckets]
+        if not block and not self.adopting:
+            return self._launch(weight, measure, tag)
         collective_ms = 0.0  # what ElChe weighs against compute: the collective, not our bookkeeping
         pre_all, post_all = [], []
         landed = True  # every parameter bucket came back as the others' weighted average
-        if self.backup is None:  # allocated once: an average must not allocate a model each time
-            self.backup = [torch.empty_like(b.values) for b in self.flat.buckets]
-        self._backed_up = 0
-        if self._graveyard:
-            self._bury()
         with torch.no_grad():
             for bucket, pre in zip(self.flat.buckets, self.backup):
                 bucket.copy_in()

@@ -166,7 +166,7 @@ class CpuAverager:
         """Start every replica from ``root``'s values: a round only ``root`` weighs in."""
         self.average(1.0 if self.rank == root else 0.0, block=True, overwrite=True)
 
-    def average(self, weight: float, *, measure: bool = False, block: bool = True, overwrite: bool = False) -> Averaged:
+    def average(self, weight: float, *, measure: bool = False, block: bool = True, overwrite: bool = False, tag: int = -1) -> Averaged:
         """Send this replica's snapshot; with ``block`` wait until the average is applied.
 
         Raises:

@@ -1,14 +1,19 @@
 """Scoring the model when the controller asks (``RunEval``).
 
 A mixin of ``RankRunner`` (runner.py), which holds the state these methods
-read and write. On the CPU backend the averages already sent are landed
-first (all of them before the final score); BatchNorm statistics that
-averages left stale are re-estimated (norms.py); the user's ``eval_fn``
+read and write. The runner takes a ``RunEval`` between two batches, not
+after its window. On the collective backend the eval scores exactly the
+average of the window that closed the epoch (``_scored_model``), even when
+this rank has trained on since; on the CPU backend the averages already sent
+are landed first (all of them before the final score). BatchNorm statistics
+that averages left stale are re-estimated (norms.py); the user's ``eval_fn``
 failing is reported, never fatal.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 import logging
 import time
 
@@ -42,17 +47,18 @@ class Evaluating:
         if self.task.eval_fn is None:
             error = "the task has no eval_fn"
         else:
-            self._refresh_norms(cmd.epoch)
-            was_training = self.model.training
-            self.model.eval()
-            try:
-                with torch.no_grad():
-                    value = float(self.task.eval_fn(self.model, self.device))
-            except Exception as exc:  # the user's eval failing is reported, not fatal
-                error = f"{type(exc).__name__}: {exc}"
-                log.error("rank %d: eval failed: %s", self.rank, error)
-            finally:
-                self.model.train(was_training)
+            with self._scored_model(getattr(cmd, "window", -1)):
+                self._refresh_norms(cmd.epoch)
+                was_training = self.model.training
+                self.model.eval()
+                try:
+                    with torch.no_grad():
+                        value = float(self.task.eval_fn(self.model, self.device))
+                except Exception as exc:  # the user's eval failing is reported, not fatal
+                    error = f"{type(exc).__name__}: {exc}"
+                    log.error("rank %d: eval failed: %s", self.rank, error)
+                finally:
+                    self.model.train(was_training)
         self.link.send(
             m.EvalResult(
                 rank=self.rank,
@@ -63,6 +69,27 @@ class Evaluating:
                 error=error,
             )
         )
+
+    @contextlib.contextmanager
+    def _scored_model(self, window: int) -> Iterator[None]:
+        """The model an eval scores. Collective backend: the average of ``window`` (the one that
+        closed the epoch), exactly, even when this rank has trained into the next window since;
+        if that average is no longer held (rare: a later one already launched), the model as it
+        is. Without a window: the model after its last average landed."""
+        if isinstance(self.averager, CpuAverager) or self.averager is None:
+            yield
+            return
+        tag = self.averager.pending_tag()
+        if window < 0 or (tag >= 0 and tag >> 16 == window):
+            self._settle_background()  # every rank has launched it (the controller heard them all)
+        landed = self.averager.landed_tag
+        if window < 0 or landed < 0 or landed >> 16 != window:
+            if window >= 0:
+                log.debug("rank %d: window %d's average is gone; scoring the model as it is", self.rank, window)
+            yield
+            return
+        with self.averager.scoring(landed):
+            yield
 
     def _refresh_norms(self, epoch: int) -> None:
         """Before scoring a model that averages changed: its BatchNorm statistics

@@ -27,7 +27,7 @@ import zmq
 
 from ..errors import EXIT_CONTROLLER_LOST, EXIT_RANK_LOST, DeadlineExceeded, PeerLost
 from ..protocol.codec import FrameReader, FrameWriter
-from ..protocol.messages import EndWindow, Heartbeat, Regroup, Shutdown
+from ..protocol.messages import EndWindow, Heartbeat, Regroup, RunEval, Shutdown
 from ..transport import make_dealer
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ class ControllerLink:
         self.lost: str | None = None  # why the controller is considered gone
         self.shutdown: Shutdown | None = None
         self.end_window = -1  # the highest window the controller asked to end
+        self.evals_asked = 0  # RunEval commands received (the training thread takes them early)
         self.regroup: Regroup | None = None  # the newest membership change
         self.on_regroup: Callable[[Regroup], None] = lambda msg: None  # called on the link thread
         self._ctx = zmq.Context.instance()
@@ -246,6 +247,9 @@ class ControllerLink:
             if isinstance(msg, Shutdown):
                 self.shutdown = msg
             self.commands.put(msg)
+            if isinstance(msg, RunEval):
+                # the training thread looks between batches and scores it at once, not after its window
+                self.evals_asked += 1
 
     def _beat(self, dealer: zmq.Socket) -> None:
         busy = self.busy

@@ -47,8 +47,10 @@ class Regrouping:
                 log.warning("rank %d: the survivors completed the failed average; taking their consensus next", self.rank)
                 self.link.doing("step")  # not an average of this generation: the adopting one will be
                 return Averaged(0.0)
+            if not self._previous_landed():
+                continue  # it was dropped: the survivors' group (above, next turn) repeats it first
             try:
-                averaged = self.averager.average(weight, measure=measure, block=block)
+                averaged = self.averager.average(weight, measure=measure, block=block, tag=self.position)
                 self.norms_stale = self.norms_stale or self.world_size > 1
                 self.redoing = False
                 self.position += 1
@@ -78,6 +80,58 @@ class Regrouping:
             self.link.beat_now()
         return averaged
 
+    def _previous_landed(self) -> bool:
+        """Before an average: the background one still in flight lands first (one at a time).
+        False when it failed: it is dropped, and the rank waits for the survivors' new group."""
+        if self.averager.backend != "collective":
+            return True
+        try:
+            self.averager.settle()
+            return True
+        except RuntimeError as exc:
+            self._background_failed(exc)
+        self._await_regroup()
+        return False
+
+    def _land_background(self) -> None:
+        """Land an average that completed while this rank trained (never blocks).
+
+        A collective one that failed (a peer died) is dropped, the live values
+        kept; the controller is told unless a newer generation already explains
+        it, and training goes on until its Regroup (``_maybe_regroup``).
+        """
+        try:
+            self.averager.poll()
+        except RuntimeError as exc:
+            self._background_failed(exc)
+
+    def _settle_background(self) -> None:
+        """Wait for the collective average still in flight and land it (eval, save, exit):
+        bounded like every collective wait; a failure drops it and is reported."""
+        if self.averager is None or self.averager.backend != "collective":
+            return
+        busy = self.link.busy
+        self.link.doing("average")
+        try:
+            self.averager.settle()
+        except RuntimeError as exc:
+            self._background_failed(exc)
+        finally:
+            self.link.doing(busy)
+
+    def _background_failed(self, exc: RuntimeError) -> None:
+        if self.averager.backend != "collective" or not is_collective_error(exc):
+            raise exc
+        if self.link.must_stop or self.terminated:
+            raise Stop from None
+        # every member must do the same number of averages in the new group: this one is repeated
+        # there, unless a survivor already has it behind it (``_enter`` compares positions)
+        self.bg_redo = True
+        log.warning("rank %d: a background average failed (%s); keeping this replica's values", self.rank, exc)
+        announced = self.link.regroup
+        if announced is None or announced.generation <= self.generation:
+            self._report_collective_failure(exc, self.generation)
+
     def _maybe_regroup(self) -> None:
         """Act on a new membership generation the controller announced.
 
@@ -94,12 +148,27 @@ class Regrouping:
                 self.averager.round = msg.first_round
                 self.generation = msg.generation
             return
+        self._settle_background()  # an average of the old group: landed if it completed, else dropped
         busy = self.link.busy
         self.link.doing("average")
         try:
             self._regroup_to(msg)
+            self._redo_background()
         finally:
             self.link.doing(busy)
+
+    def _redo_background(self) -> None:
+        """Repeat, in the new group, the background average this rank dropped, unless another
+        member completed it (``_enter``: it is ahead); then the next average blends ours in."""
+        if not self.bg_redo:
+            return
+        self.bg_redo = False
+        skip, self.skip_redo = self.skip_redo, False
+        if skip or self.averager.group is None:
+            return
+        current = self.position
+        self.averager.average(self.averager.dropped_weight, block=False, tag=self.averager.dropped_tag)
+        self.position = current
 
     def _regroup_to(self, msg: m.Regroup) -> None:
         """Join ``msg``'s generation, or a newer one when the world changes again meanwhile."""
@@ -140,14 +209,17 @@ class Regrouping:
         if msg.sync_from >= 0 and msg.sync_from in msg.members:
             self.averager.broadcast_from(msg.members.index(msg.sync_from))
             self.averager.adopting = False
+            self.bg_redo = False  # every member now holds the same values: nothing to repeat
         elif group is not None:
             # A death mid-average can leave some survivors with the average done and others
             # without (a ring's last step reached some). Every member says which average it does
             # next (``position``: window and round); a member redoing a failed average that
             # another member already has behind it skips the redo and takes the others'
             # consensus from the next average (``_average``); otherwise all do it together.
-            ahead = self.averager.highest(self.position) > self.position  # every member calls it: a collective
-            self.skip_redo = self.redoing and ahead
+            # a dropped background average counts at its own position: the one it repeats
+            mine = self.averager.dropped_tag if self.bg_redo else self.position
+            ahead = self.averager.highest(mine) > mine  # every member calls it: a collective
+            self.skip_redo = (self.redoing or self.bg_redo) and ahead
         (log.info if msg.sync_from >= 0 else log.warning)("rank %d: now one of %d ranks (generation %d): %s", self.rank, world, msg.generation, msg.reason)
 
     def _group_for(self, msg: m.Regroup) -> torch.distributed.ProcessGroup | None:

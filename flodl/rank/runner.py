@@ -15,6 +15,7 @@ Averaging across membership changes is regroup.py's, scoring evaluation.py's
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
@@ -162,6 +163,9 @@ class RankRunner(Regrouping, Evaluating):
         self.generation = 0
         self.redoing = False  # an average failed and is to be redone in the next generation
         self.skip_redo = False  # ... unless the other survivors completed it (regroup.py)
+        self.bg_redo = False  # a background average was dropped: the survivors' group repeats it (regroup.py)
+        self.deferred: collections.deque = collections.deque()  # commands taken early that wait their turn
+        self.evals_taken = 0  # RunEvals scored (compared with the link's count between batches)
         self.position = 0  # the next average's place in the run: window << 16 | round (regroup.py compares them)
         self.welcome: m.RankWelcome | None = None
         self.handle = WorkerHandle(self)
@@ -234,6 +238,8 @@ class RankRunner(Regrouping, Evaluating):
             except Stop:
                 return self._stopped()
             if isinstance(cmd, m.Shutdown):
+                if not cmd.abort:
+                    self._settle_background()  # the last average lands: replicas end equal
                 self._save_on_shutdown(cmd)
                 digest = "" if cmd.abort else model_digest(self.model)
                 self.link.send(m.Exiting(rank=self.rank, reason=cmd.reason, digest=digest))
@@ -284,6 +290,7 @@ class RankRunner(Regrouping, Evaluating):
     def _checkpoint(self, cmd: m.SaveCheckpoint) -> None:
         """Write this rank's part of a consensus checkpoint between windows and say so."""
         self.link.doing("save")
+        self._settle_background()  # the consensus includes the last window's average
         done = checkpoint(
             rank=self.rank, model=self.model, optimizer=self.optimizer, stem=cmd.stem, tag=cmd.tag, version=cmd.version,
             call_fn=self.task.checkpoint_fn if cmd.call_fn else None, handle=self.handle,
@@ -321,6 +328,8 @@ class RankRunner(Regrouping, Evaluating):
             Stop: SIGTERM arrived. PeerLost: the controller is gone.
             DeadlineExceeded: ``deadline`` (monotonic) passed.
         """
+        if self.deferred:
+            return self.deferred.popleft()
         self.link.doing("idle")
         while True:
             if self.terminated:
@@ -607,7 +616,9 @@ class RankRunner(Regrouping, Evaluating):
                     exhausted = True
                     break
                 epoch, idx, batch = item
-                self.averager.poll()  # CPU backend: land any average that arrived meanwhile
+                self._land_background()  # an average that completed meanwhile lands here, between steps
+                if self.link.evals_asked > self.evals_taken:
+                    self._evals_now()
                 self._maybe_regroup()  # a peer died: join the survivors' new group now
                 self._enter_epoch(epoch)
                 loss, compute_ms = self._step(batch)
@@ -622,8 +633,9 @@ class RankRunner(Regrouping, Evaluating):
                 if last is not None:
                     self.link.send_lazy(last)
                 last = m.BatchDone(self.rank, epoch, self.step_count, len(idx), loss, compute_ms, data_ms, 0.0)
-            # the CPU backend's end-of-window average is sent, not waited for: ranks never block on peers
-            block = not (self.averager.backend == "cpu" and not sync_every)
+            # a window's end average (Cadence, Async) runs in the background on either backend:
+            # a rank never waits at it for a slower peer; Sync's per-batch rounds block
+            block = bool(sync_every)
             averaged = self._average(float(stepped), measure=measure, block=block, round_index=round_index, stats=stats)
             stats.sync_ms += averaged.ms
             stats.last_average = averaged
@@ -632,6 +644,21 @@ class RankRunner(Regrouping, Evaluating):
                 self.link.send_lazy(last)
         stats.wall_ms = (time.perf_counter() - start) * 1000.0
         return stats
+
+    def _evals_now(self) -> None:
+        """Between batches: score the evals the controller asked for now rather than after this
+        window (the average they are for is still held then: ``CollectiveAverager.scoring``).
+        Other commands taken on the way keep their order (``deferred``)."""
+        busy = self.link.busy
+        while self.link.evals_asked > self.evals_taken:
+            cmd = self.link.poll_command()
+            if cmd is None:
+                break
+            if isinstance(cmd, m.RunEval):
+                self._evaluate(cmd)
+            else:
+                self.deferred.append(cmd)
+        self.link.doing(busy)
 
     def _enter_epoch(self, epoch: int) -> None:
         """Fire the user's epoch_fn the first time this rank trains ``epoch``."""
