@@ -328,11 +328,7 @@ class CadenceLoop:
         walls = [reports[r].compute_ms + reports[r].data_ms for r in self.ranks]
         batches = [reports[r].batches for r in self.ranks]
         if sum(batches):
-            # ElChe weighs what averaging costs against the window's compute. The real
-            # cost is everything a rank spends not training: the collective, waiting for
-            # the slowest rank's last batch, and the controller round trip between
-            # windows. Measured from the controller's clock as the ranks' mean idle
-            # share, expressed against the longest training time (ElChe's divisor).
+            # ElChe weighs what averaging costs against the window's compute.
             # Probe and tail windows are short by construction and teach speeds only.
             full = all(p.kind == "full" for p in plans.values())
             sync_ms = 0.0
@@ -340,7 +336,18 @@ class CadenceLoop:
                 # CPU backend: ranks do not wait for the average; what must stay small
                 # against a window is the round itself, or rounds would pile up
                 sync_ms = self.cpu_round_ms
+            elif full and self.policy is not ApplyPolicy.SYNC:
+                # collective, averaging in the background: what a rank pays is what its
+                # average call held it up (the launch, and any wait for the previous
+                # average still in flight: a collective slower than a window, e.g. a slow
+                # network, stalls here and grows the anchor). Not the controller's view of
+                # the window: with two in flight a window waits queued behind the one before,
+                # which read as ~50% idle and sent the anchor from 10 to 100+ at once.
+                sync_ms = max(reports[r].sync_ms for r in self.ranks)
             elif full and window_ms > 0:
+                # Sync: everything a rank spends not training (the collectives, waiting for the
+                # slowest rank's last batch, the round trip between windows), from the
+                # controller's clock as the ranks' mean idle share against the longest training
                 idle = sum(max(0.0, window_ms - w) for w in walls) / len(walls)
                 sync_ms = max(walls) * idle / window_ms
             self.elche.report_timing(walls, batches, sync_ms)
