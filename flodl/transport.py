@@ -27,6 +27,19 @@ from .protocol.codec import DEFAULT_MAX_FRAME, Envelope, FrameReader, FrameWrite
 
 log = logging.getLogger(__name__)
 
+# pyzmq's compiled socket methods, called without the Python layer pyzmq puts over them
+# (``send_multipart`` type-checks and loops in Python, ``getsockopt(EVENTS)`` returns an enum
+# that ``& zmq.POLLIN`` combines in Python): on a round trip every one of these calls runs
+# right after a wake-up, where that layer costs more than the call itself.
+try:
+    from zmq.backend import Socket as _Compiled
+
+    _send, _recv, _get = _Compiled.send, _Compiled.recv, _Compiled.get
+except (ImportError, AttributeError):  # another backend: the public methods
+    _send, _recv, _get = zmq.Socket.send, zmq.Socket.recv, zmq.Socket.get
+_NOBLOCK, _MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
+_RCVMORE, _EVENTS, _POLLIN = int(zmq.RCVMORE), int(zmq.EVENTS), int(zmq.POLLIN)
+
 #: Messages handled per loop callback before yielding to other tasks.
 DRAIN_BATCH = 256
 #: ZeroMQ-level pings on the controller's ROUTER: a dead connection is closed after the timeout,
@@ -83,11 +96,14 @@ class AsyncSocket:
         self._drain_scheduled = False
         if self.closed:
             return
+        sock = self.sock
         for _ in range(DRAIN_BATCH):
             if self.paused:
                 return
-            try:
-                parts = self.sock.recv_multipart(zmq.NOBLOCK)
+            try:  # recv_multipart, without its Python layer
+                parts = [_recv(sock, _NOBLOCK)]
+                while _get(sock, _RCVMORE):
+                    parts.append(_recv(sock, _NOBLOCK))
             except zmq.Again:
                 return
             except zmq.ZMQError:
@@ -112,8 +128,15 @@ class AsyncSocket:
         if self.closed:
             self.send_drops["closed"] += 1
             return False
+        sock = self.sock
         try:
-            self.sock.send_multipart(parts, zmq.NOBLOCK, copy=copy)
+            if copy and len(parts) == 2 and type(parts[0]) is bytes and type(parts[1]) is bytes:  # a ROUTER's frame
+                _send(sock, parts[0], _MORE)
+                _send(sock, parts[1], _NOBLOCK)
+            elif copy and len(parts) == 1 and type(parts[0]) is bytes:  # a DEALER's
+                _send(sock, parts[0], _NOBLOCK)
+            else:
+                sock.send_multipart(parts, zmq.NOBLOCK, copy=copy)
             return True
         except zmq.Again:
             self.send_drops["full"] += 1
@@ -122,7 +145,7 @@ class AsyncSocket:
             self.send_drops[exc.strerror] += 1
             return False
         finally:
-            if not self.closed and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not self.closed and _get(sock, _EVENTS) & _POLLIN:
                 self._schedule_drain()
 
     def close(self) -> None:

@@ -515,11 +515,14 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
     # ============================================================ handlers
 
     def _on_message(self, identity: bytes, env: Envelope) -> None:
-        now = self.clock()
         msg = env.msg
         handler = _HANDLERS.get(type(msg))
         if handler is None:
             return  # a message we never act on in this direction
+        if type(msg) is m.Ping:  # answered at once, the bookkeeping after: a round trip waits on nothing else
+            getattr(self, handler)(identity, env, msg)
+            handler = None
+        now = self.clock()
         self._follow_route(identity, env)
         rank = getattr(msg, "rank", None)
         if rank is not None and rank >= 0 and type(msg) is not m.RankExited:
@@ -530,7 +533,8 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
             self.members.seen_worker(env.sender, now)
             if rank is None:
                 self._seen_by_identity(identity, now)
-        getattr(self, handler)(identity, env, msg)
+        if handler is not None:
+            getattr(self, handler)(identity, env, msg)
 
     def _is_rank_sender(self, rank: int, sender: str, msg: Any) -> bool:
         """A rank message must be signed by the sender that said that rank's hello
@@ -619,7 +623,7 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         self._changed.set()
 
     def _h_ping(self, identity: bytes, env: Envelope, msg: m.Ping) -> None:
-        self.endpoint.send(m.Pong(nonce=msg.nonce, sent_at=msg.sent_at), identity)
+        self.endpoint.send(m.Pong(msg.nonce, msg.sent_at), identity)
 
     def _h_heartbeat(self, identity: bytes, env: Envelope, msg: m.Heartbeat) -> None:
         """Liveness was recorded in _on_message; a rank's beat also says whether it makes progress."""
