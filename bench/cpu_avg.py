@@ -43,7 +43,7 @@ import torch.distributed as dist  # noqa: E402
 
 from bench.common import Row, quick_flag, report  # noqa: E402
 from flodl.controller import run_loop  # noqa: E402
-from flodl.controller.averaging import CpuAveraging  # noqa: E402
+from flodl.averaging.server import CpuAveraging  # noqa: E402
 
 SECRET = b"c" * 32
 RUN = "cpu-avg-bench"
@@ -144,7 +144,7 @@ def measure(size_mb: int, world: int, reps: int, *, lane: bool) -> dict:
         segment = actor.update_seg.size if actor.update_seg is not None else 0
         used_lane = actor.lane_bytes > 0
         actor.close()
-        return results + [baseline, actor.aborted, segment, used_lane]
+        return results + [baseline, actor.rounds.aborted, segment, used_lane]
 
     *results, baseline, aborted, segment, used_lane = run_loop(main())
     assert used_lane == lane, "the lane was not taken as asked"

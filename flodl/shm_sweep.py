@@ -2,7 +2,7 @@
 
 flodl's segments are named ``flodl-<run>-<pid>.<n>-<role>`` (shm.py). A
 controller or rank killed outright cannot unlink its own; the next CPU
-averaging round on the host sweeps them (controller/averaging.py), and so
+averaging round on the host sweeps them (averaging/server.py), and so
 does every worker as it exits (worker.py), which is the moment the run's
 controller on that host has gone. A segment of a live process, or of another
 user's, is left alone.

@@ -11,7 +11,7 @@ the controller falls silent for the heartbeat timeout the worker stops its
 ranks and exits.
 
 On the CPU averaging backend, a worker on another host than the controller
-with two ranks or more runs the host relay (``relay.py``) on its event loop:
+with two ranks or more runs the host relay (``averaging/relay.py``) on its event loop:
 its ranks send their snapshots to it, and it sends their weighted average
 upstream, one snapshot per round for the whole host.
 
@@ -47,7 +47,7 @@ from .protocol.messages import PROTOCOL_VERSION
 from .transport import ControlEndpoint, host_name, make_dealer
 
 if TYPE_CHECKING:
-    from .relay import HostRelay
+    from .averaging.relay import HostRelay
 
 log = logging.getLogger("flodl.worker")
 
@@ -235,7 +235,7 @@ class Worker:
 
     def _start_relay(self, tg: asyncio.TaskGroup) -> str:
         """Start the host relay; returns what the ranks are told of it ("ADDR PROBE NONCE")."""
-        from .relay import HostRelay  # it averages with torch: only a relaying worker pays torch's import
+        from .averaging.relay import HostRelay  # it averages with torch: only a relaying worker pays torch's import
 
         welcome = self.welcome
         host = self.controller.rsplit(":", 1)[0]  # tcp://HOST

@@ -9,7 +9,7 @@ import torch
 import zmq
 
 from flodl.bulk import SLICE_BYTES, unpack_slice
-from flodl.controller.averaging import CpuAveraging
+from flodl.averaging.server import CpuAveraging
 from flodl.errors import ProtocolError
 from flodl.protocol import messages as m
 from flodl.protocol.codec import FrameWriter
@@ -81,7 +81,7 @@ async def test_weighted_average_exact_against_float64(lane):
         assert torch.allclose(got[2], want_b, atol=1e-6)
     assert [int(mo.count) for mo in models] == [0, 1, 2]  # integer buffers stay local
     assert all(r.divergence is not None for r in results)
-    assert ctl.rounds_done == 1 and ctl.aborted == 0 and not ctl.drops
+    assert ctl.rounds.rounds_done == 1 and ctl.rounds.aborted == 0 and not ctl.drops
     assert (ctl.lane_bytes > 0) == lane and (ctl.update_seg is not None) == lane  # the lane really carried it
     await stop(ctl, task, avgs)
 
@@ -111,7 +111,7 @@ async def test_timeout_aborts_and_late_snapshot_never_leaks(lane):
     # round 0: rank 2 is late, the round is aborted and ranks 0, 1 keep their own values
     kept = [mo.weight.detach().clone() for mo in models]
     await asyncio.gather(*(asyncio.to_thread(a.average, 1.0) for a in avgs[:2]))
-    assert ctl.aborted == 1
+    assert ctl.rounds.aborted == 1
     assert all(torch.equal(mo.weight.detach(), k) for mo, k in zip(models[:2], kept))
     # rank 2's round-0 snapshot arrives now: stale. Round 1 averages all three.
     with torch.no_grad():
@@ -124,7 +124,7 @@ async def test_timeout_aborts_and_late_snapshot_never_leaks(lane):
         models[2].weight.fill_(3.0)
     want = (models[0].weight.detach() + models[1].weight.detach() + 3.0) / 3
     await asyncio.gather(*(asyncio.to_thread(a.average, 1.0) for a in avgs))
-    assert ctl.drops["stale"] >= 1 and ctl.rounds_done == 1
+    assert ctl.drops["stale"] >= 1 and ctl.rounds.rounds_done == 1
     for mo in models:
         assert torch.allclose(mo.weight.detach(), want, atol=1e-5)  # no trace of the 1000s
     await stop(ctl, task, avgs)
@@ -144,7 +144,7 @@ async def test_round_completes_without_a_rank_that_died(lane):
         live.discard(2)  # rank 2 dies before sending anything
 
     await asyncio.gather(die_later(), *(asyncio.to_thread(a.average, 1.0) for a in avgs[:2]))
-    assert ctl.rounds_done == 1 and ctl.aborted == 0
+    assert ctl.rounds.rounds_done == 1 and ctl.rounds.aborted == 0
     assert torch.allclose(models[0].weight.detach(), want, atol=1e-6)
     await stop(ctl, task, avgs)
 
@@ -173,7 +173,7 @@ async def test_bad_slices_are_rejected_with_a_clear_error(bad, reason, caplog):
         if ctl.drops["bulk"]:
             break
         await asyncio.sleep(0.02)
-    assert ctl.drops["bulk"] == 1 and ctl.current is None
+    assert ctl.drops["bulk"] == 1 and ctl.rounds.current is None
     assert reason in caplog.text
     with pytest.raises(ProtocolError, match="bulk"):
         unpack_slice(m.Snapshot(**fields), [b"\0" * 16])
@@ -189,5 +189,5 @@ async def test_snapshot_from_the_wrong_socket_is_unauthorized():
         if ctl.drops["unauthorized"]:
             break
         await asyncio.sleep(0.02)
-    assert ctl.drops["unauthorized"] == 1 and ctl.current is None
+    assert ctl.drops["unauthorized"] == 1 and ctl.rounds.current is None
     await stop(ctl, task)

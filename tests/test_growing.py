@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from flodl.config import DdpRunConfig
-from flodl.controller.averaging import CpuAveraging
+from flodl.averaging.server import CpuAveraging
 from flodl.controller.cadence import CadenceLoop
 from flodl.protocol import messages as m
 
@@ -79,10 +79,10 @@ def test_cpu_rounds_expect_a_joiner_only_from_its_first_round():
         actor.admit(b"rank0.a", 0)
         actor.admit(b"rank1.b", 1)
         actor.admit(b"rank2.c", 2, from_round=7)
-        assert actor._expected(6) == {0, 1}
-        assert actor._expected(7) == {0, 1, 2}
+        assert actor.expected(6) == {0, 1}
+        assert actor.expected(7) == {0, 1, 2}
         actor.live = lambda: {0, 2}  # rank 1 died
-        assert actor._expected(9) == {0, 2}
+        assert actor.expected(9) == {0, 2}
     finally:
         actor.close()
 

@@ -1,6 +1,6 @@
 """The host relay: a host's ranks pre-averaged, one snapshot upstream, the exact average back.
 
-Real sockets and a real controller averaging actor; each "host" is a
+Real sockets and a real controller bulk server; each "host" is a
 ``HostRelay`` on the same event loop with its ranks' averagers in threads.
 """
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flodl.bulk import SLICE_BYTES
-from flodl.relay import HostRelay
+from flodl.averaging.relay import HostRelay
 
 from .test_cpu_averaging import RUN, SECRET, Big, controller, rank_side, stop, values
 
@@ -67,8 +67,8 @@ async def test_relayed_hosts_average_exactly_what_every_rank_would(lane):
     model_bytes = sum(t.numel() * 4 for t in (models[0].w, models[0].v, models[0].stat))
     # the controller took one model per host: two relays and the lone rank, not five
     assert ctl.ingress_bytes == 3 * model_bytes, (ctl.ingress_bytes, model_bytes)
-    assert ctl.rounds_done == 1 and a.rounds_done == 1 and b.rounds_done == 1 and not ctl.drops and not a.drops
-    assert (a.lane_bytes > 0) == lane
+    assert ctl.rounds.rounds_done == 1 and a.rounds.rounds_done == 1 and b.rounds.rounds_done == 1 and not ctl.drops and not a.drops
+    assert (a.local.lane_bytes > 0) == lane
     await close([a, b], ctl, task, avgs.values())
 
 
@@ -83,7 +83,7 @@ async def test_a_local_rank_that_dies_is_not_waited_for():
     await asyncio.gather(*[asyncio.to_thread(avgs[r].average, 1.0) for r in (0, 2)])
     want = (before[0][0] + before[2][0]) / 2
     assert torch.allclose(models[0].w.double(), want, atol=1e-5) and torch.allclose(models[2].w.double(), want, atol=1e-5)
-    assert ctl.aborted == 0 and a.aborted == 0
+    assert ctl.rounds.aborted == 0 and a.rounds.aborted == 0
     await close([a], ctl, task, avgs.values())
 
 
@@ -96,7 +96,7 @@ async def test_rounds_keep_streaming_through_the_relay_over_many_rounds():
     for n in range(4):  # Cadence-like: nobody waits, each rank reads the last average before sending the next
         await asyncio.gather(*[asyncio.to_thread(avgs[r].average, 1.0 + n, block=False) for r in range(3)])
     await asyncio.gather(*[asyncio.to_thread(avgs[r].settle) for r in range(3)])
-    assert ctl.rounds_done == 4 and a.rounds_done == 4 and ctl.aborted == 0
+    assert ctl.rounds.rounds_done == 4 and a.rounds.rounds_done == 4 and ctl.rounds.aborted == 0
     # the relayed ranks read each average before their next snapshot, so both end on the last average;
     # rank 2 (the wire, no settling first) may have snapshotted before an average landed and keeps that delta
     assert torch.allclose(models[0].w, models[1].w, atol=1e-5)
@@ -112,9 +112,24 @@ async def test_an_abort_upstream_reaches_the_local_ranks():
     avgs = {**ranks_under(a, {0: models[0], 1: models[1]}, lane=True)}
     rank_side(ctl, 2, models[2])  # admitted, never sends: the controller aborts the round
     await asyncio.gather(*[asyncio.to_thread(avgs[r].average, 1.0) for r in (0, 1)])
-    assert ctl.aborted == 1 and a.aborted == 1 and all(x.aborted == 1 for x in avgs.values())
+    assert ctl.rounds.aborted == 1 and a.rounds.aborted == 1 and all(x.aborted == 1 for x in avgs.values())
     assert torch.equal(models[0].w.double(), before[0][0])  # kept its own values
     await close([a], ctl, task, avgs.values())
+
+
+def test_relaying_loads_no_controller_code():
+    """A worker relays without the controller package: the relay is built on the averaging
+    package's round core, not on controller internals. Checked in a fresh interpreter:
+    other tests' imports would hide a regression here."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, flodl.averaging.relay; "
+             "loaded = sorted(n for n in sys.modules if n == 'flodl.controller' or n.startswith('flodl.controller.')); "
+             "assert not loaded, loaded; print('ok')")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
 
 
 async def test_a_relay_claiming_more_ranks_than_it_carries_is_dropped(caplog):
@@ -131,6 +146,6 @@ async def test_a_relay_claiming_more_ranks_than_it_carries_is_dropped(caplog):
         if ctl.drops["bulk"]:
             break
         await asyncio.sleep(0.02)
-    assert ctl.drops["bulk"] == 1 and ctl.current is None and "claims 3 ranks, it carries 2" in caplog.text
+    assert ctl.drops["bulk"] == 1 and ctl.rounds.current is None and "claims 3 ranks, it carries 2" in caplog.text
     assert SLICE_BYTES > 0
     await stop(ctl, task)

@@ -22,7 +22,7 @@ from zmq.utils.monitor import recv_monitor_message
 from flodl import bulk
 from flodl.config import DdpRunConfig
 from flodl.controller import Controller, LaunchOptions
-from flodl.controller.averaging import CpuAveraging
+from flodl.averaging.server import CpuAveraging
 from flodl.protocol import messages as m
 from flodl.protocol.codec import DEFAULT_MAX_FRAME, Envelope, FrameWriter
 from flodl import sim
@@ -109,7 +109,7 @@ async def test_an_oversize_bulk_part_closes_the_connection_unread():
     stranger = _stranger(actor.port, bulk.MAX_MSG_BYTES + 1, parts=2)
     try:
         assert await _disconnected(mon) == 1
-        assert actor.drops == {} and actor.reader.drops == {} and actor.queue.empty()
+        assert actor.drops == {} and actor.reader.drops == {} and actor.rounds.queue.empty()
     finally:
         await asyncio.to_thread(stranger.wait, 30)
         sock.disable_monitor()

@@ -146,7 +146,7 @@ async def test_forged_lane_headers_are_dropped_with_a_reason(case, reason, caplo
         }[case]
         _send_raw(ctl.port, b"rank0.x/bulk", header, b"\0" * 16) if case == "frame" else _send_raw_header(ctl.port, header)
         await _until(lambda: ctl.drops["bulk"], "the forged header to be dropped")
-        assert ctl.drops["bulk"] == 1 and ctl.current is None and ctl.rounds_done == 0
+        assert ctl.drops["bulk"] == 1 and ctl.rounds.current is None and ctl.rounds.rounds_done == 0
         assert reason in caplog.text
         assert other.path.exists()  # never touched (a mapped own segment is unlinked; a foreign one is not mapped at all)
     finally:
@@ -177,7 +177,7 @@ async def test_an_average_whose_slot_was_reused_is_never_applied():
     # before rank 0 reads the average the slot is claimed by round 3
     for a in avgs:
         await asyncio.to_thread(a.average, 1.0, block=False)
-    await _until(lambda: ctl.rounds_done == 2, "round 1 to finish")
+    await _until(lambda: ctl.rounds.rounds_done == 2, "round 1 to finish")
     before = models[0].w.detach().clone()
     ctl.update_seg.stamp(3)
     avgs[0].poll()
@@ -196,7 +196,7 @@ def test_a_controller_without_shm_keeps_everyone_on_the_wire(monkeypatch):
         assert ctl.probe_path == ""
         avg = rank_side(ctl, 0, Big(0), lane=False)
         await asyncio.to_thread(avg.average, 1.0)
-        assert ctl.lane_bytes == 0 and ctl.rounds_done == 1
+        assert ctl.lane_bytes == 0 and ctl.rounds.rounds_done == 1
         await stop(ctl, task, [avg])
 
     asyncio.run(main())
@@ -208,17 +208,17 @@ async def test_a_round_waits_at_the_gate_until_every_lane_rank_has_read_the_last
     avgs = [rank_side(ctl, r, mo, lane=True) for r, mo in enumerate(models)]
     for a in avgs:  # round 0 overlaps training (Cadence): nobody waits for it
         await asyncio.to_thread(a.average, 1.0, block=False)
-    await _until(lambda: ctl.rounds_done == 1, "round 0 to finish")
+    await _until(lambda: ctl.rounds.rounds_done == 1, "round 0 to finish")
     # rank 0 reads round 0 and sends round 1; rank 1 may not have read round 0 yet
     await asyncio.to_thread(avgs[0].average, 1.0, block=False)
-    await _until(lambda: ctl.held.get(1), "rank 0's round-1 slices to wait at the gate")
-    assert ctl.current is None and ctl.update_seg.stamp_of(ctl.update_seg) == 0  # round 0's average is intact
+    await _until(lambda: ctl.rounds.held.get(1), "rank 0's round-1 slices to wait at the gate")
+    assert ctl.rounds.current is None and ctl.update_seg.stamp_of(ctl.update_seg) == 0  # round 0's average is intact
     await asyncio.to_thread(avgs[1].average, 1.0, block=False)  # reads round 0 first, then opens the gate
-    await _until(lambda: ctl.rounds_done == 2, "round 1 to finish")
+    await _until(lambda: ctl.rounds.rounds_done == 2, "round 1 to finish")
     for a in avgs:
         await asyncio.to_thread(a.settle)
     assert torch.allclose(models[0].w, models[1].w, atol=1e-5)  # blended (local + avg − snapshot): equal up to rounding
-    assert ctl.aborted == 0 and sum(a.overruns for a in avgs) == 0
+    assert ctl.rounds.aborted == 0 and sum(a.overruns for a in avgs) == 0
     for a in avgs:
         a.close()
     await stop(ctl, task, avgs)
@@ -230,9 +230,9 @@ async def test_a_round_held_at_the_gate_by_a_silent_rank_aborts_after_the_timeou
     avgs = [rank_side(ctl, r, mo, lane=True) for r, mo in enumerate(models)]
     await asyncio.gather(*[asyncio.to_thread(a.average, 1.0) for a in avgs])
     await asyncio.to_thread(avgs[0].average, 1.0, block=False)  # rank 1 never sends round 1
-    await _until(lambda: ctl.aborted == 1, "the gated round to abort")
+    await _until(lambda: ctl.rounds.aborted == 1, "the gated round to abort")
     await asyncio.to_thread(avgs[0].settle)
-    assert ctl.next_round == 2 and not ctl.held and avgs[0].aborted == 1
+    assert ctl.rounds.next_round == 2 and not ctl.rounds.held and avgs[0].aborted == 1
     for a in avgs:
         a.close()
     await stop(ctl, task, avgs)

@@ -51,7 +51,7 @@ from .teardown import Teardown
 from ..monitor.hub import Monitor
 
 if TYPE_CHECKING:
-    from .averaging import CpuAveraging  # torch: imported in _open, only when the CPU backend averages
+    from ..averaging.server import CpuAveraging  # torch: imported in _open, only when the CPU backend averages
 
 log = logging.getLogger("flodl.controller")
 
@@ -219,7 +219,7 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         # the ranks' rendezvous; survives membership generations (each gets a key prefix)
         self.store = dist.TCPStore(self.launch.bind, 0, is_master=True, wait_for_workers=False)
         if self.config.elche.mode.backend is AverageBackend.CPU:
-            from .averaging import CpuAveraging  # torch, shm, bulk: only the CPU backend needs them
+            from ..averaging.server import CpuAveraging  # torch, shm, bulk: only the CPU backend needs them
 
             self.averaging = CpuAveraging(
                 secret=self.secret, run_id=self.run_id, bind=self.launch.bind,

@@ -6,8 +6,8 @@ snapshots to it instead of the controller, over the same-host lane when they
 can (``shm.py``), so on a host with N ranks the controller receives one
 model per round instead of N: its ingress grows with hosts, not ranks.
 
-The relay is the controller's averaging actor turned inside out
-(``CpuAveraging`` with two overrides): a slice folded from every local rank is
+The relay runs the controller's bulk server (``server.py``) for its local
+ranks and is that server's egress: a slice folded from every local rank is
 normalised to the local weighted average and sent upstream at once (streaming
 across the host boundary as the controller streams back), carrying the summed
 weight and how many local ranks trained (``Snapshot.ranks``), so the
@@ -19,6 +19,9 @@ The controller stays in charge of rounds: it times them out and aborts them,
 and the relay passes aborts on. The relay only stops waiting for a local rank
 whose process has ended (the worker tells it at once), and, as a safety net,
 gives a round up when nothing comes back for several snapshot timeouts.
+
+It imports nothing of ``flodl.controller``: a relaying worker loads only
+this package.
 """
 
 from __future__ import annotations
@@ -27,28 +30,34 @@ import logging
 from collections import Counter
 from typing import Any
 
-import torch
 import zmq
 
-from . import curve
-from .bulk import DTYPES, MAX_MSG_BYTES, announcement, as_frame, slices, unpack_slice
-from .controller.averaging import CpuAveraging, _Round
-from .errors import ProtocolError
-from .protocol import messages as m
-from .protocol.codec import FrameReader, FrameWriter
-from .transport import AsyncSocket
+from .. import curve
+from ..bulk import MAX_MSG_BYTES, announcement, as_frame, unpack_slice
+from ..errors import ProtocolError
+from ..protocol import messages as m
+from ..protocol.codec import FrameReader, FrameWriter
+from ..transport import AsyncSocket
+from .rounds import Round
+from .server import CpuAveraging
 
 log = logging.getLogger("flodl.relay")
 
 
-class HostRelay(CpuAveraging):
+class HostRelay:
     """Pre-averages this host's ranks (weighted) and exchanges one snapshot per round with the controller."""
 
     def __init__(self, *, secret: bytes, run_id: str, upstream: str, identity: str, ranks: list[int], timeout_s: float) -> None:
-        super().__init__(secret=secret, run_id=run_id, bind="127.0.0.1", timeout_s=timeout_s)
+        # the local ranks send to a bulk server of our own, as they would to the controller's; we are its egress
+        self.local = CpuAveraging(secret=secret, run_id=run_id, bind="127.0.0.1", timeout_s=timeout_s, egress=self, join_late=True)
+        self.rounds = self.local.rounds
+        self.drops = self.local.drops  # one tally: upstream drops are reported with the local side's
+        # what the worker tells its ranks: they connect to us as they would to the controller
+        self.port, self.probe_path, self.probe_nonce = self.local.port, self.local.probe_path, self.local.probe_nonce
+        self.timeout_s = timeout_s
         self.source = min(ranks)
         self.local_live: set[int] = set(ranks)  # the worker drops a rank the moment its process ends
-        self.live = lambda: self.local_live
+        self.local.live = lambda: self.local_live
         self.up_writer = FrameWriter(secret, run_id, identity)
         self.up_reader = FrameReader(secret, run_id, max_frame=1 << 20, name=f"{identity} upstream", own=identity)
         sock = zmq.Context.instance().socket(zmq.DEALER)  # routing id assigned upstream; ``identity`` signs our headers
@@ -60,39 +69,38 @@ class HostRelay(CpuAveraging):
         curve.client(sock)
         sock.connect(upstream)
         self.up = AsyncSocket(sock, self._on_upstream)
-        self.sent_up: set[int] = set()  # rounds whose every slice went upstream
         self.received_up: Counter[int] = Counter()  # round -> averaged elements back from upstream
         self.egress_bytes = 0
-        self._seen_any = False
 
     def start(self) -> None:
-        super().start()
+        self.local.start()
         self.up.start()
         self.up.send([self.up_writer.encode(announcement(self.source))])  # binds our route upstream before any round
 
+    async def run(self) -> None:
+        """The local side's loop: fold the local ranks' slices, send averages upstream."""
+        await self.local.run()
+
     def close(self) -> None:
-        super().close()
+        self.local.close()
         self.up.close()
+
+    def admit(self, identity: bytes, rank: int) -> None:
+        """A local rank, by its control sender name (its bulk headers are signed as ``<identity>/bulk``)."""
+        self.local.admit(identity, rank)
 
     def rank_ended(self, rank: int) -> None:
         """A local rank's process is gone: rounds stop waiting for it."""
         self.local_live.discard(rank)
 
-    # ------------------------------------------------------------ local side
+    # ------------------------------------------- egress: the local side's averages
 
-    async def _take(self, rank: int, msg: m.Snapshot, piece: torch.Tensor) -> None:
-        if not self._seen_any:
-            # a joining host's ranks start at the run's current round, not 0
-            self._seen_any = True
-            self.next_round = max(self.next_round, msg.round)
-        await super()._take(rank, msg, piece)
-
-    async def _send_slice(self, rnd: _Round, bucket: int, start: int, count: int) -> None:
+    async def slice_ready(self, rnd: Round, bucket: int, start: int, count: int) -> None:
         """Send this host's weighted average of one slice upstream (weight 0 when no local rank trained)."""
         if (bucket, start) in rnd.streamed:
             return
         weight, trained = rnd.sums(rnd.expected & set(rnd.weights))
-        out, acc = self._averaged(rnd, bucket, start, count, weight, trained)
+        out, acc = rnd.averaged(bucket, start, count, weight, trained)
         if out is acc:
             out = acc.clone()  # the controller's average will land in this slot: send a copy of ours
         header = m.Snapshot(rank=self.source, round=rnd.number, weight=float(weight), ranks=int(trained), groups=rnd.groups,
@@ -102,23 +110,16 @@ class HostRelay(CpuAveraging):
         self.egress_bytes += out.numel() * out.element_size()
         rnd.streamed.add((bucket, start))
 
-    async def _finish(self, rnd: _Round) -> None:
-        """Every local snapshot is in: send what has not gone upstream yet, then wait for the controller."""
-        if rnd.number in self.sent_up:
-            return
-        for bucket, start, count in slices(rnd.numels, [DTYPES[d].itemsize for d in rnd.dtypes]):
-            await self._send_slice(rnd, bucket, start, count)
-        self.sent_up.add(rnd.number)
+    async def round_ready(self, rnd: Round) -> bool:
+        """Every local snapshot is in: send what has not gone upstream yet; the controller's average ends the round."""
+        for bucket, start, count in rnd.slices():
+            await self.slice_ready(rnd, bucket, start, count)
+        return False
 
-    async def _check_timeout(self) -> None:
-        rnd = self.current
-        if rnd is not None and rnd.number in self.sent_up:
-            # the controller owns the round now; the safety net: it may be gone
-            if self.clock() - rnd.started > self.timeout_s:
-                log.warning("relay: no average for round %d from the controller within %g s; giving it up", rnd.number, self.timeout_s)
-                self._close_round(rnd.number, rnd, aborted=True)
-            return
-        await super()._check_timeout()
+    def round_overdue(self, rnd: Round) -> None:
+        """The safety net: the controller owns the round now, and it may be gone."""
+        log.warning("relay: no average for round %d from the controller within %g s; giving it up", rnd.number, self.timeout_s)
+        self._close_round(rnd.number, rnd, aborted=True)
 
     # ---------------------------------------------------------- upstream side
 
@@ -130,13 +131,13 @@ class HostRelay(CpuAveraging):
         if not isinstance(msg, m.Update):
             self.drops["upstream_unexpected"] += 1
             return
-        if msg.round < self.next_round:
+        if msg.round < self.rounds.next_round:
             self.drops["stale"] += 1
             return
         if msg.aborted or msg.ranks == 0:
             self._close_round(msg.round, msg, aborted=msg.aborted)
             return
-        rnd = self.current
+        rnd = self.rounds.current
         if rnd is None or rnd.number != msg.round:
             self.drops["upstream_unexpected"] += 1  # an average for a round we sent nothing of
             return
@@ -148,29 +149,20 @@ class HostRelay(CpuAveraging):
             return
         fields = dict(round=msg.round, aborted=False, ranks=msg.ranks, groups=msg.groups, dtypes=msg.dtypes, numels=msg.numels,
                       bucket=msg.bucket, start=msg.start, count=msg.count)
-        lane = None
-        if self.update_seg is not None:
+        lane = self.local.lane_header(fields, msg.bucket, msg.start)
+        if lane is not None:
             # local ranks on the lane read the average where our partial sum was (sent already)
             rnd.acc[msg.bucket][msg.start : msg.start + msg.count].copy_(piece)
-            lane = m.Update(**fields, shm=str(self.update_seg.path), shm_offset=self.update_seg.offset(msg.bucket, msg.start))
-        self._broadcast(m.Update(**fields, shm="", shm_offset=0), [parts[1]], lane=lane)
+        self.local.broadcast(m.Update(**fields, shm="", shm_offset=0), [parts[1]], lane=lane)
         self.received_up[msg.round] += msg.count
         if self.received_up[msg.round] >= rnd.total:
-            self._forget(msg.round)
-            self._round_done(rnd)
+            self.received_up.pop(msg.round, None)
+            self.rounds.round_done(rnd)
 
     def _close_round(self, number: int, layout: Any, *, aborted: bool) -> None:
         """Pass an abort (or an empty average) on to the local ranks and move past the round."""
-        if number != (self.current.number if self.current is not None else self.next_round):
-            return  # not the round we are in or about to open: nothing of ours waits on it
-        self._broadcast(self._empty(layout, number, aborted=aborted), [])
-        self.aborted += aborted
-        self._forget(number)
-        self._next(number)
-
-    def _forget(self, number: int) -> None:
-        self.sent_up.discard(number)
-        self.received_up.pop(number, None)
+        if self.rounds.close(number, layout, aborted=aborted):
+            self.received_up.pop(number, None)
 
     def telemetry(self) -> dict:
-        return super().telemetry() | {"egress_mb": round(self.egress_bytes / 2**20, 1), "upstream_drops": dict(self.up.send_drops)}
+        return self.local.telemetry() | {"egress_mb": round(self.egress_bytes / 2**20, 1), "upstream_drops": dict(self.up.send_drops)}

@@ -1,0 +1,327 @@
+"""The CPU averaging backend's bulk server: the socket sources send snapshot slices to.
+
+Ranks send parameter snapshots to a bulk ROUTER socket of their own (heartbeats
+and timing never queue behind a model). ``CpuAveraging`` admits the sources,
+authenticates and unpacks their slices, and feeds them to the round core
+(``rounds.py``), which folds them and says when an average is ready; here it
+goes back to every source (``SendBack``, the controller's egress). A host
+relay (``relay.py``) runs the same server for its local ranks with an egress
+of its own that sends the average upstream instead.
+
+The socket stops being read while a few slices wait to be folded, so an end
+holds a few slices per peer besides its accumulator.
+
+Ranks on the same host take the same-host lane (``shm.py``): their slices are
+read straight out of their shared-memory segments, and the accumulator itself
+lives in the server's update segment, so their ``Update`` headers carry no
+frame at all. The accumulator is reused every round (the round core gates
+it), and ranks elsewhere get frames copied off it once per slice (a slow
+peer's queued frame must not see it rewritten).
+
+Sources are keyed by their lowest rank; a relay is waited for while any of
+its ranks lives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+import zmq
+
+from .. import curve, shm
+from ..bulk import MAX_MSG_BYTES, as_frame, check_slice, is_announcement, unpack_slice
+from ..errors import ProtocolError
+from ..protocol import messages as m
+from ..protocol.codec import FrameReader, FrameWriter
+from ..transport import AsyncSocket, Routes, peer_name
+from .rounds import Egress, Round, Rounds, empty_update
+
+log = logging.getLogger("flodl.averaging")
+
+#: Slices received but not yet folded before the socket stops being read.
+READ_AHEAD = 4
+
+
+class CpuAveraging:
+    """Collects snapshot slices from its sources and averages them on the CPU in rounds.
+
+    Where each average goes is ``egress``: left out, back to the sources (the
+    controller's); a host relay passes itself and sends it upstream.
+    ``join_late``: the first round is whatever the sources send first, not 0
+    (a relay may join a running job).
+    """
+
+    def __init__(self, *, secret: bytes, run_id: str, bind: str, timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                 egress: Egress | None = None, join_late: bool = False) -> None:
+        self.reader = FrameReader(secret, run_id, max_frame=1 << 20, name="controller bulk", own="controller")
+        self.writer = FrameWriter(secret, run_id, "controller/bulk")
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 4)  # a few slices per peer in flight; TCP holds the rest
+        sock.setsockopt(zmq.SNDHWM, 0)  # updates reference the accumulator: never dropped
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)  # a part bigger than a slice closes the connection unread
+        curve.server(sock)
+        self.port = sock.bind_to_random_port(f"tcp://{bind}")
+        self.io = AsyncSocket(sock, self._on_parts)
+        self.ranks: dict[bytes, int] = {}  # bulk sender name -> source (a rank, or a relay's lowest rank)
+        self.routes = Routes()  # bulk sender name -> the connection its signed headers come on
+        self.members: dict[int, set[int]] = {}  # source -> the ranks it carries
+        self.relayed: dict[int, int] = {}  # rank -> the relay source that carries it
+        self.first_round: dict[int, int] = {}  # source -> the first round it takes part in (joiners start later)
+        self.live: Callable[[], set[int]] = lambda: set().union(*self.members.values())  # the controller plugs in its membership
+        self.drops: Counter[str] = Counter()
+        self.on_round: Callable[[int, float], None] = lambda number, ms: None
+        # the core calls on_round through a lambda: the controller plugs its hook in after construction
+        self.rounds = Rounds(endpoint=self, egress=egress or SendBack(self), timeout_s=timeout_s, clock=clock, drops=self.drops,
+                             on_round=lambda number, ms: self.on_round(number, ms), join_late=join_late)
+        # the same-host lane: a probe ranks check, their mapped segments, our update segment
+        self.run_id = run_id
+        self.probe_path, self.probe_nonce = "", ""
+        if shm.enabled():
+            shm.sweep_stale()
+            try:
+                path, self.probe_nonce = shm.create_probe(run_id)
+                self.probe_path = str(path)
+            except OSError as exc:  # no usable /dev/shm: every rank stays on the wire
+                log.warning("same-host shared-memory lane off: %s", exc)
+        self.segments: dict[int, shm.Segment] = {}  # rank -> its snapshot segment, mapped
+        self.shm_identities: set[bytes] = set()  # bulk identities of ranks on the lane
+        self.update_seg: shm.UpdateSegment | None = None
+        self.lane_bytes = 0  # bytes that came through the lane instead of a socket
+        self.ingress_bytes = 0  # snapshot bytes that came through the socket
+
+    # ------------------------------------------------------------------ wiring
+
+    def admit(self, identity: bytes, rank: int, *, from_round: int = 0) -> None:
+        """``identity`` is the rank's control sender name; its bulk headers are signed as ``<identity>/bulk``.
+
+        A rank joining a running job is expected from ``from_round`` on: the
+        rounds before it are its peers' alone.
+        A rank whose host relays (``admit_relay``) sends nothing here itself:
+        admitting it makes its relay expected from ``from_round``.
+        """
+        source = self.relayed.get(rank)
+        if source is not None:
+            self.first_round[source] = from_round
+            return
+        self.ranks[identity + b"/bulk"] = rank
+        self.members[rank] = {rank}
+        self.first_round[rank] = from_round
+
+    def admit_relay(self, identity: bytes, ranks: list[int]) -> None:
+        """``identity`` (a worker's control sender name, ``/bulk`` added) relays ``ranks``.
+
+        It becomes one source, keyed by the lowest of them, expected once they are admitted.
+        """
+        source = min(ranks)
+        for rank in ranks:
+            self.relayed[rank] = source
+        self.ranks[identity + b"/bulk"] = source
+        self.members[source] = set(ranks)
+
+    def expected(self, number: int) -> set[int]:
+        """The sources round ``number`` waits for: admitted by then, and carrying a live rank."""
+        live = self.live()
+        return {s for s, ranks in self.members.items() if ranks & live and self.first_round.get(s, number + 1) <= number}
+
+    def start(self) -> None:
+        self.io.start()
+
+    def close(self) -> None:
+        self.io.close()
+        if self.probe_path:
+            shm.unlink(self.probe_path)
+        if self.update_seg is not None:
+            self.update_seg.unlink()
+
+    def _on_parts(self, parts: list) -> None:
+        if len(parts) < 2:
+            self.drops["malformed"] += 1
+            return
+        route, header, frames = parts[0], parts[1], parts[2:]
+        env = self.reader.read(header, peer_name(route))
+        if env is None:
+            return
+        msg = env.msg
+        if isinstance(msg, m.Snapshot) and is_announcement(msg) and not frames:
+            self._route(env, route)  # a bulk socket's first header (it may come before the rank is admitted)
+            return
+        identity = env.sender.encode()  # signed: the routing id is the connection's, chosen by nobody we trust
+        rank = self.ranks.get(identity)
+        if not isinstance(msg, m.Snapshot) or rank is None or rank != msg.rank:
+            self.drops["unauthorized"] += 1
+            return
+        self._route(env, route)
+        if not 0 <= msg.ranks <= len(self.members.get(rank, ())):
+            self.drops["bulk"] += 1
+            log.error("rejected a snapshot slice from source %d: it claims %d ranks, it carries %d", rank, msg.ranks, len(self.members.get(rank, ())))
+            return
+        if not msg.shm:
+            self.ingress_bytes += sum(len(f) for f in frames)
+        try:
+            piece = self._lane_slice(identity, rank, msg, frames) if msg.shm else unpack_slice(msg, frames)
+        except ProtocolError as exc:
+            self.drops["bulk"] += 1
+            log.error("rejected a snapshot slice from rank %d: %s", rank, exc.detail)
+            return
+        if piece is None:
+            self.drops["bulk"] += 1
+            return
+        self.rounds.queue.put_nowait((rank, msg, piece))
+        # read ahead a few slices while one is folded, then stop: memory stays bounded
+        self.io.paused = self.rounds.queue.qsize() >= READ_AHEAD
+
+    def _route(self, env: Any, route: bytes) -> None:
+        """The connection that reaches a sender: its first authenticated header binds it, its newest moves it (a reconnect)."""
+        if self.routes.get(env.sender) is None:
+            self.routes.bind(env.sender, route)
+        else:
+            self.routes.follow(env, route)
+
+    def _lane_slice(self, identity: bytes, rank: int, msg: m.Snapshot, frames: list) -> torch.Tensor:
+        """The slice a header names in the rank's segment (mapped on first use, then unlinked).
+
+        Raises:
+            ProtocolError: ``bulk``/``shm`` for frames next to a lane header, a foreign
+                path, a layout the header does not hold, or a slice outside the segment.
+        """
+        if frames:
+            raise ProtocolError("bulk", "a shared-memory slice header carries a frame")
+        seg = self.segments.get(rank)
+        if seg is None or str(seg.path) != msg.shm:
+            path = shm.checked_path(msg.shm, self.run_id, f"r{rank}") if self.probe_path else None
+            if path is None:
+                raise ProtocolError("shm", f"rank {rank} named {msg.shm!r}, not a segment of its own in this run")
+            seg = self.segments[rank] = shm.Segment.open(path)
+            seg.unlink()  # mapped: the name is no longer needed, and a killed rank leaves nothing
+            self.shm_identities.add(identity)
+        dtype = check_slice(msg)
+        self.lane_bytes += msg.count * dtype.itemsize
+        return seg.view(msg.shm_offset, msg.count, dtype)
+
+    # -------------------------------------------------------------------- actor
+
+    async def run(self) -> None:
+        """Fold slices as they come, finish or abort rounds (the actor's loop)."""
+        rounds = self.rounds
+        while True:
+            try:
+                async with asyncio.timeout(0.1):
+                    rank, msg, piece = await rounds.queue.get()
+            except TimeoutError:
+                await rounds.check()
+                continue
+            try:
+                await rounds.take(rank, msg, piece)
+            except ProtocolError as exc:
+                self.drops["bulk"] += 1
+                log.error("rejected a snapshot slice from rank %d: %s", rank, exc.detail)
+            finally:
+                del piece  # release the ZeroMQ buffer before reading more
+                if self.io.paused and rounds.queue.qsize() < READ_AHEAD:
+                    self.io.resume()
+            await rounds.check()
+
+    # ------------------------------------------------- what the round core asks
+
+    def lane_ranks(self) -> set[int] | None:
+        """Ranks on the lane, which read averages in place; None while there is no update segment (nothing to gate)."""
+        return None if self.update_seg is None else set(self.segments)
+
+    def accumulators(self, number: int, numels: list[int]) -> list[torch.Tensor]:
+        """Round ``number``'s accumulators: the update segment once a rank is on the lane, else private memory.
+
+        Raises:
+            ProtocolError: ``bulk`` for a layout other than the update segment's.
+        """
+        if self.shm_identities and self.update_seg is None:
+            try:
+                self.update_seg = shm.UpdateSegment.create_for(self.run_id, numels)
+            except OSError as exc:
+                log.warning("no update segment (%s): averages go to every rank as frames", exc)
+                self.shm_identities.clear()
+        seg = self.update_seg
+        if seg is not None and seg.numels != numels:
+            raise ProtocolError("bulk", "a snapshot's model layout differs from the run's")
+        return seg.accumulators(number, numels) if seg is not None else [torch.empty(n, dtype=torch.float32) for n in numels]
+
+    def lane_header(self, fields: dict, bucket: int, start: int) -> m.Update | None:
+        """The ``Update`` for ranks on the lane, naming where the slice's average lies in the update segment; None without one."""
+        if self.update_seg is None:
+            return None
+        return m.Update(**fields, shm=str(self.update_seg.path), shm_offset=self.update_seg.offset(bucket, start))
+
+    def on_wire(self) -> bool:
+        """Does any source get averages as frames (not on the lane)?"""
+        return len(self.shm_identities) < len(self.ranks)
+
+    def broadcast(self, header: m.Update, frames: list, *, lane: m.Update | None = None) -> None:
+        """``header`` and its frames to every rank; ranks on the lane get ``lane`` alone when given."""
+        # through AsyncSocket.send: it re-checks the socket for input after sending,
+        # without which an edge-triggered ZeroMQ FD can swallow the next arrival
+        encoded = self.writer.encode(header)
+        on_lane = self.writer.encode(lane) if lane is not None else None
+        for identity in self.ranks:
+            route = self.routes.get(identity.decode())
+            if route is None:  # never heard from: nothing reaches it yet
+                self.drops["unreachable"] += 1
+                continue
+            parts = [route, on_lane] if on_lane is not None and identity in self.shm_identities else [route, encoded, *frames]
+            if not self.io.send(parts, copy=False):
+                self.drops["unreachable"] += 1
+
+    def telemetry(self) -> dict:
+        ms = sorted(self.rounds.round_ms)
+        return {
+            "rounds": self.rounds.rounds_done,
+            "aborted": self.rounds.aborted,
+            "round_ms_p50": ms[len(ms) // 2] if ms else None,
+            "round_ms_max": ms[-1] if ms else None,
+            "lane_mb": round(self.lane_bytes / 2**20, 1),
+            "ingress_mb": round(self.ingress_bytes / 2**20, 1),
+            "ingress_bytes": self.ingress_bytes,  # snapshot bytes that came through the socket (exact)
+            "relays": len([s for s, ranks in self.members.items() if len(ranks) > 1 or s in self.relayed.values()]),
+            "dropped": dict(self.drops) | {f"header_{k}": v for k, v in self.reader.drops.items()},
+        }
+
+
+class SendBack:
+    """The controller's egress: each slice's average goes back to every source as soon as it is in."""
+
+    def __init__(self, server: CpuAveraging) -> None:
+        self.server = server
+
+    async def slice_ready(self, rnd: Round, bucket: int, start: int, count: int) -> None:
+        """Normalise one slice of the accumulator and send it to every source."""
+        param_weight, buffer_weight = rnd.sums(rnd.expected & set(rnd.weights))
+        if param_weight <= 0:
+            return  # nobody trained: the empty update goes out when the round is done
+        out, acc = rnd.averaged(bucket, start, count, param_weight, buffer_weight)
+        fields = dict(round=rnd.number, aborted=False, ranks=int(buffer_weight), groups=rnd.groups, dtypes=rnd.dtypes,
+                      numels=rnd.numels, bucket=bucket, start=start, count=count)
+        lane = self.server.lane_header(fields, bucket, start)
+        if lane is not None and out is acc and self.server.on_wire():
+            out = acc.clone()  # frames outlive the slot: a slow peer's queue must not see it reused
+        self.server.broadcast(m.Update(**fields, shm="", shm_offset=0), [as_frame(out)], lane=lane)
+        rnd.streamed.add((bucket, start))
+
+    async def round_ready(self, rnd: Round) -> bool:
+        """Send the slices not streamed yet, or the empty update when nobody trained: the round is done."""
+        if sum(rnd.weights.get(r, 0.0) for r in rnd.complete()) > 0:
+            # slices not streamed yet: their last fold came before a rank that left
+            # stopped being expected; they go out now
+            for bucket, start, count in rnd.slices():
+                if (bucket, start) not in rnd.streamed:
+                    await self.slice_ready(rnd, bucket, start, count)
+        else:  # nobody trained: there is nothing to average
+            self.server.broadcast(empty_update(rnd, rnd.number, aborted=False), [])
+        return True
+
+    def round_overdue(self, rnd: Round) -> None:
+        """Never called: this egress hands no round over (``round_ready`` is always True)."""

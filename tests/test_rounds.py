@@ -1,0 +1,96 @@
+"""The CPU averaging round core on its own: no socket, a fake endpoint and egress, a hand-driven clock."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from flodl.averaging.rounds import Round, Rounds
+from flodl.protocol import messages as m
+
+NUMELS = [4, 2]
+
+
+class Endpoint:
+    """Two sources on the wire; what goes out is recorded."""
+
+    def __init__(self) -> None:
+        self.live = lambda: {0, 1}
+        self.sent: list[m.Update] = []
+
+    def expected(self, number: int) -> set[int]:
+        return {0, 1}
+
+    def lane_ranks(self) -> set[int] | None:
+        return None
+
+    def accumulators(self, number: int, numels: list[int]) -> list[torch.Tensor]:
+        return [torch.empty(n, dtype=torch.float32) for n in numels]
+
+    def broadcast(self, header: m.Update, frames: list, *, lane: m.Update | None = None) -> None:
+        self.sent.append(header)
+
+
+class Egress:
+    """Records the averages; ``done`` says whether a ready round ends here or is handed over."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+        self.averages: dict[tuple[int, int], torch.Tensor] = {}
+        self.overdue: list[int] = []
+
+    async def slice_ready(self, rnd: Round, bucket: int, start: int, count: int) -> None:
+        weight, trained = rnd.sums(rnd.expected & set(rnd.weights))
+        out, _ = rnd.averaged(bucket, start, count, weight, trained)
+        self.averages[(bucket, start)] = out.clone()
+        rnd.streamed.add((bucket, start))
+
+    async def round_ready(self, rnd: Round) -> bool:
+        return self.done
+
+    def round_overdue(self, rnd: Round) -> None:
+        self.overdue.append(rnd.number)
+
+
+def snapshot(source: int, weight: float, bucket: int) -> m.Snapshot:
+    return m.Snapshot(rank=source, round=0, weight=weight, ranks=1, groups=["p", "b"], dtypes=["float32", "float32"],
+                      numels=NUMELS, bucket=bucket, start=0, count=NUMELS[bucket], shm="", shm_offset=0)
+
+
+def core(done: bool) -> tuple[Rounds, Endpoint, Egress, list[float]]:
+    now = [0.0]
+    endpoint, egress = Endpoint(), Egress(done)
+    rounds = Rounds(endpoint=endpoint, egress=egress, timeout_s=5.0, clock=lambda: now[0], drops=Counter(),
+                    on_round=lambda number, ms: None)
+    return rounds, endpoint, egress, now
+
+
+async def feed(rounds: Rounds) -> None:
+    for source, weight in ((0, 3.0), (1, 1.0)):
+        for bucket in (0, 1):
+            await rounds.take(source, snapshot(source, weight, bucket), torch.full((NUMELS[bucket],), float(source + 1)))
+
+
+async def test_a_round_is_weighted_streamed_and_done():
+    rounds, _, egress, _ = core(done=True)
+    await feed(rounds)
+    # parameters weigh by batches trained, buffers equally among the sources that trained
+    assert torch.allclose(egress.averages[(0, 0)], torch.full((4,), (3 * 1 + 1 * 2) / 4))
+    assert torch.allclose(egress.averages[(1, 0)], torch.full((2,), 1.5))
+    assert rounds.rounds_done == 1 and rounds.current is None and rounds.next_round == 1
+
+
+async def test_a_handed_over_round_waits_for_its_egress_and_is_given_up_after_the_timeout():
+    rounds, endpoint, egress, now = core(done=False)
+    await feed(rounds)
+    rnd = rounds.current
+    assert rnd is not None and rnd.handed_over and rounds.rounds_done == 0
+    now[0] = 4.0
+    await rounds.check()  # the core neither finishes nor aborts it: the egress owns its clock
+    assert rounds.current is rnd and not egress.overdue and not endpoint.sent
+    now[0] = 6.0
+    await rounds.check()
+    assert egress.overdue == [0]
+    assert rounds.close(0, rnd, aborted=True) and endpoint.sent[-1].aborted and rounds.aborted == 1 and rounds.next_round == 1
+    assert not rounds.close(0, rnd, aborted=True)  # a round already passed: nothing waits on it
