@@ -33,6 +33,7 @@ class Evaluating:
 
     def _evaluate(self, cmd: m.RunEval) -> None:
         """Score the model with the task's eval function and report it (errors included)."""
+        self.evals_taken += 1  # between batches or between windows: the runner compares it with the link's count
         value, error = None, None
         start = time.perf_counter()
         self.link.doing("eval")
