@@ -2,21 +2,32 @@
 
 Pure logic: no sockets, no event loop, time passed in. The controller feeds
 it facts (a frame arrived, a worker reported an exit, a peer said goodbye)
-and asks ``assess(now)`` for a verdict; the verdict carries a reason string
-that goes straight into the log, so a membership decision is always
-explained. Tests drive it with a fake clock instead of sleeping.
+through its methods, never by editing the registry itself. Judging is in two
+steps: ``assess(now)`` is pure and returns a ``Verdict`` (who is to be
+declared dead and why, which silent workers to give up), and ``apply(verdict)``
+is the only thing that carries one out. The verdict's reason string goes
+straight into the log, so a membership decision is always explained; and a
+verdict can be asked for just to explain a timeout, changing nothing. Tests
+drive it with a fake clock instead of sleeping.
 
-A rank is alive while it makes progress, not merely while it beats:
-``note_stalls`` applies progress.py's deadlines to what the heartbeats say.
+A rank is alive while it makes progress, not merely while it beats: given
+``ProgressLimits``, ``assess`` applies progress.py's deadlines to what the
+heartbeats say.
+
+The generation (bumped on every change of the world: deaths, joiners, a
+collective rebuilt) has one writer, ``new_generation(reason)``.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 from dataclasses import dataclass, field
 from enum import Enum
 
 from .progress import Progress, ProgressLimits, stalled
+
+log = logging.getLogger(__name__)
 
 
 class PeerState(str, Enum):
@@ -64,14 +75,23 @@ class WorkerInfo:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The outcome of one membership assessment."""
+    """The outcome of one membership assessment: what ``Membership.apply`` would do.
 
-    dead: tuple[int, ...]
+    Making one changes nothing, so a verdict may also be asked for only to
+    explain a timeout.
+    """
+
+    deaths: tuple[tuple[int, str], ...]  # (rank, why) of each rank to declare dead, in rank order
     reason: str
+    retired_workers: tuple[str, ...] = ()  # senders of silent workers to give up (their ranks all dead)
+
+    @property
+    def dead(self) -> tuple[int, ...]:
+        return tuple(rank for rank, _ in self.deaths)
 
     @property
     def healthy(self) -> bool:
-        return not self.dead
+        return not self.deaths
 
 
 def describe_exit(code: int) -> str:
@@ -86,13 +106,14 @@ def describe_exit(code: int) -> str:
 
 
 class Membership:
-    """Registry of workers and ranks with liveness bookkeeping."""
+    """Registry of workers and ranks with liveness bookkeeping: the one owner of both
+    and of the generation (others read them, and tell it facts through its methods)."""
 
     def __init__(self, heartbeat_timeout_s: float) -> None:
         if heartbeat_timeout_s <= 0:
             raise ValueError("heartbeat_timeout_s must be positive")
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.generation = 0
+        self._generation = 0
         self.workers: dict[str, WorkerInfo] = {}
         self.ranks: dict[int, RankInfo] = {}
         self.by_identity: dict[bytes, RankInfo] = {}  # routing id -> rank, for O(1) liveness
@@ -109,6 +130,37 @@ class Membership:
         info = self.ranks[rank] = RankInfo(rank=rank, host=host, device=device, last_seen=now)
         return info
 
+    def assign_ranks(self, worker: WorkerInfo, first: int, now: float) -> list[int]:
+        """``worker`` runs ranks ``first``, ``first + 1``, ... (one per device): expect them."""
+        worker.ranks = list(range(first, first + len(worker.devices)))
+        for rank, device in zip(worker.ranks, worker.devices):
+            self.expect_rank(rank, worker.host, device, now)
+        return worker.ranks
+
+    def expect_restart(self, worker: WorkerInfo, rank: int, device: str, now: float) -> RankInfo:
+        """``worker`` was told to start ``rank`` in a dead rank's place: one more of its ranks."""
+        worker.ranks.append(rank)
+        return self.expect_rank(rank, worker.host, device, now)
+
+    def rank_said_hello(self, rank: int, identity: bytes, sender: str, host: str, pid: int, device: str) -> RankInfo:
+        """The rank's hello was accepted: its frames come on ``identity``, signed as ``sender``."""
+        info = self.ranks[rank]
+        info.identity, info.sender, info.host, info.pid, info.device = identity, sender, host, pid, device
+        self.by_identity[identity] = info
+        self.by_sender[sender] = info
+        return info
+
+    def rank_ready(self, rank: int) -> None:
+        """The rank joined the collective: it trains when told."""
+        self.ranks[rank].state = PeerState.READY
+
+    def route_moved(self, peer: WorkerInfo | RankInfo, identity: bytes) -> None:
+        """A known peer's newest frame came on another connection: its route follows it there."""
+        if isinstance(peer, RankInfo):
+            self.by_identity.pop(peer.identity, None)
+            self.by_identity[identity] = peer
+        peer.identity = identity
+
     def seen_worker(self, sender: str, now: float) -> None:
         worker = self.workers.get(sender)
         if worker is not None:
@@ -119,73 +171,138 @@ class Membership:
         if info is not None:
             info.last_seen = now
 
+    def seen_route(self, identity: bytes, now: float) -> None:
+        """A frame that names no rank came on a rank's route: the rank is alive."""
+        info = self.by_identity.get(identity)
+        if info is not None:
+            info.last_seen = now
+
+    def excuse_silence_before_hello(self, now: float) -> None:
+        """A rank that never said hello is judged by the join timeout, not by heartbeats:
+        its silence starts counting only once it has said hello."""
+        for info in self.ranks.values():
+            if not info.identity and info.death is None:
+                info.last_seen = now
+
     def heard_progress(self, info: RankInfo, busy: str, busy_s: float, step_ms: float, averaged: int, now: float) -> None:
         """A rank's heartbeat: what its training thread does and since when it made no progress."""
         info.progress = Progress(busy=busy, busy_s=busy_s, step_ms=step_ms, at=now)
         info.averaged = max(info.averaged, averaged)
 
-    def note_stalls(self, now: float, limits: ProgressLimits) -> None:
-        """Mark as dying every live rank whose training thread is past its deadline
-        (``assess`` then declares it dead, with that reason)."""
-        for info in self.ranks.values():
-            if info.death is None and info.state not in (PeerState.EXITED, PeerState.DEAD):
-                why = stalled(info.progress, now, limits)
-                if why is not None:
-                    info.death = why
-
-    def rank_exited(self, rank: int, code: int) -> RankInfo | None:
-        """The worker reaped the rank's process (the fast death path)."""
+    def rank_exited(self, rank: int, code: int, pid: int = 0) -> RankInfo | None:
+        """The worker reaped the rank's process (the fast death path); ``assess`` then declares
+        it dead unless it said goodbye. ``pid`` fills in one never learnt (it died before its hello)."""
         info = self.ranks.get(rank)
         if info is None:
             return None
         info.exit_code = code
+        if info.pid == 0:
+            info.pid = pid
         if info.state is not PeerState.EXITED and info.death is None:
             info.death = describe_exit(code)
         return info
 
-    def rank_left(self, rank: int) -> None:
-        """The rank said goodbye (Exiting): it is done, not dead."""
+    def rank_left(self, rank: int, code: int | None = None) -> None:
+        """The rank said goodbye (Exiting), or exited after it was told to go (its exit
+        ``code``): it is done, not dead."""
         info = self.ranks.get(rank)
-        if info is not None and info.state is not PeerState.DEAD:
+        if info is None:
+            return
+        if code is not None:
+            info.exit_code = code
+        if info.state is not PeerState.DEAD:
             info.state = PeerState.EXITED
             info.death = None
 
+    def worker_gone(self, sender: str) -> None:
+        """The worker said goodbye (Exiting), or a verdict gave it up: nothing more is sent to it."""
+        worker = self.workers.get(sender)
+        if worker is not None:
+            worker.exited = True
+
+    def forget_rank(self, rank: int) -> RankInfo | None:
+        """Take a rank that never joined (a dropped joiner) off the books; returns what was known of it."""
+        info = self.ranks.pop(rank, None)
+        if info is not None:
+            self.by_identity.pop(info.identity, None)
+            self.by_sender.pop(info.sender, None)
+        return info
+
     # -------------------------------------------------------------- verdict
 
-    def assess(self, now: float) -> Verdict:
-        """Declare dead every rank that exited uncleanly or fell silent.
+    def assess(self, now: float, limits: ProgressLimits | None = None) -> Verdict:
+        """Who is to be declared dead, and why; which silent workers to give up. Pure: changes nothing.
 
-        Pure apart from marking those ranks DEAD; returns the newly dead and
-        a reason naming each, e.g. ``rank 1 on host h (pid 42) was killed by
-        SIGKILL``.
+        A live rank is dead when it exited uncleanly, when its training thread is past its
+        progress deadline (given ``limits``), or when it sent nothing for the heartbeat
+        timeout. The reason names each, e.g. ``rank 1 on host h (pid 42) was killed by
+        SIGKILL``; without deaths it counts the ranks ready. Workers are given up only in a
+        verdict without deaths: the controller handles its ranks' deaths first (fencing and
+        restarting them through that worker).
         """
-        newly, reasons = [], []
-        for rank in sorted(self.ranks):
-            info = self.ranks[rank]
-            if info.state in (PeerState.EXITED, PeerState.DEAD):
-                continue
-            if info.death is None and now - info.last_seen > self.heartbeat_timeout_s:
-                info.death = f"sent nothing for {now - info.last_seen:.1f} s (heartbeat timeout {self.heartbeat_timeout_s:g} s)"
-            if info.death is not None:
-                info.state = PeerState.DEAD
-                newly.append(rank)
-                reasons.append(f"{info.where()} {info.death}")
-        if newly:
-            self.new_generation()
+        deaths = tuple((info.rank, why) for info in sorted(self.live_ranks(), key=lambda r: r.rank)
+                       if (why := self._death_of(info, now, limits)) is not None)
+        if deaths:
+            return Verdict(deaths, "; ".join(f"{self.ranks[rank].where()} {why}" for rank, why in deaths))
         alive = sum(1 for r in self.ranks.values() if r.state is PeerState.READY)
-        reason = "; ".join(reasons) if reasons else f"[{alive}/{len(self.ranks)} ranks ready]"
-        return Verdict(tuple(newly), reason)
+        return Verdict((), f"[{alive}/{len(self.ranks)} ranks ready]", self._workers_to_retire(now))
 
-    def new_generation(self) -> int:
-        """The world changed (deaths, joiners, a collective rebuilt): the only writer of ``generation``."""
-        self.generation += 1
-        return self.generation
+    def _death_of(self, info: RankInfo, now: float, limits: ProgressLimits | None) -> str | None:
+        """Why the live rank ``info`` is dead, or None: a reported death first, then a stall, then silence."""
+        if info.death is not None:
+            return info.death
+        why = stalled(info.progress, now, limits) if limits is not None else None
+        if why is not None:
+            return why
+        silent_s = now - info.last_seen
+        if silent_s > self.heartbeat_timeout_s:
+            return f"sent nothing for {silent_s:.1f} s (heartbeat timeout {self.heartbeat_timeout_s:g} s)"
+        return None
+
+    def _workers_to_retire(self, now: float) -> tuple[str, ...]:
+        """Silent workers whose ranks are all dead (a worker with a rank not dead waits:
+        its ranks are judged on their own heartbeats)."""
+        return tuple(w.sender for w in self.silent_workers(now)
+                     if all(r.state is PeerState.DEAD for r in self.ranks.values() if r.rank in w.ranks))
+
+    def apply(self, verdict: Verdict) -> None:
+        """Carry out ``verdict``: the only place ranks are declared dead and workers given up.
+
+        However many ranks died, the world changed once: the generation goes up once. A
+        rank that died or left since the verdict was made is skipped, so applying a verdict
+        again changes nothing.
+        """
+        declared = [rank for rank, why in verdict.deaths if self._declare_dead(rank, why)]
+        for sender in verdict.retired_workers:
+            self.worker_gone(sender)
+        if declared:
+            self.new_generation(verdict.reason)
+
+    def _declare_dead(self, rank: int, why: str) -> bool:
+        """Mark a live rank DEAD for ``why``; False if it is gone, dead or left already."""
+        info = self.ranks.get(rank)
+        if info is None or info.state in (PeerState.EXITED, PeerState.DEAD):
+            return False
+        info.state, info.death = PeerState.DEAD, why
+        return True
+
+    def new_generation(self, reason: str) -> int:
+        """The world changed (deaths, joiners, a collective rebuilt) for ``reason``: the only
+        writer of the generation."""
+        self._generation += 1
+        log.debug("membership generation %d: %s", self._generation, reason)
+        return self._generation
 
     def silent_workers(self, now: float) -> list[WorkerInfo]:
         """Workers silent past the timeout (their ranks will be judged on their own)."""
         return [w for w in self.workers.values() if not w.exited and now - w.last_seen > self.heartbeat_timeout_s]
 
     # --------------------------------------------------------------- views
+
+    @property
+    def generation(self) -> int:
+        """Bumps on every change of the world; written only by ``new_generation``."""
+        return self._generation
 
     @property
     def world_size(self) -> int:

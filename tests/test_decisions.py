@@ -105,9 +105,13 @@ def test_restart_backoff(used, max_restarts, delay):
 
 def test_the_generation_has_one_writer():
     members = Membership(heartbeat_timeout_s=1.0)
-    info = members.expect_rank(0, host="h", device="cpu", now=0.0)
-    assert members.new_generation() == 1
-    info.death = "was killed by SIGKILL"
-    assert members.assess(0.5).dead == (0,)
-    assert members.generation == 2  # assess bumps it through new_generation
+    members.expect_rank(0, host="h", device="cpu", now=0.0)
+    assert members.new_generation("a collective rebuilt") == 1
+    members.rank_exited(0, -9)
+    verdict = members.assess(0.5)
+    assert verdict.dead == (0,) and members.generation == 1  # a verdict bumps nothing ...
+    members.apply(verdict)
+    assert members.generation == 2  # ... applying it does, through new_generation
     assert members.assess(0.6).healthy and members.generation == 2
+    with pytest.raises(AttributeError):
+        members.generation = 7  # read-only: new_generation is the only writer

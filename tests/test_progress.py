@@ -66,10 +66,12 @@ def test_membership_declares_a_stuck_rank_dead_with_that_reason():
     members.heard_progress(members.ranks[1], "step", 29.0, 100.0, 0, now=10.0)
     for rank in (0, 1):
         members.seen_rank(rank, 10.0)  # both beat: silence alone would find nothing
-    members.note_stalls(12.0, LIMITS)
-    verdict = members.assess(12.0)
+    assert members.assess(12.0).healthy  # without the limits only silence and exits count
+    verdict = members.assess(12.0, LIMITS)
     assert verdict.dead == (1,)
     assert verdict.reason.startswith("rank 1 on host h (pid 41) made no progress in a training step for 31.0 s")
+    members.apply(verdict)
+    assert members.ranks[1].death.startswith("made no progress in a training step")
     assert members.ranks[0].state is PeerState.READY and members.generation == 1
 
 

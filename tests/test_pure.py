@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import io
+import logging
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from flodl.devices import choose_devices, parse_devices
 from flodl.errors import ConfigError
 from flodl.membership import Membership, PeerState, WorkerInfo, describe_exit
 from flodl.metrics import aggregate
+from flodl.progress import ProgressLimits
 from flodl.metrics import EpochReport as EpochDone
 from flodl.schedule import epoch_permutation, shuffle_signature, slice_indices
 
@@ -23,11 +26,11 @@ pytestmark = pytest.mark.timeout(30)
 
 def _members(clock, timeout=5.0, ranks=2):
     mem = Membership(timeout)
-    mem.add_worker(WorkerInfo("w", b"w", "h", 1, ["cpu"] * ranks), clock())
-    for r in range(ranks):
-        info = mem.expect_rank(r, "h", "cpu", clock())
-        info.pid = 100 + r
-        info.state = PeerState.READY
+    worker = WorkerInfo("w", b"w", "h", 1, ["cpu"] * ranks)
+    mem.add_worker(worker, clock())
+    for r in mem.assign_ranks(worker, 0, clock()):
+        mem.ranks[r].pid = 100 + r
+        mem.rank_ready(r)
     return mem
 
 
@@ -40,6 +43,7 @@ def test_silence_past_timeout_is_death(clock):
     verdict = mem.assess(clock())
     assert verdict.dead == (1,)
     assert "rank 1 on host h (pid 101) sent nothing for 5.1 s" in verdict.reason
+    mem.apply(verdict)
     assert mem.generation == 1
     assert mem.assess(clock()).healthy  # judged once
 
@@ -64,6 +68,114 @@ def test_silent_worker(clock):
     mem = _members(clock)
     clock.advance(6)
     assert [w.sender for w in mem.silent_workers(clock())] == ["w"]
+
+
+def _snapshot(mem):
+    """Everything a verdict could change, copied."""
+    return copy.deepcopy((mem.ranks, mem.workers, mem.by_identity, mem.by_sender, mem.generation))
+
+
+def test_a_verdict_changes_nothing(clock):
+    mem = _members(clock, ranks=3)
+    mem.rank_exited(0, -9)  # reported dead
+    mem.heard_progress(mem.ranks[1], "step", 200.0, 100.0, 0, now=clock())  # stuck in a step
+    clock.advance(6)  # rank 2 and the worker silent past the timeout
+    before = _snapshot(mem)
+    limits = ProgressLimits(heartbeat_s=5.0, first_step_s=60.0, eval_s=60.0)
+    verdict = mem.assess(clock(), limits)
+    assert verdict.dead == (0, 1, 2)
+    assert mem.assess(clock(), limits) == verdict  # asked again: the same answer
+    assert _snapshot(mem) == before  # nobody marked dead, no generation bumped
+
+
+def test_apply_marks_the_dead_and_bumps_the_generation_once_per_change(clock):
+    mem = _members(clock, ranks=3)
+    mem.rank_exited(0, 1)
+    clock.advance(6)
+    mem.seen_rank(2, clock())  # ranks 0 (exit) and 1 (silence) die together
+    verdict = mem.assess(clock())
+    mem.apply(verdict)
+    assert [mem.ranks[r].state for r in range(3)] == [PeerState.DEAD, PeerState.DEAD, PeerState.READY]
+    assert mem.ranks[0].death == "exited with code 1"
+    assert mem.ranks[1].death.startswith("sent nothing for 6.0 s")
+    assert mem.generation == 1  # two deaths, one change of the world
+    mem.apply(verdict)  # applied again: nothing left to change
+    assert mem.generation == 1
+    mem.rank_exited(2, -15)
+    mem.apply(mem.assess(clock()))
+    assert mem.ranks[2].state is PeerState.DEAD and mem.generation == 2
+
+
+def test_a_verdict_overtaken_by_a_goodbye_changes_nothing(clock):
+    mem = _members(clock)
+    clock.advance(6)
+    mem.seen_rank(0, clock())
+    verdict = mem.assess(clock())
+    assert verdict.dead == (1,)
+    mem.rank_left(1, code=0)  # it said goodbye before the verdict was applied
+    mem.apply(verdict)
+    assert mem.ranks[1].state is PeerState.EXITED and mem.ranks[1].exit_code == 0
+    assert mem.generation == 0
+
+
+def test_a_silent_worker_is_given_up_only_once_its_ranks_are_dead(clock):
+    mem = _members(clock)
+    clock.advance(6)  # the worker and both its ranks silent
+    deaths = mem.assess(clock())
+    assert deaths.dead == (0, 1) and deaths.retired_workers == ()  # the ranks' deaths come first
+    mem.apply(deaths)
+    assert not mem.workers["w"].exited
+    calm = mem.assess(clock())
+    assert calm.healthy and calm.retired_workers == ("w",)
+    assert not mem.workers["w"].exited  # still only a verdict
+    mem.apply(calm)
+    assert mem.workers["w"].exited and mem.generation == 1  # giving a worker up changes no world
+
+
+def test_a_silent_worker_with_a_rank_that_left_is_kept(clock):
+    mem = _members(clock)
+    mem.rank_left(0)
+    mem.rank_exited(1, -9)
+    mem.apply(mem.assess(clock()))
+    clock.advance(6)
+    assert mem.assess(clock()).retired_workers == ()  # rank 0 left cleanly: it is not dead
+
+
+def test_new_generation_says_why(caplog):
+    mem = Membership(5.0)
+    with caplog.at_level(logging.DEBUG, logger="flodl.membership"):
+        assert mem.new_generation("rank(s) 2 on h joined") == 1
+        assert mem.new_generation("a collective rebuilt") == 2
+    assert "membership generation 2: a collective rebuilt" in caplog.text
+
+
+def test_the_registry_follows_hellos_routes_and_dropped_ranks(clock):
+    mem = _members(clock)
+    mem.rank_said_hello(1, b"r1", "rank-1", "h2", 42, "cpu")
+    assert mem.by_identity[b"r1"] is mem.by_sender["rank-1"] is mem.ranks[1]
+    assert mem.ranks[1].where() == "rank 1 on host h2 (pid 42)"
+    mem.route_moved(mem.ranks[1], b"r1b")
+    assert b"r1" not in mem.by_identity and mem.by_identity[b"r1b"].identity == b"r1b"
+    info = mem.forget_rank(1)
+    assert info.rank == 1 and 1 not in mem.ranks and not mem.by_identity and not mem.by_sender
+    assert mem.forget_rank(1) is None
+
+
+def test_silence_counts_from_the_hello(clock):
+    mem = _members(clock)
+    mem.rank_said_hello(0, b"r0", "rank-0", "h", 100, "cpu")
+    clock.advance(6)
+    mem.excuse_silence_before_hello(clock())  # rank 1 never said hello: the join timeout judges it
+    assert mem.assess(clock()).dead == (0,)
+
+
+def test_a_restarted_rank_belongs_to_its_worker(clock):
+    mem = Membership(5.0)
+    worker = WorkerInfo("w", b"w", "h", 1, ["cpu", "cpu"])
+    mem.add_worker(worker, clock())
+    assert mem.assign_ranks(worker, 3, clock()) == [3, 4]
+    mem.expect_restart(worker, 5, "cpu", clock())
+    assert worker.ranks == [3, 4, 5] and sorted(mem.ranks) == [3, 4, 5] and mem.ranks[5].host == "h"
 
 
 def test_describe_exit():

@@ -46,12 +46,8 @@ class Admission:
 
     def _assign_ranks(self, worker: WorkerInfo) -> None:
         """Number ``worker``'s ranks from the next unused number and expect them (silence counts from now)."""
-        first = self._next_rank
-        worker.ranks = list(range(first, first + len(worker.devices)))
+        self.members.assign_ranks(worker, self._next_rank, self.clock())
         self._next_rank += len(worker.devices)
-        now = self.clock()
-        for rank, device in zip(worker.ranks, worker.devices):
-            self.members.expect_rank(rank, worker.host, device, now)
         # every worker and rank holds a connection here, and every rank one to the store (or the bulk plane)
         need = 2 * self._next_rank + len(self.members.workers) + FD_RESERVE
         if self.fd_limit and need > self.fd_limit and not self._fd_warned:
@@ -196,9 +192,7 @@ class Admission:
             else:
                 self._fail(f"rank {msg.rank} on host {msg.host} (pid {msg.pid}) cannot join: {problem}", EXIT_TASK_ERROR)
             return
-        info.identity, info.sender, info.host, info.pid, info.device = identity, env.sender, msg.host, msg.pid, msg.device
-        self.members.by_identity[identity] = info
-        self.members.by_sender[env.sender] = info
+        self.members.rank_said_hello(msg.rank, identity, env.sender, msg.host, msg.pid, msg.device)
         self.hellos[msg.rank] = msg
         if self.task_info is None:
             self.task_info = msg
@@ -207,7 +201,7 @@ class Admission:
         self._changed.set()
 
     def _h_rank_ready(self, identity: bytes, env: Envelope, msg: m.RankReady) -> None:
-        self.members.ranks[msg.rank].state = PeerState.READY
+        self.members.rank_ready(msg.rank)
         self._changed.set()
 
     def _admit_joiners(self, loop: CadenceLoop, in_flight: list[int]) -> bool:
@@ -244,10 +238,9 @@ class Admission:
         loop.add_ranks(ready)
         for rank in ready:
             del self.joiners[rank]
-        self.members.new_generation()
-        generation, members = self.members.generation, list(loop.ranks)
         hosts = sorted({self.members.ranks[r].host for r in ready})
         reason = f"rank(s) {', '.join(map(str, ready))} on {', '.join(hosts)} joined"
+        generation, members = self.members.new_generation(reason), list(loop.ranks)
         if self.averaging is None:
             msg = m.Regroup(generation=generation, members=members, store_prefix=f"{self.run_id}/gen{generation}",
                             reason=reason, sync_from=old[0], first_round=-1)
@@ -269,11 +262,9 @@ class Admission:
         """A joiner that cannot join leaves the run's books; its process is fenced."""
         self.joiners.pop(rank, None)
         self.hellos.pop(rank, None)
-        info = self.members.ranks.pop(rank, None)
+        info = self.members.forget_rank(rank)
         if info is None:
             return
-        self.members.by_identity.pop(info.identity, None)
-        self.members.by_sender.pop(info.sender, None)
         self.console.line(f"{info.where()} could not join the run: {why}")
         if info.exit_code is None:
             for worker in self.members.workers.values():

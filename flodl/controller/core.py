@@ -30,7 +30,7 @@ from ..env import new_run_id, new_run_secret
 from ..checkpoint_files import CheckpointError
 from ..checkpoint_meta import read_meta
 from ..errors import EXIT_CONFIG, EXIT_EVALS_FAILED, EXIT_FAILED, EXIT_RANK_LOST, RunAborted
-from ..membership import Membership, PeerState, RankInfo
+from ..membership import Membership, PeerState
 from ..progress import ProgressLimits
 from ..metrics import EpochStats
 from ..protocol import messages as m
@@ -262,8 +262,9 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         await self._until(lambda: all(r in self.hellos or lost(r) for r in first), self.launch.join_timeout_secs, "ranks to start and say hello")
         self._welcome_ranks()
         if any(lost(r) for r in first):
-            self.members.new_generation()
-            self._regroup(f"rank(s) {', '.join(str(r) for r in first if lost(r))} died while starting")
+            reason = f"rank(s) {', '.join(str(r) for r in first if lost(r))} died while starting"
+            self.members.new_generation(reason)
+            self._regroup(reason)
         await self._until(lambda: all(self.members.ranks[r].state is PeerState.READY or lost(r) for r in first if r in self.members.ranks),
                           self.launch.join_timeout_secs, "ranks to join the collective")
         self.phase = "training"
@@ -492,6 +493,7 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
             if predicate():
                 return
             if deadline is not None and self.clock() > deadline:
+                # assess is pure: a verdict asked for only to explain the timeout marks nobody dead
                 self._fail(f"timed out after {timeout_s:g} s waiting for {what} ({self.members.assess(self.clock()).reason})", EXIT_RANK_LOST)
                 continue
             await self._next_change(0.5)
@@ -532,7 +534,7 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         else:
             self.members.seen_worker(env.sender, now)
             if rank is None:
-                self._seen_by_identity(identity, now)
+                self.members.seen_route(identity, now)
         if handler is not None:
             getattr(self, handler)(identity, env, msg)
 
@@ -555,15 +557,7 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         if peer is None or not route_moves(peer.identity, identity, env):
             return
         log.info("%s now reaches us on another connection", env.sender)
-        if isinstance(peer, RankInfo):
-            self.members.by_identity.pop(peer.identity, None)
-            self.members.by_identity[identity] = peer
-        peer.identity = identity
-
-    def _seen_by_identity(self, identity: bytes, now: float) -> None:
-        info = self.members.by_identity.get(identity)
-        if info is not None:
-            info.last_seen = now
+        self.members.route_moved(peer, identity)
 
     def _h_batch_done(self, identity: bytes, env: Envelope, msg: m.BatchDone) -> None:
         if msg.rank in self.window_batches:
@@ -617,9 +611,7 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
             if msg.digest:
                 self.final_digests[msg.rank] = msg.digest
         else:
-            worker = self.members.workers.get(env.sender)
-            if worker is not None:
-                worker.exited = True
+            self.members.worker_gone(env.sender)
         self._changed.set()
 
     def _h_ping(self, identity: bytes, env: Envelope, msg: m.Ping) -> None:

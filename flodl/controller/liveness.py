@@ -2,11 +2,11 @@
 
 A mixin of ``Controller`` (core.py), which holds all the state these methods
 read and write. The liveness task beats to every peer and judges the roster
-several times a second (``Membership.assess`` decides, with a reason); a
-death either ends the run (no rank left, or past ``max_failure``: saving
-first when asked) or is recovered: the dead are fenced, their work
-re-planned, the survivors regrouped, and (``max_restarts``) the dead
-restarted by their workers.
+several times a second (``Membership.assess`` decides, with a reason;
+``Membership.apply`` carries the verdict out); a death either ends the run
+(no rank left, or past ``max_failure``: saving first when asked) or is
+recovered: the dead are fenced, their work re-planned, the survivors
+regrouped, and (``max_restarts``) the dead restarted by their workers.
 """
 
 from __future__ import annotations
@@ -63,19 +63,12 @@ class Liveness:
         if self.phase in ("shutting down", "aborting", "done"):
             return
         now = self.clock()
-        # a rank that never said hello is judged by the join timeout, not by heartbeats
-        for info in self.members.ranks.values():
-            if not info.identity and info.death is None:
-                info.last_seen = now
-        self.members.note_stalls(now, self.progress_limits)  # a training thread stuck in user code is hung
-        verdict = self.members.assess(now)
+        self.members.excuse_silence_before_hello(now)
+        verdict = self.members.assess(now, self.progress_limits)  # the limits: a training thread stuck in user code is hung
+        self.members.apply(verdict)
         if not verdict.healthy:
             self._on_deaths(set(verdict.dead), verdict.reason)
             return
-        for worker in self.members.silent_workers(now):
-            if any(r.state is not PeerState.DEAD for r in self.members.ranks.values() if r.rank in worker.ranks):
-                continue  # its ranks are judged on their own heartbeats
-            worker.exited = True
         if self.collective_error is not None:
             # a collective failed and no death explains it (yet): rebuild it among the same ranks
             since, rank, err = self.collective_error
@@ -88,7 +81,7 @@ class Liveness:
             if decision.outcome is Outcome.STOP:
                 self._fail(decision.why, decision.code)
                 return
-            self.members.new_generation()
+            self.members.new_generation(decision.why)
             self._regroup(decision.why)
 
     def _h_rank_error(self, identity: bytes, env: Envelope, msg: m.RankError) -> None:
@@ -116,15 +109,10 @@ class Liveness:
             return
         if self.phase in ("shutting down", "aborting", "done"):
             # we told it to go: leaving now is not a death, whatever the code
-            info = self.members.ranks.get(msg.rank)
-            if info is not None:
-                info.exit_code = msg.code
-                self.members.rank_left(msg.rank)
+            self.members.rank_left(msg.rank, code=msg.code)
             self._changed.set()
             return
-        info = self.members.rank_exited(msg.rank, msg.code)
-        if info is not None and info.pid == 0:
-            info.pid = msg.pid
+        self.members.rank_exited(msg.rank, msg.code, pid=msg.pid)
         self._judge()
 
     def _on_deaths(self, dead: set[int], reason: str) -> None:
@@ -179,9 +167,8 @@ class Liveness:
             return  # a relaying host's relay counts its ranks from its welcome: not healed (docs)
         new = self._next_rank
         self._next_rank += 1
-        worker.ranks.append(new)
         now = self.clock()
-        self.members.expect_rank(new, worker.host, info.device, now)
+        self.members.expect_restart(worker, new, info.device, now)
         self.joiners[new] = now + delay + self.launch.join_timeout_secs
         self._slot_of[new] = slot
         self._restarts_used[slot] = used + 1
