@@ -171,10 +171,6 @@ def test_a_late_worker_joins_and_trains(proc_env, tmp_path, mode):
     assert summary["final_eval"] > 0.7
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known bug (seen since window-end averages run in the background on the collective backend): the run completes with "
-    "every sample covered, but the two survivors end with different replicas (final digests differ); to be fixed "
-    "next session (see the stop note of 2026-12-02)"))
 def test_a_member_lost_while_a_joiner_is_admitted_leaves_the_joiner_training(proc_env, tmp_path):
     """Rank 1 dies after every member gathered for the grown group, before it connected: the
     consensus broadcast never happens. The joiner takes the consensus from its first average

@@ -412,3 +412,34 @@ def test_a_simulated_slow_rank_is_paced_to_factor_times_base(tmp_path, monkeypat
     finally:
         runner.link._pipe_out.close(linger=0)
         runner.link._pipe_in.close(linger=0)
+
+
+@pytest.mark.parametrize("mine,redo,adopting,top,top_redo,expected", [
+    (0x50000, True, False, 0x50000, 0x50000, (False, False)),  # survivors repeat the lost average together
+    (0x50000, True, False, 0x50001, 0x50000, (True, False)),  # another survivor has it behind it: skip, adopt next
+    (0, False, True, 0x50000, 0x50000, (False, True)),  # a joiner takes part in the survivors' repeat, weight 0
+    (0, False, True, 0x50001, 0x50000, (False, False)),  # nobody repeats (one is ahead): the joiner waits for its first
+    (0, False, True, 0x50000, -1, (False, False)),  # nothing was lost: nothing to take part in
+    (0x50000, False, False, 0x50000, 0x50000, (False, False)),  # a survivor not there yet does the average in turn
+])
+def test_redo_roles_keep_every_member_on_the_same_collectives(mine, redo, adopting, top, top_redo, expected):
+    from flodl.rank.regroup import redo_roles
+
+    assert redo_roles(mine, redo=redo, adopting=adopting, top=top, top_redo=top_redo) == expected
+
+
+def test_only_a_regroup_that_leaves_out_a_peer_breaks_the_group():
+    from types import SimpleNamespace
+
+    from flodl.rank.regroup import Regrouping
+
+    rank = Regrouping()
+    rank.peers, rank.generation = frozenset({0, 1}), 3
+    rank.link = SimpleNamespace(regroup=None)
+    assert not rank._group_broken()
+    rank.link.regroup = SimpleNamespace(generation=4, members=[0, 1, 2])  # a joiner: every collective can still finish
+    assert not rank._group_broken()
+    rank.link.regroup = SimpleNamespace(generation=4, members=[0, 2])  # rank 1 is gone
+    assert rank._group_broken()
+    rank.generation = 4  # ... but that is the generation this rank is in now
+    assert not rank._group_broken()

@@ -293,16 +293,16 @@ class CollectiveAverager:
         """Drop abandoned collectives that have ended (their timeout passed), and their groups."""
         self._graveyard = [(g, w) for g, w in self._graveyard if not w.is_completed()]
 
-    def highest(self, value: int) -> int:
-        """The largest ``value`` over the group (one tiny all-reduce): how members agree on a redo."""
+    def highest(self, *values: int) -> list[int]:
+        """Each of ``values``' largest over the group (one tiny all-reduce): how members agree on a redo."""
         if self.group is None:
-            return value
+            return list(values)
         device = self.flat.buckets[0].flat.device if self.flat is not None and self.flat.buckets else torch.device("cpu")
-        top = torch.tensor([value], dtype=torch.int64, device=device)
+        top = torch.tensor(values, dtype=torch.int64, device=device)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
         self._wait(self.group.allreduce([top], opts))
-        return int(top.item())
+        return top.tolist()
 
     def _await_device(self, work: dist.Work) -> None:
         """Wait for an NCCL collective without holding the GIL.

@@ -28,6 +28,23 @@ if TYPE_CHECKING:
 log = logging.getLogger("flodl.rank.runner")
 
 
+def redo_roles(mine: int, *, redo: bool, adopting: bool, top: int, top_redo: int) -> tuple[bool, bool]:
+    """Who does what about a lost average when a new group forms (no consensus broadcast).
+
+    Every member reports ``mine`` (the place of the average it does next, or of
+    the one it lost) and, if it lost one, that place again; ``top`` and
+    ``top_redo`` are the largest over the group. Returns ``(skip, join)``:
+    ``skip`` — this member lost an average another member has behind it, so it
+    takes their consensus from the next average instead of repeating it;
+    ``join`` — this member is a joiner with nothing to repeat while others do
+    repeat theirs (a redoer at the highest place), so it takes part with weight
+    0: every member must do the same collectives in the same order.
+    """
+    skip = redo and top > mine
+    join = adopting and not redo and top_redo >= 0 and top_redo == top
+    return skip, join
+
+
 class Regrouping:
     """Averages, and the rebuilt process groups they continue in."""
 
@@ -205,6 +222,7 @@ class Regrouping:
         self.generation = msg.generation
         world = len(msg.members)
         self.averager.group = group
+        self.peers = frozenset(msg.members) if group is not None else frozenset()
         self.world_size = world
         if msg.sync_from >= 0 and msg.sync_from in msg.members:
             self.averager.broadcast_from(msg.members.index(msg.sync_from))
@@ -218,9 +236,29 @@ class Regrouping:
             # consensus from the next average (``_average``); otherwise all do it together.
             # a dropped background average counts at its own position: the one it repeats
             mine = self.averager.dropped_tag if self.bg_redo else self.position
-            ahead = self.averager.highest(mine) > mine  # every member calls it: a collective
-            self.skip_redo = (self.redoing or self.bg_redo) and ahead
+            redo = self.redoing or self.bg_redo
+            top, top_redo = self.averager.highest(mine, mine if redo else -1)  # every member calls it: a collective
+            self.skip_redo, join = redo_roles(mine, redo=redo, adopting=self.averager.adopting, top=top, top_redo=top_redo)
+            if join:
+                # a joiner holds nothing of the average the survivors repeat, but it must take part
+                # (one collective each, in the same order): with weight 0, which also hands it their
+                # consensus. A failure leaves it adopting, like any failed first average.
+                try:
+                    self.averager.average(0.0, block=True)
+                except RuntimeError:
+                    self.averager.restore()
+                    raise
         (log.info if msg.sync_from >= 0 else log.warning)("rank %d: now one of %d ranks (generation %d): %s", self.rank, world, msg.generation, msg.reason)
+
+    def _loses_peer(self, msg: m.Regroup) -> bool:
+        """Does ``msg`` leave out a member of this rank's group? Only then can a collective of the
+        group no longer finish; a regroup that only adds ranks lets every member settle first."""
+        return not self.peers <= set(msg.members)
+
+    def _group_broken(self) -> bool:
+        """A newer generation was announced without one of this group's members: abandon its collectives."""
+        msg = self.link.regroup
+        return msg is not None and msg.generation > self.generation and self._loses_peer(msg)
 
     def _group_for(self, msg: m.Regroup) -> torch.distributed.ProcessGroup | None:
         """Build ``msg``'s process group (None for a world of one).

@@ -164,6 +164,7 @@ class RankRunner(Regrouping, Evaluating):
         self.redoing = False  # an average failed and is to be redone in the next generation
         self.skip_redo = False  # ... unless the other survivors completed it (regroup.py)
         self.bg_redo = False  # a background average was dropped: the survivors' group repeats it (regroup.py)
+        self.peers: frozenset[int] = frozenset()  # the ranks of this rank's process group (regroup.py: did one leave?)
         self.deferred: collections.deque = collections.deque()  # commands taken early that wait their turn
         self.evals_taken = 0  # RunEvals scored (compared with the link's count between batches)
         self.position = 0  # the next average's place in the run: window << 16 | round (regroup.py compares them)
@@ -422,9 +423,11 @@ class RankRunner(Regrouping, Evaluating):
             group = self._first_group(welcome) if flat is not None and not welcome.late else None  # a joiner's comes with its Regroup
             self.averager = CollectiveAverager(
                 flat, group, must_stop=lambda: self.link.must_stop or self.terminated,
-                superseded=lambda: self._announced_after(self.generation),
+                superseded=self._group_broken,
             )
-            self.link.on_regroup = lambda msg: self.averager.abort()  # NCCL: break a hang on the dead peer
+            self.peers = frozenset(range(welcome.world_size)) if group is not None else frozenset()
+            # NCCL: break a hang on a dead peer (a regroup that only adds ranks leaves every collective able to finish)
+            self.link.on_regroup = lambda msg: self.averager.abort() if self._loses_peer(msg) else None
         if welcome.late:
             # joining a running job: the consensus comes with the Regroup that admits us
             # (collective: a broadcast; CPU: the next average, taken whole)
