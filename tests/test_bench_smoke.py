@@ -1,11 +1,12 @@
-"""The control-plane, overhead, scale and hetero benchmarks still run against the current controller.
+"""The control-plane, overhead, scale, hetero and cpu_avg benchmarks still run against the current code.
 
-Each bench's ``--smoke`` runs its whole path at toy sizes in a few seconds (the
+Each bench's ``--smoke`` runs its whole path at toy sizes in seconds (the
 control plane: a controller, a simulated worker joining and training one window,
 round trips to it and to the bare pyzmq echoes; the overhead: one plain loop and
 one real flodl run; scale: the real controller driving 16 simulated ranks
 through a death and a join, timed at its ``ControllerHooks``; hetero: a solo
-and one 2:1 cadence run through the CLI, about 20 s) and writes its
+and one 2:1 cadence run through the CLI, about 20 s; cpu_avg: one 1 MB averaging
+round of 2 rank processes against gloo, on each lane, about 15 s) and writes its
 JSON under ``$FLODL_BENCH_RESULTS`` (here a temporary folder), so the
 committed ``bench/results`` are never touched. The numbers mean nothing at
 these sizes; what is tested is that the bench runs.
@@ -70,3 +71,10 @@ def test_hetero_bench_runs(tmp_path, proc_env):
     out = run_smoke("hetero.py", "hetero", tmp_path, proc_env, timeout_s=110)
     values = {(r["case"], r["metric"]): r["value"] for r in out["rows"]}
     assert values[("solo", "train samples/s (median)")] > 0 and values[("2:1 nccl-cadence", "train samples/s (median)")] > 0
+
+
+@pytest.mark.timeout(120)  # two rank processes per lane, each importing torch
+def test_cpu_avg_bench_runs(tmp_path, proc_env):
+    out = run_smoke("cpu_avg.py", "cpu_avg", tmp_path, proc_env, timeout_s=110)
+    values = {r["metric"]: r["value"] for r in out["rows"]}
+    assert values["CPU round (lane)"] > 0 and values["CPU round (wire)"] > 0 and values["gloo all-reduce"] > 0
