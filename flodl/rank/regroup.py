@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,9 +20,7 @@ from ..protocol import messages as m
 from .collective import Superseded, build_group
 from .flat import Averaged, FlatModel
 from .outcomes import Stop, is_collective_error
-
-if TYPE_CHECKING:
-    from .runner import RoundStats
+from .window_stats import RoundStats
 
 log = logging.getLogger("flodl.rank.runner")
 
@@ -31,7 +28,7 @@ log = logging.getLogger("flodl.rank.runner")
 class Regrouping:
     """Averages, and the rebuilt process groups they continue in."""
 
-    def _average(self, weight: float, *, measure: bool, block: bool, round_index: int, stats: "RoundStats") -> Averaged:
+    def _average(self, weight: float, *, measure: bool, block: bool, round_index: int, stats: RoundStats) -> Averaged:
         """Average, surviving a peer's death: if the collective fails, put the values
         back, join the survivors' new group, and do this same average again there."""
         self.faults.reach("average")
@@ -69,15 +66,13 @@ class Regrouping:
                     self._report_collective_failure(exc, self.generation)
                 self.averager.restore()
                 self._await_regroup()
-                stats.regrouped_at = round_index
+                stats.regrouped(round_index)
 
     def _averaged(self, averaged: Averaged) -> Averaged:
         """An average completed: progress for the controller's liveness; the first in a new
         generation is reported at once (the controller times the recovery by it)."""
         self.link.doing("step")
-        if self.link.averaged < self.generation:
-            self.link.averaged = self.generation
-            self.link.beat_now()
+        self.link.averaged_in(self.generation)
         return averaged
 
     def _previous_landed(self) -> bool:

@@ -26,7 +26,6 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -66,6 +65,7 @@ from .evaluation import Evaluating
 from .norms import norm_layers
 from .outcomes import NonFiniteLoss, Stop, UserError, is_collective_error
 from .regroup import Regrouping
+from .window_stats import RoundStats
 from .prefetch import CacheWarmer, Prefetcher
 from .disk_stage import DiskStage
 from .staging import RamCache, TieredSamples, VramPool, ram_budget, vram_budget
@@ -76,41 +76,6 @@ log = logging.getLogger(__name__)
 
 #: Batches fetched ahead of training, for datasets not already in memory.
 PREFETCH_DEPTH = 4
-
-
-@dataclass
-class RoundStats:
-    """What one window trained, in total and per epoch."""
-
-    batches: int = 0
-    samples: int = 0
-    loss_sum: float = 0.0
-    compute_ms: float = 0.0
-    data_ms: float = 0.0
-    sync_ms: float = 0.0
-    wall_ms: float = 0.0
-    last_average: Any = None
-    regrouped_at: int = -1  # the averaging round redone in a new generation, if any
-    per_epoch: dict[int, list[float]] = field(default_factory=dict)  # epoch -> [batches, samples, loss, compute, data]
-
-    def add(self, epoch: int, samples: int, loss: float, compute_ms: float, data_ms: float) -> None:
-        self.batches += 1
-        self.samples += samples
-        self.loss_sum += loss
-        self.compute_ms += compute_ms
-        self.data_ms += data_ms
-        row = self.per_epoch.setdefault(epoch, [0.0, 0.0, 0.0, 0.0, 0.0])
-        row[0] += 1
-        row[1] += samples
-        row[2] += loss
-        row[3] += compute_ms
-        row[4] += data_ms
-
-    def retime(self, epoch: int, old_ms: float, new_ms: float) -> None:
-        """Count a step already added as taking ``new_ms`` of compute instead of ``old_ms``."""
-        self.compute_ms += new_ms - old_ms
-        if epoch in self.per_epoch:
-            self.per_epoch[epoch][3] += new_ms - old_ms
 
 
 def model_signature(model: torch.nn.Module) -> str:
@@ -271,7 +236,7 @@ class RankRunner(Regrouping, Evaluating):
         if self.config is None or not self.config.save_path or self.optimizer is None or self._saved_on_shutdown:
             return
         self._saved_on_shutdown = True
-        self.link.saving = True  # the link must not hard-exit us mid-write
+        self.link.hold_exit()  # never released: the process exits once the replica is written
         emergency_save(model=self.model, optimizer=self.optimizer, stem=self.config.save_path, rank=self.rank,
                        reason=reason, why=why, epoch=max(0, self.current_epoch), global_step=self.global_step)
 
@@ -303,10 +268,9 @@ class RankRunner(Regrouping, Evaluating):
         if not cmd.save_stem or cmd.save_rank != self.rank or self.optimizer is None or self._saved_on_shutdown:
             return
         self._saved_on_shutdown = True
-        self.link.saving = True  # the link must not hard-exit us mid-write
-        self.link.send(checkpoint(rank=self.rank, model=self.model, optimizer=self.optimizer, stem=cmd.save_stem,
-                                  tag=cmd.save_tag, version=-1, call_fn=None, handle=self.handle))
-        self.link.saving = False
+        with self.link.saving():  # the link must not hard-exit us mid-write
+            self.link.send(checkpoint(rank=self.rank, model=self.model, optimizer=self.optimizer, stem=cmd.save_stem,
+                                      tag=cmd.save_tag, version=-1, call_fn=None, handle=self.handle))
 
     def _fail(self, stage: str, exc: BaseException, code: int) -> int:
         """Report an error once, then wait (bounded) for the controller's verdict."""
@@ -424,7 +388,7 @@ class RankRunner(Regrouping, Evaluating):
                 flat, group, must_stop=lambda: self.link.must_stop or self.terminated,
                 superseded=lambda: self._announced_after(self.generation),
             )
-            self.link.on_regroup = lambda msg: self.averager.abort()  # NCCL: break a hang on the dead peer
+            self.link.call_on_regroup(lambda msg: self.averager.abort())  # NCCL: break a hang on the dead peer
         if welcome.late:
             # joining a running job: the consensus comes with the Regroup that admits us
             # (collective: a broadcast; CPU: the next average, taken whole)
@@ -637,12 +601,10 @@ class RankRunner(Regrouping, Evaluating):
             # a rank never waits at it for a slower peer; Sync's per-batch rounds block
             block = bool(sync_every)
             averaged = self._average(float(stepped), measure=measure, block=block, round_index=round_index, stats=stats)
-            stats.sync_ms += averaged.ms
-            stats.last_average = averaged
+            stats.averaged(averaged)
             if last is not None:
-                last.sync_ms = averaged.ms
-                self.link.send_lazy(last)
-        stats.wall_ms = (time.perf_counter() - start) * 1000.0
+                self.link.send_lazy(dataclasses.replace(last, sync_ms=averaged.ms))
+        stats.finish((time.perf_counter() - start) * 1000.0)
         return stats
 
     def _evals_now(self) -> None:
@@ -710,9 +672,8 @@ class RankRunner(Regrouping, Evaluating):
         if self.step_count == 1:
             self._open_vram_pool()
         self.global_step += 1
-        self.link.step = self.step_count
         # progress for the controller's liveness; the first step (warm-up) sets no deadline
-        self.link.progressed(time.perf_counter(), compute_ms if self.step_count > 1 else 0.0)
+        self.link.progressed(time.perf_counter(), compute_ms if self.step_count > 1 else 0.0, step=self.step_count)
         return value, compute_ms
 
 #: Intra-op threads of a GPU rank: its CPU work is batch gathers and small host ops.
