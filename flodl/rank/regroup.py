@@ -18,7 +18,7 @@ import torch
 from ..errors import DeadlineExceeded
 from ..protocol import messages as m
 from .collective import Superseded, build_group
-from .flat import Averaged, FlatModel
+from .flat import Averaged
 from .outcomes import Stop, is_collective_error
 from .window_stats import RoundStats
 
@@ -39,7 +39,7 @@ class Regrouping:
                 # the others completed the average this rank lost: it holds what we sent, and we
                 # take it from the next average, adding nothing to it (the adopting path)
                 self.skip_redo = self.redoing = False
-                self.averager.adopting = True
+                self.averager.adopt_next()
                 self.position += 1
                 log.warning("rank %d: the survivors completed the failed average; taking their consensus next", self.rank)
                 self.link.doing("step")  # not an average of this generation: the adopting one will be
@@ -140,7 +140,7 @@ class Regrouping:
             return
         if self.averager.backend != "collective":
             if self.averager.adopting and self.rank in msg.members and msg.first_round >= 0:
-                self.averager.round = msg.first_round
+                self.averager.start_at_round(msg.first_round)
                 self.generation = msg.generation
             return
         self._settle_background()  # an average of the old group: landed if it completed, else dropped
@@ -199,11 +199,10 @@ class Regrouping:
         group = self._group_for(msg)
         self.generation = msg.generation
         world = len(msg.members)
-        self.averager.group = group
+        self.averager.enter_group(group)
         self.world_size = world
         if msg.sync_from >= 0 and msg.sync_from in msg.members:
-            self.averager.broadcast_from(msg.members.index(msg.sync_from))
-            self.averager.adopting = False
+            self.averager.broadcast_from(msg.members.index(msg.sync_from))  # a joiner stops adopting
             self.bg_redo = False  # every member now holds the same values: nothing to repeat
         elif group is not None:
             # A death mid-average can leave some survivors with the average done and others
@@ -229,8 +228,7 @@ class Regrouping:
         world = len(msg.members)
         if world <= 1:
             return None
-        if self.averager.flat is None:  # a run that started alone and just grew
-            self.averager.flat = FlatModel(self.model)
+        self.averager.flatten(self.model)  # a run that started alone and just grew
         return build_group(
             store_host=self.welcome.store_host, store_port=self.welcome.store_port, prefix=msg.store_prefix,
             rank=msg.members.index(self.rank), world_size=world, device=self.device,

@@ -380,20 +380,18 @@ class RankRunner(Regrouping, Evaluating):
             self.averager = CpuAverager(
                 flat, bulk, rank=self.rank, alpha=config.elche.easgd_alpha or 1.0,
                 timeout_s=max(welcome.collective_timeout_s, 2.0 * config.snapshot_timeout_secs),
-                must_stop=lambda: self.link.must_stop or self.terminated,
+                must_stop=lambda: self.link.must_stop or self.terminated, adopting=welcome.late,
             )
         else:
             group = self._first_group(welcome) if flat is not None and not welcome.late else None  # a joiner's comes with its Regroup
             self.averager = CollectiveAverager(
                 flat, group, must_stop=lambda: self.link.must_stop or self.terminated,
-                superseded=lambda: self._announced_after(self.generation),
+                superseded=lambda: self._announced_after(self.generation), adopting=welcome.late,
             )
             self.link.call_on_regroup(lambda msg: self.averager.abort())  # NCCL: break a hang on the dead peer
-        if welcome.late:
-            # joining a running job: the consensus comes with the Regroup that admits us
-            # (collective: a broadcast; CPU: the next average, taken whole)
-            self.averager.adopting = True
-        else:
+        # a joiner (``welcome.late``) adopts: the consensus comes with the Regroup that admits it
+        # (collective: a broadcast; CPU: the next average, taken whole)
+        if not welcome.late:
             self._take_first_consensus(welcome)
         self.optimizer = self.task.optimizer(self.model)
         if config.resume_from and not welcome.late and not config.resume_weights_only:
