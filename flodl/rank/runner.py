@@ -16,6 +16,7 @@ Averaging across membership changes is regroup.py's, scoring evaluation.py's
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -142,29 +143,25 @@ class RankRunner(Regrouping, Evaluating):
         self.resources = ResourceSampler([env.device])  # gauges for the monitor, summarised per window
         self._data_seen: dict[str, int] = {}  # staging-tier counters already reported
         self.warmer: CacheWarmer | None = None
+        # what this rank opens on its way (link, sockets, segments, threads, files) registers its
+        # clean-up here as it opens; run() closes them all, last opened first, on every exit path
+        self.closing = contextlib.ExitStack()
 
     # ------------------------------------------------------------ lifecycle
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_sigterm)
-        self.link.start()
-        self.resources.run_in_thread()
-        try:
-            return self._run()
-        except PeerLost as exc:
-            log.error("rank %d: %s; exiting", self.rank, exc)
-            self._emergency_save("controller_lost", str(exc))
-            return EXIT_CONTROLLER_LOST
-        finally:
-            if isinstance(self.averager, CpuAverager):
-                self.averager.close()
-                self.averager.bulk.close()
-            self.resources.close()
-            if self.warmer is not None:
-                self.warmer.stop()
-            if self.source is not None and self.source.tiers is not None and self.source.tiers.disk is not None:
-                self.source.tiers.disk.close()
-            self.link.close()
+        with self.closing:
+            self.link.start()
+            self.closing.callback(self.link.close)
+            self.resources.run_in_thread()
+            self.closing.callback(self.resources.close)
+            try:
+                return self._run()
+            except PeerLost as exc:
+                log.error("rank %d: %s; exiting", self.rank, exc)
+                self._emergency_save("controller_lost", str(exc))
+                return EXIT_CONTROLLER_LOST
 
     def _run(self) -> int:
         try:
@@ -377,11 +374,13 @@ class RankRunner(Regrouping, Evaluating):
                 send_timeout_s=max(welcome.collective_timeout_s, 2.0 * config.snapshot_timeout_secs),
                 shm_probe=probe, shm_nonce=nonce,
             )
+            self.closing.callback(bulk.close)
             self.averager = CpuAverager(
                 flat, bulk, rank=self.rank, alpha=config.elche.easgd_alpha or 1.0,
                 timeout_s=max(welcome.collective_timeout_s, 2.0 * config.snapshot_timeout_secs),
                 must_stop=lambda: self.link.must_stop or self.terminated, adopting=welcome.late,
             )
+            self.closing.callback(self.averager.close)  # its shared-memory segment's name
         else:
             group = self._first_group(welcome) if flat is not None and not welcome.late else None  # a joiner's comes with its Regroup
             self.averager = CollectiveAverager(
@@ -451,7 +450,7 @@ class RankRunner(Regrouping, Evaluating):
         schedule = Schedule(len(dataset), config.augment, config.epoch_splits)
         source = BatchSource(dataset, self.task.batch_size, seed=seed, collate_fn=self.task.collate_fn, schedule=schedule, transform=transform)
         if not source.in_memory:  # a tensor dataset is already in memory: nothing to stage
-            source.tiers = self._staging_tiers(config, dataset)
+            source.stage(self._staging_tiers(config, dataset))
         return source
 
     def _staging_tiers(self, config: DdpRunConfig, dataset: Any) -> TieredSamples:
@@ -460,6 +459,8 @@ class RankRunner(Regrouping, Evaluating):
         budget = ram_budget(config.ram_max_usage, self.env.local_world) if config.sample_cache else 0
         ram = RamCache(budget, pin=self.device.type == "cuda") if budget > 0 else None
         disk = DiskStage(config.disk_stage_dir, config.disk_stage_gb * 10**9) if config.disk_stage_gb > 0 else None
+        if disk is not None:
+            self.closing.callback(disk.close)
         return TieredSamples(dataset.__getitem__, vram=None, ram=ram, disk=disk)
 
     def _open_vram_pool(self) -> None:
@@ -470,8 +471,7 @@ class RankRunner(Regrouping, Evaluating):
         budget = vram_budget(self.device, max_usage=config.vram_max_usage, gpu_ram_share=config.gpu_ram_share,
                              kill_switch=vram_pool_disabled())
         if budget > 0:
-            tiers.vram = VramPool(self.device, budget)
-            self.source.device = self.device  # samples may now live on the device: collate them there
+            self.source.pool_in_vram(VramPool(self.device, budget))
 
     # ------------------------------------------------------------- training
 
@@ -505,6 +505,7 @@ class RankRunner(Regrouping, Evaluating):
         order = torch.randperm(self.source.length, generator=torch.Generator().manual_seed(self.source.seed + 7919 * self.rank))
         self.warmer = CacheWarmer(tiers.get, order.tolist(), held=tiers.holds, full=tiers.full)
         self.warmer.start()
+        self.closing.callback(self.warmer.stop)
 
     def _data_stats(self) -> dict[str, int]:
         """The staging tiers over the last window: hits and source fetches (deltas), bytes held now."""

@@ -361,6 +361,10 @@ class TieredSamples:
         self._source = {"fetches": 0, "shared": 0, "errors": 0}
         self._warned: set[str] = set()
 
+    def add_vram(self, pool: VramPool) -> None:
+        """Open the VRAM tier (after the first step, once what the model takes is known)."""
+        self.vram = pool
+
     def _tiers(self) -> list[Any]:
         return [t for t in (self.vram, self.ram, self.disk) if t is not None]
 
