@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from .env import shm_lane_allowed
 from .errors import ProtocolError
 
 #: Where segments live (tmpfs on every Linux).
@@ -63,7 +64,7 @@ _fence_lock = threading.Lock()
 
 def enabled() -> bool:
     """The lane is on unless ``FLODL_SHM=off`` (benchmarks compare both) or there is no /dev/shm."""
-    return os.environ.get("FLODL_SHM", "on").lower() not in ("off", "0", "no") and SHM_DIR.is_dir()
+    return shm_lane_allowed() and SHM_DIR.is_dir()
 
 
 def fence() -> None:

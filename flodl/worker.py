@@ -36,8 +36,9 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from . import __version__, curve
+from .deadlines import Deadlines
 from .devices import choose_devices
-from .env import PARENT_PID, RankEnv, child_environ, parse_run_secret, read_run_credentials
+from .env import RankEnv, child_environ, parent_pid, parse_run_secret, read_run_credentials, request_encryption
 from .errors import EXIT_CONFIG, EXIT_CONTROLLER_LOST, EXIT_INTERRUPTED, EXIT_OK, ConfigError
 from .proc import die_with_parent, nap, terminate_then_kill
 from .shm_sweep import sweep_stale
@@ -62,8 +63,6 @@ CLEAN_GRACE_S = 30.0
 KILL_GRACE_S = 3.0
 #: After SIGTERM, a rank with save_path writes its replica before exiting: give it time.
 SAVE_KILL_GRACE_S = 15.0
-#: The relay gives a round up (safety net) after this many heartbeat timeouts without the controller's average.
-RELAY_TIMEOUT_FACTOR = 2.0
 #: With --secret-from-stdin, how long to wait for the credentials line.
 DEFAULT_SECRET_TIMEOUT_S = 30.0
 #: The credentials line is ~80 bytes; anything this long is not one.
@@ -241,7 +240,7 @@ class Worker:
         host = self.controller.rsplit(":", 1)[0]  # tcp://HOST
         self.relay = HostRelay(
             secret=self.secret, run_id=self.run_id, upstream=f"{host}:{welcome.bulk_port}", identity=f"{self.sender}/bulk",
-            ranks=list(welcome.ranks), timeout_s=RELAY_TIMEOUT_FACTOR * welcome.heartbeat_timeout_s,
+            ranks=list(welcome.ranks), timeout_s=Deadlines(heartbeat_s=welcome.heartbeat_timeout_s).relay_round_s,
         )
         self.relay.start()
         self.relay_task = tg.create_task(self.relay.run())
@@ -269,7 +268,7 @@ class Worker:
             local_world=len(self.devices),
             heartbeat_timeout_s=welcome.heartbeat_timeout_s,
             parent_pid=os.getpid(),
-            bulk_relay=self._relay_addr,
+            relay_addr=self._relay_addr,
         )
         # with --secret-from-stdin, stdin is the launcher's line: ranks must not hold or read it
         stdin = asyncio.subprocess.DEVNULL if self.watch_stdin else None
@@ -384,12 +383,12 @@ def main(argv: list[str] | None = None) -> int:
         secret, run_id = _credentials(args)
         devices = choose_devices(args.nproc, args.devices)
         if args.encrypt or curve.requested():
-            os.environ[curve.ENV] = "1"  # the ranks inherit it
+            request_encryption()  # the ranks inherit it
             curve.enable(secret)
     except (ConfigError, ValueError, RuntimeError) as exc:
         print(f"flodl.worker: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    parent = int(os.environ.get(PARENT_PID, "0") or 0)
+    parent = parent_pid()
     if parent:
         die_with_parent(parent)  # embedded in a controller: go when it goes
     worker = Worker(args.controller, devices, secret, run_id, join_timeout_s=args.join_timeout_secs, watch_stdin=args.secret_from_stdin)

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from .. import curve
-from ..env import read_run_credentials
+from ..env import read_run_credentials, request_encryption
 from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, ConfigError, RunAborted
 from .core import Controller
 from .launch import LaunchOptions, build_parser, resolve
@@ -66,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         # a launcher may hand the run's credentials down (multi-host); else we make them
         secret, run_id = read_run_credentials()
         if args.encrypt:
-            os.environ[curve.ENV] = "1"  # the controller, and every process it starts, encrypts
+            request_encryption()  # the controller, and every process it starts, encrypts
         if curve.requested() and not curve.available():
             raise ConfigError("encrypt", "this libzmq has no CURVE support")
     except (ConfigError, ValueError) as exc:

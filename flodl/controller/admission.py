@@ -9,10 +9,10 @@ its ranks are admitted at the next window boundary (``_admit_joiners``).
 
 from __future__ import annotations
 
-import os
 import time
 
 from .. import __version__
+from ..env import bulk_relay_setting
 from ..errors import EXIT_CONFIG, EXIT_TASK_ERROR
 from ..membership import PeerState, WorkerInfo
 from ..protocol import messages as m
@@ -60,7 +60,7 @@ class Admission:
         if relay:
             self.averaging.admit_relay(worker.sender.encode(), worker.ranks)
         self.endpoint.send(
-            m.WorkerWelcome(ranks=worker.ranks, world_size=self._next_rank, task=self.launch.task, heartbeat_timeout_s=self.heartbeat_timeout_s,
+            m.WorkerWelcome(ranks=worker.ranks, world_size=self._next_rank, task=self.launch.task, heartbeat_timeout_s=self.deadlines.heartbeat_s,
                             bulk_port=self.averaging.port if self.averaging is not None else 0, bulk_relay=relay),
             worker.identity,
         )
@@ -72,8 +72,8 @@ class Admission:
         ``FLODL_BULK_RELAY=off`` sends every rank's snapshot here, ``always``
         relays on this host too (benchmarks and tests compare).
         """
-        setting = os.environ.get("FLODL_BULK_RELAY", "on").lower()
-        if self.averaging is None or len(worker.ranks) < 2 or setting in ("off", "0", "no"):
+        setting = bulk_relay_setting()
+        if self.averaging is None or len(worker.ranks) < 2 or setting == "off":
             return False
         return setting == "always" or worker.host != host_name()
 
@@ -118,7 +118,7 @@ class Admission:
             store_host=self.launch.advertise_host,
             store_port=self.store.port,
             store_prefix=f"{self.run_id}/gen{self.members.generation}",
-            collective_timeout_s=self.heartbeat_timeout_s,
+            collective_timeout_s=self.deadlines.collective_s,
             config=self.config.to_dict(),
             seed=self._seed(),  # a resumed run keeps the bundle's shuffle on every rank
             bulk_port=self.averaging.port if self.averaging is not None else 0,
