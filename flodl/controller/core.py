@@ -26,6 +26,7 @@ import zmq
 
 from .. import curve
 from ..config import ApplyPolicy, AverageBackend, DdpRunConfig
+from ..deadlines import Deadlines
 from ..env import new_run_id, new_run_secret
 from ..checkpoint_files import CheckpointError
 from ..checkpoint_meta import read_meta
@@ -81,9 +82,9 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         self.run_id = run_id or new_run_id()
         self.console = console or Console(live=launch.progress)
         self.clock = clock
-        self.heartbeat_timeout_s = float(config.effective_heartbeat_timeout_secs)
-        self.members = Membership(self.heartbeat_timeout_s)
-        self.progress_limits = ProgressLimits(heartbeat_s=self.heartbeat_timeout_s, first_step_s=launch.join_timeout_secs,
+        self.deadlines = Deadlines.from_config(config)
+        self.members = Membership(self.deadlines.heartbeat_s)
+        self.progress_limits = ProgressLimits(heartbeat_s=self.deadlines.heartbeat_s, first_step_s=launch.join_timeout_secs,
                                               eval_s=launch.eval_timeout_secs, step_s=launch.step_timeout_secs)
         self.endpoint: ControlEndpoint | None = None
         self.port: int | None = None
@@ -223,11 +224,12 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
 
             self.averaging = CpuAveraging(
                 secret=self.secret, run_id=self.run_id, bind=self.launch.bind,
-                timeout_s=float(self.config.snapshot_timeout_secs), clock=self.clock,
+                timeout_s=self.deadlines.snapshot_s, clock=self.clock,
             )
             self.averaging.live = lambda: {r.rank for r in self.members.live_ranks()}
             self.averaging.start()
         log.info("controller listening on tcp://%s:%d (store port %d)", self.launch.bind, self.port, self.store.port)
+        log.info("deadlines: %s", self.deadlines.describe())
         # everything alive now (torch's import, above all) lives as long as the run: keep it out of
         # the collector's full passes, which otherwise stall the event loop 60-170 ms (1,000-rank bench)
         gc.freeze()
