@@ -12,8 +12,8 @@ what a variable means, its default and what it accepts are written once
   ``FLODL_BULK_RELAY``, ``FLODL_SHM``, ``FLODL_SHM_DIR``, ``FLODL_VRAM_POOL``,
   ``FLODL_BULK_SLICE_BYTES``. On/off switches share one vocabulary
   (``_switch``).
-* **Simulation and fault injection** for tests and benchmarks only:
-  ``FLODL_SIMULATE_*``, ``FLODL_INJECT_FAULT``.
+* **Simulation, fault injection and strictness** for tests and benchmarks
+  only: ``FLODL_SIMULATE_*``, ``FLODL_INJECT_FAULT``, ``FLODL_STRICT``.
 
 A few variables of other programs are read here too (``CUDA_VISIBLE_DEVICES``,
 ``OMP_NUM_THREADS``) and one is set for torch (``TORCH_NCCL_ASYNC_ERROR_HANDLING``).
@@ -253,6 +253,17 @@ def nccl_errors_raise() -> None:
 SIMULATE_SLOWDOWN = "FLODL_SIMULATE_SLOWDOWN"  # "1:3.0,2:1.5": rank -> compute multiplier
 SIMULATE_BASE_MS = "FLODL_SIMULATE_BASE_MS"  # "1:2.5" rank -> base step ms, or "2.5" for every rank
 INJECT_FAULT = "FLODL_INJECT_FAULT"  # "rank:point:n[:action],...": faults.FaultPlan parses it
+STRICT = "FLODL_STRICT"  # on: a flodl bug the run would survive (a message handler raising) fails it
+
+
+def strict() -> bool:
+    """``FLODL_STRICT``: turn a bug flodl survives in production into a failed run (default off).
+
+    The test suite sets it for every process it starts (tests/conftest.py): a
+    message handler that raised (``transport.HandlerErrors``) then fails the
+    controller's run at its end and a worker's exit, so no test passes over it.
+    """
+    return _switch(STRICT, False)
 
 
 def injected_faults() -> str:

@@ -38,14 +38,14 @@ import zmq
 from . import __version__, curve
 from .deadlines import Deadlines
 from .devices import choose_devices
-from .env import RankEnv, child_environ, parent_pid, parse_run_secret, read_run_credentials, request_encryption
-from .errors import EXIT_CONFIG, EXIT_CONTROLLER_LOST, EXIT_INTERRUPTED, EXIT_OK, ConfigError
+from .env import RankEnv, child_environ, parent_pid, parse_run_secret, read_run_credentials, request_encryption, strict
+from .errors import EXIT_CONFIG, EXIT_CONTROLLER_LOST, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, ConfigError
 from .proc import die_with_parent, nap, terminate_then_kill
 from .shm_sweep import sweep_stale
 from .protocol import messages as m
 from .protocol.codec import Envelope
 from .protocol.messages import PROTOCOL_VERSION
-from .transport import ControlEndpoint, host_name, make_dealer
+from .transport import HANDLER_ERRORS, ControlEndpoint, host_name, make_dealer
 
 if TYPE_CHECKING:
     from .averaging.relay import HostRelay
@@ -392,7 +392,18 @@ def main(argv: list[str] | None = None) -> int:
     if parent:
         die_with_parent(parent)  # embedded in a controller: go when it goes
     worker = Worker(args.controller, devices, secret, run_id, join_timeout_s=args.join_timeout_secs, watch_stdin=args.secret_from_stdin)
-    return _run_loop(worker.run())
+    return _checked_exit(_run_loop(worker.run()))
+
+
+def _checked_exit(code: int) -> int:
+    """A message handler that raised in this process (a flodl bug, survived) is said at exit;
+    under ``FLODL_STRICT`` (the test suite) it turns a clean exit into a failed one."""
+    if HANDLER_ERRORS.count:
+        log.error("%d message handler error(s) in this worker: a flodl bug (tracebacks above); the first: %s",
+                  HANDLER_ERRORS.count, HANDLER_ERRORS.first[0])
+        if strict() and code == EXIT_OK:
+            return EXIT_FAILED
+    return code
 
 
 def _run_loop(coro: Any) -> int:

@@ -112,7 +112,6 @@ class Controller(Admission, Liveness, Saving, Teardown, RunSummary):
         self.collective_error: tuple[float, int, m.RankError] | None = None
         self.final_digests: dict[int, str] = {}  # rank -> sha256 of its parameters at a clean exit
         self.collective_retries = 0
-        self.deaths_handled = 0
         self.recoveries: list[dict] = []  # every regroup: when, generation, survivors, why
         self.restarts: list[dict] = []  # healing: every rank started in place of a dead one
         self._slot_of: dict[int, int] = {}  # a restarted rank -> the original rank whose restarts it counts against

@@ -138,7 +138,6 @@ class Liveness:
             self.console.line(f"rank {lost.rank} died before writing checkpoint {lost.version}; asking another rank")
             self._checkpoint_now(lost.reason, call_fn=False, files=bool(lost.stem))
         self.collective_error = None  # the death explains it
-        self.deaths_handled += len(dead)
         for rank in sorted(dead):
             self.monitor.event("rank_lost", f"{self.members.ranks[rank].where()} {self.members.ranks[rank].death}", rank=rank, now_s=self.clock())
         if self.cadence is not None:

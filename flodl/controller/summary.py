@@ -65,6 +65,9 @@ class RunSummary:
             "exit_reason": exit_reason,
             "exit_code": exit_code,
             "dropped_frames": dict(self.endpoint.drops) if self.endpoint else {},
+            # message handlers that raised (a flodl bug; logged with its traceback): run_controller reports them
+            "handler_errors": (self.endpoint.io.handler_errors if self.endpoint else 0)
+            + (self.averaging.io.handler_errors if self.averaging else 0),
             "config": self.config.to_dict(),
             "cadence": self.cadence.telemetry() if self.cadence else None,
             "averaging": self.averaging.telemetry() if self.averaging else None,

@@ -38,6 +38,7 @@ from ..config import AverageBackend, DdpRunConfig
 from ..deadlines import Deadlines
 from ..env import RankEnv, nccl_errors_raise, omp_threads_set, paced_step, simulated_base_ms, simulated_slowdown, vram_pool_disabled
 from ..faults import FaultPlan
+from ..metrics import EpochCounters, epoch_rows
 from ..monitor.resources import ResourceSampler
 from ..errors import (
     EXIT_CONFIG,
@@ -92,7 +93,7 @@ class RoundStats:
     wall_ms: float = 0.0
     last_average: Any = None
     regrouped_at: int = -1  # the averaging round redone in a new generation, if any
-    per_epoch: dict[int, list[float]] = field(default_factory=dict)  # epoch -> [batches, samples, loss, compute, data]
+    per_epoch: dict[int, EpochCounters] = field(default_factory=dict)
 
     def add(self, epoch: int, samples: int, loss: float, compute_ms: float, data_ms: float) -> None:
         self.batches += 1
@@ -100,18 +101,13 @@ class RoundStats:
         self.loss_sum += loss
         self.compute_ms += compute_ms
         self.data_ms += data_ms
-        row = self.per_epoch.setdefault(epoch, [0.0, 0.0, 0.0, 0.0, 0.0])
-        row[0] += 1
-        row[1] += samples
-        row[2] += loss
-        row[3] += compute_ms
-        row[4] += data_ms
+        self.per_epoch.setdefault(epoch, EpochCounters()).add_batch(samples, loss, compute_ms, data_ms)
 
     def retime(self, epoch: int, old_ms: float, new_ms: float) -> None:
         """Count a step already added as taking ``new_ms`` of compute instead of ``old_ms``."""
         self.compute_ms += new_ms - old_ms
         if epoch in self.per_epoch:
-            self.per_epoch[epoch][3] += new_ms - old_ms
+            self.per_epoch[epoch].compute_ms += new_ms - old_ms
 
 
 def model_signature(model: torch.nn.Module) -> str:
@@ -534,7 +530,7 @@ class RankRunner(Regrouping, Evaluating):
                 compute_ms=stats.compute_ms, data_ms=stats.data_ms, sync_ms=stats.sync_ms,
                 divergence=last.divergence if last else None, pre_norm=last.pre_norm if last else None,
                 post_norm=last.post_norm if last else None, lr=self.lr.current,
-                epochs=[[float(e), *row] for e, row in sorted(stats.per_epoch.items())], scalars=scalars.drain(),
+                epochs=epoch_rows(stats.per_epoch), scalars=scalars.drain(),
                 regrouped_at=stats.regrouped_at, res=self.resources.summary(), data=self._data_stats(),
             )
         )
