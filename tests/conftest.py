@@ -32,6 +32,19 @@ class FakeClock:
 
 
 @pytest.fixture(autouse=True)
+def _no_leaked_environment():
+    """Fail a test that leaves a FLODL_* or TORCH_* variable changed: every later test's processes
+    inherit it (a leaked FLODL_ENCRYPT once made another test's fuzzer talk to an encrypted run)."""
+    def ours():
+        return {k: v for k, v in os.environ.items() if k.startswith(("FLODL_", "TORCH_"))}
+
+    before = ours()
+    yield
+    after = ours()
+    assert after == before, f"the test changed the environment: {sorted(set(before.items()) ^ set(after.items()))}"
+
+
+@pytest.fixture(autouse=True)
 def _no_handler_errors():
     """Fail a test during which a message handler of this process raised (the socket survived it)."""
     transport = sys.modules.get("flodl.transport")

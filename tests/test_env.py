@@ -93,8 +93,11 @@ def test_paths_pids_and_other_programs_variables(monkeypatch, tmp_path):
 
 
 def test_encryption_and_nccl_settings_reach_children(monkeypatch):
-    monkeypatch.delenv(env.ENCRYPT, raising=False)
-    monkeypatch.delenv(env.TORCH_NCCL_ASYNC_ERROR_HANDLING, raising=False)
+    # set, then delete: monkeypatch only puts back what it changed, and request_encryption()
+    # writes os.environ itself; a leaked FLODL_ENCRYPT would encrypt every later test's run
+    for name in (env.ENCRYPT, env.TORCH_NCCL_ASYNC_ERROR_HANDLING):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     env.request_encryption()
     env.nccl_errors_raise()
     child = env.child_environ({})
