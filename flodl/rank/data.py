@@ -69,6 +69,21 @@ class BatchSource:
         self._perms: dict[int, torch.Tensor] = {}
 
     @property
+    def resident_bytes(self) -> int:
+        """Bytes of an in-memory dataset's tensors (0 for any other dataset)."""
+        return sum(t.numel() * t.element_size() for t in self._tensors) if self._tensors is not None else 0
+
+    def place_on(self, device: torch.device) -> None:
+        """Keep an in-memory dataset on ``device``: a batch is then a gather there, with no
+        host round trip. Each pass's shuffle is pinned, so a batch's indices go up with a
+        non-blocking copy (nothing per step waits for the device)."""
+        if self._tensors is None:
+            return
+        self._tensors = tuple(t.to(device) for t in self._tensors)
+        self.device = device
+        self._perms = {k: v.pin_memory() for k, v in self._perms.items()}
+
+    @property
     def in_memory(self) -> bool:
         """A tensor dataset: a batch is one indexing op, nothing to stage or prefetch."""
         return self._tensors is not None
@@ -107,7 +122,10 @@ class BatchSource:
 
     def _emit(self, pass_index: int, pieces: list[torch.Tensor]) -> tuple[torch.Tensor, Any]:
         picks = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        batch = self.fetch(picks % self.length)
+        if self.device is not None and self._tensors is not None:  # device-resident: the indices go up as they are
+            batch = self.fetch(picks.to(self.device, non_blocking=True) % self.length)
+        else:
+            batch = self.fetch(picks % self.length)
         if self.transform is not None:
             batch = self._transformed(batch, self.schedule.keys(pass_index, picks))
         return picks, batch
@@ -127,7 +145,10 @@ class BatchSource:
         if perm is None:
             if len(self._perms) >= 2:  # windows straddle at most two passes
                 self._perms.pop(next(iter(self._perms)))
-            perm = self._perms[pass_index] = epoch_permutation(self.schedule.pass_len, self.seed, pass_index)
+            perm = epoch_permutation(self.schedule.pass_len, self.seed, pass_index)
+            if self.device is not None and self._tensors is not None:
+                perm = perm.pin_memory()  # batches' indices go to the device without a sync (place_on)
+            self._perms[pass_index] = perm
         return pass_index, perm[epoch_start + start : epoch_start + start + size]
 
     def fetch(self, idx: torch.Tensor) -> Any:
@@ -137,6 +158,8 @@ class BatchSource:
             TaskError: the dataset raised on a sample; the message names its index.
         """
         if self._tensors is not None:
+            if self.device is not None:  # device-resident (place_on): gather there
+                idx = idx.to(self.device, non_blocking=True)  # a no-op for indices already there (_emit)
             return tuple(t[idx] for t in self._tensors)
         ids = idx.tolist()
         if self.tiers is not None:
