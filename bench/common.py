@@ -37,6 +37,16 @@ def quick_flag(doc: str, help_text: str) -> bool:
     return parser.parse_args().quick
 
 
+def size_parser(doc: str, quick_help: str, smoke_help: str) -> argparse.ArgumentParser:
+    """A bench's parser with its two sizes, ``--quick`` or ``--smoke`` (a toy size that only
+    says the bench still runs, into ``smoke_results()``); the bench adds its own flags."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help=quick_help)
+    size.add_argument("--smoke", action="store_true", help=smoke_help + ", results in a temporary folder: does the bench still run?")
+    return parser
+
+
 def machine() -> str:
     """One line describing where the numbers came from."""
     cpu = platform.processor() or platform.machine()

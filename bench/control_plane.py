@@ -32,7 +32,6 @@ under ``$FLODL_BENCH_RESULTS`` or a temporary folder, never ``bench/results``.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import io
 import multiprocessing as mp
@@ -47,15 +46,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import zmq  # noqa: E402
 
-from bench.common import Row, report, smoke_results  # noqa: E402
+from bench.common import Row, report, size_parser, smoke_results  # noqa: E402
 from flodl import __version__  # noqa: E402
 from flodl.config import DdpRunConfig  # noqa: E402
-from flodl.controller import Controller, LaunchOptions, run_loop  # noqa: E402
+from flodl.controller import Controller, ControllerHooks, LaunchOptions, run_loop  # noqa: E402
 from flodl.controller.console import Console  # noqa: E402
 from flodl.protocol import messages as m  # noqa: E402
 from flodl.protocol.codec import FrameReader, FrameWriter  # noqa: E402
 from flodl.protocol.messages import PROTOCOL_VERSION  # noqa: E402
-from flodl.sim import _window_batches  # noqa: E402
+from flodl.sim import window_batches  # noqa: E402
 from flodl.transport import AsyncSocket, make_dealer, make_router  # noqa: E402
 
 SECRET = bytes.fromhex(os.environ.setdefault("FLODL_BENCH_SECRET", os.urandom(32).hex()))  # children inherit it
@@ -68,21 +67,20 @@ WARMUP_PINGS = 50
 RECV_TIMEOUT_MS = 30_000
 
 
-class CountingController(Controller):
-    """The real controller, timing its BatchDone ingest."""
+class IngestCount(ControllerHooks):
+    """Times the real controller's BatchDone ingest: how many it handled, the first and the last."""
 
-    def __init__(self, *a, **kw) -> None:
-        super().__init__(*a, **kw)
+    def __init__(self) -> None:
         self.count = 0
         self.first = self.last = 0.0
 
-    def _h_batch_done(self, identity, env, msg) -> None:
-        now = time.perf_counter()
-        if not self.count:
-            self.first = now
-        self.count += 1
-        self.last = now
-        super()._h_batch_done(identity, env, msg)
+    def handled(self, msg: object) -> None:
+        if type(msg) is m.BatchDone:
+            now = time.perf_counter()
+            if not self.count:
+                self.first = now
+            self.count += 1
+            self.last = now
 
 
 def bench_config() -> DdpRunConfig:
@@ -107,21 +105,6 @@ def _recv(sock: zmq.Socket, reader: FrameReader, *kinds: type, timeout_ms: int =
             if env is not None and isinstance(env.msg, kinds):
                 return env.msg
     raise TimeoutError(f"no {' or '.join(k.__name__ for k in kinds)}")
-
-
-def _round_trips(sock: zmq.Socket, pings: int, send, answered) -> list[float]:
-    """µs of ``pings`` one-at-a-time round trips after the warm-up; blocking receive, as a rank's link thread."""
-    sock.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
-    rtts = []
-    for i in range(WARMUP_PINGS + pings):
-        t0 = time.perf_counter()
-        send(i, t0)
-        while not answered(sock.recv()):
-            pass
-        if i >= WARMUP_PINGS:
-            rtts.append((time.perf_counter() - t0) * 1e6)
-    sock.setsockopt(zmq.RCVTIMEO, -1)
-    return rtts
 
 
 def _epoch_row(batches: list[tuple[int, int]]) -> list[list[float]]:
@@ -159,7 +142,7 @@ def sim_worker(addr: str, bare_addrs: dict[str, str], nranks: int, frames: int, 
         cmds = [_recv(sock, rdr, m.Window, m.Shutdown, timeout_ms=wait_ms) for _, sock, _, rdr in ranks]
         if any(isinstance(c, m.Shutdown) for c in cmds):
             break
-        plans = [_window_batches(c, 1, 0.0) for c in cmds]
+        plans = [window_batches(c, 1, 0.0) for c in cmds]
         # sign everything first: the measurement is the controller's, not the signer's
         signed = [[writer.encode(m.BatchDone(r, e, i + 1, s, 0.5, 1.0, 0.0, 0.0)) for i, (e, s) in enumerate(p)]
                   for (r, _, writer, _), p in zip(ranks, plans)]
@@ -260,7 +243,8 @@ def loop_echo(ctx: zmq.Context) -> tuple[AsyncSocket, int]:
 
 def measure(nranks: int, frames: int, pings: int, wait_s: float = 120.0) -> dict:
     launch = LaunchOptions(task="bench:task", epochs=1, workers=1, progress=False, join_timeout_secs=wait_s)
-    ctl = CountingController(launch, bench_config(), secret=SECRET, run_id=RUN, console=Console(out=io.StringIO(), live=False))
+    ingest = IngestCount()
+    ctl = Controller(launch, bench_config(), secret=SECRET, run_id=RUN, console=Console(out=io.StringIO(), live=False), hooks=ingest)
     spawn = mp.get_context("spawn")
     out: mp.Queue = spawn.Queue()
     bare = BareEcho()
@@ -283,10 +267,10 @@ def measure(nranks: int, frames: int, pings: int, wait_s: float = 120.0) -> dict
     finally:
         bare.close()
     load = out.get(timeout=wait_s)
-    span = ctl.last - ctl.first
+    span = ingest.last - ingest.first
     return {
-        "frames_per_s": ctl.count / span if span > 0 else 0.0,
-        "count": ctl.count,
+        "frames_per_s": ingest.count / span if span > 0 else 0.0,
+        "count": ingest.count,
         "sent": load["sent"],
         "sender_rate": load["sent"] / load["send_s"] if load["send_s"] > 0 else 0.0,
         "rtts": load["rtts"],
@@ -303,10 +287,7 @@ def _p(values: list[float], q: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="fewer frames, pings and repetitions (under a minute)")
-    size.add_argument("--smoke", action="store_true", help="tiny sizes, results in a temporary folder: does the bench still run?")
+    parser = size_parser(__doc__, "fewer frames, pings and repetitions (under a minute)", "tiny sizes")
     args = parser.parse_args(argv)
     if args.smoke:
         frames, pings, reps, cases, wait_s = 2_000, 100, 1, (4,), 20.0  # a broken protocol fails in seconds, not minutes

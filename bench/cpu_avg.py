@@ -1,6 +1,6 @@
 """CPU averaging round vs a gloo all-reduce of the same tensors, and the controller's memory.
 
-    python bench/cpu_avg.py [--quick]
+    python bench/cpu_avg.py [--quick | --smoke]
 
 For each parameter size (10, 100, 400 MB of float32) and rank count (2, 4),
 this process plays the controller (the real ``CpuAveraging`` actor on uvloop)
@@ -20,6 +20,9 @@ rank keeps anyway, are theirs.
 
 Goals (issue 4): round time ≤ 1.5× the gloo all-reduce (stretch: faster);
 controller memory ≤ 2× one model.
+
+``--smoke`` runs 1 MB x 2 ranks once on each lane (does the bench still run?)
+and writes its JSON under ``$FLODL_BENCH_RESULTS`` or a temporary folder.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.common import Row, quick_flag, report  # noqa: E402
+from bench.common import Row, report, size_parser, smoke_results  # noqa: E402
 from flodl.controller import run_loop  # noqa: E402
 from flodl.averaging.server import CpuAveraging  # noqa: E402
 
@@ -161,11 +164,12 @@ def measure(size_mb: int, world: int, reps: int, *, lane: bool) -> dict:
 
 
 def main() -> None:
-    quick = quick_flag(__doc__, "one repetition per case")
-    reps = 1 if quick else 3
+    args = size_parser(__doc__, "one repetition per case", "1 MB x 2 ranks, once").parse_args()
+    reps = 1 if args.quick or args.smoke else 3
+    sizes, worlds = ((1,), (2,)) if args.smoke else ((10, 100, 400), (2, 4))
     rows: list[Row] = []
-    for size in (10, 100, 400):
-        for world in (2, 4):
+    for size in sizes:
+        for world in worlds:
             case = f"{size} MB, {world} ranks"
             for lane in (True, False):
                 res = measure(size, world, reps, lane=lane)
@@ -181,7 +185,8 @@ def main() -> None:
                 print(f"  {case} {how}: gloo {res['gloo_s'] * 1000:.0f} ms, round {res['round_s'] * 1000:.0f} ms, "
                       f"peak +{res['peak_mb']:.0f} MB", flush=True)
     report("cpu_avg", rows, note=f"median of {reps} repetition(s) after one warm-up; float32 flat models; ranks and controller on this one machine; "
-                                  "lane = same-host shared memory (ranks on the controller's host), wire = the bulk socket (FLODL_SHM=off, ranks on other hosts)")
+                                  "lane = same-host shared memory (ranks on the controller's host), wire = the bulk socket (FLODL_SHM=off, ranks on other hosts)",
+           results=smoke_results() if args.smoke else None)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Unequal ranks: how much of the ideal throughput each mode keeps, and at what accuracy.
 
-    python bench/hetero.py [--quick] [--seeds N] [--results DIR]
+    python bench/hetero.py [--quick | --smoke] [--seeds N] [--results DIR]
 
 Two CPU ranks (one intra-op thread each) train the same task (the Gaussian
 mixture MLP of ``bench/tasks/mixture.py``) and sample budget; rank 1 is made
@@ -27,9 +27,11 @@ each ratio and mode:
 Timings are medians over the seeds; evals the mean, with the lowest and highest.
 
 Options: ``--quick`` (8,000 samples x 2 epochs, 1 seed; about 2 minutes here),
-``--seeds N`` (default 3; 1 with ``--quick``), ``--results DIR`` (where
-``hetero.json`` goes; default ``bench/results``, the committed numbers:
-anywhere else for a trial run).
+``--smoke`` (a solo and one 2:1 cadence run of 512 samples, 1 epoch: does the
+bench still run? its JSON goes to ``$FLODL_BENCH_RESULTS`` or a temporary
+folder), ``--seeds N`` (default 3; 1 with ``--quick`` or ``--smoke``),
+``--results DIR`` (where ``hetero.json`` goes; default ``bench/results``, the
+committed numbers: anywhere else for a trial run).
 
 Goal (issue 3, issue 22): Cadence and Async >= 0.90 of ideal at 4:1 (sync DDP
 sits near 40%), final eval within 1 point of solo.
@@ -37,7 +39,6 @@ sits near 40%), final eval within 1 point of solo.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -48,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Row, report  # noqa: E402
+from bench.common import Row, report, size_parser, smoke_results  # noqa: E402
 from bench.matrix.report import measured_ratio, of_ideal, step_ms, train_wall  # noqa: E402
 from bench.matrix.suite import RunFailed, timed_run  # noqa: E402
 from flodl.env import SIMULATE_BASE_MS, SIMULATE_SLOWDOWN  # noqa: E402
@@ -120,15 +121,15 @@ def rows(solos: list[dict], pairs: dict[tuple[int, str], list[dict]]) -> list[Ro
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="8,000 samples x 2 epochs, 1 seed (about 2 minutes here)")
+    ap = size_parser(__doc__, "8,000 samples x 2 epochs, 1 seed (about 2 minutes here)", "a solo and one 2:1 cadence run of 512 samples")
     ap.add_argument("--seeds", type=int, default=None, help="runs per case, seeds 0..N-1 (default 3; 1 with --quick)")
     ap.add_argument("--results", type=Path, default=None, help="where hetero.json goes (default bench/results)")
     args = ap.parse_args(argv)
-    seeds = args.seeds if args.seeds is not None else (1 if args.quick else 3)
-    samples, epochs = (8000, 2) if args.quick else (16000, 3)
+    seeds = args.seeds if args.seeds is not None else (1 if args.quick or args.smoke else 3)
+    samples, epochs = (512, 1) if args.smoke else (8000, 2) if args.quick else (16000, 3)
+    cases = [(2, "nccl-cadence")] if args.smoke else [(f, m) for f in RATIOS for m in MODES]
     solos: list[dict] = []
-    pairs: dict[tuple[int, str], list[dict]] = {(f, m): [] for f in RATIOS for m in MODES}
+    pairs: dict[tuple[int, str], list[dict]] = {case: [] for case in cases}
     for seed in range(seeds):
         solo = run(1, "nccl-sync", epochs, samples, seed)
         base = step_ms(solo)[0]
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             f"rank 1 paced to f x the solo step time (simulated; measured ratio reported); ideal = solo rate x (1 + 1/measured "
             f"ratio), solo from the same command and threads; timings medians over seeds, evals means; train wall excludes "
             f"start-up, command wall is process start to exit")
-    where = {} if args.results is None else {"results": args.results}  # bench.common.report's results folder
+    folder = smoke_results() if args.smoke else args.results
+    where = {} if folder is None else {"results": folder}  # bench.common.report's results folder
     report("hetero", rows(solos, pairs), note=note, **where)
     return 0
 

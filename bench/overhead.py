@@ -37,7 +37,6 @@ under ``$FLODL_BENCH_RESULTS`` or a temporary folder, never ``bench/results``.
 
 from __future__ import annotations
 
-import argparse
 import io
 import os
 import statistics
@@ -51,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.common import Row, report, smoke_results  # noqa: E402
+from bench.common import Row, report, size_parser, smoke_results  # noqa: E402
 from bench.tasks import mlp  # noqa: E402
 from flodl import Trainer  # noqa: E402
 
@@ -145,10 +144,7 @@ def step_width(target_ms: float) -> tuple[int, float]:
 
 def main(argv: list[str] | None = None) -> Path:
     global DEVICE
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="the ~5 ms case only, 7 pairs (under two minutes)")
-    size.add_argument("--smoke", action="store_true", help="one tiny pair, results in a temporary folder: does the bench still run?")
+    parser = size_parser(__doc__, "the ~5 ms case only, 7 pairs (under two minutes)", "one tiny pair")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both sides train (cuda: results in overhead_gpu.json)")
     args = parser.parse_args(argv)
     DEVICE = args.device

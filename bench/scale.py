@@ -1,6 +1,6 @@
 """Scale by simulation: the real controller driving 1,000 simulated ranks.
 
-    python bench/scale.py [--quick]
+    python bench/scale.py [--quick | --smoke]
 
 The real ``Controller`` (NcclCadence: the controller plans every window and
 decides when the ranks average; the ranks' collective is what the simulation
@@ -32,6 +32,10 @@ positions they trained.
 
 Goals: none given beyond "the evidence for runs larger than these machines";
 coverage must be exact.
+
+``--smoke`` runs one toy case (16 ranks, a death and a join, no hang: the
+heartbeat timeout alone would take longer) in seconds and writes its JSON
+under ``$FLODL_BENCH_RESULTS`` or a temporary folder, never ``bench/results``.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import Row, quick_flag, report  # noqa: E402
+from bench.common import Row, report, size_parser, smoke_results  # noqa: E402
 
 SECRET = bytes.fromhex(os.environ.setdefault("FLODL_BENCH_SECRET", os.urandom(32).hex()))  # children inherit it
 RUN = "scale-run"
@@ -59,7 +63,8 @@ ANCHOR, MAX_ANCHOR = 2, 4  # short windows on purpose: many decisions per run, a
 LAG_TICK_S = 0.05
 
 
-def scenario(ranks: int, *, batches_per_rank: int, epochs: int, deaths: int, hangs: int, joins: int, base_ms: float, seed: int) -> dict:
+def scenario(ranks: int, *, batches_per_rank: int, epochs: int, deaths: int, hangs: int, joins: int, base_ms: float, seed: int,
+             join_after_s: tuple[float, float] = (1.0, 4.0)) -> dict:
     """Everything random about one case, drawn up front (both processes read it)."""
     rng = random.Random(seed)
     slowdowns = [rng.uniform(1.0, 3.0) for _ in range(ranks)]
@@ -81,7 +86,7 @@ def scenario(ranks: int, *, batches_per_rank: int, epochs: int, deaths: int, han
             for i in range(joins * RANKS_PER_WORKER)]
     return {
         "ranks": ranks, "epochs": epochs, "dataset_len": ranks * batches_per_rank * BATCH, "specs": specs,
-        "late": late, "join_after_s": sorted(rng.uniform(1.0, 4.0) for _ in range(joins)),
+        "late": late, "join_after_s": sorted(rng.uniform(*join_after_s) for _ in range(joins)),
         "deaths": deaths, "hangs": hangs, "joins": joins,
     }
 
@@ -91,44 +96,22 @@ def scenario(ranks: int, *, batches_per_rank: int, epochs: int, deaths: int, han
 
 def controller_main(case: dict, out: mp.Queue) -> None:
     """Run the real controller for ``case``; put its port, then its measurements, on ``out``."""
-    import flodl.controller.core as core  # it lifts its own limit on open files: a connection per rank and worker lands here
     from flodl.config import DdpRunConfig
-    from flodl.controller import Controller, LaunchOptions, run_loop
-    from flodl.controller.cadence import CadenceLoop
+    from flodl.controller import Controller, ControllerHooks, LaunchOptions, run_loop
     from flodl.controller.console import Console
+    from flodl.protocol import messages as m
 
     timing = {"plan_s": [], "plans": 0, "settle_s": [], "turnaround_s": [], "membership_s": []}
     last_input: dict[int, float] = {}  # window -> when its last report (or a death while it flew) arrived
 
-    class TimedLoop(CadenceLoop):
-        def next_windows(self, now):
-            t0 = time.perf_counter()
-            windows = super().next_windows(now)
-            t1 = time.perf_counter()
-            if windows is not None:
-                timing["plan_s"].append(t1 - t0)
-                timing["plans"] += len(windows)
-                prev = self.window - 2
-                if prev in last_input:
-                    timing["turnaround_s"].append(t1 - last_input.pop(prev))
-                    timing.setdefault("turn_by_window", []).append((prev, round(1000 * (t1 - t0), 1), round(1000 * timing["turnaround_s"][-1], 1)))
-            return windows
+    class Timing(ControllerHooks):
+        """The controller's decisions, timed at its public hooks; frames out counted at its socket."""
 
-        def on_reports(self, window, reports, now, dead_batches=None):
-            t0 = time.perf_counter()
-            try:
-                return super().on_reports(window, reports, now, dead_batches)
-            finally:
-                timing["settle_s"].append(time.perf_counter() - t0)
+        frames_out = 0
 
-    core.CadenceLoop = TimedLoop  # this process only: the controller builds its loop through the name
-
-    class TimedController(Controller):
-        def _open(self):
-            super()._open()
-            io_ = self.endpoint.io
+        def opened(self, endpoint) -> None:
+            io_ = endpoint.io
             send = io_.send
-            self.frames_out = 0
 
             def counting(parts, **kw):
                 self.frames_out += 1
@@ -136,30 +119,37 @@ def controller_main(case: dict, out: mp.Queue) -> None:
 
             io_.send = counting
 
-        def _h_window_done(self, identity, env, msg):
-            super()._h_window_done(identity, env, msg)
-            last_input[msg.window] = time.perf_counter()
+        def handled(self, msg) -> None:
+            if type(msg) is m.WindowDone:
+                last_input[msg.window] = time.perf_counter()
 
-        def _on_deaths(self, dead, reason):
-            t0 = time.perf_counter()
-            super()._on_deaths(dead, reason)
-            timing["membership_s"].append(time.perf_counter() - t0)
-            if self.cadence is not None and self.cadence.window - 1 in last_input:
-                last_input[self.cadence.window - 1] = time.perf_counter()
+        def planned(self, window: int, ranks: int, seconds: float) -> None:
+            t1 = time.perf_counter()
+            timing["plan_s"].append(seconds)
+            timing["plans"] += ranks
+            prev = window - 1  # the window whose reports this plan waited for (two fly at once)
+            if prev in last_input:
+                timing["turnaround_s"].append(t1 - last_input.pop(prev))
+                timing.setdefault("turn_by_window", []).append((prev, round(1000 * seconds, 1), round(1000 * timing["turnaround_s"][-1], 1)))
 
-        def _admit_joiners(self, loop, in_flight):
-            t0 = time.perf_counter()
-            before = len(self.joins)
-            super()._admit_joiners(loop, in_flight)
-            if len(self.joins) > before:
-                timing["membership_s"].append(time.perf_counter() - t0)
+        def settled(self, window: int, seconds: float) -> None:
+            timing["settle_s"].append(seconds)
+
+        def deaths_handled(self, dead: set[int], seconds: float) -> None:
+            timing["membership_s"].append(seconds)
+            if ctl.cadence is not None and ctl.cadence.window - 1 in last_input:
+                last_input[ctl.cadence.window - 1] = time.perf_counter()
+
+        def joiners_admitted(self, ranks: list[int], seconds: float) -> None:
+            timing["membership_s"].append(seconds)
 
     config = (DdpRunConfig().with_mode("nccl-cadence").with_heartbeat_timeout_secs(HEARTBEAT_S)
               .with_anchor(ANCHOR).with_max_anchor(MAX_ANCHOR))
     workers = -(-case["ranks"] // RANKS_PER_WORKER)
     launch = LaunchOptions(task="sim:task", epochs=case["epochs"], workers=workers, progress=False, join_timeout_secs=120.0)
     console_out = io.StringIO()
-    ctl = TimedController(launch, config, secret=SECRET, run_id=RUN, console=Console(out=console_out, live=False))
+    hooks = Timing()
+    ctl = Controller(launch, config, secret=SECRET, run_id=RUN, console=Console(out=console_out, live=False), hooks=hooks)
     lags: list[float] = []
     spikes: list[tuple[float, str, int]] = []  # (lag ms, phase, window) of the worst stalls
 
@@ -204,7 +194,7 @@ def controller_main(case: dict, out: mp.Queue) -> None:
         "regranted": summary.get("regranted_samples"),
         "train_wall_s": summary.get("wall_s"),
         "frames_in": ctl.endpoint.reader.accepted,
-        "frames_out": ctl.frames_out,
+        "frames_out": hooks.frames_out,
         "dropped": summary.get("dropped_frames"),
         "peak_rss_kib": _status_kib("VmHWM"),
         "lag_p99_ms": lags[int(len(lags) * 0.99)] * 1000 if lags else 0.0,
@@ -348,9 +338,14 @@ def rows_for(label: str, case: dict, r: dict) -> list[Row]:
     return rows
 
 
-def main() -> None:
-    quick = quick_flag(__doc__, "fewer batches and epochs (under two minutes)")
-    if quick:
+def main(argv: list[str] | None = None) -> Path:
+    parser = size_parser(__doc__, "fewer batches and epochs (under two minutes)", "one toy case")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    if args.smoke:
+        cases = [("16 ranks", scenario(16, batches_per_rank=30, epochs=2, deaths=1, hangs=0, joins=1, base_ms=20, seed=3,
+                                            join_after_s=(0.3, 0.6)))]
+    elif quick:
         cases = [("100 ranks", scenario(100, batches_per_rank=40, epochs=3, deaths=3, hangs=1, joins=1, base_ms=100, seed=1)),
                  ("1000 ranks", scenario(1000, batches_per_rank=40, epochs=3, deaths=20, hangs=1, joins=2, base_ms=100, seed=2))]
     else:
@@ -372,7 +367,8 @@ def main() -> None:
         rows += rows_for(label, case, res)
         notes.append(f"{label}: {case['dataset_len']:,} samples x {case['epochs']} epochs, batch {BATCH}, "
                      f"{sim_res['batches']:,} batches, sim process {100 * sim_res['cpu_s'] / res['wall_s']:.0f}% of a core")
-    report("scale", rows, note="; ".join(notes) + f"; {'quick' if quick else 'full'} mode")
+    mode = "smoke" if args.smoke else "quick" if quick else "full"
+    return report("scale", rows, note="; ".join(notes) + f"; {mode} mode", results=smoke_results() if args.smoke else None)
 
 
 if __name__ == "__main__":

@@ -110,7 +110,7 @@ class _Peer:
         self.endpoint.close()
 
 
-def _window_batches(window: m.Window, batch_size: int, batch_ms: float) -> list[tuple[int, int]]:
+def window_batches(window: m.Window, batch_size: int, batch_ms: float) -> list[tuple[int, int]]:
     """(epoch, samples) of each batch a simulated rank trains in a window, as a real one would."""
     out: list[tuple[int, int]] = []
     pending, epoch_of = 0, None
@@ -228,7 +228,7 @@ class SimWorker:
         """Train a window's grants like a real rank would (simulated time); -1 if it died, -2 if it hung."""
         base_ms = spec.batch_ms * spec.slowdown
         if spec.jitter:
-            batches = _window_batches(cmd, self.batch_size, 0.0)  # the time quota is applied below, batch by batch
+            batches = window_batches(cmd, self.batch_size, 0.0)  # the time quota is applied below, batch by batch
             durations = [base_ms * rng.uniform(1.0 - spec.jitter, 1.0 + spec.jitter) for _ in batches]
             if cmd.quota_ms:
                 spent, limit = 0.0, len(batches)
@@ -239,7 +239,7 @@ class SimWorker:
                         break
                 batches, durations = batches[:limit], durations[:limit]
         else:
-            batches = _window_batches(cmd, self.batch_size, base_ms)
+            batches = window_batches(cmd, self.batch_size, base_ms)
             durations = [base_ms] * len(batches)
         per_epoch: dict[int, list[float]] = {}
         trained = []

@@ -118,8 +118,8 @@ async def test_timeout_aborts_and_late_snapshot_never_leaks(lane):
         models[2].weight.fill_(1000.0)
     avgs[2].average(1.0, block=False)  # still round 0 from its side
     for a in avgs[:2]:
-        a.round = 1  # ranks 0 and 1 have moved on to round 1
-    avgs[2].round = 1
+        a.start_at_round(1)  # ranks 0 and 1 have moved on to round 1
+    avgs[2].start_at_round(1)
     with torch.no_grad():
         models[2].weight.fill_(3.0)
     want = (models[0].weight.detach() + models[1].weight.detach() + 3.0) / 3

@@ -220,7 +220,7 @@ async def test_a_joiners_second_rank_ready_before_its_first_waits_for_it(quiet_c
     first (once that one is ready), never ahead of it (the plans only grow at the end)."""
     import asyncio
 
-    from flodl.controller import Controller, LaunchOptions
+    from flodl.controller import Controller, LaunchOptions, Phase
     from flodl.sim import SimRankSpec, SimWorker
 
     secret, run_id = b"g" * 32, "grow-order"
@@ -232,7 +232,7 @@ async def test_a_joiners_second_rank_ready_before_its_first_waits_for_it(quiet_c
     first = asyncio.create_task(SimWorker(addr, secret, run_id, [SimRankSpec(batch_ms=5)], host="a").run())
     try:
         async with asyncio.timeout(30):
-            while ctl.phase != "training":
+            while ctl.phase is not Phase.TRAINING:
                 await asyncio.sleep(0.01)
         late = SimWorker(addr, secret, run_id, [SimRankSpec(batch_ms=5, hello_delay_s=1.0), SimRankSpec(batch_ms=5)], host="late")
         await asyncio.wait_for(late.run(), 60)

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from flodl.config import DdpRunConfig
-from flodl.controller import Controller, LaunchOptions
+from flodl.controller import Controller, LaunchOptions, Phase
 from flodl.errors import EXIT_RANK_LOST, RunAborted
 from flodl.protocol import messages as m
 from flodl.protocol.codec import FrameWriter
@@ -101,7 +101,7 @@ async def test_join_timeout_names_what_it_waited_for(quiet_console):
     assert "waiting for workers to connect" in str(result)
 
 
-async def _late_join(ctl, first_spec: SimRankSpec, phase: str, host: str):
+async def _late_join(ctl, first_spec: SimRankSpec, phase: Phase, host: str):
     """Run ``ctl`` with one sim worker; once ``phase`` is reached a second one arrives.
     Returns (summary, the late worker)."""
     run = asyncio.create_task(ctl.run())
@@ -119,7 +119,7 @@ async def _late_join(ctl, first_spec: SimRankSpec, phase: str, host: str):
 
 async def test_a_worker_arriving_mid_run_joins_it(quiet_console):
     """A worker that arrives while the run trains is admitted at a window boundary and trains."""
-    summary, late = await _late_join(make_controller(quiet_console, epochs=6, mode="nccl-cadence"), SimRankSpec(batch_ms=5), "training", "late")
+    summary, late = await _late_join(make_controller(quiet_console, epochs=6, mode="nccl-cadence"), SimRankSpec(batch_ms=5), Phase.TRAINING, "late")
     assert late.outcomes == {1: "completed"}
     assert summary["exit_reason"] == "completed" and summary["world_size"] == 2
     assert [j["ranks"] for j in summary["joins"]] == [[1]] and summary["joins"][0]["hosts"] == ["late"]
@@ -129,16 +129,17 @@ async def test_a_worker_arriving_mid_run_joins_it(quiet_console):
 
 async def test_a_worker_arriving_while_the_first_ranks_start_is_held_then_admitted(quiet_console):
     ctl = make_controller(quiet_console, epochs=3, mode="nccl-cadence")
-    summary, late = await _late_join(ctl, SimRankSpec(batch_ms=2, hello_delay_s=1.0), "joining", "early")
-    assert ctl.initial_world == 1 and late.outcomes == {1: "completed"}
+    summary, late = await _late_join(ctl, SimRankSpec(batch_ms=2, hello_delay_s=1.0), Phase.JOINING, "early")
+    assert ctl.admission.initial_world == 1 and late.outcomes == {1: "completed"}
     assert [j["ranks"] for j in summary["joins"]] == [[1]] and summary["exit_reason"] == "completed"
 
 
 async def test_a_worker_is_refused_while_the_run_shuts_down(quiet_console):
     """Once the run ends a worker cannot join; it is told why."""
     ctl = make_controller(quiet_console, epochs=2)
-    ctl.phase = "shutting down"
-    problem = ctl._worker_problem("late.1", m.WorkerHello(host="late", pid=1, devices=["cpu"], versions={"protocol": str(m.PROTOCOL_VERSION)}))
+    for phase in (Phase.GATHERING, Phase.JOINING, Phase.TRAINING, Phase.SHUTTING_DOWN):
+        ctl.state.to(phase)
+    problem = ctl.admission.worker_problem("late.1", m.WorkerHello(host="late", pid=1, devices=["cpu"], versions={"protocol": str(m.PROTOCOL_VERSION)}))
     assert problem == "the run is shutting down; a worker can join while it starts or trains"
 
 

@@ -18,9 +18,11 @@ from .. import curve
 from ..env import read_run_credentials
 from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, ConfigError, RunAborted
 from .core import Controller
+from .hooks import ControllerHooks
 from .launch import LaunchOptions, build_parser, resolve
+from .phase import Phase
 
-__all__ = ["Controller", "LaunchOptions", "main", "run_controller"]
+__all__ = ["Controller", "ControllerHooks", "LaunchOptions", "Phase", "main", "run_controller"]
 
 
 def run_loop(coro: Any) -> Any:

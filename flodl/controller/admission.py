@@ -1,25 +1,36 @@
 """Admission: who may join the run, how ranks are numbered and welcomed, and growing.
 
-A mixin of ``Controller`` (core.py), which holds all the state these methods
-read and write. Workers are checked and numbered as they arrive; ranks are
-checked against the first rank's task (protocol, model, data, shuffle) and
-welcomed; a worker that arrives while the run trains is started at once and
-its ranks are admitted at the next window boundary (``_admit_joiners``).
+``Admission`` owns the run's roster beyond what ``Membership`` tracks: rank
+numbers (never reused), the hellos and the task they describe, and the
+joiners. Workers are checked and numbered as they arrive; ranks are checked
+against the first rank's task (protocol, model, data, shuffle) and welcomed;
+a worker that arrives while the run trains is started at once and its ranks
+are admitted at the next window boundary (``admit_joiners``).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from typing import Callable
 
 from .. import __version__
+from ..config import DdpRunConfig
 from ..errors import EXIT_CONFIG, EXIT_TASK_ERROR
-from ..membership import PeerState, WorkerInfo
+from ..membership import Membership, PeerState, WorkerInfo
+from ..monitor.hub import Monitor
 from ..protocol import messages as m
 from ..protocol.codec import Envelope
 from ..protocol.messages import PROTOCOL_VERSION
 from ..transport import host_name
 from .cadence import CadenceLoop
+from .console import Console
+from .hooks import ControllerHooks
+from .launch import LaunchOptions
+from .phase import Phase, RunState
+from .plane import ControlPlane
+from .resume import Resume
+from .training import Training
 
 #: Open files the controller keeps for itself (sockets' mailboxes, the store, logs, the dashboard).
 FD_RESERVE = 128
@@ -28,13 +39,44 @@ FD_RESERVE = 128
 class Admission:
     """Workers and ranks in: checks, numbering, welcomes, joiners."""
 
-    def _welcome_workers(self) -> None:
+    def __init__(self, launch: LaunchOptions, config: DdpRunConfig, *, members: Membership, run: RunState, plane: ControlPlane,
+                 training: Training, resume: Resume, console: Console, monitor: Monitor, hooks: ControllerHooks,
+                 clock: Callable[[], float], run_id: str, heartbeat_timeout_s: float) -> None:
+        self.launch = launch
+        self.config = config
+        self.members = members
+        self.run = run
+        self.plane = plane
+        self.training = training
+        self.resume = resume
+        self.console = console
+        self.monitor = monitor
+        self.hooks = hooks
+        self.clock = clock
+        self.run_id = run_id
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.expected_workers = 1 if launch.embedded else launch.workers
+        self.hellos: dict[int, m.RankHello] = {}
+        self.task_info: m.RankHello | None = None  # the first hello's task: every later rank must match it
+        self.initial_world = 0  # ranks the run started with (the LR factor every replica keeps)
+        self.welcomed = False  # the first ranks were welcomed: a death from now on regroups them
+        # growing: ranks of workers that arrived while training, until admitted at a window boundary
+        self.joiners: dict[int, float] = {}  # rank -> deadline to be ready
+        self.joins: list[dict] = []  # every admission: when, generation, ranks, host
+        self._next_rank = 0  # rank numbers are never reused, so a late report can't be misread
+        self._fd_warned = False
+
+    def training_ranks(self) -> list[int]:
+        """The ranks in the collective and the plans: live, and admitted (not joiners)."""
+        return self.training.ranks(frozenset(self.joiners))
+
+    def welcome_workers(self) -> None:
         for worker in self.members.workers.values():
             self._assign_ranks(worker)
         self.initial_world = self._next_rank
         devices = {d.split(":")[0] for w in self.members.workers.values() for d in w.devices}
-        if len(devices) > 1 and self.averaging is None:
-            self._fail(
+        if len(devices) > 1 and self.plane.averaging is None:
+            self.run.fail(
                 f"ranks mix device types {sorted(devices)}: the collective backend needs one type; "
                 "use a Cpu* mode (e.g. --mode cpu-cadence) to average through the controller",
                 EXIT_CONFIG,
@@ -42,7 +84,7 @@ class Admission:
             return
         for worker in self.members.workers.values():
             self._send_worker_welcome(worker)
-        self._changed.set()
+        self.run.changed()
 
     def _assign_ranks(self, worker: WorkerInfo) -> None:
         """Number ``worker``'s ranks from the next unused number and expect them (silence counts from now)."""
@@ -50,18 +92,20 @@ class Admission:
         self._next_rank += len(worker.devices)
         # every worker and rank holds a connection here, and every rank one to the store (or the bulk plane)
         need = 2 * self._next_rank + len(self.members.workers) + FD_RESERVE
-        if self.fd_limit and need > self.fd_limit and not self._fd_warned:
+        fd_limit = self.plane.fd_limit
+        if fd_limit and need > fd_limit and not self._fd_warned:
             self._fd_warned = True
             self.console.line(f"warning: {self._next_rank} ranks on {len(self.members.workers)} workers need about {need} open files in the "
-                              f"controller, its limit is {self.fd_limit}: peers past it cannot connect (raise the hard limit, ulimit -Hn)")
+                              f"controller, its limit is {fd_limit}: peers past it cannot connect (raise the hard limit, ulimit -Hn)")
 
     def _send_worker_welcome(self, worker: WorkerInfo) -> None:
         relay = self._relays(worker)
+        averaging = self.plane.averaging
         if relay:
-            self.averaging.admit_relay(worker.sender.encode(), worker.ranks)
-        self.endpoint.send(
+            averaging.admit_relay(worker.sender.encode(), worker.ranks)
+        self.plane.send(
             m.WorkerWelcome(ranks=worker.ranks, world_size=self._next_rank, task=self.launch.task, heartbeat_timeout_s=self.heartbeat_timeout_s,
-                            bulk_port=self.averaging.port if self.averaging is not None else 0, bulk_relay=relay),
+                            bulk_port=averaging.port if averaging is not None else 0, bulk_relay=relay),
             worker.identity,
         )
 
@@ -73,7 +117,7 @@ class Admission:
         relays on this host too (benchmarks and tests compare).
         """
         setting = os.environ.get("FLODL_BULK_RELAY", "on").lower()
-        if self.averaging is None or len(worker.ranks) < 2 or setting in ("off", "0", "no"):
+        if self.plane.averaging is None or len(worker.ranks) < 2 or setting in ("off", "0", "no"):
             return False
         return setting == "always" or worker.host != host_name()
 
@@ -97,50 +141,51 @@ class Admission:
                 return f"its {what} {mine} differs from rank {first.rank}'s {theirs}"
         return None
 
-    def _welcome_ranks(self) -> None:
+    def welcome_ranks(self) -> None:
         """Welcome the first ranks that said hello (one that died before is left out: the
         survivors' Regroup, sent right after, forms the first group without it)."""
         for rank in range(self.initial_world):
             if rank not in self.hellos or self.members.ranks[rank].state is PeerState.DEAD:
                 continue
-            self._send_rank(rank, self._rank_welcome(rank, late=False))
-            if self.averaging is not None:
-                self.averaging.admit(self.members.ranks[rank].sender.encode(), rank)
+            self.plane.send_rank(rank, self._rank_welcome(rank, late=False))
+            if self.plane.averaging is not None:
+                self.plane.averaging.admit(self.members.ranks[rank].sender.encode(), rank)
         self.welcomed = True
 
     def _rank_welcome(self, rank: int, *, late: bool) -> m.RankWelcome:
         """A late rank gets the world the run started with (so its LR factor matches
         its peers'); its collective membership comes with the Regroup that admits it."""
+        averaging = self.plane.averaging
         return m.RankWelcome(
             rank=rank,
             world_size=self.initial_world,
             generation=self.members.generation,
             store_host=self.launch.advertise_host,
-            store_port=self.store.port,
+            store_port=self.plane.store.port,
             store_prefix=f"{self.run_id}/gen{self.members.generation}",
             collective_timeout_s=self.heartbeat_timeout_s,
             config=self.config.to_dict(),
-            seed=self._seed(),  # a resumed run keeps the bundle's shuffle on every rank
-            bulk_port=self.averaging.port if self.averaging is not None else 0,
+            seed=self.resume.seed(),  # a resumed run keeps the bundle's shuffle on every rank
+            bulk_port=averaging.port if averaging is not None else 0,
             late=late,
-            shm_probe=self.averaging.probe_path if self.averaging is not None else "",
-            shm_nonce=self.averaging.probe_nonce if self.averaging is not None else "",
+            shm_probe=averaging.probe_path if averaging is not None else "",
+            shm_nonce=averaging.probe_nonce if averaging is not None else "",
         )
 
-    def _h_worker_hello(self, identity: bytes, env: Envelope, msg: m.WorkerHello) -> None:
-        problem = self._worker_problem(env.sender, msg)
+    def on_worker_hello(self, identity: bytes, env: Envelope, msg: m.WorkerHello) -> None:
+        problem = self.worker_problem(env.sender, msg)
         if problem:
-            self.endpoint.send(m.Reject(reason=problem), identity)
-            if self.phase in ("joining", "training"):
+            self.plane.send(m.Reject(reason=problem), identity)
+            if self.run.admitting:
                 self.console.line(f"refused a worker on host {msg.host} (pid {msg.pid}): {problem}")
             return
         worker = WorkerInfo(env.sender, identity, msg.host, msg.pid, list(msg.devices))
         self.members.add_worker(worker, self.clock())
-        if self.phase in ("joining", "training"):
+        if self.run.admitting:
             self._grow(worker)
-        self._changed.set()
+        self.run.changed()
 
-    def _worker_problem(self, sender: str, msg: m.WorkerHello) -> str | None:
+    def worker_problem(self, sender: str, msg: m.WorkerHello) -> str | None:
         """Why a worker cannot join now, or None (during gathering, or to grow a training run)."""
         if sender in self.members.workers:
             return "this worker already joined"
@@ -148,31 +193,32 @@ class Admission:
             return f"protocol {msg.versions.get('protocol')} != {PROTOCOL_VERSION}"
         if not msg.devices:
             return "no devices"
-        if self.phase in ("starting", "gathering"):
+        if self.run.phase in (Phase.STARTING, Phase.GATHERING):
             return None
-        problem = self._grow_problem()
+        problem = self.grow_problem()
         if problem is not None:
             return problem
         kinds = {d.split(":")[0] for d in msg.devices} | {r.device.split(":")[0] for r in self.members.live_ranks()}
-        if len(kinds) > 1 and self.averaging is None:
+        if len(kinds) > 1 and self.plane.averaging is None:
             return f"its devices {list(msg.devices)} mix device types with the run's; the collective backend needs one type"
         return None
 
-    def _grow_problem(self) -> str | None:
+    def grow_problem(self) -> str | None:
         """Why the run cannot take new ranks now (a worker's, or a restart's), or None."""
-        if self.phase not in ("joining", "training") or self.failure is not None:
-            return f"the run is {self.phase}; a worker can join while it starts or trains"
+        if not self.run.admitting or self.run.failure is not None:
+            return f"the run is {self.run.phase}; a worker can join while it starts or trains"
         if self.config.elche.partition_ratios is not None:
             return "partition_ratios fixes the world size; this run cannot grow"
-        if self.averaging is not None and self.initial_world < 2:
+        if self.plane.averaging is not None and self.initial_world < 2:
             return "a one-rank Cpu* run does not average, so it cannot take a joiner; start it with two ranks to let it grow"
-        if self.cadence is not None and self.cadence.dispatcher.finished:
+        loop = self.training.cadence
+        if loop is not None and loop.dispatcher.finished:
             return "the run has planned its last window"
         return None
 
     def _grow(self, worker: WorkerInfo) -> None:
         """A worker arrived while training: number its ranks above every rank so far
-        and start them; they join at a window boundary once ready (``_admit_joiners``)."""
+        and start them; they join at a window boundary once ready (``admit_joiners``)."""
         self._assign_ranks(worker)
         deadline = self.clock() + self.launch.join_timeout_secs
         for rank in worker.ranks:
@@ -180,31 +226,31 @@ class Admission:
         self.console.line(f"worker on host {worker.host} joins: starting rank(s) {worker.ranks} on {', '.join(worker.devices)}")
         self._send_worker_welcome(worker)
 
-    def _h_rank_hello(self, identity: bytes, env: Envelope, msg: m.RankHello) -> None:
+    def on_rank_hello(self, identity: bytes, env: Envelope, msg: m.RankHello) -> None:
         info = self.members.ranks[msg.rank]
         if info.sender:
             return  # said hello already (a later connection of its own moved its route in _on_message), or a second process claiming the rank
         problem = self._check_hello(msg)
         if problem:
-            self.endpoint.send(m.Reject(reason=problem), identity)
+            self.plane.send(m.Reject(reason=problem), identity)
             if msg.rank in self.joiners:
-                self._drop_joiner(msg.rank, problem)  # a bad latecomer never stops a training run
+                self.drop_joiner(msg.rank, problem)  # a bad latecomer never stops a training run
             else:
-                self._fail(f"rank {msg.rank} on host {msg.host} (pid {msg.pid}) cannot join: {problem}", EXIT_TASK_ERROR)
+                self.run.fail(f"rank {msg.rank} on host {msg.host} (pid {msg.pid}) cannot join: {problem}", EXIT_TASK_ERROR)
             return
         self.members.rank_said_hello(msg.rank, identity, env.sender, msg.host, msg.pid, msg.device)
         self.hellos[msg.rank] = msg
         if self.task_info is None:
             self.task_info = msg
         if msg.rank in self.joiners:
-            self._send_rank(msg.rank, self._rank_welcome(msg.rank, late=True))
-        self._changed.set()
+            self.plane.send_rank(msg.rank, self._rank_welcome(msg.rank, late=True))
+        self.run.changed()
 
-    def _h_rank_ready(self, identity: bytes, env: Envelope, msg: m.RankReady) -> None:
+    def on_rank_ready(self, identity: bytes, env: Envelope, msg: m.RankReady) -> None:
         self.members.rank_ready(msg.rank)
-        self._changed.set()
+        self.run.changed()
 
-    def _admit_joiners(self, loop: CadenceLoop, in_flight: list[int]) -> bool:
+    def admit_joiners(self, loop: CadenceLoop, in_flight: list[int]) -> bool:
         """Growing, at a window boundary: admit the joiners that are ready.
 
         Returns True when ready joiners wait for the windows in flight to drain
@@ -217,22 +263,24 @@ class Admission:
         first averaging round, whose average they take whole before training.
         Either way ElChe plans them from the next window on.
         """
+        t0 = time.perf_counter()
         now = self.clock()
         for rank, deadline in list(self.joiners.items()):
             if now > deadline and self.members.ranks[rank].state is not PeerState.READY:
-                self._drop_joiner(rank, f"not ready within join_timeout_secs ({self.launch.join_timeout_secs:g} s)")
+                self.drop_joiner(rank, f"not ready within join_timeout_secs ({self.launch.join_timeout_secs:g} s)")
         # joiners join in rank order (the plans only grow at the end): a ready rank waits
         # while a lower-numbered joiner is not ready yet (or until that one is dropped)
         waiting_below = min((r for r in self.joiners if self.members.ranks[r].state is not PeerState.READY), default=None)
         ready = sorted(r for r in self.joiners if self.members.ranks[r].state is PeerState.READY and (waiting_below is None or r < waiting_below))
-        if self.averaging is not None:
+        averaging = self.plane.averaging
+        if averaging is not None:
             # a relaying host joins whole: its relay sends one snapshot for all its ranks, from one first round
-            waiting = {self.averaging.relayed[r] for r in self.joiners
-                       if r in self.averaging.relayed and self.members.ranks[r].state is not PeerState.READY}
-            ready = [r for r in ready if self.averaging.relayed.get(r) not in waiting]
+            waiting = {averaging.relayed[r] for r in self.joiners
+                       if r in averaging.relayed and self.members.ranks[r].state is not PeerState.READY}
+            ready = [r for r in ready if averaging.relayed.get(r) not in waiting]
         if not ready or loop.dispatcher.finished:
             return False
-        if self.averaging is None and in_flight:
+        if averaging is None and in_flight:
             return True  # the group is rebuilt with nothing queued on any rank
         old = list(loop.ranks)
         loop.add_ranks(ready)
@@ -241,24 +289,25 @@ class Admission:
         hosts = sorted({self.members.ranks[r].host for r in ready})
         reason = f"rank(s) {', '.join(map(str, ready))} on {', '.join(hosts)} joined"
         generation, members = self.members.new_generation(reason), list(loop.ranks)
-        if self.averaging is None:
+        if averaging is None:
             msg = m.Regroup(generation=generation, members=members, store_prefix=f"{self.run_id}/gen{generation}",
                             reason=reason, sync_from=old[0], first_round=-1)
             targets = members
         else:
             for rank in ready:
-                self.averaging.admit(self.members.ranks[rank].sender.encode(), rank, from_round=loop.round_base)
+                averaging.admit(self.members.ranks[rank].sender.encode(), rank, from_round=loop.round_base)
             msg = m.Regroup(generation=generation, members=members, store_prefix="", reason=reason,
                             sync_from=-1, first_round=loop.round_base)
             targets = ready  # the others' CPU rounds simply start expecting the joiners
-        self._send_ranks(targets, msg)
-        self.joins.append({"at_s": now - self.started_at, "unix_time": time.time(), "generation": generation,
+        self.plane.send_ranks(targets, msg)
+        self.joins.append({"at_s": now - self.run.started_at, "unix_time": time.time(), "generation": generation,
                            "ranks": ready, "hosts": hosts, "world": len(members)})
         self.monitor.ranks_joined({r: (self.members.ranks[r].host, self.members.ranks[r].device) for r in ready}, now_s=now)
         self.console.line(f"{reason}; training with {len(members)} rank(s) (generation {generation})")
+        self.hooks.joiners_admitted(ready, time.perf_counter() - t0)
         return False
 
-    def _drop_joiner(self, rank: int, why: str) -> None:
+    def drop_joiner(self, rank: int, why: str) -> None:
         """A joiner that cannot join leaves the run's books; its process is fenced."""
         self.joiners.pop(rank, None)
         self.hellos.pop(rank, None)
@@ -269,4 +318,17 @@ class Admission:
         if info.exit_code is None:
             for worker in self.members.workers.values():
                 if rank in worker.ranks and not worker.exited:
-                    self.endpoint.send(m.Fence(rank=rank, reason=why[:500]), worker.identity)
+                    self.plane.send(m.Fence(rank=rank, reason=why[:500]), worker.identity)
+
+    def drop_all_joiners(self, why: str) -> None:
+        for rank in list(self.joiners):
+            self.drop_joiner(rank, why)
+
+    def restart(self, worker: WorkerInfo, device: str, delay_s: float, now: float) -> int:
+        """Number a rank that ``worker`` starts in place of a dead one after ``delay_s`` and
+        expect it as a joiner; returns its number."""
+        new = self._next_rank
+        self._next_rank += 1
+        self.members.expect_restart(worker, new, device, now)
+        self.joiners[new] = now + delay_s + self.launch.join_timeout_secs
+        return new

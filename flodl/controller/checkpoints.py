@@ -57,6 +57,14 @@ class Checkpointer:
         self.at_epoch_armed = config.checkpoint_at_epoch is not None
         self.written: list[dict[str, Any]] = []  # for the summary
         self.failed: list[str] = []
+        self._storage_reminded = False
+
+    def remind_shared_storage(self, hosts: set[str]) -> None:
+        """Once a run, when its workers span hosts: say where the bundle must live."""
+        if len(hosts) > 1 and not self._storage_reminded:
+            self._storage_reminded = True
+            self.say(f"note: the bundle {self.stem or self.config.resume_from} is written by a rank on its "
+                     "host and the sidecar by the controller on this one: it must be on storage every host sees")
 
     # ---------------------------------------------------------------- when
 

@@ -1,12 +1,12 @@
 """Liveness: heartbeats out, silence and deaths in, and the run going on without the dead.
 
-A mixin of ``Controller`` (core.py), which holds all the state these methods
-read and write. The liveness task beats to every peer and judges the roster
-several times a second (``Membership.assess`` decides, with a reason;
-``Membership.apply`` carries the verdict out); a death either ends the run
-(no rank left, or past ``max_failure``: saving first when asked) or is
-recovered: the dead are fenced, their work re-planned, the survivors
-regrouped, and (``max_restarts``) the dead restarted by their workers.
+``Liveness`` beats to every peer and judges the roster several times a
+second (``Membership.assess`` decides, with a reason; ``Membership.apply``
+carries the verdict out); a death either ends the run (no rank left, or past
+``max_failure``: saving first when asked) or is recovered: the dead are
+fenced, their work re-planned, the survivors regrouped, and
+(``max_restarts``) the dead restarted by their workers. It owns the record
+of every recovery and restart.
 """
 
 from __future__ import annotations
@@ -14,12 +14,25 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from typing import Callable
 
-from ..errors import EXIT_NONFINITE
+from ..config import DdpRunConfig
 from ..decisions import Outcome, after_collective_error, after_deaths, after_rank_error, unexplained_collective_error
-from ..membership import PeerState, restart_delay
+from ..errors import EXIT_NONFINITE
+from ..membership import Membership, PeerState, restart_delay
+from ..monitor.hub import Monitor
+from ..progress import ProgressLimits
 from ..protocol import messages as m
 from ..protocol.codec import Envelope
+from .admission import Admission
+from .checkpoints import Checkpointer
+from .console import Console
+from .hooks import ControllerHooks
+from .launch import LaunchOptions
+from .phase import Phase, RunState
+from .plane import ControlPlane
+from .saving import Saving
+from .training import Training
 
 HEARTBEAT_INTERVAL_S = 1.0
 LIVENESS_TICK_S = 0.2
@@ -29,27 +42,55 @@ COLLECTIVE_ERROR_GRACE_S = 1.0
 
 
 class Liveness:
-    """Heartbeats, deaths, fencing and regrouping."""
+    """Heartbeats, deaths, fencing, regrouping and healing."""
 
-    async def _liveness(self) -> None:
+    def __init__(self, launch: LaunchOptions, config: DdpRunConfig, *, members: Membership, run: RunState, plane: ControlPlane,
+                 admission: Admission, training: Training, saving: Saving, checkpoints: Checkpointer, console: Console,
+                 monitor: Monitor, hooks: ControllerHooks, clock: Callable[[], float], run_id: str, limits: ProgressLimits) -> None:
+        self.launch = launch
+        self.config = config
+        self.members = members
+        self.run = run
+        self.plane = plane
+        self.admission = admission
+        self.training = training
+        self.saving = saving
+        self.checkpoints = checkpoints
+        self.console = console
+        self.monitor = monitor
+        self.hooks = hooks
+        self.clock = clock
+        self.run_id = run_id
+        self.limits = limits
+        self.collective_error: tuple[float, int, m.RankError] | None = None
+        self.collective_retries = 0
+        self.deaths_handled = 0
+        self.recoveries: list[dict] = []  # every regroup: when, generation, survivors, why
+        self.restarts: list[dict] = []  # healing: every rank started in place of a dead one
+        self._slot_of: dict[int, int] = {}  # a restarted rank -> the original rank whose restarts it counts against
+        self._restarts_used: dict[int, int] = {}  # original rank -> restarts so far
+        self._back: tuple[float, set[int]] | None = None  # a recovery waiting for every survivor's first average in it
+        self._drops_seen = 0  # dropped control frames already alerted
+
+    async def watch(self) -> None:
         """Beat to every peer every second; judge silence and deaths several times a second."""
         next_beat = 0.0
         while True:
             now = self.clock()
             if now >= next_beat:
-                frame = self.endpoint.writer.encode(m.Heartbeat(step=self.global_step, sent_at=time.time(), busy="", busy_s=0.0, step_ms=0.0, averaged=-1))
-                for identity in self._peer_identities():
-                    self.endpoint.send_frame(frame, identity)
+                beat = m.Heartbeat(step=self.training.global_step, sent_at=time.time(), busy="", busy_s=0.0, step_ms=0.0, averaged=-1)
+                self.plane.send_all(beat, self._peer_identities())
                 next_beat = now + HEARTBEAT_INTERVAL_S
                 self._report_drops()
-            self._judge()
+            self.judge()
             await asyncio.sleep(LIVENESS_TICK_S)
 
     def _report_drops(self) -> None:
         """Frames dropped (forged, malformed, unauthorized) since the last beat: a control_drop alert."""
-        total = sum(self.endpoint.drops.values())
+        drops = self.plane.endpoint.drops
+        total = sum(drops.values())
         if total > self._drops_seen:
-            detail = ", ".join(f"{k} {v}" for k, v in sorted(self.endpoint.drops.items()))
+            detail = ", ".join(f"{k} {v}" for k, v in sorted(drops.items()))
             self.monitor.event("control_drop", f"{total - self._drops_seen} control frame(s) dropped (so far: {detail})", now_s=self.clock())
             self._drops_seen = total
 
@@ -58,13 +99,13 @@ class Liveness:
         ids += [r.identity for r in self.members.ranks.values() if r.identity and r.state not in (PeerState.EXITED, PeerState.DEAD)]
         return ids
 
-    def _judge(self) -> None:
+    def judge(self) -> None:
         """Turn deaths, silence and lingering collective errors into a failure."""
-        if self.phase in ("shutting down", "aborting", "done"):
+        if self.run.ended:
             return
         now = self.clock()
         self.members.excuse_silence_before_hello(now)
-        verdict = self.members.assess(now, self.progress_limits)  # the limits: a training thread stuck in user code is hung
+        verdict = self.members.assess(now, self.limits)  # the limits: a training thread stuck in user code is hung
         self.members.apply(verdict)
         if not verdict.healthy:
             self._on_deaths(set(verdict.dead), verdict.reason)
@@ -79,16 +120,26 @@ class Liveness:
             self.collective_error = None
             self.collective_retries += 1
             if decision.outcome is Outcome.STOP:
-                self._fail(decision.why, decision.code)
+                self.run.fail(decision.why, decision.code)
                 return
             self.members.new_generation(decision.why)
-            self._regroup(decision.why)
+            self.regroup(decision.why)
 
-    def _h_rank_error(self, identity: bytes, env: Envelope, msg: m.RankError) -> None:
+    # ============================================================ handlers
+
+    def on_heartbeat(self, identity: bytes, env: Envelope, msg: m.Heartbeat) -> None:
+        """Liveness was recorded on arrival; a rank's beat also says whether it makes progress."""
+        info = self.members.by_identity.get(identity)
+        if info is None or not msg.busy:
+            return
+        self.members.heard_progress(info, msg.busy, msg.busy_s, msg.step_ms, msg.averaged, self.clock())
+        self._note_averaging_again(info.rank, msg.averaged)
+
+    def on_rank_error(self, identity: bytes, env: Envelope, msg: m.RankError) -> None:
         info = self.members.ranks[msg.rank]
-        decision = after_rank_error(msg.stage, joiner=msg.rank in self.joiners)
+        decision = after_rank_error(msg.stage, joiner=msg.rank in self.admission.joiners)
         if decision.outcome is Outcome.IGNORE:
-            self._drop_joiner(msg.rank, f"failed during {msg.stage}: {msg.error}")
+            self.admission.drop_joiner(msg.rank, f"failed during {msg.stage}: {msg.error}")
         elif decision.outcome is Outcome.WAIT:
             # usually a symptom of a peer's death: give the death report a moment to arrive
             waiting = after_collective_error(reported_generation=msg.generation, generation=self.members.generation,
@@ -96,62 +147,68 @@ class Liveness:
             if waiting.outcome is Outcome.WAIT:
                 self.collective_error = (self.clock(), msg.rank, msg)
         elif decision.code == EXIT_NONFINITE:  # the rank names epoch and step: no traceback, no save over a good bundle
-            self._fail(f"{info.where()}: {msg.error.split(': ', 1)[-1]}", decision.code)
+            self.run.fail(f"{info.where()}: {msg.error.split(': ', 1)[-1]}", decision.code)
         else:
-            if self.failure is None and decision.why == "traceback":  # a bad bundle or option needs none
+            if self.run.failure is None and decision.why == "traceback":  # a bad bundle or option needs none
                 sys.stderr.write(f"--- traceback from {info.where()} ---\n{msg.detail}\n")
-            self._fail(f"{info.where()} failed during {msg.stage}: {msg.error}", decision.code)
+            self.run.fail(f"{info.where()} failed during {msg.stage}: {msg.error}", decision.code)
 
-    def _h_rank_exited(self, identity: bytes, env: Envelope, msg: m.RankExited) -> None:
+    def on_rank_exited(self, identity: bytes, env: Envelope, msg: m.RankExited) -> None:
         worker = self.members.workers.get(env.sender)
         if worker is None or msg.rank not in worker.ranks:
-            self.endpoint.drops["unauthorized"] += 1  # only a rank's own worker (its signed sender name) may report its exit
+            self.plane.endpoint.drops["unauthorized"] += 1  # only a rank's own worker (its signed sender name) may report its exit
             return
-        if self.phase in ("shutting down", "aborting", "done"):
+        if self.run.ended:
             # we told it to go: leaving now is not a death, whatever the code
             self.members.rank_left(msg.rank, code=msg.code)
-            self._changed.set()
+            self.run.changed()
             return
         self.members.rank_exited(msg.rank, msg.code, pid=msg.pid)
-        self._judge()
+        self.judge()
+
+    # ============================================================ deaths
 
     def _on_deaths(self, dead: set[int], reason: str) -> None:
+        t0 = time.perf_counter()
+        self._go_on_without(dead, reason)
+        self.hooks.deaths_handled(dead, time.perf_counter() - t0)
+
+    def _go_on_without(self, dead: set[int], reason: str) -> None:
         """Ranks died: go on without them if the run can, else stop (saving if asked)."""
-        for rank in sorted(dead & set(self.joiners)):
-            self._drop_joiner(rank, self.members.ranks[rank].death or "died")  # never admitted: nothing to recover
-        dead -= set(self.joiners) | {r for r in dead if r not in self.members.ranks}
+        joiners = self.admission.joiners
+        for rank in sorted(dead & set(joiners)):
+            self.admission.drop_joiner(rank, self.members.ranks[rank].death or "died")  # never admitted: nothing to recover
+        dead -= set(joiners) | {r for r in dead if r not in self.members.ranks}
         if not dead:
             return
         dead_total = sum(1 for r in self.members.ranks.values() if r.state is PeerState.DEAD)
         survivors = sorted(r.rank for r in self.members.live_ranks())
-        decision = after_deaths(self.config, started=self.phase in ("joining", "training"),
+        decision = after_deaths(self.config, started=self.run.admitting,
                                 world_size=len(self.members.ranks), dead_total=dead_total, survivors=len(survivors),
                                 can_save=bool(self.checkpoints.stem))
         if decision.outcome is Outcome.SAVE_AND_STOP:
-            self._save_and_stop(f"{reason}. {decision.why}", decision.save_reason)
+            self.saving.save_and_stop(f"{reason}. {decision.why}", decision.save_reason)
             return
         if decision.outcome is Outcome.STOP:
-            self._fail(f"{reason}. {decision.why}", decision.code)
+            self.run.fail(f"{reason}. {decision.why}", decision.code)
             return
         self._fence(dead, reason)
         for lost in [s for r in dead for s in self.checkpoints.rank_died(r)]:
             self.console.line(f"rank {lost.rank} died before writing checkpoint {lost.version}; asking another rank")
-            self._checkpoint_now(lost.reason, call_fn=False, files=bool(lost.stem))
+            self.saving.checkpoint_now(lost.reason, call_fn=False, files=bool(lost.stem))
         self.collective_error = None  # the death explains it
         self.deaths_handled += len(dead)
         for rank in sorted(dead):
             self.monitor.event("rank_lost", f"{self.members.ranks[rank].where()} {self.members.ranks[rank].death}", rank=rank, now_s=self.clock())
-        if self.cadence is not None:
-            self.cadence.remove_ranks(dead)
-        if self.phase == "training" or self.welcomed:  # before the welcomes, those leave the dead out
-            self._regroup(reason)
+        if self.training.cadence is not None:
+            self.training.cadence.remove_ranks(dead)
+        if self.run.phase is Phase.TRAINING or self.admission.welcomed:  # before the welcomes, those leave the dead out
+            self.regroup(reason)
         self.console.line(f"lost {reason}; continuing with {len(survivors)} rank(s) (generation {self.members.generation})")
         for rank in sorted(dead):
             self._heal(rank)
-        for epoch, rank in list(self.eval_requests.items()):
-            if rank in dead and epoch not in self.evals:
-                self._request_eval(epoch)  # its eval died with it: ask the next rank
-        self._changed.set()
+        self.training.reask_evals_of(dead)  # their evals died with them: ask the next rank
+        self.run.changed()
 
     def _heal(self, rank: int) -> None:
         """Healing: have the dead rank's worker start a new rank in its place (``max_restarts``
@@ -161,22 +218,51 @@ class Liveness:
         delay = restart_delay(used, self.launch.max_restarts)
         info = self.members.ranks[rank]
         worker = next((w for w in self.members.workers.values() if rank in w.ranks and not w.exited), None)
-        if delay is None or worker is None or self._grow_problem() is not None:
+        if delay is None or worker is None or self.admission.grow_problem() is not None:
             return
-        if self.averaging is not None and rank in self.averaging.relayed:
+        averaging = self.plane.averaging
+        if averaging is not None and rank in averaging.relayed:
             return  # a relaying host's relay counts its ranks from its welcome: not healed (docs)
-        new = self._next_rank
-        self._next_rank += 1
         now = self.clock()
-        self.members.expect_restart(worker, new, info.device, now)
-        self.joiners[new] = now + delay + self.launch.join_timeout_secs
+        new = self.admission.restart(worker, info.device, delay, now)
         self._slot_of[new] = slot
         self._restarts_used[slot] = used + 1
-        self.restarts.append({"at_s": now - self.started_at, "unix_time": time.time(), "rank": new, "replaces": rank, "slot": slot,
+        self.restarts.append({"at_s": now - self.run.started_at, "unix_time": time.time(), "rank": new, "replaces": rank, "slot": slot,
                               "attempt": used + 1, "delay_s": delay, "host": worker.host, "device": info.device})
-        self.endpoint.send(m.Respawn(rank=new, device=info.device, replaces=rank, attempt=used + 1, delay_s=delay), worker.identity)
+        self.plane.send(m.Respawn(rank=new, device=info.device, replaces=rank, attempt=used + 1, delay_s=delay), worker.identity)
         self.console.line(f"restarting rank {rank} as rank {new} on host {worker.host} ({info.device}) in {delay:g} s "
                           f"(restart {used + 1} of {self.launch.max_restarts}); it joins at a window boundary")
+
+    def _fence(self, dead: set[int], reason: str) -> None:
+        """A rank declared dead whose process may live on (hung, stopped, cut off)
+        is killed by its worker: it must never rejoin a world that went on without it."""
+        for rank in dead:
+            info = self.members.ranks[rank]
+            if info.exit_code is not None:
+                continue  # its worker saw it exit: nothing to kill
+            for worker in self.members.workers.values():
+                if rank in worker.ranks and not worker.exited:
+                    self.plane.send(m.Fence(rank=rank, reason=reason[:500]), worker.identity)
+
+    # ============================================================ recovery
+
+    def regroup(self, reason: str) -> None:
+        """Tell the survivors of the collective backend to rebuild it (CPU ranks need nothing)."""
+        survivors = self.admission.training_ranks()
+        self.recoveries.append({"at_s": self.clock() - self.run.started_at, "unix_time": time.time(), "generation": self.members.generation,
+                                "survivors": survivors, "reason": reason, "training_again_s": None})
+        # "training again" = every survivor has completed an average since this moment (a local
+        # batch says nothing: a survivor can train alone while its peers sit in a stalled collective)
+        self._back = (self.clock(), set(survivors))
+        if self.plane.averaging is not None:
+            return  # the CPU backend has no group: rounds simply stop waiting for the dead
+        # while the run starts, the first group may never have formed (nor rank 0's parameters
+        # reached everyone): the survivors then all take the lowest one's
+        sync_from = survivors[0] if self.run.phase is Phase.JOINING and survivors else -1
+        msg = m.Regroup(generation=self.members.generation, members=survivors,
+                        store_prefix=f"{self.run_id}/gen{self.members.generation}", reason=reason[:500],
+                        sync_from=sync_from, first_round=-1)
+        self.plane.send_ranks(survivors, msg)
 
     def _note_averaging_again(self, rank: int, averaged: int) -> None:
         """Collective backend: a survivor's heartbeat says it completed an average in the
@@ -189,48 +275,12 @@ class Liveness:
             self.recoveries[-1]["training_again_s"] = self.clock() - since
             self._back = None
 
-    def _cpu_round_done(self, number: int, ms: float) -> None:
+    def cpu_round_done(self, number: int, ms: float) -> None:
         """CPU backend: the first averaging round that started after a recovery and
         closed (with every survivor: rounds no longer wait for the dead) marks it done."""
-        if self._back is None or self.averaging is None:
+        if self._back is None or self.plane.averaging is None:
             return
         since, _ = self._back
         if self.clock() - ms / 1000.0 >= since:
             self.recoveries[-1]["training_again_s"] = self.clock() - since
             self._back = None
-
-    def _fence(self, dead: set[int], reason: str) -> None:
-        """A rank declared dead whose process may live on (hung, stopped, cut off)
-        is killed by its worker: it must never rejoin a world that went on without it."""
-        for rank in dead:
-            info = self.members.ranks[rank]
-            if info.exit_code is not None:
-                continue  # its worker saw it exit: nothing to kill
-            for worker in self.members.workers.values():
-                if rank in worker.ranks and not worker.exited:
-                    self.endpoint.send(m.Fence(rank=rank, reason=reason[:500]), worker.identity)
-
-    def _regroup(self, reason: str) -> None:
-        """Tell the survivors of the collective backend to rebuild it (CPU ranks need nothing)."""
-        survivors = self._training_ranks()
-        self.recoveries.append({"at_s": self.clock() - self.started_at, "unix_time": time.time(), "generation": self.members.generation,
-                                "survivors": survivors, "reason": reason, "training_again_s": None})
-        # "training again" = every survivor has completed an average since this moment (a local
-        # batch says nothing: a survivor can train alone while its peers sit in a stalled collective)
-        self._back: tuple[float, set[int]] | None = (self.clock(), set(survivors))
-        if self.averaging is not None:
-            return  # the CPU backend has no group: rounds simply stop waiting for the dead
-        # while the run starts, the first group may never have formed (nor rank 0's parameters
-        # reached everyone): the survivors then all take the lowest one's
-        sync_from = survivors[0] if self.phase == "joining" and survivors else -1
-        msg = m.Regroup(generation=self.members.generation, members=survivors,
-                        store_prefix=f"{self.run_id}/gen{self.members.generation}", reason=reason[:500],
-                        sync_from=sync_from, first_round=-1)
-        self._send_ranks(survivors, msg)
-
-    def _training_ranks(self) -> list[int]:
-        """The ranks in the collective and the plans: live, and admitted (not joiners)."""
-        live = {r.rank for r in self.members.live_ranks()} - set(self.joiners)
-        if self.cadence is not None:
-            live &= set(self.cadence.ranks)
-        return sorted(live)

@@ -1,9 +1,9 @@
-"""Teardown: the embedded worker's supervision, and stopping every peer in order.
+"""Teardown: the embedded worker's supervision, peers leaving, and stopping every peer in order.
 
-A mixin of ``Controller`` (core.py), which holds all the state these methods
-read and write. A clean end sends ``Shutdown`` and waits (bounded) for every
-peer to go; a failure sends ``Shutdown(abort=True)`` (naming the rank that
-writes the ShutdownWithSave bundle, if any) and waits for that save too.
+``Teardown`` owns the local worker's process and what peers say as they
+leave. A clean end sends ``Shutdown`` and waits (bounded) for every peer to
+go; a failure sends ``Shutdown(abort=True)`` (naming the rank that writes
+the ShutdownWithSave bundle, if any) and waits for that save too.
 """
 
 from __future__ import annotations
@@ -12,13 +12,21 @@ import asyncio
 import logging
 import os
 import sys
+from typing import Callable
 
 from ..env import PARENT_PID, child_environ, credentials_env
 from ..errors import EXIT_FAILED, EXIT_RANK_LOST, EXIT_SAVED, RunAborted
-from ..membership import PeerState, describe_exit
+from ..membership import Membership, PeerState, describe_exit
+from ..proc import terminate_then_kill
 from ..protocol import messages as m
-from .checkpoints import SHUTDOWN_SAVE
-from .saving import CHECKPOINT_WAIT_S
+from ..protocol.codec import Envelope
+from .admission import Admission
+from .checkpoints import SHUTDOWN_SAVE, Checkpointer
+from .console import Console
+from .launch import LaunchOptions
+from .phase import Phase, RunState
+from .plane import ControlPlane
+from .saving import CHECKPOINT_WAIT_S, Saving
 
 log = logging.getLogger("flodl.controller")
 
@@ -29,9 +37,26 @@ ABORT_WAIT_S = 10.0
 class Teardown:
     """The local worker's life, and the end of every peer's."""
 
-    async def _embedded_worker(self) -> None:
+    def __init__(self, launch: LaunchOptions, *, members: Membership, run: RunState, plane: ControlPlane, admission: Admission,
+                 saving: Saving, checkpoints: Checkpointer, console: Console, clock: Callable[[], float], secret: bytes,
+                 run_id: str) -> None:
+        self.launch = launch
+        self.members = members
+        self.run = run
+        self.plane = plane
+        self.admission = admission
+        self.saving = saving
+        self.checkpoints = checkpoints
+        self.console = console
+        self.clock = clock
+        self.secret = secret
+        self.run_id = run_id
+        self.worker_proc: asyncio.subprocess.Process | None = None
+        self.final_digests: dict[int, str] = {}  # rank -> sha256 of its parameters at a clean exit
+
+    async def embedded_worker(self) -> None:
         """Start the local worker and treat its unexpected exit as a failure."""
-        cmd = [sys.executable, "-m", "flodl.worker", "--controller", self.address]
+        cmd = [sys.executable, "-m", "flodl.worker", "--controller", self.plane.address]
         if self.launch.nproc_per_node is not None:
             cmd += ["--nproc", str(self.launch.nproc_per_node)]
         if self.launch.devices:
@@ -41,36 +66,49 @@ class Teardown:
         # then stops everyone in order instead of racing the children's deaths
         self.worker_proc = await asyncio.create_subprocess_exec(*cmd, env=env, start_new_session=True)
         code = await self.worker_proc.wait()
-        if self.phase not in ("shutting down", "aborting", "done"):
-            self._fail(f"the local worker (pid {self.worker_proc.pid}) {describe_exit(code)} before the run finished", EXIT_RANK_LOST if code else EXIT_FAILED)
+        if not self.run.ended:
+            self.run.fail(f"the local worker (pid {self.worker_proc.pid}) {describe_exit(code)} before the run finished",
+                          EXIT_RANK_LOST if code else EXIT_FAILED)
+
+    async def stop_worker(self) -> None:
+        """The local worker, if it outlived the run, is stopped (terminate, then kill)."""
+        if self.worker_proc is not None and self.worker_proc.returncode is None:
+            await terminate_then_kill([self.worker_proc], 3.0)
+
+    def on_exiting(self, identity: bytes, env: Envelope, msg: m.Exiting) -> None:
+        if msg.rank >= 0:
+            self.members.rank_left(msg.rank)
+            if msg.digest:
+                self.final_digests[msg.rank] = msg.digest
+        else:
+            self.members.worker_gone(env.sender)
+        self.run.changed()
 
     def _broadcast_shutdown(self, msg: m.Shutdown) -> None:
         """To every worker and every rank that ever said hello, dead ones included:
         a rank we gave up on may still be listening and can exit on its own."""
-        frame = self.endpoint.writer.encode(msg)
         identities = [w.identity for w in self.members.workers.values() if not w.exited]
         identities += [r.identity for r in self.members.ranks.values() if r.identity and r.state is not PeerState.EXITED]
-        for identity in identities:
-            self.endpoint.send_frame(frame, identity)
+        self.plane.send_all(msg, identities)
 
-    async def _shutdown_peers(self) -> None:
+    async def shutdown_peers(self) -> None:
         """Clean end: Shutdown to everyone, then wait (bounded) for them to leave."""
-        self.phase = "shutting down"
-        for rank in list(self.joiners):
-            # a rank still starting (a late worker's, a healing restart) would not hear the Shutdown
-            # until it said hello: its worker would wait out its whole grace period for it
-            self._drop_joiner(rank, "the run ended before it joined")
+        self.run.to(Phase.SHUTTING_DOWN)
+        # a rank still starting (a late worker's, a healing restart) would not hear the Shutdown
+        # until it said hello: its worker would wait out its whole grace period for it
+        self.admission.drop_all_joiners("the run ended before it joined")
         self._broadcast_shutdown(m.Shutdown(reason="run complete", abort=False, save_stem="", save_rank=-1, save_tag=""))
         await self._wait_peers_gone(SHUTDOWN_WAIT_S)
-        self.phase = "done"
+        self.run.to(Phase.DONE)
 
-    async def _abort(self, exc: RunAborted) -> None:
-        """Failure: tell everyone to stop now, then wait (bounded) for them to go."""
-        self.phase = "aborting"
-        self.finished_at = self.finished_at or self.clock()
+    async def abort(self, exc: RunAborted) -> None:
+        """Failure: tell everyone to stop now, then wait (bounded) for them to go; a ShutdownWithSave
+        that did not complete turns its exit code into a lost rank's."""
+        self.run.to(Phase.ABORTING)
+        self.run.mark_finished()
         self.console.failed(str(exc))
-        stem, writer, tag = self.shutdown_save or ("", -1, "")
-        if self.endpoint is not None:
+        stem, writer, tag = self.saving.shutdown_save or ("", -1, "")
+        if self.plane.endpoint is not None:
             self._broadcast_shutdown(m.Shutdown(reason=str(exc)[:500], abort=True, save_stem=stem, save_rank=writer, save_tag=tag))
         await self._wait_peers_gone(ABORT_WAIT_S + (CHECKPOINT_WAIT_S if stem else 0.0))
         if stem:
@@ -80,8 +118,7 @@ class Teardown:
                 if exc.exit_code == EXIT_SAVED:
                     exc.exit_code = EXIT_RANK_LOST
                 self.console.line(f"the save to {stem} did not complete: {'; '.join(self.checkpoints.failed) or 'no answer from rank ' + str(writer)}")
-        exc.summary = self.summary(str(exc), exc.exit_code)
-        self.phase = "done"
+        self.run.to(Phase.DONE)
 
     async def _wait_peers_gone(self, timeout_s: float) -> None:
         def gone() -> bool:
@@ -97,6 +134,6 @@ class Teardown:
 
         deadline = self.clock() + timeout_s
         while not gone() and self.clock() < deadline:
-            await self._next_change(0.2)
+            await self.run.next_change(0.2)
         if not gone():
             log.warning("peers still running %.0f s after shutdown; stopping the local worker", timeout_s)

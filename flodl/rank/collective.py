@@ -192,7 +192,8 @@ class CollectiveAverager:
     backend = "collective"
 
     def __init__(self, flat: FlatModel | None, group: dist.ProcessGroup | None,
-                 must_stop: Callable[[], bool] = lambda: False, superseded: Callable[[], bool] = lambda: False) -> None:
+                 must_stop: Callable[[], bool] = lambda: False, superseded: Callable[[], bool] = lambda: False,
+                 *, adopting: bool = False) -> None:
         self.flat = flat
         self._group = group
         self.must_stop = must_stop  # the run stops: no collective is worth waiting for
@@ -203,7 +204,7 @@ class CollectiveAverager:
         self._graveyard: list[tuple[Any, Any]] = []  # (group, work) abandoned while the work still ran
         # joined a running job: no consensus until the admitting regroup's broadcast, or (when a
         # death broke that broadcast) until an average the others trained for lands here whole
-        self.adopting = False
+        self.adopting = adopting
         self._backed_up = 0  # buckets whose backup belongs to the average in progress
         self.backup: list[torch.Tensor] | None = None  # values before the last average, for recovery
         # the background average (at most one): ``backup`` then holds its snapshot, ``_sends`` its buffers
@@ -222,8 +223,7 @@ class CollectiveAverager:
     def group(self) -> dist.ProcessGroup | None:
         return self._group
 
-    @group.setter
-    def group(self, group: dist.ProcessGroup | None) -> None:
+    def enter_group(self, group: dist.ProcessGroup | None) -> None:
         """A new generation's group: averages may run again (one still in flight on the old group is given up)."""
         if self._background is not None:
             self._drop(self._background)
@@ -320,14 +320,25 @@ class CollectiveAverager:
             delay = min(delay * 2, 0.002)
 
     def broadcast_from(self, root: int = 0) -> None:
-        """Make every replica equal to ``root``'s (start of training)."""
-        if self.group is None:
-            return
-        with torch.no_grad():
-            for bucket in self.flat.buckets:
-                bucket.copy_in()
-                self._wait(self.group.broadcast(bucket.flat, root))
-                bucket.copy_out()
+        """Make every replica equal to ``root``'s (start of training, ranks joined): this one
+        then holds the consensus, so a joiner stops adopting."""
+        if self.group is not None:
+            with torch.no_grad():
+                for bucket in self.flat.buckets:
+                    bucket.copy_in()
+                    self._wait(self.group.broadcast(bucket.flat, root))
+                    bucket.copy_out()
+        self.adopting = False
+
+    def adopt_next(self) -> None:
+        """Take the next average whole, adding nothing to it: the others completed an average
+        this rank lost, and their consensus is the next one's result."""
+        self.adopting = True
+
+    def flatten(self, model: torch.nn.Module) -> None:
+        """Average ``model`` from now on (a run that started alone and just grew: not flat yet)."""
+        if self.flat is None:
+            self.flat = FlatModel(model)
 
     # ------------------------------------------------------- background averages
 

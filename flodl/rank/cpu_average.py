@@ -123,6 +123,10 @@ class BulkLink:
             log.error("rejected an update from the controller: %s", exc)
             return None
 
+    def use_frames(self) -> None:
+        """Send every snapshot as frames, even on the controller's host (no segment of our own)."""
+        self.lane = False
+
     def close(self) -> None:
         self.sock.close(linger=0)
 
@@ -142,7 +146,8 @@ class CpuAverager:
 
     backend = "cpu"
 
-    def __init__(self, flat: FlatModel, bulk: BulkLink, *, rank: int, alpha: float = 1.0, timeout_s: float, must_stop: Callable[[], bool]) -> None:
+    def __init__(self, flat: FlatModel, bulk: BulkLink, *, rank: int, alpha: float = 1.0, timeout_s: float, must_stop: Callable[[], bool],
+                 adopting: bool = False) -> None:
         self.flat = flat
         self.bulk = bulk
         self.rank = rank
@@ -152,7 +157,7 @@ class CpuAverager:
         self.round = 0
         # a rank that joined a running job holds no consensus yet: it trains nothing
         # and takes the next real average as its parameters (weight 0, overwrite)
-        self.adopting = False
+        self.adopting = adopting
         self.pending: dict[int, _Pending] = {}
         self.last_drift: tuple[float | None, float, float] | None = None
         self.applied = self.aborted = 0
@@ -165,6 +170,10 @@ class CpuAverager:
     def broadcast_from(self, root: int = 0) -> None:
         """Start every replica from ``root``'s values: a round only ``root`` weighs in."""
         self.average(1.0 if self.rank == root else 0.0, block=True, overwrite=True)
+
+    def start_at_round(self, first: int) -> None:
+        """Number the next average ``first`` (a joiner: the round the controller admits it at)."""
+        self.round = first
 
     def average(self, weight: float, *, measure: bool = False, block: bool = True, overwrite: bool = False, tag: int = -1) -> Averaged:
         """Send this replica's snapshot; with ``block`` wait until the average is applied.
@@ -200,7 +209,7 @@ class CpuAverager:
             )
         except OSError as exc:  # /dev/shm full or gone: the wire still works
             log.warning("rank %d: no shared-memory segment (%s); snapshots go as frames", self.rank, exc)
-            self.bulk.lane = False
+            self.bulk.use_frames()
             return
         for i, (b, here) in enumerate(zip(buckets, live)):
             if here:

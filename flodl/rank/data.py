@@ -68,6 +68,16 @@ class BatchSource:
         self._tensors = dataset.tensors if isinstance(dataset, TensorDataset) and collate_fn is None else None
         self._perms: dict[int, torch.Tensor] = {}
 
+    def stage(self, tiers: Any) -> None:
+        """Fetch samples through ``tiers`` (``staging.TieredSamples``) instead of straight from the dataset."""
+        self.tiers = tiers
+
+    def pool_in_vram(self, pool: Any) -> None:
+        """Add ``pool`` (``staging.VramPool``) to the tiers: samples may now come back resident on
+        its device, so every batch is collated there."""
+        self.tiers.add_vram(pool)
+        self.device = pool.device
+
     @property
     def resident_bytes(self) -> int:
         """Bytes of an in-memory dataset's tensors (0 for any other dataset)."""

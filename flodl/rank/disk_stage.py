@@ -17,7 +17,7 @@ from dataclasses import asdict
 from typing import Any, Callable
 
 from .sample_codec import SampleCodec
-from .staging import TierStats
+from .tier_stats import TierStats
 
 log = logging.getLogger("flodl.rank.staging")
 

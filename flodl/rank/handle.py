@@ -39,6 +39,16 @@ class LrState:
             group["lr"] = base * self.factor * mult
         self._applied = key
 
+    def set_base(self, base: list[float], global_step: int) -> None:
+        """New base LRs, one per group; applied at once for ``global_step``."""
+        self.base = base
+        self.apply(global_step)
+
+    def set_schedule(self, schedule: Callable[[int], float] | None, global_step: int) -> None:
+        """A new schedule; applied at once for ``global_step``."""
+        self.schedule = schedule
+        self.apply(global_step)
+
     @property
     def current(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -90,15 +100,14 @@ class WorkerHandle:
 
     def set_lr(self, lr: float) -> None:
         """Set every group's base LR (the factor and schedule still apply on top)."""
-        self._runner.lr.base = [float(lr)] * len(self._runner.lr.base)
-        self._runner.lr.apply(self.global_step)
+        lrs = self._runner.lr
+        lrs.set_base([float(lr)] * len(lrs.base), self.global_step)
 
     def scale_lr(self, factor: float) -> None:
         """Multiply every group's base LR by ``factor``."""
-        self._runner.lr.base = [b * float(factor) for b in self._runner.lr.base]
-        self._runner.lr.apply(self.global_step)
+        lrs = self._runner.lr
+        lrs.set_base([b * float(factor) for b in lrs.base], self.global_step)
 
     def set_scheduler(self, schedule: Callable[[int], float] | None) -> None:
         """Replace the schedule: ``schedule(global_step) -> multiplier`` (None: constant)."""
-        self._runner.lr.schedule = schedule
-        self._runner.lr.apply(self.global_step)
+        self._runner.lr.set_schedule(schedule, self.global_step)

@@ -16,12 +16,13 @@ the process itself with ``os._exit``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import zmq
 
@@ -63,21 +64,21 @@ class ControllerLink:
         self.reader = FrameReader(secret, run_id, name=sender, own=sender)  # our own frames reflected back: dropped
         self.commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lazy: collections.deque[bytes] = collections.deque()
-        self.step = 0  # written by the training thread, read by heartbeats
+        self.step = 0  # the training thread's step count (``progressed``), read by heartbeats
         # what the training thread is doing and when it last made progress in it (perf_counter):
         # heartbeats carry both, so the controller tells a thread stuck in user code from a busy one
         self.busy = "build"
         self.busy_since = time.perf_counter()
         self.step_ms = 0.0  # the recent slowest step (decays), for the controller's step deadline
-        self.averaged = -1  # the generation of the last completed average
-        self.saving = False  # set by the training thread around a checkpoint write
+        self.averaged = -1  # the generation of the last completed average (``averaged_in``)
+        self._saving = False  # the training thread writes a checkpoint (``saving``, ``hold_exit``)
         self._saving_since: float | None = None
         self.lost: str | None = None  # why the controller is considered gone
         self.shutdown: Shutdown | None = None
         self.end_window = -1  # the highest window the controller asked to end
         self.evals_asked = 0  # RunEval commands received (the training thread takes them early)
         self.regroup: Regroup | None = None  # the newest membership change
-        self.on_regroup: Callable[[Regroup], None] = lambda msg: None  # called on the link thread
+        self._on_regroup: Callable[[Regroup], None] = lambda msg: None  # called on the link thread (``call_on_regroup``)
         self._ctx = zmq.Context.instance()
         pipe = f"inproc://flodl-link-{id(self)}"
         self._pipe_in = self._ctx.socket(zmq.PAIR)
@@ -140,9 +141,10 @@ class ControllerLink:
         self.busy_since = time.perf_counter()
         self.busy = busy
 
-    def progressed(self, now: float, step_ms: float | None = 0.0) -> None:
-        """The training thread finished a unit of work at ``now`` (perf_counter); two stores, no lock.
+    def progressed(self, now: float, step_ms: float | None = 0.0, *, step: int) -> None:
+        """The training thread finished its step number ``step`` at ``now`` (perf_counter); plain stores, no lock.
         ``step_ms`` None: no step's time is known yet (a GPU rank's are learnt a few steps late)."""
+        self.step = step
         self.busy_since = now
         if step_ms is None:
             return
@@ -154,6 +156,32 @@ class ControllerLink:
     def beat_now(self) -> None:
         """Send a heartbeat at once (after a first average in a new generation: recovery is timed by it)."""
         self._beat_due = True
+
+    def averaged_in(self, generation: int) -> None:
+        """An average of ``generation`` completed: heartbeats carry it, and the first in a new
+        generation is reported at once (the controller times the recovery by it)."""
+        if self.averaged < generation:
+            self.averaged = generation
+            self.beat_now()
+
+    def call_on_regroup(self, hook: Callable[[Regroup], None]) -> None:
+        """Call ``hook(msg)`` on the link thread when a newer generation is announced (before
+        the training thread sees it: it may have to break a collective NCCL would hang in)."""
+        self._on_regroup = hook
+
+    def hold_exit(self) -> None:
+        """The training thread starts writing a checkpoint: an abort or a lost controller must
+        not hard-exit the process mid-write (for up to SAVE_GRACE_S)."""
+        self._saving = True
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """``hold_exit`` while the block writes a checkpoint, and no longer."""
+        self.hold_exit()
+        try:
+            yield
+        finally:
+            self._saving = False
 
     @property
     def must_stop(self) -> bool:
@@ -240,7 +268,7 @@ class ControllerLink:
                 # fails; the hook lets it abort a collective NCCL would otherwise hang in
                 if self.regroup is None or msg.generation > self.regroup.generation:
                     self.regroup = msg
-                    self.on_regroup(msg)
+                    self._on_regroup(msg)
                 continue
             if isinstance(msg, EndWindow):
                 # read by the training thread between batches, never queued: it
@@ -276,7 +304,7 @@ class ControllerLink:
 
     def _saving_past(self, now: float) -> bool:
         """True while the training thread writes a checkpoint (bounded by SAVE_GRACE_S)."""
-        if not self.saving:
+        if not self._saving:
             self._saving_since = None
             return False
         if self._saving_since is None:

@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import DeadlineExceeded
 from ..protocol import messages as m
 from .collective import Superseded, build_group
-from .flat import Averaged, FlatModel
+from .flat import Averaged
 from .outcomes import Stop, is_collective_error
-
-if TYPE_CHECKING:
-    from .runner import RoundStats
+from .window_stats import RoundStats
 
 log = logging.getLogger("flodl.rank.runner")
 
@@ -48,7 +45,7 @@ def redo_roles(mine: int, *, redo: bool, adopting: bool, top: int, top_redo: int
 class Regrouping:
     """Averages, and the rebuilt process groups they continue in."""
 
-    def _average(self, weight: float, *, measure: bool, block: bool, round_index: int, stats: "RoundStats") -> Averaged:
+    def _average(self, weight: float, *, measure: bool, block: bool, round_index: int, stats: RoundStats) -> Averaged:
         """Average, surviving a peer's death: if the collective fails, put the values
         back, join the survivors' new group, and do this same average again there."""
         self.faults.reach("average")
@@ -59,7 +56,7 @@ class Regrouping:
                 # the others completed the average this rank lost: it holds what we sent, and we
                 # take it from the next average, adding nothing to it (the adopting path)
                 self.skip_redo = self.redoing = False
-                self.averager.adopting = True
+                self.averager.adopt_next()
                 self.position += 1
                 log.warning("rank %d: the survivors completed the failed average; taking their consensus next", self.rank)
                 self.link.doing("step")  # not an average of this generation: the adopting one will be
@@ -86,15 +83,13 @@ class Regrouping:
                     self._report_collective_failure(exc, self.generation)
                 self.averager.restore()
                 self._await_regroup()
-                stats.regrouped_at = round_index
+                stats.regrouped(round_index)
 
     def _averaged(self, averaged: Averaged) -> Averaged:
         """An average completed: progress for the controller's liveness; the first in a new
         generation is reported at once (the controller times the recovery by it)."""
         self.link.doing("step")
-        if self.link.averaged < self.generation:
-            self.link.averaged = self.generation
-            self.link.beat_now()
+        self.link.averaged_in(self.generation)
         return averaged
 
     def _previous_landed(self) -> bool:
@@ -162,7 +157,7 @@ class Regrouping:
             return
         if self.averager.backend != "collective":
             if self.averager.adopting and self.rank in msg.members and msg.first_round >= 0:
-                self.averager.round = msg.first_round
+                self.averager.start_at_round(msg.first_round)
                 self.generation = msg.generation
             return
         self._settle_background()  # an average of the old group: landed if it completed, else dropped
@@ -221,12 +216,11 @@ class Regrouping:
         group = self._group_for(msg)
         self.generation = msg.generation
         world = len(msg.members)
-        self.averager.group = group
+        self.averager.enter_group(group)
         self.peers = frozenset(msg.members) if group is not None else frozenset()
         self.world_size = world
         if msg.sync_from >= 0 and msg.sync_from in msg.members:
-            self.averager.broadcast_from(msg.members.index(msg.sync_from))
-            self.averager.adopting = False
+            self.averager.broadcast_from(msg.members.index(msg.sync_from))  # a joiner stops adopting
             self.bg_redo = False  # every member now holds the same values: nothing to repeat
         elif group is not None:
             # A death mid-average can leave some survivors with the average done and others
@@ -272,8 +266,7 @@ class Regrouping:
         world = len(msg.members)
         if world <= 1:
             return None
-        if self.averager.flat is None:  # a run that started alone and just grew
-            self.averager.flat = FlatModel(self.model)
+        self.averager.flatten(self.model)  # a run that started alone and just grew
         return build_group(
             store_host=self.welcome.store_host, store_port=self.welcome.store_port, prefix=msg.store_prefix,
             rank=msg.members.index(self.rank), world_size=world, device=self.device,

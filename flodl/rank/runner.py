@@ -16,6 +16,7 @@ Averaging across membership changes is regroup.py's, scoring evaluation.py's
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -25,7 +26,6 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -66,6 +66,7 @@ from .evaluation import Evaluating
 from .norms import norm_layers
 from .outcomes import NonFiniteLoss, Stop, UserError, is_collective_error
 from .regroup import Regrouping
+from .window_stats import RoundStats
 from .prefetch import CacheWarmer, Prefetcher
 from .disk_stage import DiskStage
 from .staging import RamCache, TieredSamples, VramPool, ram_budget, vram_budget
@@ -76,41 +77,6 @@ log = logging.getLogger(__name__)
 
 #: Batches fetched ahead of training, for datasets not already in memory.
 PREFETCH_DEPTH = 4
-
-
-@dataclass
-class RoundStats:
-    """What one window trained, in total and per epoch."""
-
-    batches: int = 0
-    samples: int = 0
-    loss_sum: float = 0.0
-    compute_ms: float = 0.0
-    data_ms: float = 0.0
-    sync_ms: float = 0.0
-    wall_ms: float = 0.0
-    last_average: Any = None
-    regrouped_at: int = -1  # the averaging round redone in a new generation, if any
-    per_epoch: dict[int, list[float]] = field(default_factory=dict)  # epoch -> [batches, samples, loss, compute, data]
-
-    def add(self, epoch: int, samples: int, loss: float, compute_ms: float, data_ms: float) -> None:
-        self.batches += 1
-        self.samples += samples
-        self.loss_sum += loss
-        self.compute_ms += compute_ms
-        self.data_ms += data_ms
-        row = self.per_epoch.setdefault(epoch, [0.0, 0.0, 0.0, 0.0, 0.0])
-        row[0] += 1
-        row[1] += samples
-        row[2] += loss
-        row[3] += compute_ms
-        row[4] += data_ms
-
-    def retime(self, epoch: int, old_ms: float, new_ms: float) -> None:
-        """Count a step already added as taking ``new_ms`` of compute instead of ``old_ms``."""
-        self.compute_ms += new_ms - old_ms
-        if epoch in self.per_epoch:
-            self.per_epoch[epoch][3] += new_ms - old_ms
 
 
 def model_signature(model: torch.nn.Module) -> str:
@@ -180,29 +146,25 @@ class RankRunner(Regrouping, Evaluating):
         self.resources = ResourceSampler([env.device])  # gauges for the monitor, summarised per window
         self._data_seen: dict[str, int] = {}  # staging-tier counters already reported
         self.warmer: CacheWarmer | None = None
+        # what this rank opens on its way (link, sockets, segments, threads, files) registers its
+        # clean-up here as it opens; run() closes them all, last opened first, on every exit path
+        self.closing = contextlib.ExitStack()
 
     # ------------------------------------------------------------ lifecycle
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_sigterm)
-        self.link.start()
-        self.resources.run_in_thread()
-        try:
-            return self._run()
-        except PeerLost as exc:
-            log.error("rank %d: %s; exiting", self.rank, exc)
-            self._emergency_save("controller_lost", str(exc))
-            return EXIT_CONTROLLER_LOST
-        finally:
-            if isinstance(self.averager, CpuAverager):
-                self.averager.close()
-                self.averager.bulk.close()
-            self.resources.close()
-            if self.warmer is not None:
-                self.warmer.stop()
-            if self.source is not None and self.source.tiers is not None and self.source.tiers.disk is not None:
-                self.source.tiers.disk.close()
-            self.link.close()
+        with self.closing:
+            self.link.start()
+            self.closing.callback(self.link.close)
+            self.resources.run_in_thread()
+            self.closing.callback(self.resources.close)
+            try:
+                return self._run()
+            except PeerLost as exc:
+                log.error("rank %d: %s; exiting", self.rank, exc)
+                self._emergency_save("controller_lost", str(exc))
+                return EXIT_CONTROLLER_LOST
 
     def _run(self) -> int:
         try:
@@ -274,7 +236,7 @@ class RankRunner(Regrouping, Evaluating):
         if self.config is None or not self.config.save_path or self.optimizer is None or self._saved_on_shutdown:
             return
         self._saved_on_shutdown = True
-        self.link.saving = True  # the link must not hard-exit us mid-write
+        self.link.hold_exit()  # never released: the process exits once the replica is written
         emergency_save(model=self.model, optimizer=self.optimizer, stem=self.config.save_path, rank=self.rank,
                        reason=reason, why=why, epoch=max(0, self.current_epoch), global_step=self.global_step)
 
@@ -306,10 +268,9 @@ class RankRunner(Regrouping, Evaluating):
         if not cmd.save_stem or cmd.save_rank != self.rank or self.optimizer is None or self._saved_on_shutdown:
             return
         self._saved_on_shutdown = True
-        self.link.saving = True  # the link must not hard-exit us mid-write
-        self.link.send(checkpoint(rank=self.rank, model=self.model, optimizer=self.optimizer, stem=cmd.save_stem,
-                                  tag=cmd.save_tag, version=-1, call_fn=None, handle=self.handle))
-        self.link.saving = False
+        with self.link.saving():  # the link must not hard-exit us mid-write
+            self.link.send(checkpoint(rank=self.rank, model=self.model, optimizer=self.optimizer, stem=cmd.save_stem,
+                                      tag=cmd.save_tag, version=-1, call_fn=None, handle=self.handle))
 
     def _fail(self, stage: str, exc: BaseException, code: int) -> int:
         """Report an error once, then wait (bounded) for the controller's verdict."""
@@ -416,25 +377,25 @@ class RankRunner(Regrouping, Evaluating):
                 send_timeout_s=max(welcome.collective_timeout_s, 2.0 * config.snapshot_timeout_secs),
                 shm_probe=probe, shm_nonce=nonce,
             )
+            self.closing.callback(bulk.close)
             self.averager = CpuAverager(
                 flat, bulk, rank=self.rank, alpha=config.elche.easgd_alpha or 1.0,
                 timeout_s=max(welcome.collective_timeout_s, 2.0 * config.snapshot_timeout_secs),
-                must_stop=lambda: self.link.must_stop or self.terminated,
+                must_stop=lambda: self.link.must_stop or self.terminated, adopting=welcome.late,
             )
+            self.closing.callback(self.averager.close)  # its shared-memory segment's name
         else:
             group = self._first_group(welcome) if flat is not None and not welcome.late else None  # a joiner's comes with its Regroup
             self.averager = CollectiveAverager(
                 flat, group, must_stop=lambda: self.link.must_stop or self.terminated,
-                superseded=self._group_broken,
+                superseded=self._group_broken, adopting=welcome.late,
             )
             self.peers = frozenset(range(welcome.world_size)) if group is not None else frozenset()
             # NCCL: break a hang on a dead peer (a regroup that only adds ranks leaves every collective able to finish)
-            self.link.on_regroup = lambda msg: self.averager.abort() if self._loses_peer(msg) else None
-        if welcome.late:
-            # joining a running job: the consensus comes with the Regroup that admits us
-            # (collective: a broadcast; CPU: the next average, taken whole)
-            self.averager.adopting = True
-        else:
+            self.link.call_on_regroup(lambda msg: self.averager.abort() if self._loses_peer(msg) else None)
+        # a joiner (``welcome.late``) adopts: the consensus comes with the Regroup that admits it
+        # (collective: a broadcast; CPU: the next average, taken whole)
+        if not welcome.late:
             self._take_first_consensus(welcome)
         self.optimizer = self.task.optimizer(self.model)
         if config.resume_from and not welcome.late and not config.resume_weights_only:
@@ -494,7 +455,7 @@ class RankRunner(Regrouping, Evaluating):
         schedule = Schedule(len(dataset), config.augment, config.epoch_splits)
         source = BatchSource(dataset, self.task.batch_size, seed=seed, collate_fn=self.task.collate_fn, schedule=schedule, transform=transform)
         if not source.in_memory:  # a tensor dataset is already in memory: nothing to stage
-            source.tiers = self._staging_tiers(config, dataset)
+            source.stage(self._staging_tiers(config, dataset))
         return source
 
     def _staging_tiers(self, config: DdpRunConfig, dataset: Any) -> TieredSamples:
@@ -503,6 +464,8 @@ class RankRunner(Regrouping, Evaluating):
         budget = ram_budget(config.ram_max_usage, self.env.local_world) if config.sample_cache else 0
         ram = RamCache(budget, pin=self.device.type == "cuda") if budget > 0 else None
         disk = DiskStage(config.disk_stage_dir, config.disk_stage_gb * 10**9) if config.disk_stage_gb > 0 else None
+        if disk is not None:
+            self.closing.callback(disk.close)
         return TieredSamples(dataset.__getitem__, vram=None, ram=ram, disk=disk)
 
     def _open_vram_pool(self) -> None:
@@ -519,8 +482,7 @@ class RankRunner(Regrouping, Evaluating):
                 self.source.place_on(self.device)
             return
         if budget > 0:
-            tiers.vram = VramPool(self.device, budget)
-            self.source.device = self.device  # samples may now live on the device: collate them there
+            self.source.pool_in_vram(VramPool(self.device, budget))
 
     # ------------------------------------------------------------- training
 
@@ -554,6 +516,7 @@ class RankRunner(Regrouping, Evaluating):
         order = torch.randperm(self.source.length, generator=torch.Generator().manual_seed(self.source.seed + 7919 * self.rank))
         self.warmer = CacheWarmer(tiers.get, order.tolist(), held=tiers.holds, full=tiers.full)
         self.warmer.start()
+        self.closing.callback(self.warmer.stop)
 
     def _data_stats(self) -> dict[str, int]:
         """The staging tiers over the last window: hits and source fetches (deltas), bytes held now."""
@@ -640,12 +603,10 @@ class RankRunner(Regrouping, Evaluating):
             # a rank never waits at it for a slower peer; Sync's per-batch rounds block
             block = bool(sync_every)
             averaged = self._average(float(stepped), measure=measure, block=block, round_index=round_index, stats=stats)
-            stats.sync_ms += averaged.ms
-            stats.last_average = averaged
+            stats.averaged(averaged)
             if last is not None:
-                last.sync_ms = averaged.ms
-                self.link.send_lazy(last)
-        stats.wall_ms = (time.perf_counter() - start) * 1000.0
+                self.link.send_lazy(dataclasses.replace(last, sync_ms=averaged.ms))
+        stats.finish((time.perf_counter() - start) * 1000.0)
         return stats
 
     def _evals_now(self) -> None:
@@ -729,13 +690,12 @@ class RankRunner(Regrouping, Evaluating):
         if self.step_count == 1:
             self._open_vram_pool()
         self.global_step += 1
-        self.link.step = self.step_count
         # progress for the controller's liveness; the first step (warm-up) sets no pace
         now = time.perf_counter()
         for rec in records:
-            self.link.progressed(now, rec.compute_ms if rec.step > 1 else 0.0)
+            self.link.progressed(now, rec.compute_ms if rec.step > 1 else 0.0, step=self.step_count)
         if not records:
-            self.link.progressed(now, None)
+            self.link.progressed(now, None, step=self.step_count)
         return records
 
 #: Intra-op threads of a GPU rank: its CPU work is batch gathers and small host ops.

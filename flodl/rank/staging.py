@@ -13,11 +13,13 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import psutil
 import torch
+
+from .tier_stats import TierStats
 
 
 try:  # numpy is optional for flodl; arrays are only staged when it is there
@@ -28,7 +30,7 @@ except ImportError:  # pragma: no cover - torch wheels normally bring numpy
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from .disk_stage import DiskStage  # the disk tier (it builds on TierStats, below)
+    from .disk_stage import DiskStage  # the disk tier (annotations only: it imports nothing from here)
 
 # Rough per-object host costs (CPython + ATen headers), so budgets stay honest
 # for datasets of many tiny samples; measured ~550 B per small CPU tensor.
@@ -127,32 +129,6 @@ def vram_budget(device: torch.device, *, max_usage: float, gpu_ram_share: float 
 
 
 # ---------------------------------------------------------------- memory tiers
-
-
-@dataclass
-class TierStats:
-    """Counters of one tier; ``bytes`` is what it holds now."""
-
-    hits: int = 0
-    misses: int = 0
-    items: int = 0
-    bytes: int = 0
-    puts_refused: int = 0
-
-    def record(self, hit: bool) -> None:
-        """One lookup: a hit or a miss."""
-        if hit:
-            self.hits += 1
-        else:
-            self.misses += 1
-
-    @property
-    def hit_rate(self) -> float:
-        looked = self.hits + self.misses
-        return self.hits / looked if looked else 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        return {**asdict(self), "hit_rate": self.hit_rate}
 
 
 class _Arena:
@@ -360,6 +336,10 @@ class TieredSamples:
         self._inflight: dict[int, _Flight] = {}
         self._source = {"fetches": 0, "shared": 0, "errors": 0}
         self._warned: set[str] = set()
+
+    def add_vram(self, pool: VramPool) -> None:
+        """Open the VRAM tier (after the first step, once what the model takes is known)."""
+        self.vram = pool
 
     def _tiers(self) -> list[Any]:
         return [t for t in (self.vram, self.ram, self.disk) if t is not None]

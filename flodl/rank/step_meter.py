@@ -32,9 +32,9 @@ import torch
 from .outcomes import NonFiniteLoss
 
 #: A group closes after this much host time (kernels launched) ...
-GROUP_MS = 2.0
+GROUP_MS = 20.0
 #: ... or this many steps, whichever comes first: reports stay at least this fresh.
-GROUP_STEPS = 32
+GROUP_STEPS = 64
 
 
 @dataclass(frozen=True)

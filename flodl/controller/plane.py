@@ -1,0 +1,149 @@
+"""The controller's sockets: the ROUTER every peer dials, the ranks' TCPStore, and the CPU averaging plane.
+
+``ControlPlane`` opens and closes them and is the one way out for a message:
+to one peer, to a few ranks or to many peers, a frame signed once for all.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import zmq
+
+from .. import curve
+from ..config import AverageBackend, DdpRunConfig
+from ..membership import Membership
+from ..protocol import messages as m
+from ..protocol.codec import Envelope
+from ..transport import ControlEndpoint, make_router
+from .launch import LaunchOptions
+
+if TYPE_CHECKING:
+    from ..averaging.server import CpuAveraging  # torch: imported in open, only when the CPU backend averages
+
+log = logging.getLogger("flodl.controller")
+
+#: Called with every frame the ROUTER accepts (the sender's connection, the verified envelope).
+OnMessage = Callable[[bytes, Envelope], None]
+
+
+class ControlPlane:
+    """Binds, sends, closes; knows ranks only to find their connections."""
+
+    def __init__(self, launch: LaunchOptions, config: DdpRunConfig, members: Membership, *, secret: bytes, run_id: str,
+                 clock: Callable[[], float], say: Callable[[str], None]) -> None:
+        self.launch = launch
+        self.config = config
+        self.members = members
+        self.secret = secret
+        self.run_id = run_id
+        self.clock = clock
+        self.say = say
+        self.endpoint: ControlEndpoint | None = None
+        self.port: int | None = None
+        self.store: Any = None  # torch.distributed.TCPStore, once open
+        self.averaging: CpuAveraging | None = None  # the CPU backend's bulk plane, when used
+        self.fd_limit = 0  # the soft limit on open files once open lifted it (0: unknown)
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.launch.advertise_host}:{self.port}"
+
+    def open(self, on_message: OnMessage) -> None:
+        import torch.distributed as dist
+
+        ctx = zmq.Context.instance()
+        if curve.requested():
+            curve.enable(self.secret)
+        if not _is_loopback(self.launch.bind):
+            if curve.enabled():
+                self.say(f"note: serving on {self.launch.bind}: frames are authenticated and encrypted (CURVE); "
+                         "torch's store and any nccl/gloo collectives are not")
+            else:
+                # every frame is signed (HMAC with the run secret), but nothing is encrypted
+                self.say(f"note: serving on {self.launch.bind} beyond loopback: frames are authenticated, not encrypted; "
+                         "keep the network trusted, tunnel it, or run with --encrypt")
+        self.fd_limit = _lift_fd_limit()
+        sock, self.port = make_router(ctx, self.launch.bind, self.launch.port)
+        self.endpoint = ControlEndpoint(sock, secret=self.secret, run_id=self.run_id, sender="controller", on_message=on_message)
+        self.endpoint.start()
+        # the ranks' rendezvous; survives membership generations (each gets a key prefix)
+        self.store = dist.TCPStore(self.launch.bind, 0, is_master=True, wait_for_workers=False)
+        if self.config.elche.mode.backend is AverageBackend.CPU:
+            from ..averaging.server import CpuAveraging  # torch, shm, bulk: only the CPU backend needs them
+
+            self.averaging = CpuAveraging(
+                secret=self.secret, run_id=self.run_id, bind=self.launch.bind,
+                timeout_s=float(self.config.snapshot_timeout_secs), clock=self.clock,
+            )
+            self.averaging.live = lambda: {r.rank for r in self.members.live_ranks()}
+            self.averaging.start()
+        log.info("controller listening on tcp://%s:%d (store port %d)", self.launch.bind, self.port, self.store.port)
+
+    def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+        if self.averaging is not None:
+            self.averaging.close()
+        self.store = None
+
+    # ============================================================ sending
+
+    def send(self, msg: Any, identity: bytes) -> None:
+        self.endpoint.send(msg, identity)
+
+    def send_rank(self, rank: int, msg: Any) -> None:
+        self.endpoint.send(msg, self.members.ranks[rank].identity)
+
+    def send_all(self, msg: Any, identities: Iterable[bytes]) -> None:
+        """The same message to many peers, signed once (a Regroup lists every
+        member: signing it per rank made each death cost O(world²))."""
+        frame = self.endpoint.writer.encode(msg)
+        for identity in identities:
+            self.endpoint.send_frame(frame, identity)
+
+    def send_ranks(self, ranks: list[int], msg: Any) -> None:
+        self.send_all(msg, [self.members.ranks[rank].identity for rank in ranks])
+
+    def broadcast_ranks(self, msg: Any) -> None:
+        """To every live rank."""
+        self.send_all(msg, [info.identity for info in self.members.live_ranks()])
+
+    def on_ping(self, identity: bytes, env: Envelope, msg: m.Ping) -> None:
+        self.endpoint.send(m.Pong(msg.nonce, msg.sent_at), identity)
+
+
+def _lift_fd_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit; returns the soft limit
+    in force (0 if unknown). Every rank and worker holds a TCP connection to the controller,
+    so the common default of 1024 caps a run at a few hundred ranks: past it, connections
+    fail in ZeroMQ's I/O thread (which then spins on accept) and ranks look silent."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 0
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 30
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (OSError, ValueError):  # e.g. macOS caps the soft limit below an unlimited hard one
+            pass
+    return soft
+
+
+def _is_loopback(address: str) -> bool:
+    """``127.x``, ``::1`` or ``localhost``: reachable from this host only."""
+    import ipaddress
+
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False  # a host name or "*": assume it reaches beyond this machine

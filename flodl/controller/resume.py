@@ -1,0 +1,74 @@
+"""Resuming: the bundle's sidecar a run continues from, and the trajectory it takes up.
+
+``Resume`` reads the sidecar before anything starts (``resume_from``), gives
+every rank the saved run's shuffle seed, and restores the cadence loop so
+only what the bundle had not trained is planned.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..checkpoint_meta import read_meta
+from ..config import DdpRunConfig
+from ..errors import EXIT_CONFIG, RunAborted
+from ..membership import Membership
+from ..protocol import messages as m
+from ..schedule import Schedule
+from .cadence import CadenceLoop
+from .checkpoints import Checkpointer
+from .console import Console
+from .launch import LaunchOptions
+
+log = logging.getLogger("flodl.controller")
+
+
+class Resume:
+    """The sidecar of ``resume_from`` (None without one) and what it restores."""
+
+    def __init__(self, launch: LaunchOptions, config: DdpRunConfig, *, members: Membership, checkpoints: Checkpointer,
+                 console: Console) -> None:
+        self.launch = launch
+        self.config = config
+        self.members = members
+        self.checkpoints = checkpoints
+        self.console = console
+        self.meta: dict | None = None
+
+    def load(self) -> None:
+        """Read the sidecar, if the run resumes.
+
+        Raises:
+            CheckpointError: it cannot be read, or does not match the bundle.
+        """
+        if self.config.resume_from:
+            self.meta = read_meta(self.config.resume_from, weights_only=self.config.resume_weights_only)
+
+    def seed(self) -> int:
+        """A resumed run keeps the saved run's shuffle, whatever --seed says."""
+        return int(self.meta["coverage"]["seed"]) if self.meta is not None else self.launch.seed
+
+    def apply(self, loop: CadenceLoop, info: m.RankHello, schedule: Schedule, total_epochs: int) -> None:
+        """Continue the bundle's trajectory: only what it had not trained is planned.
+
+        Raises:
+            RunAborted: the bundle was saved by another task or schedule.
+        """
+        meta = self.meta
+        cov = meta["coverage"]
+        for field_name, mine in (("dataset_len", info.dataset_len), ("batch_size", info.batch_size)):
+            if int(cov[field_name]) != mine:
+                raise RunAborted(f"resume_from {self.config.resume_from}: the bundle was saved with {field_name} "
+                                 f"{cov[field_name]}, this task has {mine}; resume the same task", EXIT_CONFIG)
+        if int(cov["epochs"]) != total_epochs:
+            log.warning("resume: the bundle planned %s epochs, this run %d", cov["epochs"], total_epochs)
+        loop.restore(meta)
+        self.checkpoints.remind_shared_storage({w.host for w in self.members.workers.values()})
+        for field_name, mine in (("augment", self.config.augment), ("epoch_splits", self.config.epoch_splits)):
+            if int(cov.get(field_name, 1)) != mine:
+                raise RunAborted(f"resume_from {self.config.resume_from}: the bundle was saved with {field_name} "
+                                 f"{cov.get(field_name, 1)}, this run has {mine}; resume with the same schedule", EXIT_CONFIG)
+        left = sum(s for item in cov["open"] for _, s in item["uncovered"])
+        left += sum(schedule.epoch_len(e) for e in range(int(cov["next_epoch"]), total_epochs))
+        self.console.line(f"resuming {self.config.resume_from}: epoch {meta['epoch']}, global step {meta['global_step']}, "
+                          f"{left:,} samples left to train ({meta['save_reason']})")

@@ -1,0 +1,268 @@
+"""Training's books: the cadence loop, the windows' reports, each epoch's progress, stats and eval.
+
+``Training`` owns what the training messages (``BatchDone``, ``WindowDone``,
+``EvalResult``) record and what the progress and epoch lines print; the
+conductor (core.py) drives the windows and asks it to plan, settle and
+finish epochs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..config import DdpRunConfig
+from ..dispatch import FLOW_MAX_EPOCHS, PROBE_BATCHES, PROBE_MIN_MS
+from ..membership import Membership
+from ..metrics import EpochStats
+from ..monitor.hub import Monitor
+from ..protocol import messages as m
+from ..protocol.codec import Envelope
+from ..schedule import Schedule
+from .cadence import CadenceLoop
+from .console import Console
+from .launch import LaunchOptions
+from .phase import RunState
+from .plane import ControlPlane
+
+
+class Training:
+    """Windows, epochs and evals: recorded as reports arrive, printed in order."""
+
+    def __init__(self, launch: LaunchOptions, config: DdpRunConfig, *, members: Membership, run: RunState, plane: ControlPlane,
+                 console: Console, monitor: Monitor, clock: Callable[[], float]) -> None:
+        self.launch = launch
+        self.config = config
+        self.members = members
+        self.run = run
+        self.plane = plane
+        self.console = console
+        self.monitor = monitor
+        self.clock = clock
+        self.info: m.RankHello | None = None  # the task (the first rank's hello), once training begins
+        self.schedule: Schedule | None = None  # passes, epochs and picks, once the task's size is known
+        self.cadence: CadenceLoop | None = None
+        self.window_reports: dict[int, dict[int, m.WindowDone]] = {}
+        self.window_batches: dict[int, int] = {}  # rank -> batches reported in the current window
+        self._timing_window = False  # a calibration window is being timed: every BatchDone wakes the conductor
+        self.history: list[EpochStats] = []
+        self.evals: dict[int, m.EvalResult] = {}
+        self.eval_requests: dict[int, int] = {}  # epoch -> rank asked to score it
+        self.epoch_samples = 0
+        self.epoch_loss: float | None = None
+        self.current_epoch = -1
+        self.rank_rates: dict[int, float] = {}  # rank -> samples since the last progress line
+        self._rates_at = 0.0
+        self.data_stats: dict[int, dict[str, int]] = {}  # rank -> staging-tier totals (hits, fetches, bytes held)
+        self._printed = 0  # epochs whose line is out
+        self._fastest: int | None = None  # the elected eval rank under the Fastest policy
+
+    @property
+    def total_epochs(self) -> int:
+        """Epochs the run trains: ``--epochs`` passes, each sliced into ``epoch_splits`` epochs."""
+        return self.launch.epochs * self.config.epoch_splits
+
+    @property
+    def global_step(self) -> int:
+        """Batches trained by the whole run so far (the loop's count: restored on resume, settled per window)."""
+        return self.cadence.global_step if self.cadence is not None else 0
+
+    # ============================================================ planning
+
+    def begin(self, info: m.RankHello, schedule: Schedule) -> None:
+        self.info, self.schedule = info, schedule
+
+    def open_loop(self, ranks: list[int], seed: int) -> CadenceLoop:
+        """The cadence loop that plans every window from here on."""
+        info = self.info
+        self.cadence = CadenceLoop(
+            self.config, ranks, dataset_len=info.dataset_len, batch_size=info.batch_size,
+            epochs=self.total_epochs, seed=seed, global_step=self.global_step, schedule=self.schedule,
+            span_epochs=self._edges_needed_every(),
+        )
+        return self.cadence
+
+    def _edges_needed_every(self) -> int:
+        """Every how many epochs an average must fall on the edge: evals and checkpoints score and
+        keep the model of an epoch's end (a window may span more epochs than that only in between)."""
+        every = [FLOW_MAX_EPOCHS]
+        if self.info.has_eval:
+            every.append(self.config.eval_every_epochs or 1)
+        if self.config.checkpoint_every:
+            every.append(self.config.checkpoint_every)
+        return min(every)
+
+    def start_window(self, number: int, windows: dict[int, m.Window], *, first_in_flight: bool) -> None:
+        """Window ``number`` goes out: its epoch's progress line starts, and (with nothing else in
+        flight) the per-rank batch counts the calibration and a death's accounting read."""
+        loop = self.cadence
+        self._start_epoch_progress(loop.lowest_open_epoch)
+        if first_in_flight:
+            self.window_batches = {rank: 0 for rank in loop.ranks}
+        for rank, window in windows.items():
+            self.plane.send_rank(rank, window)
+
+    async def end_when_timed(self, number: int) -> None:
+        """Calibration window: end it once every rank has timed a few batches."""
+        loop = self.cadence
+        start = self.clock()
+
+        def timed() -> bool:
+            waiting = loop.waiting_on(number)
+            done = waiting <= set(self.window_reports.get(number, {}))  # grants ran out first
+            counts = {r: self.window_batches.get(r, 0) for r in waiting}
+            # a rank through its whole equal share would only wait for the others from here:
+            # once every rank has its batches timed, end the probe then, not at PROBE_MIN_MS
+            dry = any(n >= loop.granted_batches(number, r) for r, n in counts.items())
+            timed_all = min(counts.values(), default=PROBE_BATCHES) >= PROBE_BATCHES
+            return done or (timed_all and (dry or (self.clock() - start) * 1000 >= PROBE_MIN_MS))
+
+        self._timing_window = True  # a flag, not loop.open_ended(): that walks every rank's plan, per frame
+        try:
+            await self.run.until(timed, None, f"calibration window {number}")
+        finally:
+            self._timing_window = False
+        self.plane.broadcast_ranks(m.EndWindow(window=number))
+
+    def reported(self, number: int) -> bool:
+        """Every rank the loop waits on has reported window ``number``."""
+        return self.cadence.waiting_on(number) <= set(self.window_reports.get(number, {}))
+
+    def take_reports(self, number: int) -> tuple[dict[int, m.WindowDone], dict[int, int]]:
+        """Window ``number``'s reports, and the batches each rank that died in it reported."""
+        dead_batches = {r: self.window_batches.get(r, 0) for r in self.cadence.dead}
+        return self.window_reports.pop(number, {}), dead_batches
+
+    def _start_epoch_progress(self, epoch: int) -> None:
+        if epoch != self.current_epoch:
+            self.current_epoch = epoch
+            self.epoch_samples = 0
+            self.epoch_loss = None
+
+    # ============================================================ epochs, evals
+
+    def finish_epoch(self, stats: EpochStats, window: int = -1) -> None:
+        """An epoch is fully trained and averaged (by ``window``): record it and ask for its eval."""
+        self.history.append(stats)
+        if self.info.has_eval and self._eval_due(stats.epoch):
+            self.request_eval(stats.epoch, window)
+
+    def _eval_due(self, epoch: int) -> bool:
+        """``eval_every_epochs``: every N epochs and always the last (unset: every epoch)."""
+        every = self.config.eval_every_epochs
+        return every is None or (epoch + 1) % every == 0 or epoch == self.total_epochs - 1
+
+    def request_eval(self, epoch: int, window: int = -1) -> None:
+        """The eval rank scores the averaged model between two of its batches: exactly the average
+        of ``window`` (the one that closed the epoch) on the collective backend, even when it
+        has trained into the next window since (-1: the model once its last average landed)."""
+        rank = self.eval_rank()
+        self.eval_requests[epoch] = rank
+        self.plane.send_rank(rank, m.RunEval(epoch=epoch, final=epoch == self.total_epochs - 1, window=window))
+
+    def reask_evals_of(self, dead: set[int]) -> None:
+        """Evals asked of ranks that died and never answered go to the next rank."""
+        for epoch, rank in list(self.eval_requests.items()):
+            if rank in dead and epoch not in self.evals:
+                self.request_eval(epoch)
+
+    def eval_rank(self) -> int:
+        """Who runs eval: ``epoch_callback_policy``'s rank, or the fastest live rank.
+
+        Fastest is resolved once ElChe has timed the ranks and then sticks, so
+        evals do not hop between ranks on timing noise (rank 0 until then).
+        """
+        policy = self.config.epoch_callback_policy
+        live = self.ranks()
+        if not policy.is_fastest and policy.rank in live:
+            return policy.rank
+        if self._fastest not in live:
+            self._fastest = None
+        if self._fastest is None and self.cadence is not None and self.cadence.elche.calibrated:
+            ms = self.cadence.elche.ms_per_batch
+            timed = [r for r in live if r in self.cadence.ranks and ms[self.cadence.ranks.index(r)] > 0]
+            if timed:
+                self._fastest = min(timed, key=lambda r: ms[self.cadence.ranks.index(r)])
+        return self._fastest if self._fastest is not None else live[0]
+
+    def ranks(self, joiners: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """The ranks in the collective and the plans: live, and admitted. Once the loop
+        plans, its ranks are exactly the admitted ones (a joiner enters them as it stops
+        being one); before, the caller names the ``joiners`` to leave out."""
+        live = {r.rank for r in self.members.live_ranks()} - joiners
+        if self.cadence is not None:
+            live &= set(self.cadence.ranks)
+        return sorted(live)
+
+    def flush_epoch_lines(self) -> None:
+        """Print each finished epoch once its eval (if any) is in, in order."""
+        if self.info is None:
+            return  # nothing trained yet
+        metric = self.info.eval_metric if self.info.has_eval else None
+        while self._printed < len(self.history):
+            stats = self.history[self._printed]
+            if metric is not None and stats.epoch in self.eval_requests:
+                result = self.evals.get(stats.epoch)
+                if result is None:
+                    return
+                stats.eval_value = result.value
+                if result.error:
+                    self.console.line(f"epoch {stats.epoch + 1}: eval failed on rank {result.rank}: {result.error}")
+            self.console.epoch(stats, self.total_epochs, metric)
+            self.monitor.epoch_done(stats, alive=set(self.ranks()), now_s=self.clock())
+            self._printed += 1
+
+    def description(self, run_id: str) -> dict:
+        """What the dashboard and the record stream say about this run."""
+        info = self.info
+        return {"run_id": run_id, "mode": self.config.elche.mode.name, "task": self.launch.task,
+                "world_size": self.members.world_size, "epochs": self.total_epochs, "dataset_len": info.dataset_len,
+                "batch_size": info.batch_size, "eval_metric": info.eval_metric if info.has_eval else None,
+                "reports_per_epoch": self.config.reports_per_epoch}
+
+    # ============================================================ handlers
+
+    def on_batch_done(self, identity: bytes, env: Envelope, msg: m.BatchDone) -> None:
+        if msg.rank in self.window_batches:
+            self.window_batches[msg.rank] += 1
+            if self._timing_window:
+                self.run.changed()  # the calibration window waits on these
+        self.rank_rates[msg.rank] = self.rank_rates.get(msg.rank, 0.0) + msg.samples
+        if msg.epoch != self.current_epoch:
+            return
+        self.epoch_samples += msg.samples
+        self.epoch_loss = msg.loss if self.epoch_loss is None else 0.9 * self.epoch_loss + 0.1 * msg.loss
+        if not self.console.due():
+            return  # the hot path: most frames only bump counters
+        total = self.schedule.epoch_len(msg.epoch)
+        elapsed = max(1e-9, self.clock() - self.run.started_at)
+        done_total = sum(s.samples for s in self.history) + self.epoch_samples
+        self.console.progress(epoch=msg.epoch, epochs=self.total_epochs, done=self.epoch_samples, total=total, rate=done_total / elapsed,
+                              loss=self.epoch_loss, ranks=self._rank_rates())
+
+    def _rank_rates(self) -> dict[int, float]:
+        """Samples per second of each rank since the last progress line."""
+        now = self.clock()
+        span = now - self._rates_at if self._rates_at else now - self.run.started_at
+        rates = {r: n / span for r, n in sorted(self.rank_rates.items())} if span > 0 else {}
+        self.rank_rates, self._rates_at = {}, now
+        return rates
+
+    def on_window_done(self, identity: bytes, env: Envelope, msg: m.WindowDone) -> None:
+        self.window_reports.setdefault(msg.window, {})[msg.rank] = msg
+        if msg.data:
+            row = self.data_stats.setdefault(msg.rank, {})
+            for key, value in msg.data.items():  # hits and fetches add up; bytes held are the latest
+                row[key] = int(value) if key.endswith("_bytes") else row.get(key, 0) + int(value)
+        if self.cadence is not None:
+            self.monitor.window_done(msg, started_s=self.cadence.started.get(msg.window), arrived_s=self.clock())
+        self.run.changed()
+
+    def on_eval_result(self, identity: bytes, env: Envelope, msg: m.EvalResult) -> None:
+        self.evals[msg.epoch] = msg
+        if self.cadence is not None:
+            self.cadence.note_pause(msg.elapsed_ms)
+        now = self.clock()
+        self.monitor.span(f"eval epoch {msg.epoch + 1}", start_s=now - msg.elapsed_ms / 1000.0, end_s=now, rank=msg.rank,
+                          args={"value": msg.value, "error": msg.error})
+        self.flush_epoch_lines()
+        self.run.changed()

@@ -1,0 +1,59 @@
+"""What one window trained: the runner's tally, reported in ``WindowDone``.
+
+Its own module so that the runner and the averaging it delegates to
+(regroup.py) both use it without importing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .flat import Averaged
+
+
+@dataclass
+class RoundStats:
+    """What one window trained, in total and per epoch."""
+
+    batches: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0
+    compute_ms: float = 0.0
+    data_ms: float = 0.0
+    sync_ms: float = 0.0
+    wall_ms: float = 0.0
+    last_average: Averaged | None = None
+    regrouped_at: int = -1  # the averaging round redone in a new generation, if any
+    per_epoch: dict[int, list[float]] = field(default_factory=dict)  # epoch -> [batches, samples, loss, compute, data]
+
+    def add(self, epoch: int, samples: int, loss: float, compute_ms: float, data_ms: float) -> None:
+        self.batches += 1
+        self.samples += samples
+        self.loss_sum += loss
+        self.compute_ms += compute_ms
+        self.data_ms += data_ms
+        row = self.per_epoch.setdefault(epoch, [0.0, 0.0, 0.0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += samples
+        row[2] += loss
+        row[3] += compute_ms
+        row[4] += data_ms
+
+    def retime(self, epoch: int, old_ms: float, new_ms: float) -> None:
+        """Count a step already added as taking ``new_ms`` of compute instead of ``old_ms``."""
+        self.compute_ms += new_ms - old_ms
+        if epoch in self.per_epoch:
+            self.per_epoch[epoch][3] += new_ms - old_ms
+
+    def averaged(self, result: Averaged) -> None:
+        """A round's average is done (or launched): its time counts as sync time."""
+        self.sync_ms += result.ms
+        self.last_average = result
+
+    def regrouped(self, round_index: int) -> None:
+        """Round ``round_index``'s average failed and is redone in a new generation."""
+        self.regrouped_at = round_index
+
+    def finish(self, wall_ms: float) -> None:
+        """The window ended after ``wall_ms`` of wall time."""
+        self.wall_ms = wall_ms
