@@ -54,3 +54,21 @@ def test_a_non_finite_gpu_loss_is_caught_by_the_window_end_at_the_latest():
             t0 = meter.begin()
             meter.measured(t0, torch.tensor(math.inf if step == 3 else 1.0, device=device), epoch=0, step=step, samples=1, data_ms=0.0)
         meter.drain()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the device machine)")
+def test_a_tensor_dataset_on_the_device_yields_the_same_batches_as_on_the_host():
+    from torch.utils.data import TensorDataset
+
+    from flodl.rank.data import BatchSource
+
+    ds = TensorDataset(torch.arange(100).float().unsqueeze(1), torch.arange(100))
+    grants = [[0, 0, 37], [0, 37, 30], [1, 0, 50]]  # a batch spans two grants; an epoch edge cuts one short
+    host = list(BatchSource(ds, batch_size=16, seed=3).window_batches(grants))
+    on_device = BatchSource(ds, batch_size=16, seed=3)
+    on_device.place_on(torch.device("cuda"))
+    gpu = list(on_device.window_batches(grants))
+    assert len(host) == len(gpu)
+    for (e1, p1, b1), (e2, p2, b2) in zip(host, gpu):
+        assert e1 == e2 and torch.equal(p1, p2) and p2.device.type == "cpu"  # the ledger's picks stay on the host
+        assert all(t.device.type == "cuda" for t in b2) and all(torch.equal(a, b.cpu()) for a, b in zip(b1, b2))

@@ -9,7 +9,7 @@ what keeps a fast GPU busy (an idiomatic loop reads its loss every N steps).
 So a GPU rank measures steps in *groups*: the losses add up on the device, a
 CUDA event closes each group, and the group's sum is copied into pinned host
 memory without blocking. A group is resolved once its event has passed, which
-the host sees later, between steps, with a non-blocking ``query``. Its GPU time
+the host asks (a non-blocking ``query``) each time it closes a group. Its GPU time
 (event to event) and its mean loss are then reported for each of its steps.
 Nothing per step waits for the device; a window's end does (``drain``), before
 the average, so a non-finite loss is still caught before the replica is
@@ -33,7 +33,7 @@ from .outcomes import NonFiniteLoss
 
 #: A group closes after this much host time (kernels launched) ...
 GROUP_MS = 20.0
-#: ... or this many steps, whichever comes first: reports stay at least this fresh.
+#: ... or this many steps, whichever comes first: reports lag the device by about a group.
 GROUP_STEPS = 64
 
 
@@ -55,9 +55,9 @@ class _Group:
 
     start: Any  # torch.cuda.Event recorded before the group's first step
     steps: list[tuple[int, int, int, float]] = field(default_factory=list)  # (epoch, step, samples, data_ms)
-    loss: torch.Tensor | None = None  # the device-side sum of the group's losses
+    losses: list[torch.Tensor] = field(default_factory=list)  # the steps' detached losses, summed once at close
     end: Any = None
-    host: torch.Tensor | None = None  # pinned copy of ``loss`` (valid once ``end`` passed)
+    host: torch.Tensor | None = None  # pinned copy of the losses' sum (valid once ``end`` passed)
     opened: float = 0.0
 
 
@@ -99,15 +99,12 @@ class StepMeter:
                 raise NonFiniteLoss(value, epoch, step)
             return [StepRecord(epoch, step, samples, value, (time.perf_counter() - t0) * 1000.0, data_ms)]
         group = self._open
-        detached = loss.detach().float()
-        if group.loss is None:
-            group.loss = detached.clone()  # the sum is ours: the task may still hold its loss tensor
-        else:
-            group.loss.add_(detached)
+        group.losses.append(loss.detach())  # no kernel per step: the group's sum is one, at close
         group.steps.append((epoch, step, samples, data_ms))
         if close or len(group.steps) >= GROUP_STEPS or (time.perf_counter() - group.opened) * 1000.0 >= GROUP_MS:
             self._close()
-        return self._resolve(wait=False)
+            return self._resolve(wait=False)  # earlier groups may be done: asked once per group, not per step
+        return []
 
     def drain(self) -> list[StepRecord]:
         """Wait for every launched step (a window's end) and return their records."""
@@ -117,8 +114,10 @@ class StepMeter:
 
     def _close(self) -> None:
         group, self._open = self._open, None
+        total = torch.stack(group.losses).float().sum() if len(group.losses) > 1 else group.losses[0].float()
+        group.losses = []  # the steps' graphs may go
         group.host = torch.empty((), dtype=torch.float32, pin_memory=True)
-        group.host.copy_(group.loss, non_blocking=True)
+        group.host.copy_(total, non_blocking=True)
         group.end = torch.cuda.Event(enable_timing=True)
         group.end.record()
         self._in_flight.append(group)
