@@ -51,6 +51,7 @@ from flodl import __version__  # noqa: E402
 from flodl.config import DdpRunConfig  # noqa: E402
 from flodl.controller import Controller, ControllerHooks, LaunchOptions, run_loop  # noqa: E402
 from flodl.controller.console import Console  # noqa: E402
+from flodl.metrics import EpochCounters, epoch_rows  # noqa: E402
 from flodl.protocol import messages as m  # noqa: E402
 from flodl.protocol.codec import FrameReader, FrameWriter  # noqa: E402
 from flodl.protocol.messages import PROTOCOL_VERSION  # noqa: E402
@@ -108,14 +109,10 @@ def _recv(sock: zmq.Socket, reader: FrameReader, *kinds: type, timeout_ms: int =
 
 
 def _epoch_row(batches: list[tuple[int, int]]) -> list[list[float]]:
-    rows: dict[int, list[float]] = {}
+    rows: dict[int, EpochCounters] = {}
     for epoch, samples in batches:
-        row = rows.setdefault(epoch, [0.0] * 5)
-        row[0] += 1
-        row[1] += samples
-        row[2] += 0.5
-        row[3] += 1.0
-    return [[float(e), *row] for e, row in sorted(rows.items())]
+        rows.setdefault(epoch, EpochCounters()).add_batch(samples, 0.5, 1.0, 0.0)
+    return epoch_rows(rows)
 
 
 def sim_worker(addr: str, bare_addrs: dict[str, str], nranks: int, frames: int, pings: int, wait_ms: int, out: mp.Queue) -> None:

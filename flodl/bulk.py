@@ -11,12 +11,12 @@ slices per peer, whatever the model's size.
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any, Sequence
 
 import torch
 
+from .env import bulk_slice_bytes
 from .errors import ProtocolError
 
 #: Floating dtypes a bulk frame may carry.
@@ -45,7 +45,7 @@ def as_frame(t: torch.Tensor) -> memoryview:
 
 
 #: A model travels as slices of at most this many bytes (both directions).
-SLICE_BYTES = int(os.environ.get("FLODL_BULK_SLICE_BYTES", 8 << 20))  # env: benchmarks and tuning only
+SLICE_BYTES = bulk_slice_bytes(8 << 20)  # FLODL_BULK_SLICE_BYTES: benchmarks and tuning only
 
 
 #: ``ZMQ_MAXMSGSIZE`` of every bulk-plane socket: a message part is a header (a control frame, at

@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
-
 import zmq
 from zmq.utils import z85
 
-ENV = "FLODL_ENCRYPT"
+from .env import encryption_requested
 
 _server_secret: bytes | None = None  # z85 secret key of the run's server side
 _server_public: bytes | None = None
@@ -35,7 +33,7 @@ _server_public: bytes | None = None
 
 def requested() -> bool:
     """``FLODL_ENCRYPT`` asks for encryption in this process's environment."""
-    return os.environ.get(ENV, "").lower() in ("1", "on", "yes", "true")
+    return encryption_requested()
 
 
 def available() -> bool:

@@ -8,9 +8,9 @@ discovery with an explicit list such as ``cuda:0,cuda:1``.
 
 from __future__ import annotations
 
-import os
 import re
 
+from .env import cuda_visible_devices
 from .errors import ConfigError
 
 _DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
@@ -18,7 +18,7 @@ _DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
 
 def count_gpus() -> int:
     """Visible NVIDIA GPUs (0 where NVML is missing or finds none)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = cuda_visible_devices()
     if visible is not None and visible.strip() in ("", "-1"):
         return 0
     try:

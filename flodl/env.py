@@ -1,16 +1,35 @@
-"""The environment variables flodl passes from parent to child process.
+"""The process environment: every ``FLODL_*`` name, its parser, and what flodl hands its children.
 
-The only module that reads or writes ``FLODL_*`` variables. The run secret
-travels here, never on a command line (``ps`` shows command lines to every
-user on a host). ``RankEnv`` is what a worker hands each rank process.
+The only module in ``flodl/`` that reads or writes ``os.environ``, so that
+what a variable means, its default and what it accepts are written once
+(docs/options.md lists them for users). Three kinds:
+
+* **Spawn variables** (``RankEnv``, the run credentials): what a launcher,
+  controller or worker hands the process it starts. The run secret travels
+  here, never on a command line (``ps`` shows command lines to every user on
+  a host).
+* **Switches** a user or a benchmark sets: ``FLODL_ENCRYPT``,
+  ``FLODL_BULK_RELAY``, ``FLODL_SHM``, ``FLODL_SHM_DIR``, ``FLODL_VRAM_POOL``,
+  ``FLODL_BULK_SLICE_BYTES``. On/off switches share one vocabulary
+  (``_switch``).
+* **Simulation, fault injection and strictness** for tests and benchmarks
+  only: ``FLODL_SIMULATE_*``, ``FLODL_INJECT_FAULT``, ``FLODL_STRICT``.
+
+A few variables of other programs are read here too (``CUDA_VISIBLE_DEVICES``,
+``OMP_NUM_THREADS``) and one is set for torch (``TORCH_NCCL_ASYNC_ERROR_HANDLING``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 from dataclasses import dataclass
+from pathlib import Path
 
+log = logging.getLogger(__name__)
+
+# ---- spawn variables: parent -> child
 RUN_SECRET = "FLODL_RUN_SECRET"  # hex; authenticates every control frame
 RUN_ID = "FLODL_RUN_ID"
 CONTROLLER = "FLODL_CONTROLLER"  # tcp://host:port of the controller's ROUTER
@@ -20,7 +39,26 @@ TASK = "FLODL_TASK"
 LOCAL_WORLD = "FLODL_LOCAL_WORLD"  # ranks on this host, to share CPU threads
 HEARTBEAT_TIMEOUT = "FLODL_HEARTBEAT_TIMEOUT"
 PARENT_PID = "FLODL_PARENT_PID"  # a child exits if its parent is no longer this pid
-BULK_RELAY = "FLODL_BULK_RELAY"  # "ADDR PROBE NONCE" of the host relay a rank sends snapshots to ("": the controller)
+# "ADDR PROBE NONCE" of the host relay a rank sends snapshots to ("": the controller). Worker -> rank
+# only. It was spelled FLODL_BULK_RELAY, the name of the user's relay switch below: now one name, one meaning.
+RELAY_ADDR = "FLODL_RELAY_ADDR"
+
+# ---- switches a user (or a benchmark) sets
+ENCRYPT = "FLODL_ENCRYPT"  # 1|on|yes|true: CURVE-encrypt every plane (as --encrypt); children inherit it
+BULK_RELAY = "FLODL_BULK_RELAY"  # on (default) | off | always: do workers pre-average their ranks' snapshots
+SHM = "FLODL_SHM"  # on (default) | off: same-host snapshots through shared memory, else the bulk socket
+SHM_DIR = "FLODL_SHM_DIR"  # where shared-memory segments live (default /dev/shm)
+VRAM_POOL = "FLODL_VRAM_POOL"  # on (default) | off: kill-switch of the data plane's VRAM pool
+BULK_SLICE_BYTES = "FLODL_BULK_SLICE_BYTES"  # a model travels in slices of at most this many bytes (tuning)
+
+# ---- other programs' variables
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+OMP_NUM_THREADS = "OMP_NUM_THREADS"
+TORCH_NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+_ON = ("1", "on", "yes", "true")
+_OFF = ("0", "off", "no", "false")
+_warned: set[str] = set()
 
 
 def new_run_secret() -> bytes:
@@ -77,7 +115,7 @@ class RankEnv:
     local_world: int
     heartbeat_timeout_s: float
     parent_pid: int
-    bulk_relay: str = ""  # the host relay's "ADDR PROBE NONCE", or "" (snapshots go to the controller)
+    relay_addr: str = ""  # the host relay's "ADDR PROBE NONCE", or "" (snapshots go to the controller)
 
     def to_env(self) -> dict[str, str]:
         return {
@@ -89,7 +127,7 @@ class RankEnv:
             LOCAL_WORLD: str(self.local_world),
             HEARTBEAT_TIMEOUT: repr(self.heartbeat_timeout_s),
             PARENT_PID: str(self.parent_pid),
-            BULK_RELAY: self.bulk_relay,
+            RELAY_ADDR: self.relay_addr,
         }
 
     @classmethod
@@ -113,7 +151,7 @@ class RankEnv:
             local_world=int(env.get(LOCAL_WORLD, "1")),
             heartbeat_timeout_s=float(env[HEARTBEAT_TIMEOUT]),
             parent_pid=int(env.get(PARENT_PID, "0")),
-            bulk_relay=env.get(BULK_RELAY, ""),
+            relay_addr=env.get(RELAY_ADDR, ""),
         )
 
 
@@ -122,13 +160,115 @@ def child_environ(extra: dict[str, str]) -> dict[str, str]:
     return {**os.environ, **extra}
 
 
+def parent_pid() -> int:
+    """The pid this process must not outlive (``FLODL_PARENT_PID``; 0: none)."""
+    return int(os.environ.get(PARENT_PID, "0") or 0)
+
+
+def _switch(name: str, default: bool) -> bool:
+    """An on/off switch: ``1|on|yes|true`` or ``0|off|no|false`` (any case); unset or empty: ``default``.
+
+    Anything else keeps the default, with one warning per variable (a typo must
+    not pass for a choice, nor stop a run that only tunes).
+    """
+    text = os.environ.get(name, "").strip().lower()
+    if text in _ON:
+        return True
+    if text in _OFF:
+        return False
+    if text and name not in _warned:
+        _warned.add(name)
+        log.warning("%s=%r is neither on nor off: using its default (%s)", name, text, "on" if default else "off")
+    return default
+
+
+def encryption_requested() -> bool:
+    """``FLODL_ENCRYPT`` asks for CURVE encryption in this process (default off)."""
+    return _switch(ENCRYPT, False)
+
+
+def request_encryption() -> None:
+    """Turn ``FLODL_ENCRYPT`` on in this process, so that every process it starts encrypts too."""
+    os.environ[ENCRYPT] = "1"
+
+
+def bulk_relay_setting() -> str:
+    """``FLODL_BULK_RELAY``: ``on`` (relay on hosts other than the controller's), ``off`` (every
+    rank's snapshot to the controller) or ``always`` (on the controller's host too: tests, benchmarks)."""
+    if os.environ.get(BULK_RELAY, "").strip().lower() == "always":
+        return "always"
+    return "on" if _switch(BULK_RELAY, True) else "off"
+
+
+def shm_lane_allowed() -> bool:
+    """``FLODL_SHM`` lets same-host snapshots use shared memory (default on; benchmarks compare both)."""
+    return _switch(SHM, True)
+
+
+def shm_dir() -> Path:
+    """Where shared-memory segments live (``FLODL_SHM_DIR``, default /dev/shm)."""
+    return Path(os.environ.get(SHM_DIR) or "/dev/shm")
+
+
 def vram_pool_disabled() -> bool:
-    """FLODL_VRAM_POOL=off|0 kill-switch (read by the data plane)."""
-    return os.environ.get("FLODL_VRAM_POOL", "").lower() in ("off", "0")
+    """``FLODL_VRAM_POOL=off`` kill-switch (read by the data plane)."""
+    return not _switch(VRAM_POOL, True)
 
 
+def bulk_slice_bytes(default: int = 8 << 20) -> int:
+    """``FLODL_BULK_SLICE_BYTES``: the largest slice a model travels in (benchmarks and tuning only).
+
+    Raises:
+        ValueError: not a whole number of bytes > 0.
+    """
+    text = os.environ.get(BULK_SLICE_BYTES, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"{BULK_SLICE_BYTES}={text!r}: expected a whole number of bytes > 0")
+    return value
+
+
+def cuda_visible_devices() -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` as set (None: unset, every device visible)."""
+    return os.environ.get(CUDA_VISIBLE_DEVICES)
+
+
+def omp_threads_set() -> bool:
+    """Did the user choose the intra-op thread count (``OMP_NUM_THREADS``)? Then a rank leaves it alone."""
+    return bool(os.environ.get(OMP_NUM_THREADS))
+
+
+def nccl_errors_raise() -> None:
+    """Make a collective NCCL gives up on raise in this process instead of killing it
+    (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``: clean up only), unless the user chose otherwise."""
+    os.environ.setdefault(TORCH_NCCL_ASYNC_ERROR_HANDLING, "2")
+
+
+# ---- simulation and fault injection: tests and benchmarks only
 SIMULATE_SLOWDOWN = "FLODL_SIMULATE_SLOWDOWN"  # "1:3.0,2:1.5": rank -> compute multiplier
 SIMULATE_BASE_MS = "FLODL_SIMULATE_BASE_MS"  # "1:2.5" rank -> base step ms, or "2.5" for every rank
+INJECT_FAULT = "FLODL_INJECT_FAULT"  # "rank:point:n[:action],...": faults.FaultPlan parses it
+STRICT = "FLODL_STRICT"  # on: a flodl bug the run would survive (a message handler raising) fails it
+
+
+def strict() -> bool:
+    """``FLODL_STRICT``: turn a bug flodl survives in production into a failed run (default off).
+
+    The test suite sets it for every process it starts (tests/conftest.py): a
+    message handler that raised (``transport.HandlerErrors``) then fails the
+    controller's run at its end and a worker's exit, so no test passes over it.
+    """
+    return _switch(STRICT, False)
+
+
+def injected_faults() -> str:
+    """The text of ``FLODL_INJECT_FAULT`` ("" when unset); ``faults.FaultPlan.from_env`` parses it."""
+    return os.environ.get(INJECT_FAULT, "")
 
 
 def simulated_slowdown(rank: int) -> float:

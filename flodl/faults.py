@@ -30,7 +30,8 @@ import signal
 import threading
 from dataclasses import dataclass, field
 
-INJECT_FAULT = "FLODL_INJECT_FAULT"
+from .env import INJECT_FAULT, injected_faults
+
 POINTS = ("batch", "average", "epoch", "regroup", "save")
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 ACTIONS = (*SIGNALS, "hang", "nan")
@@ -46,7 +47,7 @@ class FaultPlan:
     @classmethod
     def from_env(cls, rank: int, text: str | None = None) -> "FaultPlan":
         """Parse ``rank:point:n[:kill|stop]`` items; raise ValueError naming the bad one."""
-        text = os.environ.get(INJECT_FAULT, "") if text is None else text
+        text = injected_faults() if text is None else text
         plan = cls()
         for item in filter(None, (t.strip() for t in text.split(","))):
             parts = item.split(":")

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from .env import credentials_env, new_run_id, new_run_secret
+from .env import child_environ, credentials_env, new_run_id, new_run_secret
 from .errors import EXIT_CONFIG, EXIT_LAUNCH_FAILED, ConfigError
 from .hostfile import DEFAULT_CONNECT_TIMEOUT_S, Host, check_ssh_option, labels, load_hostfile, parse_host_flag, ssh_argv, with_defaults
 from .proc import nap, pdeathsig_preexec
@@ -154,7 +154,7 @@ class Launcher:
     @staticmethod
     def _controller_env(secret: bytes, run_id: str) -> dict[str, str]:
         # the secret goes in the environment (readable only by its owner), never in argv
-        return {**os.environ, **credentials_env(secret, run_id), "PYTHONUNBUFFERED": "1"}
+        return child_environ({**credentials_env(secret, run_id), "PYTHONUNBUFFERED": "1"})
 
     async def _spawn(self, name: str, argv: list[str], *, env: dict[str, str] | None = None, stdin: int | None = None) -> Child | None:
         """Start one child with its output pumped to ours; None (logged) if it cannot start."""

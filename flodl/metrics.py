@@ -1,16 +1,68 @@
-"""Per-epoch metrics: folding the ranks' per-epoch reports into one row.
+"""Per-epoch metrics: a rank's per-epoch counters, and folding the ranks' reports into one row.
 
-Pure logic. Loss is batch-weighted across ranks; user scalars (sum, count
-pairs) are averaged per rank, then batch-weighted across the ranks that
-recorded them; an epoch's wall time is its slowest rank's. Golden values from
-the reference runtime are in ``tests/test_metrics.py``.
+Pure logic. ``EpochCounters`` is the one record of what a rank did in an
+epoch: the rank fills it batch by batch, ``WindowDone.epochs`` carries it as
+rows, the controller sums it per rank until the epoch closes. Loss is
+batch-weighted across ranks; user scalars (sum, count pairs) are averaged per
+rank, then batch-weighted across the ranks that recorded them; an epoch's wall
+time is its slowest rank's. Golden values from the reference runtime are in
+``tests/test_pure.py`` (``test_epoch_aggregation_golden``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterable
+from typing import Iterable, Mapping, Sequence
+
+
+@dataclass
+class EpochCounters:
+    """One rank's running totals for one epoch (or the part of it a window trained).
+
+    On the wire (``WindowDone.epochs``, ``list<list<float>>``) one epoch is the
+    row ``[epoch, batches, samples, loss_sum, compute_ms, data_ms]``: ``row`` and
+    ``from_row`` are the only code that knows the order. ``sync_ms`` is not in
+    it: a window reports its averaging time once (``WindowDone.sync_ms``), and
+    the controller books it to the window's last epoch.
+    """
+
+    batches: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0
+    compute_ms: float = 0.0
+    data_ms: float = 0.0
+    sync_ms: float = 0.0
+
+    def add_batch(self, samples: int, loss: float, compute_ms: float, data_ms: float) -> None:
+        self.batches += 1
+        self.samples += samples
+        self.loss_sum += loss
+        self.compute_ms += compute_ms
+        self.data_ms += data_ms
+
+    def add(self, other: EpochCounters) -> None:
+        self.batches += other.batches
+        self.samples += other.samples
+        self.loss_sum += other.loss_sum
+        self.compute_ms += other.compute_ms
+        self.data_ms += other.data_ms
+        self.sync_ms += other.sync_ms
+
+    def row(self, epoch: int) -> list[float]:
+        """This epoch's wire row (floats, as the schema says)."""
+        return [float(epoch), float(self.batches), float(self.samples), float(self.loss_sum), float(self.compute_ms), float(self.data_ms)]
+
+    @classmethod
+    def from_row(cls, row: Sequence[float]) -> tuple[int, EpochCounters]:
+        """``(epoch, counters)`` from a wire row."""
+        epoch, batches, samples, loss_sum, compute_ms, data_ms = row
+        return int(epoch), cls(int(batches), int(samples), loss_sum, compute_ms, data_ms)
+
+
+def epoch_rows(per_epoch: Mapping[int, EpochCounters]) -> list[list[float]]:
+    """``WindowDone.epochs``: one row per epoch, in epoch order."""
+    return [counters.row(epoch) for epoch, counters in sorted(per_epoch.items())]
 
 
 @dataclass

@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from .env import shm_lane_allowed
 from .errors import ProtocolError
 
 #: Where segments live (tmpfs on every Linux).
@@ -63,7 +64,7 @@ _fence_lock = threading.Lock()
 
 def enabled() -> bool:
     """The lane is on unless ``FLODL_SHM=off`` (benchmarks compare both) or there is no /dev/shm."""
-    return os.environ.get("FLODL_SHM", "on").lower() not in ("off", "0", "no") and SHM_DIR.is_dir()
+    return shm_lane_allowed() and SHM_DIR.is_dir()
 
 
 def fence() -> None:
@@ -109,14 +110,13 @@ def layout_offsets(nbytes: list[int]) -> tuple[list[int], int]:
 class Segment:
     """One mapped file: created (read-write) by its owner, opened read-only by its peer."""
 
-    def __init__(self, path: Path, mm: mmap.mmap, writable: bool) -> None:
+    def __init__(self, path: Path, mm: mmap.mmap) -> None:
         self.path = path
         self.mm = mm
         self.size = len(mm)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a read-only mapping: the peer only ever reads it
             self.bytes = torch.frombuffer(mm, dtype=torch.uint8) if self.size else torch.empty(0, dtype=torch.uint8)
-        self.writable = writable
 
     @classmethod
     def create(cls, path: Path, nbytes: int, *, reserve: int | None = None) -> Segment:
@@ -139,7 +139,7 @@ class Segment:
             os.close(fd)
             os.unlink(path)
             raise
-        seg = cls(path, mm, True)
+        seg = cls(path, mm)
         seg.fd = fd  # kept to back later ranges (``reserve_range``)
         return seg
 
@@ -171,7 +171,7 @@ class Segment:
             mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(fd)
-        return cls(path, mm, False)
+        return cls(path, mm)
 
     def view(self, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
         """``count`` elements of ``dtype`` at byte ``offset`` (no copy).

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
-SHM_DIR = Path(os.environ.get("FLODL_SHM_DIR", "/dev/shm"))
+from .env import shm_dir
+
+SHM_DIR = shm_dir()
 
 
 def sweep_stale() -> int:

@@ -30,6 +30,7 @@ from typing import Any
 import zmq
 
 from . import __version__
+from .metrics import EpochCounters, epoch_rows
 from .protocol import messages as m
 from .protocol.codec import Envelope
 from .protocol.messages import PROTOCOL_VERSION
@@ -241,7 +242,7 @@ class SimWorker:
         else:
             batches = window_batches(cmd, self.batch_size, base_ms)
             durations = [base_ms] * len(batches)
-        per_epoch: dict[int, list[float]] = {}
+        per_epoch: dict[int, EpochCounters] = {}
         trained = []
         outcome = None
         for (epoch, samples), ms in zip(batches, durations):
@@ -258,9 +259,7 @@ class SimWorker:
             if ms:
                 await asyncio.sleep(ms / 1000.0)
             trained.append((epoch, samples))
-            row = per_epoch.setdefault(epoch, [0.0] * 5)
-            for i, v in enumerate((1, samples, 1.0 / step, ms, 0.0)):
-                row[i] += v
+            per_epoch.setdefault(epoch, EpochCounters()).add_batch(samples, 1.0 / step, ms, 0.0)
             peer.send(m.BatchDone(rank, epoch, step, samples, 1.0 / step, ms, 0.0, 0.0))
             self.batches_sent += 1
         if self.trained is not None:
@@ -273,9 +272,9 @@ class SimWorker:
         peer.send(
             m.WindowDone(
                 rank=rank, window=cmd.window, batches=len(trained), consumed=sum(s for _, s in trained),
-                loss_sum=sum(r[2] for r in per_epoch.values()), compute_ms=sum(r[3] for r in per_epoch.values()),
+                loss_sum=sum(c.loss_sum for c in per_epoch.values()), compute_ms=sum(c.compute_ms for c in per_epoch.values()),
                 data_ms=0.0, sync_ms=0.1, divergence=0.01 if cmd.measure_divergence else None, pre_norm=None,
-                post_norm=None, lr=0.1, epochs=[[float(e), *row] for e, row in sorted(per_epoch.items())], scalars={},
+                post_norm=None, lr=0.1, epochs=epoch_rows(per_epoch), scalars={},
                 regrouped_at=-1, res={}, data={},
             )
         )

@@ -9,7 +9,9 @@ every frame in is authenticated and decoded (bad ones dropped and counted by
 its ``FrameReader``), every frame out is signed and numbered.
 
 Sends never block: a peer that is gone or too slow (its high-water mark
-reached) costs a counted drop, never a stalled event loop.
+reached) costs a counted drop, never a stalled event loop. A message handler
+that raises costs that message, never the socket: it is logged and counted
+(``HandlerErrors``), and the run summary and the tests make it seen.
 """
 
 from __future__ import annotations
@@ -52,6 +54,33 @@ ZMQ_HEARTBEAT_TIMEOUT_MS = 5000
 CONTROL_MAX_MSG_BYTES = DEFAULT_MAX_FRAME + 4096
 
 
+class HandlerErrors:
+    """Every exception a message handler raised in this process (``AsyncSocket`` survives them).
+
+    A socket goes on after a handler bug (one message lost is better than a
+    dead control plane), so the bug must show elsewhere: each one is logged
+    with its traceback here; a controller puts its count in the run summary
+    (``handler_errors``) and, under ``FLODL_STRICT`` (the test suite sets it
+    for every process), fails the run at its end; a worker fails its exit;
+    and tests/conftest.py fails any test during which this tally grew.
+    """
+
+    KEEP = 20  # the first few are enough to find the bug; the count says how many more
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first: list[str] = []  # "where: Type: message" of the first KEEP
+
+    def record(self, where: str, exc: BaseException) -> None:
+        self.count += 1
+        if len(self.first) < self.KEEP:
+            self.first.append(f"{where}: {type(exc).__name__}: {exc}")
+
+
+#: This process's tally (one per process: sockets come and go, a bug in any of them counts).
+HANDLER_ERRORS = HandlerErrors()
+
+
 class AsyncSocket:
     """One ZeroMQ socket driven by the event loop (edge-triggered FD, drained fully).
 
@@ -60,9 +89,10 @@ class AsyncSocket:
     re-checks ``EVENTS`` and schedules a drain when input is pending.
     """
 
-    def __init__(self, sock: zmq.Socket, on_parts: Callable[[list[bytes]], None]) -> None:
+    def __init__(self, sock: zmq.Socket, on_parts: Callable[[list[bytes]], None], *, name: str = "") -> None:
         self.sock = sock
         self.on_parts = on_parts
+        self.name = name or getattr(on_parts, "__qualname__", "socket")  # names the socket in handler errors
         self.loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
         self.send_drops: Counter[str] = Counter()
@@ -112,9 +142,10 @@ class AsyncSocket:
                 raise
             try:
                 self.on_parts(parts)
-            except Exception:  # a handler bug must not stop the socket; it is logged loudly
+            except Exception as exc:  # a handler bug must not stop the socket: logged, counted, surfaced (HandlerErrors)
                 self.handler_errors += 1
-                log.exception("handler failed on an incoming message")
+                HANDLER_ERRORS.record(self.name, exc)
+                log.exception("%s: handler failed on an incoming message", self.name)
             if self.closed:
                 return
         self._schedule_drain()  # more may be queued: come back after other tasks ran
@@ -183,8 +214,7 @@ class ControlEndpoint:
         self.reader = FrameReader(secret, run_id, max_frame=max_frame, name=sender, own=sender)  # our own frames reflected: dropped
         self.writer = FrameWriter(secret, run_id, sender)
         self.on_message = on_message
-        self.io = AsyncSocket(sock, self._on_parts)
-        self.malformed_envelopes = 0
+        self.io = AsyncSocket(sock, self._on_parts, name=sender)
 
     @property
     def drops(self) -> Counter[str]:

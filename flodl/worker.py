@@ -36,15 +36,16 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from . import __version__, curve
+from .deadlines import Deadlines
 from .devices import choose_devices
-from .env import PARENT_PID, RankEnv, child_environ, parse_run_secret, read_run_credentials
-from .errors import EXIT_CONFIG, EXIT_CONTROLLER_LOST, EXIT_INTERRUPTED, EXIT_OK, ConfigError
+from .env import RankEnv, child_environ, parent_pid, parse_run_secret, read_run_credentials, request_encryption, strict
+from .errors import EXIT_CONFIG, EXIT_CONTROLLER_LOST, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, ConfigError
 from .proc import die_with_parent, nap, terminate_then_kill
 from .shm_sweep import sweep_stale
 from .protocol import messages as m
 from .protocol.codec import Envelope
 from .protocol.messages import PROTOCOL_VERSION
-from .transport import ControlEndpoint, host_name, make_dealer
+from .transport import HANDLER_ERRORS, ControlEndpoint, host_name, make_dealer
 
 if TYPE_CHECKING:
     from .averaging.relay import HostRelay
@@ -62,8 +63,6 @@ CLEAN_GRACE_S = 30.0
 KILL_GRACE_S = 3.0
 #: After SIGTERM, a rank with save_path writes its replica before exiting: give it time.
 SAVE_KILL_GRACE_S = 15.0
-#: The relay gives a round up (safety net) after this many heartbeat timeouts without the controller's average.
-RELAY_TIMEOUT_FACTOR = 2.0
 #: With --secret-from-stdin, how long to wait for the credentials line.
 DEFAULT_SECRET_TIMEOUT_S = 30.0
 #: The credentials line is ~80 bytes; anything this long is not one.
@@ -241,7 +240,7 @@ class Worker:
         host = self.controller.rsplit(":", 1)[0]  # tcp://HOST
         self.relay = HostRelay(
             secret=self.secret, run_id=self.run_id, upstream=f"{host}:{welcome.bulk_port}", identity=f"{self.sender}/bulk",
-            ranks=list(welcome.ranks), timeout_s=RELAY_TIMEOUT_FACTOR * welcome.heartbeat_timeout_s,
+            ranks=list(welcome.ranks), timeout_s=Deadlines(heartbeat_s=welcome.heartbeat_timeout_s).relay_round_s,
         )
         self.relay.start()
         self.relay_task = tg.create_task(self.relay.run())
@@ -269,7 +268,7 @@ class Worker:
             local_world=len(self.devices),
             heartbeat_timeout_s=welcome.heartbeat_timeout_s,
             parent_pid=os.getpid(),
-            bulk_relay=self._relay_addr,
+            relay_addr=self._relay_addr,
         )
         # with --secret-from-stdin, stdin is the launcher's line: ranks must not hold or read it
         stdin = asyncio.subprocess.DEVNULL if self.watch_stdin else None
@@ -384,16 +383,27 @@ def main(argv: list[str] | None = None) -> int:
         secret, run_id = _credentials(args)
         devices = choose_devices(args.nproc, args.devices)
         if args.encrypt or curve.requested():
-            os.environ[curve.ENV] = "1"  # the ranks inherit it
+            request_encryption()  # the ranks inherit it
             curve.enable(secret)
     except (ConfigError, ValueError, RuntimeError) as exc:
         print(f"flodl.worker: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    parent = int(os.environ.get(PARENT_PID, "0") or 0)
+    parent = parent_pid()
     if parent:
         die_with_parent(parent)  # embedded in a controller: go when it goes
     worker = Worker(args.controller, devices, secret, run_id, join_timeout_s=args.join_timeout_secs, watch_stdin=args.secret_from_stdin)
-    return _run_loop(worker.run())
+    return _checked_exit(_run_loop(worker.run()))
+
+
+def _checked_exit(code: int) -> int:
+    """A message handler that raised in this process (a flodl bug, survived) is said at exit;
+    under ``FLODL_STRICT`` (the test suite) it turns a clean exit into a failed one."""
+    if HANDLER_ERRORS.count:
+        log.error("%d message handler error(s) in this worker: a flodl bug (tracebacks above); the first: %s",
+                  HANDLER_ERRORS.count, HANDLER_ERRORS.first[0])
+        if strict() and code == EXIT_OK:
+            return EXIT_FAILED
+    return code
 
 
 def _run_loop(coro: Any) -> int:

@@ -12,6 +12,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ROOT / "tests" / "tasks"
 
+# A flodl bug the run survives (a message handler that raised: flodl.transport.HandlerErrors) must
+# fail the test that met it. Every process a test starts inherits this: a controller then fails
+# its run, a worker its exit. In this process, ``_no_handler_errors`` below checks the tally.
+os.environ["FLODL_STRICT"] = "1"
+
 
 class FakeClock:
     """A monotonic clock tests move by hand instead of sleeping."""
@@ -24,6 +29,19 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+@pytest.fixture(autouse=True)
+def _no_handler_errors():
+    """Fail a test during which a message handler of this process raised (the socket survived it)."""
+    transport = sys.modules.get("flodl.transport")
+    before = transport.HANDLER_ERRORS.count if transport else 0
+    yield
+    transport = sys.modules.get("flodl.transport")  # a test may have imported it
+    if transport and transport.HANDLER_ERRORS.count > before:
+        errors = transport.HANDLER_ERRORS
+        pytest.fail(f"{errors.count - before} message handler error(s) during this test (a flodl bug; tracebacks in the "
+                    f"log): {errors.first[before] if before < len(errors.first) else ''}", pytrace=False)
 
 
 @pytest.fixture

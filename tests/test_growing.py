@@ -11,6 +11,7 @@ import pytest
 from flodl.config import DdpRunConfig
 from flodl.averaging.server import CpuAveraging
 from flodl.controller.cadence import CadenceLoop
+from flodl.metrics import EpochCounters
 from flodl.protocol import messages as m
 
 from .conftest import PY, ROOT, task_spec
@@ -33,7 +34,7 @@ def _report(loop: CadenceLoop, number: int, ms_per_batch: dict[int, float]) -> N
         reports[rank] = m.WindowDone(rank=rank, window=number, batches=batches, consumed=plan.samples, loss_sum=batches * 0.5,
                                      compute_ms=batches * ms_per_batch[rank], data_ms=0.0, sync_ms=1.0, divergence=None,
                                      pre_norm=None, post_norm=None, lr=0.1,
-                                     epochs=[[float(e), batches, plan.samples, batches * 0.5, batches * ms_per_batch[rank], 0.0] for e in epochs[:1]],
+                                     epochs=[EpochCounters(batches, plan.samples, batches * 0.5, batches * ms_per_batch[rank]).row(e) for e in epochs[:1]],
                                      scalars={}, regrouped_at=-1, res={}, data={})
     loop.on_reports(number, reports, now=float(number + 1))
 

@@ -327,3 +327,23 @@ def test_the_controller_starts_without_importing_torch():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=50)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "1"
+
+
+def test_epoch_counters_keep_the_wire_row_format():
+    """WindowDone.epochs rows stay [epoch, batches, samples, loss_sum, compute_ms, data_ms], floats."""
+    from flodl.metrics import EpochCounters, epoch_rows
+
+    a = EpochCounters()
+    a.add_batch(32, 0.5, 10.0, 2.0)
+    a.add_batch(16, 0.25, 12.0, 1.0)
+    b = EpochCounters()
+    b.add_batch(8, 1.0, 3.0, 0.0)
+    rows = epoch_rows({3: b, 2: a})
+    assert rows == [[2.0, 2.0, 48.0, 0.75, 22.0, 3.0], [3.0, 1.0, 8.0, 1.0, 3.0, 0.0]]
+    assert all(type(v) is float for row in rows for v in row)
+    epoch, back = EpochCounters.from_row(rows[0])
+    assert epoch == 2 and back == EpochCounters(2, 48, 0.75, 22.0, 3.0) and type(back.batches) is int
+    back.add(EpochCounters(1, 8, 1.0, 3.0, 0.0, sync_ms=4.0))
+    assert back == EpochCounters(3, 56, 1.75, 25.0, 3.0, 4.0)
+    with pytest.raises(ValueError):
+        EpochCounters.from_row([1.0, 2.0, 3.0])  # a row of another width is refused, not misread

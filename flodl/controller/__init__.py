@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from .. import curve
-from ..env import read_run_credentials
+from ..env import read_run_credentials, request_encryption, strict
 from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, ConfigError, RunAborted
 from .core import Controller
 from .hooks import ControllerHooks
@@ -23,6 +22,8 @@ from .launch import LaunchOptions, build_parser, resolve
 from .phase import Phase
 
 __all__ = ["Controller", "ControllerHooks", "LaunchOptions", "Phase", "main", "run_controller"]
+
+log = logging.getLogger("flodl.controller")
 
 
 def run_loop(coro: Any) -> Any:
@@ -50,12 +51,27 @@ def run_controller(controller: Controller) -> dict:
     try:
         summary = run_loop(controller.run())
     except RunAborted as exc:
+        if exc.summary:
+            report_handler_errors(exc.summary)
         write_summary(controller.launch.summary_json, exc.summary)
         raise
+    report_handler_errors(summary)
     write_summary(controller.launch.summary_json, summary)
     if summary.get("exit_code"):  # it ran to the end, but not as a plain success (every eval failed)
         raise RunAborted(summary.get("failure", summary["exit_reason"]), summary["exit_code"], summary)
     return summary
+
+
+def report_handler_errors(summary: dict) -> None:
+    """A message handler that raised is a flodl bug the run survived: say so at the end, where it
+    is seen; under ``FLODL_STRICT`` (the test suite) a run that would have succeeded fails."""
+    count = summary.get("handler_errors") or 0
+    if not count:
+        return
+    log.error("%d message handler error(s) in the controller: a flodl bug (tracebacks above); please report it", count)
+    if strict() and not summary.get("exit_code"):
+        summary["exit_code"] = EXIT_FAILED
+        summary["failure"] = f"{count} message handler error(s) in the controller (FLODL_STRICT)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         # a launcher may hand the run's credentials down (multi-host); else we make them
         secret, run_id = read_run_credentials()
         if args.encrypt:
-            os.environ[curve.ENV] = "1"  # the controller, and every process it starts, encrypts
+            request_encryption()  # the controller, and every process it starts, encrypts
         if curve.requested() and not curve.available():
             raise ConfigError("encrypt", "this libzmq has no CURVE support")
     except (ConfigError, ValueError) as exc:
@@ -79,6 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     except RunAborted as exc:
         return exc.exit_code
     except Exception:
-        logging.getLogger("flodl.controller").exception("controller failed")
+        log.exception("controller failed")
         return EXIT_FAILED
     return EXIT_OK

@@ -10,12 +10,13 @@ are admitted at the next window boundary (``admit_joiners``).
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable
 
 from .. import __version__
 from ..config import DdpRunConfig
+from ..deadlines import Deadlines
+from ..env import bulk_relay_setting
 from ..errors import EXIT_CONFIG, EXIT_TASK_ERROR
 from ..membership import Membership, PeerState, WorkerInfo
 from ..monitor.hub import Monitor
@@ -41,7 +42,7 @@ class Admission:
 
     def __init__(self, launch: LaunchOptions, config: DdpRunConfig, *, members: Membership, run: RunState, plane: ControlPlane,
                  training: Training, resume: Resume, console: Console, monitor: Monitor, hooks: ControllerHooks,
-                 clock: Callable[[], float], run_id: str, heartbeat_timeout_s: float) -> None:
+                 clock: Callable[[], float], run_id: str, deadlines: Deadlines) -> None:
         self.launch = launch
         self.config = config
         self.members = members
@@ -54,7 +55,7 @@ class Admission:
         self.hooks = hooks
         self.clock = clock
         self.run_id = run_id
-        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.deadlines = deadlines
         self.expected_workers = 1 if launch.embedded else launch.workers
         self.hellos: dict[int, m.RankHello] = {}
         self.task_info: m.RankHello | None = None  # the first hello's task: every later rank must match it
@@ -104,7 +105,7 @@ class Admission:
         if relay:
             averaging.admit_relay(worker.sender.encode(), worker.ranks)
         self.plane.send(
-            m.WorkerWelcome(ranks=worker.ranks, world_size=self._next_rank, task=self.launch.task, heartbeat_timeout_s=self.heartbeat_timeout_s,
+            m.WorkerWelcome(ranks=worker.ranks, world_size=self._next_rank, task=self.launch.task, heartbeat_timeout_s=self.deadlines.heartbeat_s,
                             bulk_port=averaging.port if averaging is not None else 0, bulk_relay=relay),
             worker.identity,
         )
@@ -116,8 +117,8 @@ class Admission:
         ``FLODL_BULK_RELAY=off`` sends every rank's snapshot here, ``always``
         relays on this host too (benchmarks and tests compare).
         """
-        setting = os.environ.get("FLODL_BULK_RELAY", "on").lower()
-        if self.plane.averaging is None or len(worker.ranks) < 2 or setting in ("off", "0", "no"):
+        setting = bulk_relay_setting()
+        if self.plane.averaging is None or len(worker.ranks) < 2 or setting == "off":
             return False
         return setting == "always" or worker.host != host_name()
 
@@ -163,7 +164,7 @@ class Admission:
             store_host=self.launch.advertise_host,
             store_port=self.plane.store.port,
             store_prefix=f"{self.run_id}/gen{self.members.generation}",
-            collective_timeout_s=self.heartbeat_timeout_s,
+            collective_timeout_s=self.deadlines.collective_s,
             config=self.config.to_dict(),
             seed=self.resume.seed(),  # a resumed run keeps the bundle's shuffle on every rank
             bulk_port=averaging.port if averaging is not None else 0,

@@ -19,7 +19,7 @@ from ..pool import EpochPool
 from ..schedule import Schedule
 from ..elche import ElChe
 from ..guard import MetaController, Verdict, make_guard, max_relative_delta
-from ..metrics import EpochReport, EpochStats, aggregate
+from ..metrics import EpochCounters, EpochReport, EpochStats, aggregate
 from ..protocol import messages as m
 
 log = logging.getLogger("flodl.cadence")
@@ -30,7 +30,7 @@ class _EpochAcc:
     """One epoch's numbers per rank while windows fill it in."""
 
     started: float
-    rows: dict[int, list[float]] = field(default_factory=dict)  # rank -> [batches, samples, loss, compute, data, sync]
+    rows: dict[int, EpochCounters] = field(default_factory=dict)  # rank -> its totals
     syncs: int = 0
     scalars: dict[int, dict[str, list[float]]] = field(default_factory=dict)
 
@@ -79,7 +79,6 @@ class CadenceLoop:
         self.global_step = global_step
         self.window = 0
         self.config = config
-        self.batches_per_epoch = batches_per_epoch
         self.dead: set[int] = set()
         self.regranted = 0  # samples a dead rank held that went back to the pool
         self.collective = elche_cfg.mode.backend is AverageBackend.NCCL
@@ -299,15 +298,13 @@ class CadenceLoop:
 
     def _account(self, rank: int, report: m.WindowDone, rounds: int, plan: WindowPlan) -> None:
         """Per-epoch rows: a window that straddles epochs splits by what each got."""
-        touched = sorted(int(row[0]) for row in report.epochs)
-        for epoch, batches, samples, loss, compute, data in report.epochs:
-            acc = self.epochs[int(epoch)]
-            row = acc.rows.setdefault(rank, [0.0] * 6)
-            for i, v in enumerate((batches, samples, loss, compute, data)):
-                row[i] += v
+        touched = []
+        for epoch, counters in map(EpochCounters.from_row, report.epochs):
+            touched.append(epoch)
+            self.epochs[epoch].rows.setdefault(rank, EpochCounters()).add(counters)
         if touched:
-            last = self.epochs[touched[-1]]
-            last.rows.setdefault(rank, [0.0] * 6)[5] += report.sync_ms
+            last = self.epochs[max(touched)]
+            last.rows.setdefault(rank, EpochCounters()).sync_ms += report.sync_ms
             for key, (total, count) in report.scalars.items():
                 pair = last.scalars.setdefault(rank, {}).setdefault(key, [0.0, 0.0])
                 pair[0] += total
@@ -321,7 +318,7 @@ class CadenceLoop:
         (its losses died with it, so only the sample count is known)."""
         for grant, used in plan.consumed_per_grant(consumed):
             if used and grant.epoch in self.epochs:
-                self.epochs[grant.epoch].rows.setdefault(rank, [0.0] * 6)[1] += used
+                self.epochs[grant.epoch].rows.setdefault(rank, EpochCounters()).samples += used
 
     def _tune(self, window: int, plans: dict[int, WindowPlan], reports: dict[int, m.WindowDone], window_ms: float) -> None:
         """ElChe timing, then the guard's and meta-controller's verdict on the anchor."""
@@ -377,10 +374,10 @@ class CadenceLoop:
         wall_ms = (now - acc.started) * 1000.0
         reports = [
             EpochReport(
-                rank=rank, epoch=epoch, batches=int(row[0]), samples=int(row[1]), loss_sum=row[2], wall_ms=wall_ms,
-                compute_ms=row[3], data_ms=row[4], sync_ms=row[5], syncs=acc.syncs, scalars=acc.scalars.get(rank, {}),
+                rank=rank, epoch=epoch, batches=c.batches, samples=c.samples, loss_sum=c.loss_sum, wall_ms=wall_ms,
+                compute_ms=c.compute_ms, data_ms=c.data_ms, sync_ms=c.sync_ms, syncs=acc.syncs, scalars=acc.scalars.get(rank, {}),
             )
-            for rank, row in sorted(acc.rows.items())
+            for rank, c in sorted(acc.rows.items())
         ]
         return aggregate(epoch, reports)
 

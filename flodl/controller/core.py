@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 from ..checkpoint_files import CheckpointError
 from ..config import ApplyPolicy, DdpRunConfig
+from ..deadlines import Deadlines
 from ..env import new_run_id, new_run_secret
 from ..errors import EXIT_CONFIG, EXIT_EVALS_FAILED, EXIT_FAILED, RunAborted
 from ..membership import Membership, PeerState
@@ -98,23 +99,24 @@ class Controller:
         self.hooks = hooks or ControllerHooks()
         self._observed = hooks is not None  # the per-message hook costs a call on the hot path: only when asked for
         self.ready = asyncio.Event()  # set once the socket is bound (tests read .port)
-        heartbeat_timeout_s = float(config.effective_heartbeat_timeout_secs)
-        limits = ProgressLimits(heartbeat_s=heartbeat_timeout_s, first_step_s=launch.join_timeout_secs,
+        self.deadlines = deadlines = Deadlines.from_config(config)
+        limits = ProgressLimits(heartbeat_s=deadlines.heartbeat_s, first_step_s=launch.join_timeout_secs,
                                 eval_s=launch.eval_timeout_secs, step_s=launch.step_timeout_secs)
         say = self.console.line
-        self.members = Membership(heartbeat_timeout_s)
+        self.members = Membership(deadlines.heartbeat_s)
         self.checkpoints = Checkpointer(config, say=say)
         self.monitor = Monitor(config, say=say, clock=clock,
                                dashboard=None if launch.dashboard_port < 0 else (launch.bind, launch.dashboard_port))
         members, console, monitor, checkpoints = self.members, self.console, self.monitor, self.checkpoints
         self.state = run = RunState(members, clock)
-        self.plane = plane = ControlPlane(launch, config, members, secret=self.secret, run_id=self.run_id, clock=clock, say=say)
+        self.plane = plane = ControlPlane(launch, config, members, secret=self.secret, run_id=self.run_id, clock=clock, say=say,
+                                          deadlines=deadlines)
         self.training = training = Training(launch, config, members=members, run=run, plane=plane, console=console, monitor=monitor,
                                             clock=clock)
         self.resume = resume = Resume(launch, config, members=members, checkpoints=checkpoints, console=console)
         self.admission = admission = Admission(launch, config, members=members, run=run, plane=plane, training=training, resume=resume,
                                                console=console, monitor=monitor, hooks=self.hooks, clock=clock, run_id=self.run_id,
-                                               heartbeat_timeout_s=heartbeat_timeout_s)
+                                               deadlines=deadlines)
         self.saving = saving = Saving(config, members=members, run=run, plane=plane, training=training, checkpoints=checkpoints,
                                       console=console, monitor=monitor, clock=clock, run_id=self.run_id)
         self.liveness = Liveness(launch, config, members=members, run=run, plane=plane, admission=admission, training=training,
@@ -218,6 +220,7 @@ class Controller:
 
     def _open(self) -> None:
         self.plane.open(self._on_message)
+        log.info("deadlines: %s", self.deadlines.describe())
         self.hooks.opened(self.plane.endpoint)
         # everything alive now (torch's import, above all) lives as long as the run: keep it out of
         # the collector's full passes, which otherwise stall the event loop 60-170 ms (1,000-rank bench)

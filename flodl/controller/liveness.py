@@ -64,7 +64,6 @@ class Liveness:
         self.limits = limits
         self.collective_error: tuple[float, int, m.RankError] | None = None
         self.collective_retries = 0
-        self.deaths_handled = 0
         self.recoveries: list[dict] = []  # every regroup: when, generation, survivors, why
         self.restarts: list[dict] = []  # healing: every rank started in place of a dead one
         self._slot_of: dict[int, int] = {}  # a restarted rank -> the original rank whose restarts it counts against
@@ -197,7 +196,6 @@ class Liveness:
             self.console.line(f"rank {lost.rank} died before writing checkpoint {lost.version}; asking another rank")
             self.saving.checkpoint_now(lost.reason, call_fn=False, files=bool(lost.stem))
         self.collective_error = None  # the death explains it
-        self.deaths_handled += len(dead)
         for rank in sorted(dead):
             self.monitor.event("rank_lost", f"{self.members.ranks[rank].where()} {self.members.ranks[rank].death}", rank=rank, now_s=self.clock())
         if self.training.cadence is not None:

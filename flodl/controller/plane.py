@@ -13,6 +13,7 @@ import zmq
 
 from .. import curve
 from ..config import AverageBackend, DdpRunConfig
+from ..deadlines import Deadlines
 from ..membership import Membership
 from ..protocol import messages as m
 from ..protocol.codec import Envelope
@@ -32,7 +33,7 @@ class ControlPlane:
     """Binds, sends, closes; knows ranks only to find their connections."""
 
     def __init__(self, launch: LaunchOptions, config: DdpRunConfig, members: Membership, *, secret: bytes, run_id: str,
-                 clock: Callable[[], float], say: Callable[[str], None]) -> None:
+                 clock: Callable[[], float], say: Callable[[str], None], deadlines: Deadlines) -> None:
         self.launch = launch
         self.config = config
         self.members = members
@@ -40,6 +41,7 @@ class ControlPlane:
         self.run_id = run_id
         self.clock = clock
         self.say = say
+        self.deadlines = deadlines
         self.endpoint: ControlEndpoint | None = None
         self.port: int | None = None
         self.store: Any = None  # torch.distributed.TCPStore, once open
@@ -75,7 +77,7 @@ class ControlPlane:
 
             self.averaging = CpuAveraging(
                 secret=self.secret, run_id=self.run_id, bind=self.launch.bind,
-                timeout_s=float(self.config.snapshot_timeout_secs), clock=self.clock,
+                timeout_s=self.deadlines.snapshot_s, clock=self.clock,
             )
             self.averaging.live = lambda: {r.rank for r in self.members.live_ranks()}
             self.averaging.start()

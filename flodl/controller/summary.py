@@ -76,6 +76,9 @@ def summarize(exit_reason: str, exit_code: int, *, run_id: str, config: DdpRunCo
         "exit_reason": exit_reason,
         "exit_code": exit_code,
         "dropped_frames": dict(plane.endpoint.drops) if plane.endpoint else {},
+        # message handlers that raised (a flodl bug; logged with its traceback): run_controller reports them
+        "handler_errors": (plane.endpoint.io.handler_errors if plane.endpoint else 0)
+        + (plane.averaging.io.handler_errors if plane.averaging else 0),
         "config": config.to_dict(),
         "cadence": cadence.telemetry() if cadence else None,
         "averaging": plane.averaging.telemetry() if plane.averaging else None,

@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from ..config import DdpRunConfig, Reduction
-from ..metrics import EpochStats
+from ..metrics import EpochCounters, EpochStats
 from ..protocol import messages as m
 from .archive import write_archive
 from .dashboard import DashboardServer
@@ -149,10 +149,9 @@ class Monitor:
         """
         touched = []
         for report in reports.values():
-            for row in report.epochs:
-                epoch = int(row[0])
+            for epoch, counters in map(EpochCounters.from_row, report.epochs):
                 touched.append(epoch)
-                self.epoch_batches[epoch] = self.epoch_batches.get(epoch, 0) + int(row[1])
+                self.epoch_batches[epoch] = self.epoch_batches.get(epoch, 0) + counters.batches
         if self.reporter is None or not touched:
             return
         epoch = max(touched)

@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import psutil
+
+from ..env import cuda_visible_devices
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +260,7 @@ class ResourceSampler:
         self.last_sample_s: float | None = None
         self._owned: MachineReader | None = None
         if read is None:
-            visible = visible_devices if visible_devices is not None else os.environ.get("CUDA_VISIBLE_DEVICES")
+            visible = visible_devices if visible_devices is not None else cuda_visible_devices()
             read = self._owned = MachineReader(self.devices, process_cpu=process_cpu,
                                                include_children=include_children, visible=visible)
         self._read = read

@@ -211,7 +211,7 @@ class CollectiveAverager:
         self._background: _Background | None = None
         self._sends: list[torch.Tensor] | None = None
         self.last_drift: tuple[float | None, float, float] | None = None
-        self.landed = self.dropped = 0  # background averages applied / given up (a peer lost)
+        self.dropped = 0  # background averages given up (a peer lost)
         self.dropped_tag, self.dropped_weight = -1, 0.0  # the last one given up: what a redo repeats
         # the last background average to land: its tag, and whether ``_sends`` still hold its result
         # (until the next launch): an eval asked for that average scores exactly it (``scoring``)
@@ -401,7 +401,6 @@ class CollectiveAverager:
         except BaseException:
             self._drop(bg)
             raise
-        self.landed += 1
         self.landed_tag, self._kept = bg.tag, kept
         if bg.measure:
             self.last_drift = drift(pre_all, post_all)

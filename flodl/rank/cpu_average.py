@@ -62,7 +62,6 @@ class BulkLink:
         self.sock.connect(addr)
         self.writer = FrameWriter(secret, run_id, sender)
         self.reader = FrameReader(secret, run_id, max_frame=1 << 20, name=f"{sender} bulk")
-        self.rejected = 0
         self.run_id = run_id
         try:
             self.sock.send(self.writer.encode(announcement(rank)), zmq.NOBLOCK)  # queued until connected
@@ -111,15 +110,13 @@ class BulkLink:
             return None
         parts = self.sock.recv_multipart(copy=False)
         env = self.reader.read(parts[0].bytes, "controller")
-        if env is None or not isinstance(env.msg, m.Update):
-            self.rejected += 1
+        if env is None or not isinstance(env.msg, m.Update):  # a bad frame (the reader counts and logs it), or not ours
             return None
         try:
             if env.msg.shm:
                 return env.msg, self._lane_slice(env.msg, parts[1:])
             return env.msg, unpack_slice(env.msg, parts[1:])
         except ProtocolError as exc:
-            self.rejected += 1
             log.error("rejected an update from the controller: %s", exc)
             return None
 
@@ -160,7 +157,7 @@ class CpuAverager:
         self.adopting = adopting
         self.pending: dict[int, _Pending] = {}
         self.last_drift: tuple[float | None, float, float] | None = None
-        self.applied = self.aborted = 0
+        self.aborted = 0  # rounds the controller aborted, or whose average was overwritten here
         self.overruns = 0  # lane updates found overwritten before they were read (never expected)
         self.segment: shm.SnapshotSegment | None = None
         self.live_buckets: set[int] = set()  # buckets whose live values lie in our segment
@@ -359,4 +356,3 @@ class CpuAverager:
             pre_sq, post_sq, diff_sq = pending.sq
             post = post_sq**0.5
             self.last_drift = ((diff_sq**0.5) / post if post > 1e-10 else None, pre_sq**0.5, post)
-            self.applied += 1

@@ -270,22 +270,17 @@ class Regrouping:
         return build_group(
             store_host=self.welcome.store_host, store_port=self.welcome.store_port, prefix=msg.store_prefix,
             rank=msg.members.index(self.rank), world_size=world, device=self.device,
-            timeout_s=self.welcome.collective_timeout_s, gather_s=self._gather_s(),
+            timeout_s=self.deadlines.collective_s, gather_s=self.deadlines.group_gather_s,
             give_up=lambda: self.link.must_stop or self.terminated
             or self._announced_after(msg.generation),
             on_gathered=lambda: self.faults.reach("regroup"),
         )
 
-    def _gather_s(self) -> float:
-        """How long a member waits for the others of a new group: a late survivor's failed
-        collective (its timeout) and the controller's death detection (heartbeats), with margin."""
-        return 2 * self.welcome.collective_timeout_s + 2 * self.env.heartbeat_timeout_s + 10
-
     def _await_regroup(self, after: int | None = None) -> None:
         """Wait (bounded) for the controller to announce the survivors' new world:
         a generation above ``after`` (default: the one this rank is in)."""
         after = self.generation if after is None else after
-        deadline = time.monotonic() + 2 * self.env.heartbeat_timeout_s + 10
+        deadline = time.monotonic() + self.deadlines.regroup_wait_s
         while not self._announced_after(after):
             if self.link.must_stop or self.terminated:
                 raise Stop

@@ -34,8 +34,10 @@ from torch.utils.data import TensorDataset
 from .. import __version__, curve, scalars
 from ..checkpoint import CheckpointError, load_model, load_optimizer
 from ..config import AverageBackend, DdpRunConfig
-from ..env import RankEnv, paced_step, simulated_base_ms, simulated_slowdown, vram_pool_disabled
+from ..deadlines import Deadlines
+from ..env import RankEnv, nccl_errors_raise, omp_threads_set, paced_step, simulated_base_ms, simulated_slowdown, vram_pool_disabled
 from ..faults import FaultPlan
+from ..metrics import epoch_rows
 from ..monitor.resources import ResourceSampler
 from ..errors import (
     EXIT_CONFIG,
@@ -102,6 +104,7 @@ class RankRunner(Regrouping, Evaluating):
 
     def __init__(self, env: RankEnv) -> None:
         self.env = env
+        self.deadlines = Deadlines(heartbeat_s=env.heartbeat_timeout_s)  # the rest comes with the welcome
         self.rank = env.rank
         self.device = torch.device(env.device)
         self.link = ControllerLink(
@@ -109,7 +112,7 @@ class RankRunner(Regrouping, Evaluating):
             secret=env.secret,
             run_id=env.run_id,
             sender=f"rank{env.rank}.{os.getpid()}",
-            silence_timeout_s=env.heartbeat_timeout_s,
+            silence_timeout_s=self.deadlines.heartbeat_s,
             parent_pid=env.parent_pid,
         )
         self.terminated = False
@@ -278,7 +281,7 @@ class RankRunner(Regrouping, Evaluating):
         log.error("rank %d failed during %s: %s", self.rank, stage, exc)
         self.link.send(m.RankError(rank=self.rank, stage=stage, error=f"{type(exc).__name__}: {exc}"[:2000], detail=detail, generation=self.generation))
         try:
-            self._await(m.Shutdown, timeout_s=self.env.heartbeat_timeout_s)
+            self._await(m.Shutdown, timeout_s=self.deadlines.verdict_wait_s)
         except (DeadlineExceeded, PeerLost, Stop):
             pass
         if self.link.shutdown is not None:
@@ -329,13 +332,13 @@ class RankRunner(Regrouping, Evaluating):
             torch.cuda.set_device(self.device)
             # a collective NCCL gives up on must raise in this rank, not kill it: the
             # survivors of a dead peer rebuild their group and go on (2 = clean up only)
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+            nccl_errors_raise()
         try:  # a spec that names nothing, or a task whose dataset is unusable (empty): the user's, exit 2
             task = self.task = load_task(self.env.task)
             dataset = task.build_dataset()
         except TaskError as exc:
             raise UserError("task spec", exc) from exc
-        if not os.environ.get("OMP_NUM_THREADS"):
+        if not omp_threads_set():
             torch.set_num_threads(cpu_threads(os.cpu_count() or 1, self.env.local_world, staged=not isinstance(dataset, TensorDataset),
                                               accelerator=self.device.type != "cpu"))
         self.model = task.model().to(self.device)
@@ -359,6 +362,8 @@ class RankRunner(Regrouping, Evaluating):
         self.welcome = welcome
         self.generation = welcome.generation
         config = self.config = DdpRunConfig.from_dict(welcome.config)  # validated, typed: the controller's options
+        self.deadlines = Deadlines(heartbeat_s=self.env.heartbeat_timeout_s, collective_s=welcome.collective_timeout_s,
+                                   snapshot_s=float(config.snapshot_timeout_secs))
         if config.checkpoint_every and self.task.checkpoint_fn is None and not config.save_path:
             raise UserError("config", TaskError("checkpoint_every is set, but the task has no checkpoint_fn and there is no save_path: nothing would be saved"))
         if config.resume_from and not welcome.late:
@@ -369,18 +374,18 @@ class RankRunner(Regrouping, Evaluating):
         if flat is not None and config.elche.mode.backend is AverageBackend.CPU:
             # snapshots go to this host's relay when the worker runs one, else to the controller
             addr, probe, nonce = f"tcp://{welcome.store_host}:{welcome.bulk_port}", welcome.shm_probe, welcome.shm_nonce
-            if self.env.bulk_relay:
-                addr, probe, nonce = (self.env.bulk_relay.split(" ") + ["", ""])[:3]
+            if self.env.relay_addr:
+                addr, probe, nonce = (self.env.relay_addr.split(" ") + ["", ""])[:3]
             bulk = BulkLink(
                 addr, rank=self.rank,
                 secret=self.env.secret, run_id=self.env.run_id, sender=f"{self.link.sender}/bulk",
-                send_timeout_s=max(welcome.collective_timeout_s, 2.0 * config.snapshot_timeout_secs),
+                send_timeout_s=self.deadlines.snapshot_wait_s,
                 shm_probe=probe, shm_nonce=nonce,
             )
             self.closing.callback(bulk.close)
             self.averager = CpuAverager(
                 flat, bulk, rank=self.rank, alpha=config.elche.easgd_alpha or 1.0,
-                timeout_s=max(welcome.collective_timeout_s, 2.0 * config.snapshot_timeout_secs),
+                timeout_s=self.deadlines.snapshot_wait_s,
                 must_stop=lambda: self.link.must_stop or self.terminated, adopting=welcome.late,
             )
             self.closing.callback(self.averager.close)  # its shared-memory segment's name
@@ -413,8 +418,8 @@ class RankRunner(Regrouping, Evaluating):
         try:
             return build_group(
                 store_host=welcome.store_host, store_port=welcome.store_port, prefix=welcome.store_prefix,
-                rank=self.rank, world_size=welcome.world_size, device=self.device, timeout_s=welcome.collective_timeout_s,
-                gather_s=self._gather_s(),
+                rank=self.rank, world_size=welcome.world_size, device=self.device, timeout_s=self.deadlines.collective_s,
+                gather_s=self.deadlines.group_gather_s,
                 give_up=lambda: self.link.must_stop or self.terminated or self._announced_after(welcome.generation),
             )
         except Superseded:
@@ -503,7 +508,7 @@ class RankRunner(Regrouping, Evaluating):
                 compute_ms=stats.compute_ms, data_ms=stats.data_ms, sync_ms=stats.sync_ms,
                 divergence=last.divergence if last else None, pre_norm=last.pre_norm if last else None,
                 post_norm=last.post_norm if last else None, lr=self.lr.current,
-                epochs=[[float(e), *row] for e, row in sorted(stats.per_epoch.items())], scalars=scalars.drain(),
+                epochs=epoch_rows(stats.per_epoch), scalars=scalars.drain(),
                 regrouped_at=stats.regrouped_at, res=self.resources.summary(), data=self._data_stats(),
             )
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..metrics import EpochCounters
 from .flat import Averaged
 
 
@@ -24,7 +25,7 @@ class RoundStats:
     wall_ms: float = 0.0
     last_average: Averaged | None = None
     regrouped_at: int = -1  # the averaging round redone in a new generation, if any
-    per_epoch: dict[int, list[float]] = field(default_factory=dict)  # epoch -> [batches, samples, loss, compute, data]
+    per_epoch: dict[int, EpochCounters] = field(default_factory=dict)
 
     def add(self, epoch: int, samples: int, loss: float, compute_ms: float, data_ms: float) -> None:
         self.batches += 1
@@ -32,18 +33,13 @@ class RoundStats:
         self.loss_sum += loss
         self.compute_ms += compute_ms
         self.data_ms += data_ms
-        row = self.per_epoch.setdefault(epoch, [0.0, 0.0, 0.0, 0.0, 0.0])
-        row[0] += 1
-        row[1] += samples
-        row[2] += loss
-        row[3] += compute_ms
-        row[4] += data_ms
+        self.per_epoch.setdefault(epoch, EpochCounters()).add_batch(samples, loss, compute_ms, data_ms)
 
     def retime(self, epoch: int, old_ms: float, new_ms: float) -> None:
         """Count a step already added as taking ``new_ms`` of compute instead of ``old_ms``."""
         self.compute_ms += new_ms - old_ms
         if epoch in self.per_epoch:
-            self.per_epoch[epoch][3] += new_ms - old_ms
+            self.per_epoch[epoch].compute_ms += new_ms - old_ms
 
     def averaged(self, result: Averaged) -> None:
         """A round's average is done (or launched): its time counts as sync time."""
