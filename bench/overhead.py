@@ -24,10 +24,12 @@ both), and the ratio is taken per pair; the table gives the median over the pair
 ~5 ms case only (the hardest for the goal), under two minutes.
 
 Goal (issues 2, 22): ≥ 97% of plain throughput at a step of 4 ms or more on
-a CPU, repeatably (median of ≥ 5); on a GPU (``--device cuda``, issue 9)
-≥ 98%. On the GPU both sides take each batch from host memory to the device
-every step (flodl's VRAM pool may keep them on the device after the first
-epoch: that is its data plane at work).
+a CPU, repeatably (median of ≥ 5). On a GPU (``--device cuda``, issue 17) the
+cases are ~1, 2, 5 and 20 ms steps (``--quick``: 1 and 5, 3 pairs): ≥ 97% at
+1 ms, ≥ 99% from 5 ms, against the loop a good engineer writes for a GPU: the
+data resident on the device, no host sync per step, the loss read every 100
+steps (the loop reading it every step is reported too). flodl keeps a tensor
+dataset that fits in the VRAM budget on the device as well (``vram_pool``).
 
 ``--smoke`` runs one small pair without sizing (seconds) and writes its JSON
 under ``$FLODL_BENCH_RESULTS`` or a temporary folder, never ``bench/results``.
@@ -61,11 +63,16 @@ MIN_STEP_MS = 4.0
 DEVICE = "cpu"
 
 
-def plain_loop(epochs: int, *, steady: bool = False) -> tuple[float, float]:
-    """(samples/s, mean step ms) of the plain loop over all its epochs (``steady``: after its first)."""
+def plain_loop(epochs: int, *, steady: bool = False, sync_every_step: bool = False) -> tuple[float, float]:
+    """(samples/s, mean step ms) of the plain loop over all its epochs (``steady``: after its first).
+
+    On a GPU it is the loop a good engineer writes: the data sits on the device, the
+    shuffle goes up once per epoch, and the loss is read back every ``loss_every()``
+    steps, so the host launches ahead of the kernels (``sync_every_step``: every step,
+    the variant that waits for the device each time)."""
     task = mlp.task()
     ds = task.dataset
-    x_all, y_all = ds.tensors
+    x_all, y_all = (t.to(DEVICE) for t in ds.tensors)
     model = task.model().to(DEVICE)
     opt = task.optimizer(model)
     n, bs = len(ds), task.batch_size
@@ -77,15 +84,15 @@ def plain_loop(epochs: int, *, steady: bool = False) -> tuple[float, float]:
     for epoch in range(epochs):
         if steady and epoch == 1:  # sizing: warm-up (first kernels, allocator) is not the step's cost
             steps, start = 0, time.perf_counter()
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(42 + epoch))
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(42 + epoch)).to(DEVICE)
         for i in range(0, n, bs):
             idx = perm[i : i + bs]
-            loss = task.loss_fn(model(x_all[idx].to(DEVICE)), y_all[idx].to(DEVICE))
+            loss = task.loss_fn(model(x_all[idx]), y_all[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             steps += 1
-            if steps % LOSS_EVERY == 0:
+            if sync_every_step or steps % loss_every() == 0:
                 losses.append(loss.item())
     losses.append(loss.item())  # the last one, as a training script prints it (and the device is done)
     wall = time.perf_counter() - start
@@ -93,13 +100,20 @@ def plain_loop(epochs: int, *, steady: bool = False) -> tuple[float, float]:
     return n * counted / wall, wall / steps * 1000
 
 
-def plain_run(epochs: int) -> float:
+def loss_every() -> int:
+    """How often the plain loop reads its loss: a log line's worth of steps (more on a GPU, whose steps are short)."""
+    return 100 if DEVICE == "cuda" else LOSS_EVERY
+
+
+def plain_run(epochs: int, *, sync_every_step: bool = False) -> float:
     """Samples/s of the plain loop in a fresh process, as flodl's rank is one: on this kind of VM the
     same loop runs up to ±9% apart from one process to the next (placement, memory layout), so a
     plain rate taken once in the long-lived bench process would bias every pair the same way."""
     code = ("import sys, json; sys.path.insert(0, sys.argv[1]); import torch; torch.set_num_threads(1); "
-            "import bench.overhead as o; o.DEVICE = sys.argv[3]; print(json.dumps(o.plain_loop(int(sys.argv[2]))[0]))")
-    out = subprocess.run([sys.executable, "-c", code, str(ROOT), str(epochs), DEVICE], capture_output=True, text=True, check=True)
+            "import bench.overhead as o; o.DEVICE = sys.argv[3]; "
+            "print(json.dumps(o.plain_loop(int(sys.argv[2]), sync_every_step=sys.argv[4] == '1')[0]))")
+    out = subprocess.run([sys.executable, "-c", code, str(ROOT), str(epochs), DEVICE, "1" if sync_every_step else "0"],
+                         capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -119,7 +133,7 @@ def step_width(target_ms: float) -> tuple[int, float]:
     plain_loop(1)  # warm-up (CUDA context, kernels, allocator): else the first width looks slow and wins
     widths = (256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048, 2560, 3072)
     if DEVICE == "cuda":
-        widths = (1024, 2048, 4096, 6144, 8192, 10240, 12288, 16384, 20480, 24576)
+        widths = (256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 10240, 12288, 16384, 20480, 24576)
     for w in widths:
         os.environ["FLODL_BENCH_WIDTH"] = str(w)
         _, ms = plain_loop(2, steady=True)  # the second epoch's steps
@@ -140,6 +154,9 @@ def main(argv: list[str] | None = None) -> Path:
     torch.set_num_threads(1)
     if args.smoke:
         cases, reps, samples, epochs = (("smoke", None),), 1, 1024, 1
+    elif DEVICE == "cuda":  # issue 17: 1 to 20 ms steps, where a GPU loop's host work shows
+        targets = (1.0, 5.0) if args.quick else (1.0, 2.0, 5.0, 20.0)
+        cases, reps, samples, epochs = tuple((f"~{t:g} ms step", t) for t in targets), 3 if args.quick else 5, 65536, 3
     elif args.quick:
         cases, reps, samples, epochs = (("~5 ms step", 5.0),), 7, 12288, 2
     else:
@@ -151,7 +168,7 @@ def main(argv: list[str] | None = None) -> Path:
         width, step_ms = step_width(target) if target else (256, 0.0)
         os.environ["FLODL_BENCH_WIDTH"] = str(width)
         os.environ["FLODL_BENCH_SAMPLES"] = str(samples)
-        plain, flo, ratios = [], [], []
+        plain, flo, ratios, synced = [], [], [], []
         for i in range(reps):  # pairs back to back (who goes first alternates), so drift in the machine hits both sides
             if i % 2:
                 f = flodl_run(epochs)
@@ -162,25 +179,33 @@ def main(argv: list[str] | None = None) -> Path:
             plain.append(rate)
             flo.append(f)
             ratios.append(f / rate)
+            if DEVICE == "cuda":  # the loop that reads its loss every step, for reference
+                synced.append(plain_run(epochs, sync_every_step=True))
             loads.append(os.getloadavg()[0])
             print(f"{label} pair {i + 1}/{reps}: plain {rate:,.0f}, flodl {f:,.0f} samples/s, {f / rate:.1%} (load {loads[-1]:.2f})")
         ratio = statistics.median(ratios)
         case = f"{label} (width {width}, {step_ms:.1f} ms)"
         rows.append(Row(case, "plain samples/s", statistics.median(plain), "samples/s"))
         rows.append(Row(case, "flodl samples/s", statistics.median(flo), "samples/s"))
-        goal = 0.98 if DEVICE == "cuda" else 0.97
+        if synced:
+            rows.append(Row(case, "plain, loss read every step / plain", statistics.median(synced) / statistics.median(plain) * 100, "%"))
         if args.smoke:  # a step far under 4 ms and one pair: the path ran, nothing is measured
             rows.append(Row(case, f"flodl / plain (median of {reps})", ratio * 100, "%"))
+        elif DEVICE == "cuda":
+            goal = 0.97 if target < 5.0 else 0.99
+            met = ratio >= goal and reps >= 3
+            rows.append(Row(case, f"flodl / plain (median of {reps})", ratio * 100, "%", f"≥ {goal:.0%} (median of ≥ 3)", met))
         else:
+            goal = 0.97
             met = ratio >= goal and reps >= 5 and step_ms >= MIN_STEP_MS
             rows.append(Row(case, f"flodl / plain (median of {reps})", ratio * 100, "%", f"≥ {goal:.0%} (median of ≥ 5, ≥ 4 ms)", met))
         rows.append(Row(case, "flodl / plain (lowest pair)", min(ratios) * 100, "%"))
         rows.append(Row(case, "flodl / plain (highest pair)", max(ratios) * 100, "%"))
     note = (f"{reps} plain/flodl pairs per case, {samples} samples x {epochs} epoch(s), whole training timed on both sides; "
-            f"plain reads its loss every {LOSS_EVERY} steps; load average {min(loads):.2f}-{max(loads):.2f} during the run")
+            f"plain reads its loss every {loss_every()} steps; load average {min(loads):.2f}-{max(loads):.2f} during the run")
     name = "overhead_gpu" if DEVICE == "cuda" else "overhead"
     if DEVICE == "cuda":
-        note += "; 1 CUDA rank vs a plain loop on the same GPU"
+        note += "; 1 CUDA rank vs a plain loop on the same GPU, the data on the device for both"
     else:
         note += "; 1 CPU rank, 1 intra-op thread on both sides (OMP_NUM_THREADS=1)"
     return report(name, rows, note=note, results=smoke_results() if args.smoke else None)

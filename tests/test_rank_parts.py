@@ -374,10 +374,11 @@ def test_step_clips_gradients_to_max_grad_norm(tmp_path):
         x = torch.randn(16, 8) * 100  # huge inputs, huge gradients
         y = torch.randint(0, 2, (16,))
         runner.max_grad_norm = None
-        runner._step((x, y))
+        runner._step((x, y), epoch=0, samples=16, data_ms=0.0)
         raw = torch.norm(torch.stack([p.grad.norm() for p in runner.model.parameters()]))
         runner.max_grad_norm = 0.5
-        loss, ms = runner._step((x, y))
+        [record] = runner._step((x, y), epoch=0, samples=16, data_ms=0.0)
+        ms = record.compute_ms
         clipped = torch.norm(torch.stack([p.grad.norm() for p in runner.model.parameters()]))
         assert raw > 1.0 and clipped == pytest.approx(0.5, rel=1e-4)
         assert ms > 0 and runner.step_count == 2
@@ -405,8 +406,8 @@ def test_a_simulated_slow_rank_is_paced_to_factor_times_base(tmp_path, monkeypat
         runner.model = runner.task.model()
         runner.optimizer = torch.optim.SGD(runner.model.parameters(), lr=0.01)
         batch = (torch.randn(16, 8), torch.randint(0, 2, (16,)))
-        runner._step(batch)  # set-up and warm-up: not paced
-        paced = [runner._step(batch)[1] for _ in range(3)]
+        runner._step(batch, epoch=0, samples=len(batch[0]), data_ms=0.0)  # set-up and warm-up: not paced
+        paced = [runner._step(batch, epoch=0, samples=len(batch[0]), data_ms=0.0)[0].compute_ms for _ in range(3)]
         # each later step takes 4 x 5 ms, the sleep included, and reports the time it really took
         assert all(20.0 <= ms < 60.0 for ms in paced), paced
     finally:

@@ -67,6 +67,7 @@ class BatchSource:
         self._readers: ThreadPoolExecutor | None = None  # parallel dataset reads (staged path), made on first use
         self._tensors = dataset.tensors if isinstance(dataset, TensorDataset) and collate_fn is None else None
         self._perms: dict[int, torch.Tensor] = {}
+        self._device_perms: dict[int, torch.Tensor] = {}  # the same shuffles as dataset indices on the device (place_on)
 
     def stage(self, tiers: Any) -> None:
         """Fetch samples through ``tiers`` (``staging.TieredSamples``) instead of straight from the dataset."""
@@ -77,6 +78,19 @@ class BatchSource:
         its device, so every batch is collated there."""
         self.tiers.add_vram(pool)
         self.device = pool.device
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of an in-memory dataset's tensors (0 for any other dataset)."""
+        return sum(t.numel() * t.element_size() for t in self._tensors) if self._tensors is not None else 0
+
+    def place_on(self, device: torch.device) -> None:
+        """Keep an in-memory dataset on ``device``: a batch is then a gather there, with no
+        host round trip (each pass's shuffle goes up once: ``_device_shuffle``)."""
+        if self._tensors is None:
+            return
+        self._tensors = tuple(t.to(device) for t in self._tensors)
+        self.device = device
 
     @property
     def in_memory(self) -> bool:
@@ -95,7 +109,7 @@ class BatchSource:
         is one epoch's, so per-epoch metrics stay exact); a batch cut short by
         an epoch edge is simply smaller.
         """
-        pending: list[torch.Tensor] = []
+        pending: list[tuple[torch.Tensor, int]] = []  # pieces of the next batch, with their place in the pass's shuffle
         have = 0
         epoch_of = pass_of = None
         for epoch, start, size in grants:
@@ -103,24 +117,43 @@ class BatchSource:
                 yield (epoch_of, *self._emit(pass_of, pending))
                 pending, have = [], 0
             epoch_of = epoch
-            pass_of, picks = self._picks(epoch, start, size)
+            pass_of, picks, at = self._picks(epoch, start, size)
             while len(picks):
-                take = self.batch_size - have
-                pending.append(picks[:take])
-                have += len(picks[:take])
-                picks = picks[take:]
+                piece = picks[: self.batch_size - have]
+                pending.append((piece, at))
+                have += len(piece)
+                at += len(piece)
+                picks = picks[len(piece) :]
                 if have == self.batch_size:
                     yield (epoch, *self._emit(pass_of, pending))
                     pending, have = [], 0
         if pending:
             yield (epoch_of, *self._emit(pass_of, pending))
 
-    def _emit(self, pass_index: int, pieces: list[torch.Tensor]) -> tuple[torch.Tensor, Any]:
-        picks = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        batch = self.fetch(picks % self.length)
+    def _emit(self, pass_index: int, pieces: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, Any]:
+        picks = pieces[0][0] if len(pieces) == 1 else torch.cat([piece for piece, _ in pieces])
+        if self.device is not None and self._tensors is not None:
+            # device-resident (place_on): the pass's shuffle is on the device too, so a batch's
+            # indices are a slice of it (a view) and the batch one gather per tensor, as a
+            # hand-written GPU loop does it: no host-to-device copy per step
+            shuffle = self._device_shuffle(pass_index)
+            spans = [shuffle[at : at + len(piece)] for piece, at in pieces]
+            idx = spans[0] if len(spans) == 1 else torch.cat(spans)
+            batch = tuple(t[idx] for t in self._tensors)
+        else:
+            batch = self.fetch(picks % self.length)
         if self.transform is not None:
             batch = self._transformed(batch, self.schedule.keys(pass_index, picks))
         return picks, batch
+
+    def _device_shuffle(self, pass_index: int) -> torch.Tensor:
+        """The pass's shuffle as dataset indices on the device (uploaded once per pass)."""
+        shuffle = self._device_perms.get(pass_index)
+        if shuffle is None:
+            if len(self._device_perms) >= 2:  # windows straddle at most two passes
+                self._device_perms.pop(next(iter(self._device_perms)))
+            shuffle = self._device_perms[pass_index] = (self._perms[pass_index] % self.length).to(self.device)
+        return shuffle
 
     def _transformed(self, batch: Any, keys: list[PickKey]) -> Any:
         try:
@@ -128,8 +161,9 @@ class BatchSource:
         except Exception as exc:
             raise TaskError(f"the transform raised {type(exc).__name__}: {exc} (picks of samples {[k.sample for k in keys][:8]}...)") from exc
 
-    def _picks(self, epoch: int, start: int, size: int) -> tuple[int, torch.Tensor]:
-        """``(pass_index, picks)`` of a grant; the pass's shuffle is cached (windows revisit it)."""
+    def _picks(self, epoch: int, start: int, size: int) -> tuple[int, torch.Tensor, int]:
+        """``(pass_index, picks, at)`` of a grant, ``at`` its first pick's place in the pass's
+        shuffle; the shuffle is cached (windows revisit it)."""
         pass_index, epoch_start, length = self.schedule.bounds(epoch)
         if start < 0 or size < 0 or start + size > length:
             raise ValueError(f"grant [{start}, {start + size}) outside epoch {epoch} of {length} picks")
@@ -138,7 +172,7 @@ class BatchSource:
             if len(self._perms) >= 2:  # windows straddle at most two passes
                 self._perms.pop(next(iter(self._perms)))
             perm = self._perms[pass_index] = epoch_permutation(self.schedule.pass_len, self.seed, pass_index)
-        return pass_index, perm[epoch_start + start : epoch_start + start + size]
+        return pass_index, perm[epoch_start + start : epoch_start + start + size], epoch_start + start
 
     def fetch(self, idx: torch.Tensor) -> Any:
         """Collate the samples at dataset indices ``idx``.
@@ -147,6 +181,8 @@ class BatchSource:
             TaskError: the dataset raised on a sample; the message names its index.
         """
         if self._tensors is not None:
+            if self.device is not None:  # device-resident (place_on): gather there
+                idx = idx.to(self.device, non_blocking=True)  # a no-op for indices already there (_emit)
             return tuple(t[idx] for t in self._tensors)
         ids = idx.tolist()
         if self.tiers is not None:

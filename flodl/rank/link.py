@@ -141,10 +141,13 @@ class ControllerLink:
         self.busy_since = time.perf_counter()
         self.busy = busy
 
-    def progressed(self, now: float, step_ms: float = 0.0, *, step: int) -> None:
-        """The training thread finished its step number ``step`` at ``now`` (perf_counter); plain stores, no lock."""
+    def progressed(self, now: float, step_ms: float | None = 0.0, *, step: int) -> None:
+        """The training thread finished its step number ``step`` at ``now`` (perf_counter); plain stores, no lock.
+        ``step_ms`` None: no step's time is known yet (a GPU rank's are learnt a few steps late)."""
         self.step = step
         self.busy_since = now
+        if step_ms is None:
+            return
         if step_ms > self.step_ms:
             self.step_ms = step_ms
         else:  # decay, so one slow outlier does not stretch the deadline for ever

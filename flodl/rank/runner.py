@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-import math
 import os
 import platform
 import signal
@@ -62,6 +61,7 @@ from ..transport import host_name
 from .collective import CollectiveAverager, Superseded, build_group
 from .cpu_average import BulkLink, CpuAverager
 from .flat import FlatModel, model_digest
+from .step_meter import StepMeter, StepRecord
 from .saving import checkpoint, emergency_save
 from .data import BatchSource, to_device
 from .evaluation import Evaluating
@@ -141,6 +141,8 @@ class RankRunner(Regrouping, Evaluating):
         self.handle = WorkerHandle(self)
         self.slowdown = simulated_slowdown(env.rank)  # SIMULATION only (benchmarks, tests): 1.0 on real hardware
         self.slow_base_ms = simulated_base_ms(env.rank) if self.slowdown > 1.0 else None
+        # a simulated slowdown paces every step, so each is measured on its own, even on a GPU
+        self.meter = StepMeter(self.device, per_step=True if self.slowdown > 1.0 else None)
         self.norm_layers: list = []  # BatchNorm layers to re-estimate before an eval (none until set up)
         self.norms_stale = False  # an average changed the model since they were last re-estimated
         self.faults = FaultPlan.from_env(env.rank)  # tests and benchmarks only (FLODL_INJECT_FAULT)
@@ -472,12 +474,18 @@ class RankRunner(Regrouping, Evaluating):
         return TieredSamples(dataset.__getitem__, vram=None, ram=ram, disk=disk)
 
     def _open_vram_pool(self) -> None:
-        """After the first step: keep samples in the VRAM left under ``vram_max_usage``."""
+        """After the first step: keep samples in the VRAM left under ``vram_max_usage`` (a tensor
+        dataset that fits goes there whole: batches are then gathered on the device)."""
         tiers, config = self.source.tiers if self.source is not None else None, self.config
-        if tiers is None or self.device.type != "cuda" or not config.vram_pool:
+        in_memory = self.source is not None and self.source.in_memory
+        if (tiers is None and not in_memory) or self.device.type != "cuda" or not config.vram_pool:
             return
         budget = vram_budget(self.device, max_usage=config.vram_max_usage, gpu_ram_share=config.gpu_ram_share,
                              kill_switch=vram_pool_disabled())
+        if in_memory:
+            if 0 < self.source.resident_bytes <= budget:  # a tensor dataset that fits: all of it on the device
+                self.source.place_on(self.device)
+            return
         if budget > 0:
             self.source.pool_in_vram(VramPool(self.device, budget))
 
@@ -569,7 +577,7 @@ class RankRunner(Regrouping, Evaluating):
                     exhausted = True  # a joiner without the consensus yet trains nothing (its grants go back)
                     break
                 if (
-                    (quota_batches and stats.batches >= quota_batches)
+                    (quota_batches and stats.batches + self.meter.pending >= quota_batches)
                     # the quota clock is the window's wall time less its averages: a fast rank's
                     # per-step work outside compute and data (hundreds of steps' worth) must not
                     # make it arrive late at the average its slow partner is already waiting in
@@ -592,18 +600,10 @@ class RankRunner(Regrouping, Evaluating):
                     self._evals_now()
                 self._maybe_regroup()  # a peer died: join the survivors' new group now
                 self._enter_epoch(epoch)
-                loss, compute_ms = self._step(batch)
+                records = self._step(batch, epoch=epoch, samples=len(idx), data_ms=data_ms)
                 stepped += 1
-                stats.add(epoch, len(idx), loss, compute_ms, data_ms)
-                if last is not None and last.step == 1 and self.step_count == 2:
-                    # the process's first step carries lazy CUDA/cuDNN set-up, kernel autotuning and
-                    # allocator warm-up (hundreds of ms on a GPU): no device's pace. Timed as the step
-                    # after it, ElChe and the dispatcher learn the real speed from the first window.
-                    stats.retime(last.epoch, last.batch_ms, compute_ms)
-                    last = dataclasses.replace(last, batch_ms=compute_ms)
-                if last is not None:
-                    self.link.send_lazy(last)
-                last = m.BatchDone(self.rank, epoch, self.step_count, len(idx), loss, compute_ms, data_ms, 0.0)
+                last = self._report(records, stats, last)
+            last = self._report(self.meter.drain(), stats, last)  # the device catches up: a window's end may wait
             # a window's end average (Cadence, Async) runs in the background on either backend:
             # a rank never waits at it for a slower peer; Sync's per-batch rounds block
             block = bool(sync_every)
@@ -644,9 +644,26 @@ class RankRunner(Regrouping, Evaluating):
                 raise UserError("epoch_fn", exc) from exc
             self.link.doing("step")
 
-    def _step(self, batch: Any) -> tuple[float, float]:
-        """One optimizer step; returns (loss, compute ms)."""
-        t0 = time.perf_counter()
+    def _report(self, records: list[StepRecord], stats: "RoundStats", last: m.BatchDone | None) -> m.BatchDone | None:
+        """Count steps whose records are known, and queue their reports (each one a step late:
+        the round's last report carries the average's time, set by the caller)."""
+        for rec in records:
+            stats.add(rec.epoch, rec.samples, rec.loss, rec.compute_ms, rec.data_ms)
+            if last is not None and last.step == 1 and rec.step == 2:
+                # the process's first step carries lazy CUDA/cuDNN set-up, kernel autotuning and
+                # allocator warm-up (hundreds of ms on a GPU): no device's pace. Timed as the step
+                # after it, ElChe and the dispatcher learn the real speed from the first window.
+                stats.retime(last.epoch, last.batch_ms, rec.compute_ms)
+                last = dataclasses.replace(last, batch_ms=rec.compute_ms)
+            if last is not None:
+                self.link.send_lazy(last)
+            last = m.BatchDone(self.rank, rec.epoch, rec.step, rec.samples, rec.loss, rec.compute_ms, rec.data_ms, 0.0)
+        return last
+
+    def _step(self, batch: Any, *, epoch: int, samples: int, data_ms: float) -> list[StepRecord]:
+        """One optimizer step; returns the step records now known (step_meter.py: on a GPU,
+        earlier steps', once the device has run them; nothing here waits for it)."""
+        t0 = self.meter.begin()
         model, task = self.model, self.task
         if self.lr is not None:
             self.lr.apply(self.global_step)
@@ -664,24 +681,27 @@ class RankRunner(Regrouping, Evaluating):
         if self.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm)
         self.optimizer.step()
-        value = float(loss.detach())  # also waits for the device, so the timing is honest
-        if not math.isfinite(value):  # free: the value is on the host already
-            raise NonFiniteLoss(value, self.current_epoch, self.step_count + 1)
-        compute_ms = (time.perf_counter() - t0) * 1000.0
-        if self.slowdown > 1.0 and self.step_count > 0:  # SIMULATION (FLODL_SIMULATE_SLOWDOWN): a slower device
+        self.step_count += 1
+        records = self.meter.measured(t0, loss, epoch=epoch, step=self.step_count, samples=samples, data_ms=data_ms,
+                                      close=self.step_count == 1)  # the warm-up step is timed alone
+        if self.slowdown > 1.0 and self.step_count > 1:  # SIMULATION (FLODL_SIMULATE_SLOWDOWN): a slower device
             # (from the second step: the first is set-up and warm-up, no device's pace), paced to
-            # slowdown x FLODL_SIMULATE_BASE_MS; reported as the time the step really took, sleep included
-            pause_ms, _ = paced_step(compute_ms, self.slowdown, self.slow_base_ms)
+            # slowdown x FLODL_SIMULATE_BASE_MS; reported as the time the step really took, sleep
+            # included (the meter measures each step on its own when simulating)
+            pause_ms, _ = paced_step(records[-1].compute_ms, self.slowdown, self.slow_base_ms)
             if pause_ms > 0.0:
                 time.sleep(pause_ms / 1000.0)
-                compute_ms = (time.perf_counter() - t0) * 1000.0
-        self.step_count += 1
+                records[-1] = dataclasses.replace(records[-1], compute_ms=(time.perf_counter() - t0) * 1000.0)
         if self.step_count == 1:
             self._open_vram_pool()
         self.global_step += 1
-        # progress for the controller's liveness; the first step (warm-up) sets no deadline
-        self.link.progressed(time.perf_counter(), compute_ms if self.step_count > 1 else 0.0, step=self.step_count)
-        return value, compute_ms
+        # progress for the controller's liveness; the first step (warm-up) sets no pace
+        now = time.perf_counter()
+        for rec in records:
+            self.link.progressed(now, rec.compute_ms if rec.step > 1 else 0.0, step=self.step_count)
+        if not records:
+            self.link.progressed(now, None, step=self.step_count)
+        return records
 
 #: Intra-op threads of a GPU rank: its CPU work is batch gathers and small host ops.
 ACCELERATOR_THREADS = 4
