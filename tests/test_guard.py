@@ -10,8 +10,8 @@ import math
 import pytest
 
 from flodl.config import ElCheConfig
-from flodl.elche import ElChe, Phase
-from flodl.guard import (
+from flodl.plan.elche import ElChe, Phase
+from flodl.plan.guard import (
     MetaController,
     NoGuard,
     TrendGuard,

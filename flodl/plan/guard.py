@@ -22,11 +22,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .config import ApplyPolicy
+from ..config import ApplyPolicy
 from .elche import Phase
 
 if TYPE_CHECKING:
-    from .config import ElCheConfig
+    from ..config import ElCheConfig
 
 STABLE = "stable"
 SUPPRESS_GROWTH = "suppress_growth"

@@ -24,10 +24,10 @@ from collections.abc import Mapping, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from .config import ApplyPolicy
+from ..config import ApplyPolicy
 
 if TYPE_CHECKING:
-    from .config import ElCheConfig
+    from ..config import ElCheConfig
     from .guard import Verdict
 
 #: Overhead targets outside this band are clamped (the reference setter's range).
