@@ -18,7 +18,8 @@ from .dispatch import FLOW_MAX_EPOCHS, Dispatcher, WindowPlan
 from .pool import EpochPool
 from .schedule import Schedule
 from .elche import ElChe
-from .guard import MetaController, Verdict, make_guard, max_relative_delta
+from .guard import MetaController, make_guard, max_relative_delta
+from .signals import Verdict
 from .metrics import EpochCounters, EpochReport, EpochStats, aggregate
 from ..wire import messages as m
 
