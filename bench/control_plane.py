@@ -51,12 +51,12 @@ from flodl import __version__  # noqa: E402
 from flodl.config import DdpRunConfig  # noqa: E402
 from flodl.controller import Controller, ControllerHooks, LaunchOptions, run_loop  # noqa: E402
 from flodl.controller.console import Console  # noqa: E402
-from flodl.metrics import EpochCounters, epoch_rows  # noqa: E402
-from flodl.protocol import messages as m  # noqa: E402
-from flodl.protocol.codec import FrameReader, FrameWriter  # noqa: E402
-from flodl.protocol.messages import PROTOCOL_VERSION  # noqa: E402
-from flodl.sim import window_batches  # noqa: E402
-from flodl.transport import AsyncSocket, make_dealer, make_router  # noqa: E402
+from flodl.plan.metrics import EpochCounters, epoch_rows  # noqa: E402
+from flodl.wire import messages as m  # noqa: E402
+from flodl.wire.codec import FrameReader, FrameWriter  # noqa: E402
+from flodl.wire.messages import PROTOCOL_VERSION  # noqa: E402
+from flodl.testing.sim import window_batches  # noqa: E402
+from flodl.wire.transport import AsyncSocket, make_dealer, make_router  # noqa: E402
 
 SECRET = bytes.fromhex(os.environ.setdefault("FLODL_BENCH_SECRET", os.urandom(32).hex()))  # children inherit it
 RUN = "bench-run"

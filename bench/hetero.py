@@ -6,7 +6,7 @@ Two CPU ranks (one intra-op thread each) train the same task (the Gaussian
 mixture MLP of ``bench/tasks/mixture.py``) and sample budget; rank 1 is made
 1x, 2x or 4x slower with flodl's SIMULATED slowdown, *paced*
 (``FLODL_SIMULATE_SLOWDOWN=1:f`` with ``FLODL_SIMULATE_BASE_MS``: its step
-period is f x the base step time; ``flodl.env.paced_step``). Every run is the
+period is f x the base step time; ``flodl.config.env.paced_step``). Every run is the
 real command, ``python -m flodl.controller ... --summary-json``, timed around
 the subprocess.
 
@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import Row, report, size_parser, smoke_results  # noqa: E402
 from bench.matrix.report import measured_ratio, of_ideal, step_ms, train_wall  # noqa: E402
 from bench.matrix.suite import RunFailed, timed_run  # noqa: E402
-from flodl.env import SIMULATE_BASE_MS, SIMULATE_SLOWDOWN  # noqa: E402
+from flodl.config.env import SIMULATE_BASE_MS, SIMULATE_SLOWDOWN  # noqa: E402
 
 TASK = f"{ROOT / 'bench' / 'tasks' / 'mixture.py'}:task"
 MODES = ("nccl-sync", "nccl-cadence", "nccl-async")

@@ -5,7 +5,7 @@
 The real ``Controller`` (NcclCadence: the controller plans every window and
 decides when the ranks average; the ranks' collective is what the simulation
 leaves out) runs alone in one process on uvloop. A second process holds every
-simulated worker and rank of ``flodl.sim`` on one event loop, each rank with
+simulated worker and rank of ``flodl.testing.sim`` on one event loop, each rank with
 its own DEALER socket speaking the real protocol: hello, ready, one signed
 ``BatchDone`` per batch, a ``WindowDone`` per window, heartbeats, exits. The
 ranks have random speeds (a per-rank slowdown of 1-3x, and every batch drawn
@@ -99,7 +99,7 @@ def controller_main(case: dict, out: mp.Queue) -> None:
     from flodl.config import DdpRunConfig
     from flodl.controller import Controller, ControllerHooks, LaunchOptions, run_loop
     from flodl.controller.console import Console
-    from flodl.protocol import messages as m
+    from flodl.wire import messages as m
 
     timing = {"plan_s": [], "plans": 0, "settle_s": [], "turnaround_s": [], "membership_s": []}
     last_input: dict[int, float] = {}  # window -> when its last report (or a death while it flew) arrived
@@ -217,7 +217,7 @@ def _status_kib(field: str) -> int:
 
 def sim_main(case: dict, addr: str, out: mp.Queue) -> None:
     """Every simulated worker and rank of ``case`` on one uvloop; their record on ``out``."""
-    from flodl import sim
+    from flodl.testing import sim
     from flodl.controller import run_loop
 
     sim.allow_peers(case["ranks"] + len(case["late"]) + 2 * (case["ranks"] // RANKS_PER_WORKER + 8))

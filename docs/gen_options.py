@@ -1,6 +1,6 @@
 """Regenerate the option table in docs/options.md from the code.
 
-The table is built from ``flodl.options.option_table()`` and
+The table is built from ``flodl.config.options.option_table()`` and
 ``flodl.config.AVAILABLE_FIELDS`` / ``AVAILABLE_MODES`` and written between
 the two marker comments; everything outside the markers is hand-written and
 left alone. ``tests/test_config.py`` fails when the committed file differs
@@ -20,10 +20,10 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from flodl.config import AVAILABLE_FIELDS, AVAILABLE_MODES, ElCheMode  # noqa: E402
-from flodl.options import option_table  # noqa: E402
+from flodl.config.options import option_table  # noqa: E402
 
 DOC = ROOT / "docs" / "options.md"
-BEGIN = "<!-- BEGIN GENERATED OPTIONS TABLE: edit flodl/config.py, then run python docs/gen_options.py -->"
+BEGIN = "<!-- BEGIN GENERATED OPTIONS TABLE: edit flodl/config/run.py, then run python docs/gen_options.py -->"
 END = "<!-- END GENERATED OPTIONS TABLE -->"
 COLUMNS = ("Option", "CLI flag", "TOML key", "Type", "Default", "Meaning", "Status")
 

@@ -29,10 +29,10 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from .env import child_environ, credentials_env, new_run_id, new_run_secret
+from .config.env import child_environ, credentials_env, new_run_id, new_run_secret
 from .errors import EXIT_CONFIG, EXIT_LAUNCH_FAILED, ConfigError
-from .hostfile import DEFAULT_CONNECT_TIMEOUT_S, Host, check_ssh_option, labels, load_hostfile, parse_host_flag, ssh_argv, with_defaults
-from .proc import nap, pdeathsig_preexec
+from .host.hostfile import DEFAULT_CONNECT_TIMEOUT_S, Host, check_ssh_option, labels, load_hostfile, parse_host_flag, ssh_argv, with_defaults
+from .host.proc import nap, pdeathsig_preexec
 
 log = logging.getLogger("flodl.launcher")
 

@@ -35,17 +35,18 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from . import __version__, curve
-from .deadlines import Deadlines
-from .devices import choose_devices
-from .env import RankEnv, child_environ, parent_pid, parse_run_secret, read_run_credentials, request_encryption, strict
+from . import __version__
+from .wire import curve
+from .config.deadlines import Deadlines
+from .host.devices import choose_devices
+from .config.env import RankEnv, child_environ, parent_pid, parse_run_secret, read_run_credentials, request_encryption, strict
 from .errors import EXIT_CONFIG, EXIT_CONTROLLER_LOST, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, ConfigError
-from .proc import die_with_parent, nap, terminate_then_kill
-from .shm_sweep import sweep_stale
-from .protocol import messages as m
-from .protocol.codec import Envelope
-from .protocol.messages import PROTOCOL_VERSION
-from .transport import HANDLER_ERRORS, ControlEndpoint, host_name, make_dealer
+from .host.proc import die_with_parent, nap, terminate_then_kill
+from .wire.shm_sweep import sweep_stale
+from .wire import messages as m
+from .wire.codec import Envelope
+from .wire.messages import PROTOCOL_VERSION
+from .wire.transport import HANDLER_ERRORS, ControlEndpoint, host_name, make_dealer
 
 if TYPE_CHECKING:
     from .averaging.relay import HostRelay

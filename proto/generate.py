@@ -3,7 +3,7 @@
 ``proto/schema.json`` is the single source of truth for the control
 protocol. This script writes:
 
-* ``flodl/protocol/messages.py`` — one frozen dataclass per message plus the
+* ``flodl/wire/messages.py`` — one frozen dataclass per message plus the
   ``SCHEMA`` table the codec builds its validators from;
 * the message catalogue between the markers in ``proto/README.md``.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_PATH = ROOT / "proto" / "schema.json"
-MESSAGES_PATH = ROOT / "flodl" / "protocol" / "messages.py"
+MESSAGES_PATH = ROOT / "flodl" / "wire" / "messages.py"
 README_PATH = ROOT / "proto" / "README.md"
 BEGIN, END = "<!-- BEGIN GENERATED CATALOGUE -->", "<!-- END GENERATED CATALOGUE -->"
 
@@ -57,7 +57,7 @@ def load_schema() -> dict:
 
 
 def render_messages(schema: dict) -> str:
-    """Return the text of ``flodl/protocol/messages.py``."""
+    """Return the text of ``flodl/wire/messages.py``."""
     out = [
         '"""Wire messages of the flodl control protocol.',
         "",

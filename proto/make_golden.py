@@ -18,9 +18,9 @@ import msgpack
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flodl.protocol import messages as m  # noqa: E402
-from flodl.protocol.messages import PROTOCOL_VERSION  # noqa: E402
-from flodl.protocol.codec import HEADER, MAGIC, message_fields, pack_frame, sign  # noqa: E402
+from flodl.wire import messages as m  # noqa: E402
+from flodl.wire.messages import PROTOCOL_VERSION  # noqa: E402
+from flodl.wire.codec import HEADER, MAGIC, message_fields, pack_frame, sign  # noqa: E402
 
 SECRET = bytes(range(32))
 RUN_ID = "golden-run"

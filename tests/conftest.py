@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ROOT / "tests" / "tasks"
 
-# A flodl bug the run survives (a message handler that raised: flodl.transport.HandlerErrors) must
+# A flodl bug the run survives (a message handler that raised: flodl.wire.transport.HandlerErrors) must
 # fail the test that met it. Every process a test starts inherits this: a controller then fails
 # its run, a worker its exit. In this process, ``_no_handler_errors`` below checks the tally.
 os.environ["FLODL_STRICT"] = "1"
@@ -47,10 +47,10 @@ def _no_leaked_environment():
 @pytest.fixture(autouse=True)
 def _no_handler_errors():
     """Fail a test during which a message handler of this process raised (the socket survived it)."""
-    transport = sys.modules.get("flodl.transport")
+    transport = sys.modules.get("flodl.wire.transport")
     before = transport.HANDLER_ERRORS.count if transport else 0
     yield
-    transport = sys.modules.get("flodl.transport")  # a test may have imported it
+    transport = sys.modules.get("flodl.wire.transport")  # a test may have imported it
     if transport and transport.HANDLER_ERRORS.count > before:
         errors = transport.HANDLER_ERRORS
         pytest.fail(f"{errors.count - before} message handler error(s) during this test (a flodl bug; tracebacks in the "

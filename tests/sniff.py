@@ -17,7 +17,7 @@ import threading
 
 import msgpack
 
-from flodl.protocol.codec import HEADER, MAGIC, MIN_FRAME, TAG_LEN
+from flodl.wire.codec import HEADER, MAGIC, MIN_FRAME, TAG_LEN
 
 _ETH_P_IP = 0x0800
 

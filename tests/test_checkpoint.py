@@ -12,15 +12,15 @@ import psutil
 import pytest
 import torch
 
-from flodl.checkpoint import (
+from flodl.checkpoint.bundle import (
     CheckpointBundle, CheckpointError, check_model_file, file_sha256, load_model, load_optimizer, read_meta,
     save_model, save_optimizer, stem_of, write_meta,
 )
 from flodl.config import DdpRunConfig
-from flodl.controller.cadence import CadenceLoop
+from flodl.plan.cadence import CadenceLoop
 from flodl.controller.checkpoints import Checkpointer
 from flodl.rank.saving import checkpoint, emergency_save
-from flodl import safetensors_io
+from flodl.checkpoint import safetensors_io
 
 from .conftest import task_spec
 from .test_process import Run, assert_all_gone

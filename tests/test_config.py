@@ -29,7 +29,7 @@ from flodl.config import (
     check_available,
 )
 from flodl.errors import ConfigError
-from flodl.options import add_run_options, load_toml, option_table, resolve_run_config
+from flodl.config.options import add_run_options, load_toml, option_table, resolve_run_config
 
 pytestmark = pytest.mark.timeout(30)
 

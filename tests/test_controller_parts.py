@@ -10,9 +10,9 @@ import pytest
 from flodl.config import DdpRunConfig
 from flodl.controller import Controller, ControllerHooks, LaunchOptions, Phase
 from flodl.controller.phase import RunState
-from flodl.membership import Membership
-from flodl.protocol import messages as m
-from flodl.sim import SimRankSpec, SimWorker
+from flodl.plan.membership import Membership
+from flodl.wire import messages as m
+from flodl.testing.sim import SimRankSpec, SimWorker
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 import zmq
 
-from flodl.bulk import SLICE_BYTES, unpack_slice
+from flodl.wire.bulk import SLICE_BYTES, unpack_slice
 from flodl.averaging.server import CpuAveraging
 from flodl.errors import ProtocolError
-from flodl.protocol import messages as m
-from flodl.protocol.codec import FrameWriter
+from flodl.wire import messages as m
+from flodl.wire.codec import FrameWriter
 from flodl.rank.cpu_average import BulkLink, CpuAverager
 from flodl.rank.flat import FlatModel
 

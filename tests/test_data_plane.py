@@ -11,11 +11,11 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from flodl.config import ApplyPolicy
-from flodl.dispatch import Dispatcher
-from flodl.elche import ElChe
+from flodl.plan.dispatch import Dispatcher
+from flodl.plan.elche import ElChe
 from flodl.errors import TaskError
 from flodl.rank.data import BatchSource
-from flodl.schedule import PickKey, Schedule
+from flodl.plan.schedule import PickKey, Schedule
 
 from .conftest import task_spec
 from .tasks.tiny import jitter
@@ -44,7 +44,7 @@ def test_every_sample_is_picked_augment_times_per_pass(n, augment, splits, passe
 
 
 def test_a_plain_schedule_is_the_old_epoch_permutation():
-    from flodl.schedule import epoch_permutation
+    from flodl.plan.schedule import epoch_permutation
 
     schedule = Schedule(50)
     assert torch.equal(schedule.picks(42, 3, 0, 50)[1], epoch_permutation(50, 42, 3))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flodl.config import DdpRunConfig
-from flodl.deadlines import Deadlines
+from flodl.config.deadlines import Deadlines
 
 pytestmark = pytest.mark.timeout(30)
 

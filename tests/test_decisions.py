@@ -1,4 +1,4 @@
-"""Pure, table-driven tests of what a fault leads to (flodl/decisions.py), healing's back-off,
+"""Pure, table-driven tests of what a fault leads to (flodl/plan/decisions.py), healing's back-off,
 and the one writer of the membership generation."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from flodl.config import DdpRunConfig
-from flodl.decisions import (
+from flodl.plan.decisions import (
     MAX_COLLECTIVE_RETRIES,
     Outcome,
     after_collective_error,
@@ -15,7 +15,7 @@ from flodl.decisions import (
     unexplained_collective_error,
 )
 from flodl.errors import EXIT_CONFIG, EXIT_NONFINITE, EXIT_RANK_LOST, EXIT_TASK_ERROR
-from flodl.membership import Membership, restart_delay
+from flodl.plan.membership import Membership, restart_delay
 
 NCCL = DdpRunConfig().with_mode("nccl-cadence")
 CPU = DdpRunConfig().with_mode("cpu-cadence")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from flodl.config import ApplyPolicy
-from flodl.dispatch import Dispatcher
-from flodl.elche import ElChe
+from flodl.plan.dispatch import Dispatcher
+from flodl.plan.elche import ElChe
 
 pytestmark = pytest.mark.timeout(30)
 

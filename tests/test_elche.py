@@ -8,8 +8,8 @@ import json
 import pytest
 
 from flodl.config import ElCheConfig
-from flodl.elche import ElChe, Phase, cap_window, elect_anchor_rank, phase_for
-from flodl.guard import Verdict
+from flodl.plan.elche import ElChe, cap_window, elect_anchor_rank, phase_for
+from flodl.plan.signals import Phase, Verdict
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import zmq
 
-from flodl import curve
+from flodl.wire import curve
 from flodl.errors import EXIT_CONTROLLER_LOST
 
 from .conftest import PY, ROOT, task_spec

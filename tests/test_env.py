@@ -1,4 +1,4 @@
-"""flodl.env: every FLODL_* variable's parser, and the spawn environment's round trip."""
+"""flodl.config.env: every FLODL_* variable's parser, and the spawn environment's round trip."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl import env
+from flodl.config import env
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -36,7 +36,7 @@ def test_unset_switches_take_their_defaults(monkeypatch):
 
 def test_an_unknown_switch_value_keeps_the_default_and_warns_once(monkeypatch, caplog):
     monkeypatch.setenv(env.SHM, "of")
-    with caplog.at_level(logging.WARNING, logger="flodl.env"):
+    with caplog.at_level(logging.WARNING, logger="flodl.config.env"):
         assert env.shm_lane_allowed() and env.shm_lane_allowed()
     assert [r.getMessage() for r in caplog.records] == ["FLODL_SHM='of' is neither on nor off: using its default (on)"]
 
@@ -108,7 +108,7 @@ def test_encryption_and_nccl_settings_reach_children(monkeypatch):
 
 
 def test_env_is_the_only_module_that_reads_the_environment():
-    root = Path(env.__file__).parent
+    root = Path(env.__file__).parent.parent
     readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                      if "os.environ" in p.read_text() or "getenv" in p.read_text())
-    assert readers == ["env.py"]
+    assert readers == ["config/env.py"]

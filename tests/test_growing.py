@@ -10,9 +10,9 @@ import pytest
 
 from flodl.config import DdpRunConfig
 from flodl.averaging.server import CpuAveraging
-from flodl.controller.cadence import CadenceLoop
-from flodl.metrics import EpochCounters
-from flodl.protocol import messages as m
+from flodl.plan.cadence import CadenceLoop
+from flodl.plan.metrics import EpochCounters
+from flodl.wire import messages as m
 
 from .conftest import PY, ROOT, task_spec
 from .test_process import Run, free_port
@@ -222,7 +222,7 @@ async def test_a_joiners_second_rank_ready_before_its_first_waits_for_it(quiet_c
     import asyncio
 
     from flodl.controller import Controller, LaunchOptions, Phase
-    from flodl.sim import SimRankSpec, SimWorker
+    from flodl.testing.sim import SimRankSpec, SimWorker
 
     secret, run_id = b"g" * 32, "grow-order"
     launch = LaunchOptions(task="sim:task", epochs=8, workers=1, progress=False, join_timeout_secs=20.0)

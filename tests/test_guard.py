@@ -10,17 +10,17 @@ import math
 import pytest
 
 from flodl.config import ElCheConfig
-from flodl.elche import ElChe, Phase
-from flodl.guard import (
+from flodl.plan.elche import ElChe
+from flodl.plan.guard import (
     MetaController,
     NoGuard,
     TrendGuard,
-    Verdict,
     cosine_and_shift,
     make_guard,
     make_meta_controller,
     max_relative_delta,
 )
+from flodl.plan.signals import Phase, Verdict
 
 pytestmark = pytest.mark.timeout(30)
 

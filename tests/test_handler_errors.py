@@ -8,7 +8,7 @@ import logging
 import pytest
 import zmq
 
-from flodl import transport
+from flodl.wire import transport
 from flodl.controller import report_handler_errors
 from flodl.errors import EXIT_FAILED
 
@@ -50,7 +50,7 @@ def test_a_raising_handler_is_counted_logged_and_the_socket_goes_on(tally, caplo
             io.close()
             tx.close(linger=0)
 
-    with caplog.at_level(logging.ERROR, logger="flodl.transport"):
+    with caplog.at_level(logging.ERROR, logger="flodl.wire.transport"):
         errors = asyncio.run(main())
     assert seen == [b"fine"] and errors == 1  # the next message is handled
     assert tally.count == 1 and tally.first == ["test-socket: KeyError: 'a bug'"]
@@ -85,8 +85,8 @@ async def test_a_controller_handler_bug_shows_in_the_run_summary(tally, quiet_co
     """The run goes on past the bad message (as in production) and its summary counts it."""
     from flodl.config import DdpRunConfig
     from flodl.controller import Controller, LaunchOptions
-    from flodl.protocol import messages as m
-    from flodl.sim import SimRankSpec, SimWorker
+    from flodl.wire import messages as m
+    from flodl.testing.sim import SimRankSpec, SimWorker
 
     secret, run_id = b"s" * 32, "handler-run"
     launch = LaunchOptions(task="sim:task", epochs=1, workers=1, progress=False, join_timeout_secs=20.0)

@@ -119,7 +119,7 @@ def test_plans_name_known_cases():
 
 def test_ddp_paces_with_flodls_own_rule():
     from bench.matrix import ddp
-    from flodl import env
+    from flodl.config import env
 
     # the same functions, not copies: the DDP ranks are paced exactly as flodl's
     assert ddp.paced_step is env.paced_step and ddp.parse_slowdown is env.parse_slowdown and ddp.parse_base_ms is env.parse_base_ms

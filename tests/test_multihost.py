@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from flodl.errors import ConfigError
-from flodl.hostfile import Host, load_hostfile, parse_host_flag, ssh_argv, with_defaults
+from flodl.host.hostfile import Host, load_hostfile, parse_host_flag, ssh_argv, with_defaults
 from flodl.launcher import check_controller_args, split_argv
 from flodl.worker import read_stdin_credentials
 

@@ -37,7 +37,7 @@ import psutil
 import pytest
 
 from flodl.checkpoint import read_meta
-from flodl.protocol.codec import DROP_REASONS, unpack_frame
+from flodl.wire.codec import DROP_REASONS, unpack_frame
 
 from .conftest import PY, ROOT
 from .intruder import FORGED_LINE

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from flodl.pool import EpochPool, LedgerError
+from flodl.plan.pool import EpochPool, LedgerError
 
 pytestmark = pytest.mark.timeout(30)
 

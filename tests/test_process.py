@@ -15,8 +15,8 @@ import psutil
 import pytest
 import zmq
 
-from flodl.protocol import messages as m
-from flodl.protocol.codec import FrameWriter
+from flodl.wire import messages as m
+from flodl.wire.codec import FrameWriter
 
 from .conftest import PY, ROOT, task_spec
 

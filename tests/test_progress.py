@@ -1,11 +1,11 @@
-"""Pure tests of liveness as progress (flodl/progress.py) and its use by Membership: table-driven, a fake clock."""
+"""Pure tests of liveness as progress (flodl/plan/progress.py) and its use by Membership: table-driven, a fake clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from flodl.membership import Membership, PeerState
-from flodl.progress import Progress, ProgressLimits, stalled
+from flodl.plan.membership import Membership, PeerState
+from flodl.plan.progress import Progress, ProgressLimits, stalled
 
 LIMITS = ProgressLimits(heartbeat_s=30.0, first_step_s=120.0, eval_s=600.0)
 

@@ -13,8 +13,8 @@ import msgpack
 import pytest
 
 from flodl.errors import ProtocolError
-from flodl.protocol import messages as m
-from flodl.protocol.codec import (
+from flodl.wire import messages as m
+from flodl.wire.codec import (
     DROP_LOG_BURST,
     DROP_LOG_INTERVAL_S,
     DROP_REASONS,

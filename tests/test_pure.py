@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from flodl.controller.console import Console
-from flodl.devices import choose_devices, parse_devices
+from flodl.host.devices import choose_devices, parse_devices
 from flodl.errors import ConfigError
-from flodl.membership import Membership, PeerState, WorkerInfo, describe_exit
-from flodl.metrics import aggregate
-from flodl.progress import ProgressLimits
-from flodl.metrics import EpochReport as EpochDone
-from flodl.schedule import epoch_permutation, shuffle_signature, slice_indices
+from flodl.plan.membership import Membership, PeerState, WorkerInfo, describe_exit
+from flodl.plan.metrics import aggregate
+from flodl.plan.progress import ProgressLimits
+from flodl.plan.metrics import EpochReport as EpochDone
+from flodl.plan.schedule import epoch_permutation, shuffle_signature, slice_indices
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -143,7 +143,7 @@ def test_a_silent_worker_with_a_rank_that_left_is_kept(clock):
 
 def test_new_generation_says_why(caplog):
     mem = Membership(5.0)
-    with caplog.at_level(logging.DEBUG, logger="flodl.membership"):
+    with caplog.at_level(logging.DEBUG, logger="flodl.plan.membership"):
         assert mem.new_generation("rank(s) 2 on h joined") == 1
         assert mem.new_generation("a collective rebuilt") == 2
     assert "membership generation 2: a collective rebuilt" in caplog.text
@@ -281,7 +281,7 @@ def test_devices():
 
 
 def test_fault_plan_parses_and_names_bad_items():
-    from flodl.faults import FaultPlan
+    from flodl.testing.faults import FaultPlan
 
     plan = FaultPlan.from_env(1, "1:average:5, 2:batch:3:stop,1:epoch:2:stop,1:regroup:1")
     assert plan.armed == {"average": (5, "kill"), "epoch": (2, "stop"), "regroup": (1, "kill")}
@@ -322,8 +322,8 @@ def test_the_controller_starts_without_importing_torch():
     import subprocess
     import sys
 
-    probe = ("import sys, flodl.controller, flodl.checkpoint_meta, flodl.schedule; "
-             "assert 'torch' not in sys.modules, 'torch imported'; print(flodl.schedule.Schedule(10).epochs)")
+    probe = ("import sys, flodl.controller, flodl.checkpoint.meta, flodl.plan.schedule; "
+             "assert 'torch' not in sys.modules, 'torch imported'; print(flodl.plan.schedule.Schedule(10).epochs)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=50)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "1"
@@ -331,7 +331,7 @@ def test_the_controller_starts_without_importing_torch():
 
 def test_epoch_counters_keep_the_wire_row_format():
     """WindowDone.epochs rows stay [epoch, batches, samples, loss_sum, compute_ms, data_ms], floats."""
-    from flodl.metrics import EpochCounters, epoch_rows
+    from flodl.plan.metrics import EpochCounters, epoch_rows
 
     a = EpochCounters()
     a.add_batch(32, 0.5, 10.0, 2.0)

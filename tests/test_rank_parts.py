@@ -16,7 +16,7 @@ from flodl import scalars
 from flodl.rank.collective import CollectiveAverager, Superseded, build_group
 from flodl.rank.flat import FlatModel
 from flodl.rank.data import BatchSource, to_device
-from flodl.schedule import slice_indices
+from flodl.plan.schedule import slice_indices
 from flodl.taskspec import load_task, spec_of
 
 from .conftest import task_spec
@@ -357,7 +357,7 @@ def test_a_background_average_a_peer_never_joins_is_dropped_and_the_values_kept(
 
 
 def _runner(tmp_path):
-    from flodl.env import RankEnv
+    from flodl.config.env import RankEnv
     from flodl.rank.runner import RankRunner
 
     env = RankEnv(controller="tcp://127.0.0.1:1", secret=b"k" * 32, run_id="r", rank=0, device="cpu",

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 from flodl.config import Reduction
-from flodl.metrics import EpochReport, aggregate
+from flodl.plan.metrics import EpochReport, aggregate
 from flodl.monitor import reader
 from flodl.monitor.record_log import RecordLog
 from flodl.monitor.records import (

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 import torch
 
-from flodl.bulk import SLICE_BYTES
+from flodl.wire.bulk import SLICE_BYTES
 from flodl.averaging.relay import HostRelay
 
 from .test_cpu_averaging import RUN, SECRET, Big, controller, rank_side, stop, values
@@ -133,7 +133,7 @@ def test_relaying_loads_no_controller_code():
 
 
 async def test_a_relay_claiming_more_ranks_than_it_carries_is_dropped(caplog):
-    from flodl.protocol import messages as m
+    from flodl.wire import messages as m
 
     from .test_cpu_averaging import _send_raw
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from flodl.monitor.resources import ResourceSampler, nvml_target
+from flodl.host.gauges import ResourceSampler, nvml_target
 
 GPU_KEYS = {"gpu_util", "gpu_util_max", "vram_alloc", "vram_alloc_max", "vram_total"}
 

@@ -7,7 +7,7 @@ from collections import Counter
 import torch
 
 from flodl.averaging.rounds import Round, Rounds
-from flodl.protocol import messages as m
+from flodl.wire import messages as m
 
 NUMELS = [4, 2]
 

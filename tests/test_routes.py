@@ -19,15 +19,15 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from flodl import bulk
+from flodl.wire import bulk
 from flodl.config import DdpRunConfig
 from flodl.controller import Controller, LaunchOptions
 from flodl.averaging.server import CpuAveraging
-from flodl.protocol import messages as m
-from flodl.protocol.codec import DEFAULT_MAX_FRAME, Envelope, FrameWriter
-from flodl import sim
-from flodl.sim import SimRankSpec, SimWorker
-from flodl.transport import CONTROL_MAX_MSG_BYTES, ControlEndpoint, Routes, make_router
+from flodl.wire import messages as m
+from flodl.wire.codec import DEFAULT_MAX_FRAME, Envelope, FrameWriter
+from flodl.testing import sim
+from flodl.testing.sim import SimRankSpec, SimWorker
+from flodl.wire.transport import CONTROL_MAX_MSG_BYTES, ControlEndpoint, Routes, make_router
 
 from .conftest import PY
 

@@ -11,7 +11,7 @@ import pytest
 
 from flodl.config import DdpRunConfig
 from flodl.controller import Controller, LaunchOptions
-from flodl.sim import SimRankSpec, SimWorker
+from flodl.testing.sim import SimRankSpec, SimWorker
 
 pytestmark = pytest.mark.timeout(120)
 

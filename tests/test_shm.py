@@ -16,9 +16,9 @@ import sys
 import pytest
 import torch
 
-from flodl import shm
+from flodl.wire import shm
 from flodl.errors import ProtocolError
-from flodl.protocol import messages as m
+from flodl.wire import messages as m
 
 from .test_cpu_averaging import RUN, SECRET, Big, _send_raw, controller, rank_side, stop
 
@@ -158,7 +158,7 @@ async def test_forged_lane_headers_are_dropped_with_a_reason(case, reason, caplo
 def _send_raw_header(port: int, header: m.Snapshot) -> None:
     import zmq
 
-    from flodl.protocol.codec import FrameWriter
+    from flodl.wire.codec import FrameWriter
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.ROUTING_ID, b"rank0.x/bulk")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flodl.env import (SIMULATE_BASE_MS, SIMULATE_SLOWDOWN, paced_step, parse_base_ms, parse_slowdown, simulated_base_ms,
+from flodl.config.env import (SIMULATE_BASE_MS, SIMULATE_SLOWDOWN, paced_step, parse_base_ms, parse_slowdown, simulated_base_ms,
                        simulated_slowdown)
 
 pytestmark = pytest.mark.timeout(30)

@@ -34,7 +34,7 @@ local phase (per-rank batches, like flodl). ``none``: the task's LR everywhere.
 seed; epoch e's permutation is seeded S + e.
 
 ``--slowdown R:F`` makes rank R F times slower exactly as flodl's
-``FLODL_SIMULATE_SLOWDOWN`` does (``flodl.env.paced_step``, the same function;
+``FLODL_SIMULATE_SLOWDOWN`` does (``flodl.config.env.paced_step``, the same function;
 flodl/rank/runner.py ``_step``), from the second step on (the first is set-up
 and warm-up). ``--base-ms`` (``ms`` or ``R:ms``, the syntax of
 ``FLODL_SIMULATE_BASE_MS``; the suite passes the solo case's step time) paces
@@ -81,7 +81,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.matrix import tasks  # noqa: E402
-from flodl.env import paced_step, parse_base_ms, parse_slowdown  # noqa: E402
+from flodl.config.env import paced_step, parse_base_ms, parse_slowdown  # noqa: E402
 
 CURVE_POINTS_PER_EPOCH = 8
 

@@ -24,7 +24,7 @@ The protocol (issue 22):
 * the 4:1 cases are *paced*: rank 1's step period is 4 x the base step time,
   the mean step time of the same seed's ``solo`` run (``FLODL_SIMULATE_BASE_MS``
   for flodl, ``--base-ms`` for the DDP script: the same rule,
-  ``flodl.env.paced_step``). A plan with a 4:1 case and no ``solo`` gets ``solo``
+  ``flodl.config.env.paced_step``). A plan with a 4:1 case and no ``solo`` gets ``solo``
   added (it calibrates), unless ``--base-ms`` gives the base. Every 4:1 run
   records its ``measured_ratio`` (rank 1's mean step time over rank 0's) and,
   for flodl, ``of_ideal``: train samples/s over solo rate x (1 + 1 / measured
@@ -66,7 +66,7 @@ from bench.common import machine, report
 from bench.matrix import CASES, MODEL_ORDER, PLANS, ROOT, TARGETS, Budget, Case, Target
 from bench.matrix import report as matrix_report
 from bench.matrix.tasks import SAMPLES_ENV, SEED_ENV, SPECS
-from flodl.env import SIMULATE_BASE_MS, SIMULATE_SLOWDOWN
+from flodl.config.env import SIMULATE_BASE_MS, SIMULATE_SLOWDOWN
 
 DDP_SCRIPT = ROOT / "bench" / "matrix" / "ddp.py"
 REPORTS_PER_EPOCH = 8

@@ -32,12 +32,12 @@ from typing import Any
 
 import zmq
 
-from .. import curve
-from ..bulk import MAX_MSG_BYTES, announcement, as_frame, unpack_slice
+from ..wire import curve
+from ..wire.bulk import MAX_MSG_BYTES, announcement, as_frame, unpack_slice
 from ..errors import ProtocolError
-from ..protocol import messages as m
-from ..protocol.codec import FrameReader, FrameWriter
-from ..transport import AsyncSocket
+from ..wire import messages as m
+from ..wire.codec import FrameReader, FrameWriter
+from ..wire.transport import AsyncSocket
 from .rounds import Round
 from .server import CpuAveraging
 

@@ -42,9 +42,9 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from ..bulk import DTYPES, slices
+from ..wire.bulk import DTYPES, slices
 from ..errors import ProtocolError
-from ..protocol import messages as m
+from ..wire import messages as m
 
 log = logging.getLogger("flodl.averaging")
 

@@ -33,12 +33,12 @@ from typing import Any, Callable
 import torch
 import zmq
 
-from .. import curve, shm
-from ..bulk import MAX_MSG_BYTES, as_frame, check_slice, is_announcement, unpack_slice
+from ..wire import curve, shm
+from ..wire.bulk import MAX_MSG_BYTES, as_frame, check_slice, is_announcement, unpack_slice
 from ..errors import ProtocolError
-from ..protocol import messages as m
-from ..protocol.codec import FrameReader, FrameWriter
-from ..transport import AsyncSocket, Routes, peer_name
+from ..wire import messages as m
+from ..wire.codec import FrameReader, FrameWriter
+from ..wire.transport import AsyncSocket, Routes, peer_name
 from .rounds import Egress, Round, Rounds, empty_update
 
 log = logging.getLogger("flodl.averaging")

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .. import curve
-from ..env import read_run_credentials, request_encryption, strict
+from ..wire import curve
+from ..config.env import read_run_credentials, request_encryption, strict
 from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, ConfigError, RunAborted
 from .core import Controller
 from .hooks import ControllerHooks

@@ -15,16 +15,16 @@ from typing import Callable
 
 from .. import __version__
 from ..config import DdpRunConfig
-from ..deadlines import Deadlines
-from ..env import bulk_relay_setting
+from ..config.deadlines import Deadlines
+from ..config.env import bulk_relay_setting
 from ..errors import EXIT_CONFIG, EXIT_TASK_ERROR
-from ..membership import Membership, PeerState, WorkerInfo
+from ..plan.membership import Membership, PeerState, WorkerInfo
 from ..monitor.hub import Monitor
-from ..protocol import messages as m
-from ..protocol.codec import Envelope
-from ..protocol.messages import PROTOCOL_VERSION
-from ..transport import host_name
-from .cadence import CadenceLoop
+from ..wire import messages as m
+from ..wire.codec import Envelope
+from ..wire.messages import PROTOCOL_VERSION
+from ..wire.transport import host_name
+from ..plan.cadence import CadenceLoop
 from .console import Console
 from .hooks import ControllerHooks
 from .launch import LaunchOptions

@@ -23,10 +23,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..checkpoint_files import CheckpointBundle, new_tag
-from ..checkpoint_meta import write_meta
+from ..checkpoint.files import CheckpointBundle, new_tag
+from ..checkpoint.meta import write_meta
 from ..config import DdpRunConfig
-from ..protocol import messages as m
+from ..wire import messages as m
 
 log = logging.getLogger("flodl.controller")
 

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Callable, TextIO
 
-from ..metrics import EpochStats
+from ..plan.metrics import EpochStats
 
 
 #: Past this many ranks the progress line summarises their rates instead of listing each.

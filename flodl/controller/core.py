@@ -38,21 +38,21 @@ import signal
 import time
 from typing import Any, Callable
 
-from ..checkpoint_files import CheckpointError
+from ..checkpoint.files import CheckpointError
 from ..config import ApplyPolicy, DdpRunConfig
-from ..deadlines import Deadlines
-from ..env import new_run_id, new_run_secret
+from ..config.deadlines import Deadlines
+from ..config.env import new_run_id, new_run_secret
 from ..errors import EXIT_CONFIG, EXIT_EVALS_FAILED, EXIT_FAILED, RunAborted
-from ..membership import Membership, PeerState
-from ..metrics import EpochStats
+from ..plan.membership import Membership, PeerState
+from ..plan.metrics import EpochStats
 from ..monitor.hub import Monitor
-from ..progress import ProgressLimits
-from ..protocol import messages as m
-from ..protocol.codec import Envelope
-from ..schedule import Schedule
-from ..transport import ControlEndpoint, route_moves
+from ..plan.progress import ProgressLimits
+from ..wire import messages as m
+from ..wire.codec import Envelope
+from ..plan.schedule import Schedule
+from ..wire.transport import ControlEndpoint, route_moves
 from .admission import Admission
-from .cadence import CadenceLoop
+from ..plan.cadence import CadenceLoop
 from .checkpoints import Checkpointer
 from .console import Console
 from .hooks import ControllerHooks

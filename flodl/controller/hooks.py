@@ -9,7 +9,7 @@ default. Keep them cheap; ``handled`` runs once per message on the hot path.
 
 from __future__ import annotations
 
-from ..transport import ControlEndpoint
+from ..wire.transport import ControlEndpoint
 
 
 class ControllerHooks:

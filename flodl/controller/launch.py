@@ -1,6 +1,6 @@
 """Launch options: what to run and where, as opposed to how it trains.
 
-``DdpRunConfig`` (``config.py``) says how a run trains; ``LaunchOptions``
+``DdpRunConfig`` (``flodl/config/run.py``) says how a run trains; ``LaunchOptions``
 says which task, for how long, on which ranks, and where the controller
 listens. The CLI reads both the same way: flags, then a TOML file
 (``--config``), then defaults; flags win. Flags are the field names in
@@ -16,8 +16,8 @@ from typing import Any
 
 from ..config import DdpRunConfig
 from ..errors import ConfigError
-from ..options import add_run_options, load_toml, resolve_run_config
-from ..schedule import DEFAULT_SEED
+from ..config.options import add_run_options, load_toml, resolve_run_config
+from ..plan.schedule import DEFAULT_SEED
 
 
 @dataclass(frozen=True)

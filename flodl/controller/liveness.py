@@ -17,13 +17,13 @@ import time
 from typing import Callable
 
 from ..config import DdpRunConfig
-from ..decisions import Outcome, after_collective_error, after_deaths, after_rank_error, unexplained_collective_error
+from ..plan.decisions import Outcome, after_collective_error, after_deaths, after_rank_error, unexplained_collective_error
 from ..errors import EXIT_NONFINITE
-from ..membership import Membership, PeerState, restart_delay
+from ..plan.membership import Membership, PeerState, restart_delay
 from ..monitor.hub import Monitor
-from ..progress import ProgressLimits
-from ..protocol import messages as m
-from ..protocol.codec import Envelope
+from ..plan.progress import ProgressLimits
+from ..wire import messages as m
+from ..wire.codec import Envelope
 from .admission import Admission
 from .checkpoints import Checkpointer
 from .console import Console

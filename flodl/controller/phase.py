@@ -14,7 +14,7 @@ from enum import StrEnum
 from typing import Callable
 
 from ..errors import EXIT_RANK_LOST, RunAborted
-from ..membership import Membership
+from ..plan.membership import Membership
 
 log = logging.getLogger("flodl.controller")
 

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import zmq
 
-from .. import curve
+from ..wire import curve
 from ..config import AverageBackend, DdpRunConfig
-from ..deadlines import Deadlines
-from ..membership import Membership
-from ..protocol import messages as m
-from ..protocol.codec import Envelope
-from ..transport import ControlEndpoint, make_router
+from ..config.deadlines import Deadlines
+from ..plan.membership import Membership
+from ..wire import messages as m
+from ..wire.codec import Envelope
+from ..wire.transport import ControlEndpoint, make_router
 from .launch import LaunchOptions
 
 if TYPE_CHECKING:

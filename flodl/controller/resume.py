@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 
-from ..checkpoint_meta import read_meta
+from ..checkpoint.meta import read_meta
 from ..config import DdpRunConfig
 from ..errors import EXIT_CONFIG, RunAborted
-from ..membership import Membership
-from ..protocol import messages as m
-from ..schedule import Schedule
-from .cadence import CadenceLoop
+from ..plan.membership import Membership
+from ..wire import messages as m
+from ..plan.schedule import Schedule
+from ..plan.cadence import CadenceLoop
 from .checkpoints import Checkpointer
 from .console import Console
 from .launch import LaunchOptions

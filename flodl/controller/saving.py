@@ -14,10 +14,10 @@ from typing import Callable
 from .. import __version__
 from ..config import DdpRunConfig
 from ..errors import EXIT_INTERRUPTED, EXIT_SAVED
-from ..membership import Membership
+from ..plan.membership import Membership
 from ..monitor.hub import Monitor
-from ..protocol import messages as m
-from ..protocol.codec import Envelope
+from ..wire import messages as m
+from ..wire.codec import Envelope
 from .checkpoints import Checkpointer
 from .console import Console
 from .phase import Phase, RunState

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from ..config import DdpRunConfig
-from ..membership import Membership, PeerState
+from ..plan.membership import Membership, PeerState
 from .admission import Admission
 from .checkpoints import Checkpointer
 from .liveness import Liveness

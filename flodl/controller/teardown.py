@@ -14,12 +14,12 @@ import os
 import sys
 from typing import Callable
 
-from ..env import PARENT_PID, child_environ, credentials_env
+from ..config.env import PARENT_PID, child_environ, credentials_env
 from ..errors import EXIT_FAILED, EXIT_RANK_LOST, EXIT_SAVED, RunAborted
-from ..membership import Membership, PeerState, describe_exit
-from ..proc import terminate_then_kill
-from ..protocol import messages as m
-from ..protocol.codec import Envelope
+from ..plan.membership import Membership, PeerState, describe_exit
+from ..host.proc import terminate_then_kill
+from ..wire import messages as m
+from ..wire.codec import Envelope
 from .admission import Admission
 from .checkpoints import SHUTDOWN_SAVE, Checkpointer
 from .console import Console

@@ -11,14 +11,14 @@ from __future__ import annotations
 from typing import Callable
 
 from ..config import DdpRunConfig
-from ..dispatch import FLOW_MAX_EPOCHS, PROBE_BATCHES, PROBE_MIN_MS
-from ..membership import Membership
-from ..metrics import EpochStats
+from ..plan.dispatch import FLOW_MAX_EPOCHS, PROBE_BATCHES, PROBE_MIN_MS
+from ..plan.membership import Membership
+from ..plan.metrics import EpochStats
 from ..monitor.hub import Monitor
-from ..protocol import messages as m
-from ..protocol.codec import Envelope
-from ..schedule import Schedule
-from .cadence import CadenceLoop
+from ..wire import messages as m
+from ..wire.codec import Envelope
+from ..plan.schedule import Schedule
+from ..plan.cadence import CadenceLoop
 from .console import Console
 from .launch import LaunchOptions
 from .phase import RunState

@@ -18,8 +18,8 @@ import time
 from typing import Any, Callable, Mapping
 
 from ..config import DdpRunConfig, Reduction
-from ..metrics import EpochCounters, EpochStats
-from ..protocol import messages as m
+from ..plan.metrics import EpochCounters, EpochStats
+from ..wire import messages as m
 from .archive import write_archive
 from .dashboard import DashboardServer
 from .feed import Feed

@@ -14,8 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-from flodl.monitor.record_log import ACTIVE_SUFFIX, ROTATED_SUFFIX, read_node
-from flodl.monitor.records import ROOT, natural_key
+from .record_log import ACTIVE_SUFFIX, ROTATED_SUFFIX, read_node
+from .records import ROOT, natural_key
 
 LOG_SUFFIXES = (ACTIVE_SUFFIX, ROTATED_SUFFIX)
 

@@ -19,8 +19,8 @@ import threading
 from collections import OrderedDict, deque
 from pathlib import Path
 
-from flodl.config import DEFAULT_MAX_LOG_BYTES
-from flodl.monitor.records import ROOT, encode
+from ..config import DEFAULT_MAX_LOG_BYTES
+from .records import ROOT, encode
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flodl.config import CORE_REDUCTIONS, Reduction
-from flodl.metrics import EpochStats
+from ..config import CORE_REDUCTIONS, Reduction
+from ..plan.metrics import EpochStats
 
 VERSION = 1
 ROOT = "root"

@@ -1,6 +1,6 @@
 """``python -m flodl.rank``: started by ``flodl.worker``, one per device."""
 
-from ..proc import exit_now
+from ..host.proc import exit_now
 from .runner import main
 
 exit_now(main())  # the work is flushed; torch's interpreter teardown would cost most of a second

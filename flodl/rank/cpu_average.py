@@ -34,11 +34,11 @@ from typing import Callable
 import torch
 import zmq
 
-from .. import curve, shm
-from ..bulk import MAX_MSG_BYTES, announcement, as_frame, check_slice, dtype_name, slices, unpack_slice
+from ..wire import curve, shm
+from ..wire.bulk import MAX_MSG_BYTES, announcement, as_frame, check_slice, dtype_name, slices, unpack_slice
 from ..errors import DeadlineExceeded, ProtocolError
-from ..protocol import messages as m
-from ..protocol.codec import FrameReader, FrameWriter
+from ..wire import messages as m
+from ..wire.codec import FrameReader, FrameWriter
 from .flat import PARAMS, Averaged, FlatModel
 
 log = logging.getLogger(__name__)

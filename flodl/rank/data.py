@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import TensorDataset, default_collate
 
 from ..errors import TaskError
-from ..schedule import PickKey, Schedule, epoch_permutation
+from ..plan.schedule import PickKey, Schedule, epoch_permutation
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

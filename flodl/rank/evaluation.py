@@ -20,7 +20,7 @@ import time
 import torch
 
 from ..errors import DeadlineExceeded
-from ..protocol import messages as m
+from ..wire import messages as m
 from .cpu_average import CpuAverager
 from .data import to_device
 from .norms import recalibrate

@@ -27,9 +27,9 @@ from typing import Any, Callable, Iterator
 import zmq
 
 from ..errors import EXIT_CONTROLLER_LOST, EXIT_RANK_LOST, DeadlineExceeded, PeerLost
-from ..protocol.codec import FrameReader, FrameWriter
-from ..protocol.messages import EndWindow, Heartbeat, Regroup, RunEval, Shutdown
-from ..transport import make_dealer
+from ..wire.codec import FrameReader, FrameWriter
+from ..wire.messages import EndWindow, Heartbeat, Regroup, RunEval, Shutdown
+from ..wire.transport import make_dealer
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import time
 import torch
 
 from ..errors import DeadlineExceeded
-from ..protocol import messages as m
+from ..wire import messages as m
 from .collective import Superseded, build_group
 from .flat import Averaged
 from .outcomes import Stop, is_collective_error

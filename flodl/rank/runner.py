@@ -31,14 +31,15 @@ from typing import Any
 import torch
 from torch.utils.data import TensorDataset
 
-from .. import __version__, curve, scalars
-from ..checkpoint import CheckpointError, load_model, load_optimizer
+from .. import __version__, scalars
+from ..wire import curve
+from ..checkpoint.bundle import CheckpointError, load_model, load_optimizer
 from ..config import AverageBackend, DdpRunConfig
-from ..deadlines import Deadlines
-from ..env import RankEnv, nccl_errors_raise, omp_threads_set, paced_step, simulated_base_ms, simulated_slowdown, vram_pool_disabled
-from ..faults import FaultPlan
-from ..metrics import epoch_rows
-from ..monitor.resources import ResourceSampler
+from ..config.deadlines import Deadlines
+from ..config.env import RankEnv, nccl_errors_raise, omp_threads_set, paced_step, simulated_base_ms, simulated_slowdown, vram_pool_disabled
+from ..testing.faults import FaultPlan
+from ..plan.metrics import epoch_rows
+from ..host.gauges import ResourceSampler
 from ..errors import (
     EXIT_CONFIG,
     EXIT_CONTROLLER_LOST,
@@ -51,13 +52,13 @@ from ..errors import (
     PeerLost,
     TaskError,
 )
-from ..protocol import messages as m
-from ..protocol.messages import PROTOCOL_VERSION
-from ..schedule import Schedule, shuffle_signature
+from ..wire import messages as m
+from ..wire.messages import PROTOCOL_VERSION
+from ..plan.schedule import Schedule, shuffle_signature
 from ..task import Task
 from ..taskspec import load_task
 from ..taskspec import resolve as resolve_spec
-from ..transport import host_name
+from ..wire.transport import host_name
 from .collective import CollectiveAverager, Superseded, build_group
 from .cpu_average import BulkLink, CpuAverager
 from .flat import FlatModel, model_digest
@@ -731,7 +732,7 @@ def cpu_threads(cores: int, local_world: int, *, staged: bool, accelerator: bool
 
 def main() -> int:
     """Entry point of ``python -m flodl.rank`` (spawned by a worker, never by hand)."""
-    from ..proc import die_with_parent
+    from ..host.proc import die_with_parent
 
     try:
         env = RankEnv.from_environ()

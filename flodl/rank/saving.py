@@ -3,7 +3,7 @@ the emergency save when the controller is lost.
 
 Kept out of the training loop so the runner only decides *when*; here is *what*.
 A rank writes data files under the tag it is given and never over a file a
-committed sidecar names (checkpoint_files.py); it refuses to write a model or
+committed sidecar names (flodl/checkpoint/files.py); it refuses to write a model or
 optimizer state holding NaN/Inf, so a diverged run cannot replace a good bundle.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import CheckpointBundle, first_non_finite, new_tag, optimizer_tensors, save_model, save_optimizer, write_meta
-from ..protocol import messages as m
+from ..checkpoint.bundle import CheckpointBundle, first_non_finite, new_tag, optimizer_tensors, save_model, save_optimizer, write_meta
+from ..wire import messages as m
 
 log = logging.getLogger("flodl.rank")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..metrics import EpochCounters
+from ..plan.metrics import EpochCounters
 from .flat import Averaged
 
 

@@ -3,7 +3,7 @@
 Text enums parse every documented spelling (``nccl-cadence``, ``NcclCadence``,
 ``NCCL_CADENCE``) and name the field on a bad one; ``MaxFailureThreshold``
 and ``EpochCallbackPolicy`` are tiny frozen values with their own parsers.
-Pure, like ``config.py`` which builds on them.
+Pure, like ``run.py`` which builds on them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 SYNC_PRESET_ANCHOR = 1
 CADENCE_PRESET_ANCHOR = 10

@@ -30,7 +30,7 @@ import signal
 import threading
 from dataclasses import dataclass, field
 
-from .env import INJECT_FAULT, injected_faults
+from ..config.env import INJECT_FAULT, injected_faults
 
 POINTS = ("batch", "average", "epoch", "regroup", "save")
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}

@@ -25,7 +25,7 @@ import hmac
 import zmq
 from zmq.utils import z85
 
-from .env import encryption_requested
+from ..config.env import encryption_requested
 
 _server_secret: bytes | None = None  # z85 secret key of the run's server side
 _server_public: bytes | None = None

@@ -1,6 +1,6 @@
 """Checkpoint bundles: the consensus model, an optimizer state, and the run's trajectory.
 
-A bundle is a sidecar and the two data files it names (checkpoint_files.py
+A bundle is a sidecar and the two data files it names (files.py
 has the layout and the order of a save that never tears a bundle):
 
 * ``<stem>.<tag>.fdl``   the consensus parameters and buffers (safetensors; keys
@@ -12,7 +12,7 @@ has the layout and the order of a save that never tears a bundle):
   step, sync rounds, ElChe state, data coverage, save reason, world at save,
   and the name and sha256 of each data file: the commit marker, written last
 
-The controller writes the sidecar (``checkpoint_meta.py``, torch-free and
+The controller writes the sidecar (``meta.py``, torch-free and
 re-exported here); the elected rank writes the data files. On several hosts
 the stem must be on storage every host sees. Non-finite values are refused
 both ways: a rank does not save them, a resume does not load them.
@@ -28,8 +28,8 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from . import safetensors_io
-from .checkpoint_files import SCHEMA_VERSION, CheckpointBundle, CheckpointError, new_tag, resolve, stem_of
-from .checkpoint_meta import SAVE_REASONS, file_sha256, read_meta, write_meta
+from .files import SCHEMA_VERSION, CheckpointBundle, CheckpointError, new_tag, resolve, stem_of
+from .meta import SAVE_REASONS, file_sha256, read_meta, write_meta
 from .safetensors_io import CorruptFile
 
 __all__ = [

@@ -14,13 +14,14 @@ import logging
 from dataclasses import dataclass, field
 
 from ..config import ApplyPolicy, AverageBackend, DdpRunConfig
-from ..dispatch import FLOW_MAX_EPOCHS, Dispatcher, WindowPlan
-from ..pool import EpochPool
-from ..schedule import Schedule
-from ..elche import ElChe
-from ..guard import MetaController, Verdict, make_guard, max_relative_delta
-from ..metrics import EpochCounters, EpochReport, EpochStats, aggregate
-from ..protocol import messages as m
+from .dispatch import FLOW_MAX_EPOCHS, Dispatcher, WindowPlan
+from .pool import EpochPool
+from .schedule import Schedule
+from .elche import ElChe
+from .guard import MetaController, make_guard, max_relative_delta
+from .signals import Verdict
+from .metrics import EpochCounters, EpochReport, EpochStats, aggregate
+from ..wire import messages as m
 
 log = logging.getLogger("flodl.cadence")
 

@@ -1,9 +1,9 @@
 """A checkpoint bundle's sidecar (``<stem>.meta.json``): commit it, read it back, check its files.
 
 Torch-free, so the controller (which writes and reads sidecars, never
-tensors) starts without torch; ``checkpoint.py`` re-exports everything here
+tensors) starts without torch; ``bundle.py`` re-exports everything here
 next to the tensor side (model and optimizer files). The sidecar is the
-commit marker of a save (``checkpoint_files.py`` has the layout and order).
+commit marker of a save (``files.py`` has the layout and order).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .atomic_file import write_atomic
-from .checkpoint_files import SCHEMA_VERSION, CheckpointBundle, CheckpointError, data_files, read_sidecar, remove_superseded
+from .files import SCHEMA_VERSION, CheckpointBundle, CheckpointError, data_files, read_sidecar, remove_superseded
 
 __all__ = ["SAVE_REASONS", "file_sha256", "read_meta", "write_meta"]
 

@@ -16,8 +16,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .env import bulk_slice_bytes
-from .errors import ProtocolError
+from ..config.env import bulk_slice_bytes
+from ..errors import ProtocolError
 
 #: Floating dtypes a bulk frame may carry.
 DTYPES: dict[str, torch.dtype] = {
@@ -56,7 +56,7 @@ MAX_MSG_BYTES = SLICE_BYTES + (1 << 20) + 4096
 def announcement(rank: int) -> Any:
     """The header a bulk socket sends first: no slice, round -1; it tells the receiver which
     connection reaches ``rank`` before its first snapshot (an abort may come before it)."""
-    from .protocol.messages import Snapshot
+    from .messages import Snapshot
 
     return Snapshot(rank=rank, round=-1, weight=0.0, groups=[], dtypes=[], numels=[], bucket=-1, start=0, count=0, shm="", shm_offset=0, ranks=0)
 

@@ -1,4 +1,4 @@
-"""resources.py: gauges of the machine a process runs on, summarized per interval.
+"""gauges.py: gauges of the machine a process runs on, summarized per interval.
 
 A ``ResourceSampler`` reads host CPU use, the process's resident memory and,
 for ``cuda:N`` devices, GPU utilization and VRAM through NVML (``pynvml``).
@@ -22,7 +22,7 @@ from typing import Any
 
 import psutil
 
-from ..env import cuda_visible_devices
+from ..config.env import cuda_visible_devices
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .config import DdpRunConfig
+    from .run import DdpRunConfig
 
 #: Added to the two waits that must outlast another process's detection of a death:
 #: that process notices at a heartbeat check (every 0.5-1 s), then has messages to send and

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .config import ApplyPolicy
+from ..config import ApplyPolicy
 from .elche import ElChe
 from .pool import EpochPool, LedgerError
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .env import RUN_ID, RUN_SECRET
-from .errors import ConfigError
+from ..config.env import RUN_ID, RUN_SECRET
+from ..errors import ConfigError
 
 #: ssh gives up connecting after this many seconds (overridable with ssh_options ConnectTimeout=N).
 DEFAULT_CONNECT_TIMEOUT_S = 10

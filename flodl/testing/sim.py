@@ -29,12 +29,12 @@ from typing import Any
 
 import zmq
 
-from . import __version__
-from .metrics import EpochCounters, epoch_rows
-from .protocol import messages as m
-from .protocol.codec import Envelope
-from .protocol.messages import PROTOCOL_VERSION
-from .transport import ControlEndpoint, make_dealer
+from .. import __version__
+from ..plan.metrics import EpochCounters, epoch_rows
+from ..wire import messages as m
+from ..wire.codec import Envelope
+from ..wire.messages import PROTOCOL_VERSION
+from ..wire.transport import ControlEndpoint, make_dealer
 
 VERSIONS = {"flodl": __version__, "protocol": str(PROTOCOL_VERSION)}
 

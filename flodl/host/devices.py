@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import re
 
-from .env import cuda_visible_devices
-from .errors import ConfigError
+from ..config.env import cuda_visible_devices
+from ..errors import ConfigError
 
 _DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
 

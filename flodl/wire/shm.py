@@ -48,8 +48,8 @@ from pathlib import Path
 
 import torch
 
-from .env import shm_lane_allowed
-from .errors import ProtocolError
+from ..config.env import shm_lane_allowed
+from ..errors import ProtocolError
 
 #: Where segments live (tmpfs on every Linux).
 from .shm_sweep import SHM_DIR, sweep_stale  # noqa: E402,F401  (torch-free: the worker sweeps too)

@@ -7,7 +7,7 @@ cadence tuning, guards). Both are frozen dataclasses: builders
 threads, hashed, and shipped to ranks (``to_dict`` / ``from_dict``) without
 anyone changing it underneath.
 
-Each field carries its own checker (config_checks.py) in its metadata. The checker runs at
+Each field carries its own checker (checks.py) in its metadata. The checker runs at
 construction, so a bad value fails at the builder call (or the ``from_dict``
 call) that introduced it, naming the field. Checks that relate fields to each
 other or to the world size live in ``validate()``, so builders can be chained
@@ -28,11 +28,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
-# the value types (config_values.py) and the field checkers (config_checks.py) have
-# their own modules; the public names stay importable from here (``__all__``)
-from .config_values import (
+# the value types (values.py) and the field checkers (checks.py) have
+# their own modules; the package (``__init__.py``) re-exports the public names
+from .values import (
     CORE_REDUCTIONS,
     ApplyPolicy,
     AverageBackend,
@@ -42,7 +42,7 @@ from .config_values import (
     Reduction,
     _is_int,
 )
-from .config_checks import (
+from .checks import (
     _alpha,
     _callback_policy,
     _check_fields,
@@ -615,23 +615,3 @@ def check_available(config: DdpRunConfig) -> None:
         if name not in AVAILABLE_FIELDS and value != defaults[name]:
             raise ConfigError(name, NOT_AVAILABLE)
 
-
-__all__ = [
-    "AVAILABLE_FIELDS",
-    "AVAILABLE_MODES",
-    "CORE_REDUCTIONS",
-    "DEFAULT_HEARTBEAT_TIMEOUT_SECS",
-    "DEFAULT_MAX_LOG_BYTES",
-    "ELCHE_FIELDS",
-    "RUN_FIELDS",
-    "ApplyPolicy",
-    "AverageBackend",
-    "DdpRunConfig",
-    "ElCheConfig",
-    "ElCheMode",
-    "EpochCallbackPolicy",
-    "MaxFailureThreshold",
-    "Reduction",
-    "check_available",
-    "option_fields",
-]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 
-from .env import shm_dir
+from ..config.env import shm_dir
 
 SHM_DIR = shm_dir()
 

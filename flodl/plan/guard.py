@@ -18,79 +18,17 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
-from .config import ApplyPolicy
-from .elche import Phase
+from ..config import ApplyPolicy
+from .signals import Phase, Verdict
 
 if TYPE_CHECKING:
-    from .config import ElCheConfig
-
-STABLE = "stable"
-SUPPRESS_GROWTH = "suppress_growth"
-NUDGE_DOWN = "nudge_down"
-VERDICT_KINDS = (STABLE, SUPPRESS_GROWTH, NUDGE_DOWN)
+    from ..config import ElCheConfig
 
 #: Norms below this are treated as zero (no direction to measure an angle against).
 NORM_FLOOR = 1e-10
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """A guard's judgement of the last window: ``stable``, ``suppress_growth`` or ``nudge_down``.
-
-    Use the constants ``Verdict.STABLE`` / ``Verdict.SUPPRESS_GROWTH`` and
-    ``Verdict.nudge(f)``; ``factor`` is set only for ``nudge_down`` (the anchor
-    becomes ``ceil(anchor * f)``).
-    """
-
-    kind: str
-    factor: float | None = None
-
-    STABLE: ClassVar[Verdict]
-    SUPPRESS_GROWTH: ClassVar[Verdict]
-
-    def __post_init__(self) -> None:
-        if self.kind not in VERDICT_KINDS:
-            raise ValueError(f"verdict kind must be one of {', '.join(VERDICT_KINDS)}, got {self.kind!r}")
-        if self.kind == NUDGE_DOWN:
-            ok = isinstance(self.factor, (int, float)) and not isinstance(self.factor, bool)
-            if not ok or not math.isfinite(self.factor) or self.factor <= 0:
-                raise ValueError(f"a nudge_down verdict needs a positive finite factor, got {self.factor!r}")
-            object.__setattr__(self, "factor", float(self.factor))
-        elif self.factor is not None:
-            raise ValueError(f"only nudge_down carries a factor, got {self.kind} with {self.factor!r}")
-
-    @classmethod
-    def nudge(cls, factor: float) -> Verdict:
-        return cls(NUDGE_DOWN, factor)
-
-    @property
-    def is_stable(self) -> bool:
-        return self.kind == STABLE
-
-    @property
-    def is_pressure(self) -> bool:
-        """SuppressGrowth or NudgeDown: the guard saw drift it did not like."""
-        return self.kind != STABLE
-
-    def to_list(self) -> list[Any]:
-        """``[kind, factor]``: the JSON form used in checkpoints."""
-        return [self.kind, self.factor]
-
-    @classmethod
-    def from_list(cls, data: Sequence[Any]) -> Verdict:
-        kind, factor = data
-        return cls(kind, factor)
-
-    def __str__(self) -> str:
-        return f"{self.kind}({self.factor})" if self.factor is not None else self.kind
-
-
-Verdict.STABLE = Verdict(STABLE)
-Verdict.SUPPRESS_GROWTH = Verdict(SUPPRESS_GROWTH)
 
 
 # ---------------------------------------------------------------------------
@@ -382,7 +320,6 @@ __all__ = [
     "NoGuard",
     "MetaController",
     "TrendGuard",
-    "Verdict",
     "cosine_and_shift",
     "make_guard",
     "make_meta_controller",

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import zmq
 
 from . import curve
-from .protocol.codec import DEFAULT_MAX_FRAME, Envelope, FrameReader, FrameWriter, route_name
+from .codec import DEFAULT_MAX_FRAME, Envelope, FrameReader, FrameWriter, route_name
 
 log = logging.getLogger(__name__)
 

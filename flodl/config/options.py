@@ -1,4 +1,4 @@
-"""The CLI and TOML faces of the run options in ``config.py``.
+"""The CLI and TOML faces of the run options in ``run.py``.
 
 One option, one name everywhere: the ``DdpRunConfig`` / ``ElCheConfig`` field
 ``heartbeat_timeout_secs`` is the flag ``--heartbeat-timeout-secs`` and the
@@ -7,7 +7,7 @@ too (``mode = "nccl-sync"``, ``anchor = 10``). A value is taken from the flag
 if given, else from the TOML file, else the default.
 
 This module only turns text (flags) and TOML values into typed values; the
-range checks live with the fields in ``config.py``, so every entry point
+range checks live with the fields in ``run.py``, so every entry point
 (builders, flags, TOML, ``from_dict``) accepts and rejects the same things.
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import (
+from .run import (
     DdpRunConfig,
     ElCheMode,
     EpochCallbackPolicy,
@@ -29,7 +29,7 @@ from .config import (
     Reduction,
     option_fields,
 )
-from .errors import ConfigError
+from ..errors import ConfigError
 
 # ---------------------------------------------------------------------------
 # Value kinds: how one shape of value is written on the command line and in TOML

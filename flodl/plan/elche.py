@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from .config import ApplyPolicy
+from ..config import ApplyPolicy
+from .signals import Phase, Verdict
 
 if TYPE_CHECKING:
-    from .config import ElCheConfig
-    from .guard import Verdict
+    from ..config import ElCheConfig
 
 #: Overhead targets outside this band are clamped (the reference setter's range).
 OVERHEAD_TARGET_MIN = 0.01
@@ -52,41 +51,6 @@ SAME_SPEED_EPS = 1e-6
 REARM_AFTER_STABLE = 5
 #: Float noise tolerated before rounding up (0.4 / 0.1 is 4.000000000000001).
 CEIL_SLACK = 1e-9
-
-
-class Phase(str, Enum):
-    """Lifecycle of the balancer, ordered: Probe < Warmup < Stable < Mature.
-
-    The phase only moves forward. It is a str enum so it serialises as its
-    value; the comparison operators follow the lifecycle order, not the text.
-    """
-
-    PROBE = "probe"
-    WARMUP = "warmup"
-    STABLE = "stable"
-    MATURE = "mature"
-
-    def __str__(self) -> str:
-        return self.value
-
-    @property
-    def order(self) -> int:
-        return _PHASE_ORDER[self]
-
-    def __lt__(self, other: object) -> bool:
-        return self.order < Phase(other).order
-
-    def __le__(self, other: object) -> bool:
-        return self.order <= Phase(other).order
-
-    def __gt__(self, other: object) -> bool:
-        return self.order > Phase(other).order
-
-    def __ge__(self, other: object) -> bool:
-        return self.order >= Phase(other).order
-
-
-_PHASE_ORDER = {Phase.PROBE: 0, Phase.WARMUP: 1, Phase.STABLE: 2, Phase.MATURE: 3}
 
 #: Calibrations (valid timing reports) at which each phase begins.
 PHASE_THRESHOLDS: tuple[tuple[int, Phase], ...] = ((20, Phase.MATURE), (5, Phase.STABLE), (1, Phase.WARMUP))
@@ -700,7 +664,6 @@ __all__ = [
     "MAX_SPEED_RATIO",
     "REARM_AFTER_STABLE",
     "ElChe",
-    "Phase",
     "cap_window",
     "elect_anchor_rank",
     "phase_for",

@@ -1,7 +1,7 @@
 """Field checkers for run options, and the dataclass field that carries one.
 
 Each checker takes (field name, value) and returns the normalised value or
-raises ``ConfigError`` naming the field; ``config.py`` attaches one to every
+raises ``ConfigError`` naming the field; ``run.py`` attaches one to every
 field with ``_option`` and runs them at construction and in ``validate()``.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import field
 from typing import Any
 
-from .config_values import (
+from .values import (
     CORE_REDUCTIONS,
     EpochCallbackPolicy,
     ElCheMode,
@@ -23,7 +23,7 @@ from .config_values import (
     _is_int,
     _is_real,
 )
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 Check = Callable[[str, Any], Any]

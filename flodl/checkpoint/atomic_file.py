@@ -1,7 +1,7 @@
 """Atomic, durable file writes (torch-free): ``<path>.tmp``, fsync, rename, fsync of the directory.
 
 Shared by the tensor files (``safetensors_io.py``) and the checkpoint sidecar
-(``checkpoint_meta.py``); kept apart from them so the controller, which writes
+(``meta.py``); kept apart from them so the controller, which writes
 only sidecars, never imports torch.
 """
 
