@@ -23,7 +23,7 @@ from flodl.rank.saving import checkpoint, emergency_save
 from flodl.checkpoint import safetensors_io
 
 from .conftest import task_spec
-from .test_process import Run, assert_all_gone
+from .helpers.procs import Run, assert_all_gone
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,62 +6,17 @@ import asyncio
 
 import pytest
 import torch
-import zmq
 
-from flodl.wire.bulk import SLICE_BYTES, unpack_slice
-from flodl.averaging.server import CpuAveraging
 from flodl.errors import ProtocolError
 from flodl.wire import messages as m
-from flodl.wire.codec import FrameWriter
-from flodl.rank.cpu_average import BulkLink, CpuAverager
-from flodl.rank.flat import FlatModel
+from flodl.wire.bulk import unpack_slice
+
+from .helpers.cpu_plane import Big, controller, rank_side, send_raw, stop, values
 
 pytestmark = pytest.mark.timeout(60)
 
-SECRET = b"b" * 32
-RUN = "bulk-run"
-
-
-class Big(torch.nn.Module):
-    """Parameters larger than one slice, plus a floating and an integer buffer."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.w = torch.nn.Parameter(torch.randn(SLICE_BYTES // 4 + 1000, generator=g))
-        self.v = torch.nn.Parameter(torch.randn(7, generator=g))
-        self.register_buffer("stat", torch.randn(5, generator=g))
-        self.register_buffer("count", torch.tensor(seed))
-
-
-def values(model):
-    return [t.detach().double().clone() for t in (model.w, model.v, model.stat)]
-
-
 #: Every round-level test runs twice: ranks on the wire, and on the same-host lane (shared memory).
 LANES = pytest.mark.parametrize("lane", [False, True], ids=["wire", "lane"])
-
-
-def rank_side(ctl: CpuAveraging, rank: int, model: torch.nn.Module, *, timeout_s: float = 10.0, lane: bool = False) -> CpuAverager:
-    identity = f"rank{rank}.t".encode()
-    ctl.admit(identity, rank)
-    probe = dict(shm_probe=ctl.probe_path, shm_nonce=ctl.probe_nonce) if lane else {}
-    bulk = BulkLink(f"tcp://127.0.0.1:{ctl.port}", rank=rank, secret=SECRET, run_id=RUN, sender=f"rank{rank}.t/bulk", **probe)
-    assert bulk.lane == lane
-    return CpuAverager(FlatModel(model), bulk, rank=rank, timeout_s=timeout_s, must_stop=lambda: False)
-
-
-async def controller(timeout_s: float = 5.0) -> tuple[CpuAveraging, asyncio.Task]:
-    ctl = CpuAveraging(secret=SECRET, run_id=RUN, bind="127.0.0.1", timeout_s=timeout_s)
-    ctl.start()
-    return ctl, asyncio.create_task(ctl.run())
-
-
-async def stop(ctl, task, averagers=()):
-    task.cancel()
-    for a in averagers:
-        a.bulk.close()
-    ctl.close()
 
 
 @LANES
@@ -149,15 +104,6 @@ async def test_round_completes_without_a_rank_that_died(lane):
     await stop(ctl, task, avgs)
 
 
-def _send_raw(port: int, identity: bytes, header: m.Snapshot, payload: bytes) -> None:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.ROUTING_ID, identity)
-    sock.setsockopt(zmq.LINGER, 1000)
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    sock.send_multipart([FrameWriter(SECRET, RUN, identity.decode()).encode(header), payload])
-    sock.close()
-
-
 @pytest.mark.parametrize("bad, reason", [
     (dict(numels=[10], count=10), "slice of 16 bytes, header says 10 x float32 = 40"),
     (dict(dtypes=["int64"]), "dtype 'int64'"),
@@ -168,7 +114,7 @@ async def test_bad_slices_are_rejected_with_a_clear_error(bad, reason, caplog):
     ctl, task = await controller()
     ctl.admit(b"rank0.x", 0)
     fields = dict(rank=0, round=0, weight=1.0, groups=["p"], dtypes=["float32"], numels=[4], bucket=0, start=0, count=4, shm="", shm_offset=0, ranks=1) | bad
-    _send_raw(ctl.port, b"rank0.x/bulk", m.Snapshot(**fields), b"\0" * 16)
+    send_raw(ctl.port, b"rank0.x/bulk", m.Snapshot(**fields), b"\0" * 16)
     for _ in range(100):
         if ctl.drops["bulk"]:
             break
@@ -184,7 +130,7 @@ async def test_snapshot_from_the_wrong_socket_is_unauthorized():
     ctl, task = await controller()
     ctl.admit(b"rank0.x", 0)
     header = m.Snapshot(rank=0, round=0, weight=1.0, groups=["p"], dtypes=["float32"], numels=[4], bucket=0, start=0, count=4, shm="", shm_offset=0, ranks=1)
-    _send_raw(ctl.port, b"rank1.impostor/bulk", header, b"\0" * 16)
+    send_raw(ctl.port, b"rank1.impostor/bulk", header, b"\0" * 16)
     for _ in range(100):
         if ctl.drops["unauthorized"]:
             break

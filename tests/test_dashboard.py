@@ -19,7 +19,6 @@ import json
 import math
 import os
 import re
-import shutil
 import time
 from html.parser import HTMLParser
 from pathlib import Path
@@ -32,11 +31,9 @@ from flodl.monitor.dashboard import DashboardServer
 from flodl.monitor.feed import Feed
 from flodl.monitor.page import THEME_LINE, render_page
 
-pytestmark = pytest.mark.timeout(60)
+from .helpers.browser import CHROMIUM, chromium, console_errors, needs_chromium
 
-CHROMIUM = shutil.which("chromium")
-needs_chromium = pytest.mark.skipif(
-    CHROMIUM is None, reason="Debian's `chromium` is not installed (apt-get install chromium; .ci/run installs it)")
+pytestmark = pytest.mark.timeout(60)
 
 T0 = 1_700_000_000_000
 EPOCHS, TICKS, RANKS, LOST_AT = 4, 3, 2, 2
@@ -137,14 +134,6 @@ def assert_run_drawn(dom: str) -> Elements:
     for chart in ("loss", "eval", "throughput", "batch-share", "sync", "starve", "gpu", "vram", "cpu", "rss"):
         assert el.find("div", id=f"chart-{chart}"), chart
     return el
-
-
-CONSOLE_ERROR = re.compile(r"CONSOLE.*(Uncaught|flodl dashboard:)")
-
-
-def console_errors(stderr: str) -> list[str]:
-    """Real JS console errors from chromium's log (not its dbus/GPU chatter)."""
-    return [line for line in stderr.splitlines() if CONSOLE_ERROR.search(line)]
 
 
 # ---------------------------------------------------------------- raw HTTP helpers
@@ -374,21 +363,6 @@ def test_archive_rejects_unknown_theme(tmp_path, bad):
 
 
 # ---------------------------------------------------------------- headless Chromium
-
-async def chromium(*args: str, timeout_s: float = 40.0) -> tuple[str, str]:
-    """Run chromium off the event loop (the server shares it); (stdout, stderr)."""
-    proc = await asyncio.create_subprocess_exec(
-        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", *args,
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    try:
-        async with asyncio.timeout(timeout_s):
-            out, err = await proc.communicate()
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    return out.decode(errors="replace"), err.decode(errors="replace")
-
 
 @needs_chromium
 @pytest.mark.parametrize("theme", [None, "dark"])

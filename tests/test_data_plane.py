@@ -19,7 +19,7 @@ from flodl.plan.schedule import PickKey, Schedule
 
 from .conftest import task_spec
 from .tasks.tiny import jitter
-from .test_process import Run
+from .helpers.procs import Run
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,7 +18,7 @@ from flodl.wire import curve
 from flodl.errors import EXIT_CONTROLLER_LOST
 
 from .conftest import PY, ROOT, task_spec
-from .test_process import Run, free_port
+from .helpers.procs import Run, free_port
 
 pytestmark = pytest.mark.timeout(120)
 

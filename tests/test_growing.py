@@ -15,7 +15,7 @@ from flodl.plan.metrics import EpochCounters
 from flodl.wire import messages as m
 
 from .conftest import PY, ROOT, task_spec
-from .test_process import Run, free_port
+from .helpers.procs import Run, free_port
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from .conftest import task_spec
-from .test_process import Run, assert_all_gone
+from .helpers.procs import Run, assert_all_gone
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -13,8 +13,8 @@ from flodl.monitor.reader import epoch_table, load
 from flodl.monitor.timeline import validate_chrome_trace
 
 from .conftest import task_spec
-from .test_dashboard import chromium, console_errors, needs_chromium
-from .test_process import Run
+from .helpers.browser import chromium, console_errors, needs_chromium
+from .helpers.procs import Run
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -27,11 +27,12 @@ from flodl.launcher import check_controller_args, split_argv
 from flodl.worker import read_stdin_credentials
 
 from .conftest import PY, task_spec
-from .netns import Cluster, NsHost, Unavailable, ssh_cluster
+from .netns import NsHost, Unavailable, ssh_cluster
 from .netns import cmdline as _cmdline
 from .netns import must as _must
 from .netns import run as _run
-from .test_process import Proc
+from .helpers.hosts import assert_no_flodl_left, launch_on_hosts, parent_pid, wait_until
+from .helpers.procs import Proc
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -145,17 +146,9 @@ def test_stdin_credentials_line():
 # ================================================================== processes
 
 
-def _await(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.1)
-
-
 def test_worker_reads_its_secret_from_stdin_and_stops_on_eof(proc_env):
     """Loopback: a --secret-from-stdin worker trains, and closing its stdin stops it and its ranks."""
-    from .test_process import free_port
+    from .helpers.procs import free_port
 
     port = free_port()
     env = {**proc_env, "FLODL_RUN_SECRET": SECRET, "FLODL_RUN_ID": "stdin-run", "FLODL_TEST_STEP_SLEEP": "0.02"}
@@ -173,7 +166,7 @@ def test_worker_reads_its_secret_from_stdin_and_stops_on_eof(proc_env):
         worker.proc.stdin.close()
         assert worker.wait(20) == 130, worker.output
         assert "stdin closed" in worker.output
-        _await(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), 10, "the ranks to exit")
+        wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), 10, "the ranks to exit")
     finally:
         worker.kill()
         ctl.kill()
@@ -196,37 +189,6 @@ def cluster(tmp_path_factory):
         pytest.skip(f"namespace hosts unavailable: {exc}")
 
 
-def _launch(cluster: Cluster, tmp_path: Path, proc_env: dict, *, step_sleep: str, epochs: int, extra: list[str] = (),
-            launcher_extra: list[str] = (), hold: Path | None = None, **hostfile) -> Proc:
-    """``python -m flodl.launcher`` on the three hosts; ``extra`` goes to the controller, ``launcher_extra`` to the launcher.
-
-    ``hold``: until that file exists, every step sleeps 0.2 s (the namespaces share this file
-    system), so the run outlasts whatever the test does meanwhile, however loaded the machine."""
-    env = {"FLODL_TEST_STEP_SLEEP": step_sleep}
-    if hold is not None:
-        env |= {"FLODL_TEST_HOLD_FILE": str(hold), "FLODL_TEST_HOLD_SLEEP": "0.2"}
-    path = cluster.hostfile(tmp_path / "hosts.toml", env=env, **hostfile)
-    args = ["--hostfile", str(path), "--advertise", cluster.gateway, "--grace-secs", "3", *launcher_extra, "--",
-            "--task", "tests/tasks/tiny.py:task", "--epochs", str(epochs), "--dashboard-port", "-1",
-            "--summary-json", str(tmp_path / "summary.json"), *extra]
-    return Proc([PY, "-m", "flodl.launcher", *args], proc_env)
-
-
-def _assert_no_flodl_left(cluster: Cluster, timeout: float) -> None:
-    left = lambda: [p for h in cluster.hosts for p in h.flodl_procs()]  # noqa: E731
-    try:
-        _await(lambda: not left(), timeout, "flodl processes in the namespaces to exit")
-    except AssertionError:
-        raise AssertionError(f"left behind: {left()}") from None
-
-
-def _parent(p: psutil.Process) -> int:
-    try:
-        return p.ppid()
-    except psutil.Error:
-        return -1
-
-
 def _net_ns(pid: int) -> int:
     try:
         return os.stat(f"/proc/{pid}/ns/net").st_ino
@@ -240,7 +202,7 @@ def three_host_run(cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("three")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # the global flag instead of the per-host key: GLOO_SOCKET_IFNAME must reach every rank either way
-    run = _launch(cluster, tmp, env, step_sleep="0.01", epochs=3, per_host_ifname=False, launcher_extra=["--gloo-socket-ifname", "eth0"])
+    run = launch_on_hosts(cluster, tmp, env, step_sleep="0.01", epochs=3, per_host_ifname=False, launcher_extra=["--gloo-socket-ifname", "eth0"])
     seen: set[str] = set()
     secrets: set[str] = set()  # from this run's controller and ranks only (other test runs may be going on)
     namespaces = {os.stat(f"/run/netns/{h.name}").st_ino for h in cluster.hosts}
@@ -248,7 +210,7 @@ def three_host_run(cluster, tmp_path_factory):
         for p in psutil.process_iter():
             line = _cmdline(p)
             seen.add(line)
-            ours = ("flodl.controller" in line and _parent(p) == run.proc.pid) or ("flodl.rank" in line and _net_ns(p.pid) in namespaces)
+            ours = ("flodl.controller" in line and parent_pid(p) == run.proc.pid) or ("flodl.rank" in line and _net_ns(p.pid) in namespaces)
             if ours:
                 try:
                     secrets.add(p.environ().get("FLODL_RUN_SECRET", ""))
@@ -270,7 +232,7 @@ def test_a_run_across_three_hosts_trains_and_finishes(cluster, three_host_run):
     for prefix in ("[controller] epoch 3/3", "[10.77.0.11]", "[launcher] stopping: the controller exited with code 0",
                    "frames are authenticated, not encrypted"):  # served beyond loopback: it says so
         assert prefix in run.output, run.output
-    _assert_no_flodl_left(cluster, 5)
+    assert_no_flodl_left(cluster, 5)
 
 
 def test_the_secret_is_never_on_a_command_line(three_host_run):
@@ -285,7 +247,7 @@ def test_the_secret_is_never_on_a_command_line(three_host_run):
 
 
 def test_ctrl_c_tears_down_every_host(cluster, tmp_path, proc_env):
-    run = _launch(cluster, tmp_path, proc_env, step_sleep="0.05", epochs=200)
+    run = launch_on_hosts(cluster, tmp_path, proc_env, step_sleep="0.05", epochs=200)
     try:
         run.wait_for_line("epoch 1/200")
         local = psutil.Process(run.proc.pid).children(recursive=True)
@@ -294,7 +256,7 @@ def test_ctrl_c_tears_down_every_host(cluster, tmp_path, proc_env):
         run.proc.send_signal(signal.SIGINT)
         assert run.wait(30) == 130, run.output
         assert time.monotonic() - stopped_at < 15, run.output
-        _assert_no_flodl_left(cluster, 5)
+        assert_no_flodl_left(cluster, 5)
         assert not [p for p in local if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert "[launcher] stopping: received SIGINT" in run.output
     finally:
@@ -303,18 +265,18 @@ def test_ctrl_c_tears_down_every_host(cluster, tmp_path, proc_env):
 
 def test_a_host_that_cannot_be_reached_stops_the_launch(cluster, tmp_path, proc_env):
     """sshd does not listen on port 2200: every ssh fails at once, and the launcher exits 7 leaving nothing."""
-    run = _launch(cluster, tmp_path, proc_env, step_sleep="0", epochs=1, ssh_port=2200)
+    run = launch_on_hosts(cluster, tmp_path, proc_env, step_sleep="0", epochs=1, ssh_port=2200)
     try:
         assert run.wait(60) == 7, run.output
         assert "failed at start (ssh could not connect or log in, exit code 255)" in run.output
-        _assert_no_flodl_left(cluster, 5)
+        assert_no_flodl_left(cluster, 5)
     finally:
         run.kill()
 
 
 def test_a_cut_link_is_a_dead_rank_and_the_survivors_finish(cluster, tmp_path, proc_env):
     cut = cluster.hosts[2]
-    run = _launch(cluster, tmp_path, proc_env, step_sleep="0.05", epochs=20, extra=["--heartbeat-timeout-secs", "4"])
+    run = launch_on_hosts(cluster, tmp_path, proc_env, step_sleep="0.05", epochs=20, extra=["--heartbeat-timeout-secs", "4"])
     try:
         run.wait_for_line("epoch 1/20")
         _must("ip", "link", "set", cut.veth, "down")
@@ -324,7 +286,7 @@ def test_a_cut_link_is_a_dead_rank_and_the_survivors_finish(cluster, tmp_path, p
         assert summary["exit_reason"] == "completed"
         assert [h["samples"] for h in summary["history"]] == [512] * 20  # the dead rank's samples went to the survivors
         # cut off, the host's worker hears nothing from the controller and stops its ranks on its own
-        _assert_no_flodl_left(cluster, 40)
+        assert_no_flodl_left(cluster, 40)
     finally:
         _run("ip", "link", "set", cut.veth, "up")
         run.kill()

@@ -43,7 +43,7 @@ from .conftest import PY, ROOT
 from .intruder import FORGED_LINE
 from .netns import Netem, NsHost, Shaper, Unavailable, add_host, remove_host, ssh_cluster
 from .sniff import Sniffer, sender_seq
-from .test_multihost import _assert_no_flodl_left, _launch, _parent
+from .helpers.hosts import assert_no_flodl_left, launch_on_hosts, parent_pid
 
 pytestmark = pytest.mark.timeout(200)
 
@@ -82,7 +82,7 @@ def _controller_secret(launcher: psutil.Process, timeout: float = 30) -> bytes:
     while time.monotonic() < deadline:
         for p in launcher.children():
             try:
-                if "flodl.controller" in " ".join(p.cmdline()) and _parent(p) == launcher.pid:
+                if "flodl.controller" in " ".join(p.cmdline()) and parent_pid(p) == launcher.pid:
                     return bytes.fromhex(p.environ()["FLODL_RUN_SECRET"])
             except (psutil.Error, KeyError):
                 pass
@@ -124,7 +124,7 @@ def _attack(net, tmp: Path, *, phases: str, epochs: int = 16, launcher_extra: li
     sniffer = Sniffer(BRIDGE, port)  # started first: it must see the hellos
     sniffer.start()
     done = tmp / "attack-done"  # slow steps until the intruder is done: the run must outlast it
-    run = _launch(net, tmp, env, step_sleep="0.03", epochs=epochs, launcher_extra=["--port", str(port), *launcher_extra], extra=list(extra),
+    run = launch_on_hosts(net, tmp, env, step_sleep="0.03", epochs=epochs, launcher_extra=["--port", str(port), *launcher_extra], extra=list(extra),
                   hold=done)
     try:
         secret = _controller_secret(psutil.Process(run.proc.pid))
@@ -172,7 +172,7 @@ def _assert_untouched(net, a: dict, epochs: int = 16) -> None:
     assert [h["samples"] for h in summary["history"]] == [SAMPLES] * epochs  # every sample once, every epoch
     assert a["report"]["replies"] == 0, a["report"]  # no Pong, no Reject, no Welcome: nothing it sent was answered
     assert "refused a worker" not in run.output and "lost rank" not in run.output
-    _assert_no_flodl_left(net, 10)
+    assert_no_flodl_left(net, 10)
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +226,7 @@ def test_under_encrypt_nothing_an_intruder_sends_reaches_the_controller(net, tmp
 def test_without_encrypt_an_intruder_cannot_take_over_a_ranks_route(net, tmp_path):
     a = _attack(net, tmp_path, phases="hijack", epochs=24, extra=["--heartbeat-timeout-secs", "4"], hold_s=6)
     print(f"hijack: {a['report']['hijacked_frames']} frame(s) meant for rank 1 reached the intruder; deaths {a['summary'].get('deaths')}")
-    _assert_no_flodl_left(net, 10)
+    assert_no_flodl_left(net, 10)
     assert a["report"]["hijacked_frames"] == 0, "frames meant for the rank reached the intruder"
     assert a["code"] == 0 and a["summary"]["deaths"] == [], a["summary"].get("deaths")
 
@@ -248,7 +248,7 @@ def test_a_run_converges_over_delayed_lossy_links(net, tmp_path, proc_env):
     """20 ms ± 5 ms and 1% loss each way on every host link: same coverage, a model as good as on clean links."""
     args = dict(step_sleep="0.01", epochs=4)
     (tmp_path / "clean").mkdir()
-    clean = _launch(net, tmp_path / "clean", proc_env, **args)
+    clean = launch_on_hosts(net, tmp_path / "clean", proc_env, **args)
     try:
         assert clean.wait(120) == 0, clean.output
     finally:
@@ -260,7 +260,7 @@ def test_a_run_converges_over_delayed_lossy_links(net, tmp_path, proc_env):
         rtt = _rtt_ms(HOSTS[0].addr)
         assert 25 < rtt < 200, f"{shaper}: round trip to {HOSTS[0].name} is {rtt:.1f} ms"
         (tmp_path / "netem").mkdir()
-        run = _launch(net, tmp_path / "netem", proc_env, **args)
+        run = launch_on_hosts(net, tmp_path / "netem", proc_env, **args)
         try:
             assert run.wait(150) == 0, f"{shaper}\n{run.output}"
         finally:
@@ -275,7 +275,7 @@ def test_a_run_converges_over_delayed_lossy_links(net, tmp_path, proc_env):
     assert shaped["final_eval"] >= min(0.9, base["final_eval"] - 0.05), (shaped["final_eval"], base["final_eval"])
     assert shaped["final_loss"] <= max(2 * base["final_loss"], base["final_loss"] + 0.1), (shaped["final_loss"], base["final_loss"])
     assert shaped["wall_s"] > base["wall_s"], "the delay costs time (or the shaping did not apply)"
-    _assert_no_flodl_left(net, 10)
+    assert_no_flodl_left(net, 10)
 
 
 # ================================================================== resume
@@ -288,7 +288,7 @@ def test_a_run_stopped_part_way_resumes_across_hosts_from_shared_storage(net, tm
     task = ["--task", "tests/tasks/tiny.py:big_data_task"]  # 2048 samples: an epoch lasts long enough to stop inside one
     (tmp_path / "first").mkdir()
     (tmp_path / "second").mkdir()
-    first = _launch(net, tmp_path / "first", proc_env, step_sleep="0.03", epochs=epochs, extra=[*task, "--save-path", str(stem)],
+    first = launch_on_hosts(net, tmp_path / "first", proc_env, step_sleep="0.03", epochs=epochs, extra=[*task, "--save-path", str(stem)],
                     launcher_extra=["--grace-secs", "10"])  # room for the save before the launcher closes the hosts' stdin
     try:
         first.wait_for_line(f"epoch 1/{epochs}", timeout=90)
@@ -308,7 +308,7 @@ def test_a_run_stopped_part_way_resumes_across_hosts_from_shared_storage(net, tm
     covered_open = sum(item["total"] - sum(z for _, z in item["uncovered"]) for item in meta["coverage"]["open"])
     assert 0 <= covered_open < samples
 
-    second = _launch(net, tmp_path / "second", proc_env, step_sleep="0.01", epochs=epochs, extra=[*task, "--resume-from", str(stem)])
+    second = launch_on_hosts(net, tmp_path / "second", proc_env, step_sleep="0.01", epochs=epochs, extra=[*task, "--resume-from", str(stem)])
     try:
         assert second.wait(120) == 0, second.output
     finally:
@@ -326,7 +326,7 @@ def test_a_run_stopped_part_way_resumes_across_hosts_from_shared_storage(net, tm
     rest = [(saved_at, samples - covered_open)] + [(e, samples) for e in range(saved_at + 1, epochs)]
     assert [(h["epoch"], h["samples"]) for h in after["history"]] == rest
     assert sum(h["samples"] for h in before["history"]) + covered_open + sum(h["samples"] for h in after["history"]) == epochs * samples
-    _assert_no_flodl_left(net, 10)
+    assert_no_flodl_left(net, 10)
 
 
 # =================================================================== relay
@@ -338,7 +338,7 @@ def test_each_host_relays_its_ranks_as_one_snapshot(net, tmp_path, proc_env):
     runs = {}
     for relay in ("on", "off"):
         (tmp_path / relay).mkdir()
-        run = _launch(net, tmp_path / relay, {**proc_env, "FLODL_BULK_RELAY": relay}, step_sleep="0.01", epochs=3,
+        run = launch_on_hosts(net, tmp_path / relay, {**proc_env, "FLODL_BULK_RELAY": relay}, step_sleep="0.01", epochs=3,
                       extra=["--mode", "cpu-cadence"], devices="cpu,cpu")
         try:
             assert run.wait(150) == 0, run.output
@@ -353,4 +353,4 @@ def test_each_host_relays_its_ranks_as_one_snapshot(net, tmp_path, proc_env):
     assert on["relays"] == 3 and off["relays"] == 0
     per_round_on, per_round_off = on["ingress_bytes"] / on["rounds"], off["ingress_bytes"] / off["rounds"]
     assert per_round_on > 0 and per_round_off == pytest.approx(2 * per_round_on, rel=0.01), (per_round_on, per_round_off)
-    _assert_no_flodl_left(net, 10)
+    assert_no_flodl_left(net, 10)

@@ -9,7 +9,7 @@ from flodl import Task, TaskError
 from flodl.rank.norms import norm_layers, recalibrate
 
 from .conftest import task_spec
-from .test_process import Run
+from .helpers.procs import Run
 
 pytestmark = pytest.mark.timeout(180)
 

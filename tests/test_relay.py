@@ -14,7 +14,7 @@ import torch
 from flodl.wire.bulk import SLICE_BYTES
 from flodl.averaging.relay import HostRelay
 
-from .test_cpu_averaging import RUN, SECRET, Big, controller, rank_side, stop, values
+from .helpers.cpu_plane import RUN, SECRET, Big, controller, rank_side, stop, values
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -135,13 +135,13 @@ def test_relaying_loads_no_controller_code():
 async def test_a_relay_claiming_more_ranks_than_it_carries_is_dropped(caplog):
     from flodl.wire import messages as m
 
-    from .test_cpu_averaging import _send_raw
+    from .helpers.cpu_plane import send_raw
 
     ctl, task = await controller()
     ctl.admit_relay(b"worker.a", [0, 1])
     header = m.Snapshot(rank=0, round=0, weight=1.0, groups=["p"], dtypes=["float32"], numels=[4], bucket=0, start=0, count=4,
                         shm="", shm_offset=0, ranks=3)
-    _send_raw(ctl.port, b"worker.a/bulk", header, b"\0" * 16)
+    send_raw(ctl.port, b"worker.a/bulk", header, b"\0" * 16)
     for _ in range(100):
         if ctl.drops["bulk"]:
             break

@@ -20,7 +20,7 @@ from flodl.wire import shm
 from flodl.errors import ProtocolError
 from flodl.wire import messages as m
 
-from .test_cpu_averaging import RUN, SECRET, Big, _send_raw, controller, rank_side, stop
+from .helpers.cpu_plane import RUN, SECRET, Big, send_raw, controller, rank_side, stop
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -144,7 +144,7 @@ async def test_forged_lane_headers_are_dropped_with_a_reason(case, reason, caplo
             "outside": _lane_header(shm=str(own.path), shm_offset=8),
             "frame": _lane_header(shm=str(own.path)),
         }[case]
-        _send_raw(ctl.port, b"rank0.x/bulk", header, b"\0" * 16) if case == "frame" else _send_raw_header(ctl.port, header)
+        send_raw(ctl.port, b"rank0.x/bulk", header, b"\0" * 16) if case == "frame" else _send_raw_header(ctl.port, header)
         await _until(lambda: ctl.drops["bulk"], "the forged header to be dropped")
         assert ctl.drops["bulk"] == 1 and ctl.rounds.current is None and ctl.rounds.rounds_done == 0
         assert reason in caplog.text

@@ -1,0 +1,109 @@
+"""Real processes under test: a free port, a process with its output captured line by line,
+a ``python -m flodl.controller`` run, and the check that a run left no process behind."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import threading
+import time
+
+import psutil
+
+from ..conftest import PY, ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A process under test with its output (stdout and stderr) captured line by line."""
+
+    def __init__(self, argv: list[str], env: dict, cwd=ROOT, *, stdin=None) -> None:
+        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for_line(self, needle: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(needle in line for line in self.lines):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"never saw {needle!r}; output:\n{self.output}")
+            time.sleep(0.05)
+
+    def wait(self, timeout: float = 60) -> int:
+        """The exit code; a process still running after ``timeout`` is killed and the test fails."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"still running after {timeout} s; output:\n{self.output}") from None
+        self._reader.join(5)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class Run(Proc):
+    """A controller CLI process (``python -m flodl.controller ARGS``)."""
+
+    def __init__(self, args: list[str], env: dict, cwd=ROOT) -> None:
+        super().__init__([PY, "-m", "flodl.controller", *args], env, cwd)
+
+    def tree(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def ranks(self, count: int, timeout: float = 60) -> list[psutil.Process]:
+        """Rank processes (python -m flodl.rank) once ``count`` of them exist."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [p for p in self.tree() if runs_module(p, "flodl.rank")]
+            if len(found) >= count:
+                return sorted(found, key=lambda p: p.pid)
+            time.sleep(0.05)
+        raise AssertionError(f"only found {len(found)} ranks; output:\n{self.output}")
+
+
+def runs_module(proc: psutil.Process, module: str) -> bool:
+    try:
+        return module in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Exists and is not a zombie (an exited child whose parent has not reaped it yet)."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def assert_all_gone(procs: list[psutil.Process], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    alive = [p for p in procs if _running(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in alive if _running(p)]
+    left = [(p.pid, " ".join(p.cmdline())) for p in alive if _running(p)]
+    for p in alive:
+        p.kill()
+    assert not left, f"processes left behind: {left}"
