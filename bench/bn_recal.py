@@ -44,7 +44,7 @@ def averaged_state(models: list[torch.nn.Module], weights: list[float]) -> dict[
         elif key in buffers:
             out[key] = sum(s[key] for s in states) / len(states)
         else:
-            out[key] = sum(w * s[key] for w, s in zip(weights, states)) / sum(weights)
+            out[key] = sum(w * s[key] for w, s in zip(weights, states, strict=False)) / sum(weights)
     return out
 
 
@@ -74,7 +74,7 @@ def main() -> None:
     start = time.perf_counter()
     cpu = torch.device("cpu")
     for r in range(rounds):
-        for model, opt, n in zip(replicas, optimizers, (fast, slow)):
+        for model, opt, n in zip(replicas, optimizers, (fast, slow), strict=False):
             model.train()
             for _ in range(n):
                 xb, yb = batch()

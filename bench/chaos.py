@@ -291,7 +291,7 @@ def bundle_check(stem: Path) -> str | None:
     from flodl.checkpoint import load_model, read_meta
 
     sys.path.insert(0, str(ROOT / "tests" / "tasks"))
-    from tiny import make_model  # noqa: E402
+    from tiny import make_model
 
     try:
         meta = read_meta(stem)
@@ -461,7 +461,8 @@ def _check_heal(res: Result, s: dict, rec: dict) -> None:
 
 def torchrun_rows(runs: int, tmp: Path) -> list[Row]:
     """bench/faults.py's torchrun + DDP ``--max-restarts 3`` case, the same kill -9 of a worker."""
-    from bench.faults import NPROC as TR_NPROC, torchrun_case
+    from bench.faults import NPROC as TR_NPROC
+    from bench.faults import torchrun_case
 
     again, restarted = [], []
     for i in range(runs):

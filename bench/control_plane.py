@@ -44,19 +44,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import zmq  # noqa: E402
+import zmq
 
-from bench.common import Row, report, size_parser, smoke_results  # noqa: E402
-from flodl import __version__  # noqa: E402
-from flodl.config import DdpRunConfig  # noqa: E402
-from flodl.controller import Controller, ControllerHooks, LaunchOptions, run_loop  # noqa: E402
-from flodl.controller.console import Console  # noqa: E402
-from flodl.plan.metrics import EpochCounters, epoch_rows  # noqa: E402
-from flodl.wire import messages as m  # noqa: E402
-from flodl.wire.codec import FrameReader, FrameWriter  # noqa: E402
-from flodl.wire.messages import PROTOCOL_VERSION  # noqa: E402
-from flodl.testing.sim import window_batches  # noqa: E402
-from flodl.wire.transport import AsyncSocket, make_dealer, make_router  # noqa: E402
+from bench.common import Row, report, size_parser, smoke_results
+from flodl import __version__
+from flodl.config import DdpRunConfig
+from flodl.controller import Controller, ControllerHooks, LaunchOptions, run_loop
+from flodl.controller.console import Console
+from flodl.plan.metrics import EpochCounters, epoch_rows
+from flodl.testing.sim import window_batches
+from flodl.wire import messages as m
+from flodl.wire.codec import FrameReader, FrameWriter
+from flodl.wire.messages import PROTOCOL_VERSION
+from flodl.wire.transport import AsyncSocket, make_dealer, make_router
 
 SECRET = bytes.fromhex(os.environ.setdefault("FLODL_BENCH_SECRET", os.urandom(32).hex()))  # children inherit it
 RUN = "bench-run"
@@ -142,16 +142,16 @@ def sim_worker(addr: str, bare_addrs: dict[str, str], nranks: int, frames: int, 
         plans = [window_batches(c, 1, 0.0) for c in cmds]
         # sign everything first: the measurement is the controller's, not the signer's
         signed = [[writer.encode(m.BatchDone(r, e, i + 1, s, 0.5, 1.0, 0.0, 0.0)) for i, (e, s) in enumerate(p)]
-                  for (r, _, writer, _), p in zip(ranks, plans)]
+                  for (r, _, writer, _), p in zip(ranks, plans, strict=False)]
         longest = max(len(f) for f in signed)
         t0 = time.perf_counter()
         for i in range(longest):
-            for (_, sock, _, _), fs in zip(ranks, signed):
+            for (_, sock, _, _), fs in zip(ranks, signed, strict=False):
                 if i < len(fs):
                     sock.send(fs[i], copy=False)
         send_s += time.perf_counter() - t0
         sent += sum(len(f) for f in signed)
-        for (r, sock, writer, _), c, p in zip(ranks, cmds, plans):
+        for (r, sock, writer, _), c, p in zip(ranks, cmds, plans, strict=False):
             n = len(p)
             sock.send(writer.encode(m.WindowDone(
                 rank=r, window=c.window, batches=n, consumed=sum(s for _, s in p), loss_sum=0.5 * n, compute_ms=float(n),

@@ -45,8 +45,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench.common import Row, report, size_parser, smoke_results  # noqa: E402
-from flodl.controller import run_loop  # noqa: E402
 from flodl.averaging.server import CpuAveraging  # noqa: E402
+from flodl.controller import run_loop  # noqa: E402
 
 SECRET = b"c" * 32
 RUN = "cpu-avg-bench"
@@ -133,12 +133,12 @@ def measure(size_mb: int, world: int, reps: int, *, lane: bool) -> dict:
         while len(results) < world:
             try:
                 results.append(out.get_nowait())
-            except Exception:
+            except Exception as exc:
                 dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
                 if dead or time.monotonic() > deadline:
                     for p in procs:
                         p.kill()
-                    raise RuntimeError(f"bench ranks failed (exit codes {dead}) or ran past 600 s")
+                    raise RuntimeError(f"bench ranks failed (exit codes {dead}) or ran past 600 s") from exc
                 await asyncio.sleep(0.05)
         sampler.armed.clear()
         for p in procs:
@@ -147,7 +147,7 @@ def measure(size_mb: int, world: int, reps: int, *, lane: bool) -> dict:
         segment = actor.update_seg.size if actor.update_seg is not None else 0
         used_lane = actor.lane_bytes > 0
         actor.close()
-        return results + [baseline, actor.rounds.aborted, segment, used_lane]
+        return [*results, baseline, actor.rounds.aborted, segment, used_lane]
 
     *results, baseline, aborted, segment, used_lane = run_loop(main())
     assert used_lane == lane, "the lane was not taken as asked"

@@ -74,10 +74,7 @@ def rows_for(case: str, summary: dict, uncached_warm: float | None) -> list[Row]
         # the same later epoch with the tiers off (that case's first epoch is no slower than its last)
         versus = uncached_warm / warm if warm > 0 else 0.0
         out.append(Row(case, "warm vs tiers off", versus, "x", f">= {SPEEDUP_GOAL:g}x", versus >= SPEEDUP_GOAL))
-    return out + [
-        Row(case, "staged per rank", staged / 2**20, "MiB"),
-        Row(case, "peak rank RSS", summary["peak_rank_rss"] / 2**20, "MiB"),
-    ]
+    return [*out, Row(case, "staged per rank", staged / 2 ** 20, "MiB"), Row(case, "peak rank RSS", summary["peak_rank_rss"] / 2 ** 20, "MiB")]
 
 
 def main() -> None:

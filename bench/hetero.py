@@ -100,7 +100,7 @@ def rows(solos: list[dict], pairs: dict[tuple[int, str], list[dict]]) -> list[Ro
            Row("solo", "final eval (mean)", statistics.fmean(solo_eval), "%")]
     for (f, mode), runs in pairs.items():
         case = f"{f}:1 {mode}"
-        ideal = [v for v in (of_ideal(p, s) for p, s in zip(runs, solos)) if v is not None]
+        ideal = [v for v in (of_ideal(p, s) for p, s in zip(runs, solos, strict=False)) if v is not None]
         goal = mode != "nccl-sync" and f == 4
         if ideal:
             frac = med(v[0] for v in ideal)

@@ -52,7 +52,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import Row, report, size_parser, smoke_results  # noqa: E402
+from bench.common import Row, report, size_parser, smoke_results
 
 SECRET = bytes.fromhex(os.environ.setdefault("FLODL_BENCH_SECRET", os.urandom(32).hex()))  # children inherit it
 RUN = "scale-run"
@@ -217,8 +217,8 @@ def _status_kib(field: str) -> int:
 
 def sim_main(case: dict, addr: str, out: mp.Queue) -> None:
     """Every simulated worker and rank of ``case`` on one uvloop; their record on ``out``."""
-    from flodl.testing import sim
     from flodl.controller import run_loop
+    from flodl.testing import sim
 
     sim.allow_peers(case["ranks"] + len(case["late"]) + 2 * (case["ranks"] // RANKS_PER_WORKER + 8))
     specs = [sim.SimRankSpec(**s) for s in case["specs"]]

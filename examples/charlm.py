@@ -87,7 +87,7 @@ def _windows(ids: torch.Tensor, stride: int, limit: int) -> tuple[torch.Tensor, 
     return chunks[:, :-1].clone(), chunks[:, 1:].clone()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return ``(x_train, y_train, x_eval, y_eval)``, built once per process.
 

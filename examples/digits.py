@@ -35,7 +35,7 @@ BATCH_SIZE = 32
 LEARNING_RATE = 3e-3
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _splits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return ``(x_train, y_train, x_test, y_test)``, loaded once per process.
 

@@ -8,7 +8,7 @@ happens when a rank dies. Start with ``Task`` and ``Trainer.builder``, or
 
 __version__ = "0.1.0"
 
-from .config import (  # noqa: E402
+from .config import (
     ApplyPolicy,
     AverageBackend,
     DdpRunConfig,
@@ -18,7 +18,7 @@ from .config import (  # noqa: E402
     MaxFailureThreshold,
     Reduction,
 )
-from .errors import ConfigError, FlodlError, RunAborted, TaskError  # noqa: E402
+from .errors import ConfigError, FlodlError, RunAborted, TaskError
 
 #: Names imported on first use: they bring torch, which the worker and the
 #: controller's CLI do not need to start (about a second per process).

@@ -31,7 +31,16 @@ from typing import TextIO
 
 from .config.env import child_environ, credentials_env, new_run_id, new_run_secret
 from .errors import EXIT_CONFIG, EXIT_LAUNCH_FAILED, ConfigError
-from .host.hostfile import DEFAULT_CONNECT_TIMEOUT_S, Host, check_ssh_option, labels, load_hostfile, parse_host_flag, ssh_argv, with_defaults
+from .host.hostfile import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    Host,
+    check_ssh_option,
+    labels,
+    load_hostfile,
+    parse_host_flag,
+    ssh_argv,
+    with_defaults,
+)
 from .host.proc import nap, pdeathsig_preexec
 
 log = logging.getLogger("flodl.launcher")
@@ -135,7 +144,7 @@ class Launcher:
         if self.controller is None:
             return Verdict("the controller could not be started", EXIT_LAUNCH_FAILED)
         credentials = f"{secret.hex()} {run_id}\n".encode()
-        for label, host in zip(labels(list(self.cfg.hosts)), self.cfg.hosts):
+        for label, host in zip(labels(list(self.cfg.hosts)), self.cfg.hosts, strict=False):
             argv = ssh_argv(host, self.cfg.controller_address, extra_options=self.cfg.ssh_options, connect_timeout_s=self.cfg.connect_timeout_s,
                             encrypt=self.cfg.encrypt)
             child = await self._spawn(label, argv, stdin=asyncio.subprocess.PIPE)

@@ -9,8 +9,9 @@ rank imports the task factory by name (``module:function`` or
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

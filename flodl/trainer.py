@@ -10,7 +10,8 @@ ranks import it by name, they never receive pickled code.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .config import DdpRunConfig
 from .controller import Controller, LaunchOptions, run_controller
@@ -26,48 +27,48 @@ class TrainerBuilder:
         self._launch = LaunchOptions(task=spec_of(task))
         self._config = DdpRunConfig()
 
-    def _set(self, **changes: Any) -> "TrainerBuilder":
+    def _set(self, **changes: Any) -> TrainerBuilder:
         self._launch = dataclasses.replace(self._launch, **changes)
         return self
 
-    def epochs(self, n: int) -> "TrainerBuilder":
+    def epochs(self, n: int) -> TrainerBuilder:
         return self._set(epochs=n)
 
-    def nproc_per_node(self, n: int) -> "TrainerBuilder":
+    def nproc_per_node(self, n: int) -> TrainerBuilder:
         return self._set(nproc_per_node=n)
 
-    def devices(self, devices: str | list[str]) -> "TrainerBuilder":
+    def devices(self, devices: str | list[str]) -> TrainerBuilder:
         return self._set(devices=devices if isinstance(devices, str) else ",".join(devices))
 
-    def workers(self, n: int, *, bind: str = "127.0.0.1", port: int = 0) -> "TrainerBuilder":
+    def workers(self, n: int, *, bind: str = "127.0.0.1", port: int = 0) -> TrainerBuilder:
         """Wait for ``n`` external ``flodl.worker`` processes instead of starting one."""
         return self._set(workers=n, bind=bind, port=port)
 
-    def seed(self, seed: int) -> "TrainerBuilder":
+    def seed(self, seed: int) -> TrainerBuilder:
         return self._set(seed=seed)
 
-    def summary_json(self, path: str) -> "TrainerBuilder":
+    def summary_json(self, path: str) -> TrainerBuilder:
         return self._set(summary_json=path)
 
-    def progress(self, enabled: bool) -> "TrainerBuilder":
+    def progress(self, enabled: bool) -> TrainerBuilder:
         return self._set(progress=enabled)
 
-    def join_timeout_secs(self, secs: float) -> "TrainerBuilder":
+    def join_timeout_secs(self, secs: float) -> TrainerBuilder:
         return self._set(join_timeout_secs=secs)
 
-    def eval_timeout_secs(self, secs: float) -> "TrainerBuilder":
+    def eval_timeout_secs(self, secs: float) -> TrainerBuilder:
         """How long an eval, a user callback or a checkpoint write may run before its rank is hung."""
         return self._set(eval_timeout_secs=secs)
 
-    def step_timeout_secs(self, secs: float | None) -> "TrainerBuilder":
+    def step_timeout_secs(self, secs: float | None) -> TrainerBuilder:
         """How long one training step may take before its rank is hung (None: derived)."""
         return self._set(step_timeout_secs=secs)
 
-    def max_restarts(self, n: int) -> "TrainerBuilder":
+    def max_restarts(self, n: int) -> TrainerBuilder:
         """Healing: restart a dead rank up to ``n`` times (it rejoins at a window boundary)."""
         return self._set(max_restarts=n)
 
-    def config(self, config: DdpRunConfig) -> "TrainerBuilder":
+    def config(self, config: DdpRunConfig) -> TrainerBuilder:
         """The run options (``DdpRunConfig().with_...``)."""
         if not isinstance(config, DdpRunConfig):
             raise ConfigError("config", f"expected a DdpRunConfig, got {type(config).__name__}")

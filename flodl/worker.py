@@ -36,16 +36,16 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from . import __version__
-from .wire import curve
 from .config.deadlines import Deadlines
-from .host.devices import choose_devices
 from .config.env import RankEnv, child_environ, parent_pid, parse_run_secret, read_run_credentials, request_encryption, strict
 from .errors import EXIT_CONFIG, EXIT_CONTROLLER_LOST, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, ConfigError
+from .host.devices import choose_devices
 from .host.proc import die_with_parent, nap, terminate_then_kill
-from .wire.shm_sweep import sweep_stale
+from .wire import curve
 from .wire import messages as m
 from .wire.codec import Envelope
 from .wire.messages import PROTOCOL_VERSION
+from .wire.shm_sweep import sweep_stale
 from .wire.transport import HANDLER_ERRORS, ControlEndpoint, host_name, make_dealer
 
 if TYPE_CHECKING:
@@ -252,7 +252,7 @@ class Worker:
         welcome = self.welcome
         self._tg = tg
         self._relay_addr = self._start_relay(tg) if welcome.bulk_relay and welcome.bulk_port else ""
-        for rank, device in zip(welcome.ranks, self.devices):
+        for rank, device in zip(welcome.ranks, self.devices, strict=False):
             await self._start_rank(rank, device)
         log.info("%s spawned ranks %s on %s", self.sender, welcome.ranks, self.devices)
 

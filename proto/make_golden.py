@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from flodl.wire import messages as m  # noqa: E402
-from flodl.wire.messages import PROTOCOL_VERSION  # noqa: E402
 from flodl.wire.codec import HEADER, MAGIC, message_fields, pack_frame, sign  # noqa: E402
+from flodl.wire.messages import PROTOCOL_VERSION  # noqa: E402
 
 SECRET = bytes(range(32))
 RUN_ID = "golden-run"
@@ -93,7 +93,7 @@ def valid_vectors() -> list[dict]:
             "frame_hex": frame.hex(),
             "decoded": {
                 "version": PROTOCOL_VERSION, "kind": kind, "sender": "rank0.4301", "seq": seq, "run_id": RUN_ID,
-                "fields": {name: to_json(v) for name, v in zip(names, fields)},
+                "fields": {name: to_json(v) for name, v in zip(names, fields, strict=False)},
             },
         })
     return out

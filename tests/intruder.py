@@ -52,9 +52,9 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flodl.wire import messages as m  # noqa: E402
-from flodl.wire.codec import HEADER, MAGIC, TAG_LEN, pack_frame  # noqa: E402
-from flodl.wire.messages import PROTOCOL_VERSION, SCHEMA  # noqa: E402
+from flodl.wire import messages as m
+from flodl.wire.codec import HEADER, MAGIC, TAG_LEN, pack_frame
+from flodl.wire.messages import PROTOCOL_VERSION, SCHEMA
 
 FORGED_LINE = "[controller] epoch 99/99 FORGED BY THE INTRUDER"
 

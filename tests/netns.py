@@ -34,10 +34,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import psutil
 
@@ -215,7 +215,7 @@ def start_sshd(h: NsHost, tmp: Path) -> subprocess.Popen:
 def ssh_ready(h: NsHost, key: Path, timeout: float = 20) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        res = run("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=2", *sum((["-o", o] for o in SSH_OPTIONS), []),
+        res = run("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=2", *[arg for o in SSH_OPTIONS for arg in ("-o", o)],
                   "-i", str(key), f"root@{h.addr}", "hostname", timeout=10)
         if res.returncode == 0 and res.stdout.strip() == h.name:
             return

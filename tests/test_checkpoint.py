@@ -12,15 +12,24 @@ import psutil
 import pytest
 import torch
 
+from flodl.checkpoint import safetensors_io
 from flodl.checkpoint.bundle import (
-    CheckpointBundle, CheckpointError, check_model_file, file_sha256, load_model, load_optimizer, read_meta,
-    save_model, save_optimizer, stem_of, write_meta,
+    CheckpointBundle,
+    CheckpointError,
+    check_model_file,
+    file_sha256,
+    load_model,
+    load_optimizer,
+    read_meta,
+    save_model,
+    save_optimizer,
+    stem_of,
+    write_meta,
 )
 from flodl.config import DdpRunConfig
-from flodl.plan.cadence import CadenceLoop
 from flodl.controller.checkpoints import Checkpointer
+from flodl.plan.cadence import CadenceLoop
 from flodl.rank.saving import checkpoint, emergency_save
-from flodl.checkpoint import safetensors_io
 
 from .conftest import task_spec
 from .helpers.procs import Run, assert_all_gone
@@ -109,7 +118,7 @@ def test_a_truncated_tensor_file_is_refused_with_its_path(tmp_path):
     save_model(model(), path)
     data = path.read_bytes()
     path.write_bytes(data[:-10])
-    with pytest.raises(CheckpointError, match="m.fdl"):
+    with pytest.raises(CheckpointError, match=r"m\.fdl"):
         load_model(model(), path)
     path.write_bytes(b"\x00" * 4)
     with pytest.raises(CheckpointError, match="too short"):
@@ -121,7 +130,7 @@ def test_model_round_trip_includes_buffers_and_refuses_another_model(tmp_path):
     save_model(src, tmp_path / "m.fdl")
     dst = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
     load_model(dst, tmp_path / "m")  # a stem works too
-    for a, b in zip(src.state_dict().values(), dst.state_dict().values()):
+    for a, b in zip(src.state_dict().values(), dst.state_dict().values(), strict=False):
         assert torch.equal(a, b)
     wrong = torch.nn.Sequential(torch.nn.Linear(4, 9), torch.nn.BatchNorm1d(9), torch.nn.Linear(9, 2))
     with pytest.raises(CheckpointError, match=r"0.weight is torch.float32 \[8, 4\] in the file"):
@@ -219,7 +228,7 @@ def test_a_save_the_controller_never_commits_leaves_the_previous_bundle_whole(tm
     assert done.model_sha256 and done.optim_sha256
     read_meta(bundle.stem)  # still complete and consistent
     back, _ = _restored(bundle)
-    assert all(torch.equal(a, b) for a, b in zip(_params(back), committed))
+    assert all(torch.equal(a, b) for a, b in zip(_params(back), committed, strict=False))
     assert len(list(tmp_path.glob("run.*.fdl"))) == 2  # the uncommitted file is garbage, not the bundle
 
 
@@ -241,7 +250,7 @@ def test_a_crash_while_the_sidecar_is_written_leaves_the_old_sidecar(tmp_path, m
     monkeypatch.undo()
     assert bundle.meta.with_name("run.meta.json.tmp").exists() and bundle.meta.read_text() == before
     back, _ = _restored(bundle)
-    assert all(torch.equal(a, b) for a, b in zip(_params(back), committed))
+    assert all(torch.equal(a, b) for a, b in zip(_params(back), committed, strict=False))
 
 
 def test_a_commit_deletes_superseded_files_but_not_a_save_in_flight_or_other_bundles(tmp_path):
@@ -332,7 +341,7 @@ def test_a_schema_1_bundle_still_loads_and_one_without_a_checksum_is_refused(tmp
     bundle.meta.write_text(json.dumps(legacy))
     assert read_meta(tmp_path / "old.fdl")["save_reason"] == "final"
     back, _ = _restored(bundle)
-    assert all(torch.equal(a, b) for a, b in zip(_params(back), _params(net)))
+    assert all(torch.equal(a, b) for a, b in zip(_params(back), _params(net), strict=False))
     bundle.meta.write_text(json.dumps({**legacy, "model_sha256": ""}))
     with pytest.raises(CheckpointError, match="'model_sha256' is missing"):
         read_meta(bundle.stem)
@@ -353,12 +362,12 @@ def test_an_emergency_save_replaces_its_previous_one_crash_safely(tmp_path, monk
     monkeypatch.undo()
     back = model()
     load_model(back, rank.stem)
-    assert all(torch.equal(a, b) for a, b in zip(_params(back), first))
+    assert all(torch.equal(a, b) for a, b in zip(_params(back), first, strict=False))
     emergency_save(**save)
     assert len(list(tmp_path.glob("lost.rank3.*.fdl"))) == 1 and len(list(tmp_path.glob("lost.rank3.*.optim"))) == 1
     load_model(back, rank.stem)
     load_optimizer(torch.optim.Adam(back.parameters()), rank.stem)
-    assert all(torch.equal(a, b) for a, b in zip(_params(back), _params(net)))
+    assert all(torch.equal(a, b) for a, b in zip(_params(back), _params(net), strict=False))
 
 
 # ---------------------------------------------------------- real processes

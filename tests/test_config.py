@@ -28,8 +28,8 @@ from flodl.config import (
     Reduction,
     check_available,
 )
-from flodl.errors import ConfigError
 from flodl.config.options import add_run_options, load_toml, option_table, resolve_run_config
+from flodl.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -575,7 +575,7 @@ def test_callable_transform_serialises_as_its_import_name():
 def test_available_sets():
     assert {"lr_scale_ratio", "max_grad_norm", "heartbeat_timeout_secs", "mode", "anchor", "progressive_dispatch"} <= AVAILABLE_FIELDS
     assert {"easgd_alpha", "save_path", "checkpoint_every", "resume_from", "timeline", "vram_pool"} <= AVAILABLE_FIELDS
-    assert AVAILABLE_MODES == set(ElCheMode)
+    assert set(ElCheMode) == AVAILABLE_MODES
 
 
 def test_check_available_passes_for_defaults_and_available_fields():

@@ -11,8 +11,8 @@ from flodl.config import DdpRunConfig
 from flodl.controller import Controller, ControllerHooks, LaunchOptions, Phase
 from flodl.controller.phase import RunState
 from flodl.plan.membership import Membership
-from flodl.wire import messages as m
 from flodl.testing.sim import SimRankSpec, SimWorker
+from flodl.wire import messages as m
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -26,9 +26,9 @@ async def test_weighted_average_exact_against_float64(lane):
     before = [values(mo) for mo in models]
     avgs = [rank_side(ctl, r, mo, lane=lane) for r, mo in enumerate(models)]
     weights = [3.0, 1.0, 0.0]
-    threads = [asyncio.to_thread(a.average, w, measure=True) for a, w in zip(avgs, weights)]
+    threads = [asyncio.to_thread(a.average, w, measure=True) for a, w in zip(avgs, weights, strict=False)]
     results = await asyncio.gather(*threads)
-    want_p = [sum(w * b[i] for w, b in zip(weights, before)) / sum(weights) for i in (0, 1)]
+    want_p = [sum(w * b[i] for w, b in zip(weights, before, strict=False)) / sum(weights) for i in (0, 1)]
     want_b = (before[0][2] + before[1][2]) / 2  # buffers: equal weight among ranks that trained
     for mo in models:
         got = values(mo)
@@ -67,7 +67,7 @@ async def test_timeout_aborts_and_late_snapshot_never_leaks(lane):
     kept = [mo.weight.detach().clone() for mo in models]
     await asyncio.gather(*(asyncio.to_thread(a.average, 1.0) for a in avgs[:2]))
     assert ctl.rounds.aborted == 1
-    assert all(torch.equal(mo.weight.detach(), k) for mo, k in zip(models[:2], kept))
+    assert all(torch.equal(mo.weight.detach(), k) for mo, k in zip(models[:2], kept, strict=False))
     # rank 2's round-0 snapshot arrives now: stale. Round 1 averages all three.
     with torch.no_grad():
         models[2].weight.fill_(1000.0)

@@ -11,15 +11,15 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from flodl.config import ApplyPolicy
+from flodl.errors import TaskError
 from flodl.plan.dispatch import Dispatcher
 from flodl.plan.elche import ElChe
-from flodl.errors import TaskError
-from flodl.rank.data import BatchSource
 from flodl.plan.schedule import PickKey, Schedule
+from flodl.rank.data import BatchSource
 
 from .conftest import task_spec
-from .tasks.tiny import jitter
 from .helpers.procs import Run
+from .tasks.tiny import jitter
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -95,7 +95,7 @@ def _rows(source, grants):
     """pick -> delivered x row, over ``grants``."""
     out = {}
     for _, picks, (x, _) in source.window_batches(grants):
-        for p, row in zip(picks.tolist(), x):
+        for p, row in zip(picks.tolist(), x, strict=False):
             out[p] = row
     return out
 

@@ -31,7 +31,7 @@ def test_a_rank_builds_them_from_what_it_is_told():
     early = Deadlines(heartbeat_s=3.0)  # before the welcome: the heartbeat only
     assert early.collective_s == 3.0 and early.group_gather_s == 2 * 3 + 2 * 3 + 10
     with pytest.raises(ValueError, match="snapshot_s"):
-        early.snapshot_wait_s
+        _ = early.snapshot_wait_s
     told = Deadlines(heartbeat_s=3.0, collective_s=7.0, snapshot_s=1.0)
     assert told.group_gather_s == 2 * 7 + 2 * 3 + 10 and told.regroup_wait_s == 16.0 and told.snapshot_wait_s == 7.0
 

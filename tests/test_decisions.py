@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from flodl.config import DdpRunConfig
+from flodl.errors import EXIT_CONFIG, EXIT_NONFINITE, EXIT_RANK_LOST, EXIT_TASK_ERROR
 from flodl.plan.decisions import (
     MAX_COLLECTIVE_RETRIES,
     Outcome,
@@ -14,7 +15,6 @@ from flodl.plan.decisions import (
     after_rank_error,
     unexplained_collective_error,
 )
-from flodl.errors import EXIT_CONFIG, EXIT_NONFINITE, EXIT_RANK_LOST, EXIT_TASK_ERROR
 from flodl.plan.membership import Membership, restart_delay
 
 NCCL = DdpRunConfig().with_mode("nccl-cadence")

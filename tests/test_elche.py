@@ -357,7 +357,7 @@ def test_elect_anchor_rank_rules():
 
 def _speeds(che: ElChe, ms_per_batch) -> None:
     """Report a window in which each rank ran its plan at ``ms_per_batch`` (EMA converges fast)."""
-    report(che, [m * c for m, c in zip(ms_per_batch, che.batch_counts)])
+    report(che, [m * c for m, c in zip(ms_per_batch, che.batch_counts, strict=False)])
 
 
 def test_election_held_through_warmup_and_switches_only_from_stable():

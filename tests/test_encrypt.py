@@ -14,8 +14,8 @@ import subprocess
 import pytest
 import zmq
 
-from flodl.wire import curve
 from flodl.errors import EXIT_CONTROLLER_LOST
+from flodl.wire import curve
 
 from .conftest import PY, ROOT, task_spec
 from .helpers.procs import Run, free_port

@@ -92,7 +92,7 @@ def test_digits_dataset_and_learns() -> None:
     assert x.shape == (1, 8, 8) and x.dtype == torch.float32
     assert y.shape == () and y.dtype == torch.int64
     images, labels = dataset.tensors
-    assert 0.0 <= images.min() and images.max() <= 1.0
+    assert images.min() >= 0.0 and images.max() <= 1.0
     assert set(labels.tolist()) == set(range(10))
     _, _, x_test, _ = digits._splits()
     assert len(x_test) == 1797 - 1500
@@ -110,7 +110,7 @@ def test_digits_is_cached_and_deterministic() -> None:
     # A second task() must not reload the data (ranks and tests call it repeatedly).
     assert digits.task().dataset.tensors[0] is digits.task().dataset.tensors[0]
     # The split is a pure function of SEED: a fresh module rebuilds the same one.
-    for cached, rebuilt in zip(digits._splits(), _load("digits", fresh=True)._splits()):
+    for cached, rebuilt in zip(digits._splits(), _load("digits", fresh=True)._splits(), strict=False):
         assert torch.equal(cached, rebuilt)
 
 
@@ -135,7 +135,7 @@ def test_charlm_dataset_and_learns() -> None:
     assert x.dtype == y.dtype == torch.int64
     assert torch.equal(x[1:], y[:-1]), "targets are the inputs shifted by one character"
     inputs, targets = dataset.tensors
-    assert 0 <= int(inputs.min()) and int(targets.max()) < charlm.VOCAB_SIZE
+    assert int(inputs.min()) >= 0 and int(targets.max()) < charlm.VOCAB_SIZE
     _, _, x_eval, _ = charlm._data()
     assert 0 < len(x_eval) <= charlm.MAX_EVAL_WINDOWS
 

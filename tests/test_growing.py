@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from flodl.config import DdpRunConfig
 from flodl.averaging.server import CpuAveraging
+from flodl.config import DdpRunConfig
 from flodl.plan.cadence import CadenceLoop
 from flodl.plan.metrics import EpochCounters
 from flodl.wire import messages as m

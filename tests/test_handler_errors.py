@@ -8,9 +8,9 @@ import logging
 import pytest
 import zmq
 
-from flodl.wire import transport
 from flodl.controller import report_handler_errors
 from flodl.errors import EXIT_FAILED
+from flodl.wire import transport
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -85,8 +85,8 @@ async def test_a_controller_handler_bug_shows_in_the_run_summary(tally, quiet_co
     """The run goes on past the bad message (as in production) and its summary counts it."""
     from flodl.config import DdpRunConfig
     from flodl.controller import Controller, LaunchOptions
-    from flodl.wire import messages as m
     from flodl.testing.sim import SimRankSpec, SimWorker
+    from flodl.wire import messages as m
 
     secret, run_id = b"s" * 32, "handler-run"
     launch = LaunchOptions(task="sim:task", epochs=1, workers=1, progress=False, join_timeout_secs=20.0)

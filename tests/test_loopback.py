@@ -12,9 +12,9 @@ import zmq
 from flodl.config import DdpRunConfig
 from flodl.controller import Controller, LaunchOptions, Phase
 from flodl.errors import EXIT_RANK_LOST, RunAborted
+from flodl.testing.sim import SimRankSpec, SimWorker
 from flodl.wire import messages as m
 from flodl.wire.codec import FrameWriter
-from flodl.testing.sim import SimRankSpec, SimWorker
 from flodl.wire.transport import make_dealer
 
 pytestmark = pytest.mark.timeout(60)

@@ -56,7 +56,7 @@ def test_the_reader_reproduces_the_epoch_table(monitored):
     rows = epoch_table(monitored["dir"] / "logs")
     history = monitored["summary"]["history"]
     assert [r["epoch"] for r in rows] == list(range(EPOCHS))
-    for row, h in zip(rows, history):
+    for row, h in zip(rows, history, strict=False):
         assert row["samples"] == h["samples"] == 512
         assert row["loss"] == pytest.approx(h["loss"], rel=1e-6)
         assert row["eval"] == (pytest.approx(h["eval"]) if h["eval"] is not None else None)

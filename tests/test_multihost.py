@@ -27,12 +27,12 @@ from flodl.launcher import check_controller_args, split_argv
 from flodl.worker import read_stdin_credentials
 
 from .conftest import PY, task_spec
+from .helpers.hosts import assert_no_flodl_left, launch_on_hosts, parent_pid, wait_until
+from .helpers.procs import Proc
 from .netns import NsHost, Unavailable, ssh_cluster
 from .netns import cmdline as _cmdline
 from .netns import must as _must
 from .netns import run as _run
-from .helpers.hosts import assert_no_flodl_left, launch_on_hosts, parent_pid, wait_until
-from .helpers.procs import Proc
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -99,7 +99,7 @@ def test_ssh_command_keeps_launcher_options_first_and_holds_no_secret():
     assert argv[:4] == ["ssh", "-T", "-o", "BatchMode=yes"]
     opts = [argv[i + 1] for i, a in enumerate(argv) if a == "-o"]
     assert opts == ["BatchMode=yes", "ConnectTimeout=3", "LogLevel=ERROR", "ConnectTimeout=10"]  # ssh keeps the first
-    assert argv[-3:-1] == ["--", "10.0.0.2"] and ["-p", "2200"] == argv[argv.index("-p"):argv.index("-p") + 2]
+    assert argv[-3:-1] == ["--", "10.0.0.2"] and argv[argv.index("-p"):argv.index("-p") + 2] == ["-p", "2200"]
     command = argv[-1]
     assert command.startswith("cd '/w d' && exec env PYTHONUNBUFFERED=1 NCCL_SOCKET_IFNAME=ib0 'A=x y' /py -m flodl.worker")
     assert "--secret-from-stdin" in command and "--devices cpu,cpu" in command and "FLODL_RUN" not in command
@@ -123,7 +123,7 @@ def test_stdin_credentials_line():
         os.write(w, f"{SECRET} run-1\nleft for the EOF watch".encode())
         assert read_stdin_credentials(r, 1.0) == (bytes.fromhex(SECRET), "run-1")
         assert os.read(r, 100) == b"left for the EOF watch"  # nothing past the newline was consumed
-        with pytest.raises(ConfigError, match="within 0.2 s"):
+        with pytest.raises(ConfigError, match=r"within 0\.2 s"):
             read_stdin_credentials(r, 0.2)
         os.write(w, b"not-hex run-1 extra\n")
         with pytest.raises(ConfigError, match="got 3 field") as info:

@@ -40,10 +40,10 @@ from flodl.checkpoint import read_meta
 from flodl.wire.codec import DROP_REASONS, unpack_frame
 
 from .conftest import PY, ROOT
+from .helpers.hosts import assert_no_flodl_left, launch_on_hosts, parent_pid
 from .intruder import FORGED_LINE
 from .netns import Netem, NsHost, Shaper, Unavailable, add_host, remove_host, ssh_cluster
 from .sniff import Sniffer, sender_seq
-from .helpers.hosts import assert_no_flodl_left, launch_on_hosts, parent_pid
 
 pytestmark = pytest.mark.timeout(200)
 

@@ -203,7 +203,6 @@ def test_sigterm_to_worker_is_forwarded_and_nothing_is_left(proc_env):
 def test_trainer_api_runs_like_the_cli(tmp_path):
     """Trainer.builder(fn)...run() in this process: same run, same summary."""
     from examples.quickstart import task
-
     from flodl import ConfigError, DdpRunConfig, Trainer
 
     with pytest.raises(ConfigError, match="transform"):  # ranks import it by name: a lambda cannot travel

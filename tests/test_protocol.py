@@ -63,9 +63,9 @@ def test_schema_and_python_agree_both_ways():
     assert set(classes) == {msg["name"] for msg in SCHEMA["messages"]}
     for msg in SCHEMA["messages"]:
         cls = classes[msg["name"]]
-        assert cls.KIND == msg["kind"]
+        assert msg["kind"] == cls.KIND
         assert [f.name for f in dataclasses.fields(cls)] == [f["name"] for f in msg["fields"]]
-    assert m.PROTOCOL_VERSION == SCHEMA["version"]
+    assert SCHEMA["version"] == m.PROTOCOL_VERSION
 
 
 def test_every_message_has_a_golden_vector():

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from flodl.controller.console import Console
-from flodl.host.devices import choose_devices, parse_devices
 from flodl.errors import ConfigError
+from flodl.host.devices import choose_devices, parse_devices
 from flodl.plan.membership import Membership, PeerState, WorkerInfo, describe_exit
+from flodl.plan.metrics import EpochReport as EpochDone
 from flodl.plan.metrics import aggregate
 from flodl.plan.progress import ProgressLimits
-from flodl.plan.metrics import EpochReport as EpochDone
 from flodl.plan.schedule import epoch_permutation, shuffle_signature, slice_indices
 
 pytestmark = pytest.mark.timeout(30)

@@ -11,12 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flodl import Task, TaskError, record_scalar
-from flodl import scalars
-from flodl.rank.collective import CollectiveAverager, Superseded, build_group
-from flodl.rank.flat import FlatModel
-from flodl.rank.data import BatchSource, to_device
+from flodl import Task, TaskError, record_scalar, scalars
 from flodl.plan.schedule import slice_indices
+from flodl.rank.collective import CollectiveAverager, Superseded, build_group
+from flodl.rank.data import BatchSource, to_device
+from flodl.rank.flat import FlatModel
 from flodl.taskspec import load_task, spec_of
 
 from .conftest import task_spec
@@ -38,7 +37,7 @@ def test_task_validation_names_the_field():
         Task(model=_model, optimizer=_opt, dataset=ds, batch_size=0, loss_fn=torch.nn.functional.mse_loss)
     with pytest.raises(TaskError, match="exactly one of loss_fn or train_step"):
         Task(model=_model, optimizer=_opt, dataset=ds, batch_size=2)
-    with pytest.raises(TaskError, match="Task.model"):
+    with pytest.raises(TaskError, match=r"Task\.model"):
         Task(model=None, optimizer=_opt, dataset=ds, batch_size=2, loss_fn=torch.nn.functional.mse_loss)
     t = Task(model=_model, optimizer=_opt, dataset=lambda: ds, batch_size=2, loss_fn=torch.nn.functional.mse_loss)
     assert t.build_dataset() is ds
@@ -86,7 +85,7 @@ def test_batch_source_fast_path_and_generic_path_agree():
     fast = list(BatchSource(tensor_ds, 4, seed=3).batches(1, 2, 7))
     slow = list(BatchSource(Plain(), 4, seed=3).batches(1, 2, 7))
     assert [len(i) for i, _ in fast] == [4, 3]
-    for (ia, (xa, ya)), (ib, (xb, yb)) in zip(fast, slow):
+    for (ia, (xa, ya)), (ib, (xb, yb)) in zip(fast, slow, strict=False):
         assert torch.equal(ia, ib) and torch.equal(xa, xb) and torch.equal(ya, yb)
     assert torch.equal(torch.cat([i for i, _ in fast]), slice_indices(10, 3, 1, 2, 7))
 
@@ -147,7 +146,7 @@ def test_flat_averager_views_and_rnn_copies():
     n_rnn = sum(p.numel() for p in rnn.parameters())
     assert flat.numel == sum(p.numel() for p in holder.parameters()) + 8  # + running mean/var
     assert [b.group for b in flat.buckets] == ["p", "b"]
-    for a, p in zip(before, holder.parameters()):
+    for a, p in zip(before, holder.parameters(), strict=False):
         assert torch.equal(a, p)
     assert rnn.weight_ih_l0.data_ptr() == rnn_storage  # cuDNN keeps its own packed weights
     # non-RNN params are views into the flat buffer: an optimizer step shows up there
@@ -159,7 +158,7 @@ def test_flat_averager_views_and_rnn_copies():
     assert n_rnn > 0
     values = [p.detach().clone() for p in holder.parameters()]
     avg.average(1.0)  # a one-rank average is the identity, copied tensors included
-    for a, p in zip(values, holder.parameters()):
+    for a, p in zip(values, holder.parameters(), strict=False):
         assert torch.allclose(a, p)
     assert len(flat.snapshot()[0]) == len(packed)
 
@@ -171,10 +170,10 @@ def _averager_rank(rank, world, port, weights, out):
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7), torch.nn.GRU(7, 3))
     model[1].running_mean.add_(rank)
     model[1].num_batches_tracked.fill_(rank + 1)
-    values = [t.detach().double().clone() for t in list(model.parameters()) + [model[1].running_mean, model[1].running_var]]
+    values = [t.detach().double().clone() for t in [*list(model.parameters()), model[1].running_mean, model[1].running_var]]
     avg = CollectiveAverager(FlatModel(model), group)
     avg.average(weights[rank])
-    result = [t.detach().double().clone() for t in list(model.parameters()) + [model[1].running_mean, model[1].running_var]]
+    result = [t.detach().double().clone() for t in [*list(model.parameters()), model[1].running_mean, model[1].running_var]]
     # plain lists: torch tensors through a queue share memory with a child that is about to exit
     out.put((rank, [v.tolist() for v in values], [r.tolist() for r in result], int(model[1].num_batches_tracked)))
 
@@ -196,7 +195,7 @@ def test_weighted_average_is_exact_against_float64_reference():
     n_buffers = 2  # running_mean, running_var: averaged with equal weight among ranks that trained
     for i in range(len(got[0][1])):
         ws = weights if i < len(got[0][1]) - n_buffers else [1.0 if w > 0 else 0.0 for w in weights]
-        want = sum(w * torch.tensor(g[1][i], dtype=torch.float64) for w, g in zip(ws, got)) / sum(ws)
+        want = sum(w * torch.tensor(g[1][i], dtype=torch.float64) for w, g in zip(ws, got, strict=False)) / sum(ws)
         for g in got:
             assert torch.allclose(torch.tensor(g[2][i], dtype=torch.float64), want, atol=1e-6), i
     assert [g[3] for g in got] == [1, 2, 3]  # integer buffers stay local
@@ -300,7 +299,7 @@ def test_a_background_average_keeps_the_progress_made_meanwhile_and_lands_exactl
         trained = _values(model)
         with avg.scoring(5 << 16) as exact:  # the eval of window 5 scores its average, exactly
             scored = _values(model)
-        assert exact and all(torch.equal(a, b) for a, b in zip(trained, _values(model)))  # live values back
+        assert exact and all(torch.equal(a, b) for a, b in zip(trained, _values(model), strict=False))  # live values back
         with avg.scoring(4 << 16) as exact:
             assert not exact  # an average no longer held: the model as it is
         with torch.no_grad():
@@ -316,14 +315,14 @@ def test_a_background_average_keeps_the_progress_made_meanwhile_and_lands_exactl
     assert got[0][3] < 0.2  # rank 0 did not wait for its slow peer
     (b0, l0, e0, _, s0), (b1, l1, e1, _, s1) = got[0], got[1]
     n_params = 4  # weight, bias of Linear, weight, bias of BatchNorm; then two buffers (equal weights)
-    for i, (x, y) in enumerate(zip(b0, b1)):
+    for i, (x, y) in enumerate(zip(b0, b1, strict=False)):
         w = weights if i < n_params else [1.0, 1.0]
         mean = (w[0] * x + w[1] * y) / (w[0] + w[1])
         progress = [1.0, 2.0] if i == 0 else [0.0, 0.0]
         assert torch.allclose(l0[i], mean + progress[0], atol=1e-5), i
         assert torch.allclose(l1[i], mean + progress[1], atol=1e-5), i
         assert torch.allclose(s0[i], mean, atol=1e-5) and torch.equal(s0[i], s1[i]), i  # the average itself
-    for x, y in zip(e0, e1):
+    for x, y in zip(e0, e1, strict=False):
         assert torch.equal(x, y)  # bit-identical replicas after an average nobody trained past
 
 
@@ -352,7 +351,7 @@ def test_a_background_average_a_peer_never_joins_is_dropped_and_the_values_kept(
     got = _background_pair(store.port, "bg/2", script)
     trained, after, dropped, sends = got[0]
     assert dropped == 1 and sends is None
-    for x, y in zip(trained, after):
+    for x, y in zip(trained, after, strict=False):
         assert torch.equal(x, y)
 
 

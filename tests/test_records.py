@@ -13,7 +13,6 @@ from collections import Counter
 import pytest
 
 from flodl.config import Reduction
-from flodl.plan.metrics import EpochReport, aggregate
 from flodl.monitor import reader
 from flodl.monitor.record_log import RecordLog
 from flodl.monitor.records import (
@@ -30,6 +29,7 @@ from flodl.monitor.records import (
     rollup,
     tree_records,
 )
+from flodl.plan.metrics import EpochReport, aggregate
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -108,7 +108,7 @@ def test_hierarchical_mean_equals_flat_mean():
     paths = rank_paths(hosts)
     leaves = [leaf(paths[r], rng.randint(0, 50), {"loss": rng.random()}) for r in range(7)]
     root = tree_records(leaves, {})[0]
-    flat = sum(l["metrics"]["loss"] * l["work"] for l in leaves) / sum(l["work"] for l in leaves)
+    flat = sum(lf["metrics"]["loss"] * lf["work"] for lf in leaves) / sum(lf["work"] for lf in leaves)
     assert root["metrics"]["loss"] == pytest.approx(flat, rel=1e-12)
 
 
@@ -427,7 +427,7 @@ def test_reader_reproduces_the_epoch_table(tmp_path):
     history = _synthetic_run(tmp_path)
     table = reader.epoch_table(tmp_path)
     assert [row["epoch"] for row in table] == [0, 1, 2]
-    for row, want in zip(table, history):
+    for row, want in zip(table, history, strict=False):
         assert row["loss"] == pytest.approx(want["loss"], rel=1e-12)
         assert row["eval"] == pytest.approx(want["eval"])
         assert row["samples"] == want["samples"]

@@ -11,8 +11,8 @@ import asyncio
 import pytest
 import torch
 
-from flodl.wire.bulk import SLICE_BYTES
 from flodl.averaging.relay import HostRelay
+from flodl.wire.bulk import SLICE_BYTES
 
 from .helpers.cpu_plane import RUN, SECRET, Big, controller, rank_side, stop, values
 

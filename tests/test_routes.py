@@ -19,14 +19,14 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from flodl.wire import bulk
+from flodl.averaging.server import CpuAveraging
 from flodl.config import DdpRunConfig
 from flodl.controller import Controller, LaunchOptions
-from flodl.averaging.server import CpuAveraging
-from flodl.wire import messages as m
-from flodl.wire.codec import DEFAULT_MAX_FRAME, Envelope, FrameWriter
 from flodl.testing import sim
 from flodl.testing.sim import SimRankSpec, SimWorker
+from flodl.wire import bulk
+from flodl.wire import messages as m
+from flodl.wire.codec import DEFAULT_MAX_FRAME, Envelope, FrameWriter
 from flodl.wire.transport import CONTROL_MAX_MSG_BYTES, ControlEndpoint, Routes, make_router
 
 from .conftest import PY
@@ -156,7 +156,7 @@ async def _squat_once_free(ctl, addr: str, routing_id: bytes, timeout_s: float =
         drops = ctl.endpoint.drops["bad_magic"]
         sock = _squatter(addr, routing_id)
         try:
-            await _until(lambda: ctl.endpoint.drops["bad_magic"] > drops, "the stranger's connection", 0.5)
+            await _until(lambda: ctl.endpoint.drops["bad_magic"] > drops, "the stranger's connection", 0.5)  # noqa: B023 - awaited in this iteration
             return sock
         except AssertionError:
             sock.close()

@@ -37,7 +37,7 @@ def positions_trained(workers: list[SimWorker]) -> tuple[int, int]:
 
 async def test_sixty_ranks_random_speeds_deaths_and_a_join_cover_every_sample_once(quiet_console):
     rng = random.Random(9)
-    dying = dict(zip(rng.sample(range(RANKS), 3), (rng.randint(3, 25) for _ in range(3))))
+    dying = dict(zip(rng.sample(range(RANKS), 3), (rng.randint(3, 25) for _ in range(3)), strict=False))
     specs = [SimRankSpec(batch_ms=15, slowdown=rng.uniform(1.0, 3.0), jitter=0.25, seed=r, die_at_batch=dying.get(r)) for r in range(RANKS)]
     config = DdpRunConfig().with_mode("nccl-cadence").with_anchor(2).with_max_anchor(4)
     launch = LaunchOptions(task="sim:task", epochs=EPOCHS, workers=RANKS // PER_WORKER, progress=False, join_timeout_secs=30)

@@ -16,11 +16,11 @@ import sys
 import pytest
 import torch
 
-from flodl.wire import shm
 from flodl.errors import ProtocolError
 from flodl.wire import messages as m
+from flodl.wire import shm
 
-from .helpers.cpu_plane import RUN, SECRET, Big, send_raw, controller, rank_side, stop
+from .helpers.cpu_plane import RUN, SECRET, Big, controller, rank_side, send_raw, stop
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from flodl.config.env import (SIMULATE_BASE_MS, SIMULATE_SLOWDOWN, paced_step, parse_base_ms, parse_slowdown, simulated_base_ms,
-                       simulated_slowdown)
+from flodl.config.env import (
+    SIMULATE_BASE_MS,
+    SIMULATE_SLOWDOWN,
+    paced_step,
+    parse_base_ms,
+    parse_slowdown,
+    simulated_base_ms,
+    simulated_slowdown,
+)
 
 pytestmark = pytest.mark.timeout(30)
 

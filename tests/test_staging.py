@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from flodl.rank import disk_stage, staging
+from flodl.rank.disk_stage import DiskStage
 from flodl.rank.prefetch import Prefetcher
 from flodl.rank.sample_codec import SampleCodec
-from flodl.rank.disk_stage import DiskStage
 from flodl.rank.staging import (
     RamCache,
     TieredSamples,
@@ -53,7 +53,7 @@ def same(a, b) -> bool:
     if isinstance(a, np.generic):
         return a.dtype == b.dtype and a.tobytes() == b.tobytes()
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=False))
     if isinstance(a, dict):
         return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
     if isinstance(a, float) and math.isnan(a):
@@ -184,7 +184,7 @@ def test_ram_cache_stores_compact_private_copies_of_views():
 def test_ram_cache_holds_every_kind_of_sample_exactly(monkeypatch):
     monkeypatch.setattr(staging, "_SLAB_BYTES", 256)  # force many slabs, and samples larger than one
     cache = RamCache(MiB)
-    samples = _samples() + [torch.arange(1000, dtype=torch.float64)]
+    samples = [*_samples(), torch.arange(1000, dtype=torch.float64)]
     for i, s in enumerate(samples):
         assert cache.put(i, s) == (s is not None)
     for i, s in enumerate(samples):
@@ -569,10 +569,9 @@ def test_prefetcher_raises_at_the_failing_item_with_its_traceback():
         raise ValueError("sample 2 is broken")
 
     got = []
-    with Prefetcher(produce()) as items:
-        with pytest.raises(ValueError, match="sample 2 is broken") as err:
-            for x in items:
-                got.append(x)
+    with Prefetcher(produce()) as items, pytest.raises(ValueError, match="sample 2 is broken") as err:
+        for x in items:
+            got.append(x)
     assert got == [0, 1]
     assert "produce" in [f.name for f in traceback.extract_tb(err.value.__traceback__)]
 

@@ -69,6 +69,6 @@ def test_a_tensor_dataset_on_the_device_yields_the_same_batches_as_on_the_host()
     on_device.place_on(torch.device("cuda"))
     gpu = list(on_device.window_batches(grants))
     assert len(host) == len(gpu)
-    for (e1, p1, b1), (e2, p2, b2) in zip(host, gpu):
+    for (e1, p1, b1), (e2, p2, b2) in zip(host, gpu, strict=False):
         assert e1 == e2 and torch.equal(p1, p2) and p2.device.type == "cpu"  # the ledger's picks stay on the host
-        assert all(t.device.type == "cuda" for t in b2) and all(torch.equal(a, b.cpu()) for a, b in zip(b1, b2))
+        assert all(t.device.type == "cuda" for t in b2) and all(torch.equal(a, b.cpu()) for a, b in zip(b1, b2, strict=False))

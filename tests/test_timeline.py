@@ -154,10 +154,9 @@ def test_write_is_atomic_and_leaves_no_temp(clock, tmp_path):
 
 def test_measure_records_errors_and_reraises(clock):
     tl = Timeline(clock=clock)
-    with pytest.raises(KeyError):
-        with tl.measure("checkpoint", track=CTRL):
-            clock.advance(0.5)
-            raise KeyError("x")
+    with pytest.raises(KeyError), tl.measure("checkpoint", track=CTRL):
+        clock.advance(0.5)
+        raise KeyError("x")
     (ev,) = _body(tl.to_chrome_trace())
     assert ev["args"] == {"error": "KeyError"} and ev["dur"] == pytest.approx(500_000)
 

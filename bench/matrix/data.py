@@ -45,7 +45,7 @@ TEXT_MODULES = ("textwrap", "string", "heapq", "bisect", "fractions", "functools
 IMAGE_SIZE, IMAGE_CLASSES = 32, 10
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x_train, y_train, x_test, y_test)``: 1x8x8 float images in [0, 1], int64 labels."""
     try:
@@ -85,7 +85,7 @@ def _windows(ids: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]
     return chunks[:, :-1].clone(), chunks[:, 1:].clone()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def text(max_train: int = 1 << 30, max_eval: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x_train, y_train, x_eval, y_eval)`` as ``(n, CONTEXT)`` int64 windows (targets shifted by one)."""
     ids = encode(corpus())
@@ -95,7 +95,7 @@ def text(max_train: int = 1 << 30, max_eval: int = 256) -> tuple[torch.Tensor, t
     return x, y, xe, ye
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def images(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` synthetic 3x32x32 float32 images and their int64 labels (0..9), a pure function of (n, seed).
 

@@ -80,8 +80,8 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.matrix import tasks  # noqa: E402
-from flodl.config.env import paced_step, parse_base_ms, parse_slowdown  # noqa: E402
+from bench.matrix import tasks
+from flodl.config.env import paced_step, parse_base_ms, parse_slowdown
 
 CURVE_POINTS_PER_EPOCH = 8
 

@@ -48,8 +48,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.common import Row
-from bench.matrix import (BASELINE, BASELINE_POSTLOCAL, CASES, DOC, GOAL_EVAL_POINTS, GOAL_OF_IDEAL, GOAL_SPEEDUP, IMG_DIR,
-                          MODEL_ORDER, RATIO, TARGETS, Target)
+from bench.matrix import (
+    BASELINE,
+    BASELINE_POSTLOCAL,
+    CASES,
+    DOC,
+    GOAL_EVAL_POINTS,
+    GOAL_OF_IDEAL,
+    GOAL_SPEEDUP,
+    IMG_DIR,
+    MODEL_ORDER,
+    RATIO,
+    TARGETS,
+    Target,
+)
 
 
 def markers(name: str) -> tuple[str, str]:
@@ -183,7 +195,7 @@ class Cell:
     solo: list[dict] = field(default_factory=list)  # the model's solo runs (for "of ideal")
 
     @classmethod
-    def of(cls, summaries: list[dict] | None, solo: list[dict] | None = None) -> "Cell":
+    def of(cls, summaries: list[dict] | None, solo: list[dict] | None = None) -> Cell:
         summaries = summaries or []
         return cls([s for s in summaries if ok(s)],
                    [str(s.get("matrix", {}).get("error", "no summary")) for s in summaries if not ok(s)],
@@ -226,11 +238,11 @@ class Cell:
 
     def steps(self) -> list[float]:
         per = [step_ms(s) for s in self.runs]
-        return [statistics.median(col) for col in zip(*per)] if per and all(per) else []
+        return [statistics.median(col) for col in zip(*per, strict=False)] if per and all(per) else []
 
     def idle(self) -> list[float]:
         per = [idle_shares(s) for s in self.runs]
-        return [statistics.median(col) for col in zip(*per)] if per and all(per) else []
+        return [statistics.median(col) for col in zip(*per, strict=False)] if per and all(per) else []
 
     def _solo_for(self, s: dict) -> dict | None:
         """The solo run of the same seed (else the first solo run)."""
@@ -581,7 +593,7 @@ def plot(model: str, cases: dict[str, list[dict]], path: Path) -> Path:
     ratios = [r for r in (1, RATIO) if any(ok(s) and _ratio_of(c) == r for c, s in cases.items())] or [1]
     fig, axes = plt.subplots(1, len(ratios), figsize=(5.5 * len(ratios) + 0.5, 4), sharey=True, squeeze=False)
     axes = axes[0]
-    for ax, ratio in zip(axes, ratios):
+    for ax, ratio in zip(axes, ratios, strict=False):
         drawn = 0
         for cid in _ordered(cases):
             s = cases[cid]
@@ -590,7 +602,7 @@ def plot(model: str, cases: dict[str, list[dict]], path: Path) -> Path:
             curve = s.get("matrix", {}).get("curve") or s.get("curve") or []
             if not curve:
                 continue
-            t, loss = zip(*curve)
+            t, loss = zip(*curve, strict=False)
             case = CASES.get(cid)
             mode = "solo" if case is not None and case.nproc == 1 else (case.mode if case else cid)
             ax.plot(t, loss, linestyle="--" if case is not None and case.kind == "torchrun" else "-", marker="o", markersize=3,

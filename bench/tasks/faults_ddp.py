@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from bench.tasks.faults import BATCH, data, make_model, make_optimizer, step_sleep  # noqa: E402
+from bench.tasks.faults import BATCH, data, make_model, make_optimizer, step_sleep
 
 
 def main() -> None:

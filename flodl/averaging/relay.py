@@ -32,10 +32,10 @@ from typing import Any
 
 import zmq
 
-from ..wire import curve
-from ..wire.bulk import MAX_MSG_BYTES, announcement, as_frame, unpack_slice
 from ..errors import ProtocolError
+from ..wire import curve
 from ..wire import messages as m
+from ..wire.bulk import MAX_MSG_BYTES, announcement, as_frame, unpack_slice
 from ..wire.codec import FrameReader, FrameWriter
 from ..wire.transport import AsyncSocket
 from .rounds import Round

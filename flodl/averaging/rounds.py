@@ -37,14 +37,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from ..wire.bulk import DTYPES, slices
 from ..errors import ProtocolError
 from ..wire import messages as m
+from ..wire.bulk import DTYPES, slices
 
 log = logging.getLogger("flodl.averaging")
 

@@ -28,15 +28,16 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import zmq
 
-from ..wire import curve, shm
-from ..wire.bulk import MAX_MSG_BYTES, as_frame, check_slice, is_announcement, unpack_slice
 from ..errors import ProtocolError
+from ..wire import curve, shm
 from ..wire import messages as m
+from ..wire.bulk import MAX_MSG_BYTES, as_frame, check_slice, is_announcement, unpack_slice
 from ..wire.codec import FrameReader, FrameWriter
 from ..wire.transport import AsyncSocket, Routes, peer_name
 from .rounds import Egress, Round, Rounds, empty_update

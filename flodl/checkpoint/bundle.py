@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -175,7 +176,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike) ->
     if [len(g["params"]) for g in groups] != [len(g["params"]) for g in mine]:
         raise CheckpointError(f"{file} does not fit this optimizer: parameter groups of sizes "
                               f"{[len(g['params']) for g in groups]} in the file, {[len(g['params']) for g in mine]} here")
-    for group, own in zip(groups, mine):
+    for group, own in zip(groups, mine, strict=False):
         for key, value in group.items():
             if isinstance(own.get(key), tuple) and isinstance(value, list):
                 group[key] = tuple(value)  # JSON has no tuples (Adam's betas)

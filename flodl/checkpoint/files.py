@@ -23,9 +23,10 @@ import logging
 import os
 import re
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 log = logging.getLogger("flodl.checkpoint")
 
@@ -60,7 +61,7 @@ class CheckpointBundle:
     stem: Path
 
     @classmethod
-    def at(cls, path: str | os.PathLike) -> "CheckpointBundle":
+    def at(cls, path: str | os.PathLike) -> CheckpointBundle:
         return cls(stem_of(path))
 
     def _named(self, suffix: str) -> Path:
@@ -84,7 +85,7 @@ class CheckpointBundle:
         """``<stem>.<tag><suffix>``: one save's model or optimizer file."""
         return self._named(f".{tag}{suffix}")
 
-    def rank(self, rank: int) -> "CheckpointBundle":
+    def rank(self, rank: int) -> CheckpointBundle:
         """``<stem>.rank<N>``: the bundle one rank saves on its own when the controller is lost."""
         return CheckpointBundle(self._named(f".rank{rank}"))
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from .atomic_file import write_atomic
 from .files import SCHEMA_VERSION, CheckpointBundle, CheckpointError, data_files, read_sidecar, remove_superseded

@@ -14,17 +14,16 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import field
 from typing import Any
 
+from ..errors import ConfigError
 from .values import (
     CORE_REDUCTIONS,
-    EpochCallbackPolicy,
     ElCheMode,
+    EpochCallbackPolicy,
     MaxFailureThreshold,
     Reduction,
     _is_int,
     _is_real,
 )
-from ..errors import ConfigError
-
 
 Check = Callable[[str, Any], Any]
 

@@ -131,7 +131,7 @@ class RankEnv:
         }
 
     @classmethod
-    def from_environ(cls) -> "RankEnv":
+    def from_environ(cls) -> RankEnv:
         """Read the rank's spawn environment.
 
         Raises:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError
 from .run import (
     DdpRunConfig,
     ElCheMode,
@@ -29,7 +30,6 @@ from .run import (
     Reduction,
     option_fields,
 )
-from ..errors import ConfigError
 
 # ---------------------------------------------------------------------------
 # Value kinds: how one shape of value is written on the command line and in TOML

@@ -29,19 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-
-# the value types (values.py) and the field checkers (checks.py) have
-# their own modules; the package (``__init__.py``) re-exports the public names
-from .values import (
-    CORE_REDUCTIONS,
-    ApplyPolicy,
-    AverageBackend,
-    ElCheMode,
-    EpochCallbackPolicy,
-    MaxFailureThreshold,
-    Reduction,
-    _is_int,
-)
 from .checks import (
     _alpha,
     _callback_policy,
@@ -62,6 +49,19 @@ from .checks import (
     _text,
     _transform,
     _within,
+)
+
+# the value types (values.py) and the field checkers (checks.py) have
+# their own modules; the package (``__init__.py``) re-exports the public names
+from .values import (
+    CORE_REDUCTIONS,
+    ApplyPolicy,
+    AverageBackend,
+    ElCheMode,
+    EpochCallbackPolicy,
+    MaxFailureThreshold,
+    Reduction,
+    _is_int,
 )
 
 # Documented fallbacks for options whose ``None`` means "use the built-in value".
@@ -300,10 +300,9 @@ class DdpRunConfig:
         """Check every field, the rules relating fields, and (if given) the world size."""
         _check_fields(self)
         self.elche.validate()
-        if self.checkpoint_at_epoch is not None:
-            # every mode dispatches windows from a coverage ledger here, Sync included
-            if self.save_path is None:
-                raise ConfigError("checkpoint_at_epoch", "needs save_path (the bundle stem to write)")
+        # every mode dispatches windows from a coverage ledger here, Sync included
+        if self.checkpoint_at_epoch is not None and self.save_path is None:
+            raise ConfigError("checkpoint_at_epoch", "needs save_path (the bundle stem to write)")
         if self.resume_weights_only and self.resume_from is None:
             raise ConfigError("resume_weights_only", "needs resume_from (the bundle whose weights to load)")
         if world_size is not None:

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..wire import curve
 from ..config.env import read_run_credentials, request_encryption, strict
 from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, ConfigError, RunAborted
+from ..wire import curve
 from .core import Controller
 from .hooks import ControllerHooks
 from .launch import LaunchOptions, build_parser, resolve

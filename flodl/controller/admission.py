@@ -11,20 +11,20 @@ are admitted at the next window boundary (``admit_joiners``).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from .. import __version__
 from ..config import DdpRunConfig
 from ..config.deadlines import Deadlines
 from ..config.env import bulk_relay_setting
 from ..errors import EXIT_CONFIG, EXIT_TASK_ERROR
-from ..plan.membership import Membership, PeerState, WorkerInfo
 from ..monitor.hub import Monitor
+from ..plan.cadence import CadenceLoop
+from ..plan.membership import Membership, PeerState, WorkerInfo
 from ..wire import messages as m
 from ..wire.codec import Envelope
 from ..wire.messages import PROTOCOL_VERSION
 from ..wire.transport import host_name
-from ..plan.cadence import CadenceLoop
 from .console import Console
 from .hooks import ControllerHooks
 from .launch import LaunchOptions

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..checkpoint.files import CheckpointBundle, new_tag
 from ..checkpoint.meta import write_meta

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
 from ..plan.metrics import EpochStats
-
 
 #: Past this many ranks the progress line summarises their rates instead of listing each.
 LIST_RANKS_UP_TO = 8

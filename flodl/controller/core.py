@@ -36,23 +36,24 @@ import gc
 import logging
 import signal
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..checkpoint.files import CheckpointError
 from ..config import ApplyPolicy, DdpRunConfig
 from ..config.deadlines import Deadlines
 from ..config.env import new_run_id, new_run_secret
 from ..errors import EXIT_CONFIG, EXIT_EVALS_FAILED, EXIT_FAILED, RunAborted
+from ..monitor.hub import Monitor
+from ..plan.cadence import CadenceLoop
 from ..plan.membership import Membership, PeerState
 from ..plan.metrics import EpochStats
-from ..monitor.hub import Monitor
 from ..plan.progress import ProgressLimits
+from ..plan.schedule import Schedule
 from ..wire import messages as m
 from ..wire.codec import Envelope
-from ..plan.schedule import Schedule
 from ..wire.transport import ControlEndpoint, route_moves
 from .admission import Admission
-from ..plan.cadence import CadenceLoop
 from .checkpoints import Checkpointer
 from .console import Console
 from .hooks import ControllerHooks
@@ -339,7 +340,7 @@ class Controller:
                     return
                 raise RunAborted("the dispatcher stalled with samples left and nothing in flight (a bug)", EXIT_FAILED)
             number = in_flight.pop(0)
-            await self.state.until(lambda: training.reported(number), None, f"window {number}")
+            await self.state.until(lambda: training.reported(number), None, f"window {number}")  # noqa: B023 - awaited in this iteration
             reports, dead_batches = training.take_reports(number)
             t0 = time.perf_counter()
             closed = loop.on_reports(number, reports, self.clock(), dead_batches)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import DdpRunConfig
-from ..errors import ConfigError
 from ..config.options import add_run_options, load_toml, resolve_run_config
+from ..errors import ConfigError
 from ..plan.schedule import DEFAULT_SEED
 
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ..config import DdpRunConfig
-from ..plan.decisions import Outcome, after_collective_error, after_deaths, after_rank_error, unexplained_collective_error
 from ..errors import EXIT_NONFINITE
-from ..plan.membership import Membership, PeerState, restart_delay
 from ..monitor.hub import Monitor
+from ..plan.decisions import Outcome, after_collective_error, after_deaths, after_rank_error, unexplained_collective_error
+from ..plan.membership import Membership, PeerState, restart_delay
 from ..plan.progress import ProgressLimits
 from ..wire import messages as m
 from ..wire.codec import Envelope

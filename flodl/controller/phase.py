@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from enum import StrEnum
-from typing import Callable
 
 from ..errors import EXIT_RANK_LOST, RunAborted
 from ..plan.membership import Membership

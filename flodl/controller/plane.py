@@ -7,14 +7,15 @@ to one peer, to a few ranks or to many peers, a frame signed once for all.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from ..wire import curve
 from ..config import AverageBackend, DdpRunConfig
 from ..config.deadlines import Deadlines
 from ..plan.membership import Membership
+from ..wire import curve
 from ..wire import messages as m
 from ..wire.codec import Envelope
 from ..wire.transport import ControlEndpoint, make_router

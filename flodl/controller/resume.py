@@ -12,10 +12,10 @@ import logging
 from ..checkpoint.meta import read_meta
 from ..config import DdpRunConfig
 from ..errors import EXIT_CONFIG, RunAborted
-from ..plan.membership import Membership
-from ..wire import messages as m
-from ..plan.schedule import Schedule
 from ..plan.cadence import CadenceLoop
+from ..plan.membership import Membership
+from ..plan.schedule import Schedule
+from ..wire import messages as m
 from .checkpoints import Checkpointer
 from .console import Console
 from .launch import LaunchOptions

@@ -9,13 +9,13 @@ trajectory: coverage, ElChe state, steps) a run resumes from.
 from __future__ import annotations
 
 import signal
-from typing import Callable
+from collections.abc import Callable
 
 from .. import __version__
 from ..config import DdpRunConfig
 from ..errors import EXIT_INTERRUPTED, EXIT_SAVED
-from ..plan.membership import Membership
 from ..monitor.hub import Monitor
+from ..plan.membership import Membership
 from ..wire import messages as m
 from ..wire.codec import Envelope
 from .checkpoints import Checkpointer

@@ -12,12 +12,12 @@ import asyncio
 import logging
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from ..config.env import PARENT_PID, child_environ, credentials_env
 from ..errors import EXIT_FAILED, EXIT_RANK_LOST, EXIT_SAVED, RunAborted
-from ..plan.membership import Membership, PeerState, describe_exit
 from ..host.proc import terminate_then_kill
+from ..plan.membership import Membership, PeerState, describe_exit
 from ..wire import messages as m
 from ..wire.codec import Envelope
 from .admission import Admission

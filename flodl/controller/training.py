@@ -8,17 +8,17 @@ finish epochs.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ..config import DdpRunConfig
+from ..monitor.hub import Monitor
+from ..plan.cadence import CadenceLoop
 from ..plan.dispatch import FLOW_MAX_EPOCHS, PROBE_BATCHES, PROBE_MIN_MS
 from ..plan.membership import Membership
 from ..plan.metrics import EpochStats
-from ..monitor.hub import Monitor
+from ..plan.schedule import Schedule
 from ..wire import messages as m
 from ..wire.codec import Envelope
-from ..plan.schedule import Schedule
-from ..plan.cadence import CadenceLoop
 from .console import Console
 from .launch import LaunchOptions
 from .phase import RunState

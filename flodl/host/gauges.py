@@ -169,7 +169,7 @@ class MachineReader:
         nv = _nvml()
         utils, used, total = [], 0.0, 0.0
         for h in self._handles:
-            got = self._quiet(lambda: (nv.nvmlDeviceGetUtilizationRates(h), nv.nvmlDeviceGetMemoryInfo(h)),
+            got = self._quiet(lambda: (nv.nvmlDeviceGetUtilizationRates(h), nv.nvmlDeviceGetMemoryInfo(h)),  # noqa: B023 - called in this iteration
                               "gpu read")
             if got is _FAILED:
                 return {}  # one GPU unreadable ⇒ no GPU gauges this time rather than partial sums
@@ -306,7 +306,7 @@ class ResourceSampler:
         for gauge, stat in stats.items():
             for key, statistic in _SUMMARY[gauge]:
                 value = stat.get(statistic)
-                out[key] = int(round(value)) if key in _BYTES else value
+                out[key] = int(round(value)) if key in _BYTES else value  # noqa: RUF046 - int() whatever numeric type a gauge source hands back
         return out
 
     # ---- drivers ----

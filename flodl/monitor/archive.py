@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from .feed import Feed, encode_record
 from .page import check_theme, render_page
@@ -25,11 +26,8 @@ def archive_html(feed_or_snapshot: Feed | Iterable[dict[str, Any]], *, theme: st
         ValueError: ``theme`` is not a valid ``dashboard_theme``.
     """
     check_theme(theme)
-    if isinstance(feed_or_snapshot, Feed):
-        lines = feed_or_snapshot.snapshot_lines()
-    else:
-        lines = [encode_record(r) for r in feed_or_snapshot]
-    data = '{"v":1,"saved_ts":%d,"records":[%s]}' % (time.time() * 1000, ",".join(lines))
+    lines = feed_or_snapshot.snapshot_lines() if isinstance(feed_or_snapshot, Feed) else [encode_record(r) for r in feed_or_snapshot]
+    data = '{"v":1,"saved_ts":%d,"records":[%s]}' % (time.time() * 1000, ",".join(lines))  # noqa: UP031 - a JSON template: braces stay readable
     return render_page(theme=theme, data_json=data)
 
 

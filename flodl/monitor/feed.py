@@ -17,9 +17,10 @@ import itertools
 import logging
 import re
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from heapq import merge
-from typing import Any, Iterable
+from typing import Any
 
 from .records import encode as encode_record  # the stream's one encoding, shared with the log files
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ..config import DdpRunConfig, Reduction
 from ..plan.metrics import EpochCounters, EpochStats
@@ -92,7 +93,7 @@ class Monitor:
     def _set_ranks(self, ranks: Mapping[int, tuple[str, str]]) -> None:
         self.hosts.update({rank: host for rank, (host, _) in ranks.items()})
         self.paths = rank_paths(self.hosts)
-        for rank, (host, device) in ranks.items():
+        for rank in ranks:
             self.timeline.sort_process(rank_track(rank), rank)
 
     async def close(self) -> list[str]:

@@ -129,7 +129,7 @@ def format_table(rows: list[dict]) -> str:
         for row in rows
     ]
     widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [head, *body])
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=False)) for line in [head, *body])
 
 
 def format_events(found: list[dict]) -> str:

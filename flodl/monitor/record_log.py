@@ -101,10 +101,7 @@ class RecordLog:
 
     def write(self, record: dict) -> None:
         """Append one record to its node's ring. Never raises."""
-        if record.get("kind") == "meta":
-            path = ROOT
-        else:
-            path = record.get("path")
+        path = ROOT if record.get("kind") == "meta" else record.get("path")
         rel = safe_relative(path)
         if rel is None:
             self._warn_once(f"<path {path!r}>", "record skipped: unsafe or missing path")

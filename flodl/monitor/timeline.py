@@ -31,7 +31,7 @@ Track = tuple[str, str]
 """A display row: (process name, thread name), e.g. ("controller", "cadence")."""
 
 INSTANT_SCOPES = frozenset({"g", "p", "t"})
-PHASES = frozenset("B E X i I C M b e n s t f P O N D".split())
+PHASES = frozenset(["B", "E", "X", "i", "I", "C", "M", "b", "e", "n", "s", "t", "f", "P", "O", "N", "D"])
 METADATA_NAMES = frozenset(
     {"process_name", "thread_name", "process_sort_index", "thread_sort_index", "process_labels"}
 )
@@ -373,9 +373,8 @@ def _common_problems(ev: dict[str, Any], ph: str) -> list[str]:
         if not isinstance(ev.get(key), int) or isinstance(ev.get(key), bool):
             problems.append(f"ph {ph!r} {name!r}: {key!r} missing or not an int")
     ts = ev.get("ts")
-    if ph != "M" or ts is not None:
-        if not _is_number(ts) or ts < 0:
-            problems.append(f"ph {ph!r} {name!r}: 'ts' must be a non-negative number, got {ts!r}")
+    if (ph != "M" or ts is not None) and (not _is_number(ts) or ts < 0):
+        problems.append(f"ph {ph!r} {name!r}: 'ts' must be a non-negative number, got {ts!r}")
     return problems
 
 

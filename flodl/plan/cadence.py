@@ -14,14 +14,14 @@ import logging
 from dataclasses import dataclass, field
 
 from ..config import ApplyPolicy, AverageBackend, DdpRunConfig
+from ..wire import messages as m
 from .dispatch import FLOW_MAX_EPOCHS, Dispatcher, WindowPlan
-from .pool import EpochPool
-from .schedule import Schedule
 from .elche import ElChe
 from .guard import MetaController, make_guard, max_relative_delta
-from .signals import Verdict
 from .metrics import EpochCounters, EpochReport, EpochStats, aggregate
-from ..wire import messages as m
+from .pool import EpochPool
+from .schedule import Schedule
+from .signals import Verdict
 
 log = logging.getLogger("flodl.cadence")
 

@@ -26,8 +26,8 @@ to the pool, so coverage stays exact whatever the ranks actually did.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ..config import ApplyPolicy
 from .elche import ElChe

@@ -347,7 +347,7 @@ class ElChe:
         speed change (thermal throttling) is tracked within a window or two
         while small jitter barely moves the estimate.
         """
-        for rank, (wall, n) in enumerate(zip(wall_ms, batches)):
+        for rank, (wall, n) in enumerate(zip(wall_ms, batches, strict=False)):
             if not (n > 0 and wall > 0 and math.isfinite(wall)):
                 continue
             reading = wall / n

@@ -16,6 +16,7 @@ Pure logic: no I/O, no clock. Callers pass the measured numbers in.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -112,7 +113,7 @@ class TrendGuard:
         if len(self._history) < TREND_RUN:
             return False
         run = list(self._history)[-TREND_RUN:]
-        return all(a < b for a, b in zip(run, run[1:]))
+        return all(a < b for a, b in itertools.pairwise(run))
 
     def reset(self) -> None:
         self._history.clear()

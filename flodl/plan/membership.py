@@ -133,7 +133,7 @@ class Membership:
     def assign_ranks(self, worker: WorkerInfo, first: int, now: float) -> list[int]:
         """``worker`` runs ranks ``first``, ``first + 1``, ... (one per device): expect them."""
         worker.ranks = list(range(first, first + len(worker.devices)))
-        for rank, device in zip(worker.ranks, worker.devices):
+        for rank, device in zip(worker.ranks, worker.devices, strict=False):
             self.expect_rank(rank, worker.host, device, now)
         return worker.ranks
 

@@ -11,9 +11,9 @@ time is its slowest rank's. Golden values from the reference runtime are in
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterable, Mapping, Sequence
 
 
 @dataclass

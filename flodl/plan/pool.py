@@ -63,7 +63,7 @@ class EpochPool:
             self.free = [(0, self.total)]
 
     @classmethod
-    def from_uncovered(cls, epoch: int, total: int, uncovered: list[Range]) -> "EpochPool":
+    def from_uncovered(cls, epoch: int, total: int, uncovered: list[Range]) -> EpochPool:
         """An epoch resumed from a checkpoint: ``uncovered`` is free, everything else trained."""
         pool = cls(epoch, total, free=list(uncovered))
         at = 0
@@ -136,7 +136,7 @@ class EpochPool:
             counts[i] += 1
         offset = 0
         self.free = []
-        for rank, count in zip(ranks, counts):
+        for rank, count in zip(ranks, counts, strict=False):
             size = min(count * batch_size, self.total - offset)
             self.reserved[rank] = [(offset, size)] if size > 0 else []
             offset += size
@@ -165,7 +165,7 @@ class EpochPool:
 
     def take(self, rank: int, size: int) -> list[Range]:
         """Grant up to ``size`` positions to ``rank``, lowest first; returns the ranges."""
-        source = self.reserved[rank] if rank in self.reserved else self.free
+        source = self.reserved.get(rank, self.free)
         out: list[Range] = []
         while size > 0 and source:
             start, avail = source[0]
@@ -221,4 +221,4 @@ class EpochPool:
     def _give_back(self, rank: int, start: int, size: int) -> None:
         if size <= 0:
             return
-        _merge_into(self.reserved[rank] if rank in self.reserved else self.free, start, size)
+        _merge_into(self.reserved.get(rank, self.free), start, size)

@@ -242,7 +242,7 @@ class CollectiveAverager:
                     # we write the buffers it was reducing into
                     torch.cuda.synchronize(bucket.flat.device)
             # only the buckets this average reached hold a fresh backup
-            for bucket, saved in list(zip(self.flat.buckets, self.backup))[: self._backed_up]:
+            for bucket, saved in list(zip(self.flat.buckets, self.backup, strict=False))[: self._backed_up]:
                 bucket.values.copy_(saved)
                 bucket.copy_out()
 
@@ -383,7 +383,7 @@ class CollectiveAverager:
         kept = []
         try:
             with torch.no_grad():
-                for bucket, pre, send, work in zip(self.flat.buckets, self.backup, bg.sends, bg.works):
+                for bucket, pre, send, work in zip(self.flat.buckets, self.backup, bg.sends, bg.works, strict=False):
                     work.wait()  # completed: raises the collective's own error, if any
                     total = float(send[bucket.numel :].item())
                     if self.aborted:
@@ -426,7 +426,7 @@ class CollectiveAverager:
         self._kept = None  # the buffers are about to hold the next average
         works = []
         with torch.no_grad():
-            for bucket, pre, send in zip(buckets, self.backup, self._sends):
+            for bucket, pre, send in zip(buckets, self.backup, self._sends, strict=False):
                 bucket.copy_in()
                 w = weight if bucket.group == PARAMS else (1.0 if weight > 0 else 0.0)
                 pre.copy_(bucket.values)
@@ -456,7 +456,7 @@ class CollectiveAverager:
         if self._scratch is None:
             self._scratch = [torch.empty_like(b.values) for b in buckets]
         with torch.no_grad():
-            for bucket, keep, send, pre, live in zip(buckets, self._kept, self._sends, self.backup, self._scratch):
+            for bucket, keep, send, pre, live in zip(buckets, self._kept, self._sends, self.backup, self._scratch, strict=False):
                 bucket.copy_in()
                 live.copy_(bucket.values)
                 # a bucket nobody trained kept its launch values (the snapshot): that is the average's
@@ -466,7 +466,7 @@ class CollectiveAverager:
             yield True
         finally:
             with torch.no_grad():
-                for bucket, live in zip(buckets, self._scratch):
+                for bucket, live in zip(buckets, self._scratch, strict=False):
                     bucket.values.copy_(live)
                     bucket.copy_out()
 
@@ -502,7 +502,7 @@ class CollectiveAverager:
         pre_all, post_all = [], []
         landed = True  # every parameter bucket came back as the others' weighted average
         with torch.no_grad():
-            for bucket, pre in zip(self.flat.buckets, self.backup):
+            for bucket, pre in zip(self.flat.buckets, self.backup, strict=False):
                 bucket.copy_in()
                 values, slot = bucket.values, bucket.flat[bucket.numel :]
                 w = weight if bucket.group == PARAMS else (1.0 if weight > 0 else 0.0)

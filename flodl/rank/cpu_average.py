@@ -28,16 +28,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import zmq
 
-from ..wire import curve, shm
-from ..wire.bulk import MAX_MSG_BYTES, announcement, as_frame, check_slice, dtype_name, slices, unpack_slice
 from ..errors import DeadlineExceeded, ProtocolError
+from ..wire import curve, shm
 from ..wire import messages as m
+from ..wire.bulk import MAX_MSG_BYTES, announcement, as_frame, check_slice, dtype_name, slices, unpack_slice
 from ..wire.codec import FrameReader, FrameWriter
 from .flat import PARAMS, Averaged, FlatModel
 
@@ -202,13 +202,13 @@ class CpuAverager:
         try:
             self.segment = shm.SnapshotSegment.create_for(
                 self.bulk.run_id, self.rank, [b.numel * b.flat.element_size() for b in buckets],
-                [b.flat.numel() * b.flat.element_size() if here else 0 for b, here in zip(buckets, live)],
+                [b.flat.numel() * b.flat.element_size() if here else 0 for b, here in zip(buckets, live, strict=False)],
             )
         except OSError as exc:  # /dev/shm full or gone: the wire still works
             log.warning("rank %d: no shared-memory segment (%s); snapshots go as frames", self.rank, exc)
             self.bulk.use_frames()
             return
-        for i, (b, here) in enumerate(zip(buckets, live)):
+        for i, (b, here) in enumerate(zip(buckets, live, strict=False)):
             if here:
                 self.flat.rehome(i, self.segment.view(self.segment.live_offset(i), b.flat.numel(), b.flat.dtype))
                 self.live_buckets.add(i)
@@ -233,7 +233,7 @@ class CpuAverager:
         live = [in_place and i in self.live_buckets for i in range(len(buckets))]
         if not all(live) and not seg.ready_slot():
             return False  # no room in /dev/shm for a snapshot copy: this one goes as frames
-        views = [None if here else seg.view(seg.offset(i, 0), b.numel, b.flat.dtype) for i, (b, here) in enumerate(zip(buckets, live))]
+        views = [None if here else seg.view(seg.offset(i, 0), b.numel, b.flat.dtype) for i, (b, here) in enumerate(zip(buckets, live, strict=False))]
         with torch.no_grad():
             for bucket in buckets:
                 bucket.copy_in()

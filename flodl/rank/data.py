@@ -13,8 +13,9 @@ sample is broken.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import TensorDataset, default_collate
@@ -210,7 +211,7 @@ class BatchSource:
             return [self._one(i) for i in ids]
         if self._readers is None:
             self._readers = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="flodl-read")
-        read = dict(zip(misses, self._readers.map(self._one, [ids[k] for k in misses])))
+        read = dict(zip(misses, self._readers.map(self._one, [ids[k] for k in misses]), strict=False))
         return [read[k] if k in read else self._one(i) for k, i in enumerate(ids)]
 
     def _one(self, i: int) -> Any:

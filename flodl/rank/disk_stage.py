@@ -13,8 +13,9 @@ import os
 import tempfile
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any
 
 from .sample_codec import SampleCodec
 from .tier_stats import TierStats

@@ -13,9 +13,9 @@ failing is reported, never fatal.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 

@@ -16,7 +16,6 @@ storage and are copied in and out around each average instead.
 from __future__ import annotations
 
 import hashlib
-
 from dataclasses import dataclass, field
 
 import torch
@@ -144,7 +143,7 @@ def drift(pre: list[torch.Tensor], post: list[torch.Tensor]) -> tuple[float | No
     """``(‖pre − post‖ / ‖post‖, ‖pre‖, ‖post‖)`` over all tensors (None if ‖post‖ ≈ 0)."""
     pre_sq = post_sq = diff_sq = 0.0
     with torch.no_grad():
-        for a, b in zip(pre, post):
+        for a, b in zip(pre, post, strict=False):
             pre_sq += float(a.norm()) ** 2
             post_sq += float(b.norm()) ** 2
             diff_sq += float((a - b).norm()) ** 2

@@ -13,7 +13,7 @@ made there applies to every replica.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -35,7 +35,7 @@ class LrState:
         key = (mult, self.factor, tuple(self.base))
         if key == self._applied:
             return
-        for group, base in zip(self.optimizer.param_groups, self.base):
+        for group, base in zip(self.optimizer.param_groups, self.base, strict=False):
             group["lr"] = base * self.factor * mult
         self._applied = key
 

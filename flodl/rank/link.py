@@ -22,7 +22,8 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import zmq
 
@@ -212,9 +213,8 @@ class ControllerLink:
                 self._flush_lazy(dealer)  # first: they were queued before any urgent frame now waiting
                 if self._pipe_in in events:
                     self._forward(dealer)
-                if dealer in events:
-                    if self._receive(dealer):
-                        last_heard = now
+                if dealer in events and self._receive(dealer):
+                    last_heard = now
                 if now >= next_beat or self._beat_due:
                     self._beat_due = False
                     self._beat(dealer)

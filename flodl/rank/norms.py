@@ -16,7 +16,7 @@ each layer's momentum put back. Only the statistics change; no parameter does.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -47,7 +47,7 @@ def recalibrate(model: torch.nn.Module, layers: list[_BatchNorm], inputs: Iterab
                 model(x)
                 used += 1
     finally:
-        for m, momentum in zip(layers, momenta):
+        for m, momentum in zip(layers, momenta, strict=False):
             m.momentum = momentum
         model.train(was_training)
     return used

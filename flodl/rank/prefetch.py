@@ -14,7 +14,8 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class Prefetcher:
                 if self._stop.is_set():
                     return ("done", None)
                 if not self._thread.is_alive() and self._queue.empty():
-                    raise RuntimeError("prefetch thread ended without a result")
+                    raise RuntimeError("prefetch thread ended without a result") from None
 
     def close(self) -> None:
         """Stop the producer and join it; safe to call twice."""

@@ -32,14 +32,10 @@ import torch
 from torch.utils.data import TensorDataset
 
 from .. import __version__, scalars
-from ..wire import curve
 from ..checkpoint.bundle import CheckpointError, load_model, load_optimizer
 from ..config import AverageBackend, DdpRunConfig
 from ..config.deadlines import Deadlines
 from ..config.env import RankEnv, nccl_errors_raise, omp_threads_set, paced_step, simulated_base_ms, simulated_slowdown, vram_pool_disabled
-from ..testing.faults import FaultPlan
-from ..plan.metrics import epoch_rows
-from ..host.gauges import ResourceSampler
 from ..errors import (
     EXIT_CONFIG,
     EXIT_CONTROLLER_LOST,
@@ -52,29 +48,33 @@ from ..errors import (
     PeerLost,
     TaskError,
 )
-from ..wire import messages as m
-from ..wire.messages import PROTOCOL_VERSION
+from ..host.gauges import ResourceSampler
+from ..plan.metrics import epoch_rows
 from ..plan.schedule import Schedule, shuffle_signature
 from ..task import Task
 from ..taskspec import load_task
 from ..taskspec import resolve as resolve_spec
+from ..testing.faults import FaultPlan
+from ..wire import curve
+from ..wire import messages as m
+from ..wire.messages import PROTOCOL_VERSION
 from ..wire.transport import host_name
 from .collective import CollectiveAverager, Superseded, build_group
 from .cpu_average import BulkLink, CpuAverager
-from .flat import FlatModel, model_digest
-from .step_meter import StepMeter, StepRecord
-from .saving import checkpoint, emergency_save
 from .data import BatchSource, to_device
-from .evaluation import Evaluating
-from .norms import norm_layers
-from .outcomes import NonFiniteLoss, Stop, UserError, is_collective_error
-from .regroup import Regrouping
-from .window_stats import RoundStats
-from .prefetch import CacheWarmer, Prefetcher
 from .disk_stage import DiskStage
-from .staging import RamCache, TieredSamples, VramPool, ram_budget, vram_budget
+from .evaluation import Evaluating
+from .flat import FlatModel, model_digest
 from .handle import LrState, WorkerHandle
 from .link import ControllerLink
+from .norms import norm_layers
+from .outcomes import NonFiniteLoss, Stop, UserError, is_collective_error
+from .prefetch import CacheWarmer, Prefetcher
+from .regroup import Regrouping
+from .saving import checkpoint, emergency_save
+from .staging import RamCache, TieredSamples, VramPool, ram_budget, vram_budget
+from .step_meter import StepMeter, StepRecord
+from .window_stats import RoundStats
 
 log = logging.getLogger(__name__)
 
@@ -376,7 +376,7 @@ class RankRunner(Regrouping, Evaluating):
             # snapshots go to this host's relay when the worker runs one, else to the controller
             addr, probe, nonce = f"tcp://{welcome.store_host}:{welcome.bulk_port}", welcome.shm_probe, welcome.shm_nonce
             if self.env.relay_addr:
-                addr, probe, nonce = (self.env.relay_addr.split(" ") + ["", ""])[:3]
+                addr, probe, nonce = [*self.env.relay_addr.split(" "), "", ""][:3]
             bulk = BulkLink(
                 addr, rank=self.rank,
                 secret=self.env.secret, run_id=self.env.run_id, sender=f"{self.link.sender}/bulk",
@@ -547,7 +547,7 @@ class RankRunner(Regrouping, Evaluating):
         quota_ms: float = 0.0,
         measure: bool = False,
         window: int | None = None,
-    ) -> "RoundStats":
+    ) -> RoundStats:
         """The training loop: ``rounds`` averages, each after ``sync_every`` batches
         (0: after the quota), stopping early at the batch or time quota, or when
         the controller ends the window (``EndWindow``).
@@ -564,8 +564,8 @@ class RankRunner(Regrouping, Evaluating):
             if prefetch is not None:
                 prefetch.close()
 
-    def _rounds(self, stats: "RoundStats", batches: Any, *, rounds: int, sync_every: int, quota_batches: int,
-                quota_ms: float, measure: bool, window: int | None) -> "RoundStats":
+    def _rounds(self, stats: RoundStats, batches: Any, *, rounds: int, sync_every: int, quota_batches: int,
+                quota_ms: float, measure: bool, window: int | None) -> RoundStats:
         start = time.perf_counter()
         self.model.train()  # once per window, not per step: it walks every module
         exhausted = False
@@ -645,7 +645,7 @@ class RankRunner(Regrouping, Evaluating):
                 raise UserError("epoch_fn", exc) from exc
             self.link.doing("step")
 
-    def _report(self, records: list[StepRecord], stats: "RoundStats", last: m.BatchDone | None) -> m.BatchDone | None:
+    def _report(self, records: list[StepRecord], stats: RoundStats, last: m.BatchDone | None) -> m.BatchDone | None:
         """Count steps whose records are known, and queue their reports (each one a step late:
         the round's last report carries the average's time, set by the caller)."""
         for rec in records:

@@ -137,7 +137,7 @@ def _decode_node(node: Any, raw: memoryview) -> Any:
     if tag == "u":
         return tuple(_decode_node(x, raw) for x in node[1])
     if tag == "d":
-        return {k: _decode_node(v, raw) for k, v in zip(node[1], node[2])}
+        return {k: _decode_node(v, raw) for k, v in zip(node[1], node[2], strict=False)}
     if tag == "I":
         return int(node[1])
     if tag == "t":

@@ -13,14 +13,14 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
 
 from .tier_stats import TierStats
-
 
 try:  # numpy is optional for flodl; arrays are only staged when it is there
     import numpy as np
@@ -121,10 +121,7 @@ def vram_budget(device: torch.device, *, max_usage: float, gpu_ram_share: float 
     if kill_switch or device.type != "cuda":
         return 0
     free, total = torch.cuda.mem_get_info(device)
-    if gpu_ram_share is not None:
-        ceiling = gpu_ram_share * psutil.virtual_memory().total
-    else:
-        ceiling = max_usage * total
+    ceiling = gpu_ram_share * psutil.virtual_memory().total if gpu_ram_share is not None else max_usage * total
     return max(0, int(ceiling) - (total - free))
 
 

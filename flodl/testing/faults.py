@@ -45,7 +45,7 @@ class FaultPlan:
     seen: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def from_env(cls, rank: int, text: str | None = None) -> "FaultPlan":
+    def from_env(cls, rank: int, text: str | None = None) -> FaultPlan:
         """Parse ``rank:point:n[:kill|stop]`` items; raise ValueError naming the bad one."""
         text = injected_faults() if text is None else text
         plan = cls()

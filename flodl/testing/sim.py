@@ -167,7 +167,7 @@ class SimWorker:
                     await asyncio.sleep(0.05)
                     beat.cancel()
                     return
-                ranks = [tg.create_task(self._rank(peer, rank, spec, welcome)) for rank, spec in zip(welcome.ranks, self.specs)]
+                ranks = [tg.create_task(self._rank(peer, rank, spec, welcome)) for rank, spec in zip(welcome.ranks, self.specs, strict=False)]
                 await peer.expect(m.Shutdown, timeout_s=3600)
                 await asyncio.wait(ranks, timeout=5)
                 for rank, outcome in self.outcomes.items():
@@ -245,7 +245,7 @@ class SimWorker:
         per_epoch: dict[int, EpochCounters] = {}
         trained = []
         outcome = None
-        for (epoch, samples), ms in zip(batches, durations):
+        for (epoch, samples), ms in zip(batches, durations, strict=False):
             if peer.end_window >= cmd.window:
                 break
             step += 1

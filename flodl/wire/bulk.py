@@ -12,7 +12,8 @@ slices per peer, whatever the model's size.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -68,7 +69,7 @@ def is_announcement(header: Any) -> bool:
 def slices(numels: Sequence[int], itemsizes: Sequence[int]) -> list[tuple[int, int, int]]:
     """``(bucket, start, count)`` of every slice of a layout, in order."""
     out = []
-    for bucket, (numel, size) in enumerate(zip(numels, itemsizes)):
+    for bucket, (numel, size) in enumerate(zip(numels, itemsizes, strict=False)):
         step = max(1, SLICE_BYTES // size)
         for start in range(0, numel, step):
             out.append((bucket, start, min(step, numel - start)))
@@ -84,7 +85,7 @@ def check_layout(header: Any) -> None:
     n = len(header.numels)
     if len(header.dtypes) != n or len(header.groups) != n:
         raise ProtocolError("bulk", "header layout lists differ in length")
-    for i, (group, name) in enumerate(zip(header.groups, header.dtypes)):
+    for i, (group, name) in enumerate(zip(header.groups, header.dtypes, strict=False)):
         if name not in DTYPES:
             raise ProtocolError("bulk", f"tensor {i}: dtype {name!r} is not one of {sorted(DTYPES)}")
         if group not in ("p", "b"):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+
 import zmq
 from zmq.utils import z85
 

@@ -20,7 +20,8 @@ import asyncio
 import logging
 import socket
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 

@@ -8,11 +8,11 @@ import torch
 import zmq
 
 from flodl.averaging.server import CpuAveraging
-from flodl.wire.bulk import SLICE_BYTES
-from flodl.wire import messages as m
-from flodl.wire.codec import FrameWriter
 from flodl.rank.cpu_average import BulkLink, CpuAverager
 from flodl.rank.flat import FlatModel
+from flodl.wire import messages as m
+from flodl.wire.bulk import SLICE_BYTES
+from flodl.wire.codec import FrameWriter
 
 SECRET = b"b" * 32
 

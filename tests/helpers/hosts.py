@@ -11,6 +11,7 @@ from ..conftest import PY
 from ..netns import Cluster
 from .procs import Proc
 
+
 def wait_until(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
