@@ -66,7 +66,7 @@ def main() -> None:
     def batch() -> tuple[torch.Tensor, torch.Tensor]:
         if cursor[0] + spec.batch > len(x):
             cursor[0] = 0
-        idx = order[cursor[0]:cursor[0] + spec.batch]
+        idx = order[cursor[0] : cursor[0] + spec.batch]
         cursor[0] += spec.batch
         return x[idx], y[idx]
 
@@ -89,14 +89,23 @@ def main() -> None:
         fresh = copy.deepcopy(replicas[0])
         recalibrate(fresh, norm_layers(fresh), (batch()[0] for _ in range(RECAL_BATCHES)))
         re_estimated = tasks.evaluate(spec, fresh, cpu)
-        print(f"round {r + 1}/{rounds} ({time.perf_counter() - start:.0f} s): eval {as_averaged * 100:.1f}% as averaged, "
-              f"{re_estimated * 100:.1f}% re-estimated", flush=True)
+        print(
+            f"round {r + 1}/{rounds} ({time.perf_counter() - start:.0f} s): eval {as_averaged * 100:.1f}% as averaged, "
+            f"{re_estimated * 100:.1f}% re-estimated",
+            flush=True,
+        )
         case = f"after average {r + 1} of {rounds}"
-        rows += [Row(case, "eval, statistics as averaged", as_averaged * 100, "%"),
-                 Row(case, "eval, statistics re-estimated", re_estimated * 100, "%"),
-                 Row(case, "gain", (re_estimated - as_averaged) * 100, "points")]
-    report("bn_recal", rows, note=f"ResNet-20, 2 replicas, {fast}+{slow} batches of {spec.batch} per round (4:1), "
-                                  f"{RECAL_BATCHES} batches to re-estimate; CPU, fixed seeds")
+        rows += [
+            Row(case, "eval, statistics as averaged", as_averaged * 100, "%"),
+            Row(case, "eval, statistics re-estimated", re_estimated * 100, "%"),
+            Row(case, "gain", (re_estimated - as_averaged) * 100, "points"),
+        ]
+    report(
+        "bn_recal",
+        rows,
+        note=f"ResNet-20, 2 replicas, {fast}+{slow} batches of {spec.batch} per round (4:1), "
+        f"{RECAL_BATCHES} batches to re-estimate; CPU, fixed seeds",
+    )
 
 
 if __name__ == "__main__":

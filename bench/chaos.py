@@ -70,8 +70,11 @@ RUN_TIMEOUT_S = 240
 EVAL_MIN = 0.7
 
 #: kind -> (the detection goal in seconds, its text); slow-build and ctl-kill have no detection
-DETECT_GOAL = {"kill": (1.0, "<= 1 s"), "stop": (HEARTBEAT_S + 1.0, f"<= heartbeat {HEARTBEAT_S} s + 1 s"),
-               "stuck": (HEARTBEAT_S + 1.0, f"<= heartbeat {HEARTBEAT_S} s + 1 s")}
+DETECT_GOAL = {
+    "kill": (1.0, "<= 1 s"),
+    "stop": (HEARTBEAT_S + 1.0, f"<= heartbeat {HEARTBEAT_S} s + 1 s"),
+    "stuck": (HEARTBEAT_S + 1.0, f"<= heartbeat {HEARTBEAT_S} s + 1 s"),
+}
 AGAIN_P99_S = 3.0
 AGAIN_MAX_S = 5.0
 
@@ -159,13 +162,14 @@ def rows_for(results: list[Result]) -> list[Row]:
         heals = [r for r in mine if r.plan.heal]
         if heals:
             healed = [r.healed_s for r in heals if r.healed_s is not None]
-            rows += [Row(kind, "healing runs", len(heals), "runs"),
-                     Row(kind, "healed (world back to full size)", len(healed), "runs"),
-                     Row(kind, "back to full size p50", percentile(healed, 50), "s after det."),
-                     Row(kind, "back to full size max", percentile(healed, 100), "s after det.")]
+            rows += [
+                Row(kind, "healing runs", len(heals), "runs"),
+                Row(kind, "healed (world back to full size)", len(healed), "runs"),
+                Row(kind, "back to full size p50", percentile(healed, 50), "s after det."),
+                Row(kind, "back to full size max", percentile(healed, 100), "s after det."),
+            ]
     lost = [r for r in results if r.lost]
-    rows += [Row("all", "faults", len(results), "runs"),
-             Row("all", "runs lost", len(lost), "runs", "0", not lost)]
+    rows += [Row("all", "faults", len(results), "runs"), Row("all", "runs lost", len(lost), "runs", "0", not lost)]
     return rows
 
 
@@ -177,8 +181,9 @@ def make_plans(count: int, seed: int, epochs: int) -> list[Plan]:
     for i in range(count):
         kind = KINDS[i % len(KINDS)]
         heal = kind == "kill" and (i // len(KINDS)) % 2 == 1  # every other kill run heals
-        plans.append(Plan(i, kind, MODES[i % len(MODES)], rng.randrange(1, NPROC), rng.uniform(0.05, 0.8),
-                          rng.randint(2, last_batch), heal))
+        plans.append(
+            Plan(i, kind, MODES[i % len(MODES)], rng.randrange(1, NPROC), rng.uniform(0.05, 0.8), rng.randint(2, last_batch), heal)
+        )
     rng.shuffle(plans)
     return plans
 
@@ -319,8 +324,21 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
     log_path, summary_path, stem = tmp / f"{tag}.log", tmp / f"{tag}.json", tmp / tag / "ckpt"
     res.log = str(log_path)
     extra = {"FLODL_TEST_STEP_SLEEP": str(step_s)}
-    args = ["--task", TASK, "--nproc-per-node", str(NPROC), "--epochs", str(epochs), "--mode", plan.mode,
-            "--heartbeat-timeout-secs", str(HEARTBEAT_S), "--summary-json", str(summary_path), "--no-progress"]
+    args = [
+        "--task",
+        TASK,
+        "--nproc-per-node",
+        str(NPROC),
+        "--epochs",
+        str(epochs),
+        "--mode",
+        plan.mode,
+        "--heartbeat-timeout-secs",
+        str(HEARTBEAT_S),
+        "--summary-json",
+        str(summary_path),
+        "--no-progress",
+    ]
     if plan.heal:
         args += ["--max-restarts", "1"]
     if plan.kind == "stuck":
@@ -332,8 +350,14 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
     shm_before = _shm_names()
     started = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "flodl.controller", *args], env=_env(extra), stdout=log,
-                                stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flodl.controller", *args],
+            env=_env(extra),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+        )
     tree = Tree(proc.pid)
     hit_at: float | None = None
     nominal = epochs * BATCHES_PER_RANK_EPOCH * step_s  # a lower bound of the training time
@@ -380,8 +404,7 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
         res.failures.append(f"processes left: {left}")
     run_id = _run_id(log_path)
     pids = {str(p) for p in tree.seen}
-    new_shm = [n for n in _shm_names() - shm_before
-               if (run_id and run_id in n) or any(f"-{pid}." in n for pid in pids)]
+    new_shm = [n for n in _shm_names() - shm_before if (run_id and run_id in n) or any(f"-{pid}." in n for pid in pids)]
     if new_shm:
         res.failures.append(f"shm left: {sorted(new_shm)}")
         for n in new_shm:  # do not let one lost run pollute the next
@@ -473,10 +496,12 @@ def torchrun_rows(runs: int, tmp: Path) -> list[Row]:
         restarted.append(t["restarted"])
         print(f"torchrun {i}: {t}", flush=True)
     case = "torchrun DDP kill"
-    return [Row(case, "runs", runs, "runs"),
-            Row(case, "kill to all again p50", percentile(again, 50), "s"),
-            Row(case, "kill to all again max", percentile(again, 100), "s"),
-            Row(case, "processes restarted", max(restarted), "processes", "whole world", min(restarted) == TR_NPROC)]
+    return [
+        Row(case, "runs", runs, "runs"),
+        Row(case, "kill to all again p50", percentile(again, 50), "s"),
+        Row(case, "kill to all again max", percentile(again, 100), "s"),
+        Row(case, "processes restarted", max(restarted), "processes", "whole world", min(restarted) == TR_NPROC),
+    ]
 
 
 def main() -> None:
@@ -485,10 +510,10 @@ def main() -> None:
     parser.add_argument("--faults", type=int, default=None, help="faults (runs) to inject (default 100; quick 6)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the fault plan")
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time (default 2)")
-    parser.add_argument("--torchrun", type=int, default=None,
-                        help="torchrun elastic-restart runs on the same SIGKILL, side by side (default 1; quick 0)")
-    parser.add_argument("--max-minutes", type=float, default=None,
-                        help="start no new run after this many minutes; report the runs done")
+    parser.add_argument(
+        "--torchrun", type=int, default=None, help="torchrun elastic-restart runs on the same SIGKILL, side by side (default 1; quick 0)"
+    )
+    parser.add_argument("--max-minutes", type=float, default=None, help="start no new run after this many minutes; report the runs done")
     parser.add_argument("--name", default="chaos", help="results file name (bench/results/<name>.json)")
     a = parser.parse_args()
     count = a.faults or (6 if a.quick else 100)
@@ -497,8 +522,11 @@ def main() -> None:
     epochs, step_s = (4, 0.05) if a.quick else (8, 0.05)
     tmp = Path(tempfile.mkdtemp(prefix="flodl-chaos-"))
     plans = make_plans(count, a.seed, epochs)
-    print(f"{count} faults, seed {a.seed}, {epochs} epochs x {DATASET} samples, {step_s * 1000:.0f} ms/step, "
-          f"{a.parallel} at a time; logs in {tmp}", flush=True)
+    print(
+        f"{count} faults, seed {a.seed}, {epochs} epochs x {DATASET} samples, {step_s * 1000:.0f} ms/step, "
+        f"{a.parallel} at a time; logs in {tmp}",
+        flush=True,
+    )
     results: list[Result] = []
     lock = threading.Lock()
     t0 = time.monotonic()
@@ -518,9 +546,12 @@ def main() -> None:
             state += f" ({r.note})" if r.note else ""
             det = "-" if r.detect_s is None else f"{r.detect_s:.2f}"
             again = "-" if r.again_s is None else f"{r.again_s:.2f}"
-            print(f"[{len(results):3d}/{count} {time.monotonic() - t0:6.0f} s] {plan.kind:<10} {plan.mode:<12} "
-                  f"victim {plan.victim} at {plan.at:.2f} batch {plan.batch:3d}  detect {det:>5}  again {again:>5}  "
-                  f"start {r.start_s or 0:5.1f} wall {r.wall_s:5.1f}  {state}", flush=True)
+            print(
+                f"[{len(results):3d}/{count} {time.monotonic() - t0:6.0f} s] {plan.kind:<10} {plan.mode:<12} "
+                f"victim {plan.victim} at {plan.at:.2f} batch {plan.batch:3d}  detect {det:>5}  again {again:>5}  "
+                f"start {r.start_s or 0:5.1f} wall {r.wall_s:5.1f}  {state}",
+                flush=True,
+            )
         return r
 
     with ThreadPoolExecutor(max_workers=max(1, a.parallel)) as pool:
@@ -534,9 +565,11 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001
             print(f"torchrun comparison failed: {exc}", flush=True)
     lost = [f"#{r.plan.index} {r.plan.kind} {r.plan.mode}: {'; '.join(r.failures)} (log {r.log})" for r in results if r.lost]
-    note = (f"{'quick' if a.quick else 'full'}: {len(results)} faults{cut}, seed {a.seed}, {NPROC} CPU ranks, tiny task "
-            f"{DATASET} samples x {epochs} epochs, {step_s * 1000:.0f} ms/step, heartbeat {HEARTBEAT_S} s, "
-            f"{a.parallel} runs at a time; {time.monotonic() - t0:.0f} s")
+    note = (
+        f"{'quick' if a.quick else 'full'}: {len(results)} faults{cut}, seed {a.seed}, {NPROC} CPU ranks, tiny task "
+        f"{DATASET} samples x {epochs} epochs, {step_s * 1000:.0f} ms/step, heartbeat {HEARTBEAT_S} s, "
+        f"{a.parallel} runs at a time; {time.monotonic() - t0:.0f} s"
+    )
     if lost:
         note += "\nlost runs:\n" + "\n".join(lost)
     report(a.name, rows, note=note)

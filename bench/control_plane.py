@@ -141,8 +141,10 @@ def sim_worker(addr: str, bare_addrs: dict[str, str], nranks: int, frames: int, 
             break
         plans = [window_batches(c, 1, 0.0) for c in cmds]
         # sign everything first: the measurement is the controller's, not the signer's
-        signed = [[writer.encode(m.BatchDone(r, e, i + 1, s, 0.5, 1.0, 0.0, 0.0)) for i, (e, s) in enumerate(p)]
-                  for (r, _, writer, _), p in zip(ranks, plans, strict=False)]
+        signed = [
+            [writer.encode(m.BatchDone(r, e, i + 1, s, 0.5, 1.0, 0.0, 0.0)) for i, (e, s) in enumerate(p)]
+            for (r, _, writer, _), p in zip(ranks, plans, strict=False)
+        ]
         longest = max(len(f) for f in signed)
         t0 = time.perf_counter()
         for i in range(longest):
@@ -153,11 +155,29 @@ def sim_worker(addr: str, bare_addrs: dict[str, str], nranks: int, frames: int, 
         sent += sum(len(f) for f in signed)
         for (r, sock, writer, _), c, p in zip(ranks, cmds, plans, strict=False):
             n = len(p)
-            sock.send(writer.encode(m.WindowDone(
-                rank=r, window=c.window, batches=n, consumed=sum(s for _, s in p), loss_sum=0.5 * n, compute_ms=float(n),
-                data_ms=0.0, sync_ms=0.0, divergence=None, pre_norm=None, post_norm=None, lr=None, epochs=_epoch_row(p),
-                scalars={}, regrouped_at=-1, res={}, data={},
-            )))
+            sock.send(
+                writer.encode(
+                    m.WindowDone(
+                        rank=r,
+                        window=c.window,
+                        batches=n,
+                        consumed=sum(s for _, s in p),
+                        loss_sum=0.5 * n,
+                        compute_ms=float(n),
+                        data_ms=0.0,
+                        sync_ms=0.0,
+                        divergence=None,
+                        pre_norm=None,
+                        post_norm=None,
+                        lr=None,
+                        epochs=_epoch_row(p),
+                        scalars={},
+                        regrouped_at=-1,
+                        res={},
+                        data={},
+                    )
+                )
+            )
     out.put({"rtts": rtts, "send_s": send_s, "sent": sent})
     for r, sock, writer, _ in ranks:
         sock.send(writer.encode(m.Exiting(r, "done", "")))
@@ -167,8 +187,9 @@ def sim_worker(addr: str, bare_addrs: dict[str, str], nranks: int, frames: int, 
     ctx.destroy(linger=100)
 
 
-def _round_trips(ctx: zmq.Context, wsock: zmq.Socket, writer: FrameWriter, reader: FrameReader, bare_addrs: dict[str, str],
-                 pings: int) -> dict[str, list[float]]:
+def _round_trips(
+    ctx: zmq.Context, wsock: zmq.Socket, writer: FrameWriter, reader: FrameReader, bare_addrs: dict[str, str], pings: int
+) -> dict[str, list[float]]:
     """µs of one-at-a-time round trips to the controller and to each bare echo, taken in turns
     (the order rotating), so the machine's drift hits every series alike; blocking receives, as
     a rank's link thread. The first ``WARMUP_PINGS`` of each series are dropped."""
@@ -318,9 +339,11 @@ def main(argv: list[str] | None = None) -> Path:
     rows.append(Row("bare echo on the event loop (AsyncSocket)", "p50", loop50, "µs"))
     rows.append(Row("bare echo on the event loop (AsyncSocket)", "p99", _p(rtts["loop"], 0.99), "µs"))
     ping_len, pong_len = frame_sizes()
-    note = (f"{frames} pre-signed BatchDone frames per case, {reps} repetition(s); {len(flodl_rtts)} idle Ping/Pong round trips "
-            f"pooled over all runs, taken in turns with as many to each bare echo ({ping_len} B out, {pong_len} B back, same socket options); "
-            f"load average {os.getloadavg()[0]:.2f}")
+    note = (
+        f"{frames} pre-signed BatchDone frames per case, {reps} repetition(s); {len(flodl_rtts)} idle Ping/Pong round trips "
+        f"pooled over all runs, taken in turns with as many to each bare echo ({ping_len} B out, {pong_len} B back, same socket options); "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
     return report("control_plane", rows, note=note, results=smoke_results() if args.smoke else None)
 
 

@@ -67,8 +67,15 @@ def rank_main(rank: int, world: int, numel: int, store_port: int, bulk_port: int
     group = dist.ProcessGroupGloo(dist.PrefixStore("bench", store), rank, world, datetime.timedelta(seconds=120))
     model = Flat(numel, rank)
     flat = FlatModel(model)
-    bulk = BulkLink(f"tcp://127.0.0.1:{bulk_port}", rank=rank, secret=SECRET, run_id=RUN, sender=f"rank{rank}.bench/bulk",
-                    shm_probe=probe[0], shm_nonce=probe[1])
+    bulk = BulkLink(
+        f"tcp://127.0.0.1:{bulk_port}",
+        rank=rank,
+        secret=SECRET,
+        run_id=RUN,
+        sender=f"rank{rank}.bench/bulk",
+        shm_probe=probe[0],
+        shm_nonce=probe[1],
+    )
     avg = CpuAverager(flat, bulk, rank=rank, timeout_s=600.0, must_stop=lambda: False)
     barrier = torch.zeros(1)
     gloo, rounds = [], []
@@ -123,7 +130,10 @@ def measure(size_mb: int, world: int, reps: int, *, lane: bool) -> dict:
         task = asyncio.create_task(actor.run())
         mem = psutil.Process().memory_info()
         baseline = mem.rss - mem.shared
-        procs = [ctx.Process(target=rank_main, args=(r, world, numel, store.port, actor.port, (actor.probe_path, actor.probe_nonce), reps, out)) for r in range(world)]
+        procs = [
+            ctx.Process(target=rank_main, args=(r, world, numel, store.port, actor.port, (actor.probe_path, actor.probe_nonce), reps, out))
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         sampler.peak = baseline
@@ -181,12 +191,21 @@ def main() -> None:
                 rows.append(Row(case, f"CPU round ({how})", res["round_s"] * 1000, "ms"))
                 rows.append(Row(case, f"first round ({how})", res["first_round_s"] * 1000, "ms"))
                 rows.append(Row(case, f"{how} / all-reduce", ratio, "x", "≤ 1.5x", ratio <= 1.5))
-                rows.append(Row(case, f"controller peak ({how})", res["peak_mb"] / size, "x model", "≤ 2x model", res["peak_mb"] <= 2 * size))
-                print(f"  {case} {how}: gloo {res['gloo_s'] * 1000:.0f} ms, round {res['round_s'] * 1000:.0f} ms, "
-                      f"peak +{res['peak_mb']:.0f} MB", flush=True)
-    report("cpu_avg", rows, note=f"median of {reps} repetition(s) after one warm-up; float32 flat models; ranks and controller on this one machine; "
-                                  "lane = same-host shared memory (ranks on the controller's host), wire = the bulk socket (FLODL_SHM=off, ranks on other hosts)",
-           results=smoke_results() if args.smoke else None)
+                rows.append(
+                    Row(case, f"controller peak ({how})", res["peak_mb"] / size, "x model", "≤ 2x model", res["peak_mb"] <= 2 * size)
+                )
+                print(
+                    f"  {case} {how}: gloo {res['gloo_s'] * 1000:.0f} ms, round {res['round_s'] * 1000:.0f} ms, "
+                    f"peak +{res['peak_mb']:.0f} MB",
+                    flush=True,
+                )
+    report(
+        "cpu_avg",
+        rows,
+        note=f"median of {reps} repetition(s) after one warm-up; float32 flat models; ranks and controller on this one machine; "
+        "lane = same-host shared memory (ranks on the controller's host), wire = the bulk socket (FLODL_SHM=off, ranks on other hosts)",
+        results=smoke_results() if args.smoke else None,
+    )
 
 
 if __name__ == "__main__":

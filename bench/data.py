@@ -39,17 +39,32 @@ def run_case(flags: list[str], *, ranks: int, devices: str | None, samples: int,
     with tempfile.TemporaryDirectory() as tmp:
         summary_path, logs = Path(tmp) / "s.json", Path(tmp) / "logs"
         where = ["--devices", devices or ",".join(["cpu"] * ranks)]  # CPU ranks unless a case names a GPU
-        cmd = [sys.executable, "-m", "flodl.controller", "--task", "bench.tasks.data_bound:task", *where,
-               "--epochs", str(epochs), "--dashboard-port", "-1", "--record-log-dir", str(logs), "--disk-stage-dir", tmp,
-               "--summary-json", str(summary_path), *flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "flodl.controller",
+            "--task",
+            "bench.tasks.data_bound:task",
+            *where,
+            "--epochs",
+            str(epochs),
+            "--dashboard-port",
+            "-1",
+            "--record-log-dir",
+            str(logs),
+            "--disk-stage-dir",
+            tmp,
+            "--summary-json",
+            str(summary_path),
+            *flags,
+        ]
         full_env = {**os.environ, "FLODL_BENCH_SAMPLES": str(samples), **env}
         subprocess.run(cmd, cwd=ROOT, env=full_env, check=True, timeout=600, stdout=subprocess.DEVNULL)
         summary = json.loads(summary_path.read_text())
         from flodl.monitor.reader import load
 
         # leaf records are the ranks' own (a lone rank's leaf is the root itself)
-        leaves = [rec.get("res", {}) for recs in load(logs).values() for rec in recs
-                  if rec.get("kind") == "node" and "children" not in rec]
+        leaves = [rec.get("res", {}) for recs in load(logs).values() for rec in recs if rec.get("kind") == "node" and "children" not in rec]
         summary["peak_rank_rss"] = max((r.get("rss_bytes", 0) for r in leaves), default=0)
         summary["peak_vram_share"] = max((r.get("vram_alloc_max", 0) / r["vram_total"] for r in leaves if r.get("vram_total")), default=0.0)
         return summary
@@ -68,13 +83,20 @@ def rows_for(case: str, summary: dict, uncached_warm: float | None) -> list[Row]
         Row(case, "epoch 1 wall", first, "s"),
         Row(case, "warm epoch wall", warm, "s"),
         Row(case, "warm speedup", speedup, "x", f">= {SPEEDUP_GOAL:g}x" if cached else None, speedup >= SPEEDUP_GOAL if cached else None),
-        Row(case, "data_starve warm", starve * 100, "%", f"< {STARVE_GOAL:.0%}" if cached else None, starve < STARVE_GOAL if cached else None),
+        Row(
+            case,
+            "data_starve warm",
+            starve * 100,
+            "%",
+            f"< {STARVE_GOAL:.0%}" if cached else None,
+            starve < STARVE_GOAL if cached else None,
+        ),
     ]
     if cached and uncached_warm:
         # the same later epoch with the tiers off (that case's first epoch is no slower than its last)
         versus = uncached_warm / warm if warm > 0 else 0.0
         out.append(Row(case, "warm vs tiers off", versus, "x", f">= {SPEEDUP_GOAL:g}x", versus >= SPEEDUP_GOAL))
-    return [*out, Row(case, "staged per rank", staged / 2 ** 20, "MiB"), Row(case, "peak rank RSS", summary["peak_rank_rss"] / 2 ** 20, "MiB")]
+    return [*out, Row(case, "staged per rank", staged / 2**20, "MiB"), Row(case, "peak rank RSS", summary["peak_rank_rss"] / 2**20, "MiB")]
 
 
 def main() -> None:
@@ -107,8 +129,12 @@ def main() -> None:
             rows.append(Row(case, "vram pool held", vram / 2**20, "MiB"))
             share = summary["peak_vram_share"]
             rows.append(Row(case, "peak VRAM used", share * 100, "% of GPU", "<= vram_max_usage 90%", share <= 0.90))
-    report("data", rows, note=f"{samples} samples, ~1 ms per read, {epochs} epochs, batch 64, MLP width 512; "
-                              "warm = mean of the last two epochs; data_starve = data wait / (data wait + compute), last epoch")
+    report(
+        "data",
+        rows,
+        note=f"{samples} samples, ~1 ms per read, {epochs} epochs, batch 64, MLP width 512; "
+        "warm = mean of the last two epochs; data_starve = data wait / (data wait + compute), last epoch",
+    )
 
 
 if __name__ == "__main__":

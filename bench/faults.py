@@ -69,9 +69,28 @@ def flodl_case(mode: str, sig: signal.Signals, epochs: int, tmp: Path) -> dict:
     summary_path = tmp / f"flodl-{mode}-{sig.name}.json"
     log = open(tmp / f"flodl-{mode}-{sig.name}.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flodl.controller", "--task", TASK, "--nproc-per-node", str(NPROC), "--epochs", str(epochs),
-         "--mode", mode, "--heartbeat-timeout-secs", str(HEARTBEAT_S), "--summary-json", str(summary_path), "--no-progress"],
-        env=_env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "flodl.controller",
+            "--task",
+            TASK,
+            "--nproc-per-node",
+            str(NPROC),
+            "--epochs",
+            str(epochs),
+            "--mode",
+            mode,
+            "--heartbeat-timeout-secs",
+            str(HEARTBEAT_S),
+            "--summary-json",
+            str(summary_path),
+            "--no-progress",
+        ],
+        env=_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
     )
     ranks = _ranks(psutil.Process(proc.pid), "flodl.rank", NPROC)
     text = ""
@@ -107,9 +126,24 @@ def torchrun_case(epochs: int, tmp: Path) -> dict:
     env = {**_env(), "FAULTS_EVENTS": str(events), "FAULTS_CKPT": str(tmp / "ddp-ckpt.pt")}
     log = open(tmp / "torchrun.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROC), "--max-restarts", "3",
-         "--monitor-interval", "0.1", str(DDP_SCRIPT), str(epochs)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(NPROC),
+            "--max-restarts",
+            "3",
+            "--monitor-interval",
+            "0.1",
+            str(DDP_SCRIPT),
+            str(epochs),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
     )
     workers = _ranks(psutil.Process(proc.pid), "faults_ddp.py", NPROC)
     per_epoch_steps = SAMPLES // NPROC // BATCH
@@ -172,9 +206,13 @@ def main() -> None:
             Row(case, "processes restarted", t["restarted"], "processes", "whole world", t["restarted"] == NPROC),
         ]
         print(f"{case}: {t}", flush=True)
-    report("faults", rows, note=f"{NPROC} CPU ranks, {SAMPLES} samples x {epochs} epochs, batch {BATCH}, 5 ms/step; "
-                                f"heartbeat_timeout_secs {HEARTBEAT_S}; flodl's training-again is measured from detection, "
-                                "torchrun's from the kill")
+    report(
+        "faults",
+        rows,
+        note=f"{NPROC} CPU ranks, {SAMPLES} samples x {epochs} epochs, batch {BATCH}, 5 ms/step; "
+        f"heartbeat_timeout_secs {HEARTBEAT_S}; flodl's training-again is measured from detection, "
+        "torchrun's from the kill",
+    )
 
 
 if __name__ == "__main__":

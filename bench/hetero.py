@@ -61,8 +61,17 @@ GOAL_OF_IDEAL = 0.90
 GOAL_EVAL_POINTS = 1.0
 
 
-def run(nproc: int, mode: str, epochs: int, samples: int, seed: int, *, factor: float = 1.0, base_ms: float | None = None,
-        timeout: float = 600.0) -> dict:
+def run(
+    nproc: int,
+    mode: str,
+    epochs: int,
+    samples: int,
+    seed: int,
+    *,
+    factor: float = 1.0,
+    base_ms: float | None = None,
+    timeout: float = 600.0,
+) -> dict:
     """One real run of the controller; its summary plus ``command_s`` (process start to exit)."""
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FLODL_BENCH_SAMPLES=str(samples), FLODL_BENCH_SEED=str(seed))
@@ -75,8 +84,26 @@ def run(nproc: int, mode: str, epochs: int, samples: int, seed: int, *, factor: 
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     with tempfile.TemporaryDirectory(prefix="flodl-hetero-") as td:
         out = Path(td) / "summary.json"
-        cmd = [sys.executable, "-m", "flodl.controller", "--task", TASK, "--nproc-per-node", str(nproc), "--mode", mode,
-               "--epochs", str(epochs), "--seed", str(seed), "--summary-json", str(out), "--no-progress", "--dashboard-port", "-1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "flodl.controller",
+            "--task",
+            TASK,
+            "--nproc-per-node",
+            str(nproc),
+            "--mode",
+            mode,
+            "--epochs",
+            str(epochs),
+            "--seed",
+            str(seed),
+            "--summary-json",
+            str(out),
+            "--no-progress",
+            "--dashboard-port",
+            "-1",
+        ]
         command_s, _ = timed_run(cmd, env, Path(td) / "run.log", timeout)
         if not out.exists():
             raise RunFailed(f"{mode} x{nproc}: no summary written")
@@ -92,31 +119,43 @@ def rows(solos: list[dict], pairs: dict[tuple[int, str], list[dict]]) -> list[Ro
     in the solos' seed order)."""
     med = statistics.median
     solo_eval = [s["final_eval"] * 100 for s in solos]
-    out = [Row("solo", "seeds", float(len(solos)), "runs"),
-           Row("solo", "step ms (median; the base)", med(step_ms(s)[0] for s in solos), "ms"),
-           Row("solo", "train samples/s (median)", med(s["train_samples_per_s"] for s in solos), "samples/s"),
-           Row("solo", "train wall (median)", med(train_wall(s) for s in solos), "s"),
-           Row("solo", "command wall (median)", med(s["command_s"] for s in solos), "s"),
-           Row("solo", "final eval (mean)", statistics.fmean(solo_eval), "%")]
+    out = [
+        Row("solo", "seeds", float(len(solos)), "runs"),
+        Row("solo", "step ms (median; the base)", med(step_ms(s)[0] for s in solos), "ms"),
+        Row("solo", "train samples/s (median)", med(s["train_samples_per_s"] for s in solos), "samples/s"),
+        Row("solo", "train wall (median)", med(train_wall(s) for s in solos), "s"),
+        Row("solo", "command wall (median)", med(s["command_s"] for s in solos), "s"),
+        Row("solo", "final eval (mean)", statistics.fmean(solo_eval), "%"),
+    ]
     for (f, mode), runs in pairs.items():
         case = f"{f}:1 {mode}"
         ideal = [v for v in (of_ideal(p, s) for p, s in zip(runs, solos, strict=False)) if v is not None]
         goal = mode != "nccl-sync" and f == 4
         if ideal:
             frac = med(v[0] for v in ideal)
-            out += [Row(case, "measured ratio (slow/fast step)", med(measured_ratio(p) for p in runs), "x"),
-                    Row(case, "ideal samples/s (median)", med(v[1] for v in ideal), "samples/s"),
-                    Row(case, "of ideal (median)", frac, "fraction", f">= {GOAL_OF_IDEAL:.2f} of ideal" if goal else None,
-                        frac >= GOAL_OF_IDEAL if goal else None)]
+            out += [
+                Row(case, "measured ratio (slow/fast step)", med(measured_ratio(p) for p in runs), "x"),
+                Row(case, "ideal samples/s (median)", med(v[1] for v in ideal), "samples/s"),
+                Row(
+                    case,
+                    "of ideal (median)",
+                    frac,
+                    "fraction",
+                    f">= {GOAL_OF_IDEAL:.2f} of ideal" if goal else None,
+                    frac >= GOAL_OF_IDEAL if goal else None,
+                ),
+            ]
         evals = [p["final_eval"] * 100 for p in runs]
         delta = statistics.fmean(evals) - statistics.fmean(solo_eval)
-        out += [Row(case, "train samples/s (median)", med(p["train_samples_per_s"] for p in runs), "samples/s"),
-                Row(case, "train wall (median)", med(train_wall(p) for p in runs), "s"),
-                Row(case, "command wall (median)", med(p["command_s"] for p in runs), "s"),
-                Row(case, "syncs/epoch (median)", med(p["syncs"] / p["epochs"] for p in runs), "rounds"),
-                Row(case, "eval - solo (means)", delta, "points", f"within {GOAL_EVAL_POINTS:g} point", abs(delta) <= GOAL_EVAL_POINTS),
-                Row(case, "final eval (min)", min(evals), "%"),
-                Row(case, "final eval (max)", max(evals), "%")]
+        out += [
+            Row(case, "train samples/s (median)", med(p["train_samples_per_s"] for p in runs), "samples/s"),
+            Row(case, "train wall (median)", med(train_wall(p) for p in runs), "s"),
+            Row(case, "command wall (median)", med(p["command_s"] for p in runs), "s"),
+            Row(case, "syncs/epoch (median)", med(p["syncs"] / p["epochs"] for p in runs), "rounds"),
+            Row(case, "eval - solo (means)", delta, "points", f"within {GOAL_EVAL_POINTS:g} point", abs(delta) <= GOAL_EVAL_POINTS),
+            Row(case, "final eval (min)", min(evals), "%"),
+            Row(case, "final eval (max)", max(evals), "%"),
+        ]
     return out
 
 
@@ -134,18 +173,26 @@ def main(argv: list[str] | None = None) -> int:
         solo = run(1, "nccl-sync", epochs, samples, seed)
         base = step_ms(solo)[0]
         solos.append(solo)
-        print(f"seed {seed}: solo {solo['train_samples_per_s']:,.0f} samples/s, step {base:.3f} ms (the base), "
-              f"command {solo['command_s']:.1f} s", flush=True)
+        print(
+            f"seed {seed}: solo {solo['train_samples_per_s']:,.0f} samples/s, step {base:.3f} ms (the base), "
+            f"command {solo['command_s']:.1f} s",
+            flush=True,
+        )
         for (f, mode), runs in pairs.items():
             s = run(2, mode, epochs, samples, seed, factor=f, base_ms=base)
             runs.append(s)
             got, ratio = of_ideal(s, solo), measured_ratio(s)
-            print(f"seed {seed}: {f}:1 {mode}: measured ratio {ratio or float('nan'):.2f}, of ideal "
-                  f"{got[0] if got else float('nan'):.2f}, train wall {train_wall(s):.2f} s, command {s['command_s']:.1f} s", flush=True)
-    note = (f"{samples} samples x {epochs} epochs, {seeds} seed(s), batch 32 per rank, mixture MLP, 2 CPU ranks x 1 thread; "
-            f"rank 1 paced to f x the solo step time (simulated; measured ratio reported); ideal = solo rate x (1 + 1/measured "
-            f"ratio), solo from the same command and threads; timings medians over seeds, evals means; train wall excludes "
-            f"start-up, command wall is process start to exit")
+            print(
+                f"seed {seed}: {f}:1 {mode}: measured ratio {ratio or float('nan'):.2f}, of ideal "
+                f"{got[0] if got else float('nan'):.2f}, train wall {train_wall(s):.2f} s, command {s['command_s']:.1f} s",
+                flush=True,
+            )
+    note = (
+        f"{samples} samples x {epochs} epochs, {seeds} seed(s), batch 32 per rank, mixture MLP, 2 CPU ranks x 1 thread; "
+        f"rank 1 paced to f x the solo step time (simulated; measured ratio reported); ideal = solo rate x (1 + 1/measured "
+        f"ratio), solo from the same command and threads; timings medians over seeds, evals means; train wall excludes "
+        f"start-up, command wall is process start to exit"
+    )
     folder = smoke_results() if args.smoke else args.results
     where = {} if folder is None else {"results": folder}  # bench.common.report's results folder
     report("hetero", rows(solos, pairs), note=note, **where)

@@ -33,12 +33,29 @@ TASK = f"{ROOT / 'bench' / 'tasks' / 'mlp.py'}:task"
 def run(devices: str, mode: str | None, epochs: int, width: int, samples: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "s.json"
-        cmd = [sys.executable, "-m", "flodl.controller", "--task", TASK, "--devices", devices, "--epochs", str(epochs),
-               "--dashboard-port", "-1", "--summary-json", str(path)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "flodl.controller",
+            "--task",
+            TASK,
+            "--devices",
+            devices,
+            "--epochs",
+            str(epochs),
+            "--dashboard-port",
+            "-1",
+            "--summary-json",
+            str(path),
+        ]
         if mode:
             cmd += ["--mode", mode]
-        env = {**os.environ, "FLODL_BENCH_WIDTH": str(width), "FLODL_BENCH_SAMPLES": str(samples),
-               "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        env = {
+            **os.environ,
+            "FLODL_BENCH_WIDTH": str(width),
+            "FLODL_BENCH_SAMPLES": str(samples),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        }
         res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
         if res.returncode:
             raise RuntimeError(f"{devices} {mode}: exit {res.returncode}\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")

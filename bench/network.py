@@ -84,18 +84,63 @@ def one_run(mode: str, epochs: int, samples: int, port: int, log_dir: Path, *, d
     creds = {"FLODL_RUN_SECRET": secret, "FLODL_RUN_ID": run_id}
     summary = log_dir / f"{run_id}.json"
     log = open(log_dir / f"{run_id}.log", "w")
-    procs = [subprocess.Popen(
-        ["ip", "netns", "exec", CONTROLLER.name, sys.executable, "-m", "flodl.controller", "--task", TASK, "--workers", "3",
-         "--bind", CONTROLLER.addr, "--port", str(port), "--epochs", str(epochs), "--mode", mode, "--dashboard-port", "-1",
-         "--no-progress", "--summary-json", str(summary)],
-        env=_env(**creds, FLODL_BULK_RELAY=relay), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)]
+    procs = [
+        subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                CONTROLLER.name,
+                sys.executable,
+                "-m",
+                "flodl.controller",
+                "--task",
+                TASK,
+                "--workers",
+                "3",
+                "--bind",
+                CONTROLLER.addr,
+                "--port",
+                str(port),
+                "--epochs",
+                str(epochs),
+                "--mode",
+                mode,
+                "--dashboard-port",
+                "-1",
+                "--no-progress",
+                "--summary-json",
+                str(summary),
+            ],
+            env=_env(**creds, FLODL_BULK_RELAY=relay),
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    ]
     worker = f"{sys.executable} -m flodl.worker --controller tcp://{CONTROLLER.addr}:{port} --devices {devices}"
     for h in HOSTS:
         # its own host name and /dev/shm, as on a separate machine
-        procs.append(subprocess.Popen(
-            ["ip", "netns", "exec", h.name, "unshare", "--uts", "--mount", "sh", "-c",
-             f"hostname {h.name} && mount -t tmpfs tmpfs /dev/shm && exec {worker}"],
-            env=_env(**creds, GLOO_SOCKET_IFNAME="eth0", FLODL_BENCH_STEP_SLEEP=str(STEP_S), FLODL_BENCH_SAMPLES=str(samples)), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    h.name,
+                    "unshare",
+                    "--uts",
+                    "--mount",
+                    "sh",
+                    "-c",
+                    f"hostname {h.name} && mount -t tmpfs tmpfs /dev/shm && exec {worker}",
+                ],
+                env=_env(**creds, GLOO_SOCKET_IFNAME="eth0", FLODL_BENCH_STEP_SLEEP=str(STEP_S), FLODL_BENCH_SAMPLES=str(samples)),
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
     try:
         code = procs[0].wait(RUN_TIMEOUT_S)
         for p in procs[1:]:
@@ -119,11 +164,21 @@ def relay_rows(port: int, log_dir: Path, epochs: int, samples: int) -> list[Row]
         avg = s["averaging"]
         per_round[relay] = avg["ingress_bytes"] / max(1, avg["rounds"])
         case = f"20 ms cpu-cadence 3x2 ranks, relay {relay}"
-        print(f"{case}: {s['train_samples_per_s']:.1f} samples/s, {avg['rounds']} rounds, {per_round[relay]:,.0f} B per round in", flush=True)
+        print(
+            f"{case}: {s['train_samples_per_s']:.1f} samples/s, {avg['rounds']} rounds, {per_round[relay]:,.0f} B per round in", flush=True
+        )
         rows.append(Row(case, "throughput", s["train_samples_per_s"], "samples/s"))
         rows.append(Row(case, "controller ingress", per_round[relay], "B/round"))
-    rows.append(Row("20 ms cpu-cadence 3x2 ranks", "ingress, relays off / on", per_round["off"] / max(1.0, per_round["on"]), "x",
-                    "ingress grows with hosts, not ranks (2x)", abs(per_round["off"] / max(1.0, per_round["on"]) - 2) < 0.05))
+    rows.append(
+        Row(
+            "20 ms cpu-cadence 3x2 ranks",
+            "ingress, relays off / on",
+            per_round["off"] / max(1.0, per_round["on"]),
+            "x",
+            "ingress grows with hosts, not ranks (2x)",
+            abs(per_round["off"] / max(1.0, per_round["on"]) - 2) < 0.05,
+        )
+    )
     return rows
 
 
@@ -133,9 +188,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="0 and 20 ms, the nccl-* modes, fewer epochs (under two minutes)")
     parser.add_argument("--relay", action="store_true", help="only the host-relay comparison at 20 ms (results in network_relay.json)")
-    parser.add_argument("--results", type=Path, default=None,
-                        help="folder for the JSON (default bench/results; --quick writes network_quick.json there, "
-                             "so a quick check never replaces the full run's network.json)")
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="folder for the JSON (default bench/results; --quick writes network_quick.json there, "
+        "so a quick check never replaces the full run's network.json)",
+    )
     args = parser.parse_args()
     quick = args.quick
     reason = unusable_reason(sshd=False)
@@ -162,8 +221,11 @@ def main() -> None:
                         port += 1
                         s = one_run(mode, epochs, samples, port, Path(td))
                         results[(delay, mode)] = s
-                        print(f"{delay:>2} ms {mode:<13} {s['train_samples_per_s']:8.1f} samples/s, {s['syncs']} averages, "
-                              f"eval {s['final_eval']:.3f}, {s['wall_s']:.1f} s ({shaper})", flush=True)
+                        print(
+                            f"{delay:>2} ms {mode:<13} {s['train_samples_per_s']:8.1f} samples/s, {s['syncs']} averages, "
+                            f"eval {s['final_eval']:.3f}, {s['wall_s']:.1f} s ({shaper})",
+                            flush=True,
+                        )
                     if delay == 20 and not quick:
                         relay = relay_rows(port + 1, Path(td), epochs, samples)
                         port += 2
@@ -181,9 +243,14 @@ def main() -> None:
             rows.append(Row(case, "averages", results[(delay, mode)]["syncs"], "rounds"))
     if not quick:
         rows += relay
-    report("network_quick" if quick else "network", rows, results=args.results, note=f"3 hosts x 1 CPU rank + controller, each in a network namespace; added one-way delay per link via "
-                                 f"{backend}; {TASK}, {STEP_S * 1000:.0f} ms/step, batch 16, {epochs} epoch(s) x {samples} samples; "
-                                 "one run per case (this VM swings by ~15% between identical runs)")
+    report(
+        "network_quick" if quick else "network",
+        rows,
+        results=args.results,
+        note=f"3 hosts x 1 CPU rank + controller, each in a network namespace; added one-way delay per link via "
+        f"{backend}; {TASK}, {STEP_S * 1000:.0f} ms/step, batch 16, {epochs} epoch(s) x {samples} samples; "
+        "one run per case (this VM swings by ~15% between identical runs)",
+    )
 
 
 def relay_only(results: Path | None = None) -> None:
@@ -195,8 +262,13 @@ def relay_only(results: Path | None = None) -> None:
             rows = relay_rows(29480, Path(td), 1, SAMPLES // 2)
     finally:
         teardown_hosts(nodes, BRIDGE)
-    report("network_relay", rows, results=results, note=f"3 hosts x 2 CPU ranks + controller in network namespaces, 20 ms one way per link; {TASK}, "
-                                       f"{STEP_S * 1000:.0f} ms/step, 1 epoch x {SAMPLES // 2} samples")
+    report(
+        "network_relay",
+        rows,
+        results=results,
+        note=f"3 hosts x 2 CPU ranks + controller in network namespaces, 20 ms one way per link; {TASK}, "
+        f"{STEP_S * 1000:.0f} ms/step, 1 epoch x {SAMPLES // 2} samples",
+    )
 
 
 if __name__ == "__main__":

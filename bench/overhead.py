@@ -109,11 +109,17 @@ def plain_run(epochs: int, *, sync_every_step: bool = False) -> float:
     """Samples/s of the plain loop in a fresh process, as flodl's rank is one: on this kind of VM the
     same loop runs up to ±9% apart from one process to the next (placement, memory layout), so a
     plain rate taken once in the long-lived bench process would bias every pair the same way."""
-    code = ("import sys, json; sys.path.insert(0, sys.argv[1]); import torch; torch.set_num_threads(1); "
-            "import bench.overhead as o; o.DEVICE = sys.argv[3]; "
-            "print(json.dumps(o.plain_loop(int(sys.argv[2]), sync_every_step=sys.argv[4] == '1')[0]))")
-    out = subprocess.run([sys.executable, "-c", code, str(ROOT), str(epochs), DEVICE, "1" if sync_every_step else "0"],
-                         capture_output=True, text=True, check=True)
+    code = (
+        "import sys, json; sys.path.insert(0, sys.argv[1]); import torch; torch.set_num_threads(1); "
+        "import bench.overhead as o; o.DEVICE = sys.argv[3]; "
+        "print(json.dumps(o.plain_loop(int(sys.argv[2]), sync_every_step=sys.argv[4] == '1')[0]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT), str(epochs), DEVICE, "1" if sync_every_step else "0"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -145,7 +151,9 @@ def step_width(target_ms: float) -> tuple[int, float]:
 def main(argv: list[str] | None = None) -> Path:
     global DEVICE
     parser = size_parser(__doc__, "the ~5 ms case only, 7 pairs (under two minutes)", "one tiny pair")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both sides train (cuda: results in overhead_gpu.json)")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where both sides train (cuda: results in overhead_gpu.json)"
+    )
     args = parser.parse_args(argv)
     DEVICE = args.device
     # one intra-op thread on both sides: on a small shared machine a second
@@ -201,8 +209,10 @@ def main(argv: list[str] | None = None) -> Path:
             rows.append(Row(case, f"flodl / plain (median of {reps})", ratio * 100, "%", f"≥ {goal:.0%} (median of ≥ 5, ≥ 4 ms)", met))
         rows.append(Row(case, "flodl / plain (lowest pair)", min(ratios) * 100, "%"))
         rows.append(Row(case, "flodl / plain (highest pair)", max(ratios) * 100, "%"))
-    note = (f"{reps} plain/flodl pairs per case, {samples} samples x {epochs} epoch(s), whole training timed on both sides; "
-            f"plain reads its loss every {loss_every()} steps; load average {min(loads):.2f}-{max(loads):.2f} during the run")
+    note = (
+        f"{reps} plain/flodl pairs per case, {samples} samples x {epochs} epoch(s), whole training timed on both sides; "
+        f"plain reads its loss every {loss_every()} steps; load average {min(loads):.2f}-{max(loads):.2f} during the run"
+    )
     name = "overhead_gpu" if DEVICE == "cuda" else "overhead"
     if DEVICE == "cuda":
         note += "; 1 CUDA rank vs a plain loop on the same GPU, the data on the device for both"

@@ -63,8 +63,18 @@ ANCHOR, MAX_ANCHOR = 2, 4  # short windows on purpose: many decisions per run, a
 LAG_TICK_S = 0.05
 
 
-def scenario(ranks: int, *, batches_per_rank: int, epochs: int, deaths: int, hangs: int, joins: int, base_ms: float, seed: int,
-             join_after_s: tuple[float, float] = (1.0, 4.0)) -> dict:
+def scenario(
+    ranks: int,
+    *,
+    batches_per_rank: int,
+    epochs: int,
+    deaths: int,
+    hangs: int,
+    joins: int,
+    base_ms: float,
+    seed: int,
+    join_after_s: tuple[float, float] = (1.0, 4.0),
+) -> dict:
     """Everything random about one case, drawn up front (both processes read it)."""
     rng = random.Random(seed)
     slowdowns = [rng.uniform(1.0, 3.0) for _ in range(ranks)]
@@ -77,17 +87,30 @@ def scenario(ranks: int, *, batches_per_rank: int, epochs: int, deaths: int, han
         at = rng.randint(2, max(3, int(0.85 * expected)))
         faults[rank] = ("die" if i < deaths else "hang", at)
     specs = [
-        {"batch_ms": base_ms, "slowdown": slowdowns[r], "jitter": 0.25, "seed": seed * 100_003 + r,
-         "die_at_batch": faults[r][1] if faults.get(r, ("", 0))[0] == "die" else None,
-         "silent_at_batch": faults[r][1] if faults.get(r, ("", 0))[0] == "hang" else None}
+        {
+            "batch_ms": base_ms,
+            "slowdown": slowdowns[r],
+            "jitter": 0.25,
+            "seed": seed * 100_003 + r,
+            "die_at_batch": faults[r][1] if faults.get(r, ("", 0))[0] == "die" else None,
+            "silent_at_batch": faults[r][1] if faults.get(r, ("", 0))[0] == "hang" else None,
+        }
         for r in range(ranks)
     ]
-    late = [{"batch_ms": base_ms, "slowdown": rng.uniform(1.0, 3.0), "jitter": 0.25, "seed": seed * 7 + 10_000_000 + i}
-            for i in range(joins * RANKS_PER_WORKER)]
+    late = [
+        {"batch_ms": base_ms, "slowdown": rng.uniform(1.0, 3.0), "jitter": 0.25, "seed": seed * 7 + 10_000_000 + i}
+        for i in range(joins * RANKS_PER_WORKER)
+    ]
     return {
-        "ranks": ranks, "epochs": epochs, "dataset_len": ranks * batches_per_rank * BATCH, "specs": specs,
-        "late": late, "join_after_s": sorted(rng.uniform(*join_after_s) for _ in range(joins)),
-        "deaths": deaths, "hangs": hangs, "joins": joins,
+        "ranks": ranks,
+        "epochs": epochs,
+        "dataset_len": ranks * batches_per_rank * BATCH,
+        "specs": specs,
+        "late": late,
+        "join_after_s": sorted(rng.uniform(*join_after_s) for _ in range(joins)),
+        "deaths": deaths,
+        "hangs": hangs,
+        "joins": joins,
     }
 
 
@@ -130,7 +153,9 @@ def controller_main(case: dict, out: mp.Queue) -> None:
             prev = window - 1  # the window whose reports this plan waited for (two fly at once)
             if prev in last_input:
                 timing["turnaround_s"].append(t1 - last_input.pop(prev))
-                timing.setdefault("turn_by_window", []).append((prev, round(1000 * seconds, 1), round(1000 * timing["turnaround_s"][-1], 1)))
+                timing.setdefault("turn_by_window", []).append(
+                    (prev, round(1000 * seconds, 1), round(1000 * timing["turnaround_s"][-1], 1))
+                )
 
         def settled(self, window: int, seconds: float) -> None:
             timing["settle_s"].append(seconds)
@@ -143,8 +168,9 @@ def controller_main(case: dict, out: mp.Queue) -> None:
         def joiners_admitted(self, ranks: list[int], seconds: float) -> None:
             timing["membership_s"].append(seconds)
 
-    config = (DdpRunConfig().with_mode("nccl-cadence").with_heartbeat_timeout_secs(HEARTBEAT_S)
-              .with_anchor(ANCHOR).with_max_anchor(MAX_ANCHOR))
+    config = (
+        DdpRunConfig().with_mode("nccl-cadence").with_heartbeat_timeout_secs(HEARTBEAT_S).with_anchor(ANCHOR).with_max_anchor(MAX_ANCHOR)
+    )
     workers = -(-case["ranks"] // RANKS_PER_WORKER)
     launch = LaunchOptions(task="sim:task", epochs=case["epochs"], workers=workers, progress=False, join_timeout_secs=120.0)
     console_out = io.StringIO()
@@ -180,29 +206,31 @@ def controller_main(case: dict, out: mp.Queue) -> None:
     result = run_loop(main())
     summary = result["summary"]
     lags.sort()
-    out.put({
-        **{k: v for k, v in result.items() if k != "summary"},
-        "exit_reason": summary.get("exit_reason"),
-        "history": [h["samples"] for h in summary.get("history", [])],
-        "epochs_completed": summary.get("epochs_completed"),
-        "deaths": len(summary.get("deaths", [])),
-        "death_reasons": sorted({d["reason"].split(" (")[0][:40] for d in summary.get("deaths", [])}),
-        "joined": sum(len(j["ranks"]) for j in summary.get("joins", [])),
-        "world": summary.get("world_size"),
-        "syncs": summary.get("syncs"),
-        "windows": (summary.get("cadence") or {}).get("windows"),
-        "regranted": summary.get("regranted_samples"),
-        "train_wall_s": summary.get("wall_s"),
-        "frames_in": ctl.endpoint.reader.accepted,
-        "frames_out": hooks.frames_out,
-        "dropped": summary.get("dropped_frames"),
-        "peak_rss_kib": _status_kib("VmHWM"),
-        "lag_p99_ms": lags[int(len(lags) * 0.99)] * 1000 if lags else 0.0,
-        "lag_max_ms": lags[-1] * 1000 if lags else 0.0,
-        "lag_spikes": sorted(spikes, reverse=True)[:5],
-        "timing": timing,
-        "console_tail": console_out.getvalue().splitlines()[-8:],
-    })
+    out.put(
+        {
+            **{k: v for k, v in result.items() if k != "summary"},
+            "exit_reason": summary.get("exit_reason"),
+            "history": [h["samples"] for h in summary.get("history", [])],
+            "epochs_completed": summary.get("epochs_completed"),
+            "deaths": len(summary.get("deaths", [])),
+            "death_reasons": sorted({d["reason"].split(" (")[0][:40] for d in summary.get("deaths", [])}),
+            "joined": sum(len(j["ranks"]) for j in summary.get("joins", [])),
+            "world": summary.get("world_size"),
+            "syncs": summary.get("syncs"),
+            "windows": (summary.get("cadence") or {}).get("windows"),
+            "regranted": summary.get("regranted_samples"),
+            "train_wall_s": summary.get("wall_s"),
+            "frames_in": ctl.endpoint.reader.accepted,
+            "frames_out": hooks.frames_out,
+            "dropped": summary.get("dropped_frames"),
+            "peak_rss_kib": _status_kib("VmHWM"),
+            "lag_p99_ms": lags[int(len(lags) * 0.99)] * 1000 if lags else 0.0,
+            "lag_max_ms": lags[-1] * 1000 if lags else 0.0,
+            "lag_spikes": sorted(spikes, reverse=True)[:5],
+            "timing": timing,
+            "console_tail": console_out.getvalue().splitlines()[-8:],
+        }
+    )
 
 
 def _status_kib(field: str) -> int:
@@ -228,14 +256,18 @@ def sim_main(case: dict, addr: str, out: mp.Queue) -> None:
     async def main() -> list:
         training = asyncio.Event()
         kw = {"dataset_len": case["dataset_len"], "batch_size": BATCH, "record": True}
-        workers = [sim.SimWorker(addr, SECRET, RUN, specs[i:i + RANKS_PER_WORKER], host=f"node{i // RANKS_PER_WORKER:04d}", training=training, **kw)
-                   for i in range(0, len(specs), RANKS_PER_WORKER)]
+        workers = [
+            sim.SimWorker(
+                addr, SECRET, RUN, specs[i : i + RANKS_PER_WORKER], host=f"node{i // RANKS_PER_WORKER:04d}", training=training, **kw
+            )
+            for i in range(0, len(specs), RANKS_PER_WORKER)
+        ]
         tasks = [asyncio.create_task(w.run()) for w in workers]
         await training.wait()
         t0 = time.monotonic()
         for j, after in enumerate(case["join_after_s"]):
             await asyncio.sleep(max(0.0, t0 + after - time.monotonic()))
-            w = sim.SimWorker(addr, SECRET, RUN, late[j * RANKS_PER_WORKER:(j + 1) * RANKS_PER_WORKER], host=f"late{j:02d}", **kw)
+            w = sim.SimWorker(addr, SECRET, RUN, late[j * RANKS_PER_WORKER : (j + 1) * RANKS_PER_WORKER], host=f"late{j:02d}", **kw)
             workers.append(w)
             tasks.append(asyncio.create_task(w.run()))
         await asyncio.wait(tasks, timeout=900)
@@ -249,9 +281,15 @@ def sim_main(case: dict, addr: str, out: mp.Queue) -> None:
             trained.setdefault(rank, []).extend(ranges)
         for outcome in w.outcomes.values():
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
-    out.put({"cpu_s": time.process_time() - cpu0, "frames_sent": sum(w.frames_sent for w in workers),
-             "batches": sum(w.batches_sent for w in workers), "outcomes": outcomes,
-             "coverage": rank_side_coverage(trained, case["dataset_len"], case["epochs"])})
+    out.put(
+        {
+            "cpu_s": time.process_time() - cpu0,
+            "frames_sent": sum(w.frames_sent for w in workers),
+            "batches": sum(w.batches_sent for w in workers),
+            "outcomes": outcomes,
+            "coverage": rank_side_coverage(trained, case["dataset_len"], case["epochs"]),
+        }
+    )
 
 
 def rank_side_coverage(trained: dict[int, list], dataset_len: int, epochs: int) -> dict:
@@ -305,8 +343,11 @@ def _get(q: mp.Queue, proc, timeout_s: float):
 
 def rows_for(label: str, case: dict, r: dict) -> list[Row]:
     t = r["timing"]
-    exact = (r["exit_reason"] == "completed" and r["epochs_completed"] == case["epochs"]
-             and r["history"] == [case["dataset_len"]] * case["epochs"])
+    exact = (
+        r["exit_reason"] == "completed"
+        and r["epochs_completed"] == case["epochs"]
+        and r["history"] == [case["dataset_len"]] * case["epochs"]
+    )
     cov = r["sim"]["coverage"]
     plan_s, settle_s = sum(t["plan_s"]), sum(t["settle_s"])
     turn = sorted(t["turnaround_s"]) or [0.0]
@@ -333,7 +374,9 @@ def rows_for(label: str, case: dict, r: dict) -> list[Row]:
         Row(label, "peak RSS", r["peak_rss_kib"] / 1024, "MiB"),
         Row(label, "RSS growth in run", (r["peak_rss_kib"] - r["rss0_kib"]) / 1024, "MiB"),
         Row(label, "coverage", 1.0 if exact else 0.0, "exact", "exact", exact),
-        Row(label, "ranks' record", 1.0 if cov["twice"] == cov["missed"] == 0 else 0.0, "exact", "exact", cov["twice"] == cov["missed"] == 0),
+        Row(
+            label, "ranks' record", 1.0 if cov["twice"] == cov["missed"] == 0 else 0.0, "exact", "exact", cov["twice"] == cov["missed"] == 0
+        ),
     ]
     return rows
 
@@ -343,30 +386,43 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     quick = args.quick
     if args.smoke:
-        cases = [("16 ranks", scenario(16, batches_per_rank=30, epochs=2, deaths=1, hangs=0, joins=1, base_ms=20, seed=3,
-                                            join_after_s=(0.3, 0.6)))]
+        cases = [
+            (
+                "16 ranks",
+                scenario(16, batches_per_rank=30, epochs=2, deaths=1, hangs=0, joins=1, base_ms=20, seed=3, join_after_s=(0.3, 0.6)),
+            )
+        ]
     elif quick:
-        cases = [("100 ranks", scenario(100, batches_per_rank=40, epochs=3, deaths=3, hangs=1, joins=1, base_ms=100, seed=1)),
-                 ("1000 ranks", scenario(1000, batches_per_rank=40, epochs=3, deaths=20, hangs=1, joins=2, base_ms=100, seed=2))]
+        cases = [
+            ("100 ranks", scenario(100, batches_per_rank=40, epochs=3, deaths=3, hangs=1, joins=1, base_ms=100, seed=1)),
+            ("1000 ranks", scenario(1000, batches_per_rank=40, epochs=3, deaths=20, hangs=1, joins=2, base_ms=100, seed=2)),
+        ]
     else:
-        cases = [("100 ranks", scenario(100, batches_per_rank=60, epochs=6, deaths=5, hangs=1, joins=2, base_ms=100, seed=1)),
-                 ("1000 ranks", scenario(1000, batches_per_rank=60, epochs=6, deaths=40, hangs=1, joins=4, base_ms=100, seed=2))]
+        cases = [
+            ("100 ranks", scenario(100, batches_per_rank=60, epochs=6, deaths=5, hangs=1, joins=2, base_ms=100, seed=1)),
+            ("1000 ranks", scenario(1000, batches_per_rank=60, epochs=6, deaths=40, hangs=1, joins=4, base_ms=100, seed=2)),
+        ]
     rows: list[Row] = []
     notes = []
     for label, case in cases:
         t0 = time.monotonic()
         res = measure(case)
         sim_res = res["sim"]
-        print(f"{label}: {res['exit_reason']} in {time.monotonic() - t0:.0f} s; history {res['history']}; "
-              f"lost {res['deaths']} {res['death_reasons']}; joined {res['joined']}; rank outcomes {sim_res['outcomes']}; "
-              f"ranks' record {sim_res['coverage']}; sim process CPU {sim_res['cpu_s']:.0f} s; drops {res['dropped']}; "
-              f"worst loop stalls (ms, phase, window) {res['lag_spikes']}", flush=True)
+        print(
+            f"{label}: {res['exit_reason']} in {time.monotonic() - t0:.0f} s; history {res['history']}; "
+            f"lost {res['deaths']} {res['death_reasons']}; joined {res['joined']}; rank outcomes {sim_res['outcomes']}; "
+            f"ranks' record {sim_res['coverage']}; sim process CPU {sim_res['cpu_s']:.0f} s; drops {res['dropped']}; "
+            f"worst loop stalls (ms, phase, window) {res['lag_spikes']}",
+            flush=True,
+        )
         if res["error"]:
             print("  " + res["error"][:400])
             print("  " + "\n  ".join(res["console_tail"]))
         rows += rows_for(label, case, res)
-        notes.append(f"{label}: {case['dataset_len']:,} samples x {case['epochs']} epochs, batch {BATCH}, "
-                     f"{sim_res['batches']:,} batches, sim process {100 * sim_res['cpu_s'] / res['wall_s']:.0f}% of a core")
+        notes.append(
+            f"{label}: {case['dataset_len']:,} samples x {case['epochs']} epochs, batch {BATCH}, "
+            f"{sim_res['batches']:,} batches, sim process {100 * sim_res['cpu_s'] / res['wall_s']:.0f}% of a core"
+        )
     mode = "smoke" if args.smoke else "quick" if quick else "full"
     return report("scale", rows, note="; ".join(notes) + f"; {mode} mode", results=smoke_results() if args.smoke else None)
 

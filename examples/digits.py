@@ -49,8 +49,7 @@ def _splits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         from sklearn.datasets import load_digits
     except ImportError as exc:
         raise ImportError(
-            "examples/digits.py needs scikit-learn for its bundled digits data set; "
-            "install it with: pip install 'flodl[examples]'"
+            "examples/digits.py needs scikit-learn for its bundled digits data set; install it with: pip install 'flodl[examples]'"
         ) from exc
 
     digits = load_digits()

@@ -34,6 +34,7 @@ def __getattr__(name: str):
         return value
     raise AttributeError(f"module 'flodl' has no attribute {name!r}")
 
+
 __all__ = [
     "ApplyPolicy",
     "AverageBackend",

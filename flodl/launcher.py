@@ -145,8 +145,13 @@ class Launcher:
             return Verdict("the controller could not be started", EXIT_LAUNCH_FAILED)
         credentials = f"{secret.hex()} {run_id}\n".encode()
         for label, host in zip(labels(list(self.cfg.hosts)), self.cfg.hosts, strict=False):
-            argv = ssh_argv(host, self.cfg.controller_address, extra_options=self.cfg.ssh_options, connect_timeout_s=self.cfg.connect_timeout_s,
-                            encrypt=self.cfg.encrypt)
+            argv = ssh_argv(
+                host,
+                self.cfg.controller_address,
+                extra_options=self.cfg.ssh_options,
+                connect_timeout_s=self.cfg.connect_timeout_s,
+                encrypt=self.cfg.encrypt,
+            )
             child = await self._spawn(label, argv, stdin=asyncio.subprocess.PIPE)
             if child is None:
                 return Verdict(f"host {label}: ssh could not be started", EXIT_LAUNCH_FAILED)
@@ -157,8 +162,21 @@ class Launcher:
 
     def _controller_argv(self) -> list[str]:
         cfg = self.cfg
-        return [sys.executable, "-m", "flodl.controller", "--workers", str(len(cfg.hosts)), "--bind", cfg.bind,
-                "--advertise", cfg.advertise, "--port", str(cfg.port), *(["--encrypt"] if cfg.encrypt else []), *cfg.controller_args]
+        return [
+            sys.executable,
+            "-m",
+            "flodl.controller",
+            "--workers",
+            str(len(cfg.hosts)),
+            "--bind",
+            cfg.bind,
+            "--advertise",
+            cfg.advertise,
+            "--port",
+            str(cfg.port),
+            *(["--encrypt"] if cfg.encrypt else []),
+            *cfg.controller_args,
+        ]
 
     @staticmethod
     def _controller_env(secret: bytes, run_id: str) -> dict[str, str]:
@@ -170,9 +188,14 @@ class Launcher:
         try:
             # a new session: a terminal's Ctrl-C reaches only the launcher, which tears down in order
             proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=stdin if stdin is not None else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                env=env, start_new_session=True, preexec_fn=self._preexec, limit=_LINE_LIMIT,
+                *argv,
+                stdin=stdin if stdin is not None else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=self._preexec,
+                limit=_LINE_LIMIT,
             )
         except OSError as exc:
             log.error("%s: could not start %s: %s", name, argv[0], exc)
@@ -338,10 +361,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m flodl.launcher",
         usage="python -m flodl.launcher (--hostfile FILE | --host HOST[:DEVICES] ...) --advertise ADDR [options] -- CONTROLLER_OPTIONS",
         description="Run the controller here and one worker per host over ssh; everything after -- goes to "
-                    "python -m flodl.controller (e.g. -- --task train.py:task --epochs 5).",
+        "python -m flodl.controller (e.g. -- --task train.py:task --epochs 5).",
     )
     p.add_argument("--hostfile", help="TOML file of [[hosts]] tables (keys: docs/multihost.md)")
-    p.add_argument("--host", action="append", default=[], metavar="HOST[:DEVICES]", help="a host to ssh to, e.g. gpu-a or gpu-b:cuda:0,cuda:1 (repeat; after the hostfile's)")
+    p.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        metavar="HOST[:DEVICES]",
+        help="a host to ssh to, e.g. gpu-a or gpu-b:cuda:0,cuda:1 (repeat; after the hostfile's)",
+    )
     p.add_argument("--advertise", help="this machine's address as the hosts reach it (required unless --bind is a specific address)")
     p.add_argument("--bind", help="address the controller listens on (default: the --advertise address)")
     p.add_argument("--port", type=int, default=0, help="controller port (default 0: a free one, picked here)")
@@ -349,12 +378,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="directory to cd to on the hosts, where the hostfile does not say (default: this one)")
     p.add_argument("--nccl-socket-ifname", help="NCCL_SOCKET_IFNAME for every host's ranks (a host's nccl_socket_ifname wins)")
     p.add_argument("--gloo-socket-ifname", help="GLOO_SOCKET_IFNAME for every host's ranks (a host's gloo_socket_ifname wins)")
-    p.add_argument("--ssh-option", action="append", default=[], metavar="KEY=VALUE", help="ssh -o option for every host, after each host's own (repeat)")
+    p.add_argument(
+        "--ssh-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="ssh -o option for every host, after each host's own (repeat)",
+    )
     p.add_argument("--connect-timeout-secs", type=int, default=DEFAULT_CONNECT_TIMEOUT_S, help="ssh ConnectTimeout")
-    p.add_argument("--grace-secs", type=float, default=DEFAULT_GRACE_S, help="teardown: seconds for each step (hosts finishing, SIGTERM, SIGKILL)")
-    p.add_argument("--start-window-secs", type=float, default=DEFAULT_START_WINDOW_S, help="a host whose ssh fails this soon after launch stops the run")
-    p.add_argument("--encrypt", action="store_true",
-                   help="encrypt the control and bulk planes (ZeroMQ CURVE, keys derived from the run secret): passed to the controller and every worker")
+    p.add_argument(
+        "--grace-secs", type=float, default=DEFAULT_GRACE_S, help="teardown: seconds for each step (hosts finishing, SIGTERM, SIGKILL)"
+    )
+    p.add_argument(
+        "--start-window-secs",
+        type=float,
+        default=DEFAULT_START_WINDOW_S,
+        help="a host whose ssh fails this soon after launch stops the run",
+    )
+    p.add_argument(
+        "--encrypt",
+        action="store_true",
+        help="encrypt the control and bulk planes (ZeroMQ CURVE, keys derived from the run secret): passed to the controller and every worker",
+    )
     p.add_argument("--log-level", default="INFO", help="launcher logging level: DEBUG, INFO, WARNING")
     return p
 
@@ -363,7 +408,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     """(launcher options, controller options): split at the first ``--``."""
     if "--" in argv:
         i = argv.index("--")
-        return argv[:i], argv[i + 1:]
+        return argv[:i], argv[i + 1 :]
     return argv, []
 
 
@@ -378,7 +423,9 @@ def resolve(args: argparse.Namespace, controller_args: list[str]) -> LauncherCon
     if not hosts:
         raise ConfigError("--hostfile", "no hosts: give --hostfile FILE or --host HOST[:DEVICES]")
     workdir = args.workdir or os.getcwd()
-    hosts = [with_defaults(h, python=args.python, workdir=workdir, nccl=args.nccl_socket_ifname, gloo=args.gloo_socket_ifname) for h in hosts]
+    hosts = [
+        with_defaults(h, python=args.python, workdir=workdir, nccl=args.nccl_socket_ifname, gloo=args.gloo_socket_ifname) for h in hosts
+    ]
     advertise = args.advertise or (args.bind if args.bind not in (None, "", "0.0.0.0", "::", "*") else None)
     if not advertise:
         raise ConfigError("--advertise", "needed: the address of this machine that every host can reach")
@@ -389,10 +436,16 @@ def resolve(args: argparse.Namespace, controller_args: list[str]) -> LauncherCon
     check_controller_args(controller_args)
     bind = args.bind or advertise
     return LauncherConfig(
-        hosts=tuple(hosts), advertise=advertise, bind=bind, port=args.port or pick_port(bind),
-        controller_args=tuple(controller_args), encrypt=args.encrypt,
+        hosts=tuple(hosts),
+        advertise=advertise,
+        bind=bind,
+        port=args.port or pick_port(bind),
+        controller_args=tuple(controller_args),
+        encrypt=args.encrypt,
         ssh_options=tuple(check_ssh_option(o, "--ssh-option") for o in args.ssh_option),
-        connect_timeout_s=args.connect_timeout_secs, grace_s=args.grace_secs, start_window_s=args.start_window_secs,
+        connect_timeout_s=args.connect_timeout_secs,
+        grace_s=args.grace_secs,
+        start_window_s=args.start_window_secs,
     )
 
 
@@ -433,8 +486,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"flodl.launcher: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    log.info("controller at %s (bind %s); hosts: %s", cfg.controller_address, cfg.bind,
-             ", ".join(f"{h.host}[{h.devices or 'default'}]" for h in cfg.hosts))
+    log.info(
+        "controller at %s (bind %s); hosts: %s",
+        cfg.controller_address,
+        cfg.bind,
+        ", ".join(f"{h.host}[{h.devices or 'default'}]" for h in cfg.hosts),
+    )
     return asyncio.run(Launcher(cfg).run())
 
 

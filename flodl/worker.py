@@ -74,8 +74,14 @@ class Worker:
     """Supervises this host's rank processes on behalf of the controller."""
 
     def __init__(
-        self, controller: str, devices: list[str], secret: bytes, run_id: str, *,
-        join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S, watch_stdin: bool = False,
+        self,
+        controller: str,
+        devices: list[str],
+        secret: bytes,
+        run_id: str,
+        *,
+        join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
+        watch_stdin: bool = False,
     ) -> None:
         self.controller = controller
         self.devices = devices
@@ -185,14 +191,22 @@ class Worker:
         self._wake.set()
 
     async def _supervise(self, tg: asyncio.TaskGroup) -> int:
-        self._send(m.WorkerHello(host=host_name(), pid=os.getpid(), devices=self.devices, versions={"flodl": __version__, "protocol": str(PROTOCOL_VERSION)}))
+        self._send(
+            m.WorkerHello(
+                host=host_name(), pid=os.getpid(), devices=self.devices, versions={"flodl": __version__, "protocol": str(PROTOCOL_VERSION)}
+            )
+        )
         deadline = time.monotonic() + self.join_timeout_s
         while self.welcome is None:
             if self.reject or self.shutdown or self._interrupted:
                 return self._finish_early()
             if time.monotonic() > deadline:
-                log.error("no answer from the controller at %s within %.0f s%s", self.controller, self.join_timeout_s,
-                          " (is it running with --encrypt too?)" if curve.enabled() else " (if it runs with --encrypt, so must this worker)")
+                log.error(
+                    "no answer from the controller at %s within %.0f s%s",
+                    self.controller,
+                    self.join_timeout_s,
+                    " (is it running with --encrypt too?)" if curve.enabled() else " (if it runs with --encrypt, so must this worker)",
+                )
                 return EXIT_CONTROLLER_LOST
             await self._wait(0.5)
         await self._spawn(tg)
@@ -240,8 +254,12 @@ class Worker:
         welcome = self.welcome
         host = self.controller.rsplit(":", 1)[0]  # tcp://HOST
         self.relay = HostRelay(
-            secret=self.secret, run_id=self.run_id, upstream=f"{host}:{welcome.bulk_port}", identity=f"{self.sender}/bulk",
-            ranks=list(welcome.ranks), timeout_s=Deadlines(heartbeat_s=welcome.heartbeat_timeout_s).relay_round_s,
+            secret=self.secret,
+            run_id=self.run_id,
+            upstream=f"{host}:{welcome.bulk_port}",
+            identity=f"{self.sender}/bulk",
+            ranks=list(welcome.ranks),
+            timeout_s=Deadlines(heartbeat_s=welcome.heartbeat_timeout_s).relay_round_s,
         )
         self.relay.start()
         self.relay_task = tg.create_task(self.relay.run())
@@ -323,13 +341,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=None, help="number of ranks (default: one per visible GPU, else 1 CPU rank)")
     p.add_argument("--devices", default=None, help="explicit comma-separated devices, e.g. cuda:0,cuda:1 or cpu,cpu")
     p.add_argument("--join-timeout-secs", type=float, default=DEFAULT_JOIN_TIMEOUT_S, help="seconds to wait for the controller's welcome")
-    p.add_argument("--secret-from-stdin", action="store_true",
-                   help="read 'SECRET_HEX RUN_ID' from the first stdin line instead of FLODL_RUN_SECRET/FLODL_RUN_ID, "
-                        "then stop the ranks and exit when stdin closes (how python -m flodl.launcher starts workers over ssh)")
-    p.add_argument("--secret-timeout-secs", type=float, default=DEFAULT_SECRET_TIMEOUT_S,
-                   help="with --secret-from-stdin: seconds to wait for the credentials line")
-    p.add_argument("--encrypt", action="store_true",
-                   help="encrypt the planes with ZeroMQ CURVE (as a controller run with --encrypt does; FLODL_ENCRYPT=1 too)")
+    p.add_argument(
+        "--secret-from-stdin",
+        action="store_true",
+        help="read 'SECRET_HEX RUN_ID' from the first stdin line instead of FLODL_RUN_SECRET/FLODL_RUN_ID, "
+        "then stop the ranks and exit when stdin closes (how python -m flodl.launcher starts workers over ssh)",
+    )
+    p.add_argument(
+        "--secret-timeout-secs",
+        type=float,
+        default=DEFAULT_SECRET_TIMEOUT_S,
+        help="with --secret-from-stdin: seconds to wait for the credentials line",
+    )
+    p.add_argument(
+        "--encrypt",
+        action="store_true",
+        help="encrypt the planes with ZeroMQ CURVE (as a controller run with --encrypt does; FLODL_ENCRYPT=1 too)",
+    )
     p.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING)")
     return p
 
@@ -373,7 +401,10 @@ def _credentials(args: argparse.Namespace) -> tuple[bytes, str]:
         return read_stdin_credentials(sys.stdin.fileno(), args.secret_timeout_secs)
     secret, run_id = read_run_credentials()
     if secret is None or run_id is None:
-        raise ConfigError("FLODL_RUN_SECRET", "the worker needs FLODL_RUN_SECRET (hex) and FLODL_RUN_ID in its environment, as the controller or launcher sets them")
+        raise ConfigError(
+            "FLODL_RUN_SECRET",
+            "the worker needs FLODL_RUN_SECRET (hex) and FLODL_RUN_ID in its environment, as the controller or launcher sets them",
+        )
     return secret, run_id
 
 
@@ -400,8 +431,11 @@ def _checked_exit(code: int) -> int:
     """A message handler that raised in this process (a flodl bug, survived) is said at exit;
     under ``FLODL_STRICT`` (the test suite) it turns a clean exit into a failed one."""
     if HANDLER_ERRORS.count:
-        log.error("%d message handler error(s) in this worker: a flodl bug (tracebacks above); the first: %s",
-                  HANDLER_ERRORS.count, HANDLER_ERRORS.first[0])
+        log.error(
+            "%d message handler error(s) in this worker: a flodl bug (tracebacks above); the first: %s",
+            HANDLER_ERRORS.count,
+            HANDLER_ERRORS.first[0],
+        )
         if strict() and code == EXIT_OK:
             return EXIT_FAILED
     return code

@@ -32,13 +32,33 @@ SAMPLES = [
     m.Reject(reason="model signature differs from rank 0"),
     m.RankExited(rank=1, pid=4300, code=-9),
     m.RankHello(
-        rank=0, host="node-a", pid=4301, device="cpu", versions={"flodl": "0.1.0"},
-        model_signature="ab12", param_count=1000, shuffle_signature="cd34", dataset_len=1500,
-        has_eval=True, eval_metric="accuracy", batch_size=32,
+        rank=0,
+        host="node-a",
+        pid=4301,
+        device="cpu",
+        versions={"flodl": "0.1.0"},
+        model_signature="ab12",
+        param_count=1000,
+        shuffle_signature="cd34",
+        dataset_len=1500,
+        has_eval=True,
+        eval_metric="accuracy",
+        batch_size=32,
     ),
     m.RankWelcome(
-        rank=0, world_size=2, generation=0, store_host="127.0.0.1", store_port=29500, store_prefix="run/gen0",
-        collective_timeout_s=30.0, config={"mode": "nccl-sync", "max_grad_norm": None, "lr_scale_ratio": 1.0}, seed=42, bulk_port=0, late=False, shm_probe="", shm_nonce="",
+        rank=0,
+        world_size=2,
+        generation=0,
+        store_host="127.0.0.1",
+        store_port=29500,
+        store_prefix="run/gen0",
+        collective_timeout_s=30.0,
+        config={"mode": "nccl-sync", "max_grad_norm": None, "lr_scale_ratio": 1.0},
+        seed=42,
+        bulk_port=0,
+        late=False,
+        shm_probe="",
+        shm_nonce="",
     ),
     m.RankReady(rank=1, generation=0, init_ms=12.5),
     m.BatchDone(rank=1, epoch=3, step=97, samples=32, loss=0.25, batch_ms=5.5, data_ms=0.125, sync_ms=0.75),
@@ -52,19 +72,74 @@ SAMPLES = [
     m.Ping(nonce=7, sent_at=12.25),
     m.Pong(nonce=7, sent_at=12.25),
     m.EvalResult(rank=2, epoch=1, final=False, value=None, elapsed_ms=0.0, error="ValueError: bad eval"),
-    m.Window(window=7, global_step=640, grants=[[2, 128, 64], [3, 0, 32]], quota_batches=0, quota_ms=812.5, sync_every=0, rounds=1, measure_divergence=True),
-    m.EndWindow(window=7),
-    m.Snapshot(rank=1, round=12, weight=7.0, groups=["p", "b"], dtypes=["float32", "float32"], numels=[1000, 20], bucket=0, start=0, count=1000, shm="", shm_offset=0, ranks=1),
-    m.Update(round=12, aborted=False, ranks=2, groups=["p", "b"], dtypes=["float32", "float32"], numels=[1000, 20], bucket=1, start=0, count=20, shm="/dev/shm/flodl-run-7-update", shm_offset=4096),
-    m.WindowDone(
-        rank=1, window=7, batches=3, consumed=96, loss_sum=1.5, compute_ms=30.0, data_ms=1.0, sync_ms=2.0,
-        divergence=0.03125, pre_norm=12.0, post_norm=11.5, lr=0.01, epochs=[[2.0, 2.0, 64.0, 1.0, 20.0, 0.5], [3.0, 1.0, 32.0, 0.5, 10.0, 0.5]], scalars={}, regrouped_at=-1,
-        res={"gpu_util": 87.5, "vram_alloc": 1 << 30, "cpu_util": 12.0}, data={"ram_hits": 90, "source_fetches": 6, "ram_bytes": 1 << 20},
+    m.Window(
+        window=7,
+        global_step=640,
+        grants=[[2, 128, 64], [3, 0, 32]],
+        quota_batches=0,
+        quota_ms=812.5,
+        sync_every=0,
+        rounds=1,
+        measure_divergence=True,
     ),
-    m.Regroup(generation=2, members=[0, 2], store_prefix="golden-run/gen2", reason="rank 1 on host node-b (pid 4300) was killed by SIGKILL",
-              sync_from=-1, first_round=-1),
-    m.Regroup(generation=3, members=[0, 2, 3], store_prefix="golden-run/gen3", reason="rank 3 on host node-c joined",
-              sync_from=0, first_round=-1),
+    m.EndWindow(window=7),
+    m.Snapshot(
+        rank=1,
+        round=12,
+        weight=7.0,
+        groups=["p", "b"],
+        dtypes=["float32", "float32"],
+        numels=[1000, 20],
+        bucket=0,
+        start=0,
+        count=1000,
+        shm="",
+        shm_offset=0,
+        ranks=1,
+    ),
+    m.Update(
+        round=12,
+        aborted=False,
+        ranks=2,
+        groups=["p", "b"],
+        dtypes=["float32", "float32"],
+        numels=[1000, 20],
+        bucket=1,
+        start=0,
+        count=20,
+        shm="/dev/shm/flodl-run-7-update",
+        shm_offset=4096,
+    ),
+    m.WindowDone(
+        rank=1,
+        window=7,
+        batches=3,
+        consumed=96,
+        loss_sum=1.5,
+        compute_ms=30.0,
+        data_ms=1.0,
+        sync_ms=2.0,
+        divergence=0.03125,
+        pre_norm=12.0,
+        post_norm=11.5,
+        lr=0.01,
+        epochs=[[2.0, 2.0, 64.0, 1.0, 20.0, 0.5], [3.0, 1.0, 32.0, 0.5, 10.0, 0.5]],
+        scalars={},
+        regrouped_at=-1,
+        res={"gpu_util": 87.5, "vram_alloc": 1 << 30, "cpu_util": 12.0},
+        data={"ram_hits": 90, "source_fetches": 6, "ram_bytes": 1 << 20},
+    ),
+    m.Regroup(
+        generation=2,
+        members=[0, 2],
+        store_prefix="golden-run/gen2",
+        reason="rank 1 on host node-b (pid 4300) was killed by SIGKILL",
+        sync_from=-1,
+        first_round=-1,
+    ),
+    m.Regroup(
+        generation=3, members=[0, 2, 3], store_prefix="golden-run/gen3", reason="rank 3 on host node-c joined", sync_from=0, first_round=-1
+    ),
     m.SaveCheckpoint(version=2, stem="/shared/run/ckpt", tag="0a1b2c3d4e5f", reason="checkpoint", epoch=4, call_fn=True),
     m.CheckpointDone(rank=0, version=2, model_sha256="ab" * 32, optim_sha256="cd" * 32, elapsed_ms=41.5, error=None),
     m.Fence(rank=3, reason="sent nothing for 10.2 s (heartbeat timeout 10 s)"),
@@ -88,14 +163,20 @@ def valid_vectors() -> list[dict]:
         kind, fields = message_fields(msg)
         frame = pack_frame(SECRET, msg, sender="rank0.4301", seq=seq, run_id=RUN_ID)
         names = [f.name for f in dataclasses.fields(msg)]
-        out.append({
-            "message": type(msg).__name__,
-            "frame_hex": frame.hex(),
-            "decoded": {
-                "version": PROTOCOL_VERSION, "kind": kind, "sender": "rank0.4301", "seq": seq, "run_id": RUN_ID,
-                "fields": {name: to_json(v) for name, v in zip(names, fields, strict=False)},
-            },
-        })
+        out.append(
+            {
+                "message": type(msg).__name__,
+                "frame_hex": frame.hex(),
+                "decoded": {
+                    "version": PROTOCOL_VERSION,
+                    "kind": kind,
+                    "sender": "rank0.4301",
+                    "seq": seq,
+                    "run_id": RUN_ID,
+                    "fields": {name: to_json(v) for name, v in zip(names, fields, strict=False)},
+                },
+            }
+        )
     return out
 
 
@@ -104,7 +185,9 @@ def _resign(unsigned: bytes) -> bytes:
 
 
 def invalid_vectors() -> list[dict]:
-    good = pack_frame(SECRET, m.Heartbeat(step=1, sent_at=2.0, busy="", busy_s=0.0, step_ms=0.0, averaged=-1), sender="rank0.1", seq=1, run_id=RUN_ID)
+    good = pack_frame(
+        SECRET, m.Heartbeat(step=1, sent_at=2.0, busy="", busy_s=0.0, step_ms=0.0, averaged=-1), sender="rank0.1", seq=1, run_id=RUN_ID
+    )
     body = good[HEADER.size : -16]
 
     def frame(kind: int = 11, version: int = PROTOCOL_VERSION, payload: bytes = body, magic: bytes = MAGIC) -> bytes:

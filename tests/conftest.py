@@ -35,6 +35,7 @@ class FakeClock:
 def _no_leaked_environment():
     """Fail a test that leaves a FLODL_* or TORCH_* variable changed: every later test's processes
     inherit it (a leaked FLODL_ENCRYPT once made another test's fuzzer talk to an encrypted run)."""
+
     def ours():
         return {k: v for k, v in os.environ.items() if k.startswith(("FLODL_", "TORCH_"))}
 
@@ -53,8 +54,11 @@ def _no_handler_errors():
     transport = sys.modules.get("flodl.wire.transport")  # a test may have imported it
     if transport and transport.HANDLER_ERRORS.count > before:
         errors = transport.HANDLER_ERRORS
-        pytest.fail(f"{errors.count - before} message handler error(s) during this test (a flodl bug; tracebacks in the "
-                    f"log): {errors.first[before] if before < len(errors.first) else ''}", pytrace=False)
+        pytest.fail(
+            f"{errors.count - before} message handler error(s) during this test (a flodl bug; tracebacks in the "
+            f"log): {errors.first[before] if before < len(errors.first) else ''}",
+            pytrace=False,
+        )
 
 
 @pytest.fixture

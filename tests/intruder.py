@@ -126,8 +126,9 @@ def hijack(ctx: zmq.Context, addr: str, identity: bytes, hold_s: float) -> int:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--controller", required=True)
-    p.add_argument("--captured", required=True,
-                   help="JSON: run_id, worker_sender, rank_sender (names of real peers) and frames (hex, may be empty)")
+    p.add_argument(
+        "--captured", required=True, help="JSON: run_id, worker_sender, rank_sender (names of real peers) and frames (hex, may be empty)"
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--phases", default="wire,forged,malformed,liar,replay", help="comma-separated, in this order; also: hijack")
     p.add_argument("--hijack-id", default="", help="routing id to take over (hijack phase): a rank's sender name")

@@ -91,13 +91,21 @@ class Cluster:
     gateway: str = ""
     bridge: str = ""
 
-    def hostfile(self, path: Path, *, env: dict[str, str], per_host_ifname: bool = True, ssh_port: int | None = None,
-                 devices: str = "cpu") -> Path:
+    def hostfile(
+        self, path: Path, *, env: dict[str, str], per_host_ifname: bool = True, ssh_port: int | None = None, devices: str = "cpu"
+    ) -> Path:
         blocks = []
         for h in self.hosts:
-            lines = [f'host = "{h.addr}"', f'devices = "{devices}"', f'python = "{PY}"', f'workdir = "{ROOT}"', 'ssh_user = "root"',
-                     f'identity_file = "{self.key}"', f"ssh_options = {json.dumps(SSH_OPTIONS)}",
-                     "env = { " + ", ".join(f'{k} = "{v}"' for k, v in env.items()) + " }"]
+            lines = [
+                f'host = "{h.addr}"',
+                f'devices = "{devices}"',
+                f'python = "{PY}"',
+                f'workdir = "{ROOT}"',
+                'ssh_user = "root"',
+                f'identity_file = "{self.key}"',
+                f"ssh_options = {json.dumps(SSH_OPTIONS)}",
+                "env = { " + ", ".join(f'{k} = "{v}"' for k, v in env.items()) + " }",
+            ]
             if per_host_ifname:
                 lines.append('gloo_socket_ifname = "eth0"')
             if ssh_port:
@@ -198,25 +206,64 @@ def add_host(h: NsHost, bridge: str) -> None:
 
 def start_sshd(h: NsHost, tmp: Path) -> subprocess.Popen:
     config = tmp / f"sshd_{h.name}.conf"
-    config.write_text("\n".join([
-        "Port 22", f"ListenAddress {h.addr}", f"HostKey {tmp / 'host_key'}", f"AuthorizedKeysFile {tmp / 'authorized_keys'}",
-        "PermitRootLogin prohibit-password", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
-        "StrictModes no", "UsePAM no", f"PidFile {tmp / ('sshd_' + h.name + '.pid')}", "LogLevel ERROR", "",
-    ]))
+    config.write_text(
+        "\n".join(
+            [
+                "Port 22",
+                f"ListenAddress {h.addr}",
+                f"HostKey {tmp / 'host_key'}",
+                f"AuthorizedKeysFile {tmp / 'authorized_keys'}",
+                "PermitRootLogin prohibit-password",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "StrictModes no",
+                "UsePAM no",
+                f"PidFile {tmp / ('sshd_' + h.name + '.pid')}",
+                "LogLevel ERROR",
+                "",
+            ]
+        )
+    )
     must("/usr/sbin/sshd", "-t", "-f", str(config))
     log = open(tmp / f"sshd_{h.name}.log", "w")
     # its own UTS namespace: workers and ranks report this host's name, as on a real cluster; and its
     # own /dev/shm, as separate machines have (else the same-host lane would work across "hosts")
-    return subprocess.Popen(["ip", "netns", "exec", h.name, "unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c",
-                             f"mount -t tmpfs -o size=512m,mode=1777 tmpfs /dev/shm && hostname {h.name} && "
-                             f"exec /usr/sbin/sshd -D -e -f {config}"], stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [
+            "ip",
+            "netns",
+            "exec",
+            h.name,
+            "unshare",
+            "--uts",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            f"mount -t tmpfs -o size=512m,mode=1777 tmpfs /dev/shm && hostname {h.name} && exec /usr/sbin/sshd -D -e -f {config}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def ssh_ready(h: NsHost, key: Path, timeout: float = 20) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        res = run("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=2", *[arg for o in SSH_OPTIONS for arg in ("-o", o)],
-                  "-i", str(key), f"root@{h.addr}", "hostname", timeout=10)
+        res = run(
+            "ssh",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "ConnectTimeout=2",
+            *[arg for o in SSH_OPTIONS for arg in ("-o", o)],
+            "-i",
+            str(key),
+            f"root@{h.addr}",
+            "hostname",
+            timeout=10,
+        )
         if res.returncode == 0 and res.stdout.strip() == h.name:
             return
         if time.monotonic() > deadline:
@@ -321,8 +368,16 @@ class Shaper:
     what a killed process left.
     """
 
-    def __init__(self, hosts: list[NsHost], bridge: str, *, egress: Netem | None = None, ingress: Netem | None = None,
-                 backend: str = "auto", seed: int = 0) -> None:
+    def __init__(
+        self,
+        hosts: list[NsHost],
+        bridge: str,
+        *,
+        egress: Netem | None = None,
+        ingress: Netem | None = None,
+        backend: str = "auto",
+        seed: int = 0,
+    ) -> None:
         self.hosts = hosts
         self.bridge = bridge
         self.egress = egress or Netem()
@@ -372,8 +427,25 @@ class Shaper:
             must("ip", "-n", ns, "link", "set", r, "up")
             must("ip", "link", "set", b, "master", self.bridge, "up")
             links += ["--link", f"{h.veth}:{r}:{self.egress.spec()}:{self.ingress.spec()}"]
-        self.relay = subprocess.Popen(["ip", "netns", "exec", ns, PY, str(Path(__file__).resolve()), "relay", "--seed", str(self.seed),
-                                       "--parent", str(os.getpid()), *links], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.relay = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                PY,
+                str(Path(__file__).resolve()),
+                "relay",
+                "--seed",
+                str(self.seed),
+                "--parent",
+                str(os.getpid()),
+                *links,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         line = self.relay.stdout.readline()
         if line.strip() != "ready":
             raise RuntimeError(f"the link relay did not start: {line}{self.relay.stderr.read() if self.relay.poll() is not None else ''}")

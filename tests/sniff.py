@@ -28,14 +28,14 @@ def zmtp_frames(payload: bytes) -> list[bytes]:
     i, n = 0, len(payload)
     while i + 4 <= n:
         flags = payload[i]
-        if flags == 0x00 and payload[i + 2:i + 4] == MAGIC:  # short frame: flags, 1-byte size
+        if flags == 0x00 and payload[i + 2 : i + 4] == MAGIC:  # short frame: flags, 1-byte size
             start, size = i + 2, payload[i + 1]
-        elif flags == 0x02 and i + 11 <= n and payload[i + 9:i + 11] == MAGIC:  # long frame: flags, 8-byte size
-            start, size = i + 9, int.from_bytes(payload[i + 1:i + 9], "big")
+        elif flags == 0x02 and i + 11 <= n and payload[i + 9 : i + 11] == MAGIC:  # long frame: flags, 8-byte size
+            start, size = i + 9, int.from_bytes(payload[i + 1 : i + 9], "big")
         else:
             i += 1
             continue
-        frame = payload[start:start + size]
+        frame = payload[start : start + size]
         if len(frame) == size >= MIN_FRAME and HEADER.size + HEADER.unpack_from(frame)[3] + TAG_LEN == size:
             found.append(bytes(frame))
             i = start + size
@@ -47,7 +47,7 @@ def zmtp_frames(payload: bytes) -> list[bytes]:
 def sender_seq(frame: bytes) -> tuple[str, int, str, int]:
     """(sender, seq, run id, kind) of a frame, read without the secret (nothing is encrypted)."""
     kind = HEADER.unpack_from(frame)[2]
-    body = msgpack.unpackb(frame[HEADER.size:-TAG_LEN], raw=False)
+    body = msgpack.unpackb(frame[HEADER.size : -TAG_LEN], raw=False)
     return body[0], body[1], body[2], kind
 
 
@@ -85,10 +85,10 @@ class Sniffer(threading.Thread):
             return []
         ihl = (data[14] & 0x0F) * 4
         tcp = 14 + ihl
-        if len(data) < tcp + 20 or int.from_bytes(data[tcp + 2:tcp + 4], "big") != self.port:
+        if len(data) < tcp + 20 or int.from_bytes(data[tcp + 2 : tcp + 4], "big") != self.port:
             return []
         total = int.from_bytes(data[16:18], "big") or len(data) - 14  # 0 in a TSO super-frame
-        payload = data[tcp + (data[tcp + 12] >> 4) * 4:14 + total]
+        payload = data[tcp + (data[tcp + 12] >> 4) * 4 : 14 + total]
         return zmtp_frames(payload) if payload else []
 
     def snapshot(self) -> list[bytes]:

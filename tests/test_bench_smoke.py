@@ -31,8 +31,9 @@ def run_smoke(script: str, name: str, tmp_path, proc_env, timeout_s: float = 50)
     committed = ROOT / "bench" / "results" / f"{name}.json"
     before = committed.read_bytes() if committed.exists() else None
     env = dict(proc_env, FLODL_BENCH_RESULTS=str(tmp_path))
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke"], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=timeout_s)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), "--smoke"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = json.loads((tmp_path / f"{name}.json").read_text())
     assert out["bench"] == name and out["machine"] and out["when"] and out["rows"]

@@ -44,12 +44,15 @@ def _row(rows, case, metric):
 
 
 def test_rows_check_each_goal():
-    results = [_result("kill", detect=0.05, again=0.2), _result("kill", detect=0.08, again=4.0),
-               _result("stop", detect=3.4, again=0.1, failures=["samples per epoch [512, 500], want 512 x 2"]),
-               _result("stuck", detect=3.3, again=None),  # the run ended before every survivor averaged
-               _result("stuck", landed=False),
-               _result("ctl-kill", failures=["bundle not loadable: CheckpointError: x"]),
-               _result("slow-build")]
+    results = [
+        _result("kill", detect=0.05, again=0.2),
+        _result("kill", detect=0.08, again=4.0),
+        _result("stop", detect=3.4, again=0.1, failures=["samples per epoch [512, 500], want 512 x 2"]),
+        _result("stuck", detect=3.3, again=None),  # the run ended before every survivor averaged
+        _result("stuck", landed=False),
+        _result("ctl-kill", failures=["bundle not loadable: CheckpointError: x"]),
+        _result("slow-build"),
+    ]
     rows = rows_for(results)
     assert _row(rows, "kill", "detection max").met is True
     assert _row(rows, "kill", "averaging again max").value == 4.0

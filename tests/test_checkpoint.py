@@ -95,9 +95,14 @@ def _params(net):
 
 def test_safetensors_round_trip_every_dtype_and_the_reference_library_agrees(tmp_path):
     tensors = {
-        "f32": torch.randn(3, 4), "f64": torch.randn(2, dtype=torch.float64), "bf16": torch.randn(5).bfloat16(),
-        "i64": torch.arange(7), "u8": torch.arange(4, dtype=torch.uint8), "b": torch.tensor([True, False]),
-        "empty": torch.zeros(0, 3), "scalar": torch.tensor(2.5),
+        "f32": torch.randn(3, 4),
+        "f64": torch.randn(2, dtype=torch.float64),
+        "bf16": torch.randn(5).bfloat16(),
+        "i64": torch.arange(7),
+        "u8": torch.arange(4, dtype=torch.uint8),
+        "b": torch.tensor([True, False]),
+        "empty": torch.zeros(0, 3),
+        "scalar": torch.tensor(2.5),
     }
     path = tmp_path / "t.safetensors"
     safetensors_io.save(path, tensors, {"k": "v"})
@@ -260,8 +265,7 @@ def test_a_commit_deletes_superseded_files_but_not_a_save_in_flight_or_other_bun
     save_model(net, bundle.model)  # a schema-1 bundle's files, and a crashed writer's temporary
     save_optimizer(opt, bundle.optim)
     (tmp_path / "run.0123456789ab.fdl.tmp").write_bytes(b"half")
-    emergency_save(model=net, optimizer=opt, stem=str(bundle.stem), rank=0, reason="controller_lost", why="test",
-                   epoch=0, global_step=1)
+    emergency_save(model=net, optimizer=opt, stem=str(bundle.stem), rank=0, reason="controller_lost", why="test", epoch=0, global_step=1)
     others = {"run.v2.meta.json", "run.v2.fdl", "run.rank0.meta.json", *(p.name for p in tmp_path.glob("run.rank0.*"))}
     for name in ("run.v2.meta.json", "run.v2.fdl"):  # another bundle whose stem starts like this one
         (tmp_path / name).write_text("{}")
@@ -294,8 +298,7 @@ def test_a_rank_refuses_to_save_nan_and_the_previous_bundle_stays(tmp_path):
     done = _write(ck, net, opt)
     assert not done.model_sha256 and "optimizer state 0.weight's exp_avg_sq holds NaN or Inf" in done.error
     assert len(list(tmp_path.glob("run.*.fdl"))) == 1  # nothing written
-    emergency_save(model=net, optimizer=opt, stem=str(bundle.stem), rank=1, reason="controller_lost", why="test",
-                   epoch=0, global_step=1)
+    emergency_save(model=net, optimizer=opt, stem=str(bundle.stem), rank=1, reason="controller_lost", why="test", epoch=0, global_step=1)
     assert not bundle.rank_file(1, ".meta.json").exists()
 
 
@@ -356,8 +359,11 @@ def test_an_emergency_save_replaces_its_previous_one_crash_safely(tmp_path, monk
     emergency_save(**save)
     first = _params(net)
     _moved(net)
-    monkeypatch.setattr(os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError("disk gone"))
-                        if str(dst).endswith(".meta.json") else os.rename(src, dst))
+    monkeypatch.setattr(
+        os,
+        "replace",
+        lambda src, dst: (_ for _ in ()).throw(OSError("disk gone")) if str(dst).endswith(".meta.json") else os.rename(src, dst),
+    )
     emergency_save(**save)  # logged, not raised: the previous replica must still load
     monkeypatch.undo()
     back = model()
@@ -375,8 +381,22 @@ def test_an_emergency_save_replaces_its_previous_one_crash_safely(tmp_path, monk
 
 def _run(proc_env, tmp_path, *args, epochs=30, nproc=2, func="task", name="s.json"):
     path = tmp_path / name
-    run = Run(["--task", task_spec("tiny.py", func), "--nproc-per-node", str(nproc), "--epochs", str(epochs),
-               "--heartbeat-timeout-secs", "4", "--summary-json", str(path), *args], proc_env)
+    run = Run(
+        [
+            "--task",
+            task_spec("tiny.py", func),
+            "--nproc-per-node",
+            str(nproc),
+            "--epochs",
+            str(epochs),
+            "--heartbeat-timeout-secs",
+            "4",
+            "--summary-json",
+            str(path),
+            *args,
+        ],
+        proc_env,
+    )
     return run, path
 
 
@@ -444,8 +464,9 @@ def test_checkpoint_every_calls_checkpoint_fn_and_a_failing_one_is_survived(proc
 
 def test_checkpoint_at_epoch_is_mid_epoch_and_resumable(proc_env, tmp_path):
     stem = tmp_path / "mid"
-    run, _ = _run(proc_env, tmp_path, "--mode", "cpu-async", "--save-path", str(stem), "--checkpoint-at-epoch", "1",
-                  epochs=3, func="big_data_task")
+    run, _ = _run(
+        proc_env, tmp_path, "--mode", "cpu-async", "--save-path", str(stem), "--checkpoint-at-epoch", "1", epochs=3, func="big_data_task"
+    )
     assert run.wait(60) == 0, run.output
     assert "checkpoint (checkpoint)" in run.output
 
@@ -477,8 +498,10 @@ def test_losing_the_controller_saves_each_replica_and_leaves_no_process(proc_env
     for rank in (0, 1):
         meta = json.loads(CheckpointBundle.at(stem).rank_file(rank, ".meta.json").read_text())
         assert meta["save_reason"] in ("controller_lost", "interrupted")  # embedded: the worker dies with it
-        load_model(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)),
-                   CheckpointBundle.at(stem).rank_file(rank, ".fdl"))
+        load_model(
+            torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)),
+            CheckpointBundle.at(stem).rank_file(rank, ".fdl"),
+        )
     assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
@@ -504,8 +527,9 @@ def test_resume_needs_every_file_of_the_bundle_and_finite_values(proc_env, tmp_p
     missing, _ = _run(proc_env, tmp_path, "--resume-from", str(stem), epochs=3, func="momentum_task")
     assert missing.wait(60) == 2, missing.output
     assert f"{files['optim']}: missing" in missing.output and "--resume-weights-only" in missing.output
-    weights, path = _run(proc_env, tmp_path, "--resume-from", str(stem), "--resume-weights-only", epochs=3,
-                         func="momentum_task", name="weights.json")
+    weights, path = _run(
+        proc_env, tmp_path, "--resume-from", str(stem), "--resume-weights-only", epochs=3, func="momentum_task", name="weights.json"
+    )
     assert weights.wait(60) == 0, weights.output
     assert [h["epoch"] for h in json.loads(path.read_text())["history"]] == [2]  # the trajectory resumed too
     files["optim"].write_bytes(good)
@@ -541,8 +565,7 @@ def test_killing_the_controller_while_a_rank_saves_leaves_the_last_committed_bun
     bundle = CheckpointBundle.at(stem)
     meta = read_meta(stem)  # complete and consistent: every file it names is there, with its sha256
     assert meta == committed
-    uncommitted = {p.name for p in tmp_path.glob("run.*.fdl")} - {meta["model_file"]} - {
-        p.name for p in tmp_path.glob("run.rank*.fdl")}
+    uncommitted = {p.name for p in tmp_path.glob("run.*.fdl")} - {meta["model_file"]} - {p.name for p in tmp_path.glob("run.rank*.fdl")}
     assert uncommitted, "the stopped rank's files were written before the kill"
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
     load_model(net, bundle.stem)

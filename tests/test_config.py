@@ -170,8 +170,7 @@ BUILDERS = [
     ("with_max_failure", (MaxFailureThreshold.absolute(2),), "max_failure", MaxFailureThreshold.absolute(2)),
     ("with_max_failure", ("20%",), "max_failure", MaxFailureThreshold.percent(0.2)),
     ("with_heartbeat_timeout_secs", (60,), "heartbeat_timeout_secs", 60),
-    ("with_epoch_callback_policy", (EpochCallbackPolicy.on_rank(1),), "epoch_callback_policy",
-     EpochCallbackPolicy.on_rank(1)),
+    ("with_epoch_callback_policy", (EpochCallbackPolicy.on_rank(1),), "epoch_callback_policy", EpochCallbackPolicy.on_rank(1)),
     ("with_epoch_callback_policy", ("rank:2",), "epoch_callback_policy", EpochCallbackPolicy.on_rank(2)),
     ("with_eval_every_epochs", (2,), "eval_every_epochs", 2),
     ("with_reports_per_epoch", (10,), "reports_per_epoch", 10),
@@ -230,9 +229,11 @@ def test_builder_special_rules():
     assert config.with_record_log("logs", 0).effective_max_log_size == 32 * 1024 * 1024
     logged = config.with_record_log("logs", 4096)
     assert (logged.record_log_dir, logged.max_log_size) == ("logs", 4096)
-    repeated = (config.with_scalar_reduction("tokens", Reduction.SUM)
-                .with_scalar_reduction("peak_mem", "max")
-                .with_scalar_reduction("tokens", "last"))  # later wins
+    repeated = (
+        config.with_scalar_reduction("tokens", Reduction.SUM)
+        .with_scalar_reduction("peak_mem", "max")
+        .with_scalar_reduction("tokens", "last")
+    )  # later wins
     assert repeated.scalar_reduction_map == {"tokens": Reduction.LAST, "peak_mem": Reduction.MAX}
     assert repeated.reduction_for("tokens") is Reduction.LAST
     assert repeated.reduction_for("loss") is Reduction.MEAN
@@ -410,8 +411,7 @@ def test_from_parts_covers_all_six_pairs():
 @pytest.mark.parametrize("mode", list(ElCheMode))
 def test_mode_parse_spellings(mode):
     snake = mode.value.replace("-", "_")
-    for spelling in (mode.name, mode.value, snake, snake.replace("_", ""), mode.name.upper(), mode.value.upper(),
-                     f"  {mode.value} "):
+    for spelling in (mode.name, mode.value, snake, snake.replace("_", ""), mode.name.upper(), mode.value.upper(), f"  {mode.value} "):
         assert ElCheMode.parse(spelling) is mode, spelling
     assert str(mode) == mode.value
 
@@ -475,9 +475,17 @@ def test_max_failure_percent_str_round_trips_exactly(p):
     assert MaxFailureThreshold.parse(str(threshold)).value == p
 
 
-@pytest.mark.parametrize("bad", [lambda: MaxFailureThreshold.absolute(-1), lambda: MaxFailureThreshold.percent(1.5),
-                                 lambda: MaxFailureThreshold.percent(math.nan), lambda: MaxFailureThreshold.absolute(2.0),
-                                 lambda: MaxFailureThreshold.parse("3.5"), lambda: MaxFailureThreshold.parse("nan%")])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: MaxFailureThreshold.absolute(-1),
+        lambda: MaxFailureThreshold.percent(1.5),
+        lambda: MaxFailureThreshold.percent(math.nan),
+        lambda: MaxFailureThreshold.absolute(2.0),
+        lambda: MaxFailureThreshold.parse("3.5"),
+        lambda: MaxFailureThreshold.parse("nan%"),
+    ],
+)
 def test_max_failure_invalid(bad):
     with pytest.raises(ConfigError) as err:
         bad()
@@ -510,19 +518,50 @@ def everything_set() -> DdpRunConfig:
     """A config with every option away from its default."""
     return (
         DdpRunConfig()
-        .with_mode("cpu-async").with_anchor(4).with_min_anchor(2).with_max_anchor(64).with_overhead_target(0.1)
-        .with_max_batch_diff(3).with_max_overshoot(5).with_divergence_threshold(0.2).with_no_divergence_guard()
-        .with_convergence_guard("trend").with_partition_ratios([1, 2]).with_easgd_alpha(0.5)
-        .with_meta_controller(False).with_relax_up(True)
-        .with_checkpoint_every(2).with_snapshot_timeout(9).with_progressive_dispatch(False).with_max_grad_norm(1.0)
-        .with_vram_pool(False).with_augment(2).with_epoch_splits(4).with_transform("pkg.aug:flip")
-        .with_vram_max_usage(0.7).with_ram_max_usage(0.3).with_gpu_ram_share(1.1).with_sample_cache(False)
-        .with_disk_stage(8).with_disk_stage_dir("/scratch").with_timeline("trace.json").with_lr_scale_ratio(0.5)
-        .with_save_path("ckpt/run").with_max_failure("20%").with_heartbeat_timeout_secs(60)
-        .with_epoch_callback_policy("rank:1").with_eval_every_epochs(3).with_reports_per_epoch(4)
-        .with_record_log("logs", 4096).with_dashboard_html("dash.html").with_dashboard_theme("dark")
-        .with_scalar_reduction("tokens", "sum").with_scalar_reduction("peak_mem", "max")
-        .with_resume_from("ckpt/old").with_resume_weights_only().with_checkpoint_at_epoch(5)
+        .with_mode("cpu-async")
+        .with_anchor(4)
+        .with_min_anchor(2)
+        .with_max_anchor(64)
+        .with_overhead_target(0.1)
+        .with_max_batch_diff(3)
+        .with_max_overshoot(5)
+        .with_divergence_threshold(0.2)
+        .with_no_divergence_guard()
+        .with_convergence_guard("trend")
+        .with_partition_ratios([1, 2])
+        .with_easgd_alpha(0.5)
+        .with_meta_controller(False)
+        .with_relax_up(True)
+        .with_checkpoint_every(2)
+        .with_snapshot_timeout(9)
+        .with_progressive_dispatch(False)
+        .with_max_grad_norm(1.0)
+        .with_vram_pool(False)
+        .with_augment(2)
+        .with_epoch_splits(4)
+        .with_transform("pkg.aug:flip")
+        .with_vram_max_usage(0.7)
+        .with_ram_max_usage(0.3)
+        .with_gpu_ram_share(1.1)
+        .with_sample_cache(False)
+        .with_disk_stage(8)
+        .with_disk_stage_dir("/scratch")
+        .with_timeline("trace.json")
+        .with_lr_scale_ratio(0.5)
+        .with_save_path("ckpt/run")
+        .with_max_failure("20%")
+        .with_heartbeat_timeout_secs(60)
+        .with_epoch_callback_policy("rank:1")
+        .with_eval_every_epochs(3)
+        .with_reports_per_epoch(4)
+        .with_record_log("logs", 4096)
+        .with_dashboard_html("dash.html")
+        .with_dashboard_theme("dark")
+        .with_scalar_reduction("tokens", "sum")
+        .with_scalar_reduction("peak_mem", "max")
+        .with_resume_from("ckpt/old")
+        .with_resume_weights_only()
+        .with_checkpoint_at_epoch(5)
     )
 
 
@@ -580,8 +619,7 @@ def test_available_sets():
 
 def test_check_available_passes_for_defaults_and_available_fields():
     DdpRunConfig().check_available()
-    config = (DdpRunConfig().with_lr_scale_ratio(0.5).with_max_grad_norm(1.0).with_heartbeat_timeout_secs(60)
-              .with_mode("nccl-sync"))
+    config = DdpRunConfig().with_lr_scale_ratio(0.5).with_max_grad_norm(1.0).with_heartbeat_timeout_secs(60).with_mode("nccl-sync")
     config.check_available()
     check_available(config)
 
@@ -629,11 +667,34 @@ def test_no_flags_gives_the_defaults():
 
 def test_cli_parse_to_config():
     config = cli(
-        "--mode", "NcclCadence", "--anchor", "4", "--max-failure", "20%", "--epoch-callback-policy", "rank:1",
-        "--partition-ratios", "0.7,0.3", "--scalar-reduction", "tokens=sum", "--scalar-reduction", "peak=max",
-        "--no-vram-pool", "--no-divergence-guard", "--max-grad-norm", "1.5", "--heartbeat-timeout-secs", "45",
-        "--record-log-dir", "logs", "--max-log-size", "2048", "--progressive-dispatch", "--relax-up",
-        "--checkpoint-every", "0",
+        "--mode",
+        "NcclCadence",
+        "--anchor",
+        "4",
+        "--max-failure",
+        "20%",
+        "--epoch-callback-policy",
+        "rank:1",
+        "--partition-ratios",
+        "0.7,0.3",
+        "--scalar-reduction",
+        "tokens=sum",
+        "--scalar-reduction",
+        "peak=max",
+        "--no-vram-pool",
+        "--no-divergence-guard",
+        "--max-grad-norm",
+        "1.5",
+        "--heartbeat-timeout-secs",
+        "45",
+        "--record-log-dir",
+        "logs",
+        "--max-log-size",
+        "2048",
+        "--progressive-dispatch",
+        "--relax-up",
+        "--checkpoint-every",
+        "0",
     )
     assert config.elche.mode is ElCheMode.NcclCadence
     assert config.elche.anchor == 4
@@ -651,8 +712,16 @@ def test_cli_parse_to_config():
     assert config.checkpoint_every is None
 
 
-@pytest.mark.parametrize("argv", [["--max-failure", "lots"], ["--anchor", "ten"], ["--mode", "turbo"],
-                                  ["--scalar-reduction", "tokens"], ["--partition-ratios", "0.5,x"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--max-failure", "lots"],
+        ["--anchor", "ten"],
+        ["--mode", "turbo"],
+        ["--scalar-reduction", "tokens"],
+        ["--partition-ratios", "0.5,x"],
+    ],
+)
 def test_bad_flag_text_is_an_argparse_error(argv, capsys):
     with pytest.raises(SystemExit):
         parser().parse_args(argv)
@@ -708,9 +777,18 @@ def test_unknown_toml_key_is_named():
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("anchor", "3"), ("anchor", 3.0), ("vram_pool", "false"), ("max_grad_norm", "1.0"), ("mode", 1),
-     ("partition_ratios", [0.5, "x"]), ("scalar_reductions", ["tokens=sum"]), ("max_failure", 0.2),
-     ("epoch_callback_policy", True), ("max_grad_norm", -1.0)],
+    [
+        ("anchor", "3"),
+        ("anchor", 3.0),
+        ("vram_pool", "false"),
+        ("max_grad_norm", "1.0"),
+        ("mode", 1),
+        ("partition_ratios", [0.5, "x"]),
+        ("scalar_reductions", ["tokens=sum"]),
+        ("max_failure", 0.2),
+        ("epoch_callback_policy", True),
+        ("max_grad_norm", -1.0),
+    ],
 )
 def test_toml_values_are_type_checked(key, value):
     with pytest.raises(ConfigError) as err:

@@ -32,12 +32,15 @@ def test_the_phase_moves_forward_and_logs_each_move(clock, caplog):
     state.to(Phase.DONE)
 
 
-@pytest.mark.parametrize("path", [
-    (Phase.TRAINING,),  # skipping the gathering and the joining
-    (Phase.GATHERING, Phase.GATHERING),  # standing still is no move
-    (Phase.ABORTING, Phase.DONE, Phase.ABORTING),  # done is done
-    (Phase.GATHERING, Phase.SHUTTING_DOWN),  # a clean end only after training
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        (Phase.TRAINING,),  # skipping the gathering and the joining
+        (Phase.GATHERING, Phase.GATHERING),  # standing still is no move
+        (Phase.ABORTING, Phase.DONE, Phase.ABORTING),  # done is done
+        (Phase.GATHERING, Phase.SHUTTING_DOWN),  # a clean end only after training
+    ],
+)
 def test_a_move_the_run_cannot_make_is_refused(clock, path):
     state = RunState(Membership(5.0), clock)
     *before, illegal = path
@@ -88,8 +91,9 @@ async def test_the_hooks_see_a_run_with_a_death(quiet_console):
     ctl = Controller(launch, config, secret=SECRET, run_id=RUN, console=quiet_console, hooks=hooks)
     run = asyncio.create_task(ctl.run())
     await ctl.ready.wait()
-    sim = SimWorker(f"tcp://127.0.0.1:{ctl.port}", SECRET, RUN, [SimRankSpec(), SimRankSpec(die_at_batch=5)],
-                    dataset_len=400, batch_size=10)
+    sim = SimWorker(
+        f"tcp://127.0.0.1:{ctl.port}", SECRET, RUN, [SimRankSpec(), SimRankSpec(die_at_batch=5)], dataset_len=400, batch_size=10
+    )
     worker = asyncio.create_task(sim.run())
     summary = await run
     await asyncio.wait_for(worker, 10)

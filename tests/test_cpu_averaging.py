@@ -104,16 +104,35 @@ async def test_round_completes_without_a_rank_that_died(lane):
     await stop(ctl, task, avgs)
 
 
-@pytest.mark.parametrize("bad, reason", [
-    (dict(numels=[10], count=10), "slice of 16 bytes, header says 10 x float32 = 40"),
-    (dict(dtypes=["int64"]), "dtype 'int64'"),
-    (dict(bucket=3), "bucket 3 outside"),
-    (dict(start=2, count=4), "outside tensor 0 of 4 elements"),
-])
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        (dict(numels=[10], count=10), "slice of 16 bytes, header says 10 x float32 = 40"),
+        (dict(dtypes=["int64"]), "dtype 'int64'"),
+        (dict(bucket=3), "bucket 3 outside"),
+        (dict(start=2, count=4), "outside tensor 0 of 4 elements"),
+    ],
+)
 async def test_bad_slices_are_rejected_with_a_clear_error(bad, reason, caplog):
     ctl, task = await controller()
     ctl.admit(b"rank0.x", 0)
-    fields = dict(rank=0, round=0, weight=1.0, groups=["p"], dtypes=["float32"], numels=[4], bucket=0, start=0, count=4, shm="", shm_offset=0, ranks=1) | bad
+    fields = (
+        dict(
+            rank=0,
+            round=0,
+            weight=1.0,
+            groups=["p"],
+            dtypes=["float32"],
+            numels=[4],
+            bucket=0,
+            start=0,
+            count=4,
+            shm="",
+            shm_offset=0,
+            ranks=1,
+        )
+        | bad
+    )
     send_raw(ctl.port, b"rank0.x/bulk", m.Snapshot(**fields), b"\0" * 16)
     for _ in range(100):
         if ctl.drops["bulk"]:
@@ -129,7 +148,9 @@ async def test_bad_slices_are_rejected_with_a_clear_error(bad, reason, caplog):
 async def test_snapshot_from_the_wrong_socket_is_unauthorized():
     ctl, task = await controller()
     ctl.admit(b"rank0.x", 0)
-    header = m.Snapshot(rank=0, round=0, weight=1.0, groups=["p"], dtypes=["float32"], numels=[4], bucket=0, start=0, count=4, shm="", shm_offset=0, ranks=1)
+    header = m.Snapshot(
+        rank=0, round=0, weight=1.0, groups=["p"], dtypes=["float32"], numels=[4], bucket=0, start=0, count=4, shm="", shm_offset=0, ranks=1
+    )
     send_raw(ctl.port, b"rank1.impostor/bulk", header, b"\0" * 16)
     for _ in range(100):
         if ctl.drops["unauthorized"]:

@@ -42,9 +42,9 @@ HOSTILE = "</script><script>window.pwned=1</script><!--"
 
 # ---------------------------------------------------------------- a synthetic run
 
+
 def node(t: int, path: str, metrics: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    return {"v": 1, "ts": t, "sev": "info", "path": path, "kind": "node", "metrics": metrics,
-            "work": 1.0, "alive": True, **extra}
+    return {"v": 1, "ts": t, "sev": "info", "path": path, "kind": "node", "metrics": metrics, "work": 1.0, "alive": True, **extra}
 
 
 def event(t: int, cls: str, path: str, detail: str, sev: str = "info") -> dict[str, Any]:
@@ -54,29 +54,61 @@ def event(t: int, cls: str, path: str, detail: str, sev: str = "info") -> dict[s
 def rank_record(t: int, e: int, k: int, r: int) -> dict[str, Any]:
     if r == 1 and e >= LOST_AT:  # dead ranks still appear, alive:false, metrics absent
         return node(t, f"root/rank{r}", {}, tick=k, epoch=e, alive=False, device=r)
-    res = {"gpu_util": 60.0 + 5 * r, "vram_alloc": (2 + r) * 2**30, "vram_total": 8 * 2**30,
-           "cpu_util": 35.0, "rss_bytes": 3 * 2**30}
-    metrics = {"loss": 2.0 / (e + 1 + k / TICKS), "throughput": 900.0 + 300 * r,
-               "batch_share": 0.4 + 0.2 * r, "data_starve": 0.01 * r, "compute_only_ms": 40.0}
+    res = {"gpu_util": 60.0 + 5 * r, "vram_alloc": (2 + r) * 2**30, "vram_total": 8 * 2**30, "cpu_util": 35.0, "rss_bytes": 3 * 2**30}
+    metrics = {
+        "loss": 2.0 / (e + 1 + k / TICKS),
+        "throughput": 900.0 + 300 * r,
+        "batch_share": 0.4 + 0.2 * r,
+        "data_starve": 0.01 * r,
+        "compute_only_ms": 40.0,
+    }
     return node(t, f"root/rank{r}", metrics, tick=k, epoch=e, device=r, res=res)
 
 
 def run_records() -> list[dict[str, Any]]:
     """Meta, then EPOCHS epochs of TICKS sub-epoch windows for root and RANKS ranks; rank1 dies."""
-    meta = {"v": 1, "ts": T0, "kind": "meta", "reductions": {"loss": "mean", "anchor": "last"},
-            "run": {"run_id": "test-run", "mode": "cadence", "task": "examples/digits.py:task",
-                    "world_size": RANKS, "epochs": EPOCHS, "dataset_len": 1797, "batch_size": 32,
-                    "eval_metric": "accuracy"}}
+    meta = {
+        "v": 1,
+        "ts": T0,
+        "kind": "meta",
+        "reductions": {"loss": "mean", "anchor": "last"},
+        "run": {
+            "run_id": "test-run",
+            "mode": "cadence",
+            "task": "examples/digits.py:task",
+            "world_size": RANKS,
+            "epochs": EPOCHS,
+            "dataset_len": 1797,
+            "batch_size": 32,
+            "eval_metric": "accuracy",
+        },
+    }
     out, t = [meta], T0
     for e in range(EPOCHS):
         for k in range(1, TICKS + 1):
             t += 1000
             out += [rank_record(t, e, k, r) for r in range(RANKS)]
-            out.append(node(t, "root", {"loss": 2.0 / (e + 1 + k / TICKS), "throughput": 2100.0, "batch_share": 1.0},
-                            tick=k, epoch=e, children=RANKS))
+            out.append(
+                node(
+                    t,
+                    "root",
+                    {"loss": 2.0 / (e + 1 + k / TICKS), "throughput": 2100.0, "batch_share": 1.0},
+                    tick=k,
+                    epoch=e,
+                    children=RANKS,
+                )
+            )
         t += 10  # as the hub does: anchor and syncs ride on the epoch records only
-        out.append(node(t, "root", {"loss": 2.0 / (e + 1), "eval": 0.6 + 0.1 * e, "throughput": 2000.0,
-                                    "anchor": 4 + e, "syncs": 3 * e + 2}, epoch=e, epoch_complete=True, children=RANKS))
+        out.append(
+            node(
+                t,
+                "root",
+                {"loss": 2.0 / (e + 1), "eval": 0.6 + 0.1 * e, "throughput": 2000.0, "anchor": 4 + e, "syncs": 3 * e + 2},
+                epoch=e,
+                epoch_complete=True,
+                children=RANKS,
+            )
+        )
         if e == LOST_AT - 1:
             out.append(event(t + 5, "rank_lost", "root/rank1", "heartbeat timeout " + HOSTILE, "critical"))
             out.append(event(t + 6, "checkpoint", "root", "saved epoch 2"))
@@ -91,6 +123,7 @@ def publish_run(feed: Feed) -> int:
 
 
 # ---------------------------------------------------------------- DOM helpers
+
 
 class Elements(HTMLParser):
     """Every element's tag and attributes, in document order."""
@@ -109,8 +142,7 @@ class Elements(HTMLParser):
 
     def series(self) -> dict[str, int]:
         """data-series name -> data-points, for every drawn series."""
-        return {a["data-series"]: int(a["data-points"] or 0) for t, a in self.items
-                if t == "path" and a.get("data-series")}
+        return {a["data-series"]: int(a["data-points"] or 0) for t, a in self.items if t == "path" and a.get("data-series")}
 
     def body(self) -> dict[str, str | None]:
         return self.find("body")[0]
@@ -125,8 +157,15 @@ def assert_run_drawn(dom: str) -> Elements:
     assert series.get("loss-window", 0) >= EPOCHS * TICKS
     assert series["throughput:rank0"] == EPOCHS * TICKS and series["throughput:rank1"] == LOST_AT * TICKS
     assert series["anchor"] == series["syncs"] == EPOCHS and series["throughput:total"] == EPOCHS * TICKS
-    assert {"batch_share:rank0", "batch_share:rank1", "data_starve:rank1",
-            "gpu_util:rank0", "vram:rank1", "cpu_util:rank0", "rss:rank0"} <= series.keys()
+    assert {
+        "batch_share:rank0",
+        "batch_share:rank1",
+        "data_starve:rank1",
+        "gpu_util:rank0",
+        "vram:rank1",
+        "cpu_util:rank0",
+        "rss:rank0",
+    } <= series.keys()
     assert el.find("li", data_class="rank_lost", data_sev="critical")
     assert el.find("li", data_class="checkpoint")
     assert el.find("tr", data_path="root/rank1", data_alive="false")
@@ -137,6 +176,7 @@ def assert_run_drawn(dom: str) -> Elements:
 
 
 # ---------------------------------------------------------------- raw HTTP helpers
+
 
 async def http(port: int, raw: bytes, *, timeout_s: float = 5.0) -> tuple[int, dict[str, str], bytes]:
     """Send ``raw``, read to EOF; (status, headers, body)."""
@@ -187,13 +227,14 @@ class Sse:
     async def record(self, *, timeout_s: float = 5.0) -> dict[str, Any]:
         block = await self.next(timeout_s=timeout_s)
         assert block.startswith("data: "), block
-        return json.loads(block[len("data: "):])
+        return json.loads(block[len("data: ") :])
 
     def close(self) -> None:
         self.writer.close()
 
 
 # ---------------------------------------------------------------- fixtures
+
 
 @pytest.fixture
 async def served():
@@ -209,6 +250,7 @@ async def served():
 
 
 # ---------------------------------------------------------------- pure feed
+
 
 def test_feed_keeps_meta_first_and_publish_order():
     feed = Feed()
@@ -267,6 +309,7 @@ def test_odd_scalar_types_do_not_fail_the_publisher():
 
 # ---------------------------------------------------------------- raw HTTP
 
+
 async def test_json_reads(served):
     server, feed, port, _ = served
     assert server.host == "127.0.0.1"
@@ -308,6 +351,7 @@ async def test_slowloris_is_closed_by_the_deadline(served):
 
 # ---------------------------------------------------------------- SSE
 
+
 async def test_sse_replays_meta_first_then_streams(served):
     _, feed, port, count = served
     sse = await Sse.open(port)
@@ -334,6 +378,7 @@ async def test_close_ends_open_streams(served):
 
 
 # ---------------------------------------------------------------- archive
+
 
 def embedded_records(html: str) -> list[dict[str, Any]]:
     block = re.search(r'<script type="application/json" id="flodl-data">(.*?)</script>', html, re.S)
@@ -364,14 +409,21 @@ def test_archive_rejects_unknown_theme(tmp_path, bad):
 
 # ---------------------------------------------------------------- headless Chromium
 
+
 @needs_chromium
 @pytest.mark.parametrize("theme", [None, "dark"])
 async def test_archive_draws_in_chromium(tmp_path, theme):
     feed = Feed()
     publish_run(feed)
     path = write_archive(tmp_path / "dash.html", feed, theme=theme)
-    dom, stderr = await chromium(f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000",
-                                 "--enable-logging=stderr", "--v=0", "--dump-dom", path.as_uri())
+    dom, stderr = await chromium(
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--virtual-time-budget=5000",
+        "--enable-logging=stderr",
+        "--v=0",
+        "--dump-dom",
+        path.as_uri(),
+    )
     el = assert_run_drawn(dom)
     assert el.body()["data-mode"] == "archive"
     assert len(el.find("script")) == 3  # the hostile event detail did not break out of the data block
@@ -407,8 +459,14 @@ async def test_archive_with_host_tier_draws_per_rank_series(tmp_path):
             feed.publish({**rec, "path": rec["path"].rsplit("/", 1)[0], "children": 1})  # the host's own row
         feed.publish(rec)
     path = write_archive(tmp_path / "dash.html", feed)
-    dom, stderr = await chromium(f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000",
-                                 "--enable-logging=stderr", "--v=0", "--dump-dom", path.as_uri())
+    dom, stderr = await chromium(
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--virtual-time-budget=5000",
+        "--enable-logging=stderr",
+        "--v=0",
+        "--dump-dom",
+        path.as_uri(),
+    )
     el = Elements(dom)
     assert el.body().get("data-errors") in (None, "0"), el.body().get("data-last-error")
     throughput = {k for k in el.series() if k.startswith("throughput:")}
@@ -432,10 +490,23 @@ class PipeBrowser:
         script = f'exec "$0" "$@" 3<&{to_r} 4>&{from_w}'
         self._log = open(log, "wb")
         self.proc = await asyncio.create_subprocess_exec(
-            "bash", "-c", script, CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
-            "--remote-debugging-pipe", f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0",
-            "about:blank", pass_fds=(to_r, from_w), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL, stderr=self._log)
+            "bash",
+            "-c",
+            script,
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--remote-debugging-pipe",
+            f"--user-data-dir={profile}",
+            "--enable-logging=stderr",
+            "--v=0",
+            "about:blank",
+            pass_fds=(to_r, from_w),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=self._log,
+        )
         os.close(to_r)
         os.close(from_w)
         self._reader = asyncio.StreamReader(limit=64 * 2**20)
@@ -452,8 +523,9 @@ class PipeBrowser:
             elif not fut.done():
                 fut.set_result(msg)
 
-    async def call(self, method: str, params: dict[str, Any] | None = None, *,
-                   session: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
+    async def call(
+        self, method: str, params: dict[str, Any] | None = None, *, session: str | None = None, timeout_s: float = 10.0
+    ) -> dict[str, Any]:
         msg_id = next(self._ids)
         fut = self._waiting[msg_id] = asyncio.get_running_loop().create_future()
         msg = {"id": msg_id, "method": method, "params": params or {}}
@@ -483,8 +555,12 @@ class PipeBrowser:
         return value
 
     def js_errors(self) -> list[dict[str, Any]]:
-        return [e for e in self.events if e.get("method") == "Runtime.exceptionThrown"
-                or (e.get("method") == "Runtime.consoleAPICalled" and e["params"].get("type") == "error")]
+        return [
+            e
+            for e in self.events
+            if e.get("method") == "Runtime.exceptionThrown"
+            or (e.get("method") == "Runtime.consoleAPICalled" and e["params"].get("type") == "error")
+        ]
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -526,8 +602,11 @@ async def test_live_page_draws_and_follows_the_stream(served, browser):
 
     feed.publish(node(T0 + 99_000, "root", {"loss": 0.2, "eval": 0.95}, epoch=EPOCHS, epoch_complete=True))
     feed.publish(event(T0 + 99_001, "rank_joined", "root/rank2", "joined at epoch 5"))
-    await browser.wait_for(session, f"document.querySelector('[data-series=\"loss\"]').dataset.points == {EPOCHS + 1}"
-                                    " && !!document.querySelector('#events li[data-class=\"rank_joined\"]')")
+    await browser.wait_for(
+        session,
+        f"document.querySelector('[data-series=\"loss\"]').dataset.points == {EPOCHS + 1}"
+        " && !!document.querySelector('#events li[data-class=\"rank_joined\"]')",
+    )
 
     await browser.js(session, "document.getElementById('theme-toggle').click()")
     assert await browser.js(session, "document.documentElement.dataset.theme") in ("light", "dark")

@@ -151,8 +151,27 @@ def test_a_dataset_that_raises_on_one_index_is_named():
 
 def test_a_run_with_augment_splits_and_a_transform_covers_every_pick(proc_env, tmp_path):
     path = tmp_path / "s.json"
-    run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "2", "--augment", "2", "--epoch-splits", "3",
-               "--transform", "tests.tasks.tiny:jitter", "--dashboard-port", "-1", "--summary-json", str(path)], proc_env)
+    run = Run(
+        [
+            "--task",
+            task_spec("tiny.py"),
+            "--nproc-per-node",
+            "2",
+            "--epochs",
+            "2",
+            "--augment",
+            "2",
+            "--epoch-splits",
+            "3",
+            "--transform",
+            "tests.tasks.tiny:jitter",
+            "--dashboard-port",
+            "-1",
+            "--summary-json",
+            str(path),
+        ],
+        proc_env,
+    )
     assert run.wait(90) == 0, run.output
     summary = json.loads(path.read_text())
     assert summary["epochs"] == 6 and summary["epochs_completed"] == 6
@@ -162,16 +181,43 @@ def test_a_run_with_augment_splits_and_a_transform_covers_every_pick(proc_env, t
 
 
 def test_a_transform_that_cannot_be_imported_stops_the_run_naming_it(proc_env):
-    run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", "1", "--epochs", "1", "--transform", "tests.tasks.tiny:nope",
-               "--dashboard-port", "-1"], proc_env)
+    run = Run(
+        [
+            "--task",
+            task_spec("tiny.py"),
+            "--nproc-per-node",
+            "1",
+            "--epochs",
+            "1",
+            "--transform",
+            "tests.tasks.tiny:nope",
+            "--dashboard-port",
+            "-1",
+        ],
+        proc_env,
+    )
     assert run.wait(60) == 2, run.output
     assert "transform" in run.output and "nope" in run.output
 
 
 def _slow_run(proc_env, tmp_path, *extra, func="slow_data_task", epochs=4):
     path = tmp_path / "s.json"
-    run = Run(["--task", task_spec("tiny.py", func), "--nproc-per-node", "2", "--epochs", str(epochs), "--dashboard-port", "-1",
-               "--summary-json", str(path), *extra], {**proc_env, "FLODL_TEST_ITEM_MS": "0.2"})
+    run = Run(
+        [
+            "--task",
+            task_spec("tiny.py", func),
+            "--nproc-per-node",
+            "2",
+            "--epochs",
+            str(epochs),
+            "--dashboard-port",
+            "-1",
+            "--summary-json",
+            str(path),
+            *extra,
+        ],
+        {**proc_env, "FLODL_TEST_ITEM_MS": "0.2"},
+    )
     code = run.wait(90)
     return code, run, json.loads(path.read_text()) if path.exists() else None
 

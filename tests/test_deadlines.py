@@ -43,6 +43,8 @@ def test_a_heartbeat_must_be_positive():
 
 def test_describe_names_every_deadline_once():
     line = Deadlines.from_config(DdpRunConfig()).describe()
-    assert line == ("heartbeat 30 s, collective 30 s, rank verdict wait 30 s, relay round 60 s, regroup wait 70 s, "
-                    "group gather 130 s, averaging round 5 s, rank snapshot wait 30 s")
+    assert line == (
+        "heartbeat 30 s, collective 30 s, rank verdict wait 30 s, relay round 60 s, regroup wait 70 s, "
+        "group gather 130 s, averaging round 5 s, rank snapshot wait 30 s"
+    )
     assert "snapshot" not in Deadlines(heartbeat_s=30.0).describe()  # a worker does not know it

@@ -20,8 +20,24 @@ EPOCHS = 12
 def start(proc_env, tmp_path, mode, nproc=3, heartbeat=4, extra=(), step_sleep="0.01"):
     env = {**proc_env, "FLODL_TEST_STEP_SLEEP": step_sleep}
     path = tmp_path / "s.json"
-    run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", str(nproc), "--epochs", str(EPOCHS), "--mode", mode,
-               "--heartbeat-timeout-secs", str(heartbeat), "--summary-json", str(path), *extra], env)
+    run = Run(
+        [
+            "--task",
+            task_spec("tiny.py"),
+            "--nproc-per-node",
+            str(nproc),
+            "--epochs",
+            str(EPOCHS),
+            "--mode",
+            mode,
+            "--heartbeat-timeout-secs",
+            str(heartbeat),
+            "--summary-json",
+            str(path),
+            *extra,
+        ],
+        env,
+    )
     return run, path
 
 
@@ -34,7 +50,10 @@ def finish(run, path):
 
 # every point on one mode of each backend, one point on every other mode (the suite stays short)
 CASES = [(mode, fault) for mode in ("nccl-cadence", "cpu-cadence") for fault in ("batch:40", "average:6", "epoch:3")] + [
-    ("nccl-sync", "average:6"), ("nccl-async", "batch:40"), ("cpu-sync", "epoch:3"), ("cpu-async", "average:6"),
+    ("nccl-sync", "average:6"),
+    ("nccl-async", "batch:40"),
+    ("cpu-sync", "epoch:3"),
+    ("cpu-async", "average:6"),
 ]
 
 

@@ -321,7 +321,13 @@ def test_nudge_before_timing_keeps_the_hint_shape():
 
 def test_phase_thresholds():
     assert [phase_for(n) for n in (0, 1, 4, 5, 19, 20, 1000)] == [
-        Phase.PROBE, Phase.WARMUP, Phase.WARMUP, Phase.STABLE, Phase.STABLE, Phase.MATURE, Phase.MATURE
+        Phase.PROBE,
+        Phase.WARMUP,
+        Phase.WARMUP,
+        Phase.STABLE,
+        Phase.STABLE,
+        Phase.MATURE,
+        Phase.MATURE,
     ]
     assert Phase.PROBE < Phase.WARMUP < Phase.STABLE < Phase.MATURE
     assert Phase.MATURE >= "stable"
@@ -601,8 +607,7 @@ def test_from_config_defaults_and_overrides():
     sync = ElChe.from_config(ElCheConfig(mode="nccl-sync"), 2)
     assert sync.anchor == 1 and sync.min_anchor == 1 and sync.max_anchor == 1000
     assert sync.overhead_target == 0.05 and sync.max_batch_diff is None and not sync.relax_up
-    config = ElCheConfig(mode="cpu-cadence", min_anchor=4, max_anchor=50, overhead_target=0.2,
-                         max_batch_diff=5, relax_up=True)
+    config = ElCheConfig(mode="cpu-cadence", min_anchor=4, max_anchor=50, overhead_target=0.2, max_batch_diff=5, relax_up=True)
     che = ElChe.from_config(config, 4, max_total_batches=30)
     assert che.anchor == 10 and che.min_anchor == 4 and che.max_anchor == 50
     assert che.overhead_target == 0.2 and che.max_batch_diff == 5 and che.relax_up

@@ -55,8 +55,26 @@ def _sniffer_or_skip(port: int):
 
 def _train(proc_env, tmp_path, port: int, *extra: str) -> dict:
     path = tmp_path / f"s{port}.json"
-    run = Run(["--task", task_spec("tiny.py"), "--epochs", "2", "--nproc-per-node", "2", "--mode", "cpu-cadence", "--port", str(port),
-               "--dashboard-port", "-1", "--summary-json", str(path), *extra], proc_env)
+    run = Run(
+        [
+            "--task",
+            task_spec("tiny.py"),
+            "--epochs",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--mode",
+            "cpu-cadence",
+            "--port",
+            str(port),
+            "--dashboard-port",
+            "-1",
+            "--summary-json",
+            str(path),
+            *extra,
+        ],
+        proc_env,
+    )
     assert run.wait(90) == 0, run.output
     return json.loads(path.read_text())
 
@@ -84,11 +102,31 @@ def test_an_encrypted_run_trains_and_shows_nothing_on_the_wire(proc_env, tmp_pat
 def test_a_worker_without_encrypt_cannot_join_an_encrypted_controller(proc_env):
     port = free_port()
     env = {**proc_env, "FLODL_RUN_SECRET": os.urandom(32).hex(), "FLODL_RUN_ID": "enc-run"}
-    ctl = Run(["--task", task_spec("tiny.py"), "--workers", "1", "--port", str(port), "--encrypt", "--join-timeout-secs", "8",
-               "--dashboard-port", "-1"], env)
+    ctl = Run(
+        [
+            "--task",
+            task_spec("tiny.py"),
+            "--workers",
+            "1",
+            "--port",
+            str(port),
+            "--encrypt",
+            "--join-timeout-secs",
+            "8",
+            "--dashboard-port",
+            "-1",
+        ],
+        env,
+    )
     try:
-        worker = subprocess.run([PY, "-m", "flodl.worker", "--controller", f"tcp://127.0.0.1:{port}", "--devices", "cpu",
-                                 "--join-timeout-secs", "3"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        worker = subprocess.run(
+            [PY, "-m", "flodl.worker", "--controller", f"tcp://127.0.0.1:{port}", "--devices", "cpu", "--join-timeout-secs", "3"],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert worker.returncode == EXIT_CONTROLLER_LOST, worker.stderr
         assert "if it runs with --encrypt, so must this worker" in worker.stderr
         assert ctl.wait(60) != 0  # nobody it could hear ever joined

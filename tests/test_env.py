@@ -17,8 +17,9 @@ def _fresh_warnings(monkeypatch):
     monkeypatch.setattr(env, "_warned", set())
 
 
-@pytest.mark.parametrize("text, on", [("1", True), ("ON", True), ("yes", True), ("true", True),
-                                      ("0", False), ("off", False), ("No", False), ("false", False)])
+@pytest.mark.parametrize(
+    "text, on", [("1", True), ("ON", True), ("yes", True), ("true", True), ("0", False), ("off", False), ("No", False), ("false", False)]
+)
 def test_switches_share_one_vocabulary(monkeypatch, text, on):
     for name, read in ((env.ENCRYPT, env.encryption_requested), (env.SHM, env.shm_lane_allowed)):
         monkeypatch.setenv(name, text)
@@ -41,8 +42,9 @@ def test_an_unknown_switch_value_keeps_the_default_and_warns_once(monkeypatch, c
     assert [r.getMessage() for r in caplog.records] == ["FLODL_SHM='of' is neither on nor off: using its default (on)"]
 
 
-@pytest.mark.parametrize("text, setting", [("off", "off"), ("0", "off"), ("no", "off"), ("always", "always"),
-                                           ("Always", "always"), ("on", "on"), ("", "on")])
+@pytest.mark.parametrize(
+    "text, setting", [("off", "off"), ("0", "off"), ("no", "off"), ("always", "always"), ("Always", "always"), ("on", "on"), ("", "on")]
+)
 def test_bulk_relay_is_the_users_switch(monkeypatch, text, setting):
     monkeypatch.setenv(env.BULK_RELAY, text)
     assert env.bulk_relay_setting() == setting
@@ -51,8 +53,18 @@ def test_bulk_relay_is_the_users_switch(monkeypatch, text, setting):
 def test_the_relay_address_has_its_own_name(monkeypatch):
     """A worker tells its ranks the relay's address under FLODL_RELAY_ADDR; FLODL_BULK_RELAY in a
     rank's environment is the user's switch, inherited, and never read as an address."""
-    rank_env = env.RankEnv(controller="tcp://h:1", secret=b"s" * 16, run_id="r", rank=0, device="cpu", task="t:task",
-                           local_world=1, heartbeat_timeout_s=3.0, parent_pid=7, relay_addr="tcp://127.0.0.1:9 /p n")
+    rank_env = env.RankEnv(
+        controller="tcp://h:1",
+        secret=b"s" * 16,
+        run_id="r",
+        rank=0,
+        device="cpu",
+        task="t:task",
+        local_world=1,
+        heartbeat_timeout_s=3.0,
+        parent_pid=7,
+        relay_addr="tcp://127.0.0.1:9 /p n",
+    )
     spawned = rank_env.to_env()
     assert spawned[env.RELAY_ADDR] == "tcp://127.0.0.1:9 /p n" and env.BULK_RELAY not in spawned
     for key, value in {**spawned, env.BULK_RELAY: "off"}.items():
@@ -109,6 +121,5 @@ def test_encryption_and_nccl_settings_reach_children(monkeypatch):
 
 def test_env_is_the_only_module_that_reads_the_environment():
     root = Path(env.__file__).parent.parent
-    readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
-                     if "os.environ" in p.read_text() or "getenv" in p.read_text())
+    readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if "os.environ" in p.read_text() or "getenv" in p.read_text())
     assert readers == ["config/env.py"]

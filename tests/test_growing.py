@@ -31,11 +31,25 @@ def _report(loop: CadenceLoop, number: int, ms_per_batch: dict[int, float]) -> N
     for rank, plan in loop.plans[number].items():
         batches = -(-plan.samples // loop.dispatcher.batch_size)
         epochs = sorted({g.epoch for g in plan.grants})
-        reports[rank] = m.WindowDone(rank=rank, window=number, batches=batches, consumed=plan.samples, loss_sum=batches * 0.5,
-                                     compute_ms=batches * ms_per_batch[rank], data_ms=0.0, sync_ms=1.0, divergence=None,
-                                     pre_norm=None, post_norm=None, lr=0.1,
-                                     epochs=[EpochCounters(batches, plan.samples, batches * 0.5, batches * ms_per_batch[rank]).row(e) for e in epochs[:1]],
-                                     scalars={}, regrouped_at=-1, res={}, data={})
+        reports[rank] = m.WindowDone(
+            rank=rank,
+            window=number,
+            batches=batches,
+            consumed=plan.samples,
+            loss_sum=batches * 0.5,
+            compute_ms=batches * ms_per_batch[rank],
+            data_ms=0.0,
+            sync_ms=1.0,
+            divergence=None,
+            pre_norm=None,
+            post_norm=None,
+            lr=0.1,
+            epochs=[EpochCounters(batches, plan.samples, batches * 0.5, batches * ms_per_batch[rank]).row(e) for e in epochs[:1]],
+            scalars={},
+            regrouped_at=-1,
+            res={},
+            data={},
+        )
     loop.on_reports(number, reports, now=float(number + 1))
 
 
@@ -62,7 +76,9 @@ def test_growing_refuses_reused_numbers_and_fixed_ratios():
     loop = CadenceLoop(DdpRunConfig().with_mode("nccl-cadence"), [0, 3], dataset_len=400, batch_size=10, epochs=1, seed=1)
     with pytest.raises(ValueError, match="numbered above"):
         loop.add_ranks([2])
-    fixed = CadenceLoop(DdpRunConfig().with_mode("nccl-cadence").with_partition_ratios([1.0, 2.0]), [0, 1], dataset_len=400, batch_size=10, epochs=1, seed=1)
+    fixed = CadenceLoop(
+        DdpRunConfig().with_mode("nccl-cadence").with_partition_ratios([1.0, 2.0]), [0, 1], dataset_len=400, batch_size=10, epochs=1, seed=1
+    )
     with pytest.raises(ValueError, match="partition_ratios"):
         fixed.add_ranks([2])
 
@@ -99,16 +115,46 @@ class Cluster:
         # slow steps until the test releases the run (``release_after``): however long the late
         # worker takes to start on a loaded machine, the run cannot end before it has been seen
         self.hold = tmp_path / "released"
-        self.env = {**proc_env, "FLODL_RUN_SECRET": os.urandom(32).hex(), "FLODL_RUN_ID": "grow-run", "FLODL_TEST_STEP_SLEEP": "0.04",
-                    "FLODL_TEST_HOLD_FILE": str(self.hold), "FLODL_TEST_HOLD_SLEEP": "0.3"}
+        self.env = {
+            **proc_env,
+            "FLODL_RUN_SECRET": os.urandom(32).hex(),
+            "FLODL_RUN_ID": "grow-run",
+            "FLODL_TEST_STEP_SLEEP": "0.04",
+            "FLODL_TEST_HOLD_FILE": str(self.hold),
+            "FLODL_TEST_HOLD_SLEEP": "0.3",
+        }
         self.summary_path = tmp_path / "s.json"
-        self.run = Run(["--task", task, "--workers", "1", "--port", str(self.port), "--epochs", str(EPOCHS),
-                        "--mode", mode, "--heartbeat-timeout-secs", "5", "--summary-json", str(self.summary_path), *extra], self.env)
+        self.run = Run(
+            [
+                "--task",
+                task,
+                "--workers",
+                "1",
+                "--port",
+                str(self.port),
+                "--epochs",
+                str(EPOCHS),
+                "--mode",
+                mode,
+                "--heartbeat-timeout-secs",
+                "5",
+                "--summary-json",
+                str(self.summary_path),
+                *extra,
+            ],
+            self.env,
+        )
         self.workers: list[subprocess.Popen] = []
 
     def worker(self, *devices: str) -> subprocess.Popen:
-        proc = subprocess.Popen([PY, "-m", "flodl.worker", "--controller", f"tcp://127.0.0.1:{self.port}", "--devices", ",".join(devices)],
-                                env=self.env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [PY, "-m", "flodl.worker", "--controller", f"tcp://127.0.0.1:{self.port}", "--devices", ",".join(devices)],
+            env=self.env,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.workers.append(proc)
         return proc
 

@@ -45,8 +45,7 @@ def test_verdict_constants_and_nudge():
 
 @pytest.mark.parametrize(
     ("kind", "factor"),
-    [("sideways", None), ("nudge_down", None), ("nudge_down", 0.0), ("nudge_down", math.nan),
-     ("stable", 0.5), ("nudge_down", True)],
+    [("sideways", None), ("nudge_down", None), ("nudge_down", 0.0), ("nudge_down", math.nan), ("stable", 0.5), ("nudge_down", True)],
 )
 def test_bad_verdicts_are_rejected(kind, factor):
     with pytest.raises(ValueError):
@@ -214,9 +213,7 @@ def run(meta: MetaController, steps):
 
 def test_probe_never_acts():
     meta = MetaController()
-    steps = [(1.0, 10, SUPPRESS, Phase.PROBE), (0.1, 40, SUPPRESS, Phase.PROBE)] + [
-        (0.01, 40, SUPPRESS, Phase.PROBE)
-    ] * 5
+    steps = [(1.0, 10, SUPPRESS, Phase.PROBE), (0.1, 40, SUPPRESS, Phase.PROBE)] + [(0.01, 40, SUPPRESS, Phase.PROBE)] * 5
     assert run(meta, steps) == [None] * 7
     assert len(meta.verdict_window) == 5  # observed, just never acted on
 
@@ -239,8 +236,18 @@ def test_lr_cliff_fires_with_base_half_on_flat_anchor():
 
 def test_gentle_lr_changes_do_not_fire():
     meta = MetaController()
-    assert run(meta, [(1.0, 10, STABLE, Phase.STABLE), (0.75, 10, STABLE, Phase.STABLE),
-                      (2.0, 10, STABLE, Phase.STABLE), (None, 10, STABLE, Phase.STABLE)]) == [None] * 4
+    assert (
+        run(
+            meta,
+            [
+                (1.0, 10, STABLE, Phase.STABLE),
+                (0.75, 10, STABLE, Phase.STABLE),
+                (2.0, 10, STABLE, Phase.STABLE),
+                (None, 10, STABLE, Phase.STABLE),
+            ],
+        )
+        == [None] * 4
+    )
     assert meta.lr_window == (1.0, 0.75, 2.0)  # an unknown LR is not recorded
 
 
@@ -263,16 +270,24 @@ def test_convergence_watcher_per_phase():
 
 def test_a_stable_verdict_breaks_the_run():
     meta = MetaController()
-    steps = [(0.1, 10, SUPPRESS, Phase.STABLE), (0.1, 10, SUPPRESS, Phase.STABLE),
-             (0.1, 10, STABLE, Phase.STABLE), (0.1, 10, SUPPRESS, Phase.STABLE)]
+    steps = [
+        (0.1, 10, SUPPRESS, Phase.STABLE),
+        (0.1, 10, SUPPRESS, Phase.STABLE),
+        (0.1, 10, STABLE, Phase.STABLE),
+        (0.1, 10, SUPPRESS, Phase.STABLE),
+    ]
     assert run(meta, steps) == [None] * 4
 
 
 def test_rising_anchor_makes_it_harsher():
     meta = MetaController()
-    steps = [(0.1, 10, STABLE, Phase.STABLE), (0.1, 10, STABLE, Phase.STABLE),
-             (0.1, 10, SUPPRESS, Phase.STABLE), (0.1, 10, SUPPRESS, Phase.STABLE),
-             (0.1, 20, SUPPRESS, Phase.STABLE)]
+    steps = [
+        (0.1, 10, STABLE, Phase.STABLE),
+        (0.1, 10, STABLE, Phase.STABLE),
+        (0.1, 10, SUPPRESS, Phase.STABLE),
+        (0.1, 10, SUPPRESS, Phase.STABLE),
+        (0.1, 20, SUPPRESS, Phase.STABLE),
+    ]
     results = run(meta, steps)
     trend = (20 - 12) / 12
     assert results[-1].factor == pytest.approx(0.5 - 0.5 * trend)
@@ -281,9 +296,7 @@ def test_rising_anchor_makes_it_harsher():
 
 def test_recovering_anchor_makes_it_gentler():
     meta = MetaController()
-    steps = [(0.1, 100, STABLE, Phase.STABLE)] * 2 + [(0.1, 100, SUPPRESS, Phase.STABLE)] * 2 + [
-        (0.1, 10, SUPPRESS, Phase.STABLE)
-    ]
+    steps = [(0.1, 100, STABLE, Phase.STABLE)] * 2 + [(0.1, 100, SUPPRESS, Phase.STABLE)] * 2 + [(0.1, 10, SUPPRESS, Phase.STABLE)]
     factor = run(meta, steps)[-1].factor
     trend = (10 - 82) / 82
     assert factor == pytest.approx(0.5 - 0.5 * trend)
@@ -292,26 +305,25 @@ def test_recovering_anchor_makes_it_gentler():
 
 def test_factor_clamp_bounds():
     harsh = MetaController()
-    steps = [(0.1, 10, STABLE, Phase.STABLE)] * 2 + [(0.1, 10, SUPPRESS, Phase.STABLE)] * 2 + [
-        (0.1, 100, SUPPRESS, Phase.STABLE)
-    ]
+    steps = [(0.1, 10, STABLE, Phase.STABLE)] * 2 + [(0.1, 10, SUPPRESS, Phase.STABLE)] * 2 + [(0.1, 100, SUPPRESS, Phase.STABLE)]
     assert run(harsh, steps)[-1] == Verdict.nudge(0.1)
     gentle = MetaController()
-    steps = [(0.1, 100, STABLE, Phase.STABLE)] * 2 + [(0.1, 100, SUPPRESS, Phase.STABLE)] * 2 + [
-        (0.1, 1, SUPPRESS, Phase.STABLE)
-    ]
+    steps = [(0.1, 100, STABLE, Phase.STABLE)] * 2 + [(0.1, 100, SUPPRESS, Phase.STABLE)] * 2 + [(0.1, 1, SUPPRESS, Phase.STABLE)]
     assert run(gentle, steps)[-1] == Verdict.nudge(0.95)
 
 
 def test_both_watchers_compound():
     meta = MetaController()
-    steps = [(1.0, 10, SUPPRESS, Phase.STABLE), (1.0, 10, SUPPRESS, Phase.STABLE),
-             (0.1, 10, SUPPRESS, Phase.STABLE)]
+    steps = [(1.0, 10, SUPPRESS, Phase.STABLE), (1.0, 10, SUPPRESS, Phase.STABLE), (0.1, 10, SUPPRESS, Phase.STABLE)]
     assert run(meta, steps) == [None, None, Verdict.nudge(0.25)]
     harsh = MetaController()
-    steps = [(1.0, 10, STABLE, Phase.STABLE), (1.0, 10, STABLE, Phase.STABLE),
-             (1.0, 10, SUPPRESS, Phase.STABLE), (1.0, 10, SUPPRESS, Phase.STABLE),
-             (0.1, 30, SUPPRESS, Phase.STABLE)]
+    steps = [
+        (1.0, 10, STABLE, Phase.STABLE),
+        (1.0, 10, STABLE, Phase.STABLE),
+        (1.0, 10, SUPPRESS, Phase.STABLE),
+        (1.0, 10, SUPPRESS, Phase.STABLE),
+        (0.1, 30, SUPPRESS, Phase.STABLE),
+    ]
     assert run(harsh, steps)[-1] == Verdict.nudge(0.1)  # 0.1 * 0.1 clamped back up to 0.1
 
 

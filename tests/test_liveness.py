@@ -21,8 +21,24 @@ pytestmark = pytest.mark.timeout(180)
 def run_tiny(proc_env, tmp_path, mode, *, nproc=3, epochs=10, heartbeat=3, env=(), extra=()):
     env = {**proc_env, "FLODL_TEST_STEP_SLEEP": "0.01", **dict(env)}
     path = tmp_path / "s.json"
-    run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", str(nproc), "--epochs", str(epochs), "--mode", mode,
-               "--heartbeat-timeout-secs", str(heartbeat), "--summary-json", str(path), *extra], env)
+    run = Run(
+        [
+            "--task",
+            task_spec("tiny.py"),
+            "--nproc-per-node",
+            str(nproc),
+            "--epochs",
+            str(epochs),
+            "--mode",
+            mode,
+            "--heartbeat-timeout-secs",
+            str(heartbeat),
+            "--summary-json",
+            str(path),
+            *extra,
+        ],
+        env,
+    )
     return run, path
 
 
@@ -72,8 +88,7 @@ def test_a_nan_loss_stops_the_run_and_saves_nothing(proc_env, tmp_path, mode):
     """Rank 1's gradients turn NaN: its next loss is NaN. The run stops with exit 8, naming the
     rank, epoch and step, and the final save never writes the NaN weights over a bundle."""
     stem = tmp_path / "ckpt" / "run"
-    run, path = run_tiny(proc_env, tmp_path, mode, nproc=2, env={"FLODL_INJECT_FAULT": "1:batch:30:nan"},
-                         extra=("--save-path", str(stem)))
+    run, path = run_tiny(proc_env, tmp_path, mode, nproc=2, env={"FLODL_INJECT_FAULT": "1:batch:30:nan"}, extra=("--save-path", str(stem)))
     assert run.wait(120) == 8, run.output
     assert "rank 1 on host" in run.output and "the loss became nan at epoch" in run.output
     meta = stem.parent / "run.meta.json"
@@ -87,8 +102,15 @@ def test_random_kills_mid_collective_never_stall_the_survivors(proc_env, tmp_pat
     first average of all survivors within a few seconds of the death."""
     rng = random.Random(int(os.environ.get("FLODL_TEST_SEED", "16")))
     hold = tmp_path / "kills-done"  # steps stay slow (0.2 s) until every kill is in, then the run ends fast
-    run, path = run_tiny(proc_env, tmp_path, "nccl-sync", nproc=6, epochs=12, heartbeat=20,
-                         env={"FLODL_TEST_HOLD_FILE": str(hold), "FLODL_TEST_HOLD_SLEEP": "0.2"})
+    run, path = run_tiny(
+        proc_env,
+        tmp_path,
+        "nccl-sync",
+        nproc=6,
+        epochs=12,
+        heartbeat=20,
+        env={"FLODL_TEST_HOLD_FILE": str(hold), "FLODL_TEST_HOLD_SLEEP": "0.2"},
+    )
     ranks = run.ranks(6)
     run.wait_for_line("epoch 1/")
     for victim in rng.sample(ranks[1:], 3):
@@ -148,8 +170,15 @@ def test_healing_stops_after_max_restarts(proc_env, tmp_path):
 def test_a_restart_still_starting_when_the_run_ends_is_fenced_not_waited_for(proc_env, tmp_path):
     """Rank 1 dies late; its restart is still building when training ends. It could not hear the
     Shutdown before its hello, so its worker would wait out the 30 s grace: the controller drops it."""
-    run, path = run_tiny(proc_env, tmp_path, "nccl-cadence", nproc=2, epochs=6,
-                         env={"FLODL_TEST_STEP_SLEEP": "0.02", "FLODL_INJECT_FAULT": "1:batch:75"}, extra=["--max-restarts", "1"])
+    run, path = run_tiny(
+        proc_env,
+        tmp_path,
+        "nccl-cadence",
+        nproc=2,
+        epochs=6,
+        env={"FLODL_TEST_STEP_SLEEP": "0.02", "FLODL_INJECT_FAULT": "1:batch:75"},
+        extra=["--max-restarts", "1"],
+    )
     summary = finished(run, path, 6)
     assert [r["replaces"] for r in summary["restarts"]] == [1]
     assert "could not join the run: the run ended before it joined" in run.output, run.output
@@ -205,8 +234,9 @@ def test_a_controller_killed_outright_leaves_no_shared_memory(proc_env, tmp_path
     local worker stops the ranks and, as it exits, sweeps the segments nobody owns any more."""
     shm_dir = tmp_path / "shm"  # this run's own: no other run's sweep can tidy up for it
     shm_dir.mkdir()
-    run, path = run_tiny(proc_env, tmp_path, "cpu-cadence", nproc=2, epochs=40,
-                         env={"FLODL_TEST_STEP_SLEEP": "0.03", "FLODL_SHM_DIR": str(shm_dir)})
+    run, path = run_tiny(
+        proc_env, tmp_path, "cpu-cadence", nproc=2, epochs=40, env={"FLODL_TEST_STEP_SLEEP": "0.03", "FLODL_SHM_DIR": str(shm_dir)}
+    )
     ranks = run.ranks(2)
     run.wait_for_line("epoch 2/")
     controller = run.proc.pid

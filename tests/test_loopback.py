@@ -119,7 +119,9 @@ async def _late_join(ctl, first_spec: SimRankSpec, phase: Phase, host: str):
 
 async def test_a_worker_arriving_mid_run_joins_it(quiet_console):
     """A worker that arrives while the run trains is admitted at a window boundary and trains."""
-    summary, late = await _late_join(make_controller(quiet_console, epochs=6, mode="nccl-cadence"), SimRankSpec(batch_ms=5), Phase.TRAINING, "late")
+    summary, late = await _late_join(
+        make_controller(quiet_console, epochs=6, mode="nccl-cadence"), SimRankSpec(batch_ms=5), Phase.TRAINING, "late"
+    )
     assert late.outcomes == {1: "completed"}
     assert summary["exit_reason"] == "completed" and summary["world_size"] == 2
     assert [j["ranks"] for j in summary["joins"]] == [[1]] and summary["joins"][0]["hosts"] == ["late"]
@@ -139,7 +141,9 @@ async def test_a_worker_is_refused_while_the_run_shuts_down(quiet_console):
     ctl = make_controller(quiet_console, epochs=2)
     for phase in (Phase.GATHERING, Phase.JOINING, Phase.TRAINING, Phase.SHUTTING_DOWN):
         ctl.state.to(phase)
-    problem = ctl.admission.worker_problem("late.1", m.WorkerHello(host="late", pid=1, devices=["cpu"], versions={"protocol": str(m.PROTOCOL_VERSION)}))
+    problem = ctl.admission.worker_problem(
+        "late.1", m.WorkerHello(host="late", pid=1, devices=["cpu"], versions={"protocol": str(m.PROTOCOL_VERSION)})
+    )
     assert problem == "the run is shutting down; a worker can join while it starts or trains"
 
 
@@ -168,7 +172,9 @@ async def test_garbage_frames_change_nothing(quiet_console):
             data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)  # any bit flip breaks the tag
             frame = bytes(data)
         elif kind == 3:
-            frame = FrameWriter(SECRET, "other-run", "x").encode(m.Heartbeat(step=1, sent_at=0.0, busy="", busy_s=0.0, step_ms=0.0, averaged=-1))
+            frame = FrameWriter(SECRET, "other-run", "x").encode(
+                m.Heartbeat(step=1, sent_at=0.0, busy="", busy_s=0.0, step_ms=0.0, averaged=-1)
+            )
         else:
             frame = kill[:-1] + bytes([kill[-1] ^ 0x80])
         attacker.send(frame)
@@ -191,7 +197,9 @@ def _epoch_samples(summary):
 async def test_unequal_ranks_cover_every_sample_once_and_fast_does_more(quiet_console, mode):
     """A rank 3x slower: the fast one trains about 3x the samples, coverage stays exact."""
     ctl = make_controller(quiet_console, epochs=3, mode=mode)
-    summary, (sim,) = await run_with(ctl, ([SimRankSpec(batch_ms=2), SimRankSpec(batch_ms=2, slowdown=3.0)], {"dataset_len": 2400, "batch_size": 8}))
+    summary, (sim,) = await run_with(
+        ctl, ([SimRankSpec(batch_ms=2), SimRankSpec(batch_ms=2, slowdown=3.0)], {"dataset_len": 2400, "batch_size": 8})
+    )
     assert summary["exit_reason"] == "completed", summary["exit_reason"]
     assert _epoch_samples(summary) == [2400, 2400, 2400]
     fast, slow = (r["samples"] for r in summary["per_rank"])
@@ -204,7 +212,9 @@ async def test_unequal_ranks_cover_every_sample_once_and_fast_does_more(quiet_co
 async def test_async_streams_across_epochs_without_losing_samples(quiet_console):
     config = DdpRunConfig().with_max_overshoot(4)
     ctl = make_controller(quiet_console, epochs=4, mode="nccl-async", config=config)
-    summary, _ = await run_with(ctl, ([SimRankSpec(batch_ms=1), SimRankSpec(batch_ms=1, slowdown=2.0)], {"dataset_len": 1000, "batch_size": 10}))
+    summary, _ = await run_with(
+        ctl, ([SimRankSpec(batch_ms=1), SimRankSpec(batch_ms=1, slowdown=2.0)], {"dataset_len": 1000, "batch_size": 10})
+    )
     assert _epoch_samples(summary) == [1000] * 4
 
 

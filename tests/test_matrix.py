@@ -149,10 +149,12 @@ def test_flodl_curve_reads_the_record_log(tmp_path):
 
     logs = tmp_path / "logs"
     logs.mkdir()
-    recs = [{"v": 1, "ts": 1000, "kind": "meta", "run": {}},
-            {"v": 1, "ts": 1500, "kind": "node", "path": "root", "tick": 0, "epoch": 0, "metrics": {"loss": 2.0}},
-            {"v": 1, "ts": 1600, "kind": "node", "path": "root", "epoch": 0, "epoch_complete": True, "metrics": {"loss": 1.9}},
-            {"v": 1, "ts": 2250, "kind": "node", "path": "root", "tick": 3, "epoch": 1, "metrics": {"loss": 1.0}}]
+    recs = [
+        {"v": 1, "ts": 1000, "kind": "meta", "run": {}},
+        {"v": 1, "ts": 1500, "kind": "node", "path": "root", "tick": 0, "epoch": 0, "metrics": {"loss": 2.0}},
+        {"v": 1, "ts": 1600, "kind": "node", "path": "root", "epoch": 0, "epoch_complete": True, "metrics": {"loss": 1.9}},
+        {"v": 1, "ts": 2250, "kind": "node", "path": "root", "tick": 3, "epoch": 1, "metrics": {"loss": 1.0}},
+    ]
     (logs / "root.log").write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert flodl_curve(logs) == [[0.5, 2.0], [1.25, 1.0]]
 
@@ -160,16 +162,46 @@ def test_flodl_curve_reads_the_record_log(tmp_path):
 # ------------------------------------------------------------------ report
 
 
-def _summary(mode: str, wall: float, ev: float, *, ranks: int = 2, compute_ms: float = 500.0, case: str, ratio: int = 1,
-             seed: int = 0, slow_ms: float | None = None) -> dict:
+def _summary(
+    mode: str,
+    wall: float,
+    ev: float,
+    *,
+    ranks: int = 2,
+    compute_ms: float = 500.0,
+    case: str,
+    ratio: int = 1,
+    seed: int = 0,
+    slow_ms: float | None = None,
+) -> dict:
     per = {str(r): {"samples": 100, "batches": 4, "compute_ms": compute_ms, "sync_ms": 10.0, "data_ms": 1.0} for r in range(ranks)}
     if slow_ms is not None:
         per["1"]["compute_ms"] = slow_ms
-    return {"mode": mode, "world_size": ranks, "epochs": 1, "wall_s": wall + 0.1, "eval_s": 0.1, "samples": 200,
-            "train_samples_per_s": 200 / wall, "syncs": 4, "final_loss": 0.5, "final_eval": ev,
-            "history": [{"epoch": 0, "loss": 0.5, "eval": ev, "wall_s": wall, "per_rank": per}],
-            "matrix": {"model": "lenet", "title": "LeNet test", "case": case, "samples": 200, "epochs": 1, "metric": "accuracy",
-                       "process_s": wall + 5, "ratio": ratio, "seed": seed, "curve": [[0.1, 2.0], [wall, 0.5]]}}
+    return {
+        "mode": mode,
+        "world_size": ranks,
+        "epochs": 1,
+        "wall_s": wall + 0.1,
+        "eval_s": 0.1,
+        "samples": 200,
+        "train_samples_per_s": 200 / wall,
+        "syncs": 4,
+        "final_loss": 0.5,
+        "final_eval": ev,
+        "history": [{"epoch": 0, "loss": 0.5, "eval": ev, "wall_s": wall, "per_rank": per}],
+        "matrix": {
+            "model": "lenet",
+            "title": "LeNet test",
+            "case": case,
+            "samples": 200,
+            "epochs": 1,
+            "metric": "accuracy",
+            "process_s": wall + 5,
+            "ratio": ratio,
+            "seed": seed,
+            "curve": [[0.1, 2.0], [wall, 0.5]],
+        },
+    }
 
 
 @pytest.fixture
@@ -181,8 +213,10 @@ def fake_results(tmp_path):
         "nccl-cadence": [_summary("NcclCadence", 2.0, 0.89, case="nccl-cadence")],
         "torchrun-ddp": [_summary("TorchrunDDP", 4.0, 0.88, case="torchrun-ddp")],
         # two seeds: evals 87 and 89 (mean 88), train walls 5 and 7 (median 6); rank 1 steps 4x rank 0
-        f"nccl-cadence-{RATIO}to1": [_summary("NcclCadence", w, ev, case=f"nccl-cadence-{RATIO}to1", ratio=RATIO, seed=k, slow_ms=2000.0)
-                                     for k, (w, ev) in enumerate(((5.0, 0.87), (7.0, 0.89)))],
+        f"nccl-cadence-{RATIO}to1": [
+            _summary("NcclCadence", w, ev, case=f"nccl-cadence-{RATIO}to1", ratio=RATIO, seed=k, slow_ms=2000.0)
+            for k, (w, ev) in enumerate(((5.0, 0.87), (7.0, 0.89)))
+        ],
         f"cpu-async-{RATIO}to1": [_summary("CpuAsync", 8.0, 0.85, case=f"cpu-async-{RATIO}to1", ratio=RATIO, slow_ms=2000.0)],
         f"torchrun-ddp-{RATIO}to1": [_summary("TorchrunDDP", 12.0, 0.875, case=f"torchrun-ddp-{RATIO}to1", ratio=RATIO, slow_ms=2000.0)],
     }
@@ -190,8 +224,19 @@ def fake_results(tmp_path):
         for s in ss:
             (res / report.run_file("lenet", case, s["matrix"]["seed"])).write_text(json.dumps(s))
     (res / "lenet__cpu-sync.json").write_text(json.dumps({"matrix": {"model": "lenet", "case": "cpu-sync", "error": "exit 3; boom"}}))
-    (res / report.MANIFEST).write_text(json.dumps({"budget": "quick", "machine": "test box", "when": "now", "elapsed_s": 12.0,
-                                                   "seeds": 2, "lr_scaling": "linear", "covers": "lenet: some cases."}))
+    (res / report.MANIFEST).write_text(
+        json.dumps(
+            {
+                "budget": "quick",
+                "machine": "test box",
+                "when": "now",
+                "elapsed_s": 12.0,
+                "seeds": 2,
+                "lr_scaling": "linear",
+                "covers": "lenet: some cases.",
+            }
+        )
+    )
     return res
 
 
@@ -311,8 +356,26 @@ def test_the_suite_runs_end_to_end(tmp_path, capsys):
 
     out = tmp_path / "matrix"
     # --base-ms 2: rank 1 steps every 8 ms, far above a logistic regression step even over 4 noisy steps
-    code = suite.main(["--models", "logreg", "--cases", f"nccl-cadence-{RATIO}to1,torchrun-ddp-{RATIO}to1", "--samples", "256",
-                       "--epochs", "1", "--seeds", "1", "--base-ms", "2", "--results", str(out), "--timeout", "60"])
+    code = suite.main(
+        [
+            "--models",
+            "logreg",
+            "--cases",
+            f"nccl-cadence-{RATIO}to1,torchrun-ddp-{RATIO}to1",
+            "--samples",
+            "256",
+            "--epochs",
+            "1",
+            "--seeds",
+            "1",
+            "--base-ms",
+            "2",
+            "--results",
+            str(out),
+            "--timeout",
+            "60",
+        ]
+    )
     assert code == 0, capsys.readouterr().out[-3000:]
     manifest = json.loads((out / report.MANIFEST).read_text())
     assert manifest["seeds"] == 1 and manifest["lr_scaling"] == "linear" and manifest["failed"] == 0
@@ -325,11 +388,17 @@ def test_the_suite_runs_end_to_end(tmp_path, capsys):
         assert meta["base_ms"] == 2.0 and meta["measured_ratio"] > 1.0 and meta["seed"] == 0
         assert "python -m " in meta["command"]
     assert runs[f"nccl-cadence-{RATIO}to1"]["command"].startswith(  # the command as one would type it
-        f"FLODL_MATRIX_SEED=0 FLODL_SIMULATE_SLOWDOWN=1:{RATIO} FLODL_SIMULATE_BASE_MS=1:2.0000 python -m flodl.controller ")
+        f"FLODL_MATRIX_SEED=0 FLODL_SIMULATE_SLOWDOWN=1:{RATIO} FLODL_SIMULATE_BASE_MS=1:2.0000 python -m flodl.controller "
+    )
     ddp = runs[f"torchrun-ddp-{RATIO}to1"]
     assert ddp["lr_scaling"] == "linear" and ddp["lr_ddp"] == pytest.approx(2 * ddp["lr"])
     printed = capsys.readouterr().out
-    for metric in ("measured ratio (slow/fast step)", "command wall (median)", "train wall (median)",
-                   f"command speed-up vs torchrun DDP {RATIO}:1", f"train speed-up vs torchrun DDP {RATIO}:1"):
+    for metric in (
+        "measured ratio (slow/fast step)",
+        "command wall (median)",
+        "train wall (median)",
+        f"command speed-up vs torchrun DDP {RATIO}:1",
+        f"train speed-up vs torchrun DDP {RATIO}:1",
+    ):
         assert metric in printed
     assert not (out / "matrix.json").exists()

@@ -30,10 +30,31 @@ def monitored(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("monitored")
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", FLODL_TEST_STEP_SLEEP="0.02")
-    run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", str(EPOCHS),
-               "--record-log-dir", str(tmp / "logs"), "--dashboard-html", str(tmp / "dash.html"), "--timeline", str(tmp / "trace.json"),
-               "--reports-per-epoch", "4", "--eval-every-epochs", "2", "--scalar-reduction", "seen=sum",
-               "--summary-json", str(tmp / "s.json")], env)
+    run = Run(
+        [
+            "--task",
+            task_spec("tiny.py"),
+            "--nproc-per-node",
+            "2",
+            "--epochs",
+            str(EPOCHS),
+            "--record-log-dir",
+            str(tmp / "logs"),
+            "--dashboard-html",
+            str(tmp / "dash.html"),
+            "--timeline",
+            str(tmp / "trace.json"),
+            "--reports-per-epoch",
+            "4",
+            "--eval-every-epochs",
+            "2",
+            "--scalar-reduction",
+            "seen=sum",
+            "--summary-json",
+            str(tmp / "s.json"),
+        ],
+        env,
+    )
     run.wait_for_line("epoch 1/")
     url = re.search(r"dashboard: (http://\S+)", run.output).group(1)
     with urllib.request.urlopen(url + "paths", timeout=5) as reply:  # served live while it trains
@@ -92,11 +113,19 @@ def test_the_timeline_is_a_valid_chrome_trace_of_windows_evals_and_epochs(monito
 def test_the_archive_draws_the_run_offline(monitored, tmp_path):
     path = monitored["dir"] / "dash.html"
     assert f"wrote {path}" in monitored["output"]
-    dom, stderr = asyncio.run(chromium(f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000",
-                                       "--enable-logging=stderr", "--v=0", "--dump-dom", path.as_uri()))
+    dom, stderr = asyncio.run(
+        chromium(
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--virtual-time-budget=5000",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--dump-dom",
+            path.as_uri(),
+        )
+    )
     loss = re.search(r'data-series="loss" data-points="(\d+)"', dom)
     assert loss and int(loss.group(1)) >= EPOCHS
     assert 'data-series="throughput:rank0"' in dom and 'data-series="throughput:rank1"' in dom
     assert 'data-series="eval"' in dom
-    assert 'data-errors' not in dom or 'data-errors="0"' in dom
+    assert "data-errors" not in dom or 'data-errors="0"' in dom
     assert not console_errors(stderr)

@@ -49,7 +49,9 @@ def _hostfile(tmp_path: Path, text: str) -> Path:
 
 
 def test_hostfile_reads_every_key(tmp_path):
-    path = _hostfile(tmp_path, """
+    path = _hostfile(
+        tmp_path,
+        """
 [[hosts]]
 host = "gpu-a"
 devices = "cuda:0,cuda:1"
@@ -65,26 +67,40 @@ gloo_socket_ifname = "eth1"
 
 [[hosts]]
 host = "gpu-b"
-""")
+""",
+    )
     a, b = load_hostfile(path)
-    assert a == Host(host="gpu-a", devices="cuda:0,cuda:1", python="/opt/venv/bin/python", workdir="/srv/train",
-                     env={"OMP_NUM_THREADS": "4"}, ssh_user="trainer", ssh_port=2222, identity_file="~/.ssh/id_ed25519",
-                     ssh_options=("StrictHostKeyChecking=accept-new",), nccl_socket_ifname="ib0", gloo_socket_ifname="eth1")
+    assert a == Host(
+        host="gpu-a",
+        devices="cuda:0,cuda:1",
+        python="/opt/venv/bin/python",
+        workdir="/srv/train",
+        env={"OMP_NUM_THREADS": "4"},
+        ssh_user="trainer",
+        ssh_port=2222,
+        identity_file="~/.ssh/id_ed25519",
+        ssh_options=("StrictHostKeyChecking=accept-new",),
+        nccl_socket_ifname="ib0",
+        gloo_socket_ifname="eth1",
+    )
     b = with_defaults(b, python="python3.11", workdir="/here", nccl=None, gloo="eth0")
     assert (b.python, b.workdir, b.gloo_socket_ifname, b.devices) == ("python3.11", "/here", "eth0", None)
 
 
-@pytest.mark.parametrize(("body", "needle"), [
-    ('[[hosts]]\nhost = "a"\n\n[[hosts]]\nhost = "b"\nsshport = 22\n', "line 4 (hosts[1]).sshport: unknown key"),
-    ('[[hosts]]\ndevices = "cpu"\n', "line 1 (hosts[0]).host: missing"),
-    ('[[hosts]]\nhost = "a"\nssh_port = "22"\n', "hosts[0]).ssh_port: must be a TCP port"),
-    ('[[hosts]]\nhost = "a"\nenv = { FLODL_RUN_SECRET = "00" }\n', "env.FLODL_RUN_SECRET: the run's credentials"),
-    ('[[hosts]]\nhost = "a"\nenv = { N = 4 }\n', "env.N: must be a string"),
-    ('[[hosts]]\nhost = "a"\nssh_options = ["BatchMode=no"]\n', "set by the launcher"),
-    ('[[hosts]]\nhost = "a"\nssh_options = ["-v"]\n', "Key=Value"),
-    ('[[host]]\nhost = "a"\n', "unknown top-level key(s) ['host']"),
-    ('[[hosts]\nhost = "a"\n', "line 1"),  # TOML syntax: tomllib's own position
-])
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ('[[hosts]]\nhost = "a"\n\n[[hosts]]\nhost = "b"\nsshport = 22\n', "line 4 (hosts[1]).sshport: unknown key"),
+        ('[[hosts]]\ndevices = "cpu"\n', "line 1 (hosts[0]).host: missing"),
+        ('[[hosts]]\nhost = "a"\nssh_port = "22"\n', "hosts[0]).ssh_port: must be a TCP port"),
+        ('[[hosts]]\nhost = "a"\nenv = { FLODL_RUN_SECRET = "00" }\n', "env.FLODL_RUN_SECRET: the run's credentials"),
+        ('[[hosts]]\nhost = "a"\nenv = { N = 4 }\n', "env.N: must be a string"),
+        ('[[hosts]]\nhost = "a"\nssh_options = ["BatchMode=no"]\n', "set by the launcher"),
+        ('[[hosts]]\nhost = "a"\nssh_options = ["-v"]\n', "Key=Value"),
+        ('[[host]]\nhost = "a"\n', "unknown top-level key(s) ['host']"),
+        ('[[hosts]\nhost = "a"\n', "line 1"),  # TOML syntax: tomllib's own position
+    ],
+)
 def test_hostfile_errors_name_the_line_and_key(tmp_path, body, needle):
     with pytest.raises(ConfigError) as info:
         load_hostfile(_hostfile(tmp_path, body))
@@ -92,14 +108,26 @@ def test_hostfile_errors_name_the_line_and_key(tmp_path, body, needle):
 
 
 def test_ssh_command_keeps_launcher_options_first_and_holds_no_secret():
-    host = with_defaults(Host(host="10.0.0.2", devices="cpu,cpu", ssh_user="root", ssh_port=2200, identity_file="/k",
-                              ssh_options=("ConnectTimeout=3",), env={"A": "x y"}),
-                         python="/py", workdir="/w d", nccl="ib0", gloo=None)
+    host = with_defaults(
+        Host(
+            host="10.0.0.2",
+            devices="cpu,cpu",
+            ssh_user="root",
+            ssh_port=2200,
+            identity_file="/k",
+            ssh_options=("ConnectTimeout=3",),
+            env={"A": "x y"},
+        ),
+        python="/py",
+        workdir="/w d",
+        nccl="ib0",
+        gloo=None,
+    )
     argv = ssh_argv(host, "tcp://10.0.0.1:5000", extra_options=("LogLevel=ERROR",))
     assert argv[:4] == ["ssh", "-T", "-o", "BatchMode=yes"]
     opts = [argv[i + 1] for i, a in enumerate(argv) if a == "-o"]
     assert opts == ["BatchMode=yes", "ConnectTimeout=3", "LogLevel=ERROR", "ConnectTimeout=10"]  # ssh keeps the first
-    assert argv[-3:-1] == ["--", "10.0.0.2"] and argv[argv.index("-p"):argv.index("-p") + 2] == ["-p", "2200"]
+    assert argv[-3:-1] == ["--", "10.0.0.2"] and argv[argv.index("-p") : argv.index("-p") + 2] == ["-p", "2200"]
     command = argv[-1]
     assert command.startswith("cd '/w d' && exec env PYTHONUNBUFFERED=1 NCCL_SOCKET_IFNAME=ib0 'A=x y' /py -m flodl.worker")
     assert "--secret-from-stdin" in command and "--devices cpu,cpu" in command and "FLODL_RUN" not in command
@@ -152,11 +180,30 @@ def test_worker_reads_its_secret_from_stdin_and_stops_on_eof(proc_env):
 
     port = free_port()
     env = {**proc_env, "FLODL_RUN_SECRET": SECRET, "FLODL_RUN_ID": "stdin-run", "FLODL_TEST_STEP_SLEEP": "0.02"}
-    ctl = Proc([PY, "-m", "flodl.controller", "--task", task_spec("tiny.py"), "--workers", "1", "--port", str(port),
-                "--epochs", "200", "--dashboard-port", "-1"], env)
+    ctl = Proc(
+        [
+            PY,
+            "-m",
+            "flodl.controller",
+            "--task",
+            task_spec("tiny.py"),
+            "--workers",
+            "1",
+            "--port",
+            str(port),
+            "--epochs",
+            "200",
+            "--dashboard-port",
+            "-1",
+        ],
+        env,
+    )
     worker_env = {k: v for k, v in proc_env.items() if not k.startswith("FLODL_RUN")}
-    worker = Proc([PY, "-m", "flodl.worker", "--controller", f"tcp://127.0.0.1:{port}", "--devices", "cpu,cpu", "--secret-from-stdin"],
-                  {**worker_env, "FLODL_TEST_STEP_SLEEP": "0.02"}, stdin=subprocess.PIPE)
+    worker = Proc(
+        [PY, "-m", "flodl.worker", "--controller", f"tcp://127.0.0.1:{port}", "--devices", "cpu,cpu", "--secret-from-stdin"],
+        {**worker_env, "FLODL_TEST_STEP_SLEEP": "0.02"},
+        stdin=subprocess.PIPE,
+    )
     try:
         worker.proc.stdin.write(f"{SECRET} stdin-run\n")
         worker.proc.stdin.flush()
@@ -202,7 +249,9 @@ def three_host_run(cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("three")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # the global flag instead of the per-host key: GLOO_SOCKET_IFNAME must reach every rank either way
-    run = launch_on_hosts(cluster, tmp, env, step_sleep="0.01", epochs=3, per_host_ifname=False, launcher_extra=["--gloo-socket-ifname", "eth0"])
+    run = launch_on_hosts(
+        cluster, tmp, env, step_sleep="0.01", epochs=3, per_host_ifname=False, launcher_extra=["--gloo-socket-ifname", "eth0"]
+    )
     seen: set[str] = set()
     secrets: set[str] = set()  # from this run's controller and ranks only (other test runs may be going on)
     namespaces = {os.stat(f"/run/netns/{h.name}").st_ino for h in cluster.hosts}
@@ -229,8 +278,12 @@ def test_a_run_across_three_hosts_trains_and_finishes(cluster, three_host_run):
     assert summary["exit_reason"] == "completed" and summary["world_size"] == 3
     assert sorted(r["host"] for r in summary["per_rank"]) == ["flodl-h1", "flodl-h2", "flodl-h3"]
     assert [h["samples"] for h in summary["history"]] == [512] * 3  # exact coverage, every epoch
-    for prefix in ("[controller] epoch 3/3", "[10.77.0.11]", "[launcher] stopping: the controller exited with code 0",
-                   "frames are authenticated, not encrypted"):  # served beyond loopback: it says so
+    for prefix in (
+        "[controller] epoch 3/3",
+        "[10.77.0.11]",
+        "[launcher] stopping: the controller exited with code 0",
+        "frames are authenticated, not encrypted",
+    ):  # served beyond loopback: it says so
         assert prefix in run.output, run.output
     assert_no_flodl_left(cluster, 5)
 

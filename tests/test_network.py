@@ -116,16 +116,26 @@ def _peer_ids(net) -> dict:
     return ids
 
 
-def _attack(net, tmp: Path, *, phases: str, epochs: int = 16, launcher_extra: list[str] = (), extra: list[str] = (),
-            victim_rank: int = 1, hold_s: float = 8.0) -> dict:
+def _attack(
+    net,
+    tmp: Path,
+    *,
+    phases: str,
+    epochs: int = 16,
+    launcher_extra: list[str] = (),
+    extra: list[str] = (),
+    victim_rank: int = 1,
+    hold_s: float = 8.0,
+) -> dict:
     """A run across the three hosts while the intruder in flodl-n4 runs ``phases``; what both saw."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     port = _free_port(GATEWAY)
     sniffer = Sniffer(BRIDGE, port)  # started first: it must see the hellos
     sniffer.start()
     done = tmp / "attack-done"  # slow steps until the intruder is done: the run must outlast it
-    run = launch_on_hosts(net, tmp, env, step_sleep="0.03", epochs=epochs, launcher_extra=["--port", str(port), *launcher_extra], extra=list(extra),
-                  hold=done)
+    run = launch_on_hosts(
+        net, tmp, env, step_sleep="0.03", epochs=epochs, launcher_extra=["--port", str(port), *launcher_extra], extra=list(extra), hold=done
+    )
     try:
         secret = _controller_secret(psutil.Process(run.proc.pid))
         run.wait_for_line(f"epoch 1/{epochs}", timeout=90)
@@ -139,17 +149,46 @@ def _attack(net, tmp: Path, *, phases: str, epochs: int = 16, launcher_extra: li
         captured = [sender_seq(f) for f in genuine]
         ids = _peer_ids(net)
         if captured:  # what anyone on the wire reads: run id and sender names are in every frame, in clear
-            known = {"run_id": captured[0][2], "worker_sender": next(s for s, *_ in captured if s.startswith("worker.")),
-                     "rank_sender": next(s for s, *_ in captured if s.startswith("rank")),
-                     "victim": next(s for s, *_ in captured if s.startswith(f"rank{victim_rank}."))}
+            known = {
+                "run_id": captured[0][2],
+                "worker_sender": next(s for s, *_ in captured if s.startswith("worker.")),
+                "rank_sender": next(s for s, *_ in captured if s.startswith("rank")),
+                "victim": next(s for s, *_ in captured if s.startswith(f"rank{victim_rank}.")),
+            }
         else:  # nothing to read on the wire (--encrypt): the test hands the intruder the names anyway
-            known = {"run_id": ids["run_id"], "worker_sender": ids["workers"][0], "rank_sender": ids["ranks"][0],
-                     "victim": ids["ranks"][victim_rank]}
+            known = {
+                "run_id": ids["run_id"],
+                "worker_sender": ids["workers"][0],
+                "rank_sender": ids["ranks"][0],
+                "victim": ids["ranks"][victim_rank],
+            }
         (tmp / "captured.json").write_text(json.dumps({**known, "frames": [f.hex() for f in genuine]}))
-        attack = subprocess.run(["ip", "netns", "exec", INTRUDER.name, PY, str(ROOT / "tests" / "intruder.py"),
-                                 "--controller", f"tcp://{GATEWAY}:{port}", "--captured", str(tmp / "captured.json"),
-                                 "--out", str(tmp / "intruder.json"), "--phases", phases, "--hijack-id", known["victim"],
-                                 "--hold-secs", str(hold_s)], capture_output=True, text=True, timeout=90, cwd=ROOT)
+        attack = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                INTRUDER.name,
+                PY,
+                str(ROOT / "tests" / "intruder.py"),
+                "--controller",
+                f"tcp://{GATEWAY}:{port}",
+                "--captured",
+                str(tmp / "captured.json"),
+                "--out",
+                str(tmp / "intruder.json"),
+                "--phases",
+                phases,
+                "--hijack-id",
+                known["victim"],
+                "--hold-secs",
+                str(hold_s),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            cwd=ROOT,
+        )
         assert attack.returncode == 0, attack.stdout + attack.stderr
         still_training = run.proc.poll() is None
         done.touch()
@@ -157,8 +196,15 @@ def _attack(net, tmp: Path, *, phases: str, epochs: int = 16, launcher_extra: li
     finally:
         sniffer.stop()
         run.kill()
-    return {"code": code, "summary": _summary(tmp / "summary.json"), "run": run, "still_training": still_training,
-            "report": json.loads((tmp / "intruder.json").read_text()), "captured": captured, "sniffed": len(sniffer.snapshot())}
+    return {
+        "code": code,
+        "summary": _summary(tmp / "summary.json"),
+        "run": run,
+        "still_training": still_training,
+        "report": json.loads((tmp / "intruder.json").read_text()),
+        "captured": captured,
+        "sniffed": len(sniffer.snapshot()),
+    }
 
 
 def _assert_untouched(net, a: dict, epochs: int = 16) -> None:
@@ -267,8 +313,10 @@ def test_a_run_converges_over_delayed_lossy_links(net, tmp_path, proc_env):
             run.kill()
     assert _rtt_ms(HOSTS[0].addr) < 10, "the shaping is gone"
     shaped = _summary(tmp_path / "netem" / "summary.json")
-    print(f"{shaper}: rtt {rtt:.1f} ms; clean eval {base['final_eval']:.3f} loss {base['final_loss']:.3f} wall {base['wall_s']:.1f} s; "
-          f"shaped eval {shaped['final_eval']:.3f} loss {shaped['final_loss']:.3f} wall {shaped['wall_s']:.1f} s")
+    print(
+        f"{shaper}: rtt {rtt:.1f} ms; clean eval {base['final_eval']:.3f} loss {base['final_loss']:.3f} wall {base['wall_s']:.1f} s; "
+        f"shaped eval {shaped['final_eval']:.3f} loss {shaped['final_loss']:.3f} wall {shaped['wall_s']:.1f} s"
+    )
     assert shaped["exit_reason"] == "completed" and shaped["world_size"] == 3 and shaped["deaths"] == []
     assert [h["samples"] for h in shaped["history"]] == [SAMPLES] * 4  # exact coverage, every epoch
     # the shaped run trains the same model: its eval is in a band around the clean run's
@@ -288,8 +336,15 @@ def test_a_run_stopped_part_way_resumes_across_hosts_from_shared_storage(net, tm
     task = ["--task", "tests/tasks/tiny.py:big_data_task"]  # 2048 samples: an epoch lasts long enough to stop inside one
     (tmp_path / "first").mkdir()
     (tmp_path / "second").mkdir()
-    first = launch_on_hosts(net, tmp_path / "first", proc_env, step_sleep="0.03", epochs=epochs, extra=[*task, "--save-path", str(stem)],
-                    launcher_extra=["--grace-secs", "10"])  # room for the save before the launcher closes the hosts' stdin
+    first = launch_on_hosts(
+        net,
+        tmp_path / "first",
+        proc_env,
+        step_sleep="0.03",
+        epochs=epochs,
+        extra=[*task, "--save-path", str(stem)],
+        launcher_extra=["--grace-secs", "10"],
+    )  # room for the save before the launcher closes the hosts' stdin
     try:
         first.wait_for_line(f"epoch 1/{epochs}", timeout=90)
         time.sleep(1.0)  # into epoch 2 (>= 43 steps of 30 ms per rank), usually past its first windows
@@ -308,14 +363,18 @@ def test_a_run_stopped_part_way_resumes_across_hosts_from_shared_storage(net, tm
     covered_open = sum(item["total"] - sum(z for _, z in item["uncovered"]) for item in meta["coverage"]["open"])
     assert 0 <= covered_open < samples
 
-    second = launch_on_hosts(net, tmp_path / "second", proc_env, step_sleep="0.01", epochs=epochs, extra=[*task, "--resume-from", str(stem)])
+    second = launch_on_hosts(
+        net, tmp_path / "second", proc_env, step_sleep="0.01", epochs=epochs, extra=[*task, "--resume-from", str(stem)]
+    )
     try:
         assert second.wait(120) == 0, second.output
     finally:
         second.kill()
     after = _summary(tmp_path / "second" / "summary.json")
-    print(f"saved at epoch {saved_at} (step {meta['global_step']}, {covered_open} samples of it trained); "
-          f"resumed history {[(h['epoch'], h['samples']) for h in after['history']]}")
+    print(
+        f"saved at epoch {saved_at} (step {meta['global_step']}, {covered_open} samples of it trained); "
+        f"resumed history {[(h['epoch'], h['samples']) for h in after['history']]}"
+    )
     left = samples - covered_open + samples * (epochs - saved_at - 1)
     assert f"resuming {stem}: epoch {saved_at}, global step {meta['global_step']}, {left:,} samples left" in second.output, second.output
     assert second.output.count(SHARED_STORAGE_NOTE) == 1, second.output
@@ -338,8 +397,15 @@ def test_each_host_relays_its_ranks_as_one_snapshot(net, tmp_path, proc_env):
     runs = {}
     for relay in ("on", "off"):
         (tmp_path / relay).mkdir()
-        run = launch_on_hosts(net, tmp_path / relay, {**proc_env, "FLODL_BULK_RELAY": relay}, step_sleep="0.01", epochs=3,
-                      extra=["--mode", "cpu-cadence"], devices="cpu,cpu")
+        run = launch_on_hosts(
+            net,
+            tmp_path / relay,
+            {**proc_env, "FLODL_BULK_RELAY": relay},
+            step_sleep="0.01",
+            epochs=3,
+            extra=["--mode", "cpu-cadence"],
+            devices="cpu,cpu",
+        )
         try:
             assert run.wait(150) == 0, run.output
         finally:

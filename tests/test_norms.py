@@ -42,8 +42,14 @@ def test_no_inputs_leave_the_statistics_alone_and_models_without_batchnorm_have_
 
 def test_a_negative_batch_count_is_refused_naming_the_field():
     with pytest.raises(TaskError, match="bn_recalibration_batches"):
-        Task(model=_model, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1), dataset=[1], batch_size=1,
-             loss_fn=torch.nn.functional.cross_entropy, bn_recalibration_batches=-1)
+        Task(
+            model=_model,
+            optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+            dataset=[1],
+            batch_size=1,
+            loss_fn=torch.nn.functional.cross_entropy,
+            bn_recalibration_batches=-1,
+        )
 
 
 @pytest.mark.parametrize("mode", ["nccl-cadence", "cpu-async"])
@@ -55,8 +61,21 @@ def test_evals_after_averages_score_re_estimated_statistics(proc_env, tmp_path, 
     for n in (8, 0):
         path = tmp_path / f"s{n}.json"
         env = {**proc_env, "FLODL_SIMULATE_SLOWDOWN": "1:3", "FLODL_TEST_BN_BATCHES": str(n)}
-        run = Run(["--task", task_spec("tiny.py", "batchnorm_task"), "--nproc-per-node", "2", "--epochs", "3", "--mode", mode,
-                   "--summary-json", str(path)], env)
+        run = Run(
+            [
+                "--task",
+                task_spec("tiny.py", "batchnorm_task"),
+                "--nproc-per-node",
+                "2",
+                "--epochs",
+                "3",
+                "--mode",
+                mode,
+                "--summary-json",
+                str(path),
+            ],
+            env,
+        )
         assert run.wait(120) == 0, run.output
         runs[n] = json.loads(path.read_text())
     assert [h["eval"] for h in runs[8]["history"]] == [8.0] * 3

@@ -23,10 +23,25 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_digits_trains_on_two_ranks(proc_env, tmp_path):
     summary_path = tmp_path / "summary.json"
-    run = Run(["--task", "examples/digits.py:task", "--nproc-per-node", "2", "--epochs", "3", "--summary-json", str(summary_path)], proc_env)
+    run = Run(
+        ["--task", "examples/digits.py:task", "--nproc-per-node", "2", "--epochs", "3", "--summary-json", str(summary_path)], proc_env
+    )
     assert run.wait(100) == 0, run.output
     summary = json.loads(summary_path.read_text())
-    for key in ("mode", "world_size", "epochs", "wall_s", "samples_per_s", "per_rank", "syncs", "final_loss", "final_eval", "eval_metric_name", "deaths", "exit_reason"):
+    for key in (
+        "mode",
+        "world_size",
+        "epochs",
+        "wall_s",
+        "samples_per_s",
+        "per_rank",
+        "syncs",
+        "final_loss",
+        "final_eval",
+        "eval_metric_name",
+        "deaths",
+        "exit_reason",
+    ):
         assert key in summary
     assert summary["world_size"] == 2 and summary["epochs"] == 3 and summary["mode"] == "NcclCadence"
     assert summary["exit_reason"] == "completed" and summary["deaths"] == []
@@ -41,8 +56,21 @@ def test_kill_9_rank_stops_run_fast_and_leaves_nothing(proc_env):
     timeout = 5
     env = {**proc_env, "FLODL_TEST_STEP_SLEEP": "0.02"}
     # --max-failure 1: one death stops the run (one rank left would otherwise train on alone)
-    run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "200", "--heartbeat-timeout-secs", str(timeout),
-               "--max-failure", "1"], env)
+    run = Run(
+        [
+            "--task",
+            task_spec("tiny.py"),
+            "--nproc-per-node",
+            "2",
+            "--epochs",
+            "200",
+            "--heartbeat-timeout-secs",
+            str(timeout),
+            "--max-failure",
+            "1",
+        ],
+        env,
+    )
     ranks = run.ranks(2)
     run.wait_for_line("epoch 1/200")
     tree = run.tree()
@@ -60,8 +88,21 @@ def test_kill_9_rank_stops_run_fast_and_leaves_nothing(proc_env):
 def test_stopped_rank_is_found_by_heartbeat_and_killed(proc_env):
     timeout = 3
     env = {**proc_env, "FLODL_TEST_STEP_SLEEP": "0.02"}
-    run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "200", "--heartbeat-timeout-secs", str(timeout),
-               "--max-failure", "1"], env)
+    run = Run(
+        [
+            "--task",
+            task_spec("tiny.py"),
+            "--nproc-per-node",
+            "2",
+            "--epochs",
+            "200",
+            "--heartbeat-timeout-secs",
+            str(timeout),
+            "--max-failure",
+            "1",
+        ],
+        env,
+    )
     ranks = run.ranks(2)
     run.wait_for_line("epoch 1/200")
     tree = run.tree()
@@ -114,7 +155,9 @@ def test_task_error_is_reported_once_with_traceback(proc_env):
 
 def test_a_task_that_cannot_build_fails_fast_with_its_error(proc_env, tmp_path):
     started = time.monotonic()
-    run = Run(["--task", f"{tmp_path / 'missing.py'}:task", "--nproc-per-node", "2", "--epochs", "1", "--heartbeat-timeout-secs", "30"], proc_env)
+    run = Run(
+        ["--task", f"{tmp_path / 'missing.py'}:task", "--nproc-per-node", "2", "--epochs", "1", "--heartbeat-timeout-secs", "30"], proc_env
+    )
     assert run.wait(60) == 2, run.output  # a task spec naming nothing is the user's error, no traceback
     assert "failed during task spec" in run.output and "missing.py" in run.output
     assert "--- traceback" not in run.output
@@ -137,17 +180,37 @@ def test_model_mismatch_is_refused_before_training(proc_env, tmp_path):
 
 
 def test_bad_option_fails_fast_naming_it(proc_env):
-    res = subprocess.run([PY, "-m", "flodl.controller", "--task", task_spec("tiny.py"), "--max-grad-norm", "-1"], env=proc_env, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [PY, "-m", "flodl.controller", "--task", task_spec("tiny.py"), "--max-grad-norm", "-1"],
+        env=proc_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2 and "max_grad_norm" in res.stderr
-    res = subprocess.run([PY, "-m", "flodl.controller", "--task", task_spec("tiny.py"), "--max-log-size", "-5"], env=proc_env, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [PY, "-m", "flodl.controller", "--task", task_spec("tiny.py"), "--max-log-size", "-5"],
+        env=proc_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2 and "max_log_size" in res.stderr
-    res = subprocess.run([PY, "-m", "flodl.controller", "--task", task_spec("tiny.py"), "--mode", "nccl-turbo"], env=proc_env, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [PY, "-m", "flodl.controller", "--task", task_spec("tiny.py"), "--mode", "nccl-turbo"],
+        env=proc_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2 and "mode" in res.stderr and "cpu-async" in res.stderr
 
 
 def test_worker_without_secret_refuses_to_start(proc_env):
     env = {k: v for k, v in proc_env.items() if not k.startswith("FLODL_RUN")}
-    res = subprocess.run([PY, "-m", "flodl.worker", "--controller", "tcp://127.0.0.1:1"], env=env, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [PY, "-m", "flodl.worker", "--controller", "tcp://127.0.0.1:1"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 2 and "FLODL_RUN_SECRET" in res.stderr
 
 
@@ -157,7 +220,21 @@ def test_10000_hostile_frames_do_not_stop_training(proc_env, tmp_path):
     # long enough that the controller reads every hostile frame before the run ends
     env = {**proc_env, "FLODL_RUN_SECRET": secret.hex(), "FLODL_RUN_ID": run_id, "FLODL_TEST_STEP_SLEEP": "0.02"}
     summary_path = tmp_path / "s.json"
-    run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "6", "--port", str(port), "--summary-json", str(summary_path)], env)
+    run = Run(
+        [
+            "--task",
+            task_spec("tiny.py"),
+            "--nproc-per-node",
+            "2",
+            "--epochs",
+            "6",
+            "--port",
+            str(port),
+            "--summary-json",
+            str(summary_path),
+        ],
+        env,
+    )
     run.wait_for_line("epoch 1/6")
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
@@ -208,7 +285,10 @@ def test_trainer_api_runs_like_the_cli(tmp_path):
     with pytest.raises(ConfigError, match="transform"):  # ranks import it by name: a lambda cannot travel
         Trainer.builder(task).config(DdpRunConfig().with_transform(lambda rows, keys: rows)).build()
     summary = (
-        Trainer.builder(task).nproc_per_node(2).epochs(2).progress(False)
+        Trainer.builder(task)
+        .nproc_per_node(2)
+        .epochs(2)
+        .progress(False)
         .config(DdpRunConfig().with_max_grad_norm(1.0).with_lr_scale_ratio(0.5))
         .summary_json(str(tmp_path / "s.json"))
         .run()
@@ -244,7 +324,10 @@ def test_a_first_step_warm_up_is_not_taken_for_the_rank_pace(proc_env, tmp_path)
     the compute the ranks report stays far below it, while the wall clock still holds it."""
     env = {**proc_env, "FLODL_TEST_STEP_SLEEP": "0.005", "FLODL_TEST_FIRST_STEP_SLEEP": "0.8", "FLODL_SIMULATE_SLOWDOWN": "1:3"}
     path = tmp_path / "s.json"
-    run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "2", "--mode", "nccl-cadence", "--summary-json", str(path)], env)
+    run = Run(
+        ["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "2", "--mode", "nccl-cadence", "--summary-json", str(path)],
+        env,
+    )
     assert run.wait(120) == 0, run.output
     summary = json.loads(path.read_text())
     compute = {r: sum(h["per_rank"][r]["compute_ms"] for h in summary["history"]) for r in ("0", "1")}
@@ -257,8 +340,23 @@ def test_a_first_step_warm_up_is_not_taken_for_the_rank_pace(proc_env, tmp_path)
 
 def test_epoch_fn_and_lr_schedule_follow_the_global_step(proc_env, tmp_path):
     path = tmp_path / "s.json"
-    run = Run(["--task", task_spec("tiny.py", "scheduled_task"), "--nproc-per-node", "2", "--epochs", "4", "--mode", "nccl-sync",
-               "--lr-scale-ratio", "0", "--summary-json", str(path)], proc_env)
+    run = Run(
+        [
+            "--task",
+            task_spec("tiny.py", "scheduled_task"),
+            "--nproc-per-node",
+            "2",
+            "--epochs",
+            "4",
+            "--mode",
+            "nccl-sync",
+            "--lr-scale-ratio",
+            "0",
+            "--summary-json",
+            str(path),
+        ],
+        proc_env,
+    )
     assert run.wait(120) == 0, run.output
     lrs = [h["scalars"]["lr_at_epoch_start"] for h in json.loads(path.read_text())["history"]]
     # 16 batches per rank per epoch, 32 global steps per epoch: x0.5 every 2 epochs; from epoch 2, epoch_fn pins 0.001
@@ -270,7 +368,10 @@ def test_epoch_fn_and_lr_schedule_follow_the_global_step(proc_env, tmp_path):
 @pytest.mark.parametrize("mode", ["nccl-sync", "nccl-cadence", "nccl-async", "cpu-sync", "cpu-cadence", "cpu-async"])
 def test_all_six_modes_train_digits_to_the_same_band(proc_env, tmp_path, mode):
     path = tmp_path / "s.json"
-    run = Run(["--task", "examples/digits.py:task", "--nproc-per-node", "2", "--epochs", "4", "--mode", mode, "--summary-json", str(path)], proc_env)
+    run = Run(
+        ["--task", "examples/digits.py:task", "--nproc-per-node", "2", "--epochs", "4", "--mode", mode, "--summary-json", str(path)],
+        proc_env,
+    )
     assert run.wait(120) == 0, run.output
     summary = json.loads(path.read_text())
     assert summary["mode"].lower() == mode.replace("-", "")
@@ -282,7 +383,13 @@ def test_all_six_modes_train_digits_to_the_same_band(proc_env, tmp_path, mode):
 
 
 def test_mixed_device_types_need_the_cpu_backend(proc_env):
-    res = subprocess.run([PY, "-m", "flodl.controller", "--task", task_spec("tiny.py"), "--devices", "cuda:0,cpu", "--mode", "nccl-cadence"],
-                         env=proc_env, capture_output=True, text=True, timeout=90, cwd=ROOT)
+    res = subprocess.run(
+        [PY, "-m", "flodl.controller", "--task", task_spec("tiny.py"), "--devices", "cuda:0,cpu", "--mode", "nccl-cadence"],
+        env=proc_env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=ROOT,
+    )
     assert res.returncode == 2, res.stdout + res.stderr
     assert "mix device types" in res.stdout + res.stderr and "cpu-cadence" in res.stdout + res.stderr

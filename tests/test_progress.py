@@ -51,8 +51,10 @@ def test_stalled(progress, now, hung):
 
 def test_the_reason_names_the_activity_the_deadline_and_the_option():
     why = stalled(Progress("step", 31.0, 200.0, at=0.0), 0.0, LIMITS)
-    assert why == ("made no progress in a training step for 31.0 s (deadline 30.6 s: heartbeat timeout 30 s + 3 × its 0.20 s step;"
-                   " raise with --step-timeout-secs)")
+    assert why == (
+        "made no progress in a training step for 31.0 s (deadline 30.6 s: heartbeat timeout 30 s + 3 × its 0.20 s step;"
+        " raise with --step-timeout-secs)"
+    )
     assert "eval_timeout_secs" in stalled(Progress("eval", 601.0, 0.0, at=0.0), 0.0, LIMITS)
     assert "join_timeout_secs" in stalled(Progress("step", 121.0, 0.0, at=0.0), 0.0, LIMITS)
 

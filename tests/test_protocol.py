@@ -79,7 +79,11 @@ def test_golden_valid_both_ways(vector):
     want = vector["decoded"]
     env = unpack_frame(SECRET, frame, run_id=RUN)
     assert (env.version, env.kind, env.sender, env.seq, env.run_id) == (
-        want["version"], want["kind"], want["sender"], want["seq"], want["run_id"],
+        want["version"],
+        want["kind"],
+        want["sender"],
+        want["seq"],
+        want["run_id"],
     )
     assert dataclasses.asdict(env.msg) == from_json(want["fields"])
     # the other way: the decoded form encodes to exactly the same bytes
@@ -142,7 +146,9 @@ def test_int_accepted_for_float_on_decode():
 
 def test_encoder_refuses_invalid_message():
     with pytest.raises(ProtocolError) as err:
-        pack_frame(SECRET, m.Heartbeat(step="one", sent_at=1.0, busy="", busy_s=0.0, step_ms=0.0, averaged=-1), sender="s", seq=1, run_id=RUN)
+        pack_frame(
+            SECRET, m.Heartbeat(step="one", sent_at=1.0, busy="", busy_s=0.0, step_ms=0.0, averaged=-1), sender="s", seq=1, run_id=RUN
+        )
     assert err.value.reason == "schema"
     with pytest.raises(ProtocolError):
         message_fields(object())
@@ -177,7 +183,9 @@ def test_long_strings_and_big_maps_are_malformed():
 
 
 def test_wrong_secret_is_bad_tag():
-    frame = pack_frame(b"another secret", m.Heartbeat(step=1, sent_at=1.0, busy="", busy_s=0.0, step_ms=0.0, averaged=-1), sender="s", seq=1, run_id=RUN)
+    frame = pack_frame(
+        b"another secret", m.Heartbeat(step=1, sent_at=1.0, busy="", busy_s=0.0, step_ms=0.0, averaged=-1), sender="s", seq=1, run_id=RUN
+    )
     with pytest.raises(ProtocolError) as err:
         unpack_frame(SECRET, frame, run_id=RUN)
     assert err.value.reason == "bad_tag"

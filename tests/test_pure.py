@@ -207,10 +207,13 @@ def _done(rank, loss, batches, ms, samples, scalars):
 
 def test_epoch_aggregation_golden():
     """The reference runtime's golden values (flodl-core §4.10)."""
-    stats = aggregate(0, [
-        _done(0, 0.5, 60, 1000.0, 1920, {"loss": [60.0, 60.0], "acc": [36.0, 60.0]}),
-        _done(1, 0.7, 40, 1200.0, 1280, {"loss": [80.0, 40.0], "acc": [16.0, 40.0]}),
-    ])
+    stats = aggregate(
+        0,
+        [
+            _done(0, 0.5, 60, 1000.0, 1920, {"loss": [60.0, 60.0], "acc": [36.0, 60.0]}),
+            _done(1, 0.7, 40, 1200.0, 1280, {"loss": [80.0, 40.0], "acc": [16.0, 40.0]}),
+        ],
+    )
     assert stats.avg_loss == pytest.approx(0.58)
     assert stats.wall_ms == 1200.0
     assert stats.scalars["loss"] == pytest.approx(1.4)
@@ -322,8 +325,10 @@ def test_the_controller_starts_without_importing_torch():
     import subprocess
     import sys
 
-    probe = ("import sys, flodl.controller, flodl.checkpoint.meta, flodl.plan.schedule; "
-             "assert 'torch' not in sys.modules, 'torch imported'; print(flodl.plan.schedule.Schedule(10).epochs)")
+    probe = (
+        "import sys, flodl.controller, flodl.checkpoint.meta, flodl.plan.schedule; "
+        "assert 'torch' not in sys.modules, 'torch imported'; print(flodl.plan.schedule.Schedule(10).epochs)"
+    )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=50)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "1"

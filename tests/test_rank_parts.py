@@ -49,13 +49,16 @@ def test_load_task_by_file_and_module():
     assert load_task("examples.quickstart:task").batch_size == 64
 
 
-@pytest.mark.parametrize("spec, match", [
-    ("nocolon", "must be 'module:function'"),
-    ("/no/such/file.py:task", "not found"),
-    ("no_such_module_xyz:task", "cannot import"),
-    ("examples.quickstart:nope", "has no attribute"),
-    ("examples.quickstart:make_model", "expected a flodl.Task"),
-])
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("nocolon", "must be 'module:function'"),
+        ("/no/such/file.py:task", "not found"),
+        ("no_such_module_xyz:task", "cannot import"),
+        ("examples.quickstart:nope", "has no attribute"),
+        ("examples.quickstart:make_model", "expected a flodl.Task"),
+    ],
+)
 def test_bad_task_specs(spec, match):
     with pytest.raises(TaskError, match=match):
         load_task(spec)
@@ -208,8 +211,16 @@ def _members(port: int, prefix: str, delays: list[float], **kw) -> dict[int, obj
     def member(rank: int) -> None:
         time.sleep(delays[rank])
         try:
-            group = build_group(store_host="127.0.0.1", store_port=port, prefix=prefix, rank=rank, world_size=len(delays),
-                                device=torch.device("cpu"), timeout_s=0.5, **kw)
+            group = build_group(
+                store_host="127.0.0.1",
+                store_port=port,
+                prefix=prefix,
+                rank=rank,
+                world_size=len(delays),
+                device=torch.device("cpu"),
+                timeout_s=0.5,
+                **kw,
+            )
             value = torch.full((3,), float(rank + 1))
             group.allreduce([value]).wait()
             out[rank] = value.tolist()
@@ -241,12 +252,29 @@ def test_gathering_gives_up_for_a_newer_generation_and_names_who_never_came():
     threading.Timer(0.3, newer.set).start()
     started = time.monotonic()
     with pytest.raises(Superseded):
-        build_group(store_host="127.0.0.1", store_port=store.port, prefix="run/gen2", rank=0, world_size=3,
-                    device=torch.device("cpu"), timeout_s=0.5, gather_s=30.0, give_up=newer.is_set)
+        build_group(
+            store_host="127.0.0.1",
+            store_port=store.port,
+            prefix="run/gen2",
+            rank=0,
+            world_size=3,
+            device=torch.device("cpu"),
+            timeout_s=0.5,
+            gather_s=30.0,
+            give_up=newer.is_set,
+        )
     assert time.monotonic() - started < 5  # at once, not after the 30 s wait
     with pytest.raises(RuntimeError, match=r"member\(s\) \[1, 2\] of 3 never arrived within 0.3 s"):
-        build_group(store_host="127.0.0.1", store_port=store.port, prefix="run/gen3", rank=0, world_size=3,
-                    device=torch.device("cpu"), timeout_s=0.5, gather_s=0.3)
+        build_group(
+            store_host="127.0.0.1",
+            store_port=store.port,
+            prefix="run/gen3",
+            rank=0,
+            world_size=3,
+            device=torch.device("cpu"),
+            timeout_s=0.5,
+            gather_s=0.3,
+        )
 
 
 def _background_pair(port: int, prefix: str, script) -> dict[int, object]:
@@ -255,8 +283,16 @@ def _background_pair(port: int, prefix: str, script) -> dict[int, object]:
 
     def member(rank: int) -> None:
         try:
-            group = build_group(store_host="127.0.0.1", store_port=port, prefix=prefix, rank=rank, world_size=2,
-                                device=torch.device("cpu"), timeout_s=2.0, gather_s=10.0)
+            group = build_group(
+                store_host="127.0.0.1",
+                store_port=port,
+                prefix=prefix,
+                rank=rank,
+                world_size=2,
+                device=torch.device("cpu"),
+                timeout_s=2.0,
+                gather_s=10.0,
+            )
             torch.manual_seed(7 + rank)  # the replicas start different
             model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
             out[rank] = script(rank, CollectiveAverager(FlatModel(model), group), model)
@@ -359,8 +395,17 @@ def _runner(tmp_path):
     from flodl.config.env import RankEnv
     from flodl.rank.runner import RankRunner
 
-    env = RankEnv(controller="tcp://127.0.0.1:1", secret=b"k" * 32, run_id="r", rank=0, device="cpu",
-                  task=task_spec("tiny.py"), local_world=1, heartbeat_timeout_s=5.0, parent_pid=0)
+    env = RankEnv(
+        controller="tcp://127.0.0.1:1",
+        secret=b"k" * 32,
+        run_id="r",
+        rank=0,
+        device="cpu",
+        task=task_spec("tiny.py"),
+        local_world=1,
+        heartbeat_timeout_s=5.0,
+        parent_pid=0,
+    )
     return RankRunner(env)
 
 
@@ -414,14 +459,17 @@ def test_a_simulated_slow_rank_is_paced_to_factor_times_base(tmp_path, monkeypat
         runner.link._pipe_in.close(linger=0)
 
 
-@pytest.mark.parametrize("mine,redo,adopting,top,top_redo,expected", [
-    (0x50000, True, False, 0x50000, 0x50000, (False, False)),  # survivors repeat the lost average together
-    (0x50000, True, False, 0x50001, 0x50000, (True, False)),  # another survivor has it behind it: skip, adopt next
-    (0, False, True, 0x50000, 0x50000, (False, True)),  # a joiner takes part in the survivors' repeat, weight 0
-    (0, False, True, 0x50001, 0x50000, (False, False)),  # nobody repeats (one is ahead): the joiner waits for its first
-    (0, False, True, 0x50000, -1, (False, False)),  # nothing was lost: nothing to take part in
-    (0x50000, False, False, 0x50000, 0x50000, (False, False)),  # a survivor not there yet does the average in turn
-])
+@pytest.mark.parametrize(
+    "mine,redo,adopting,top,top_redo,expected",
+    [
+        (0x50000, True, False, 0x50000, 0x50000, (False, False)),  # survivors repeat the lost average together
+        (0x50000, True, False, 0x50001, 0x50000, (True, False)),  # another survivor has it behind it: skip, adopt next
+        (0, False, True, 0x50000, 0x50000, (False, True)),  # a joiner takes part in the survivors' repeat, weight 0
+        (0, False, True, 0x50001, 0x50000, (False, False)),  # nobody repeats (one is ahead): the joiner waits for its first
+        (0, False, True, 0x50000, -1, (False, False)),  # nothing was lost: nothing to take part in
+        (0x50000, False, False, 0x50000, 0x50000, (False, False)),  # a survivor not there yet does the average in turn
+    ],
+)
 def test_redo_roles_keep_every_member_on_the_same_collectives(mine, redo, adopting, top, top_redo, expected):
     from flodl.rank.regroup import redo_roles
 

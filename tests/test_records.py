@@ -44,13 +44,18 @@ def leaf(path, work, metrics, *, alive=True, res=None, **kw):
 
 
 def _children():
-    a = leaf("root/rank0", 3, {"loss": 1.0, "throughput": 100.0, "acc": 0.5, "lr": 0.1, "peak": 7.0, "low": 2.0,
-                               "tokens": 30.0, "gn": 4.0},
-             res={"gpu_util": 50.0, "gpu_util_max": 90.0, "vram_alloc": 1e9, "vram_total": 8e9,
-                  "cpu_util": 20.0, "rss_bytes": 100.0})
-    b = leaf("root/rank1", 1, {"loss": 2.0, "throughput": 50.0, "acc": 0.9, "lr": 0.2, "peak": 9.0, "low": 1.0,
-                               "tokens": 10.0},
-             res={"gpu_util": 100.0, "gpu_util_max": 100.0, "vram_alloc": 2e9, "vram_total": 8e9})
+    a = leaf(
+        "root/rank0",
+        3,
+        {"loss": 1.0, "throughput": 100.0, "acc": 0.5, "lr": 0.1, "peak": 7.0, "low": 2.0, "tokens": 30.0, "gn": 4.0},
+        res={"gpu_util": 50.0, "gpu_util_max": 90.0, "vram_alloc": 1e9, "vram_total": 8e9, "cpu_util": 20.0, "rss_bytes": 100.0},
+    )
+    b = leaf(
+        "root/rank1",
+        1,
+        {"loss": 2.0, "throughput": 50.0, "acc": 0.9, "lr": 0.2, "peak": 9.0, "low": 1.0, "tokens": 10.0},
+        res={"gpu_util": 100.0, "gpu_util_max": 100.0, "vram_alloc": 2e9, "vram_total": 8e9},
+    )
     c = leaf("root/rank2", 0, {"loss": 100.0, "throughput": 10.0, "acc": 0.0, "only_zero_work": 5.0})
     return [a, b, c]
 
@@ -92,10 +97,16 @@ def test_core_keys_are_not_overridable():
 def test_resource_reductions():
     out = rollup(_children(), {})
     assert out["work"] == 4.0
-    assert out["res"] == pytest.approx({
-        "gpu_util": (50 * 3 + 100 * 1) / 4, "gpu_util_max": 100.0, "vram_alloc": 3e9, "vram_total": 16e9,
-        "cpu_util": 20.0, "rss_bytes": 100.0,
-    })
+    assert out["res"] == pytest.approx(
+        {
+            "gpu_util": (50 * 3 + 100 * 1) / 4,
+            "gpu_util_max": 100.0,
+            "vram_alloc": 3e9,
+            "vram_total": 16e9,
+            "cpu_util": 20.0,
+            "rss_bytes": 100.0,
+        }
+    )
 
 
 def test_last_takes_the_highest_work_child_wherever_it_sits():
@@ -117,8 +128,7 @@ def test_hierarchical_mean_equals_flat_mean():
 
 def test_paths_single_host_multi_host_lone_rank_and_unknown_host():
     assert rank_paths({0: "a", 1: "a"}) == {0: "root/rank0", 1: "root/rank1"}
-    assert rank_paths({0: "a.lan", 1: "b.lan", 2: None}) == {
-        0: "root/a.lan/rank0", 1: "root/b.lan/rank1", 2: "root/rank2"}
+    assert rank_paths({0: "a.lan", 1: "b.lan", 2: None}) == {0: "root/a.lan/rank0", 1: "root/b.lan/rank1", 2: "root/rank2"}
     assert rank_paths({0: "a"}) == {0: "root"}
     assert node_path(3, "x", {"x"}) == "root/rank3"
     assert node_path(3, "x", {"x", "y"}) == "root/x/rank3"
@@ -126,9 +136,11 @@ def test_paths_single_host_multi_host_lone_rank_and_unknown_host():
 
 def test_one_host_tree_with_a_dead_rank():
     paths = rank_paths({0: "h", 1: "h", 2: "h"})
-    leaves = [leaf(paths[0], 2, {"loss": 1.0, "throughput": 10.0}),
-              leaf(paths[1], 0, {}, alive=False),
-              leaf(paths[2], 2, {"loss": 3.0, "throughput": 30.0})]
+    leaves = [
+        leaf(paths[0], 2, {"loss": 1.0, "throughput": 10.0}),
+        leaf(paths[1], 0, {}, alive=False),
+        leaf(paths[2], 2, {"loss": 3.0, "throughput": 30.0}),
+    ]
     recs = tree_records(leaves, {})
     assert [r["path"] for r in recs] == ["root", "root/rank0", "root/rank1", "root/rank2"]
     root = recs[0]
@@ -139,14 +151,22 @@ def test_one_host_tree_with_a_dead_rank():
 
 def test_two_host_tree_aggregates_direct_children_only():
     paths = rank_paths({0: "a.lan", 1: "a.lan", 2: "b.lan", 3: "b.lan"})
-    leaves = [leaf(paths[0], 1, {"throughput": 1.0, "loss": 1.0}),
-              leaf(paths[1], 1, {"throughput": 2.0, "loss": 3.0}),
-              leaf(paths[2], 2, {"throughput": 4.0, "loss": 5.0}),
-              leaf(paths[3], 0, {}, alive=False)]
+    leaves = [
+        leaf(paths[0], 1, {"throughput": 1.0, "loss": 1.0}),
+        leaf(paths[1], 1, {"throughput": 2.0, "loss": 3.0}),
+        leaf(paths[2], 2, {"throughput": 4.0, "loss": 5.0}),
+        leaf(paths[3], 0, {}, alive=False),
+    ]
     recs = tree_records(leaves, {})
     assert [r["path"] for r in recs] == [
-        "root", "root/a.lan", "root/a.lan/rank0", "root/a.lan/rank1", "root/b.lan", "root/b.lan/rank2",
-        "root/b.lan/rank3"]
+        "root",
+        "root/a.lan",
+        "root/a.lan/rank0",
+        "root/a.lan/rank1",
+        "root/b.lan",
+        "root/b.lan/rank2",
+        "root/b.lan/rank3",
+    ]
     root, host_a, host_b = recs[0], recs[1], recs[4]
     assert (host_a["children"], host_a["alive"], host_a["work"]) == (2, 2, 2.0)
     assert (host_b["children"], host_b["alive"], host_b["work"]) == (2, 1, 2.0)
@@ -183,17 +203,24 @@ def test_children_sort_naturally_and_tiering_bugs_are_refused():
 
 
 def test_record_shapes():
-    n = leaf("root/rank0", 2, {"loss": 1.0}, device=1, label="GP106", epoch=4, epoch_complete=True,
-             res={"gpu_util": 5.0, "vram_total": None})
-    assert list(n) == ["v", "ts", "sev", "path", "kind", "epoch", "epoch_complete", "label", "metrics", "work",
-                       "res", "device", "alive"]
+    n = leaf(
+        "root/rank0", 2, {"loss": 1.0}, device=1, label="GP106", epoch=4, epoch_complete=True, res={"gpu_util": 5.0, "vram_total": None}
+    )
+    assert list(n) == ["v", "ts", "sev", "path", "kind", "epoch", "epoch_complete", "label", "metrics", "work", "res", "device", "alive"]
     assert n["res"] == {"gpu_util": 5.0}  # present fields only
     e = event_record("root/rank1", "rank_lost", "stale 34 s", sev="critical", count=2, ts_ms=TS)
-    assert e == {"v": 1, "ts": TS, "sev": "critical", "path": "root/rank1", "kind": "event",
-                 "class": "rank_lost", "detail": "stale 34 s", "count": 2}
+    assert e == {
+        "v": 1,
+        "ts": TS,
+        "sev": "critical",
+        "path": "root/rank1",
+        "kind": "event",
+        "class": "rank_lost",
+        "detail": "stale 34 s",
+        "count": 2,
+    }
     m = meta_record({"lr": "last", "loss": "sum", "acc": Reduction.MAX}, ts_ms=TS, run={"run_id": "r1"})
-    assert m == {"v": 1, "ts": TS, "kind": "meta", "reductions": {"acc": "max", "lr": "last"},
-                 "run": {"run_id": "r1"}}
+    assert m == {"v": 1, "ts": TS, "kind": "meta", "reductions": {"acc": "max", "lr": "last"}, "run": {"run_id": "r1"}}
     assert json.loads(encode(leaf("root", 1, {"loss": float("nan")})))["metrics"] == {"loss": None}
 
 
@@ -251,7 +278,10 @@ def test_eviction_reports_a_collapsed_overflow_at_root():
     lane.record("drift", "root/rank1", "b", now_ms=2)
     out = lane.record("drift", "root/rank2", "c", now_ms=3)
     assert [(r["class"], r["path"], r["count"]) for r in out] == [
-        ("drift", "root/rank0", 1), ("drift", "root/rank2", 1), ("overflow", "root", 1)]
+        ("drift", "root/rank0", 1),
+        ("drift", "root/rank2", 1),
+        ("overflow", "root", 1),
+    ]
     assert out[-1]["sev"] == "warn"
     assert [r["class"] for r in lane.record("drift", "root/rank3", "d", now_ms=4)] == ["drift"]  # collapsed
     assert [(r["class"], r["count"]) for r in lane.flush(now_ms=5)] == [("overflow", 1)]
@@ -405,14 +435,25 @@ def _synthetic_run(logdir):
         log.write(meta_record({"acc": "mean"}, ts_ms=TS, run={"run_id": "syn", "world_size": 4}))
         for epoch in range(3):
             ranks = range(4) if epoch == 0 else range(3)
-            reports = [EpochReport(rank=r, epoch=epoch, batches=10 + r, samples=(10 + r) * 32,
-                                   loss_sum=(10 + r) * (1.0 / (epoch + 1) + 0.1 * r), wall_ms=1000.0 + 50 * r,
-                                   compute_ms=800.0, data_ms=5.0 * r, sync_ms=50.0, syncs=4,
-                                   scalars={"acc": [0.5 + 0.1 * r, 1.0]}) for r in ranks]
+            reports = [
+                EpochReport(
+                    rank=r,
+                    epoch=epoch,
+                    batches=10 + r,
+                    samples=(10 + r) * 32,
+                    loss_sum=(10 + r) * (1.0 / (epoch + 1) + 0.1 * r),
+                    wall_ms=1000.0 + 50 * r,
+                    compute_ms=800.0,
+                    data_ms=5.0 * r,
+                    sync_ms=50.0,
+                    syncs=4,
+                    scalars={"acc": [0.5 + 0.1 * r, 1.0]},
+                )
+                for r in ranks
+            ]
             stats = aggregate(epoch, reports)
             stats.eval_value = 0.9 - 0.1 * epoch
-            window = [node_record(paths[r], metrics={"loss": 9.9}, work=5, alive=True, ts_ms=TS, tick=1,
-                                  epoch=epoch) for r in ranks]
+            window = [node_record(paths[r], metrics={"loss": 9.9}, work=5, alive=True, ts_ms=TS, tick=1, epoch=epoch) for r in ranks]
             log.write_all(tree_records(window, {}))  # sub-epoch rows: not in the epoch table
             log.write_all(epoch_records(stats, paths, {"acc": "mean"}, ts_ms=TS + epoch))
             history.append(stats.to_dict())
@@ -453,8 +494,7 @@ def test_dead_rank_still_has_an_epoch_record(tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "flodl.monitor.reader", *map(str, args)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "flodl.monitor.reader", *map(str, args)], capture_output=True, text=True, timeout=60)
 
 
 def test_cli_prints_the_table_and_events(tmp_path):
@@ -465,7 +505,7 @@ def test_cli_prints_the_table_and_events(tmp_path):
     assert lines[0] == "run run_id=syn world_size=4"
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["epoch", "loss"])
     assert lines[header].split()[6:] == ["rank0", "s/s", "rank1", "s/s", "rank2", "s/s", "rank3", "s/s"]
-    assert [line.split()[0] for line in lines[header + 1:header + 4]] == ["0", "1", "2"]
+    assert [line.split()[0] for line in lines[header + 1 : header + 4]] == ["0", "1", "2"]
     assert "events (2):" in done.stdout  # the first occurrence, then the four it absorbed
     assert "rank_lost" in done.stdout and "x4: silent" in done.stdout
     assert "-" in lines[header + 2].split()[-1]  # rank3 died: no throughput in epoch 1

@@ -23,7 +23,9 @@ def relay_for(ctl, identity: str, ranks: list[int]) -> HostRelay:
     ctl.admit_relay(identity.encode(), ranks)
     for r in ranks:
         ctl.admit(f"rank{r}.t".encode(), r)  # the controller admits ranks as it always does; their relay stands in
-    relay = HostRelay(secret=SECRET, run_id=RUN, upstream=f"tcp://127.0.0.1:{ctl.port}", identity=f"{identity}/bulk", ranks=ranks, timeout_s=10.0)
+    relay = HostRelay(
+        secret=SECRET, run_id=RUN, upstream=f"tcp://127.0.0.1:{ctl.port}", identity=f"{identity}/bulk", ranks=ranks, timeout_s=10.0
+    )
     relay.start()
     relay.task = asyncio.create_task(relay.run())
     return relay
@@ -124,9 +126,11 @@ def test_relaying_loads_no_controller_code():
     import subprocess
     import sys
 
-    probe = ("import sys, flodl.averaging.relay; "
-             "loaded = sorted(n for n in sys.modules if n == 'flodl.controller' or n.startswith('flodl.controller.')); "
-             "assert not loaded, loaded; print('ok')")
+    probe = (
+        "import sys, flodl.averaging.relay; "
+        "loaded = sorted(n for n in sys.modules if n == 'flodl.controller' or n.startswith('flodl.controller.')); "
+        "assert not loaded, loaded; print('ok')"
+    )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=50)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
@@ -139,8 +143,9 @@ async def test_a_relay_claiming_more_ranks_than_it_carries_is_dropped(caplog):
 
     ctl, task = await controller()
     ctl.admit_relay(b"worker.a", [0, 1])
-    header = m.Snapshot(rank=0, round=0, weight=1.0, groups=["p"], dtypes=["float32"], numels=[4], bucket=0, start=0, count=4,
-                        shm="", shm_offset=0, ranks=3)
+    header = m.Snapshot(
+        rank=0, round=0, weight=1.0, groups=["p"], dtypes=["float32"], numels=[4], bucket=0, start=0, count=4, shm="", shm_offset=0, ranks=3
+    )
     send_raw(ctl.port, b"worker.a/bulk", header, b"\0" * 16)
     for _ in range(100):
         if ctl.drops["bulk"]:

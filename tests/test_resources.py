@@ -39,9 +39,13 @@ def test_summary_means_maxes_and_lasts():
     for _ in range(3):
         s.sample()
     assert s.summary() == {
-        "gpu_util": pytest.approx(70.0), "gpu_util_max": 90.0,
-        "vram_alloc": 2000, "vram_alloc_max": 3000, "vram_total": 8000,
-        "cpu_util": pytest.approx(20.0), "rss_bytes": 200,
+        "gpu_util": pytest.approx(70.0),
+        "gpu_util_max": 90.0,
+        "vram_alloc": 2000,
+        "vram_alloc_max": 3000,
+        "vram_total": 8000,
+        "cpu_util": pytest.approx(20.0),
+        "rss_bytes": 200,
     }
 
 

@@ -54,15 +54,28 @@ class Egress:
 
 
 def snapshot(source: int, weight: float, bucket: int) -> m.Snapshot:
-    return m.Snapshot(rank=source, round=0, weight=weight, ranks=1, groups=["p", "b"], dtypes=["float32", "float32"],
-                      numels=NUMELS, bucket=bucket, start=0, count=NUMELS[bucket], shm="", shm_offset=0)
+    return m.Snapshot(
+        rank=source,
+        round=0,
+        weight=weight,
+        ranks=1,
+        groups=["p", "b"],
+        dtypes=["float32", "float32"],
+        numels=NUMELS,
+        bucket=bucket,
+        start=0,
+        count=NUMELS[bucket],
+        shm="",
+        shm_offset=0,
+    )
 
 
 def core(done: bool) -> tuple[Rounds, Endpoint, Egress, list[float]]:
     now = [0.0]
     endpoint, egress = Endpoint(), Egress(done)
-    rounds = Rounds(endpoint=endpoint, egress=egress, timeout_s=5.0, clock=lambda: now[0], drops=Counter(),
-                    on_round=lambda number, ms: None)
+    rounds = Rounds(
+        endpoint=endpoint, egress=egress, timeout_s=5.0, clock=lambda: now[0], drops=Counter(), on_round=lambda number, ms: None
+    )
     return rounds, endpoint, egress, now
 
 

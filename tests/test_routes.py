@@ -47,8 +47,10 @@ async def _until(predicate, what: str, timeout_s: float = 10.0) -> None:
 
 def _stranger(port: int, part_bytes: int, parts: int = 1) -> subprocess.Popen:
     """Another process (its memory is not ours) sends one message of ``parts`` parts of ``part_bytes`` each."""
-    code = (f"import zmq,time\nc=zmq.Context();s=c.socket(zmq.DEALER);s.setsockopt(zmq.LINGER,3000)\n"
-            f"s.connect('tcp://127.0.0.1:{port}');b=bytes({part_bytes})\ns.send_multipart([b]*{parts});time.sleep(0.5);s.close();c.term()")
+    code = (
+        f"import zmq,time\nc=zmq.Context();s=c.socket(zmq.DEALER);s.setsockopt(zmq.LINGER,3000)\n"
+        f"s.connect('tcp://127.0.0.1:{port}');b=bytes({part_bytes})\ns.send_multipart([b]*{parts});time.sleep(0.5);s.close();c.term()"
+    )
     return subprocess.Popen([PY, "-c", code])
 
 

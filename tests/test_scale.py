@@ -47,12 +47,20 @@ async def test_sixty_ranks_random_speeds_deaths_and_a_join_cover_every_sample_on
     addr = f"tcp://127.0.0.1:{ctl.port}"
     training = asyncio.Event()
     kw = {"dataset_len": DATASET, "batch_size": BATCH, "record": True, "training": training}
-    workers = [SimWorker(addr, SECRET, RUN, specs[i:i + PER_WORKER], host=f"node{i // PER_WORKER}", **kw) for i in range(0, RANKS, PER_WORKER)]
+    workers = [
+        SimWorker(addr, SECRET, RUN, specs[i : i + PER_WORKER], host=f"node{i // PER_WORKER}", **kw) for i in range(0, RANKS, PER_WORKER)
+    ]
     tasks = [asyncio.create_task(w.run()) for w in workers]
     await training.wait()
     await asyncio.sleep(0.3)
-    late = SimWorker(addr, SECRET, RUN, [SimRankSpec(batch_ms=15, slowdown=rng.uniform(1.0, 3.0), jitter=0.25, seed=100 + i) for i in range(4)],
-                     host="late", **kw)
+    late = SimWorker(
+        addr,
+        SECRET,
+        RUN,
+        [SimRankSpec(batch_ms=15, slowdown=rng.uniform(1.0, 3.0), jitter=0.25, seed=100 + i) for i in range(4)],
+        host="late",
+        **kw,
+    )
     workers.append(late)
     tasks.append(asyncio.create_task(late.run()))
     summary = await run

@@ -121,17 +121,35 @@ async def test_the_lane_leaves_no_file_behind():
 
 
 def _lane_header(**over) -> m.Snapshot:
-    fields = dict(rank=0, round=0, weight=1.0, groups=["p"], dtypes=["float32"], numels=[4], bucket=0, start=0, count=4,
-                  shm="", shm_offset=0, ranks=1) | over
+    fields = (
+        dict(
+            rank=0,
+            round=0,
+            weight=1.0,
+            groups=["p"],
+            dtypes=["float32"],
+            numels=[4],
+            bucket=0,
+            start=0,
+            count=4,
+            shm="",
+            shm_offset=0,
+            ranks=1,
+        )
+        | over
+    )
     return m.Snapshot(**fields)
 
 
-@pytest.mark.parametrize("case, reason", [
-    ("foreign", "not a segment of its own"),
-    ("other-rank", "not a segment of its own"),
-    ("outside", "outside or misaligned"),
-    ("frame", "carries a frame"),
-])
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("foreign", "not a segment of its own"),
+        ("other-rank", "not a segment of its own"),
+        ("outside", "outside or misaligned"),
+        ("frame", "carries a frame"),
+    ],
+)
 async def test_forged_lane_headers_are_dropped_with_a_reason(case, reason, caplog):
     ctl, task = await controller()
     ctl.admit(b"rank0.x", 0)

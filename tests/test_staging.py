@@ -94,7 +94,17 @@ def _samples() -> list:
         np.array(["ab", "c"]),
         np.int64(7),
         np.float32(1.25),
-        0, -1, 2**70, 1.5, float("nan"), True, False, "héllo", "", b"\x00\xff", None,
+        0,
+        -1,
+        2**70,
+        1.5,
+        float("nan"),
+        True,
+        False,
+        "héllo",
+        "",
+        b"\x00\xff",
+        None,
         (torch.ones(2), 3),
         [1, [2.0, (None, "x")], ()],
         {"image": torch.rand(2, 2, generator=g), "label": 4, "meta": {"ids": [1, 2], "tag": b"z"}},
@@ -120,13 +130,16 @@ def test_codec_decoded_tensors_own_their_memory():
     assert a.tolist() == [0.0, 1.0, 2.0, 3.0] and b.tolist() == [1, 1, 1]
 
 
-@pytest.mark.parametrize("bad, named", [
-    (object(), "builtins.object"),
-    ({1: torch.ones(1)}, "dict key 1"),
-    ([1, {"x": {3, 4}}], "builtins.set"),
-    (torch.ones(2).to_sparse(), "sparse"),
-    (np.array([None], dtype=object), "object"),
-])
+@pytest.mark.parametrize(
+    "bad, named",
+    [
+        (object(), "builtins.object"),
+        ({1: torch.ones(1)}, "dict key 1"),
+        ([1, {"x": {3, 4}}], "builtins.set"),
+        (torch.ones(2).to_sparse(), "sparse"),
+        (np.array([None], dtype=object), "object"),
+    ],
+)
 def test_codec_refuses_other_types_by_name(bad, named):
     with pytest.raises(TypeError) as err:
         SampleCodec().encode(bad)

@@ -127,8 +127,7 @@ def test_concurrent_recording_keeps_every_event(clock):
 
 def test_nan_and_infinity_are_sanitized(clock, tmp_path):
     tl = Timeline(clock=clock)
-    tl.span("sync", track=CTRL, start_s=clock(), end_s=clock() + 1,
-            args={"loss": math.nan, "nested": [math.inf, 1.0], "obj": object()})
+    tl.span("sync", track=CTRL, start_s=clock(), end_s=clock() + 1, args={"loss": math.nan, "nested": [math.inf, 1.0], "obj": object()})
     tl.counter("anchor", track=CTRL, at_s=clock(), values={"ok": 1.5, "bad": math.nan, "flag": True})
     tl.instant("lost", track=CTRL, at_s=math.nan)
     path = tl.write(tmp_path / "a" / "b" / "trace.json")
@@ -227,8 +226,9 @@ def _ev(**kw) -> dict:
 
 
 def test_validator_accepts_balanced_b_e_and_nameless_e():
-    trace = _trace(_ev(ph="B", name="a"), _ev(ph="B", name="b", ts=1),
-                   {"ph": "E", "pid": 1, "tid": 1, "ts": 2}, _ev(ph="E", name="a", ts=3))
+    trace = _trace(
+        _ev(ph="B", name="a"), _ev(ph="B", name="b", ts=1), {"ph": "E", "pid": 1, "tid": 1, "ts": 2}, _ev(ph="E", name="a", ts=3)
+    )
     assert validate_chrome_trace(trace) == []
 
 

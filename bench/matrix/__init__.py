@@ -82,9 +82,16 @@ class Case:
 
 
 FLODL_MODES = ("nccl-sync", "nccl-cadence", "nccl-async", "cpu-sync", "cpu-cadence", "cpu-async")
-_LABELS = {"nccl-sync": "NcclSync", "nccl-cadence": "NcclCadence", "nccl-async": "NcclAsync",
-           "cpu-sync": "CpuSync", "cpu-cadence": "CpuCadence", "cpu-async": "CpuAsync",
-           "ddp": "torchrun DDP", "postlocal": "torchrun post-local SGD"}
+_LABELS = {
+    "nccl-sync": "NcclSync",
+    "nccl-cadence": "NcclCadence",
+    "nccl-async": "NcclAsync",
+    "cpu-sync": "CpuSync",
+    "cpu-cadence": "CpuCadence",
+    "cpu-async": "CpuAsync",
+    "ddp": "torchrun DDP",
+    "postlocal": "torchrun post-local SGD",
+}
 
 
 def _flodl(mode: str, ratio: int = 1) -> Case:
@@ -99,8 +106,11 @@ def _torchrun(algo: str, ratio: int = 1) -> Case:
 
 SOLO = Case("solo", "solo (1 rank)", "flodl", "nccl-sync", nproc=1)
 EQUAL = (SOLO, *(_flodl(m) for m in FLODL_MODES), _torchrun("ddp"), _torchrun("postlocal"))
-UNEQUAL = (*(_flodl(m, RATIO) for m in ("nccl-cadence", "nccl-async", "cpu-cadence", "cpu-async")),
-           _torchrun("ddp", RATIO), _torchrun("postlocal", RATIO))
+UNEQUAL = (
+    *(_flodl(m, RATIO) for m in ("nccl-cadence", "nccl-async", "cpu-cadence", "cpu-async")),
+    _torchrun("ddp", RATIO),
+    _torchrun("postlocal", RATIO),
+)
 ALL_CASES = EQUAL + UNEQUAL
 CASES = {c.id: c for c in ALL_CASES}
 #: the torchrun baseline each flodl case is compared with
@@ -147,7 +157,9 @@ PLANS: dict[str, dict[str, tuple[Budget, tuple[str, ...]]]] = {
     },
     "gpu-quick": {
         "lenet": (Budget(8192, 3), tuple(CASES)),
-        "resnet20": (Budget(4096, 2), ("torchrun-ddp", "nccl-cadence-4to1", "nccl-async-4to1", "cpu-cadence-4to1", "cpu-async-4to1",
-                                        "torchrun-ddp-4to1")),
+        "resnet20": (
+            Budget(4096, 2),
+            ("torchrun-ddp", "nccl-cadence-4to1", "nccl-async-4to1", "cpu-cadence-4to1", "cpu-async-4to1", "torchrun-ddp-4to1"),
+        ),
     },
 }

@@ -39,8 +39,23 @@ VOCAB_SIZE = len(ALPHABET) + 1
 CONTEXT = 64
 HELDOUT_FRACTION = 0.05
 #: Standard-library modules whose source is the language models' corpus, in this order.
-TEXT_MODULES = ("textwrap", "string", "heapq", "bisect", "fractions", "functools", "colorsys", "shlex", "difflib",
-                "calendar", "json.decoder", "json.encoder", "argparse", "pprint", "random")
+TEXT_MODULES = (
+    "textwrap",
+    "string",
+    "heapq",
+    "bisect",
+    "fractions",
+    "functools",
+    "colorsys",
+    "shlex",
+    "difflib",
+    "calendar",
+    "json.decoder",
+    "json.encoder",
+    "argparse",
+    "pprint",
+    "random",
+)
 
 IMAGE_SIZE, IMAGE_CLASSES = 32, 10
 

@@ -141,12 +141,20 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, required=True)
     ap.add_argument("--samples", type=int, default=None)
     ap.add_argument("--slowdown", default="", help="R:F: rank R simulated F times slower (FLODL_SIMULATE_SLOWDOWN's syntax)")
-    ap.add_argument("--base-ms", default="", help="ms or R:ms: the step time a slowed rank is paced against (FLODL_SIMULATE_BASE_MS's syntax)")
-    ap.add_argument("--lr-scaling", choices=("linear", "none"), default="linear",
-                    help="linear: LR x world size for the all-reduced (DDP) steps; none: the task's LR")
+    ap.add_argument(
+        "--base-ms", default="", help="ms or R:ms: the step time a slowed rank is paced against (FLODL_SIMULATE_BASE_MS's syntax)"
+    )
+    ap.add_argument(
+        "--lr-scaling",
+        choices=("linear", "none"),
+        default="linear",
+        help="linear: LR x world size for the all-reduced (DDP) steps; none: the task's LR",
+    )
     ap.add_argument("--seed", type=int, default=None, help="initial weights and permutation seed (default FLODL_MATRIX_SEED, else 0)")
     ap.add_argument("--period", type=int, default=4, help="post-local SGD: steps between model averages")
-    ap.add_argument("--warmup", type=int, default=None, help="post-local SGD: DDP steps before local SGD (default: 10%% of an epoch's steps)")
+    ap.add_argument(
+        "--warmup", type=int, default=None, help="post-local SGD: DDP steps before local SGD (default: 10%% of an epoch's steps)"
+    )
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -178,8 +186,11 @@ def main() -> None:
         timed = Timing(default_hooks.allreduce_hook, None, cuda)
     else:
         warmup = args.warmup if args.warmup is not None else max(1, steps_per_epoch // 10)
-        timed = Timing(post_localSGD_hook, PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=warmup,
-                                                            post_local_gradient_allreduce=False), cuda)
+        timed = Timing(
+            post_localSGD_hook,
+            PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=warmup, post_local_gradient_allreduce=False),
+            cuda,
+        )
         averager = PeriodicModelAverager(period=args.period, warmup_steps=warmup)
         scaled_steps = warmup  # the DDP warm-up; the local phase trains per-rank batches at the task's LR
     scale_lr(opt, lr_factor)
@@ -203,7 +214,7 @@ def main() -> None:
         for step in range(steps_per_epoch):
             if batches == scaled_steps and lr_factor != 1.0:
                 scale_lr(opt, 1.0 / lr_factor)  # post-local SGD: its local phase at the per-rank LR
-            idx = mine[step * spec.batch:(step + 1) * spec.batch]
+            idx = mine[step * spec.batch : (step + 1) * spec.batch]
             xb, yb = x[idx], y[idx]
             t0 = time.perf_counter()
             if timer:
@@ -268,18 +279,38 @@ def main() -> None:
         dist.barrier()
         eval_s += time.perf_counter() - t_eval
         per = [None] * world
-        dist.all_gather_object(per, {"compute_ms": e_compute * 1000, "sync_ms": e_sync * 1000, "data_ms": 0.0, "batches": steps_per_epoch,
-                                     "samples": len(mine)})
-        history.append({"epoch": epoch, "loss": totals[0].item() / totals[1].item(), "eval": value, "samples": int(totals[1].item()),
-                        "wall_s": t_train_end - e_start, "per_rank": {str(r): p for r, p in enumerate(per)}})
+        dist.all_gather_object(
+            per,
+            {"compute_ms": e_compute * 1000, "sync_ms": e_sync * 1000, "data_ms": 0.0, "batches": steps_per_epoch, "samples": len(mine)},
+        )
+        history.append(
+            {
+                "epoch": epoch,
+                "loss": totals[0].item() / totals[1].item(),
+                "eval": value,
+                "samples": int(totals[1].item()),
+                "wall_s": t_train_end - e_start,
+                "per_rank": {str(r): p for r, p in enumerate(per)},
+            }
+        )
         evals.append(value)
     wall = time.perf_counter() - start
     curves = [None] * world
     dist.all_gather_object(curves, curve)
     ranks = [None] * world
-    dist.all_gather_object(ranks, {"rank": rank, "samples": samples, "batches": batches, "compute_ms": compute_total * 1000,
-                                   "step_ms": compute_total * 1000 / max(1, batches), "sync_ms": sync_total * 1000,
-                                   "slowdown": slow, "base_ms": base_ms})
+    dist.all_gather_object(
+        ranks,
+        {
+            "rank": rank,
+            "samples": samples,
+            "batches": batches,
+            "compute_ms": compute_total * 1000,
+            "step_ms": compute_total * 1000 / max(1, batches),
+            "sync_ms": sync_total * 1000,
+            "slowdown": slow,
+            "base_ms": base_ms,
+        },
+    )
     if rank == 0:
         # merge the ranks' curves point by point (same step counts on every rank): mean time, mean loss
         merged = [(sum(c[i][0] for c in curves) / world, sum(c[i][1] for c in curves) / world) for i in range(min(map(len, curves)))]
@@ -303,10 +334,19 @@ def main() -> None:
             "history": history,
             "curve": merged,
             "measured_ratio": measured_ratio(ranks),
-            "config": {"algo": args.algo, "period": args.period if averager else None,
-                       "warmup": averager.warmup_steps if averager else None, "slowdown": args.slowdown,
-                       "base_ms": args.base_ms, "seed": seed, "lr_scaling": args.lr_scaling, "lr": lr, "lr_ddp": lr * lr_factor,
-                       "samples": n, "batch_size": spec.batch},
+            "config": {
+                "algo": args.algo,
+                "period": args.period if averager else None,
+                "warmup": averager.warmup_steps if averager else None,
+                "slowdown": args.slowdown,
+                "base_ms": args.base_ms,
+                "seed": seed,
+                "lr_scaling": args.lr_scaling,
+                "lr": lr,
+                "lr_ddp": lr * lr_factor,
+                "samples": n,
+                "batch_size": spec.batch,
+            },
         }
         Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
     dist.barrier()

@@ -22,9 +22,18 @@ def mlp() -> nn.Module:
 def lenet() -> nn.Module:
     """LeNet-5 style CNN for 3x32x32 images (~62k parameters)."""
     return nn.Sequential(
-        nn.Conv2d(3, 6, 5), nn.ReLU(), nn.MaxPool2d(2),  # 32 -> 28 -> 14
-        nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2),  # 14 -> 10 -> 5
-        nn.Flatten(), nn.Linear(16 * 5 * 5, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, IMAGE_CLASSES),
+        nn.Conv2d(3, 6, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),  # 32 -> 28 -> 14
+        nn.Conv2d(6, 16, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),  # 14 -> 10 -> 5
+        nn.Flatten(),
+        nn.Linear(16 * 5 * 5, 120),
+        nn.ReLU(),
+        nn.Linear(120, 84),
+        nn.ReLU(),
+        nn.Linear(84, IMAGE_CLASSES),
     )
 
 

@@ -197,9 +197,11 @@ class Cell:
     @classmethod
     def of(cls, summaries: list[dict] | None, solo: list[dict] | None = None) -> Cell:
         summaries = summaries or []
-        return cls([s for s in summaries if ok(s)],
-                   [str(s.get("matrix", {}).get("error", "no summary")) for s in summaries if not ok(s)],
-                   [s for s in solo or [] if ok(s)])
+        return cls(
+            [s for s in summaries if ok(s)],
+            [str(s.get("matrix", {}).get("error", "no summary")) for s in summaries if not ok(s)],
+            [s for s in solo or [] if ok(s)],
+        )
 
     @property
     def ok(self) -> bool:
@@ -324,8 +326,16 @@ def rows(runs: dict[str, dict[str, list[dict]]]) -> list[Row]:
             if ideal is not None:
                 frac, rate = ideal
                 out.append(Row(label, "ideal samples/s (median)", rate, "samples/s"))
-                out.append(Row(label, "of ideal (median)", frac, "fraction", f">= {GOAL_OF_IDEAL:.2f} of ideal" if goal_case else None,
-                               frac >= GOAL_OF_IDEAL if goal_case else None))
+                out.append(
+                    Row(
+                        label,
+                        "of ideal (median)",
+                        frac,
+                        "fraction",
+                        f">= {GOAL_OF_IDEAL:.2f} of ideal" if goal_case else None,
+                        frac >= GOAL_OF_IDEAL if goal_case else None,
+                    )
+                )
             for base_id, name in ((BASELINE[ratio], "torchrun DDP"), (BASELINE_POSTLOCAL[ratio], "torchrun post-local")):
                 base = by_case.get(base_id)
                 if base is None or not base.ok:
@@ -333,14 +343,30 @@ def rows(runs: dict[str, dict[str, list[dict]]]) -> list[Row]:
                 goal = goal_case and base_id == BASELINE[ratio]
                 at = f" {ratio}:1" if ratio > 1 else ""
                 speedup = base.train_s / c.train_s
-                out.append(Row(label, f"train speed-up vs {name}{at}", speedup, "x", f">= {GOAL_SPEEDUP:g}x" if goal else None,
-                               speedup >= GOAL_SPEEDUP if goal else None))
+                out.append(
+                    Row(
+                        label,
+                        f"train speed-up vs {name}{at}",
+                        speedup,
+                        "x",
+                        f">= {GOAL_SPEEDUP:g}x" if goal else None,
+                        speedup >= GOAL_SPEEDUP if goal else None,
+                    )
+                )
                 if c.command_s and base.command_s:
                     out.append(Row(label, f"command speed-up vs {name}{at}", base.command_s / c.command_s, "x"))
                 d = eval_delta(c, base)
                 if d is not None:
-                    out.append(Row(label, f"eval - {name}{at} (means)", d, "points", f">= -{GOAL_EVAL_POINTS:g} point" if goal else None,
-                                   d >= -GOAL_EVAL_POINTS if goal else None))
+                    out.append(
+                        Row(
+                            label,
+                            f"eval - {name}{at} (means)",
+                            d,
+                            "points",
+                            f">= -{GOAL_EVAL_POINTS:g} point" if goal else None,
+                            d >= -GOAL_EVAL_POINTS if goal else None,
+                        )
+                    )
     return out
 
 
@@ -361,14 +387,18 @@ def _mark(met: bool) -> str:
 
 def model_table(model: str, cases: dict[str, list[dict]]) -> str:
     by_case = {cid: Cell.of(cases[cid], cases.get("solo")) for cid in _ordered(cases)}
-    lines = ["| case | seeds | eval (min–max) | final loss | train wall | command | samples/s | syncs | step r0 / r1 | slow/fast "
-             "| idle r0 / r1 | train / DDP | command / DDP | eval − DDP | others' CPU |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| case | seeds | eval (min–max) | final loss | train wall | command | samples/s | syncs | step r0 / r1 | slow/fast "
+        "| idle r0 / r1 | train / DDP | command / DDP | eval − DDP | others' CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for cid, c in by_case.items():
         label = _label(cid)
         if not c.ok:
-            lines.append(f"| {label} | failed: {c.errors[0].splitlines()[0][:80] if c.errors else 'no summary'} "
-                         "|  |  |  |  |  |  |  |  |  |  |  |  |  |")
+            lines.append(
+                f"| {label} | failed: {c.errors[0].splitlines()[0][:80] if c.errors else 'no summary'} "
+                "|  |  |  |  |  |  |  |  |  |  |  |  |  |"
+            )
             continue
         idle = " / ".join(f"{v * 100:.0f}%" for v in c.idle()) or "—"
         steps = " / ".join(f"{v:.2f}" for v in c.steps()) + " ms" if c.steps() else "—"
@@ -382,19 +412,23 @@ def model_table(model: str, cases: dict[str, list[dict]]) -> str:
         others = [s.get("matrix", {}).get("others_cpu") for s in c.runs]
         others = max((o for o in others if o is not None), default=None)
         ratio = _x(c.ratio) if _ratio_of(cid) > 1 else "—"
-        lines.append(f"| {label} | {seeds} | {eval_text(c)} | {_f(c.median(lambda s: s.get('final_loss')), '.4f')} "
-                     f"| {c.train_s:.2f} s | {_f(c.command_s, '.1f')} s | {_f(c.rate, ',.0f')} "
-                     f"| {_f(c.median(lambda s: float(s.get('syncs') or 0)), ',.0f')} | {steps} | {ratio} | {idle} "
-                     f"| {_x(tr)} | {_x(cr)} | {_f(d, '+.2f')} "
-                     f"| {_f(None if others is None else others * 100, '.0f')}{'%' if others is not None else ''} |")
+        lines.append(
+            f"| {label} | {seeds} | {eval_text(c)} | {_f(c.median(lambda s: s.get('final_loss')), '.4f')} "
+            f"| {c.train_s:.2f} s | {_f(c.command_s, '.1f')} s | {_f(c.rate, ',.0f')} "
+            f"| {_f(c.median(lambda s: float(s.get('syncs') or 0)), ',.0f')} | {steps} | {ratio} | {idle} "
+            f"| {_x(tr)} | {_x(cr)} | {_f(d, '+.2f')} "
+            f"| {_f(None if others is None else others * 100, '.0f')}{'%' if others is not None else ''} |"
+        )
     return "\n".join(lines)
 
 
 def goal_table(runs: dict[str, dict[str, list[dict]]]) -> str:
-    lines = [f"| model | flodl case | slow/fast, flodl / DDP | of ideal (goal ≥ {GOAL_OF_IDEAL:.2f}) | train wall "
-             f"| torchrun DDP {RATIO}:1 train wall | train speed-up (goal ≥ {GOAL_SPEEDUP:g}×) | command speed-up "
-             f"| eval − DDP, means (goal ≥ −{GOAL_EVAL_POINTS:g}) | eval flodl / DDP (min–max) | train speed-up vs post-local |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| model | flodl case | slow/fast, flodl / DDP | of ideal (goal ≥ {GOAL_OF_IDEAL:.2f}) | train wall "
+        f"| torchrun DDP {RATIO}:1 train wall | train speed-up (goal ≥ {GOAL_SPEEDUP:g}×) | command speed-up "
+        f"| eval − DDP, means (goal ≥ −{GOAL_EVAL_POINTS:g}) | eval flodl / DDP (min–max) | train speed-up vs post-local |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for model in _models(runs):
         by_case = cells(runs, model)
         base, post = by_case.get(BASELINE[RATIO]), by_case.get(BASELINE_POSTLOCAL[RATIO])
@@ -411,9 +445,11 @@ def goal_table(runs: dict[str, dict[str, list[dict]]]) -> str:
             ideal = c.of_ideal()
             itext = "—" if ideal is None else f"{ideal[0]:.2f} {_mark(ideal[0] >= GOAL_OF_IDEAL)}"
             pspeed = _x(post.train_s / c.train_s) if post is not None and post.ok else "—"
-            lines.append(f"| {model} | {_label(cid)} | {_f(c.ratio, '.2f')}× / {_f(base.ratio, '.2f')}× | {itext} "
-                         f"| {c.train_s:.2f} s | {base.train_s:.2f} s | {sp:.2f}× {_mark(sp >= GOAL_SPEEDUP)} | {_x(cmd)} "
-                         f"| {dtext} | {eval_text(c)} / {eval_text(base)} | {pspeed} |")
+            lines.append(
+                f"| {model} | {_label(cid)} | {_f(c.ratio, '.2f')}× / {_f(base.ratio, '.2f')}× | {itext} "
+                f"| {c.train_s:.2f} s | {base.train_s:.2f} s | {sp:.2f}× {_mark(sp >= GOAL_SPEEDUP)} | {_x(cmd)} "
+                f"| {dtext} | {eval_text(c)} / {eval_text(base)} | {pspeed} |"
+            )
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -430,23 +466,34 @@ def plans_text(target: Target = TARGETS["cpu"]) -> str:
         return "; ".join(parts)
 
     if target.device == "cuda":
-        head = (f"Plans: **`--device cuda --quick`** (1 seed): {one(PLANS['gpu-quick'])}. **`--device cuda`** (3 seeds): "
-                f"{one(PLANS['gpu'])}. Both need 2 GPUs. The")
+        head = (
+            f"Plans: **`--device cuda --quick`** (1 seed): {one(PLANS['gpu-quick'])}. **`--device cuda`** (3 seeds): "
+            f"{one(PLANS['gpu'])}. Both need 2 GPUs. The"
+        )
     else:
-        head = (f"Plans: **`--quick`** (1 seed; about 10 minutes here): {one(PLANS['quick'])}. **Full** (no flag; 3 seeds, "
-                f"about 90 minutes here): {one(PLANS['full'])}. The")
-    return (f"{head} {len(CASES)} cases: `solo`, the six flodl modes on 2 equal "
-            f"ranks, `torchrun-ddp`, `torchrun-postlocal`, and at {RATIO}:1 `nccl-cadence`, `nccl-async`, `cpu-cadence`, "
-            f"`cpu-async`, `torchrun-ddp`, `torchrun-postlocal`.")
+        head = (
+            f"Plans: **`--quick`** (1 seed; about 10 minutes here): {one(PLANS['quick'])}. **Full** (no flag; 3 seeds, "
+            f"about 90 minutes here): {one(PLANS['full'])}. The"
+        )
+    return (
+        f"{head} {len(CASES)} cases: `solo`, the six flodl modes on 2 equal "
+        f"ranks, `torchrun-ddp`, `torchrun-postlocal`, and at {RATIO}:1 `nccl-cadence`, `nccl-async`, `cpu-cadence`, "
+        f"`cpu-async`, `torchrun-ddp`, `torchrun-postlocal`."
+    )
 
 
 _RANKS = {
-    "cpu": ("2 CPU ranks of one intra-op thread each (solo: 1)", "flodl `Nccl*` modes average through gloo on CPU ranks. "
-            "torchrun runs `bench/matrix/ddp.py` (gloo)", "its gradient all-reduce wait excluded from the compute it times"),
-    "cuda": ("2 CUDA ranks, one H200 each (solo: 1), the training set held on the GPU (flodl's VRAM pool; the DDP script "
-             "copies it there once)", "flodl `Nccl*` modes average through NCCL; `Cpu*` modes on the controller's CPU. "
-             "torchrun runs `bench/matrix/ddp.py --device cuda` (NCCL)",
-             "its compute and its all-reduce wait told apart by CUDA events in the compute stream"),
+    "cpu": (
+        "2 CPU ranks of one intra-op thread each (solo: 1)",
+        "flodl `Nccl*` modes average through gloo on CPU ranks. torchrun runs `bench/matrix/ddp.py` (gloo)",
+        "its gradient all-reduce wait excluded from the compute it times",
+    ),
+    "cuda": (
+        "2 CUDA ranks, one H200 each (solo: 1), the training set held on the GPU (flodl's VRAM pool; the DDP script copies it there once)",
+        "flodl `Nccl*` modes average through NCCL; `Cpu*` modes on the controller's CPU. "
+        "torchrun runs `bench/matrix/ddp.py --device cuda` (NCCL)",
+        "its compute and its all-reduce wait told apart by CUDA events in the compute stream",
+    ),
 }
 
 
@@ -457,46 +504,59 @@ def protocol_text(manifest: dict, target: Target = TARGETS["cpu"]) -> list[str]:
     scaling = manifest.get("lr_scaling")
     base = manifest.get("base_ms")
     if scaling == "linear":
-        lr = ("torchrun at its best reasonable setting, the linear scaling rule (`--lr-scaling linear`): DDP averages "
-              "the gradients of world × batch samples, so at the task's LR it would take half of Local SGD's optimizer "
-              "steps per sample; `torchrun-ddp` trains at LR × 2 (the world size) throughout (no model here has an LR "
-              "schedule, so there is no schedule warm-up to keep), `torchrun-postlocal` at LR × 2 in its DDP warm-up "
-              "and at the task's per-rank LR in its local phase (per-rank batches, like flodl)")
+        lr = (
+            "torchrun at its best reasonable setting, the linear scaling rule (`--lr-scaling linear`): DDP averages "
+            "the gradients of world × batch samples, so at the task's LR it would take half of Local SGD's optimizer "
+            "steps per sample; `torchrun-ddp` trains at LR × 2 (the world size) throughout (no model here has an LR "
+            "schedule, so there is no schedule warm-up to keep), `torchrun-postlocal` at LR × 2 in its DDP warm-up "
+            "and at the task's per-rank LR in its local phase (per-rank batches, like flodl)"
+        )
     elif scaling == "none":
         lr = "torchrun at the task's LR (`--lr-scaling none`: no linear scaling)"
     else:
         lr = "torchrun at the task's LR (these runs predate `--lr-scaling`)"
     if "seeds" in manifest:
-        pace = (f"In the {RATIO}:1 cases rank 1 is *paced* (`FLODL_SIMULATE_SLOWDOWN=1:{RATIO}` with "
-                f"`FLODL_SIMULATE_BASE_MS`; `--slowdown`/`--base-ms`, the same rule, in the DDP script, {excluded}): "
-                f"from its second step on, its step period is {RATIO} × the base step time, which is "
-                + ("given on the command line (`--base-ms`)" if base else
-                   "the same seed's `solo` run's mean step time (same threads, same process launch)")
-                + f": it sleeps {RATIO} × base − its compute after each step, so the pair really steps {RATIO}:1 whatever "
-                "a step right after a sleep costs. The *measured* ratio (rank 1's mean step time over rank 0's, sleep "
-                "included) is reported for every such run.")
+        pace = (
+            f"In the {RATIO}:1 cases rank 1 is *paced* (`FLODL_SIMULATE_SLOWDOWN=1:{RATIO}` with "
+            f"`FLODL_SIMULATE_BASE_MS`; `--slowdown`/`--base-ms`, the same rule, in the DDP script, {excluded}): "
+            f"from its second step on, its step period is {RATIO} × the base step time, which is "
+            + (
+                "given on the command line (`--base-ms`)"
+                if base
+                else "the same seed's `solo` run's mean step time (same threads, same process launch)"
+            )
+            + f": it sleeps {RATIO} × base − its compute after each step, so the pair really steps {RATIO}:1 whatever "
+            "a step right after a sleep costs. The *measured* ratio (rank 1's mean step time over rank 0's, sleep "
+            "included) is reported for every such run."
+        )
     else:
-        pace = (f"In the {RATIO}:1 cases rank 1 sleeps {RATIO - 1}× its measured compute after every step but its first "
-                f"(the protocol before issue 22, which overshoots: compute right after a sleep is slower), flodl's "
-                f"`FLODL_SIMULATE_SLOWDOWN=1:{RATIO}` and the same rule in the DDP script, {excluded}.")
-    return [f"Each cell: {ranks}, batch 32 per rank, the same seeded data, initial weights and sample budget in every "
-            f"case, run with {seeds} seed{'s' if seeds != 1 else ''} (initial weights and shuffle; evals as mean and "
-            f"lowest–highest seed, timings as medians). {backends}: DistributedDataParallel, and PyTorch's post-local "
-            f"SGD (`post_localSGD_hook` + `PeriodicModelAverager`, period 4, DDP for the first 10% of an epoch), with "
-            f"{lr}. {pace}", "",
-            "Two times per run: *train wall* = first batch to the end with evals taken out (start-up excluded), and "
-            "*command* = the whole command, process start to exit (flodl's controller, or `torchrun`), timed by the "
-            "suite around the subprocess. Every speed-up says which of the two it divides. *of ideal* = flodl's train "
-            f"samples/s over solo rate × (1 + 1 / measured ratio), the solo rate being the same seed's `solo` run "
-            f"(goal ≥ {GOAL_OF_IDEAL:.2f} at {RATIO}:1 for Cadence and Async).", "",
-            "Columns: eval = final held-out accuracy (per character for the language models), mean (lowest–highest "
-            "seed); final loss = last epoch's mean training loss; samples/s = training samples per train-wall second; "
-            "syncs = averaging rounds (DDP: one all-reduce per step); step r0 / r1 = each rank's mean step time (a "
-            "simulated slow rank's sleep included: the pace it really ran at); slow/fast = the measured ratio; idle = "
-            "share of the train wall a rank was not stepping; train / DDP, command / DDP and eval − DDP compare with "
-            "torchrun DDP on the same ranks (equal or 4:1); *others' CPU* = the highest share of the machine's CPU "
-            "that processes outside the run used while one of the case's runs ran (this VM is shared: read rows with "
-            "a high share as slowed down)."]
+        pace = (
+            f"In the {RATIO}:1 cases rank 1 sleeps {RATIO - 1}× its measured compute after every step but its first "
+            f"(the protocol before issue 22, which overshoots: compute right after a sleep is slower), flodl's "
+            f"`FLODL_SIMULATE_SLOWDOWN=1:{RATIO}` and the same rule in the DDP script, {excluded}."
+        )
+    return [
+        f"Each cell: {ranks}, batch 32 per rank, the same seeded data, initial weights and sample budget in every "
+        f"case, run with {seeds} seed{'s' if seeds != 1 else ''} (initial weights and shuffle; evals as mean and "
+        f"lowest–highest seed, timings as medians). {backends}: DistributedDataParallel, and PyTorch's post-local "
+        f"SGD (`post_localSGD_hook` + `PeriodicModelAverager`, period 4, DDP for the first 10% of an epoch), with "
+        f"{lr}. {pace}",
+        "",
+        "Two times per run: *train wall* = first batch to the end with evals taken out (start-up excluded), and "
+        "*command* = the whole command, process start to exit (flodl's controller, or `torchrun`), timed by the "
+        "suite around the subprocess. Every speed-up says which of the two it divides. *of ideal* = flodl's train "
+        f"samples/s over solo rate × (1 + 1 / measured ratio), the solo rate being the same seed's `solo` run "
+        f"(goal ≥ {GOAL_OF_IDEAL:.2f} at {RATIO}:1 for Cadence and Async).",
+        "",
+        "Columns: eval = final held-out accuracy (per character for the language models), mean (lowest–highest "
+        "seed); final loss = last epoch's mean training loss; samples/s = training samples per train-wall second; "
+        "syncs = averaging rounds (DDP: one all-reduce per step); step r0 / r1 = each rank's mean step time (a "
+        "simulated slow rank's sleep included: the pace it really ran at); slow/fast = the measured ratio; idle = "
+        "share of the train wall a rank was not stepping; train / DDP, command / DDP and eval − DDP compare with "
+        "torchrun DDP on the same ranks (equal or 4:1); *others' CPU* = the highest share of the machine's CPU "
+        "that processes outside the run used while one of the case's runs ran (this VM is shared: read rows with "
+        "a high share as slowed down).",
+    ]
 
 
 def render(manifest: dict, runs: dict[str, dict[str, list[dict]]], *, plots: bool, target: Target = TARGETS["cpu"]) -> str:
@@ -505,40 +565,61 @@ def render(manifest: dict, runs: dict[str, dict[str, list[dict]]], *, plots: boo
     begin, end = markers(target.name)
     flags = (" --device cuda" if target.device == "cuda" else "") + (" --quick" if budget.endswith("quick") else "")
     heading = "Model × mode matrix" + (" on GPUs" if target.device == "cuda" else "")
-    out = [begin, "", f"### {heading} (`bench/results/{target.name}/`, `bench/results/{target.name}.json`)", "",
-           f"Generated by `python -m bench.matrix.report{' --device cuda' if target.device == 'cuda' else ''}` from a "
-           f"`python -m bench.matrix{flags}` run ({budget} budget, {manifest.get('when', '?')}; the suite took "
-           f"{_f(manifest.get('elapsed_s'), '.0f')} s).",
-           f"Machine: {manifest.get('machine', '?')}; torch {manifest.get('torch', '?')}.", ""]
+    out = [
+        begin,
+        "",
+        f"### {heading} (`bench/results/{target.name}/`, `bench/results/{target.name}.json`)",
+        "",
+        f"Generated by `python -m bench.matrix.report{' --device cuda' if target.device == 'cuda' else ''}` from a "
+        f"`python -m bench.matrix{flags}` run ({budget} budget, {manifest.get('when', '?')}; the suite took "
+        f"{_f(manifest.get('elapsed_s'), '.0f')} s).",
+        f"Machine: {manifest.get('machine', '?')}; torch {manifest.get('torch', '?')}.",
+        "",
+    ]
     if "seeds" not in manifest:
-        out += ["**These tables predate the issue-22 protocol** (paced 4:1 with the measured ratio, torchrun with the "
-                "linear LR scaling rule, several seeds, command time and of-ideal reported): regenerate them with "
-                f"`python -m bench.matrix{flags}` and `python -m bench.matrix.report{' --device cuda' if target.device == 'cuda' else ''}`.",
-                ""]
+        out += [
+            "**These tables predate the issue-22 protocol** (paced 4:1 with the measured ratio, torchrun with the "
+            "linear LR scaling rule, several seeds, command time and of-ideal reported): regenerate them with "
+            f"`python -m bench.matrix{flags}` and `python -m bench.matrix.report{' --device cuda' if target.device == 'cuda' else ''}`.",
+            "",
+        ]
     out += [*protocol_text(manifest, target), "", plans_text(target), ""]
     goals = goal_table(runs)
     if goals:
-        out += [f"**Unequal ranks, {RATIO}:1.** Goals: issue 22's Cadence/Async ≥ {GOAL_OF_IDEAL:.2f} of ideal; issue 9's "
-                f"Cadence/Async beat torchrun DDP by ≥ {GOAL_SPEEDUP:g}× in *train wall* with a mean eval not more than "
-                f"{GOAL_EVAL_POINTS:g} point below DDP's (the *command* speed-up, start-up included, is beside it, with "
-                f"no goal). *slow/fast* is the measured ratio of each side ({RATIO}.00× when the pair stepped exactly "
-                f"{RATIO}:1). DDP reads about 1× for models with BatchNorm (ResNet-20): DDP broadcasts buffers at the "
-                f"start of every forward, so its fast rank's step absorbs the wait for the slow one (the slow rank's "
-                f"own step, which the simulation paces, is right).", "", goals, ""]
+        out += [
+            f"**Unequal ranks, {RATIO}:1.** Goals: issue 22's Cadence/Async ≥ {GOAL_OF_IDEAL:.2f} of ideal; issue 9's "
+            f"Cadence/Async beat torchrun DDP by ≥ {GOAL_SPEEDUP:g}× in *train wall* with a mean eval not more than "
+            f"{GOAL_EVAL_POINTS:g} point below DDP's (the *command* speed-up, start-up included, is beside it, with "
+            f"no goal). *slow/fast* is the measured ratio of each side ({RATIO}.00× when the pair stepped exactly "
+            f"{RATIO}:1). DDP reads about 1× for models with BatchNorm (ResNet-20): DDP broadcasts buffers at the "
+            f"start of every forward, so its fast rank's step absorbs the wait for the slow one (the slow rank's "
+            f"own step, which the simulation paces, is right).",
+            "",
+            goals,
+            "",
+        ]
     for model in _models(runs):
         cases = runs[model]
         meta = next((s.get("matrix", {}) for ss in cases.values() for s in ss if s.get("matrix", {}).get("title")), {})
         title = meta.get("title", model)
-        out += [f"#### {title}", "",
-                f"{meta.get('samples', '?')} samples × {meta.get('epochs', '?')} epochs; eval metric: "
-                f"{meta.get('metric', 'accuracy')}.", "", model_table(model, cases), ""]
+        out += [
+            f"#### {title}",
+            "",
+            f"{meta.get('samples', '?')} samples × {meta.get('epochs', '?')} epochs; eval metric: {meta.get('metric', 'accuracy')}.",
+            "",
+            model_table(model, cases),
+            "",
+        ]
         if plots:
             out += [f"![{model}: loss vs time per mode](img/{target.name}_{model}.png)", ""]
     if plots:
-        out += ["In the plots (each case's first seed), flodl's points are its sub-epoch window reports "
-                "(`--reports-per-epoch 8`): the loss of the window just folded in. Sync and solo runs report one window "
-                "per epoch, so they get one point per epoch (the epoch's mean loss, at its end). torchrun's points are "
-                "the mean loss over each eighth of an epoch across ranks.", ""]
+        out += [
+            "In the plots (each case's first seed), flodl's points are its sub-epoch window reports "
+            "(`--reports-per-epoch 8`): the loss of the window just folded in. Sync and solo runs report one window "
+            "per epoch, so they get one point per epoch (the epoch's mean loss, at its end). torchrun's points are "
+            "the mean loss over each eighth of an epoch across ranks.",
+            "",
+        ]
     if manifest.get("covers"):
         out += [f"This run covered: {manifest['covers']}", ""]
     out.append(end)
@@ -568,15 +649,25 @@ def require_matplotlib():
         raise MissingMatplotlib(
             "bench.matrix.report: the loss-vs-time plots need matplotlib, which is not installed.\n"
             "Install it with: pip install 'flodl[bench]'  (or: pip install matplotlib)\n"
-            "or pass --no-plots to write the tables alone.") from None
+            "or pass --no-plots to write the tables alone."
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
 
 
-COLORS = {"solo": "0.55", "nccl-sync": "tab:blue", "nccl-cadence": "tab:orange", "nccl-async": "tab:green",
-          "cpu-sync": "tab:purple", "cpu-cadence": "tab:red", "cpu-async": "tab:olive", "ddp": "black", "postlocal": "tab:brown"}
+COLORS = {
+    "solo": "0.55",
+    "nccl-sync": "tab:blue",
+    "nccl-cadence": "tab:orange",
+    "nccl-async": "tab:green",
+    "cpu-sync": "tab:purple",
+    "cpu-cadence": "tab:red",
+    "cpu-async": "tab:olive",
+    "ddp": "black",
+    "postlocal": "tab:brown",
+}
 
 
 def plot(model: str, cases: dict[str, list[dict]], path: Path) -> Path:
@@ -605,8 +696,15 @@ def plot(model: str, cases: dict[str, list[dict]], path: Path) -> Path:
             t, loss = zip(*curve, strict=False)
             case = CASES.get(cid)
             mode = "solo" if case is not None and case.nproc == 1 else (case.mode if case else cid)
-            ax.plot(t, loss, linestyle="--" if case is not None and case.kind == "torchrun" else "-", marker="o", markersize=3,
-                    color=COLORS.get(mode), label=case.label if case else cid)
+            ax.plot(
+                t,
+                loss,
+                linestyle="--" if case is not None and case.kind == "torchrun" else "-",
+                marker="o",
+                markersize=3,
+                color=COLORS.get(mode),
+                label=case.label if case else cid,
+            )
             drawn += 1
         ax.set_title(f"{model}: {'equal ranks' if ratio == 1 else f'rank 1 {ratio}x slower'}")
         ax.set_xlabel("seconds since the first batch")
@@ -638,8 +736,10 @@ def main(argv: list[str] | None = None) -> int:
     results = args.results or target.results_dir
     manifest, runs = load(results)
     if not runs:
-        print(f"no matrix runs in {results}: run python -m bench.matrix{' --device cuda' if target.device == 'cuda' else ''} "
-              f"[--quick] first", file=sys.stderr)
+        print(
+            f"no matrix runs in {results}: run python -m bench.matrix{' --device cuda' if target.device == 'cuda' else ''} [--quick] first",
+            file=sys.stderr,
+        )
         return 1
     written = []
     if not args.no_plots:

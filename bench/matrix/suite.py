@@ -156,13 +156,35 @@ def flodl_curve(logdir: Path) -> list[list[float]]:
     return [[(r["ts"] - meta["ts"]) / 1000.0, r["metrics"]["loss"]] for r in ticks]
 
 
-def flodl_case(model: str, case: Case, budget: Budget, tmp: Path, timeout: float, target: Target,
-               setup: Setup = Setup()) -> tuple[dict, tuple, str]:
+def flodl_case(
+    model: str, case: Case, budget: Budget, tmp: Path, timeout: float, target: Target, setup: Setup = Setup()
+) -> tuple[dict, tuple, str]:
     """One flodl run: its summary, ``(process_s, others_cpu)`` and the command line (environment included)."""
     summary_path, logs = tmp / "summary.json", tmp / "logs"
-    cmd = [sys.executable, "-m", "flodl.controller", "--task", f"bench.matrix.tasks:{model}", "--nproc-per-node", str(case.nproc),
-           "--mode", case.mode, "--epochs", str(budget.epochs), "--seed", str(setup.seed), "--summary-json", str(summary_path),
-           "--no-progress", "--dashboard-port", "-1", "--record-log-dir", str(logs), "--reports-per-epoch", str(REPORTS_PER_EPOCH)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flodl.controller",
+        "--task",
+        f"bench.matrix.tasks:{model}",
+        "--nproc-per-node",
+        str(case.nproc),
+        "--mode",
+        case.mode,
+        "--epochs",
+        str(budget.epochs),
+        "--seed",
+        str(setup.seed),
+        "--summary-json",
+        str(summary_path),
+        "--no-progress",
+        "--dashboard-port",
+        "-1",
+        "--record-log-dir",
+        str(logs),
+        "--reports-per-epoch",
+        str(REPORTS_PER_EPOCH),
+    ]
     devices = target.devices(case.nproc)
     if devices:
         cmd += ["--devices", devices]
@@ -184,13 +206,36 @@ def flodl_case(model: str, case: Case, budget: Budget, tmp: Path, timeout: float
     return summary, took, " ".join([*prefix, "python", *cmd[1:]])
 
 
-def torchrun_case(model: str, case: Case, budget: Budget, tmp: Path, timeout: float, target: Target,
-                  setup: Setup = Setup()) -> tuple[dict, tuple, str]:
+def torchrun_case(
+    model: str, case: Case, budget: Budget, tmp: Path, timeout: float, target: Target, setup: Setup = Setup()
+) -> tuple[dict, tuple, str]:
     """One torchrun run: its summary, ``(process_s, others_cpu)`` and the command line."""
     out = tmp / "summary.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(case.nproc), str(DDP_SCRIPT),
-           "--model", model, "--algo", case.mode, "--epochs", str(budget.epochs), "--samples", str(budget.samples), "--out", str(out),
-           "--device", target.device, "--seed", str(setup.seed), "--lr-scaling", setup.lr_scaling]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(case.nproc),
+        str(DDP_SCRIPT),
+        "--model",
+        model,
+        "--algo",
+        case.mode,
+        "--epochs",
+        str(budget.epochs),
+        "--samples",
+        str(budget.samples),
+        "--out",
+        str(out),
+        "--device",
+        target.device,
+        "--seed",
+        str(setup.seed),
+        "--lr-scaling",
+        setup.lr_scaling,
+    ]
     if case.ratio > 1:
         cmd += ["--slowdown", f"1:{case.ratio}"]
         if setup.base_ms:
@@ -203,17 +248,39 @@ def torchrun_case(model: str, case: Case, budget: Budget, tmp: Path, timeout: fl
     return summary, took, " ".join(["python", *cmd[1:]])
 
 
-def run_one(model: str, case: Case, budget: Budget, budget_name: str, timeout: float, target: Target = TARGETS["cpu"],
-            setup: Setup = Setup(), solo: dict | None = None) -> dict:
+def run_one(
+    model: str,
+    case: Case,
+    budget: Budget,
+    budget_name: str,
+    timeout: float,
+    target: Target = TARGETS["cpu"],
+    setup: Setup = Setup(),
+    solo: dict | None = None,
+) -> dict:
     """One run; its summary with a ``matrix`` block (or only that block, with ``error``, if it failed).
 
     ``solo``: the same seed's solo run, for the ``of_ideal`` of a flodl 4:1 case.
     """
     spec = SPECS[model]
-    meta = {"model": model, "title": spec.title, "case": case.id, "label": case.label, "kind": case.kind, "mode": case.mode,
-            "nproc": case.nproc, "ratio": case.ratio, "seed": setup.seed, "samples": budget.samples, "epochs": budget.epochs,
-            "batch": spec.batch, "metric": spec.metric, "budget": budget_name, "device": target.device,
-            "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    meta = {
+        "model": model,
+        "title": spec.title,
+        "case": case.id,
+        "label": case.label,
+        "kind": case.kind,
+        "mode": case.mode,
+        "nproc": case.nproc,
+        "ratio": case.ratio,
+        "seed": setup.seed,
+        "samples": budget.samples,
+        "epochs": budget.epochs,
+        "batch": spec.batch,
+        "metric": spec.metric,
+        "budget": budget_name,
+        "device": target.device,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     if case.ratio > 1:
         meta["base_ms"] = setup.base_ms  # None: uncalibrated (the old rule, which overshoots)
     if case.kind == "torchrun":
@@ -275,14 +342,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the quick plan: lenet in every case, three other models in three (~10 min here)")
     ap.add_argument("--models", default="", help="comma-separated subset of the plan's models")
     ap.add_argument("--cases", default="", help="comma-separated subset of case ids (e.g. solo,nccl-cadence-4to1)")
-    ap.add_argument("--device", choices=sorted(TARGETS), default="cpu",
-                    help="cpu: CPU ranks (gloo); cuda: one GPU per rank (NCCL; needs 2 GPUs) and the gpu plans")
+    ap.add_argument(
+        "--device",
+        choices=sorted(TARGETS),
+        default="cpu",
+        help="cpu: CPU ranks (gloo); cuda: one GPU per rank (NCCL; needs 2 GPUs) and the gpu plans",
+    )
     ap.add_argument("--results", type=Path, default=None, help="where the runs go (cleared first; default bench/results/matrix[_gpu])")
     ap.add_argument("--seeds", type=int, default=None, help="runs per case, seeds 0..N-1 (default 3; 1 with --quick)")
-    ap.add_argument("--lr-scaling", choices=("linear", "none"), default="linear",
-                    help="torchrun's LR: linear = LR x world size for the all-reduced steps (default); none = the task's LR")
-    ap.add_argument("--base-ms", type=float, default=None,
-                    help="the 4:1 cases' base step time in ms (default: each seed's solo run's mean step time)")
+    ap.add_argument(
+        "--lr-scaling",
+        choices=("linear", "none"),
+        default="linear",
+        help="torchrun's LR: linear = LR x world size for the all-reduced steps (default); none = the task's LR",
+    )
+    ap.add_argument(
+        "--base-ms", type=float, default=None, help="the 4:1 cases' base step time in ms (default: each seed's solo run's mean step time)"
+    )
     ap.add_argument("--samples", type=int, default=None, help="override every model's sample budget (smoke tests)")
     ap.add_argument("--epochs", type=int, default=None, help="override every model's epochs (smoke tests)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per run (default 240 quick, 1200 full)")
@@ -298,8 +374,10 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         if torch.cuda.device_count() < 2:
-            ap.error(f"--device cuda needs 2 GPUs (one per rank: NCCL refuses two ranks on one GPU); "
-                     f"this machine has {torch.cuda.device_count()}")
+            ap.error(
+                f"--device cuda needs 2 GPUs (one per rank: NCCL refuses two ranks on one GPU); "
+                f"this machine has {torch.cuda.device_count()}"
+            )
         budget_name = "gpu-quick" if args.quick else "gpu"
     else:
         budget_name = "quick" if args.quick else "full"
@@ -326,8 +404,14 @@ def main(argv: list[str] | None = None) -> int:
     for old in [*results.glob("*__*.json"), results / matrix_report.MANIFEST]:
         old.unlink(missing_ok=True)
     # per model, seed by seed, solo first: each seed's 4:1 cases are paced against that seed's solo run
-    todo = [(m, seed, CASES[c]) for m in MODEL_ORDER + tuple(m for m in plan if m not in MODEL_ORDER) if m in plan
-            for seed in range(seeds) for c in CASES if c in plan[m][1]]
+    todo = [
+        (m, seed, CASES[c])
+        for m in MODEL_ORDER + tuple(m for m in plan if m not in MODEL_ORDER)
+        if m in plan
+        for seed in range(seeds)
+        for c in CASES
+        if c in plan[m][1]
+    ]
     print(f"bench.matrix ({budget_name}, {seeds} seed{'s' if seeds > 1 else ''}): {len(todo)} runs -> {results}", flush=True)
     start = time.perf_counter()
     failed = 0
@@ -354,26 +438,43 @@ def main(argv: list[str] | None = None) -> int:
             extra = f", base {_num(meta.get('base_ms'), '.2f')} ms, measured ratio {_num(meta.get('measured_ratio'), '.2f')}"
             if case.kind == "flodl":
                 extra += f", of ideal {_num(meta.get('of_ideal'), '.2f')}"
-        print(f"{head}: train wall {meta['train_s']:.2f} s, command {meta['command_s']:.1f} s, "
-              f"eval {'-' if ev is None else f'{ev * 100:.2f}%'}, loss {result.get('final_loss') or 0:.4f}, "
-              f"syncs {result.get('syncs')}{extra}, others' CPU {_pct(meta.get('others_cpu'))}", flush=True)
+        print(
+            f"{head}: train wall {meta['train_s']:.2f} s, command {meta['command_s']:.1f} s, "
+            f"eval {'-' if ev is None else f'{ev * 100:.2f}%'}, loss {result.get('final_loss') or 0:.4f}, "
+            f"syncs {result.get('syncs')}{extra}, others' CPU {_pct(meta.get('others_cpu'))}",
+            flush=True,
+        )
     elapsed = time.perf_counter() - start
     import torch
 
-    manifest = {"budget": budget_name, "device": target.device, "machine": machine(), "torch": torch.__version__, "python": platform.python_version(),
-                "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "elapsed_s": elapsed, "runs": len(todo), "failed": failed,
-                "seeds": seeds, "lr_scaling": args.lr_scaling, "base_ms": args.base_ms, "covers": covers(plan),
-                "plan": {m: {"samples": b.samples, "epochs": b.epochs, "cases": list(c)} for m, (b, c) in plan.items()}}
+    manifest = {
+        "budget": budget_name,
+        "device": target.device,
+        "machine": machine(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "elapsed_s": elapsed,
+        "runs": len(todo),
+        "failed": failed,
+        "seeds": seeds,
+        "lr_scaling": args.lr_scaling,
+        "base_ms": args.base_ms,
+        "covers": covers(plan),
+        "plan": {m: {"samples": b.samples, "epochs": b.epochs, "cases": list(c)} for m, (b, c) in plan.items()},
+    }
     (results / matrix_report.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     _, runs = matrix_report.load(results)
     rows = matrix_report.rows(runs)
     ranks = "2 GPU ranks (NCCL), 1 intra-op thread each" if target.device == "cuda" else "2 CPU ranks x 1 thread"
-    note = (f"{budget_name} budget, {seeds} seed(s), {len(todo)} runs in {elapsed:.0f} s ({failed} failed); {ranks} (solo: 1), "
-            f"batch 32 per rank; train wall = wall_s - eval_s (start-up excluded), command wall = process start to exit; "
-            f"medians over seeds, evals mean/min/max; 4:1 = rank 1 paced to 4 x "
-            f"{'--base-ms' if args.base_ms else 'the solo run' + chr(39) + 's step time'} (measured ratio reported); "
-            f"of ideal = train samples/s / (solo rate x (1 + 1/measured ratio)); torchrun LR scaling: {args.lr_scaling}. "
-            f"Covers: {manifest['covers']}")
+    note = (
+        f"{budget_name} budget, {seeds} seed(s), {len(todo)} runs in {elapsed:.0f} s ({failed} failed); {ranks} (solo: 1), "
+        f"batch 32 per rank; train wall = wall_s - eval_s (start-up excluded), command wall = process start to exit; "
+        f"medians over seeds, evals mean/min/max; 4:1 = rank 1 paced to 4 x "
+        f"{'--base-ms' if args.base_ms else 'the solo run' + chr(39) + 's step time'} (measured ratio reported); "
+        f"of ideal = train samples/s / (solo rate x (1 + 1/measured ratio)); torchrun LR scaling: {args.lr_scaling}. "
+        f"Covers: {manifest['covers']}"
+    )
     if results.resolve() == target.results_dir.resolve():
         report(target.name, rows, note=note)
     else:

@@ -68,15 +68,18 @@ class Spec:
         return self.data == "text"
 
 
-SPECS: dict[str, Spec] = {s.name: s for s in (
-    Spec("logreg", "logistic regression (digits)", "digits", models.logreg, _sgd(0.1), 32, 1500),
-    Spec("mlp", "MLP 64-256-256-10 (digits)", "digits", models.mlp, _sgd(0.05), 32, 1500),
-    Spec("lenet", "LeNet-5 (synthetic 32x32 gratings)", "images", models.lenet, _adam(2e-3), 32, 8192, eval_samples=2000),
-    Spec("char_gru", "char-RNN GRU-128 (stdlib source)", "text", models.char_gru, _adam(3e-3), 32, 4096, metric="char_accuracy"),
-    Spec("char_lstm", "char-RNN LSTM-128 (stdlib source)", "text", models.char_lstm, _adam(3e-3), 32, 4096, metric="char_accuracy"),
-    Spec("gpt_nano", "GPT-nano 2x64, 4 heads (stdlib source)", "text", models.gpt_nano, _adam(3e-3), 32, 4096, metric="char_accuracy"),
-    Spec("resnet20", "ResNet-20 (synthetic 32x32 gratings)", "images", models.resnet20, _sgd(0.05, 5e-4), 32, 4096, eval_samples=1000),
-)}
+SPECS: dict[str, Spec] = {
+    s.name: s
+    for s in (
+        Spec("logreg", "logistic regression (digits)", "digits", models.logreg, _sgd(0.1), 32, 1500),
+        Spec("mlp", "MLP 64-256-256-10 (digits)", "digits", models.mlp, _sgd(0.05), 32, 1500),
+        Spec("lenet", "LeNet-5 (synthetic 32x32 gratings)", "images", models.lenet, _adam(2e-3), 32, 8192, eval_samples=2000),
+        Spec("char_gru", "char-RNN GRU-128 (stdlib source)", "text", models.char_gru, _adam(3e-3), 32, 4096, metric="char_accuracy"),
+        Spec("char_lstm", "char-RNN LSTM-128 (stdlib source)", "text", models.char_lstm, _adam(3e-3), 32, 4096, metric="char_accuracy"),
+        Spec("gpt_nano", "GPT-nano 2x64, 4 heads (stdlib source)", "text", models.gpt_nano, _adam(3e-3), 32, 4096, metric="char_accuracy"),
+        Spec("resnet20", "ResNet-20 (synthetic 32x32 gratings)", "images", models.resnet20, _sgd(0.05, 5e-4), 32, 4096, eval_samples=1000),
+    )
+}
 
 
 def samples_for(spec: Spec) -> int:
@@ -134,7 +137,7 @@ def evaluate(spec: Spec, model: nn.Module, device: torch.device) -> float:
     try:
         with torch.no_grad():
             for i in range(0, len(x), 250):
-                right += (model(x[i:i + 250].to(device)).argmax(-1).cpu() == y[i:i + 250]).sum().item()
+                right += (model(x[i : i + 250].to(device)).argmax(-1).cpu() == y[i : i + 250]).sum().item()
     finally:
         model.train(was_training)
     return right / y.numel()
@@ -143,8 +146,15 @@ def evaluate(spec: Spec, model: nn.Module, device: torch.device) -> float:
 def task(name: str) -> Task:
     spec = SPECS[name]
     x, y = train_data(spec)
-    return Task(model=functools.partial(make_model, spec), optimizer=spec.optimizer, dataset=TensorDataset(x, y),
-                batch_size=spec.batch, loss_fn=loss_fn(spec), eval_fn=functools.partial(evaluate, spec), eval_metric=spec.metric)
+    return Task(
+        model=functools.partial(make_model, spec),
+        optimizer=spec.optimizer,
+        dataset=TensorDataset(x, y),
+        batch_size=spec.batch,
+        loss_fn=loss_fn(spec),
+        eval_fn=functools.partial(evaluate, spec),
+        eval_metric=spec.metric,
+    )
 
 
 # one importable factory per model: --task bench.matrix.tasks:<name>

@@ -49,5 +49,12 @@ def evaluate(model, device):
 
 def task():
     x, y = data()
-    return Task(model=make_model, optimizer=make_optimizer, dataset=torch.utils.data.TensorDataset(x, y),
-                batch_size=BATCH, train_step=train_step, eval_fn=evaluate, eval_metric="accuracy")
+    return Task(
+        model=make_model,
+        optimizer=make_optimizer,
+        dataset=torch.utils.data.TensorDataset(x, y),
+        batch_size=BATCH,
+        train_step=train_step,
+        eval_fn=evaluate,
+        eval_metric="accuracy",
+    )

@@ -47,13 +47,15 @@ def main() -> None:
         perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))
         mine = perm[rank::world]
         for step in range(len(mine) // BATCH):
-            idx = mine[step * BATCH:(step + 1) * BATCH]
+            idx = mine[step * BATCH : (step + 1) * BATCH]
             time.sleep(step_sleep())
             loss = F.cross_entropy(model(x[idx]), y[idx])
             opt.zero_grad()
             loss.backward()
             opt.step()
-            events.write(json.dumps({"t": time.time(), "rank": rank, "restart": restart, "epoch": epoch, "step": step, "samples": len(idx)}) + "\n")
+            events.write(
+                json.dumps({"t": time.time(), "rank": rank, "restart": restart, "epoch": epoch, "step": step, "samples": len(idx)}) + "\n"
+            )
         if rank == 0:
             tmp = ckpt + ".tmp"
             torch.save({"model": model.module.state_dict(), "optim": opt.state_dict(), "epoch": epoch + 1}, tmp)

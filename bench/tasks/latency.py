@@ -21,5 +21,12 @@ def samples() -> int:
 
 def task():
     x, y = data(samples(), 0)
-    return Task(model=make_model, optimizer=make_optimizer, dataset=torch.utils.data.TensorDataset(x, y), batch_size=BATCH,
-                train_step=train_step, eval_fn=evaluate, eval_metric="accuracy")
+    return Task(
+        model=make_model,
+        optimizer=make_optimizer,
+        dataset=torch.utils.data.TensorDataset(x, y),
+        batch_size=BATCH,
+        train_step=train_step,
+        eval_fn=evaluate,
+        eval_metric="accuracy",
+    )

@@ -29,7 +29,9 @@ def _data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def make_model() -> torch.nn.Module:
     w = int(os.environ.get("FLODL_BENCH_WIDTH", "768"))
     torch.manual_seed(int(os.environ.get("FLODL_BENCH_SEED", "0")))  # the same initial weights in every run of a seed
-    return torch.nn.Sequential(torch.nn.Linear(DIM, w), torch.nn.ReLU(), torch.nn.Linear(w, w), torch.nn.ReLU(), torch.nn.Linear(w, CLASSES))
+    return torch.nn.Sequential(
+        torch.nn.Linear(DIM, w), torch.nn.ReLU(), torch.nn.Linear(w, w), torch.nn.ReLU(), torch.nn.Linear(w, CLASSES)
+    )
 
 
 def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -49,5 +51,12 @@ def accuracy(model: torch.nn.Module, device: torch.device) -> float:
 
 def task() -> Task:
     x, y = _data(int(os.environ.get("FLODL_BENCH_SAMPLES", "16000")), seed=1)
-    return Task(model=make_model, optimizer=make_optimizer, dataset=torch.utils.data.TensorDataset(x, y),
-                batch_size=BATCH, loss_fn=F.cross_entropy, eval_fn=accuracy, eval_metric="accuracy")
+    return Task(
+        model=make_model,
+        optimizer=make_optimizer,
+        dataset=torch.utils.data.TensorDataset(x, y),
+        batch_size=BATCH,
+        loss_fn=F.cross_entropy,
+        eval_fn=accuracy,
+        eval_metric="accuracy",
+    )

@@ -103,8 +103,20 @@ class HostRelay:
         out, acc = rnd.averaged(bucket, start, count, weight, trained)
         if out is acc:
             out = acc.clone()  # the controller's average will land in this slot: send a copy of ours
-        header = m.Snapshot(rank=self.source, round=rnd.number, weight=float(weight), ranks=int(trained), groups=rnd.groups,
-                            dtypes=rnd.dtypes, numels=rnd.numels, bucket=bucket, start=start, count=count, shm="", shm_offset=0)
+        header = m.Snapshot(
+            rank=self.source,
+            round=rnd.number,
+            weight=float(weight),
+            ranks=int(trained),
+            groups=rnd.groups,
+            dtypes=rnd.dtypes,
+            numels=rnd.numels,
+            bucket=bucket,
+            start=start,
+            count=count,
+            shm="",
+            shm_offset=0,
+        )
         if not self.up.send([self.up_writer.encode(header), as_frame(out)], copy=False):
             self.drops["upstream"] += 1
         self.egress_bytes += out.numel() * out.element_size()
@@ -147,8 +159,17 @@ class HostRelay:
             self.drops["bulk"] += 1
             log.error("relay: rejected an averaged slice from the controller: %s", exc.detail)
             return
-        fields = dict(round=msg.round, aborted=False, ranks=msg.ranks, groups=msg.groups, dtypes=msg.dtypes, numels=msg.numels,
-                      bucket=msg.bucket, start=msg.start, count=msg.count)
+        fields = dict(
+            round=msg.round,
+            aborted=False,
+            ranks=msg.ranks,
+            groups=msg.groups,
+            dtypes=msg.dtypes,
+            numels=msg.numels,
+            bucket=msg.bucket,
+            start=msg.start,
+            count=msg.count,
+        )
         lane = self.local.lane_header(fields, msg.bucket, msg.start)
         if lane is not None:
             # local ranks on the lane read the average where our partial sum was (sent already)

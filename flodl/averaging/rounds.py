@@ -138,8 +138,19 @@ class Round:
 
 def empty_update(layout: Any, number: int, *, aborted: bool) -> m.Update:
     """Round ``number``'s update with no slice (aborted, or nobody trained); ``layout`` is a round or a header."""
-    return m.Update(round=number, aborted=aborted, ranks=0, groups=list(layout.groups), dtypes=list(layout.dtypes),
-                    numels=list(layout.numels), bucket=-1, start=0, count=0, shm="", shm_offset=0)
+    return m.Update(
+        round=number,
+        aborted=aborted,
+        ranks=0,
+        groups=list(layout.groups),
+        dtypes=list(layout.dtypes),
+        numels=list(layout.numels),
+        bucket=-1,
+        start=0,
+        count=0,
+        shm="",
+        shm_offset=0,
+    )
 
 
 class Endpoint(Protocol):
@@ -194,8 +205,17 @@ class Rounds:
     arrives). A slice of a later round waits in ``held`` until its round opens.
     """
 
-    def __init__(self, *, endpoint: Endpoint, egress: Egress, timeout_s: float, clock: Callable[[], float],
-                 drops: Counter[str], on_round: Callable[[int, float], None], join_late: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        endpoint: Endpoint,
+        egress: Egress,
+        timeout_s: float,
+        clock: Callable[[], float],
+        drops: Counter[str],
+        on_round: Callable[[int, float], None],
+        join_late: bool = False,
+    ) -> None:
         self.endpoint = endpoint
         self.egress = egress
         self.timeout_s = timeout_s
@@ -338,8 +358,15 @@ class Rounds:
     def _open(self, msg: m.Snapshot) -> Round:
         numels = list(msg.numels)
         acc = self.endpoint.accumulators(msg.round, numels)
-        return Round(number=msg.round, started=self.clock(), expected=self.endpoint.expected(msg.round),
-                     groups=list(msg.groups), dtypes=list(msg.dtypes), numels=numels, acc=acc)
+        return Round(
+            number=msg.round,
+            started=self.clock(),
+            expected=self.endpoint.expected(msg.round),
+            groups=list(msg.groups),
+            dtypes=list(msg.dtypes),
+            numels=numels,
+            acc=acc,
+        )
 
     def _next(self, number: int) -> None:
         """Close round ``number`` and replay what was held for the round after it."""

@@ -57,8 +57,17 @@ class CpuAveraging:
     (a relay may join a running job).
     """
 
-    def __init__(self, *, secret: bytes, run_id: str, bind: str, timeout_s: float, clock: Callable[[], float] = time.monotonic,
-                 egress: Egress | None = None, join_late: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        secret: bytes,
+        run_id: str,
+        bind: str,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        egress: Egress | None = None,
+        join_late: bool = False,
+    ) -> None:
         self.reader = FrameReader(secret, run_id, max_frame=1 << 20, name="controller bulk", own="controller")
         self.writer = FrameWriter(secret, run_id, "controller/bulk")
         sock = zmq.Context.instance().socket(zmq.ROUTER)
@@ -79,8 +88,15 @@ class CpuAveraging:
         self.drops: Counter[str] = Counter()
         self.on_round: Callable[[int, float], None] = lambda number, ms: None
         # the core calls on_round through a lambda: the controller plugs its hook in after construction
-        self.rounds = Rounds(endpoint=self, egress=egress or SendBack(self), timeout_s=timeout_s, clock=clock, drops=self.drops,
-                             on_round=lambda number, ms: self.on_round(number, ms), join_late=join_late)
+        self.rounds = Rounds(
+            endpoint=self,
+            egress=egress or SendBack(self),
+            timeout_s=timeout_s,
+            clock=clock,
+            drops=self.drops,
+            on_round=lambda number, ms: self.on_round(number, ms),
+            join_late=join_late,
+        )
         # the same-host lane: a probe ranks check, their mapped segments, our update segment
         self.run_id = run_id
         self.probe_path, self.probe_nonce = "", ""
@@ -161,7 +177,12 @@ class CpuAveraging:
         self._route(env, route)
         if not 0 <= msg.ranks <= len(self.members.get(rank, ())):
             self.drops["bulk"] += 1
-            log.error("rejected a snapshot slice from source %d: it claims %d ranks, it carries %d", rank, msg.ranks, len(self.members.get(rank, ())))
+            log.error(
+                "rejected a snapshot slice from source %d: it claims %d ranks, it carries %d",
+                rank,
+                msg.ranks,
+                len(self.members.get(rank, ())),
+            )
             return
         if not msg.shm:
             self.ingress_bytes += sum(len(f) for f in frames)
@@ -304,8 +325,17 @@ class SendBack:
         if param_weight <= 0:
             return  # nobody trained: the empty update goes out when the round is done
         out, acc = rnd.averaged(bucket, start, count, param_weight, buffer_weight)
-        fields = dict(round=rnd.number, aborted=False, ranks=int(buffer_weight), groups=rnd.groups, dtypes=rnd.dtypes,
-                      numels=rnd.numels, bucket=bucket, start=start, count=count)
+        fields = dict(
+            round=rnd.number,
+            aborted=False,
+            ranks=int(buffer_weight),
+            groups=rnd.groups,
+            dtypes=rnd.dtypes,
+            numels=rnd.numels,
+            bucket=bucket,
+            start=start,
+            count=count,
+        )
         lane = self.server.lane_header(fields, bucket, start)
         if lane is not None and out is acc and self.server.on_wire():
             out = acc.clone()  # frames outlive the slot: a slow peer's queue must not see it reused

@@ -34,9 +34,22 @@ from .meta import SAVE_REASONS, file_sha256, read_meta, write_meta
 from .safetensors_io import CorruptFile
 
 __all__ = [
-    "SAVE_REASONS", "SCHEMA_VERSION", "CheckpointBundle", "CheckpointError", "check_model_file", "file_sha256",
-    "first_non_finite", "load_model", "load_optimizer", "new_tag", "optimizer_tensors", "read_meta", "save_model", "save_optimizer",
-    "stem_of", "write_meta",
+    "SAVE_REASONS",
+    "SCHEMA_VERSION",
+    "CheckpointBundle",
+    "CheckpointError",
+    "check_model_file",
+    "file_sha256",
+    "first_non_finite",
+    "load_model",
+    "load_optimizer",
+    "new_tag",
+    "optimizer_tensors",
+    "read_meta",
+    "save_model",
+    "save_optimizer",
+    "stem_of",
+    "write_meta",
 ]
 
 
@@ -89,8 +102,7 @@ def load_model(model: torch.nn.Module, path: str | os.PathLike) -> None:
     mine, names = _model_tensors(model)
     bad = first_non_finite((names[i], stored[key]) for i, key in enumerate(mine))
     if bad is not None:
-        raise CheckpointError(f"{file}: {bad} holds NaN or Inf; the run diverged before this save. "
-                              "Resume from an earlier bundle")
+        raise CheckpointError(f"{file}: {bad} holds NaN or Inf; the run diverged before this save. Resume from an earlier bundle")
     with torch.no_grad():
         for key, tensor in mine.items():
             tensor.copy_(stored[key].to(tensor.device))
@@ -149,7 +161,9 @@ def save_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike) ->
                 tensors[f"state.{pid}.{key}"] = value
             else:
                 plain.setdefault(str(pid), {})[key] = value
-    return safetensors_io.save(path, tensors, {"format": "flodl-optim", "param_groups": json.dumps(state["param_groups"]), "plain": json.dumps(plain)})
+    return safetensors_io.save(
+        path, tensors, {"format": "flodl-optim", "param_groups": json.dumps(state["param_groups"]), "plain": json.dumps(plain)}
+    )
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike) -> None:
@@ -170,12 +184,16 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike) ->
         raise CheckpointError(f"{file}: not a flodl optimizer file ({exc})") from None
     bad = first_non_finite(tensors.items())
     if bad is not None:
-        raise CheckpointError(f"{file}: optimizer state tensor {bad} holds NaN or Inf; the run diverged before this "
-                              "save. Resume from an earlier bundle, or this one's weights alone (resume_weights_only)")
+        raise CheckpointError(
+            f"{file}: optimizer state tensor {bad} holds NaN or Inf; the run diverged before this "
+            "save. Resume from an earlier bundle, or this one's weights alone (resume_weights_only)"
+        )
     mine = optimizer.state_dict()["param_groups"]
     if [len(g["params"]) for g in groups] != [len(g["params"]) for g in mine]:
-        raise CheckpointError(f"{file} does not fit this optimizer: parameter groups of sizes "
-                              f"{[len(g['params']) for g in groups]} in the file, {[len(g['params']) for g in mine]} here")
+        raise CheckpointError(
+            f"{file} does not fit this optimizer: parameter groups of sizes "
+            f"{[len(g['params']) for g in groups]} in the file, {[len(g['params']) for g in mine]} here"
+        )
     for group, own in zip(groups, mine, strict=False):
         for key, value in group.items():
             if isinstance(own.get(key), tuple) and isinstance(value, list):

@@ -106,15 +106,17 @@ def read_sidecar(bundle: CheckpointBundle) -> dict[str, Any]:
     try:
         meta = json.loads(bundle.meta.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{bundle.meta}: no such file (a bundle is named by its stem: <stem>.meta.json "
-                              "and the data files it names)") from None
+        raise CheckpointError(
+            f"{bundle.meta}: no such file (a bundle is named by its stem: <stem>.meta.json and the data files it names)"
+        ) from None
     except ValueError as exc:
         raise CheckpointError(f"{bundle.meta}: not JSON ({exc}); the bundle is corrupt") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("schema_version"), int):
         raise CheckpointError(f"{bundle.meta}: no schema_version; not a flodl checkpoint sidecar")
     if meta["schema_version"] > SCHEMA_VERSION:
-        raise CheckpointError(f"{bundle.meta}: schema_version {meta['schema_version']} is newer than this flodl "
-                              f"reads ({SCHEMA_VERSION}); upgrade flodl")
+        raise CheckpointError(
+            f"{bundle.meta}: schema_version {meta['schema_version']} is newer than this flodl reads ({SCHEMA_VERSION}); upgrade flodl"
+        )
     return meta
 
 
@@ -143,8 +145,10 @@ def data_files(bundle: CheckpointBundle, meta: dict[str, Any]) -> dict[str, tupl
 def _require(bundle: CheckpointBundle, meta: dict[str, Any], keys: tuple[str, ...]) -> None:
     for key in keys:
         if not isinstance(meta.get(key), str) or not meta[key]:
-            raise CheckpointError(f"{bundle.meta}: field {key!r} is missing; a sidecar must name and checksum every "
-                                  "file of its bundle, so this one is refused")
+            raise CheckpointError(
+                f"{bundle.meta}: field {key!r} is missing; a sidecar must name and checksum every "
+                "file of its bundle, so this one is refused"
+            )
 
 
 def resolve(path: str | os.PathLike, kind: str) -> Path:

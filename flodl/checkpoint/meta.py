@@ -82,8 +82,10 @@ def _verify(bundle: CheckpointBundle, kind: str, file: Path, digest: str | None)
                 f"{file}: missing. The sidecar {bundle.meta.name} names it as the bundle's optimizer state, and "
                 "resuming without it would silently restart the optimizer (momentum, Adam moments) from zero. "
                 "Put the file back, or resume the weights alone on purpose with --resume-weights-only "
-                "(resume_weights_only = true)")
+                "(resume_weights_only = true)"
+            )
         raise CheckpointError(f"{file}: missing (the sidecar {bundle.meta.name} names it as the bundle's model)")
     if digest is not None and file_sha256(file) != digest:
-        raise CheckpointError(f"{file} is not the file {bundle.meta.name} was written with (sha256 differs): "
-                              "corrupt, or replaced after the save")
+        raise CheckpointError(
+            f"{file} is not the file {bundle.meta.name} was written with (sha256 differs): corrupt, or replaced after the save"
+        )

@@ -25,8 +25,16 @@ import torch
 from .atomic_file import write_atomic
 
 DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
 }
 FROM_CODE = {code: dtype for dtype, code in DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024
@@ -100,6 +108,8 @@ def load(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, st
     for name, entry in header.items():
         begin, end = entry["data_offsets"]
         dtype = FROM_CODE[entry["dtype"]]
-        flat = torch.frombuffer(data, dtype=torch.uint8, count=end - begin, offset=begin) if end > begin else torch.empty(0, dtype=torch.uint8)
+        flat = (
+            torch.frombuffer(data, dtype=torch.uint8, count=end - begin, offset=begin) if end > begin else torch.empty(0, dtype=torch.uint8)
+        )
         out[name] = flat.view(dtype).reshape(entry["shape"]).clone()
     return out, metadata

@@ -200,15 +200,20 @@ def _reductions(name: str, value: Any) -> tuple[tuple[str, Reduction], ...]:
             raise ConfigError(name, f"metric key must be a non-empty string, got {key!r}")
         if key in CORE_REDUCTIONS:
             # The reference silently keeps the core roll-up; we say so instead.
-            raise ConfigError(
-                name, f"{key!r} is a core metric (always {CORE_REDUCTIONS[key].value}); its reduction cannot be changed"
-            )
+            raise ConfigError(name, f"{key!r} is a core metric (always {CORE_REDUCTIONS[key].value}); its reduction cannot be changed")
         declared[key] = Reduction.parse(reduction, field_name=name)  # later declaration wins
     return tuple(sorted(declared.items()))
 
 
-def _option(default: Any = dataclasses.MISSING, *, check: Check, kind: str, help: str,
-            default_text: str | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
+def _option(
+    default: Any = dataclasses.MISSING,
+    *,
+    check: Check,
+    kind: str,
+    help: str,
+    default_text: str | None = None,
+    default_factory: Any = dataclasses.MISSING,
+) -> Any:
     """A dataclass field that knows how to check itself and how to describe itself.
 
     ``kind`` names the value's shape ("int", "float", "bool", "text", "path",

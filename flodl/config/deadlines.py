@@ -111,8 +111,14 @@ class Deadlines:
 
     def describe(self) -> str:
         """One line for the run-start log: every deadline and its value."""
-        parts = [("heartbeat", self.heartbeat_s), ("collective", self.collective_s), ("rank verdict wait", self.verdict_wait_s),
-                 ("relay round", self.relay_round_s), ("regroup wait", self.regroup_wait_s), ("group gather", self.group_gather_s)]
+        parts = [
+            ("heartbeat", self.heartbeat_s),
+            ("collective", self.collective_s),
+            ("rank verdict wait", self.verdict_wait_s),
+            ("relay round", self.relay_round_s),
+            ("regroup wait", self.regroup_wait_s),
+            ("group gather", self.group_gather_s),
+        ]
         if self.snapshot_s is not None:
             parts += [("averaging round", self.snapshot_s), ("rank snapshot wait", self.snapshot_wait_s)]
         return ", ".join(f"{name} {value:g} s" for name, value in parts)

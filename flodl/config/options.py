@@ -106,7 +106,7 @@ def _toml_reductions(value: Any) -> dict[str, Reduction]:
 def _toml_max_failure(value: Any) -> MaxFailureThreshold:
     """A rank count (``3``) or the text form (``"3"``, ``"20%"``)."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"expected a rank count like 3 or a percentage like \"20%\", got {value!r}")
+        raise ValueError(f'expected a rank count like 3 or a percentage like "20%", got {value!r}')
     return MaxFailureThreshold.parse(value)
 
 
@@ -138,11 +138,9 @@ _KINDS: dict[str, _Kind] = {
     "guard": _Kind("trend or none", "GUARD", str, _toml_str),
     "theme": _Kind("light, dark or auto", "THEME", str, _toml_str),
     "max_failure": _Kind("rank count (3) or share (20%)", "N|P%", MaxFailureThreshold.parse, _toml_max_failure),
-    "epoch_callback_policy": _Kind("fastest or rank:N", "fastest|rank:N", EpochCallbackPolicy.parse,
-                                   _toml_callback_policy),
+    "epoch_callback_policy": _Kind("fastest or rank:N", "fastest|rank:N", EpochCallbackPolicy.parse, _toml_callback_policy),
     "ratios": _Kind("comma-separated numbers (TOML: array)", "R,R,...", _as_ratios, _toml_ratios),
-    "reductions": _Kind("KEY=mean|sum|max|min|last, repeatable (TOML: table)", "KEY=REDUCTION",
-                        _as_reduction_pair, _toml_reductions),
+    "reductions": _Kind("KEY=mean|sum|max|min|last, repeatable (TOML: table)", "KEY=REDUCTION", _as_reduction_pair, _toml_reductions),
 }
 
 # Options whose flag is not simply the kebab-case field name.
@@ -191,8 +189,7 @@ def _default_text(f: dataclasses.Field) -> str:
 
 def _specs() -> dict[str, _Spec]:
     return {
-        f.name: _Spec(f.name, _KINDS[f.metadata["kind"]], f.metadata["kind"], f.metadata["help"], _default_text(f))
-        for f in option_fields()
+        f.name: _Spec(f.name, _KINDS[f.metadata["kind"]], f.metadata["kind"], f.metadata["help"], _default_text(f)) for f in option_fields()
     }
 
 
@@ -223,20 +220,17 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     Every flag defaults to ``argparse.SUPPRESS``: an option the user did not
     give is absent from the namespace, so TOML and defaults can fill it in.
     """
-    group = parser.add_argument_group(
-        "run options", "Precedence: flag > TOML config > default. See docs/options.md."
-    )
+    group = parser.add_argument_group("run options", "Precedence: flag > TOML config > default. See docs/options.md.")
     for spec in _SPECS.values():
         # argparse %-formats help strings, so a literal % must be doubled.
-        values = f" Values: {spec.kind.type_text[len('one of '):]}." if spec.kind.type_text.startswith("one of ") else ""
+        values = f" Values: {spec.kind.type_text[len('one of ') :]}." if spec.kind.type_text.startswith("one of ") else ""
         help_text = f"{spec.help}{values} Default: {spec.default_text}.".replace("%", "%%")
         common: dict[str, Any] = {"dest": spec.name, "default": argparse.SUPPRESS, "help": help_text}
         if spec.kind_name == "bool":
             action = "store_true" if spec.is_switch else argparse.BooleanOptionalAction
             group.add_argument(spec.flag, action=action, **common)
         elif spec.kind_name == "reductions":
-            group.add_argument(spec.flag, action="append", type=_argparse_type(spec),
-                               metavar=spec.kind.metavar, **common)
+            group.add_argument(spec.flag, action="append", type=_argparse_type(spec), metavar=spec.kind.metavar, **common)
         else:
             group.add_argument(spec.flag, type=_argparse_type(spec), metavar=spec.kind.metavar, **common)
 

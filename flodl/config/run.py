@@ -93,43 +93,72 @@ class ElCheConfig:
     """
 
     # The reference default: the slowest rank anchors a wall-time window.
-    mode: ElCheMode = _option(ElCheMode.NcclCadence, check=_mode, kind="mode",
-                              help="When replicas average (sync, cadence, async) x how (nccl: the collective "
-                                   "backend, NCCL on CUDA or gloo; cpu: through the coordinator).")
-    anchor: int | None = _option(None, check=_count(1), kind="int", default_text="mode preset (1 Sync, 10 otherwise)",
-                                 help="Initial batches per averaging window on the slowest rank.")
-    min_anchor: int | None = _option(None, check=_count(1), kind="int", default_text="the initial anchor",
-                                     help="Floor for the anchor auto-tune.")
-    max_anchor: int = _option(1000, check=_count(1, optional=False), kind="int",
-                              help="Ceiling for the anchor auto-tune.")
-    overhead_target: float = _option(0.05, check=_within(0.01, 0.5), kind="float",
-                                     help="Target averaging overhead as a fraction of compute time, in [0.01, 0.5].")
-    max_batch_diff: int | None = _option(None, check=_count(0), kind="int", default_text="unlimited",
-                                         help="Max batch lead of the fastest over the slowest rank (0 = lockstep).")
-    max_overshoot: int | None = _option(None, check=_count(0), kind="int", default_text="auto",
-                                        help="Max batches a rank may stream past the planned sync point "
-                                             "(0 = no cross-epoch streaming). Auto: Async streams a few (auto-tuned); "
-                                             "Cadence lets epochs flow into each other with full windows.")
-    divergence_threshold: float | None = _option(None, check=_positive(), kind="float",
-                                                 default_text="0.05 (0.3 with easgd_alpha)",
-                                                 help="Replica drift above which the guard stops anchor growth.")
-    no_divergence_guard: bool = _option(False, check=_flag(), kind="bool",
-                                        help="Disable the divergence guard; cadence follows overhead alone.")
-    convergence_guard: str | None = _option(None, check=_choice("trend", "none"), kind="guard", default_text="auto",
-                                            help="Convergence guard override: trend or none.")
-    partition_ratios: tuple[float, ...] | None = _option(None, check=_ratios, kind="ratios",
-                                                         default_text="auto (throughput-based)",
-                                                         help="Fixed per-rank data shares, normalised to sum 1; "
-                                                              "one per rank.")
+    mode: ElCheMode = _option(
+        ElCheMode.NcclCadence,
+        check=_mode,
+        kind="mode",
+        help="When replicas average (sync, cadence, async) x how (nccl: the collective "
+        "backend, NCCL on CUDA or gloo; cpu: through the coordinator).",
+    )
+    anchor: int | None = _option(
+        None,
+        check=_count(1),
+        kind="int",
+        default_text="mode preset (1 Sync, 10 otherwise)",
+        help="Initial batches per averaging window on the slowest rank.",
+    )
+    min_anchor: int | None = _option(
+        None, check=_count(1), kind="int", default_text="the initial anchor", help="Floor for the anchor auto-tune."
+    )
+    max_anchor: int = _option(1000, check=_count(1, optional=False), kind="int", help="Ceiling for the anchor auto-tune.")
+    overhead_target: float = _option(
+        0.05, check=_within(0.01, 0.5), kind="float", help="Target averaging overhead as a fraction of compute time, in [0.01, 0.5]."
+    )
+    max_batch_diff: int | None = _option(
+        None,
+        check=_count(0),
+        kind="int",
+        default_text="unlimited",
+        help="Max batch lead of the fastest over the slowest rank (0 = lockstep).",
+    )
+    max_overshoot: int | None = _option(
+        None,
+        check=_count(0),
+        kind="int",
+        default_text="auto",
+        help="Max batches a rank may stream past the planned sync point "
+        "(0 = no cross-epoch streaming). Auto: Async streams a few (auto-tuned); "
+        "Cadence lets epochs flow into each other with full windows.",
+    )
+    divergence_threshold: float | None = _option(
+        None,
+        check=_positive(),
+        kind="float",
+        default_text="0.05 (0.3 with easgd_alpha)",
+        help="Replica drift above which the guard stops anchor growth.",
+    )
+    no_divergence_guard: bool = _option(
+        False, check=_flag(), kind="bool", help="Disable the divergence guard; cadence follows overhead alone."
+    )
+    convergence_guard: str | None = _option(
+        None, check=_choice("trend", "none"), kind="guard", default_text="auto", help="Convergence guard override: trend or none."
+    )
+    partition_ratios: tuple[float, ...] | None = _option(
+        None,
+        check=_ratios,
+        kind="ratios",
+        default_text="auto (throughput-based)",
+        help="Fixed per-rank data shares, normalised to sum 1; one per rank.",
+    )
     # The reference presets 0.5 for CpuAsync; that preset belongs with cpu-async
     # when it lands. Until then None (full overwrite) is the only default.
-    easgd_alpha: float | None = _option(None, check=_alpha, kind="float", default_text="off (full overwrite)",
-                                        help="Elastic averaging weight, in (0, 1].")
-    meta_controller: bool = _option(True, check=_flag(), kind="bool",
-                                    help="LR-aware meta-controller that shrinks the anchor on LR drops "
-                                         "and convergence.")
-    relax_up: bool = _option(False, check=_flag(), kind="bool",
-                             help="Grow the anchor by one on each stable convergence verdict.")
+    easgd_alpha: float | None = _option(
+        None, check=_alpha, kind="float", default_text="off (full overwrite)", help="Elastic averaging weight, in (0, 1]."
+    )
+    meta_controller: bool = _option(
+        True, check=_flag(), kind="bool", help="LR-aware meta-controller that shrinks the anchor on LR drops and convergence."
+    )
+    relax_up: bool = _option(False, check=_flag(), kind="bool", help="Grow the anchor by one on each stable convergence verdict.")
 
     def __post_init__(self) -> None:
         _normalise_fields(self)
@@ -152,9 +181,7 @@ class ElCheConfig:
             raise ConfigError("min_anchor", f"must not exceed max_anchor ({self.max_anchor}), got {self.min_anchor}")
         if self.effective_anchor > self.max_anchor:
             origin = "" if self.anchor is not None else f" (the {self.mode.value} preset)"
-            raise ConfigError(
-                "anchor", f"{self.effective_anchor}{origin} exceeds max_anchor ({self.max_anchor}); lower it"
-            )
+            raise ConfigError("anchor", f"{self.effective_anchor}{origin} exceeds max_anchor ({self.max_anchor}); lower it")
 
 
 # ---------------------------------------------------------------------------
@@ -174,85 +201,149 @@ class DdpRunConfig:
     ``check_available()`` before starting a run.
     """
 
-    elche: ElCheConfig = _option(default_factory=ElCheConfig, check=_elche, kind="elche",
-                                 help="Coordination strategy (its fields are options of their own).")
-    checkpoint_every: int | None = _option(None, check=_count(1, zero_is_none=True), kind="int", default_text="off",
-                                           help="Checkpoint every N epochs: the bundle (with save_path) "
-                                                "and the task's checkpoint_fn (0 = off).")
-    snapshot_timeout_secs: int = _option(5, check=_count(1, optional=False), kind="int",
-                                         help="Seconds to collect CPU-averaging snapshots (cpu backend only).")
-    progressive_dispatch: bool | None = _option(None, check=_flag(optional=True), kind="bool",
-                                                default_text="auto (on for Cadence/Async, off for Sync)",
-                                                help="Stream work in small chunks sized to measured throughput.")
-    max_grad_norm: float | None = _option(None, check=_positive(), kind="float", default_text="off",
-                                          help="Clip each rank's gradient L2 norm to this before averaging.")
-    vram_pool: bool = _option(True, check=_flag(), kind="bool",
-                              help="Keep samples in leftover VRAM so later epochs skip re-uploading them.")
-    augment: int = _option(1, check=_multiplicity, kind="int",
-                           help="Augmentation multiplicity: each sample appears k times per epoch.")
-    epoch_splits: int = _option(1, check=_multiplicity, kind="int",
-                                help="Slice one data pass into N epochs.")
-    transform: Any = _option(None, check=_transform, kind="transform", default_text="none",
-                             help="Delivery transform applied on each rank, as 'module:function'.")
-    vram_max_usage: float = _option(0.90, check=_clamped(0.50, 0.99), kind="float",
-                                    help="VRAM share for each rank's data plane, clamped to [0.50, 0.99].")
-    ram_max_usage: float = _option(0.50, check=_clamped(0.0, 0.90), kind="float",
-                                   help="Host-RAM share for each rank's staging tiers, clamped to [0, 0.90] "
-                                        "(0 = no retention).")
-    gpu_ram_share: float | None = _option(None, check=_positive(), kind="float",
-                                          default_text="what the device reports",
-                                          help="Share of host RAM reserved for an integrated GPU (APU only).")
-    sample_cache: bool = _option(True, check=_flag(), kind="bool",
-                                 help="Retain samples in pinned host RAM.")
-    disk_stage_gb: int = _option(0, check=_count(0, optional=False), kind="int",
-                                 help="Local-disk overflow tier per rank, in GB (0 = off).")
-    disk_stage_dir: str | None = _option(None, check=_text, kind="path", default_text="system temp dir",
-                                         help="Directory for the disk-stage pack file.")
-    timeline: str | None = _option(None, check=_text, kind="path", default_text="off",
-                                   help="Write a Chrome-trace JSON timeline of sync/epoch/anchor events here.")
-    lr_scale_ratio: float = _option(1.0, check=_non_negative, kind="float",
-                                    help="LR scaling with world size: factor = 1 + (W - 1) * ratio.")
-    save_path: str | None = _option(None, check=_text, kind="path", default_text="none",
-                                    help="Checkpoint bundle stem (<stem>.meta.json and the .fdl/.optim it names): "
-                                         "final, periodic and save-on-failure bundles (shared storage on multi-host).")
-    max_failure: MaxFailureThreshold | None = _option(None, check=_max_failure, kind="max_failure",
-                                                      default_text="none (backend limits only)",
-                                                      help="Dead ranks that make the run unrecoverable: "
-                                                           "a count (3) or a share (20%).")
-    heartbeat_timeout_secs: int | None = _option(None, check=_count(1), kind="int",
-                                                 default_text=f"{DEFAULT_HEARTBEAT_TIMEOUT_SECS}",
-                                                 help="Seconds without a heartbeat before a rank is declared dead.")
-    epoch_callback_policy: EpochCallbackPolicy = _option(EpochCallbackPolicy.FASTEST, check=_callback_policy,
-                                                         kind="epoch_callback_policy",
-                                                         help="Rank that runs per-epoch callbacks: fastest or rank:N.")
-    eval_every_epochs: int | None = _option(None, check=_count(1, zero_is_none=True), kind="int", default_text="every epoch",
-                                            help="Run the eval function every N epochs, and after the last (0 or unset: every epoch).")
-    reports_per_epoch: int | None = _option(None, check=_count(1, zero_is_none=True), kind="int",
-                                            default_text="off",
-                                            help="Sub-epoch monitor reports per epoch (0 = off).")
-    record_log_dir: str | None = _option(None, check=_text, kind="path", default_text="live only",
-                                         help="Persist the monitor record stream as JSONL under this directory.")
-    max_log_size: int | None = _option(None, check=_count(1, zero_is_none=True), kind="int",
-                                       default_text=f"{DEFAULT_MAX_LOG_BYTES} (32 MiB)",
-                                       help="Per-node byte cap of the persisted record stream (0 = default).")
-    dashboard_html: str | None = _option(None, check=_text, kind="path", default_text="live only",
-                                         help="Write the self-contained dashboard archive here at teardown.")
-    dashboard_theme: str | None = _option(None, check=_choice("light", "dark", "auto"), kind="theme",
-                                          default_text="reader's preference",
-                                          help="Theme the saved dashboard opens with: light, dark or auto.")
-    scalar_reductions: tuple[tuple[str, Reduction], ...] = _option((), check=_reductions, kind="reductions",
-                                                                   default_text="mean for every key",
-                                                                   help="How a metric key rolls up across ranks "
-                                                                        "(KEY=mean|sum|max|min|last).")
-    resume_from: str | None = _option(None, check=_text, kind="path", default_text="fresh run",
-                                      help="Bundle stem to continue: trains exactly what it had not "
-                                           "trained, loading its model and optimizer on every rank.")
-    resume_weights_only: bool = _option(False, check=_flag(), kind="bool",
-                                        help="Resume the bundle's weights with a fresh optimizer, on purpose "
-                                             "(a bundle without its .optim is refused otherwise).")
-    checkpoint_at_epoch: int | None = _option(None, check=_count(0), kind="int", default_text="none",
-                                              help="One-shot checkpoint (with mid-epoch coverage) once the "
-                                                   "cohort trains this epoch; needs save_path.")
+    elche: ElCheConfig = _option(
+        default_factory=ElCheConfig, check=_elche, kind="elche", help="Coordination strategy (its fields are options of their own)."
+    )
+    checkpoint_every: int | None = _option(
+        None,
+        check=_count(1, zero_is_none=True),
+        kind="int",
+        default_text="off",
+        help="Checkpoint every N epochs: the bundle (with save_path) and the task's checkpoint_fn (0 = off).",
+    )
+    snapshot_timeout_secs: int = _option(
+        5, check=_count(1, optional=False), kind="int", help="Seconds to collect CPU-averaging snapshots (cpu backend only)."
+    )
+    progressive_dispatch: bool | None = _option(
+        None,
+        check=_flag(optional=True),
+        kind="bool",
+        default_text="auto (on for Cadence/Async, off for Sync)",
+        help="Stream work in small chunks sized to measured throughput.",
+    )
+    max_grad_norm: float | None = _option(
+        None, check=_positive(), kind="float", default_text="off", help="Clip each rank's gradient L2 norm to this before averaging."
+    )
+    vram_pool: bool = _option(
+        True, check=_flag(), kind="bool", help="Keep samples in leftover VRAM so later epochs skip re-uploading them."
+    )
+    augment: int = _option(1, check=_multiplicity, kind="int", help="Augmentation multiplicity: each sample appears k times per epoch.")
+    epoch_splits: int = _option(1, check=_multiplicity, kind="int", help="Slice one data pass into N epochs.")
+    transform: Any = _option(
+        None, check=_transform, kind="transform", default_text="none", help="Delivery transform applied on each rank, as 'module:function'."
+    )
+    vram_max_usage: float = _option(
+        0.90, check=_clamped(0.50, 0.99), kind="float", help="VRAM share for each rank's data plane, clamped to [0.50, 0.99]."
+    )
+    ram_max_usage: float = _option(
+        0.50,
+        check=_clamped(0.0, 0.90),
+        kind="float",
+        help="Host-RAM share for each rank's staging tiers, clamped to [0, 0.90] (0 = no retention).",
+    )
+    gpu_ram_share: float | None = _option(
+        None,
+        check=_positive(),
+        kind="float",
+        default_text="what the device reports",
+        help="Share of host RAM reserved for an integrated GPU (APU only).",
+    )
+    sample_cache: bool = _option(True, check=_flag(), kind="bool", help="Retain samples in pinned host RAM.")
+    disk_stage_gb: int = _option(0, check=_count(0, optional=False), kind="int", help="Local-disk overflow tier per rank, in GB (0 = off).")
+    disk_stage_dir: str | None = _option(
+        None, check=_text, kind="path", default_text="system temp dir", help="Directory for the disk-stage pack file."
+    )
+    timeline: str | None = _option(
+        None, check=_text, kind="path", default_text="off", help="Write a Chrome-trace JSON timeline of sync/epoch/anchor events here."
+    )
+    lr_scale_ratio: float = _option(
+        1.0, check=_non_negative, kind="float", help="LR scaling with world size: factor = 1 + (W - 1) * ratio."
+    )
+    save_path: str | None = _option(
+        None,
+        check=_text,
+        kind="path",
+        default_text="none",
+        help="Checkpoint bundle stem (<stem>.meta.json and the .fdl/.optim it names): "
+        "final, periodic and save-on-failure bundles (shared storage on multi-host).",
+    )
+    max_failure: MaxFailureThreshold | None = _option(
+        None,
+        check=_max_failure,
+        kind="max_failure",
+        default_text="none (backend limits only)",
+        help="Dead ranks that make the run unrecoverable: a count (3) or a share (20%).",
+    )
+    heartbeat_timeout_secs: int | None = _option(
+        None,
+        check=_count(1),
+        kind="int",
+        default_text=f"{DEFAULT_HEARTBEAT_TIMEOUT_SECS}",
+        help="Seconds without a heartbeat before a rank is declared dead.",
+    )
+    epoch_callback_policy: EpochCallbackPolicy = _option(
+        EpochCallbackPolicy.FASTEST,
+        check=_callback_policy,
+        kind="epoch_callback_policy",
+        help="Rank that runs per-epoch callbacks: fastest or rank:N.",
+    )
+    eval_every_epochs: int | None = _option(
+        None,
+        check=_count(1, zero_is_none=True),
+        kind="int",
+        default_text="every epoch",
+        help="Run the eval function every N epochs, and after the last (0 or unset: every epoch).",
+    )
+    reports_per_epoch: int | None = _option(
+        None, check=_count(1, zero_is_none=True), kind="int", default_text="off", help="Sub-epoch monitor reports per epoch (0 = off)."
+    )
+    record_log_dir: str | None = _option(
+        None, check=_text, kind="path", default_text="live only", help="Persist the monitor record stream as JSONL under this directory."
+    )
+    max_log_size: int | None = _option(
+        None,
+        check=_count(1, zero_is_none=True),
+        kind="int",
+        default_text=f"{DEFAULT_MAX_LOG_BYTES} (32 MiB)",
+        help="Per-node byte cap of the persisted record stream (0 = default).",
+    )
+    dashboard_html: str | None = _option(
+        None, check=_text, kind="path", default_text="live only", help="Write the self-contained dashboard archive here at teardown."
+    )
+    dashboard_theme: str | None = _option(
+        None,
+        check=_choice("light", "dark", "auto"),
+        kind="theme",
+        default_text="reader's preference",
+        help="Theme the saved dashboard opens with: light, dark or auto.",
+    )
+    scalar_reductions: tuple[tuple[str, Reduction], ...] = _option(
+        (),
+        check=_reductions,
+        kind="reductions",
+        default_text="mean for every key",
+        help="How a metric key rolls up across ranks (KEY=mean|sum|max|min|last).",
+    )
+    resume_from: str | None = _option(
+        None,
+        check=_text,
+        kind="path",
+        default_text="fresh run",
+        help="Bundle stem to continue: trains exactly what it had not trained, loading its model and optimizer on every rank.",
+    )
+    resume_weights_only: bool = _option(
+        False,
+        check=_flag(),
+        kind="bool",
+        help="Resume the bundle's weights with a fresh optimizer, on purpose (a bundle without its .optim is refused otherwise).",
+    )
+    checkpoint_at_epoch: int | None = _option(
+        None,
+        check=_count(0),
+        kind="int",
+        default_text="none",
+        help="One-shot checkpoint (with mid-epoch coverage) once the cohort trains this epoch; needs save_path.",
+    )
 
     def __post_init__(self) -> None:
         _normalise_fields(self)
@@ -568,8 +659,11 @@ def _callable_spec(function: Callable[..., Any]) -> str:
     module = getattr(function, "__module__", None)
     qualname = getattr(function, "__qualname__", None)
     if not module or not qualname or "<" in qualname:
-        raise ConfigError("transform", f"{function!r} cannot be imported by name (lambda or local function); "
-                          "define it at module level or pass a 'module:function' string")
+        raise ConfigError(
+            "transform",
+            f"{function!r} cannot be imported by name (lambda or local function); "
+            "define it at module level or pass a 'module:function' string",
+        )
     return f"{module}:{qualname}"
 
 
@@ -579,24 +673,59 @@ def _callable_spec(function: Callable[..., Any]) -> str:
 
 #: Options this version honours. Any other option must stay at its default.
 #: Widen this as features land (and docs/options.md follows via gen_options.py).
-AVAILABLE_FIELDS: frozenset[str] = frozenset({
-    "lr_scale_ratio", "max_grad_norm", "heartbeat_timeout_secs", "mode",
-    # cadence (ElChe), dispatch and the convergence guard
-    "anchor", "min_anchor", "max_anchor", "overhead_target", "max_batch_diff", "max_overshoot", "relax_up",
-    "partition_ratios", "divergence_threshold", "no_divergence_guard", "convergence_guard", "meta_controller",
-    "progressive_dispatch", "epoch_callback_policy",
-    # the CPU averaging backend
-    "snapshot_timeout_secs", "easgd_alpha",
-    # elastic membership, checkpoints and resume
-    "max_failure", "save_path", "checkpoint_every", "checkpoint_at_epoch", "resume_from",
-    "resume_weights_only",
-    # the monitor: record stream, dashboard, timeline
-    "eval_every_epochs", "reports_per_epoch", "record_log_dir", "max_log_size", "dashboard_html", "dashboard_theme",
-    "scalar_reductions", "timeline",
-    # the data plane
-    "augment", "epoch_splits", "transform", "vram_pool", "vram_max_usage", "ram_max_usage", "gpu_ram_share",
-    "sample_cache", "disk_stage_gb", "disk_stage_dir",
-})
+AVAILABLE_FIELDS: frozenset[str] = frozenset(
+    {
+        "lr_scale_ratio",
+        "max_grad_norm",
+        "heartbeat_timeout_secs",
+        "mode",
+        # cadence (ElChe), dispatch and the convergence guard
+        "anchor",
+        "min_anchor",
+        "max_anchor",
+        "overhead_target",
+        "max_batch_diff",
+        "max_overshoot",
+        "relax_up",
+        "partition_ratios",
+        "divergence_threshold",
+        "no_divergence_guard",
+        "convergence_guard",
+        "meta_controller",
+        "progressive_dispatch",
+        "epoch_callback_policy",
+        # the CPU averaging backend
+        "snapshot_timeout_secs",
+        "easgd_alpha",
+        # elastic membership, checkpoints and resume
+        "max_failure",
+        "save_path",
+        "checkpoint_every",
+        "checkpoint_at_epoch",
+        "resume_from",
+        "resume_weights_only",
+        # the monitor: record stream, dashboard, timeline
+        "eval_every_epochs",
+        "reports_per_epoch",
+        "record_log_dir",
+        "max_log_size",
+        "dashboard_html",
+        "dashboard_theme",
+        "scalar_reductions",
+        "timeline",
+        # the data plane
+        "augment",
+        "epoch_splits",
+        "transform",
+        "vram_pool",
+        "vram_max_usage",
+        "ram_max_usage",
+        "gpu_ram_share",
+        "sample_cache",
+        "disk_stage_gb",
+        "disk_stage_dir",
+    }
+)
 #: Modes this version can run: all six.
 AVAILABLE_MODES: frozenset[ElCheMode] = frozenset(ElCheMode)
 
@@ -609,8 +738,6 @@ def check_available(config: DdpRunConfig) -> None:
     for name, value in _flat_items(config):
         if name == "mode" and value not in AVAILABLE_MODES:
             available = ", ".join(sorted(mode.value for mode in AVAILABLE_MODES))
-            raise ConfigError("mode", f"{value.value} is not available yet in this version of flodl (planned); "
-                              f"available: {available}")
+            raise ConfigError("mode", f"{value.value} is not available yet in this version of flodl (planned); available: {available}")
         if name not in AVAILABLE_FIELDS and value != defaults[name]:
             raise ConfigError(name, NOT_AVAILABLE)
-

@@ -53,9 +53,7 @@ class _TextEnum(str, enum.Enum):
     @classmethod
     def spellings(cls) -> str:
         """The valid values for messages, e.g. ``nccl-sync (NcclSync), cpu-sync (CpuSync)``."""
-        return ", ".join(
-            m.value if m.name.lower() == m.value else f"{m.value} ({m.name})" for m in cls
-        )
+        return ", ".join(m.value if m.name.lower() == m.value else f"{m.value} ({m.name})" for m in cls)
 
 
 def _snake(camel: str) -> str:
@@ -243,9 +241,7 @@ class MaxFailureThreshold:
                 return cls.percent(float(fraction))
             return cls.absolute(int(body))
         except (ValueError, decimal.InvalidOperation):
-            raise ConfigError(
-                "max_failure", f"expected a rank count like '3' or a percentage like '20%', got {text!r}"
-            ) from None
+            raise ConfigError("max_failure", f"expected a rank count like '3' or a percentage like '20%', got {text!r}") from None
 
     def __str__(self) -> str:
         if self.kind == "absolute":

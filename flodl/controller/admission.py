@@ -40,9 +40,23 @@ FD_RESERVE = 128
 class Admission:
     """Workers and ranks in: checks, numbering, welcomes, joiners."""
 
-    def __init__(self, launch: LaunchOptions, config: DdpRunConfig, *, members: Membership, run: RunState, plane: ControlPlane,
-                 training: Training, resume: Resume, console: Console, monitor: Monitor, hooks: ControllerHooks,
-                 clock: Callable[[], float], run_id: str, deadlines: Deadlines) -> None:
+    def __init__(
+        self,
+        launch: LaunchOptions,
+        config: DdpRunConfig,
+        *,
+        members: Membership,
+        run: RunState,
+        plane: ControlPlane,
+        training: Training,
+        resume: Resume,
+        console: Console,
+        monitor: Monitor,
+        hooks: ControllerHooks,
+        clock: Callable[[], float],
+        run_id: str,
+        deadlines: Deadlines,
+    ) -> None:
         self.launch = launch
         self.config = config
         self.members = members
@@ -96,8 +110,10 @@ class Admission:
         fd_limit = self.plane.fd_limit
         if fd_limit and need > fd_limit and not self._fd_warned:
             self._fd_warned = True
-            self.console.line(f"warning: {self._next_rank} ranks on {len(self.members.workers)} workers need about {need} open files in the "
-                              f"controller, its limit is {fd_limit}: peers past it cannot connect (raise the hard limit, ulimit -Hn)")
+            self.console.line(
+                f"warning: {self._next_rank} ranks on {len(self.members.workers)} workers need about {need} open files in the "
+                f"controller, its limit is {fd_limit}: peers past it cannot connect (raise the hard limit, ulimit -Hn)"
+            )
 
     def _send_worker_welcome(self, worker: WorkerInfo) -> None:
         relay = self._relays(worker)
@@ -105,8 +121,14 @@ class Admission:
         if relay:
             averaging.admit_relay(worker.sender.encode(), worker.ranks)
         self.plane.send(
-            m.WorkerWelcome(ranks=worker.ranks, world_size=self._next_rank, task=self.launch.task, heartbeat_timeout_s=self.deadlines.heartbeat_s,
-                            bulk_port=averaging.port if averaging is not None else 0, bulk_relay=relay),
+            m.WorkerWelcome(
+                ranks=worker.ranks,
+                world_size=self._next_rank,
+                task=self.launch.task,
+                heartbeat_timeout_s=self.deadlines.heartbeat_s,
+                bulk_port=averaging.port if averaging is not None else 0,
+                bulk_relay=relay,
+            ),
             worker.identity,
         )
 
@@ -272,12 +294,15 @@ class Admission:
         # joiners join in rank order (the plans only grow at the end): a ready rank waits
         # while a lower-numbered joiner is not ready yet (or until that one is dropped)
         waiting_below = min((r for r in self.joiners if self.members.ranks[r].state is not PeerState.READY), default=None)
-        ready = sorted(r for r in self.joiners if self.members.ranks[r].state is PeerState.READY and (waiting_below is None or r < waiting_below))
+        ready = sorted(
+            r for r in self.joiners if self.members.ranks[r].state is PeerState.READY and (waiting_below is None or r < waiting_below)
+        )
         averaging = self.plane.averaging
         if averaging is not None:
             # a relaying host joins whole: its relay sends one snapshot for all its ranks, from one first round
-            waiting = {averaging.relayed[r] for r in self.joiners
-                       if r in averaging.relayed and self.members.ranks[r].state is not PeerState.READY}
+            waiting = {
+                averaging.relayed[r] for r in self.joiners if r in averaging.relayed and self.members.ranks[r].state is not PeerState.READY
+            }
             ready = [r for r in ready if averaging.relayed.get(r) not in waiting]
         if not ready or loop.dispatcher.finished:
             return False
@@ -291,18 +316,33 @@ class Admission:
         reason = f"rank(s) {', '.join(map(str, ready))} on {', '.join(hosts)} joined"
         generation, members = self.members.new_generation(reason), list(loop.ranks)
         if averaging is None:
-            msg = m.Regroup(generation=generation, members=members, store_prefix=f"{self.run_id}/gen{generation}",
-                            reason=reason, sync_from=old[0], first_round=-1)
+            msg = m.Regroup(
+                generation=generation,
+                members=members,
+                store_prefix=f"{self.run_id}/gen{generation}",
+                reason=reason,
+                sync_from=old[0],
+                first_round=-1,
+            )
             targets = members
         else:
             for rank in ready:
                 averaging.admit(self.members.ranks[rank].sender.encode(), rank, from_round=loop.round_base)
-            msg = m.Regroup(generation=generation, members=members, store_prefix="", reason=reason,
-                            sync_from=-1, first_round=loop.round_base)
+            msg = m.Regroup(
+                generation=generation, members=members, store_prefix="", reason=reason, sync_from=-1, first_round=loop.round_base
+            )
             targets = ready  # the others' CPU rounds simply start expecting the joiners
         self.plane.send_ranks(targets, msg)
-        self.joins.append({"at_s": now - self.run.started_at, "unix_time": time.time(), "generation": generation,
-                           "ranks": ready, "hosts": hosts, "world": len(members)})
+        self.joins.append(
+            {
+                "at_s": now - self.run.started_at,
+                "unix_time": time.time(),
+                "generation": generation,
+                "ranks": ready,
+                "hosts": hosts,
+                "world": len(members),
+            }
+        )
         self.monitor.ranks_joined({r: (self.members.ranks[r].host, self.members.ranks[r].device) for r in ready}, now_s=now)
         self.console.line(f"{reason}; training with {len(members)} rank(s) (generation {generation})")
         self.hooks.joiners_admitted(ready, time.perf_counter() - t0)

@@ -64,8 +64,10 @@ class Checkpointer:
         """Once a run, when its workers span hosts: say where the bundle must live."""
         if len(hosts) > 1 and not self._storage_reminded:
             self._storage_reminded = True
-            self.say(f"note: the bundle {self.stem or self.config.resume_from} is written by a rank on its "
-                     "host and the sidecar by the controller on this one: it must be on storage every host sees")
+            self.say(
+                f"note: the bundle {self.stem or self.config.resume_from} is written by a rank on its "
+                "host and the sidecar by the controller on this one: it must be on storage every host sees"
+            )
 
     # ---------------------------------------------------------------- when
 
@@ -107,12 +109,28 @@ class Checkpointer:
             return False  # nothing (complete) to commit: the previous bundle stays the bundle
         bundle = CheckpointBundle.at(save.stem)
         busy = [s.tag for s in self.pending.values() if s.stem == save.stem]
-        write_meta(bundle, {**save.meta, "save_reason": save.reason, "written_by_rank": msg.rank,
-                            "model_file": bundle.data_file(save.tag, ".fdl").name, "model_sha256": msg.model_sha256,
-                            "optim_file": bundle.data_file(save.tag, ".optim").name, "optim_sha256": msg.optim_sha256},
-                   busy=busy)
-        self.written.append({"version": save.version, "reason": save.reason, "epoch": save.meta["epoch"],
-                             "stem": str(bundle.stem), "ms": round(msg.elapsed_ms, 1)})
+        write_meta(
+            bundle,
+            {
+                **save.meta,
+                "save_reason": save.reason,
+                "written_by_rank": msg.rank,
+                "model_file": bundle.data_file(save.tag, ".fdl").name,
+                "model_sha256": msg.model_sha256,
+                "optim_file": bundle.data_file(save.tag, ".optim").name,
+                "optim_sha256": msg.optim_sha256,
+            },
+            busy=busy,
+        )
+        self.written.append(
+            {
+                "version": save.version,
+                "reason": save.reason,
+                "epoch": save.meta["epoch"],
+                "stem": str(bundle.stem),
+                "ms": round(msg.elapsed_ms, 1),
+            }
+        )
         return True
 
     def rank_died(self, rank: int) -> list[PendingSave]:

@@ -63,8 +63,9 @@ class Console:
         """Whether a progress line would print now (callers skip building one otherwise)."""
         return self.clock() - self._last >= self.interval_s
 
-    def progress(self, *, epoch: int, epochs: int, done: int, total: int, rate: float, loss: float | None,
-                 ranks: dict[int, float] | None = None) -> None:
+    def progress(
+        self, *, epoch: int, epochs: int, done: int, total: int, rate: float, loss: float | None, ranks: dict[int, float] | None = None
+    ) -> None:
         """Show progress within an epoch (throttled); ``ranks`` adds each rank's samples/s."""
         now = self.clock()
         if now - self._last < self.interval_s:

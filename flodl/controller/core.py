@@ -101,30 +101,84 @@ class Controller:
         self._observed = hooks is not None  # the per-message hook costs a call on the hot path: only when asked for
         self.ready = asyncio.Event()  # set once the socket is bound (tests read .port)
         self.deadlines = deadlines = Deadlines.from_config(config)
-        limits = ProgressLimits(heartbeat_s=deadlines.heartbeat_s, first_step_s=launch.join_timeout_secs,
-                                eval_s=launch.eval_timeout_secs, step_s=launch.step_timeout_secs)
+        limits = ProgressLimits(
+            heartbeat_s=deadlines.heartbeat_s,
+            first_step_s=launch.join_timeout_secs,
+            eval_s=launch.eval_timeout_secs,
+            step_s=launch.step_timeout_secs,
+        )
         say = self.console.line
         self.members = Membership(deadlines.heartbeat_s)
         self.checkpoints = Checkpointer(config, say=say)
-        self.monitor = Monitor(config, say=say, clock=clock,
-                               dashboard=None if launch.dashboard_port < 0 else (launch.bind, launch.dashboard_port))
+        self.monitor = Monitor(
+            config, say=say, clock=clock, dashboard=None if launch.dashboard_port < 0 else (launch.bind, launch.dashboard_port)
+        )
         members, console, monitor, checkpoints = self.members, self.console, self.monitor, self.checkpoints
         self.state = run = RunState(members, clock)
-        self.plane = plane = ControlPlane(launch, config, members, secret=self.secret, run_id=self.run_id, clock=clock, say=say,
-                                          deadlines=deadlines)
-        self.training = training = Training(launch, config, members=members, run=run, plane=plane, console=console, monitor=monitor,
-                                            clock=clock)
+        self.plane = plane = ControlPlane(
+            launch, config, members, secret=self.secret, run_id=self.run_id, clock=clock, say=say, deadlines=deadlines
+        )
+        self.training = training = Training(
+            launch, config, members=members, run=run, plane=plane, console=console, monitor=monitor, clock=clock
+        )
         self.resume = resume = Resume(launch, config, members=members, checkpoints=checkpoints, console=console)
-        self.admission = admission = Admission(launch, config, members=members, run=run, plane=plane, training=training, resume=resume,
-                                               console=console, monitor=monitor, hooks=self.hooks, clock=clock, run_id=self.run_id,
-                                               deadlines=deadlines)
-        self.saving = saving = Saving(config, members=members, run=run, plane=plane, training=training, checkpoints=checkpoints,
-                                      console=console, monitor=monitor, clock=clock, run_id=self.run_id)
-        self.liveness = Liveness(launch, config, members=members, run=run, plane=plane, admission=admission, training=training,
-                                 saving=saving, checkpoints=checkpoints, console=console, monitor=monitor, hooks=self.hooks,
-                                 clock=clock, run_id=self.run_id, limits=limits)
-        self.teardown = Teardown(launch, members=members, run=run, plane=plane, admission=admission, saving=saving,
-                                 checkpoints=checkpoints, console=console, clock=clock, secret=self.secret, run_id=self.run_id)
+        self.admission = admission = Admission(
+            launch,
+            config,
+            members=members,
+            run=run,
+            plane=plane,
+            training=training,
+            resume=resume,
+            console=console,
+            monitor=monitor,
+            hooks=self.hooks,
+            clock=clock,
+            run_id=self.run_id,
+            deadlines=deadlines,
+        )
+        self.saving = saving = Saving(
+            config,
+            members=members,
+            run=run,
+            plane=plane,
+            training=training,
+            checkpoints=checkpoints,
+            console=console,
+            monitor=monitor,
+            clock=clock,
+            run_id=self.run_id,
+        )
+        self.liveness = Liveness(
+            launch,
+            config,
+            members=members,
+            run=run,
+            plane=plane,
+            admission=admission,
+            training=training,
+            saving=saving,
+            checkpoints=checkpoints,
+            console=console,
+            monitor=monitor,
+            hooks=self.hooks,
+            clock=clock,
+            run_id=self.run_id,
+            limits=limits,
+        )
+        self.teardown = Teardown(
+            launch,
+            members=members,
+            run=run,
+            plane=plane,
+            admission=admission,
+            saving=saving,
+            checkpoints=checkpoints,
+            console=console,
+            clock=clock,
+            secret=self.secret,
+            run_id=self.run_id,
+        )
         # every message the controller acts on, to the part that handles it (others are ignored)
         self._handlers: dict[type, Handler] = {
             m.WorkerHello: self.admission.on_worker_hello,
@@ -229,28 +283,47 @@ class Controller:
 
     def summary(self, exit_reason: str, exit_code: int) -> dict:
         """The run summary (also ``--summary-json`` and ``Trainer.run()``'s result)."""
-        return summarize(exit_reason, exit_code, run_id=self.run_id, config=self.config, run=self.state, members=self.members,
-                         plane=self.plane, admission=self.admission, training=self.training, liveness=self.liveness,
-                         checkpoints=self.checkpoints, teardown=self.teardown, now=self.clock())
+        return summarize(
+            exit_reason,
+            exit_code,
+            run_id=self.run_id,
+            config=self.config,
+            run=self.state,
+            members=self.members,
+            plane=self.plane,
+            admission=self.admission,
+            training=self.training,
+            liveness=self.liveness,
+            checkpoints=self.checkpoints,
+            teardown=self.teardown,
+            now=self.clock(),
+        )
 
     # =========================================================== conductor
 
     async def _conduct(self) -> dict:
         run, admission, training = self.state, self.admission, self.training
         run.to(Phase.GATHERING)
-        await run.until(lambda: len(self.members.workers) >= admission.expected_workers, self.launch.join_timeout_secs, "workers to connect")
+        await run.until(
+            lambda: len(self.members.workers) >= admission.expected_workers, self.launch.join_timeout_secs, "workers to connect"
+        )
         admission.welcome_workers()
         run.to(Phase.JOINING)
         first = [r for r in range(admission.initial_world)]  # a worker arriving meanwhile waits to be admitted
         lost = lambda r: r in self.members.ranks and self.members.ranks[r].state is PeerState.DEAD  # noqa: E731  (died starting: the run goes on)
-        await run.until(lambda: all(r in admission.hellos or lost(r) for r in first), self.launch.join_timeout_secs, "ranks to start and say hello")
+        await run.until(
+            lambda: all(r in admission.hellos or lost(r) for r in first), self.launch.join_timeout_secs, "ranks to start and say hello"
+        )
         admission.welcome_ranks()
         if any(lost(r) for r in first):
             reason = f"rank(s) {', '.join(str(r) for r in first if lost(r))} died while starting"
             self.members.new_generation(reason)
             self.liveness.regroup(reason)
-        await run.until(lambda: all(self.members.ranks[r].state is PeerState.READY or lost(r) for r in first if r in self.members.ranks),
-                        self.launch.join_timeout_secs, "ranks to join the collective")
+        await run.until(
+            lambda: all(self.members.ranks[r].state is PeerState.READY or lost(r) for r in first if r in self.members.ranks),
+            self.launch.join_timeout_secs,
+            "ranks to join the collective",
+        )
         run.to(Phase.TRAINING)
         info = admission.task_info
         try:
@@ -263,18 +336,26 @@ class Controller:
             run_id=self.run_id,
             mode=str(self.config.elche.mode.name),
             task=self.launch.task,
-            ranks=[f"rank{r.rank} {r.device}@{r.host}" for r in sorted(self.members.ranks.values(), key=lambda r: r.rank)
-                   if r.rank not in admission.joiners],
+            ranks=[
+                f"rank{r.rank} {r.device}@{r.host}"
+                for r in sorted(self.members.ranks.values(), key=lambda r: r.rank)
+                if r.rank not in admission.joiners
+            ],
             dataset_len=info.dataset_len,
             batch_size=info.batch_size,
             epochs=total_epochs,
         )
         if self.config.augment > 1 or self.config.epoch_splits > 1:
-            self.console.line(f"  {self.launch.epochs} pass(es) of {schedule.pass_len} picks (each sample x{self.config.augment}), "
-                              f"{self.config.epoch_splits} epoch(s) per pass of ~{schedule.epoch_len(0)} samples")
+            self.console.line(
+                f"  {self.launch.epochs} pass(es) of {schedule.pass_len} picks (each sample x{self.config.augment}), "
+                f"{self.config.epoch_splits} epoch(s) per pass of ~{schedule.epoch_len(0)} samples"
+            )
         run.mark_started()
-        self.monitor.begin(training.description(self.run_id), {r.rank: (r.host, r.device) for r in self.members.ranks.values()},
-                           steps_per_epoch=max(1, schedule.epoch_len(0) // info.batch_size))
+        self.monitor.begin(
+            training.description(self.run_id),
+            {r.rank: (r.host, r.device) for r in self.members.ranks.values()},
+            steps_per_epoch=max(1, schedule.epoch_len(0) // info.batch_size),
+        )
         await self._run_windows()
         if info.has_eval and total_epochs - 1 not in training.eval_requests:
             # nothing was left to train (a resumed bundle that was complete): score it once all the same

@@ -91,7 +91,7 @@ _HELP = {
     "join_timeout_secs": "seconds to wait for every worker and rank to join",
     "eval_timeout_secs": "seconds an eval, a user callback or a checkpoint write may go without finishing before its rank is declared hung",
     "max_restarts": "healing: restart a rank that died up to this many times (per rank, back-off 1, 2, 4 ... 30 s); "
-                    "the new rank joins the running world at a window boundary (0: go on without it)",
+    "the new rank joins the running world at a window boundary (0: go on without it)",
     "step_timeout_secs": "seconds a training step may take before its rank is declared hung (default: heartbeat timeout + 3x the rank's slowest recent step; its first step: join_timeout_secs)",
     "progress": "live progress line (default: on when stdout is a terminal)",
     "dashboard_port": "live dashboard port, served read-only on the bind address (0 picks a free one and prints it; -1 turns it off)",
@@ -107,9 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", default=None, help="TOML file of options (keys are the option names)")
     parser.add_argument("--log-level", default="WARNING", help="logging level: DEBUG, INFO, WARNING")
-    parser.add_argument("--encrypt", action="store_true",
-                        help="encrypt the control and bulk planes with ZeroMQ CURVE, keys derived from the run secret "
-                             "(FLODL_ENCRYPT=1 does the same); external workers need --encrypt too")
+    parser.add_argument(
+        "--encrypt",
+        action="store_true",
+        help="encrypt the control and bulk planes with ZeroMQ CURVE, keys derived from the run secret "
+        "(FLODL_ENCRYPT=1 does the same); external workers need --encrypt too",
+    )
     group = parser.add_argument_group("launch options")
     for f in dataclasses.fields(LaunchOptions):
         flag = "--" + f.name.replace("_", "-")

@@ -44,9 +44,25 @@ COLLECTIVE_ERROR_GRACE_S = 1.0
 class Liveness:
     """Heartbeats, deaths, fencing, regrouping and healing."""
 
-    def __init__(self, launch: LaunchOptions, config: DdpRunConfig, *, members: Membership, run: RunState, plane: ControlPlane,
-                 admission: Admission, training: Training, saving: Saving, checkpoints: Checkpointer, console: Console,
-                 monitor: Monitor, hooks: ControllerHooks, clock: Callable[[], float], run_id: str, limits: ProgressLimits) -> None:
+    def __init__(
+        self,
+        launch: LaunchOptions,
+        config: DdpRunConfig,
+        *,
+        members: Membership,
+        run: RunState,
+        plane: ControlPlane,
+        admission: Admission,
+        training: Training,
+        saving: Saving,
+        checkpoints: Checkpointer,
+        console: Console,
+        monitor: Monitor,
+        hooks: ControllerHooks,
+        clock: Callable[[], float],
+        run_id: str,
+        limits: ProgressLimits,
+    ) -> None:
         self.launch = launch
         self.config = config
         self.members = members
@@ -90,7 +106,9 @@ class Liveness:
         total = sum(drops.values())
         if total > self._drops_seen:
             detail = ", ".join(f"{k} {v}" for k, v in sorted(drops.items()))
-            self.monitor.event("control_drop", f"{total - self._drops_seen} control frame(s) dropped (so far: {detail})", now_s=self.clock())
+            self.monitor.event(
+                "control_drop", f"{total - self._drops_seen} control frame(s) dropped (so far: {detail})", now_s=self.clock()
+            )
             self._drops_seen = total
 
     def _peer_identities(self) -> list[bytes]:
@@ -112,8 +130,13 @@ class Liveness:
         if self.collective_error is not None:
             # a collective failed and no death explains it (yet): rebuild it among the same ranks
             since, rank, err = self.collective_error
-            decision = unexplained_collective_error(waited_s=now - since, grace_s=COLLECTIVE_ERROR_GRACE_S, retries=self.collective_retries,
-                                                    where=self.members.ranks[rank].where(), error=err.error)
+            decision = unexplained_collective_error(
+                waited_s=now - since,
+                grace_s=COLLECTIVE_ERROR_GRACE_S,
+                retries=self.collective_retries,
+                where=self.members.ranks[rank].where(),
+                error=err.error,
+            )
             if decision.outcome is Outcome.WAIT:
                 return
             self.collective_error = None
@@ -141,8 +164,9 @@ class Liveness:
             self.admission.drop_joiner(msg.rank, f"failed during {msg.stage}: {msg.error}")
         elif decision.outcome is Outcome.WAIT:
             # usually a symptom of a peer's death: give the death report a moment to arrive
-            waiting = after_collective_error(reported_generation=msg.generation, generation=self.members.generation,
-                                             pending=self.collective_error is not None)
+            waiting = after_collective_error(
+                reported_generation=msg.generation, generation=self.members.generation, pending=self.collective_error is not None
+            )
             if waiting.outcome is Outcome.WAIT:
                 self.collective_error = (self.clock(), msg.rank, msg)
         elif decision.code == EXIT_NONFINITE:  # the rank names epoch and step: no traceback, no save over a good bundle
@@ -182,9 +206,14 @@ class Liveness:
             return
         dead_total = sum(1 for r in self.members.ranks.values() if r.state is PeerState.DEAD)
         survivors = sorted(r.rank for r in self.members.live_ranks())
-        decision = after_deaths(self.config, started=self.run.admitting,
-                                world_size=len(self.members.ranks), dead_total=dead_total, survivors=len(survivors),
-                                can_save=bool(self.checkpoints.stem))
+        decision = after_deaths(
+            self.config,
+            started=self.run.admitting,
+            world_size=len(self.members.ranks),
+            dead_total=dead_total,
+            survivors=len(survivors),
+            can_save=bool(self.checkpoints.stem),
+        )
         if decision.outcome is Outcome.SAVE_AND_STOP:
             self.saving.save_and_stop(f"{reason}. {decision.why}", decision.save_reason)
             return
@@ -197,7 +226,9 @@ class Liveness:
             self.saving.checkpoint_now(lost.reason, call_fn=False, files=bool(lost.stem))
         self.collective_error = None  # the death explains it
         for rank in sorted(dead):
-            self.monitor.event("rank_lost", f"{self.members.ranks[rank].where()} {self.members.ranks[rank].death}", rank=rank, now_s=self.clock())
+            self.monitor.event(
+                "rank_lost", f"{self.members.ranks[rank].where()} {self.members.ranks[rank].death}", rank=rank, now_s=self.clock()
+            )
         if self.training.cadence is not None:
             self.training.cadence.remove_ranks(dead)
         if self.run.phase is Phase.TRAINING or self.admission.welcomed:  # before the welcomes, those leave the dead out
@@ -225,11 +256,24 @@ class Liveness:
         new = self.admission.restart(worker, info.device, delay, now)
         self._slot_of[new] = slot
         self._restarts_used[slot] = used + 1
-        self.restarts.append({"at_s": now - self.run.started_at, "unix_time": time.time(), "rank": new, "replaces": rank, "slot": slot,
-                              "attempt": used + 1, "delay_s": delay, "host": worker.host, "device": info.device})
+        self.restarts.append(
+            {
+                "at_s": now - self.run.started_at,
+                "unix_time": time.time(),
+                "rank": new,
+                "replaces": rank,
+                "slot": slot,
+                "attempt": used + 1,
+                "delay_s": delay,
+                "host": worker.host,
+                "device": info.device,
+            }
+        )
         self.plane.send(m.Respawn(rank=new, device=info.device, replaces=rank, attempt=used + 1, delay_s=delay), worker.identity)
-        self.console.line(f"restarting rank {rank} as rank {new} on host {worker.host} ({info.device}) in {delay:g} s "
-                          f"(restart {used + 1} of {self.launch.max_restarts}); it joins at a window boundary")
+        self.console.line(
+            f"restarting rank {rank} as rank {new} on host {worker.host} ({info.device}) in {delay:g} s "
+            f"(restart {used + 1} of {self.launch.max_restarts}); it joins at a window boundary"
+        )
 
     def _fence(self, dead: set[int], reason: str) -> None:
         """A rank declared dead whose process may live on (hung, stopped, cut off)
@@ -247,8 +291,16 @@ class Liveness:
     def regroup(self, reason: str) -> None:
         """Tell the survivors of the collective backend to rebuild it (CPU ranks need nothing)."""
         survivors = self.admission.training_ranks()
-        self.recoveries.append({"at_s": self.clock() - self.run.started_at, "unix_time": time.time(), "generation": self.members.generation,
-                                "survivors": survivors, "reason": reason, "training_again_s": None})
+        self.recoveries.append(
+            {
+                "at_s": self.clock() - self.run.started_at,
+                "unix_time": time.time(),
+                "generation": self.members.generation,
+                "survivors": survivors,
+                "reason": reason,
+                "training_again_s": None,
+            }
+        )
         # "training again" = every survivor has completed an average since this moment (a local
         # batch says nothing: a survivor can train alone while its peers sit in a stalled collective)
         self._back = (self.clock(), set(survivors))
@@ -257,9 +309,14 @@ class Liveness:
         # while the run starts, the first group may never have formed (nor rank 0's parameters
         # reached everyone): the survivors then all take the lowest one's
         sync_from = survivors[0] if self.run.phase is Phase.JOINING and survivors else -1
-        msg = m.Regroup(generation=self.members.generation, members=survivors,
-                        store_prefix=f"{self.run_id}/gen{self.members.generation}", reason=reason[:500],
-                        sync_from=sync_from, first_round=-1)
+        msg = m.Regroup(
+            generation=self.members.generation,
+            members=survivors,
+            store_prefix=f"{self.run_id}/gen{self.members.generation}",
+            reason=reason[:500],
+            sync_from=sync_from,
+            first_round=-1,
+        )
         self.plane.send_ranks(survivors, msg)
 
     def _note_averaging_again(self, rank: int, averaged: int) -> None:

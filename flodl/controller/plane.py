@@ -33,8 +33,18 @@ OnMessage = Callable[[bytes, Envelope], None]
 class ControlPlane:
     """Binds, sends, closes; knows ranks only to find their connections."""
 
-    def __init__(self, launch: LaunchOptions, config: DdpRunConfig, members: Membership, *, secret: bytes, run_id: str,
-                 clock: Callable[[], float], say: Callable[[str], None], deadlines: Deadlines) -> None:
+    def __init__(
+        self,
+        launch: LaunchOptions,
+        config: DdpRunConfig,
+        members: Membership,
+        *,
+        secret: bytes,
+        run_id: str,
+        clock: Callable[[], float],
+        say: Callable[[str], None],
+        deadlines: Deadlines,
+    ) -> None:
         self.launch = launch
         self.config = config
         self.members = members
@@ -61,12 +71,16 @@ class ControlPlane:
             curve.enable(self.secret)
         if not _is_loopback(self.launch.bind):
             if curve.enabled():
-                self.say(f"note: serving on {self.launch.bind}: frames are authenticated and encrypted (CURVE); "
-                         "torch's store and any nccl/gloo collectives are not")
+                self.say(
+                    f"note: serving on {self.launch.bind}: frames are authenticated and encrypted (CURVE); "
+                    "torch's store and any nccl/gloo collectives are not"
+                )
             else:
                 # every frame is signed (HMAC with the run secret), but nothing is encrypted
-                self.say(f"note: serving on {self.launch.bind} beyond loopback: frames are authenticated, not encrypted; "
-                         "keep the network trusted, tunnel it, or run with --encrypt")
+                self.say(
+                    f"note: serving on {self.launch.bind} beyond loopback: frames are authenticated, not encrypted; "
+                    "keep the network trusted, tunnel it, or run with --encrypt"
+                )
         self.fd_limit = _lift_fd_limit()
         sock, self.port = make_router(ctx, self.launch.bind, self.launch.port)
         self.endpoint = ControlEndpoint(sock, secret=self.secret, run_id=self.run_id, sender="controller", on_message=on_message)
@@ -77,8 +91,11 @@ class ControlPlane:
             from ..averaging.server import CpuAveraging  # torch, shm, bulk: only the CPU backend needs them
 
             self.averaging = CpuAveraging(
-                secret=self.secret, run_id=self.run_id, bind=self.launch.bind,
-                timeout_s=self.deadlines.snapshot_s, clock=self.clock,
+                secret=self.secret,
+                run_id=self.run_id,
+                bind=self.launch.bind,
+                timeout_s=self.deadlines.snapshot_s,
+                clock=self.clock,
             )
             self.averaging.live = lambda: {r.rank for r in self.members.live_ranks()}
             self.averaging.start()

@@ -26,8 +26,9 @@ log = logging.getLogger("flodl.controller")
 class Resume:
     """The sidecar of ``resume_from`` (None without one) and what it restores."""
 
-    def __init__(self, launch: LaunchOptions, config: DdpRunConfig, *, members: Membership, checkpoints: Checkpointer,
-                 console: Console) -> None:
+    def __init__(
+        self, launch: LaunchOptions, config: DdpRunConfig, *, members: Membership, checkpoints: Checkpointer, console: Console
+    ) -> None:
         self.launch = launch
         self.config = config
         self.members = members
@@ -58,17 +59,25 @@ class Resume:
         cov = meta["coverage"]
         for field_name, mine in (("dataset_len", info.dataset_len), ("batch_size", info.batch_size)):
             if int(cov[field_name]) != mine:
-                raise RunAborted(f"resume_from {self.config.resume_from}: the bundle was saved with {field_name} "
-                                 f"{cov[field_name]}, this task has {mine}; resume the same task", EXIT_CONFIG)
+                raise RunAborted(
+                    f"resume_from {self.config.resume_from}: the bundle was saved with {field_name} "
+                    f"{cov[field_name]}, this task has {mine}; resume the same task",
+                    EXIT_CONFIG,
+                )
         if int(cov["epochs"]) != total_epochs:
             log.warning("resume: the bundle planned %s epochs, this run %d", cov["epochs"], total_epochs)
         loop.restore(meta)
         self.checkpoints.remind_shared_storage({w.host for w in self.members.workers.values()})
         for field_name, mine in (("augment", self.config.augment), ("epoch_splits", self.config.epoch_splits)):
             if int(cov.get(field_name, 1)) != mine:
-                raise RunAborted(f"resume_from {self.config.resume_from}: the bundle was saved with {field_name} "
-                                 f"{cov.get(field_name, 1)}, this run has {mine}; resume with the same schedule", EXIT_CONFIG)
+                raise RunAborted(
+                    f"resume_from {self.config.resume_from}: the bundle was saved with {field_name} "
+                    f"{cov.get(field_name, 1)}, this run has {mine}; resume with the same schedule",
+                    EXIT_CONFIG,
+                )
         left = sum(s for item in cov["open"] for _, s in item["uncovered"])
         left += sum(schedule.epoch_len(e) for e in range(int(cov["next_epoch"]), total_epochs))
-        self.console.line(f"resuming {self.config.resume_from}: epoch {meta['epoch']}, global step {meta['global_step']}, "
-                          f"{left:,} samples left to train ({meta['save_reason']})")
+        self.console.line(
+            f"resuming {self.config.resume_from}: epoch {meta['epoch']}, global step {meta['global_step']}, "
+            f"{left:,} samples left to train ({meta['save_reason']})"
+        )

@@ -30,8 +30,20 @@ CHECKPOINT_WAIT_S = 120.0  # a rank writing a large model to slow storage
 class Saving:
     """Checkpoints and saves on the way out; owns which save a shutdown waits for."""
 
-    def __init__(self, config: DdpRunConfig, *, members: Membership, run: RunState, plane: ControlPlane, training: Training,
-                 checkpoints: Checkpointer, console: Console, monitor: Monitor, clock: Callable[[], float], run_id: str) -> None:
+    def __init__(
+        self,
+        config: DdpRunConfig,
+        *,
+        members: Membership,
+        run: RunState,
+        plane: ControlPlane,
+        training: Training,
+        checkpoints: Checkpointer,
+        console: Console,
+        monitor: Monitor,
+        clock: Callable[[], float],
+        run_id: str,
+    ) -> None:
         self.config = config
         self.members = members
         self.run = run
@@ -48,10 +60,16 @@ class Saving:
         """Where the run stands now, for a sidecar; coverage first, before parameters move on."""
         loop = self.training.cadence
         return {
-            "epoch": loop.lowest_open_epoch, "global_step": loop.global_step, "sync_round": loop.syncs,
-            "world_at_save": len(self.members.live_ranks()), "mode": self.config.elche.mode.name,
-            "run_id": self.run_id, "flodl_version": __version__, "param_count": self.training.info.param_count,
-            "elche_state": loop.elche.state_dict(), "coverage": loop.coverage(),
+            "epoch": loop.lowest_open_epoch,
+            "global_step": loop.global_step,
+            "sync_round": loop.syncs,
+            "world_at_save": len(self.members.live_ranks()),
+            "mode": self.config.elche.mode.name,
+            "run_id": self.run_id,
+            "flodl_version": __version__,
+            "param_count": self.training.info.param_count,
+            "elche_state": loop.elche.state_dict(),
+            "coverage": loop.coverage(),
         }
 
     def _remind_shared_storage(self) -> None:
@@ -76,8 +94,12 @@ class Saving:
             last = self.checkpoints.written[-1]
             self.console.line(f"checkpoint ({last['reason']}) at epoch {last['epoch']} -> {last['stem']}")
             now = self.clock()
-            self.monitor.span("checkpoint", start_s=now - msg.elapsed_ms / 1000.0, end_s=now, rank=msg.rank, args={"reason": last["reason"]})
-            self.monitor.event("checkpoint", f"checkpoint ({last['reason']}) at epoch {last['epoch']} written by rank {msg.rank}", rank=msg.rank, now_s=now)
+            self.monitor.span(
+                "checkpoint", start_s=now - msg.elapsed_ms / 1000.0, end_s=now, rank=msg.rank, args={"reason": last["reason"]}
+            )
+            self.monitor.event(
+                "checkpoint", f"checkpoint ({last['reason']}) at epoch {last['epoch']} written by rank {msg.rank}", rank=msg.rank, now_s=now
+            )
         self.run.changed()
 
     def save_and_stop(self, message: str, reason: str, code: int = EXIT_SAVED) -> None:

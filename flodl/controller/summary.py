@@ -16,16 +16,37 @@ from .teardown import Teardown
 from .training import Training
 
 
-def summarize(exit_reason: str, exit_code: int, *, run_id: str, config: DdpRunConfig, run: RunState, members: Membership,
-              plane: ControlPlane, admission: Admission, training: Training, liveness: Liveness, checkpoints: Checkpointer,
-              teardown: Teardown, now: float) -> dict:
+def summarize(
+    exit_reason: str,
+    exit_code: int,
+    *,
+    run_id: str,
+    config: DdpRunConfig,
+    run: RunState,
+    members: Membership,
+    plane: ControlPlane,
+    admission: Admission,
+    training: Training,
+    liveness: Liveness,
+    checkpoints: Checkpointer,
+    teardown: Teardown,
+    now: float,
+) -> dict:
     """One dict that says what the run did (``now``: the end, if the run has not marked one)."""
     wall = max(0.0, (run.finished_at or now) - run.started_at)
     history = training.history
     samples = sum(s.samples for s in history)
     per_rank: dict[int, dict] = {}
     for rank, info in sorted(members.ranks.items()):
-        per_rank[rank] = {"rank": rank, "host": info.host, "device": info.device, "pid": info.pid, "samples": 0, "batches": 0, "sync_ms": 0.0}
+        per_rank[rank] = {
+            "rank": rank,
+            "host": info.host,
+            "device": info.device,
+            "pid": info.pid,
+            "samples": 0,
+            "batches": 0,
+            "sync_ms": 0.0,
+        }
     for stats in history:
         for rank, part in stats.per_rank.items():
             row = per_rank.setdefault(rank, {"rank": rank, "samples": 0, "batches": 0, "sync_ms": 0.0})
@@ -60,9 +81,7 @@ def summarize(exit_reason: str, exit_code: int, *, run_id: str, config: DdpRunCo
         "eval_metric_name": task_info.eval_metric if has_eval else None,
         "history": [s.to_dict() for s in history],
         "deaths": [
-            {"rank": r.rank, "host": r.host, "pid": r.pid, "reason": r.death}
-            for r in members.ranks.values()
-            if r.state is PeerState.DEAD
+            {"rank": r.rank, "host": r.host, "pid": r.pid, "reason": r.death} for r in members.ranks.values() if r.state is PeerState.DEAD
         ],
         "recoveries": liveness.recoveries,
         "restarts": liveness.restarts,

@@ -37,9 +37,21 @@ ABORT_WAIT_S = 10.0
 class Teardown:
     """The local worker's life, and the end of every peer's."""
 
-    def __init__(self, launch: LaunchOptions, *, members: Membership, run: RunState, plane: ControlPlane, admission: Admission,
-                 saving: Saving, checkpoints: Checkpointer, console: Console, clock: Callable[[], float], secret: bytes,
-                 run_id: str) -> None:
+    def __init__(
+        self,
+        launch: LaunchOptions,
+        *,
+        members: Membership,
+        run: RunState,
+        plane: ControlPlane,
+        admission: Admission,
+        saving: Saving,
+        checkpoints: Checkpointer,
+        console: Console,
+        clock: Callable[[], float],
+        secret: bytes,
+        run_id: str,
+    ) -> None:
         self.launch = launch
         self.members = members
         self.run = run
@@ -67,8 +79,10 @@ class Teardown:
         self.worker_proc = await asyncio.create_subprocess_exec(*cmd, env=env, start_new_session=True)
         code = await self.worker_proc.wait()
         if not self.run.ended:
-            self.run.fail(f"the local worker (pid {self.worker_proc.pid}) {describe_exit(code)} before the run finished",
-                          EXIT_RANK_LOST if code else EXIT_FAILED)
+            self.run.fail(
+                f"the local worker (pid {self.worker_proc.pid}) {describe_exit(code)} before the run finished",
+                EXIT_RANK_LOST if code else EXIT_FAILED,
+            )
 
     async def stop_worker(self) -> None:
         """The local worker, if it outlived the run, is stopped (terminate, then kill)."""
@@ -117,7 +131,9 @@ class Teardown:
             else:
                 if exc.exit_code == EXIT_SAVED:
                     exc.exit_code = EXIT_RANK_LOST
-                self.console.line(f"the save to {stem} did not complete: {'; '.join(self.checkpoints.failed) or 'no answer from rank ' + str(writer)}")
+                self.console.line(
+                    f"the save to {stem} did not complete: {'; '.join(self.checkpoints.failed) or 'no answer from rank ' + str(writer)}"
+                )
         self.run.to(Phase.DONE)
 
     async def _wait_peers_gone(self, timeout_s: float) -> None:
@@ -126,8 +142,10 @@ class Teardown:
                 return True  # the local worker is gone, and its ranks died with it (PDEATHSIG)
             # a worker that left stopped its ranks first (or they died with it): no word will come from them
             with_worker = {r for w in self.members.workers.values() if w.exited for r in w.ranks}
-            ranks = all(r.rank in with_worker or r.state in (PeerState.EXITED, PeerState.DEAD) or r.exit_code is not None
-                        for r in self.members.ranks.values())
+            ranks = all(
+                r.rank in with_worker or r.state in (PeerState.EXITED, PeerState.DEAD) or r.exit_code is not None
+                for r in self.members.ranks.values()
+            )
             if self.worker_proc is not None:
                 return ranks and self.worker_proc.returncode is not None
             return ranks and all(w.exited for w in self.members.workers.values())

@@ -28,8 +28,18 @@ from .plane import ControlPlane
 class Training:
     """Windows, epochs and evals: recorded as reports arrive, printed in order."""
 
-    def __init__(self, launch: LaunchOptions, config: DdpRunConfig, *, members: Membership, run: RunState, plane: ControlPlane,
-                 console: Console, monitor: Monitor, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        launch: LaunchOptions,
+        config: DdpRunConfig,
+        *,
+        members: Membership,
+        run: RunState,
+        plane: ControlPlane,
+        console: Console,
+        monitor: Monitor,
+        clock: Callable[[], float],
+    ) -> None:
         self.launch = launch
         self.config = config
         self.members = members
@@ -75,8 +85,14 @@ class Training:
         """The cadence loop that plans every window from here on."""
         info = self.info
         self.cadence = CadenceLoop(
-            self.config, ranks, dataset_len=info.dataset_len, batch_size=info.batch_size,
-            epochs=self.total_epochs, seed=seed, global_step=self.global_step, schedule=self.schedule,
+            self.config,
+            ranks,
+            dataset_len=info.dataset_len,
+            batch_size=info.batch_size,
+            epochs=self.total_epochs,
+            seed=seed,
+            global_step=self.global_step,
+            schedule=self.schedule,
             span_epochs=self._edges_needed_every(),
         )
         return self.cadence
@@ -214,10 +230,17 @@ class Training:
     def description(self, run_id: str) -> dict:
         """What the dashboard and the record stream say about this run."""
         info = self.info
-        return {"run_id": run_id, "mode": self.config.elche.mode.name, "task": self.launch.task,
-                "world_size": self.members.world_size, "epochs": self.total_epochs, "dataset_len": info.dataset_len,
-                "batch_size": info.batch_size, "eval_metric": info.eval_metric if info.has_eval else None,
-                "reports_per_epoch": self.config.reports_per_epoch}
+        return {
+            "run_id": run_id,
+            "mode": self.config.elche.mode.name,
+            "task": self.launch.task,
+            "world_size": self.members.world_size,
+            "epochs": self.total_epochs,
+            "dataset_len": info.dataset_len,
+            "batch_size": info.batch_size,
+            "eval_metric": info.eval_metric if info.has_eval else None,
+            "reports_per_epoch": self.config.reports_per_epoch,
+        }
 
     # ============================================================ handlers
 
@@ -236,8 +259,15 @@ class Training:
         total = self.schedule.epoch_len(msg.epoch)
         elapsed = max(1e-9, self.clock() - self.run.started_at)
         done_total = sum(s.samples for s in self.history) + self.epoch_samples
-        self.console.progress(epoch=msg.epoch, epochs=self.total_epochs, done=self.epoch_samples, total=total, rate=done_total / elapsed,
-                              loss=self.epoch_loss, ranks=self._rank_rates())
+        self.console.progress(
+            epoch=msg.epoch,
+            epochs=self.total_epochs,
+            done=self.epoch_samples,
+            total=total,
+            rate=done_total / elapsed,
+            loss=self.epoch_loss,
+            ranks=self._rank_rates(),
+        )
 
     def _rank_rates(self) -> dict[int, float]:
         """Samples per second of each rank since the last progress line."""
@@ -262,7 +292,12 @@ class Training:
         if self.cadence is not None:
             self.cadence.note_pause(msg.elapsed_ms)
         now = self.clock()
-        self.monitor.span(f"eval epoch {msg.epoch + 1}", start_s=now - msg.elapsed_ms / 1000.0, end_s=now, rank=msg.rank,
-                          args={"value": msg.value, "error": msg.error})
+        self.monitor.span(
+            f"eval epoch {msg.epoch + 1}",
+            start_s=now - msg.elapsed_ms / 1000.0,
+            end_s=now,
+            rank=msg.rank,
+            args={"value": msg.value, "error": msg.error},
+        )
         self.flush_epoch_lines()
         self.run.changed()

@@ -86,8 +86,9 @@ class MachineReader:
     thread and would read 0.0 on every fresh ``asyncio.to_thread`` worker.
     """
 
-    def __init__(self, devices: list[str], *, process_cpu: bool = False, include_children: bool = False,
-                 visible: str | None = None) -> None:
+    def __init__(
+        self, devices: list[str], *, process_cpu: bool = False, include_children: bool = False, visible: str | None = None
+    ) -> None:
         self._process = psutil.Process()
         self._process_cpu = process_cpu
         self._include_children = include_children
@@ -169,8 +170,10 @@ class MachineReader:
         nv = _nvml()
         utils, used, total = [], 0.0, 0.0
         for h in self._handles:
-            got = self._quiet(lambda: (nv.nvmlDeviceGetUtilizationRates(h), nv.nvmlDeviceGetMemoryInfo(h)),  # noqa: B023 - called in this iteration
-                              "gpu read")
+            got = self._quiet(
+                lambda: (nv.nvmlDeviceGetUtilizationRates(h), nv.nvmlDeviceGetMemoryInfo(h)),  # noqa: B023 - called in this iteration
+                "gpu read",
+            )
             if got is _FAILED:
                 return {}  # one GPU unreadable ⇒ no GPU gauges this time rather than partial sums
             rates, mem = got
@@ -247,10 +250,17 @@ class ResourceSampler:
     safe to call from any thread.
     """
 
-    def __init__(self, devices: list[str], *, interval_s: float = 0.5,
-                 clock: Callable[[], float] = time.monotonic,
-                 read: Callable[[], Reading] | None = None, process_cpu: bool = False,
-                 include_children: bool = False, visible_devices: str | None = None) -> None:
+    def __init__(
+        self,
+        devices: list[str],
+        *,
+        interval_s: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+        read: Callable[[], Reading] | None = None,
+        process_cpu: bool = False,
+        include_children: bool = False,
+        visible_devices: str | None = None,
+    ) -> None:
         """``visible_devices`` is ``CUDA_VISIBLE_DEVICES``; None reads it from the environment."""
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
@@ -261,8 +271,7 @@ class ResourceSampler:
         self._owned: MachineReader | None = None
         if read is None:
             visible = visible_devices if visible_devices is not None else cuda_visible_devices()
-            read = self._owned = MachineReader(self.devices, process_cpu=process_cpu,
-                                               include_children=include_children, visible=visible)
+            read = self._owned = MachineReader(self.devices, process_cpu=process_cpu, include_children=include_children, visible=visible)
         self._read = read
         self._read_lock = threading.Lock()  # one reading at a time (NVML and cpu_times baselines)
         self._lock = threading.Lock()  # guards the interval's stats

@@ -129,7 +129,7 @@ def _port(value: Any, where: str) -> int:
 
 def _env(value: Any, where: str) -> dict[str, str]:
     if not isinstance(value, dict):
-        raise ConfigError(where, f"must be a table of NAME = \"value\", got {value!r}")
+        raise ConfigError(where, f'must be a table of NAME = "value", got {value!r}')
     for name, v in value.items():
         if not _ENV_NAME.match(name):
             raise ConfigError(f"{where}.{name}", "is not a valid environment variable name")
@@ -142,14 +142,14 @@ def _env(value: Any, where: str) -> dict[str, str]:
 
 def _ssh_options(value: Any, where: str) -> tuple[str, ...]:
     if not isinstance(value, list):
-        raise ConfigError(where, f"must be a list of \"Key=Value\" strings, got {value!r}")
+        raise ConfigError(where, f'must be a list of "Key=Value" strings, got {value!r}')
     return tuple(check_ssh_option(v, where) for v in value)
 
 
 def check_ssh_option(value: Any, where: str) -> str:
     """One ``Key=Value`` ssh option. Raises: ConfigError on a bad form or a launcher-owned key."""
     if not isinstance(value, str) or not _SSH_OPTION.match(value):
-        raise ConfigError(where, f"each option must be \"Key=Value\" (as for ssh -o), got {value!r}")
+        raise ConfigError(where, f'each option must be "Key=Value" (as for ssh -o), got {value!r}')
     if value.partition("=")[0].lower() in RESERVED_SSH_OPTIONS:
         raise ConfigError(where, f"{value!r}: BatchMode and RequestTTY are set by the launcher and cannot be changed")
     return value
@@ -158,8 +158,11 @@ def check_ssh_option(value: Any, where: str) -> str:
 def with_defaults(host: Host, *, python: str, workdir: str, nccl: str | None, gloo: str | None) -> Host:
     """``host`` with the launcher-wide values filled in where the hostfile left a key out."""
     return dataclasses.replace(
-        host, python=host.python or python, workdir=host.workdir or workdir,
-        nccl_socket_ifname=host.nccl_socket_ifname or nccl, gloo_socket_ifname=host.gloo_socket_ifname or gloo,
+        host,
+        python=host.python or python,
+        workdir=host.workdir or workdir,
+        nccl_socket_ifname=host.nccl_socket_ifname or nccl,
+        gloo_socket_ifname=host.gloo_socket_ifname or gloo,
     )
 
 
@@ -178,8 +181,16 @@ def worker_environment(host: Host) -> dict[str, str]:
 
 def remote_command(host: Host, controller: str, *, encrypt: bool = False) -> str:
     """The shell command ssh runs on the host: cd, then exec the worker reading its secret from stdin."""
-    argv = ["env", *(f"{k}={v}" for k, v in worker_environment(host).items()),
-            host.python or "python3", "-m", "flodl.worker", "--controller", controller, "--secret-from-stdin"]
+    argv = [
+        "env",
+        *(f"{k}={v}" for k, v in worker_environment(host).items()),
+        host.python or "python3",
+        "-m",
+        "flodl.worker",
+        "--controller",
+        controller,
+        "--secret-from-stdin",
+    ]
     if encrypt:
         argv.append("--encrypt")
     if host.devices:
@@ -187,8 +198,14 @@ def remote_command(host: Host, controller: str, *, encrypt: bool = False) -> str
     return f"cd {shlex.quote(host.workdir or '.')} && exec {shlex.join(argv)}"
 
 
-def ssh_argv(host: Host, controller: str, *, extra_options: tuple[str, ...] = (), connect_timeout_s: int = DEFAULT_CONNECT_TIMEOUT_S,
-             encrypt: bool = False) -> list[str]:
+def ssh_argv(
+    host: Host,
+    controller: str,
+    *,
+    extra_options: tuple[str, ...] = (),
+    connect_timeout_s: int = DEFAULT_CONNECT_TIMEOUT_S,
+    encrypt: bool = False,
+) -> list[str]:
     """The full ssh command line for one host (no secret in it).
 
     ssh keeps the *first* value it is given for an option, so the order is:

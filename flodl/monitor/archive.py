@@ -31,8 +31,7 @@ def archive_html(feed_or_snapshot: Feed | Iterable[dict[str, Any]], *, theme: st
     return render_page(theme=theme, data_json=data)
 
 
-def write_archive(path: str | os.PathLike[str], feed_or_snapshot: Feed | Iterable[dict[str, Any]],
-                  *, theme: str | None = None) -> Path:
+def write_archive(path: str | os.PathLike[str], feed_or_snapshot: Feed | Iterable[dict[str, Any]], *, theme: str | None = None) -> Path:
     """Write the archive to ``path`` atomically; returns the path written.
 
     Raises:

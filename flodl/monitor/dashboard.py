@@ -37,8 +37,7 @@ _MAX_LINE_BYTES = 8 * 1024
 _MAX_HEADERS = 64
 _SSE_CHUNK_BYTES = 64 * 1024
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            500: "Internal Server Error"}
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error"}
 
 
 class BadRequest(Exception):
@@ -127,8 +126,7 @@ class DashboardServer:
 
     async def start(self) -> int:
         """Bind and start accepting; returns the bound port."""
-        self._server = await asyncio.start_server(
-            self._serve_client, self.host, self.port, limit=_MAX_LINE_BYTES)
+        self._server = await asyncio.start_server(self._serve_client, self.host, self.port, limit=_MAX_LINE_BYTES)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("dashboard: http://%s:%d/", self.host, self.port)
         return self.port
@@ -244,8 +242,10 @@ class DashboardServer:
     # -- SSE ----------------------------------------------------------------
 
     async def _stream(self, writer: asyncio.StreamWriter) -> None:
-        head = ("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-store\r\n"
-                "Connection: close\r\nX-Accel-Buffering: no\r\n\r\nretry: 2000\n\n")
+        head = (
+            "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-store\r\n"
+            "Connection: close\r\nX-Accel-Buffering: no\r\n\r\nretry: 2000\n\n"
+        )
         replay, sub = self.feed.open_stream()
         client = self._clients.get(asyncio.current_task())  # type: ignore[arg-type]
         if client is not None:
@@ -292,11 +292,12 @@ class DashboardServer:
     async def _json(self, writer: asyncio.StreamWriter, status: int, body: Any) -> None:
         await self._respond(writer, status, encode_record(body).encode(), "application/json")
 
-    async def _respond(self, writer: asyncio.StreamWriter, status: int, body: bytes,
-                       content_type: str, *, extra: str = "") -> None:
-        head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n"
-                f"Content-Length: {len(body)}\r\nCache-Control: no-store\r\n{extra}"
-                "Connection: close\r\n\r\n")
+    async def _respond(self, writer: asyncio.StreamWriter, status: int, body: bytes, content_type: str, *, extra: str = "") -> None:
+        head = (
+            f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\nCache-Control: no-store\r\n{extra}"
+            "Connection: close\r\n\r\n"
+        )
         await self._send(writer, head.encode() + body)
 
     async def _send(self, writer: asyncio.StreamWriter, data: bytes) -> None:

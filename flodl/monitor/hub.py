@@ -52,8 +52,14 @@ def rank_track(rank: int) -> str:
 class Monitor:
     """Records, dashboard feed, alerts and timeline of one run."""
 
-    def __init__(self, config: DdpRunConfig, *, say: Callable[[str], None], clock: Callable[[], float] = time.monotonic,
-                 dashboard: tuple[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        config: DdpRunConfig,
+        *,
+        say: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+        dashboard: tuple[str, int] | None = None,
+    ) -> None:
         self.config = config
         self.say = say
         # the engine's own non-core keys, then the user's declarations (which win)
@@ -133,14 +139,28 @@ class Monitor:
         track = (rank_track(report.rank), "train")
         sync_s = report.sync_ms / 1000.0
         if started_s is not None and arrived_s - sync_s > started_s:
-            self.timeline.span(f"window {report.window}", track=track, start_s=started_s, end_s=arrived_s - sync_s,
-                               args={"batches": report.batches, "samples": report.consumed, "data_ms": round(report.data_ms, 3)})
+            self.timeline.span(
+                f"window {report.window}",
+                track=track,
+                start_s=started_s,
+                end_s=arrived_s - sync_s,
+                args={"batches": report.batches, "samples": report.consumed, "data_ms": round(report.data_ms, 3)},
+            )
         if sync_s > 0:
-            self.timeline.span("average", track=(rank_track(report.rank), "average"), start_s=arrived_s - sync_s, end_s=arrived_s,
-                               args={"ms": round(report.sync_ms, 3)})
+            self.timeline.span(
+                "average",
+                track=(rank_track(report.rank), "average"),
+                start_s=arrived_s - sync_s,
+                end_s=arrived_s,
+                args={"ms": round(report.sync_ms, 3)},
+            )
         if report.batches:
-            self.timeline.counter("data wait share", track=track, at_s=arrived_s,
-                                  values={"share": report.data_ms / max(1e-9, report.compute_ms + report.data_ms)})
+            self.timeline.counter(
+                "data wait share",
+                track=track,
+                at_s=arrived_s,
+                values={"share": report.data_ms / max(1e-9, report.compute_ms + report.data_ms)},
+            )
 
     def window_settled(self, number: int, reports: Mapping[int, m.WindowDone], *, now_s: float) -> None:
         """A window's reports are folded in: a sub-epoch report if one is due.
@@ -171,14 +191,25 @@ class Monitor:
         busy_ms = report.compute_ms + report.data_ms
         metrics: dict[str, float] = {"batch_share": report.batches / total_batches}
         if report.batches:
-            metrics.update(loss=report.loss_sum / report.batches, compute_only_ms=report.compute_ms / report.batches,
-                           data_starve=report.data_ms / busy_ms if busy_ms > 0 else 0.0)
+            metrics.update(
+                loss=report.loss_sum / report.batches,
+                compute_only_ms=report.compute_ms / report.batches,
+                data_starve=report.data_ms / busy_ms if busy_ms > 0 else 0.0,
+            )
         if report.data:
             metrics.update(_data_metrics(*_tier_totals(report.data)))
         if busy_ms > 0:
             metrics["throughput"] = report.consumed * 1000.0 / busy_ms
-        return node_record(self.paths[report.rank], metrics=metrics, work=float(report.batches), alive=True, ts_ms=ts,
-                           epoch=epoch, tick=tick, res=self.res.get(report.rank))
+        return node_record(
+            self.paths[report.rank],
+            metrics=metrics,
+            work=float(report.batches),
+            alive=True,
+            ts_ms=ts,
+            epoch=epoch,
+            tick=tick,
+            res=self.res.get(report.rank),
+        )
 
     def epoch_done(self, stats: EpochStats, *, alive: set[int], now_s: float) -> None:
         """An epoch is trained, averaged and (if due) scored: its records, one per node."""
@@ -195,8 +226,13 @@ class Monitor:
             records[0]["metrics"]["anchor"] = self.anchor
         for record in records:
             self._emit(record)
-        self.timeline.instant(f"epoch {stats.epoch + 1} done", track=(CONTROLLER, "epochs"), at_s=now_s, scope="g",
-                              args={"loss": stats.avg_loss, "samples": stats.samples, "eval": stats.eval_value})
+        self.timeline.instant(
+            f"epoch {stats.epoch + 1} done",
+            track=(CONTROLLER, "epochs"),
+            at_s=now_s,
+            scope="g",
+            args={"loss": stats.avg_loss, "samples": stats.samples, "eval": stats.eval_value},
+        )
 
     def anchor_changed(self, anchor: int, *, now_s: float, counts: list[int]) -> None:
         if anchor == self.anchor:
@@ -247,8 +283,11 @@ class Monitor:
 def _tier_totals(data: Mapping[str, Any]) -> tuple[int, int, int]:
     """A window's ``WindowDone.data``: (hits over every tier, dataset reads, bytes held in every tier)."""
     tiers = ("vram", "ram", "disk")
-    return (sum(int(data.get(f"{t}_hits", 0)) for t in tiers), int(data.get("source_fetches", 0)),
-            sum(int(data.get(f"{t}_bytes", 0)) for t in tiers))
+    return (
+        sum(int(data.get(f"{t}_hits", 0)) for t in tiers),
+        int(data.get("source_fetches", 0)),
+        sum(int(data.get(f"{t}_bytes", 0)) for t in tiers),
+    )
 
 
 def _data_metrics(hits: int, fetches: int, held: int) -> dict[str, float]:

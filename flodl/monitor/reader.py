@@ -72,8 +72,7 @@ def _epoch_rows(recs: list[dict]) -> dict[int, dict]:
 
 def _leaves_under(records: dict[str, list[dict]], path: str) -> list[str]:
     prefix = path + "/"
-    return [p for p, recs in records.items()
-            if p.startswith(prefix) and any(r.get("kind") == "node" and "children" not in r for r in recs)]
+    return [p for p, recs in records.items() if p.startswith(prefix) and any(r.get("kind") == "node" and "children" not in r for r in recs)]
 
 
 def epoch_table(logdir: str | Path | dict[str, list[dict]], path: str = ROOT) -> list[dict]:
@@ -104,7 +103,8 @@ def _row(epoch: int, rec: dict, leaves: dict[str, dict[int, dict]]) -> dict:
         "syncs": metrics.get("syncs"),
         "ranks": {
             leaf.rsplit("/", 1)[-1]: by_epoch[epoch].get("metrics", {}).get("throughput")
-            for leaf, by_epoch in leaves.items() if epoch in by_epoch
+            for leaf, by_epoch in leaves.items()
+            if epoch in by_epoch
         },
     }
 
@@ -123,9 +123,15 @@ def format_table(rows: list[dict]) -> str:
     ranks = sorted({r for row in rows for r in row["ranks"]}, key=natural_key)
     head = ["epoch", "loss", "eval", "samples/s", "samples", "syncs", *(f"{r} s/s" for r in ranks)]
     body = [
-        [_cell(row["epoch"], "d"), _cell(row["loss"], ".4f"), _cell(row["eval"], ".4f"),
-         _cell(row["throughput"], ".1f"), _cell(row["samples"], ".0f"), _cell(row["syncs"], "d"),
-         *(_cell(row["ranks"].get(r), ".1f") for r in ranks)]
+        [
+            _cell(row["epoch"], "d"),
+            _cell(row["loss"], ".4f"),
+            _cell(row["eval"], ".4f"),
+            _cell(row["throughput"], ".1f"),
+            _cell(row["samples"], ".0f"),
+            _cell(row["syncs"], "d"),
+            *(_cell(row["ranks"].get(r), ".1f") for r in ranks),
+        ]
         for row in rows
     ]
     widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
@@ -138,8 +144,10 @@ def format_events(found: list[dict]) -> str:
     shown = [e for e in found if e.get("class") != "sync"]
     lines = [f"events ({len(shown)}" + (f", plus {syncs} sync" if syncs else "") + "):"]
     for e in shown:
-        lines.append(f"  ts={e.get('ts')} {e.get('sev', '?'):<8} {e.get('class', '?'):<12} "
-                     f"{e.get('path', '?')} x{e.get('count', 1)}: {e.get('detail', '')}")
+        lines.append(
+            f"  ts={e.get('ts')} {e.get('sev', '?'):<8} {e.get('class', '?'):<12} "
+            f"{e.get('path', '?')} x{e.get('count', 1)}: {e.get('detail', '')}"
+        )
     return "\n".join(lines)
 
 
@@ -151,8 +159,9 @@ def _header(meta: dict | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flodl.monitor.reader",
-                                     description="Print a run's epoch table and alerts from its record logs.")
+    parser = argparse.ArgumentParser(
+        prog="python -m flodl.monitor.reader", description="Print a run's epoch table and alerts from its record logs."
+    )
     parser.add_argument("logdir", help="the run's record_log_dir")
     parser.add_argument("--path", default=ROOT, help="node whose epochs to show (default: root)")
     parser.add_argument("--json", action="store_true", help="print {meta, epochs, events} as JSON")

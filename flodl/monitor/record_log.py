@@ -64,7 +64,7 @@ class _NodeFile:
     def write(self, data: bytes) -> None:
         view = memoryview(data)
         while view:
-            view = view[self.file.write(view):]
+            view = view[self.file.write(view) :]
         self.bytes += len(data)
 
     def rotate(self) -> None:

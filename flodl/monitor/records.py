@@ -107,11 +107,7 @@ def _rollup_field(children: Sequence[Mapping], field: str, reduction_of) -> dict
     keys = sorted({k for c in children for k in (c.get(field) or {})})
     out: dict[str, float] = {}
     for key in keys:
-        contribs = [
-            (c[field][key], float(c.get("work") or 0.0))
-            for c in children
-            if _is_number((c.get(field) or {}).get(key))
-        ]
+        contribs = [(c[field][key], float(c.get("work") or 0.0)) for c in children if _is_number((c.get(field) or {}).get(key))]
         value = reduce(reduction_of(key), contribs)
         if value is not None:  # absent stays absent, never zero-filled
             out[key] = value
@@ -197,8 +193,7 @@ def node_record(
 
 def event_record(path: str, cls: str, detail: str, *, sev: str, count: int = 1, ts_ms: int) -> dict:
     """A ``kind: event`` (alert) record; ``count`` = occurrences it stands for."""
-    return {"v": VERSION, "ts": int(ts_ms), "sev": sev, "path": path, "kind": "event",
-            "class": cls, "detail": detail, "count": count}
+    return {"v": VERSION, "ts": int(ts_ms), "sev": sev, "path": path, "kind": "event", "class": cls, "detail": detail, "count": count}
 
 
 def meta_record(reductions: Reductions, *, ts_ms: int, run: Mapping) -> dict:
@@ -341,10 +336,17 @@ def _build(path, by_path, kids, template, reductions) -> tuple[dict, list[dict]]
     direct = [node for node, _ in built]
     agg = rollup(direct, reductions)
     node = node_record(
-        path, metrics=agg["metrics"], work=agg["work"], res=agg.get("res"),
-        alive=sum(1 for c in direct if c.get("alive")), children=len(direct),
-        ts_ms=template["ts"], epoch=template.get("epoch"), tick=template.get("tick"),
-        epoch_complete=bool(template.get("epoch_complete")), sev=template.get("sev", "info"),
+        path,
+        metrics=agg["metrics"],
+        work=agg["work"],
+        res=agg.get("res"),
+        alive=sum(1 for c in direct if c.get("alive")),
+        children=len(direct),
+        ts_ms=template["ts"],
+        epoch=template.get("epoch"),
+        tick=template.get("tick"),
+        epoch_complete=bool(template.get("epoch_complete")),
+        sev=template.get("sev", "info"),
     )
     return node, [node] + [rec for _, subtree in built for rec in subtree]
 
@@ -366,7 +368,8 @@ def epoch_leaf_metrics(stats: EpochStats, rank: int, reductions: Reductions | No
     declared = reductions or {}
     metrics: dict[str, float] = {
         key: total if reduction_for(key, declared) is Reduction.SUM else total / count
-        for key, (total, count) in part.scalars.items() if count > 0
+        for key, (total, count) in part.scalars.items()
+        if count > 0
     }
     if part.batches > 0:
         metrics["loss"] = part.loss_sum / part.batches
@@ -405,11 +408,20 @@ def epoch_records(
     for rank, path in sorted(paths.items()):
         metrics, work = epoch_leaf_metrics(stats, rank, reductions)
         metrics.update((extra or {}).get(rank, {}))
-        leaves.append(node_record(
-            path, metrics=metrics, work=work, alive=rank in live, ts_ms=ts_ms, epoch=stats.epoch,
-            epoch_complete=True, label=(labels or {}).get(rank), res=(res or {}).get(rank),
-            device=(devices or {}).get(rank),
-        ))
+        leaves.append(
+            node_record(
+                path,
+                metrics=metrics,
+                work=work,
+                alive=rank in live,
+                ts_ms=ts_ms,
+                epoch=stats.epoch,
+                epoch_complete=True,
+                label=(labels or {}).get(rank),
+                res=(res or {}).get(rank),
+                device=(devices or {}).get(rank),
+            )
+        )
     records = tree_records(leaves, reductions)
     if records:
         _inject_root(records[0]["metrics"], stats)
@@ -442,8 +454,7 @@ class _Alert:
     pending: int = 0  # absorbed since the last emission: the stream still owes them
 
     def record(self, count: int) -> dict:
-        return event_record(self.path, self.cls, self.detail, sev=ALERT_SEVERITY[self.cls],
-                            count=count, ts_ms=self.ts_ms)
+        return event_record(self.path, self.cls, self.detail, sev=ALERT_SEVERITY[self.cls], count=count, ts_ms=self.ts_ms)
 
 
 class AlertLane:
@@ -514,8 +525,7 @@ class AlertLane:
 
     def _overflow_record(self) -> dict:
         detail = f"{self.dropped} alert(s) dropped by the {self.max_live}-entry live cap"
-        return event_record(ROOT, "overflow", detail, sev=ALERT_SEVERITY["overflow"],
-                            count=self._dropped_pending, ts_ms=self._dropped_ts)
+        return event_record(ROOT, "overflow", detail, sev=ALERT_SEVERITY["overflow"], count=self._dropped_pending, ts_ms=self._dropped_ts)
 
     def flush(self, now_ms: int) -> list[dict]:
         """Emit every absorbed repeat and owed overflow count (call at teardown)."""

@@ -32,9 +32,7 @@ Track = tuple[str, str]
 
 INSTANT_SCOPES = frozenset({"g", "p", "t"})
 PHASES = frozenset(["B", "E", "X", "i", "I", "C", "M", "b", "e", "n", "s", "t", "f", "P", "O", "N", "D"])
-METADATA_NAMES = frozenset(
-    {"process_name", "thread_name", "process_sort_index", "thread_sort_index", "process_labels"}
-)
+METADATA_NAMES = frozenset({"process_name", "thread_name", "process_sort_index", "thread_sort_index", "process_labels"})
 DEFAULT_CAT = "flodl"
 _US_PER_S = 1_000_000.0
 
@@ -79,8 +77,17 @@ class Timeline:
 
     # ---- recording -------------------------------------------------------
 
-    def span(self, name: str, *, track: Track, start_s: float, end_s: float,
-             args: Mapping[str, Any] | None = None, cat: str = DEFAULT_CAT, offset_s: float = 0.0) -> None:
+    def span(
+        self,
+        name: str,
+        *,
+        track: Track,
+        start_s: float,
+        end_s: float,
+        args: Mapping[str, Any] | None = None,
+        cat: str = DEFAULT_CAT,
+        offset_s: float = 0.0,
+    ) -> None:
         """A complete event (``ph: X``) from ``start_s`` to ``end_s``.
 
         A span that ends before it starts (clock jitter across an offset
@@ -89,9 +96,17 @@ class Timeline:
         start, end = start_s + offset_s, end_s + offset_s
         self._push("X", name, track, start, max(0.0, end - start), args, cat, "t")
 
-    def instant(self, name: str, *, track: Track, at_s: float | None = None,
-                args: Mapping[str, Any] | None = None, scope: str = "t",
-                cat: str = DEFAULT_CAT, offset_s: float = 0.0) -> None:
+    def instant(
+        self,
+        name: str,
+        *,
+        track: Track,
+        at_s: float | None = None,
+        args: Mapping[str, Any] | None = None,
+        scope: str = "t",
+        cat: str = DEFAULT_CAT,
+        offset_s: float = 0.0,
+    ) -> None:
         """A point event (``ph: i``); ``at_s`` defaults to now.
 
         ``scope`` draws it across the thread ("t"), process ("p") or the
@@ -105,14 +120,14 @@ class Timeline:
         at = self.clock() if at_s is None else at_s + offset_s
         self._push("i", name, track, at, 0.0, args, cat, scope)
 
-    def counter(self, name: str, *, track: Track, at_s: float, values: Mapping[str, float],
-                cat: str = DEFAULT_CAT, offset_s: float = 0.0) -> None:
+    def counter(
+        self, name: str, *, track: Track, at_s: float, values: Mapping[str, float], cat: str = DEFAULT_CAT, offset_s: float = 0.0
+    ) -> None:
         """A counter sample (``ph: C``): one series per key of ``values``."""
         self._push("C", name, track, at_s + offset_s, 0.0, dict(values), cat, "t")
 
     @contextlib.contextmanager
-    def measure(self, name: str, *, track: Track, args: Mapping[str, Any] | None = None,
-                cat: str = DEFAULT_CAT) -> Iterator[None]:
+    def measure(self, name: str, *, track: Track, args: Mapping[str, Any] | None = None, cat: str = DEFAULT_CAT) -> Iterator[None]:
         """Record the body as a span; an exception is noted in its args and re-raised."""
         start = self.clock()
         extra: dict[str, Any] = dict(args or {})
@@ -130,8 +145,9 @@ class Timeline:
             self._pid(process)
             self._sort[process] = index
 
-    def _push(self, ph: str, name: str, track: Track, t_s: float, dur_s: float,
-              args: Mapping[str, Any] | None, cat: str, scope: str) -> None:
+    def _push(
+        self, ph: str, name: str, track: Track, t_s: float, dur_s: float, args: Mapping[str, Any] | None, cat: str, scope: str
+    ) -> None:
         if not (math.isfinite(t_s) and math.isfinite(dur_s)):
             with self._lock:
                 self.invalid += 1
@@ -233,8 +249,7 @@ def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]
 
 def _format(e: _Event, origin: float) -> dict[str, Any]:
     """One raw event as a trace dict (times in µs, args sanitized)."""
-    ev: dict[str, Any] = {"name": e.name, "cat": e.cat, "ph": e.ph, "pid": e.pid, "tid": e.tid,
-                          "ts": _us(e.t_s - origin)}
+    ev: dict[str, Any] = {"name": e.name, "cat": e.cat, "ph": e.ph, "pid": e.pid, "tid": e.tid, "ts": _us(e.t_s - origin)}
     if e.ph == "X":
         ev["dur"] = _us(e.dur_s)
     elif e.ph == "i":
@@ -409,7 +424,11 @@ def _check_metadata(ev: dict[str, Any]) -> list[str]:
 
 
 _PHASE_CHECKS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
-    "X": _check_x, "i": _check_instant, "I": _check_instant, "C": _check_counter, "M": _check_metadata,
+    "X": _check_x,
+    "i": _check_instant,
+    "I": _check_instant,
+    "C": _check_counter,
+    "M": _check_metadata,
 }
 
 

@@ -196,8 +196,12 @@ class CadenceLoop:
         first epoch never opened. Resuming trains exactly the rest."""
         d = self.dispatcher
         return {
-            "seed": self.seed, "dataset_len": d.dataset_len, "batch_size": d.batch_size, "epochs": d.epochs,
-            "augment": self.schedule.augment, "epoch_splits": self.schedule.epoch_splits,
+            "seed": self.seed,
+            "dataset_len": d.dataset_len,
+            "batch_size": d.batch_size,
+            "epochs": d.epochs,
+            "augment": self.schedule.augment,
+            "epoch_splits": self.schedule.epoch_splits,
             "next_epoch": d.next_epoch,
             "open": [{"epoch": e, "total": p.total, "uncovered": [list(r) for r in p.uncovered()]} for e, p in sorted(d.pools.items())],
         }
@@ -253,7 +257,9 @@ class CadenceLoop:
         """Ranks whose report ``window`` still needs (the dead report nothing)."""
         return {r for r, p in self.plans.get(window, {}).items() if not p.dead}
 
-    def on_reports(self, window: int, reports: dict[int, m.WindowDone], now: float, dead_batches: dict[int, int] | None = None) -> list[EpochStats]:
+    def on_reports(
+        self, window: int, reports: dict[int, m.WindowDone], now: float, dead_batches: dict[int, int] | None = None
+    ) -> list[EpochStats]:
         """Fold one window's reports in; return the epochs completed by it, aggregated.
 
         A rank that died in this window is settled from what the consensus holds
@@ -366,8 +372,15 @@ class CadenceLoop:
             self.anchor_history.append(self.elche.anchor)
         log.debug(
             "window %d (%.1f ms): train ms %s, batches %s, sync ms %s, drift %s -> %s; anchor %d, counts %s",
-            window, window_ms, [round(w, 1) for w in walls], batches, [round(reports[r].sync_ms, 1) for r in self.ranks],
-            self.divergence[-1] if self.divergence else None, verdict.kind, self.elche.anchor, self.elche.batch_counts,
+            window,
+            window_ms,
+            [round(w, 1) for w in walls],
+            batches,
+            [round(reports[r].sync_ms, 1) for r in self.ranks],
+            self.divergence[-1] if self.divergence else None,
+            verdict.kind,
+            self.elche.anchor,
+            self.elche.batch_counts,
         )
 
     def _close(self, epoch: int, now: float) -> EpochStats:
@@ -375,8 +388,17 @@ class CadenceLoop:
         wall_ms = (now - acc.started) * 1000.0
         reports = [
             EpochReport(
-                rank=rank, epoch=epoch, batches=c.batches, samples=c.samples, loss_sum=c.loss_sum, wall_ms=wall_ms,
-                compute_ms=c.compute_ms, data_ms=c.data_ms, sync_ms=c.sync_ms, syncs=acc.syncs, scalars=acc.scalars.get(rank, {}),
+                rank=rank,
+                epoch=epoch,
+                batches=c.batches,
+                samples=c.samples,
+                loss_sum=c.loss_sum,
+                wall_ms=wall_ms,
+                compute_ms=c.compute_ms,
+                data_ms=c.data_ms,
+                sync_ms=c.sync_ms,
+                syncs=acc.syncs,
+                scalars=acc.scalars.get(rank, {}),
             )
             for rank, c in sorted(acc.rows.items())
         ]

@@ -275,8 +275,9 @@ class Dispatcher:
             split[r] += 1
         return split
 
-    def _plan_across_edge(self, pool: EpochPool, nxt: EpochPool, plans: dict[int, WindowPlan], elche: ElChe,
-                          counts: dict[int, int], cap: int | None) -> None:
+    def _plan_across_edge(
+        self, pool: EpochPool, nxt: EpochPool, plans: dict[int, WindowPlan], elche: ElChe, counts: dict[int, int], cap: int | None
+    ) -> None:
         """Cadence, epochs flowing: a full window that finishes ``pool`` and goes on into ``nxt`` (and on).
 
         Each rank's grants start with its speed-proportional share of the old
@@ -319,7 +320,9 @@ class Dispatcher:
             plan.quota_batches = self._batches(plan.samples)
             stream = min(self.max_overshoot, counts[r] - plan.quota_batches)
             if stream > 0:  # Async: top the window up from the next epoch
-                nxt = self.pools.get(pool.epoch + 1) or (self._open_next({x: float(c) for x, c in counts.items()}) if self.next_epoch == pool.epoch + 1 else None)
+                nxt = self.pools.get(pool.epoch + 1) or (
+                    self._open_next({x: float(c) for x, c in counts.items()}) if self.next_epoch == pool.epoch + 1 else None
+                )
                 if nxt is not None:
                     self._grant(nxt, plan, stream)
                     plan.quota_batches = self._batches(plan.samples)

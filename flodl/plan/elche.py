@@ -209,9 +209,7 @@ class ElChe:
         target = _require_real("overhead_target", overhead_target)
         self.overhead_target = _clamp(target, OVERHEAD_TARGET_MIN, OVERHEAD_TARGET_MAX)
         self.max_batch_diff = None if max_batch_diff is None else _require_int("max_batch_diff", max_batch_diff, 0)
-        self.max_total_batches = (
-            None if max_total_batches is None else _require_int("max_total_batches", max_total_batches, 1)
-        )
+        self.max_total_batches = None if max_total_batches is None else _require_int("max_total_batches", max_total_batches, 1)
         self.relax_up = bool(relax_up)
         self.gate_growth = bool(gate_growth)
         self.sync_policy = bool(sync_policy)
@@ -247,8 +245,7 @@ class ElChe:
         return tuple(float(r) for r in values)
 
     @classmethod
-    def from_config(cls, elche_config: ElCheConfig, world_size: int, *,
-                    max_total_batches: int | None = None) -> ElChe:
+    def from_config(cls, elche_config: ElCheConfig, world_size: int, *, max_total_batches: int | None = None) -> ElChe:
         """The balancer a run with ``elche_config`` uses over ``world_size`` ranks."""
         return cls(
             world_size,
@@ -328,8 +325,7 @@ class ElChe:
         """
         if len(wall_ms) != self.world_size or len(batches) != self.world_size:
             raise ValueError(
-                f"report_timing needs one entry per rank ({self.world_size}), "
-                f"got {len(wall_ms)} wall times and {len(batches)} batch counts"
+                f"report_timing needs one entry per rank ({self.world_size}), got {len(wall_ms)} wall times and {len(batches)} batch counts"
             )
         self._update_speeds(wall_ms, batches)
         if not self._elect():
@@ -482,10 +478,7 @@ class ElChe:
         assert self.partition_ratios is not None
         slow = self._smallest_ratio_rank()
         base = self.partition_ratios[slow]
-        return [
-            anchor if r == slow else max(1, _round_half_up(anchor * ratio / base))
-            for r, ratio in enumerate(self.partition_ratios)
-        ]
+        return [anchor if r == slow else max(1, _round_half_up(anchor * ratio / base)) for r, ratio in enumerate(self.partition_ratios)]
 
     def _projected_counts(self, anchor: int) -> list[int]:
         """The counts a given anchor would produce (no dead zone, no per-update cap)."""

@@ -42,8 +42,7 @@ def max_relative_delta(divergences: Iterable[float | None]) -> float:
     return max((float(d) for d in divergences if d is not None), default=0.0)
 
 
-def cosine_and_shift(pre_norm: float | None, post_norm: float | None,
-                     d: float | None) -> tuple[float | None, float | None]:
+def cosine_and_shift(pre_norm: float | None, post_norm: float | None, d: float | None) -> tuple[float | None, float | None]:
     """Angle and magnitude change between a replica and the average, from norms alone.
 
     With ``|pre - post| = d * |post|`` the law of cosines gives

@@ -240,8 +240,11 @@ class Membership:
         verdict without deaths: the controller handles its ranks' deaths first (fencing and
         restarting them through that worker).
         """
-        deaths = tuple((info.rank, why) for info in sorted(self.live_ranks(), key=lambda r: r.rank)
-                       if (why := self._death_of(info, now, limits)) is not None)
+        deaths = tuple(
+            (info.rank, why)
+            for info in sorted(self.live_ranks(), key=lambda r: r.rank)
+            if (why := self._death_of(info, now, limits)) is not None
+        )
         if deaths:
             return Verdict(deaths, "; ".join(f"{self.ranks[rank].where()} {why}" for rank, why in deaths))
         alive = sum(1 for r in self.ranks.values() if r.state is PeerState.READY)
@@ -262,8 +265,9 @@ class Membership:
     def _workers_to_retire(self, now: float) -> tuple[str, ...]:
         """Silent workers whose ranks are all dead (a worker with a rank not dead waits:
         its ranks are judged on their own heartbeats)."""
-        return tuple(w.sender for w in self.silent_workers(now)
-                     if all(r.state is PeerState.DEAD for r in self.ranks.values() if r.rank in w.ranks))
+        return tuple(
+            w.sender for w in self.silent_workers(now) if all(r.state is PeerState.DEAD for r in self.ranks.values() if r.rank in w.ranks)
+        )
 
     def apply(self, verdict: Verdict) -> None:
         """Carry out ``verdict``: the only place ranks are declared dead and workers given up.

@@ -62,8 +62,9 @@ class Superseded(Exception):
     """A member gave up gathering: a newer membership generation was announced (or the run stops)."""
 
 
-def gather_members(store: dist.Store, rank: int, world_size: int, *, wait_s: float,
-                   give_up: Callable[[], bool] | None = None, poll_s: float = 0.02) -> None:
+def gather_members(
+    store: dist.Store, rank: int, world_size: int, *, wait_s: float, give_up: Callable[[], bool] | None = None, poll_s: float = 0.02
+) -> None:
     """Mark this member's arrival and wait until every member of the generation has arrived.
 
     Raises:
@@ -191,9 +192,15 @@ class CollectiveAverager:
 
     backend = "collective"
 
-    def __init__(self, flat: FlatModel | None, group: dist.ProcessGroup | None,
-                 must_stop: Callable[[], bool] = lambda: False, superseded: Callable[[], bool] = lambda: False,
-                 *, adopting: bool = False) -> None:
+    def __init__(
+        self,
+        flat: FlatModel | None,
+        group: dist.ProcessGroup | None,
+        must_stop: Callable[[], bool] = lambda: False,
+        superseded: Callable[[], bool] = lambda: False,
+        *,
+        adopting: bool = False,
+    ) -> None:
         self.flat = flat
         self._group = group
         self.must_stop = must_stop  # the run stops: no collective is worth waiting for

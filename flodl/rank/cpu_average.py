@@ -48,8 +48,16 @@ class BulkLink:
     """The rank's bulk-plane DEALER (used by the training thread only)."""
 
     def __init__(
-        self, addr: str, *, rank: int, secret: bytes, run_id: str, sender: str, send_timeout_s: float = 60.0,
-        shm_probe: str = "", shm_nonce: str = "",
+        self,
+        addr: str,
+        *,
+        rank: int,
+        secret: bytes,
+        run_id: str,
+        sender: str,
+        send_timeout_s: float = 60.0,
+        shm_probe: str = "",
+        shm_nonce: str = "",
     ) -> None:
         # no routing id of our own: the receiver assigns one per connection and binds it to ``sender``
         # (the name our headers are signed with) on the first of them, the announcement below
@@ -143,8 +151,17 @@ class CpuAverager:
 
     backend = "cpu"
 
-    def __init__(self, flat: FlatModel, bulk: BulkLink, *, rank: int, alpha: float = 1.0, timeout_s: float, must_stop: Callable[[], bool],
-                 adopting: bool = False) -> None:
+    def __init__(
+        self,
+        flat: FlatModel,
+        bulk: BulkLink,
+        *,
+        rank: int,
+        alpha: float = 1.0,
+        timeout_s: float,
+        must_stop: Callable[[], bool],
+        adopting: bool = False,
+    ) -> None:
         self.flat = flat
         self.bulk = bulk
         self.rank = rank
@@ -183,7 +200,9 @@ class CpuAverager:
         if adopt:
             weight, measure, block, overwrite = 0.0, False, True, True
         buckets = self.flat.buckets
-        layout = dict(groups=[b.group for b in buckets], dtypes=[dtype_name(b.flat.dtype) for b in buckets], numels=[b.numel for b in buckets])
+        layout = dict(
+            groups=[b.group for b in buckets], dtypes=[dtype_name(b.flat.dtype) for b in buckets], numels=[b.numel for b in buckets]
+        )
         if not (self.segment is not None and self._send_on_lane(weight, layout, measure=measure, block=block, overwrite=overwrite)):
             self._send_frames(weight, layout, measure=measure, block=block, overwrite=overwrite)
         mine = self.round - 1
@@ -201,7 +220,9 @@ class CpuAverager:
         live = [b.flat.device.type == "cpu" for b in buckets]
         try:
             self.segment = shm.SnapshotSegment.create_for(
-                self.bulk.run_id, self.rank, [b.numel * b.flat.element_size() for b in buckets],
+                self.bulk.run_id,
+                self.rank,
+                [b.numel * b.flat.element_size() for b in buckets],
                 [b.flat.numel() * b.flat.element_size() if here else 0 for b, here in zip(buckets, live, strict=False)],
             )
         except OSError as exc:  # /dev/shm full or gone: the wire still works
@@ -233,7 +254,10 @@ class CpuAverager:
         live = [in_place and i in self.live_buckets for i in range(len(buckets))]
         if not all(live) and not seg.ready_slot():
             return False  # no room in /dev/shm for a snapshot copy: this one goes as frames
-        views = [None if here else seg.view(seg.offset(i, 0), b.numel, b.flat.dtype) for i, (b, here) in enumerate(zip(buckets, live, strict=False))]
+        views = [
+            None if here else seg.view(seg.offset(i, 0), b.numel, b.flat.dtype)
+            for i, (b, here) in enumerate(zip(buckets, live, strict=False))
+        ]
         with torch.no_grad():
             for bucket in buckets:
                 bucket.copy_in()
@@ -253,8 +277,20 @@ class CpuAverager:
                     src = buckets[bucket].values if snap is None or snap[bucket] is views[bucket] else snap[bucket]
                     views[bucket][first : first + count].copy_(src[first : first + count])
                     offset = seg.offset(bucket, first * size)
-                self.bulk.send_header(m.Snapshot(rank=self.rank, round=mine, weight=float(weight), bucket=bucket, start=first, count=count,
-                                                 shm=str(seg.path), shm_offset=offset, ranks=1, **layout))
+                self.bulk.send_header(
+                    m.Snapshot(
+                        rank=self.rank,
+                        round=mine,
+                        weight=float(weight),
+                        bucket=bucket,
+                        start=first,
+                        count=count,
+                        shm=str(seg.path),
+                        shm_offset=offset,
+                        ranks=1,
+                        **layout,
+                    )
+                )
         self.poll()
         return True
 
@@ -277,8 +313,18 @@ class CpuAverager:
         self.pending[mine] = _Pending(snap, sum(b.numel for b in buckets), measure, [0.0, 0.0, 0.0])
         self.round += 1
         for bucket, first, count in slices(layout["numels"], [t.element_size() for t in host]):
-            header = m.Snapshot(rank=self.rank, round=mine, weight=float(weight), bucket=bucket, start=first, count=count,
-                                shm="", shm_offset=0, ranks=1, **layout)
+            header = m.Snapshot(
+                rank=self.rank,
+                round=mine,
+                weight=float(weight),
+                bucket=bucket,
+                start=first,
+                count=count,
+                shm="",
+                shm_offset=0,
+                ranks=1,
+                **layout,
+            )
             self.bulk.send(header, host[bucket][first : first + count])
             self.poll()  # updates may arrive meanwhile: keep the receive side moving too
 

@@ -160,7 +160,9 @@ class BatchSource:
         try:
             return self.transform(batch, keys)
         except Exception as exc:
-            raise TaskError(f"the transform raised {type(exc).__name__}: {exc} (picks of samples {[k.sample for k in keys][:8]}...)") from exc
+            raise TaskError(
+                f"the transform raised {type(exc).__name__}: {exc} (picks of samples {[k.sample for k in keys][:8]}...)"
+            ) from exc
 
     def _picks(self, epoch: int, start: int, size: int) -> tuple[int, torch.Tensor, int]:
         """``(pass_index, picks, at)`` of a grant, ``at`` its first pick's place in the pass's
@@ -219,4 +221,3 @@ class BatchSource:
             return self.tiers.get(i) if self.tiers is not None else self.dataset[i]
         except Exception as exc:
             raise TaskError(f"dataset[{i}] raised {type(exc).__name__}: {exc}") from exc
-

@@ -176,8 +176,7 @@ class DiskStage:
             first = self.enabled
             self._shutdown_locked()
         if first:
-            log.warning("disk stage %s off after %s: %s; samples now come from the other tiers",
-                        self.path, type(exc).__name__, exc)
+            log.warning("disk stage %s off after %s: %s; samples now come from the other tiers", self.path, type(exc).__name__, exc)
 
     def close(self) -> None:
         """Drop the pack file (its space is freed once in-flight reads finish)."""

@@ -26,9 +26,11 @@ class NonFiniteLoss(ArithmeticError):
     """The loss turned NaN or infinite: this replica must not be averaged into the others."""
 
     def __init__(self, value: float, epoch: int, step: int) -> None:
-        super().__init__(f"the loss became {value} at epoch {epoch + 1}, step {step} of this rank; "
-                         "its replica was not averaged into the others and nothing was saved over the last bundle "
-                         "(lower the learning rate, or clip gradients with --max-grad-norm)")
+        super().__init__(
+            f"the loss became {value} at epoch {epoch + 1}, step {step} of this rank; "
+            "its replica was not averaged into the others and nothing was saved over the last bundle "
+            "(lower the learning rate, or clip gradients with --max-grad-norm)"
+        )
 
 
 def is_collective_error(exc: RuntimeError) -> bool:

@@ -33,8 +33,15 @@ class Prefetcher:
     inside ``next()`` is abandoned after ``join_timeout_s`` (it is a daemon).
     """
 
-    def __init__(self, iterator: Iterable[Any], depth: int = 2, *, name: str = "flodl-prefetch",
-                 join_timeout_s: float = 5.0, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        iterator: Iterable[Any],
+        depth: int = 2,
+        *,
+        name: str = "flodl-prefetch",
+        join_timeout_s: float = 5.0,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.wait_ms = 0.0
         self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
@@ -43,8 +50,7 @@ class Prefetcher:
         self._join_timeout_s = join_timeout_s
         # the thread gets the queue and the event, not self: an abandoned
         # Prefetcher is collected, and its finalizer stops the producer
-        self._thread = threading.Thread(target=_produce, args=(iter(iterator), self._queue, self._stop),
-                                        name=name, daemon=True)
+        self._thread = threading.Thread(target=_produce, args=(iter(iterator), self._queue, self._stop), name=name, daemon=True)
         self._finalizer = weakref.finalize(self, self._stop.set)
         self._thread.start()
 
@@ -84,8 +90,7 @@ class Prefetcher:
         self._thread.join(self._join_timeout_s)
         _drain(self._queue)  # drop references to items produced meanwhile
         if self._thread.is_alive():
-            log.warning("prefetch thread %s still inside its iterator after %.1fs; abandoned",
-                        self._thread.name, self._join_timeout_s)
+            log.warning("prefetch thread %s still inside its iterator after %.1fs; abandoned", self._thread.name, self._join_timeout_s)
 
     def __enter__(self) -> Prefetcher:
         return self
@@ -141,8 +146,16 @@ class CacheWarmer:
     quietly: training meets that sample itself and reports it properly.
     """
 
-    def __init__(self, get: Callable[[int], Any], order: Iterable[int], *, held: Callable[[int], bool],
-                 full: Callable[[], bool], threads: int = 2, name: str = "flodl-warm") -> None:
+    def __init__(
+        self,
+        get: Callable[[int], Any],
+        order: Iterable[int],
+        *,
+        held: Callable[[int], bool],
+        full: Callable[[], bool],
+        threads: int = 2,
+        name: str = "flodl-warm",
+    ) -> None:
         self._get, self._held, self._full = get, held, full
         self._order = iter(order)
         self._lock = threading.Lock()

@@ -208,8 +208,9 @@ class Regrouping:
 
     def _report_collective_failure(self, exc: RuntimeError, generation: int) -> None:
         """Tell the controller a collective of ``generation`` failed (a death it may not have seen yet)."""
-        self.link.send(m.RankError(rank=self.rank, stage="collective", error=f"{type(exc).__name__}: {exc}"[:2000],
-                                   detail="", generation=generation))
+        self.link.send(
+            m.RankError(rank=self.rank, stage="collective", error=f"{type(exc).__name__}: {exc}"[:2000], detail="", generation=generation)
+        )
 
     def _enter(self, msg: m.Regroup) -> None:
         """Become one of ``msg``'s members: its group, then (ranks joined) the consensus."""
@@ -242,7 +243,9 @@ class Regrouping:
                 except RuntimeError:
                     self.averager.restore()
                     raise
-        (log.info if msg.sync_from >= 0 else log.warning)("rank %d: now one of %d ranks (generation %d): %s", self.rank, world, msg.generation, msg.reason)
+        (log.info if msg.sync_from >= 0 else log.warning)(
+            "rank %d: now one of %d ranks (generation %d): %s", self.rank, world, msg.generation, msg.reason
+        )
 
     def _loses_peer(self, msg: m.Regroup) -> bool:
         """Does ``msg`` leave out a member of this rank's group? Only then can a collective of the
@@ -268,11 +271,15 @@ class Regrouping:
             return None
         self.averager.flatten(self.model)  # a run that started alone and just grew
         return build_group(
-            store_host=self.welcome.store_host, store_port=self.welcome.store_port, prefix=msg.store_prefix,
-            rank=msg.members.index(self.rank), world_size=world, device=self.device,
-            timeout_s=self.deadlines.collective_s, gather_s=self.deadlines.group_gather_s,
-            give_up=lambda: self.link.must_stop or self.terminated
-            or self._announced_after(msg.generation),
+            store_host=self.welcome.store_host,
+            store_port=self.welcome.store_port,
+            prefix=msg.store_prefix,
+            rank=msg.members.index(self.rank),
+            world_size=world,
+            device=self.device,
+            timeout_s=self.deadlines.collective_s,
+            gather_s=self.deadlines.group_gather_s,
+            give_up=lambda: self.link.must_stop or self.terminated or self._announced_after(msg.generation),
             on_gathered=lambda: self.faults.reach("regroup"),
         )
 

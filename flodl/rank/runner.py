@@ -241,8 +241,16 @@ class RankRunner(Regrouping, Evaluating):
             return
         self._saved_on_shutdown = True
         self.link.hold_exit()  # never released: the process exits once the replica is written
-        emergency_save(model=self.model, optimizer=self.optimizer, stem=self.config.save_path, rank=self.rank,
-                       reason=reason, why=why, epoch=max(0, self.current_epoch), global_step=self.global_step)
+        emergency_save(
+            model=self.model,
+            optimizer=self.optimizer,
+            stem=self.config.save_path,
+            rank=self.rank,
+            reason=reason,
+            why=why,
+            epoch=max(0, self.current_epoch),
+            global_step=self.global_step,
+        )
 
     def _stopped(self) -> int:
         if self.terminated:
@@ -261,8 +269,14 @@ class RankRunner(Regrouping, Evaluating):
         self.link.doing("save")
         self._settle_background()  # the consensus includes the last window's average
         done = checkpoint(
-            rank=self.rank, model=self.model, optimizer=self.optimizer, stem=cmd.stem, tag=cmd.tag, version=cmd.version,
-            call_fn=self.task.checkpoint_fn if cmd.call_fn else None, handle=self.handle,
+            rank=self.rank,
+            model=self.model,
+            optimizer=self.optimizer,
+            stem=cmd.stem,
+            tag=cmd.tag,
+            version=cmd.version,
+            call_fn=self.task.checkpoint_fn if cmd.call_fn else None,
+            handle=self.handle,
         )
         self.faults.reach("save")  # tests: the files are written, the controller has not committed them
         self.link.send(done)
@@ -273,14 +287,26 @@ class RankRunner(Regrouping, Evaluating):
             return
         self._saved_on_shutdown = True
         with self.link.saving():  # the link must not hard-exit us mid-write
-            self.link.send(checkpoint(rank=self.rank, model=self.model, optimizer=self.optimizer, stem=cmd.save_stem,
-                                      tag=cmd.save_tag, version=-1, call_fn=None, handle=self.handle))
+            self.link.send(
+                checkpoint(
+                    rank=self.rank,
+                    model=self.model,
+                    optimizer=self.optimizer,
+                    stem=cmd.save_stem,
+                    tag=cmd.save_tag,
+                    version=-1,
+                    call_fn=None,
+                    handle=self.handle,
+                )
+            )
 
     def _fail(self, stage: str, exc: BaseException, code: int) -> int:
         """Report an error once, then wait (bounded) for the controller's verdict."""
         detail = "".join(traceback.format_exception(exc))[-8000:]
         log.error("rank %d failed during %s: %s", self.rank, stage, exc)
-        self.link.send(m.RankError(rank=self.rank, stage=stage, error=f"{type(exc).__name__}: {exc}"[:2000], detail=detail, generation=self.generation))
+        self.link.send(
+            m.RankError(rank=self.rank, stage=stage, error=f"{type(exc).__name__}: {exc}"[:2000], detail=detail, generation=self.generation)
+        )
         try:
             self._await(m.Shutdown, timeout_s=self.deadlines.verdict_wait_s)
         except (DeadlineExceeded, PeerLost, Stop):
@@ -340,8 +366,14 @@ class RankRunner(Regrouping, Evaluating):
         except TaskError as exc:
             raise UserError("task spec", exc) from exc
         if not omp_threads_set():
-            torch.set_num_threads(cpu_threads(os.cpu_count() or 1, self.env.local_world, staged=not isinstance(dataset, TensorDataset),
-                                              accelerator=self.device.type != "cpu"))
+            torch.set_num_threads(
+                cpu_threads(
+                    os.cpu_count() or 1,
+                    self.env.local_world,
+                    staged=not isinstance(dataset, TensorDataset),
+                    accelerator=self.device.type != "cpu",
+                )
+            )
         self.model = task.model().to(self.device)
         return m.RankHello(
             rank=self.rank,
@@ -363,10 +395,16 @@ class RankRunner(Regrouping, Evaluating):
         self.welcome = welcome
         self.generation = welcome.generation
         config = self.config = DdpRunConfig.from_dict(welcome.config)  # validated, typed: the controller's options
-        self.deadlines = Deadlines(heartbeat_s=self.env.heartbeat_timeout_s, collective_s=welcome.collective_timeout_s,
-                                   snapshot_s=float(config.snapshot_timeout_secs))
+        self.deadlines = Deadlines(
+            heartbeat_s=self.env.heartbeat_timeout_s,
+            collective_s=welcome.collective_timeout_s,
+            snapshot_s=float(config.snapshot_timeout_secs),
+        )
         if config.checkpoint_every and self.task.checkpoint_fn is None and not config.save_path:
-            raise UserError("config", TaskError("checkpoint_every is set, but the task has no checkpoint_fn and there is no save_path: nothing would be saved"))
+            raise UserError(
+                "config",
+                TaskError("checkpoint_every is set, but the task has no checkpoint_fn and there is no save_path: nothing would be saved"),
+            )
         if config.resume_from and not welcome.late:
             load_model(self.model, config.resume_from)  # before the broadcast: every replica starts from the bundle
         # flatten before the optimizer exists, so it holds the views, not stale tensors;
@@ -378,23 +416,34 @@ class RankRunner(Regrouping, Evaluating):
             if self.env.relay_addr:
                 addr, probe, nonce = [*self.env.relay_addr.split(" "), "", ""][:3]
             bulk = BulkLink(
-                addr, rank=self.rank,
-                secret=self.env.secret, run_id=self.env.run_id, sender=f"{self.link.sender}/bulk",
+                addr,
+                rank=self.rank,
+                secret=self.env.secret,
+                run_id=self.env.run_id,
+                sender=f"{self.link.sender}/bulk",
                 send_timeout_s=self.deadlines.snapshot_wait_s,
-                shm_probe=probe, shm_nonce=nonce,
+                shm_probe=probe,
+                shm_nonce=nonce,
             )
             self.closing.callback(bulk.close)
             self.averager = CpuAverager(
-                flat, bulk, rank=self.rank, alpha=config.elche.easgd_alpha or 1.0,
+                flat,
+                bulk,
+                rank=self.rank,
+                alpha=config.elche.easgd_alpha or 1.0,
                 timeout_s=self.deadlines.snapshot_wait_s,
-                must_stop=lambda: self.link.must_stop or self.terminated, adopting=welcome.late,
+                must_stop=lambda: self.link.must_stop or self.terminated,
+                adopting=welcome.late,
             )
             self.closing.callback(self.averager.close)  # its shared-memory segment's name
         else:
             group = self._first_group(welcome) if flat is not None and not welcome.late else None  # a joiner's comes with its Regroup
             self.averager = CollectiveAverager(
-                flat, group, must_stop=lambda: self.link.must_stop or self.terminated,
-                superseded=self._group_broken, adopting=welcome.late,
+                flat,
+                group,
+                must_stop=lambda: self.link.must_stop or self.terminated,
+                superseded=self._group_broken,
+                adopting=welcome.late,
             )
             self.peers = frozenset(range(welcome.world_size)) if group is not None else frozenset()
             # NCCL: break a hang on a dead peer (a regroup that only adds ranks leaves every collective able to finish)
@@ -418,8 +467,13 @@ class RankRunner(Regrouping, Evaluating):
         controller then regroups the survivors, naming whose parameters all take (``sync_from``)."""
         try:
             return build_group(
-                store_host=welcome.store_host, store_port=welcome.store_port, prefix=welcome.store_prefix,
-                rank=self.rank, world_size=welcome.world_size, device=self.device, timeout_s=self.deadlines.collective_s,
+                store_host=welcome.store_host,
+                store_port=welcome.store_port,
+                prefix=welcome.store_prefix,
+                rank=self.rank,
+                world_size=welcome.world_size,
+                device=self.device,
+                timeout_s=self.deadlines.collective_s,
                 gather_s=self.deadlines.group_gather_s,
                 give_up=lambda: self.link.must_stop or self.terminated or self._announced_after(welcome.generation),
             )
@@ -459,7 +513,9 @@ class RankRunner(Regrouping, Evaluating):
             except TaskError as exc:
                 raise UserError("config", TaskError(f"transform: {exc}")) from exc
         schedule = Schedule(len(dataset), config.augment, config.epoch_splits)
-        source = BatchSource(dataset, self.task.batch_size, seed=seed, collate_fn=self.task.collate_fn, schedule=schedule, transform=transform)
+        source = BatchSource(
+            dataset, self.task.batch_size, seed=seed, collate_fn=self.task.collate_fn, schedule=schedule, transform=transform
+        )
         if not source.in_memory:  # a tensor dataset is already in memory: nothing to stage
             source.stage(self._staging_tiers(config, dataset))
         return source
@@ -481,8 +537,9 @@ class RankRunner(Regrouping, Evaluating):
         in_memory = self.source is not None and self.source.in_memory
         if (tiers is None and not in_memory) or self.device.type != "cuda" or not config.vram_pool:
             return
-        budget = vram_budget(self.device, max_usage=config.vram_max_usage, gpu_ram_share=config.gpu_ram_share,
-                             kill_switch=vram_pool_disabled())
+        budget = vram_budget(
+            self.device, max_usage=config.vram_max_usage, gpu_ram_share=config.gpu_ram_share, kill_switch=vram_pool_disabled()
+        )
         if in_memory:
             if 0 < self.source.resident_bytes <= budget:  # a tensor dataset that fits: all of it on the device
                 self.source.place_on(self.device)
@@ -499,18 +556,34 @@ class RankRunner(Regrouping, Evaluating):
         self._maybe_regroup()  # a membership change announced between windows (a rank joined)
         self._start_warmer()
         stats = self._run_rounds(
-            window.grants, rounds=window.rounds, sync_every=window.sync_every, quota_batches=window.quota_batches,
-            quota_ms=window.quota_ms, measure=window.measure_divergence, window=window.window,
+            window.grants,
+            rounds=window.rounds,
+            sync_every=window.sync_every,
+            quota_batches=window.quota_batches,
+            quota_ms=window.quota_ms,
+            measure=window.measure_divergence,
+            window=window.window,
         )
         last = stats.last_average
         self.link.send(
             m.WindowDone(
-                rank=self.rank, window=window.window, batches=stats.batches, consumed=stats.samples, loss_sum=stats.loss_sum,
-                compute_ms=stats.compute_ms, data_ms=stats.data_ms, sync_ms=stats.sync_ms,
-                divergence=last.divergence if last else None, pre_norm=last.pre_norm if last else None,
-                post_norm=last.post_norm if last else None, lr=self.lr.current,
-                epochs=epoch_rows(stats.per_epoch), scalars=scalars.drain(),
-                regrouped_at=stats.regrouped_at, res=self.resources.summary(), data=self._data_stats(),
+                rank=self.rank,
+                window=window.window,
+                batches=stats.batches,
+                consumed=stats.samples,
+                loss_sum=stats.loss_sum,
+                compute_ms=stats.compute_ms,
+                data_ms=stats.data_ms,
+                sync_ms=stats.sync_ms,
+                divergence=last.divergence if last else None,
+                pre_norm=last.pre_norm if last else None,
+                post_norm=last.post_norm if last else None,
+                lr=self.lr.current,
+                epochs=epoch_rows(stats.per_epoch),
+                scalars=scalars.drain(),
+                regrouped_at=stats.regrouped_at,
+                res=self.resources.summary(),
+                data=self._data_stats(),
             )
         )
 
@@ -558,14 +631,32 @@ class RankRunner(Regrouping, Evaluating):
         stats = RoundStats()
         prefetch = None if self.source.in_memory else Prefetcher(self.source.window_batches(grants), depth=PREFETCH_DEPTH)
         try:
-            return self._rounds(stats, iter(prefetch) if prefetch is not None else self.source.window_batches(grants), rounds=rounds, sync_every=sync_every,
-                                quota_batches=quota_batches, quota_ms=quota_ms, measure=measure, window=window)
+            return self._rounds(
+                stats,
+                iter(prefetch) if prefetch is not None else self.source.window_batches(grants),
+                rounds=rounds,
+                sync_every=sync_every,
+                quota_batches=quota_batches,
+                quota_ms=quota_ms,
+                measure=measure,
+                window=window,
+            )
         finally:
             if prefetch is not None:
                 prefetch.close()
 
-    def _rounds(self, stats: RoundStats, batches: Any, *, rounds: int, sync_every: int, quota_batches: int,
-                quota_ms: float, measure: bool, window: int | None) -> RoundStats:
+    def _rounds(
+        self,
+        stats: RoundStats,
+        batches: Any,
+        *,
+        rounds: int,
+        sync_every: int,
+        quota_batches: int,
+        quota_ms: float,
+        measure: bool,
+        window: int | None,
+    ) -> RoundStats:
         start = time.perf_counter()
         self.model.train()  # once per window, not per step: it walks every module
         exhausted = False
@@ -683,8 +774,9 @@ class RankRunner(Regrouping, Evaluating):
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.step_count += 1
-        records = self.meter.measured(t0, loss, epoch=epoch, step=self.step_count, samples=samples, data_ms=data_ms,
-                                      close=self.step_count == 1)  # the warm-up step is timed alone
+        records = self.meter.measured(
+            t0, loss, epoch=epoch, step=self.step_count, samples=samples, data_ms=data_ms, close=self.step_count == 1
+        )  # the warm-up step is timed alone
         if self.slowdown > 1.0 and self.step_count > 1:  # SIMULATION (FLODL_SIMULATE_SLOWDOWN): a slower device
             # (from the second step: the first is set-up and warm-up, no device's pace), paced to
             # slowdown x FLODL_SIMULATE_BASE_MS; reported as the time the step really took, sleep
@@ -703,6 +795,7 @@ class RankRunner(Regrouping, Evaluating):
         if not records:
             self.link.progressed(now, None, step=self.step_count)
         return records
+
 
 #: Intra-op threads of a GPU rank: its CPU work is batch gathers and small host ops.
 ACCELERATOR_THREADS = 4

@@ -62,8 +62,14 @@ def checkpoint(*, rank: int, model, optimizer, stem: str, tag: str, version: int
         except Exception as exc:
             log.exception("checkpoint_fn(%d) raised; training goes on", version)
             errors.append(f"checkpoint_fn: {type(exc).__name__}: {exc}")
-    return m.CheckpointDone(rank=rank, version=version, model_sha256=digests[0], optim_sha256=digests[1],
-                            elapsed_ms=(time.perf_counter() - start) * 1000.0, error="; ".join(errors) or None)
+    return m.CheckpointDone(
+        rank=rank,
+        version=version,
+        model_sha256=digests[0],
+        optim_sha256=digests[1],
+        elapsed_ms=(time.perf_counter() - start) * 1000.0,
+        error="; ".join(errors) or None,
+    )
 
 
 def emergency_save(*, model, optimizer, stem: str, rank: int, reason: str, why: str, epoch: int, global_step: int) -> None:
@@ -78,10 +84,21 @@ def emergency_save(*, model, optimizer, stem: str, rank: int, reason: str, why: 
     tag = new_tag()
     try:
         model_sha, optim_sha = write_bundle_files(model, optimizer, str(bundle.stem), tag)
-        write_meta(bundle, {"rank": rank, "save_reason": reason, "why": why, "epoch": epoch, "global_step": global_step,
-                            "model_file": bundle.data_file(tag, ".fdl").name, "model_sha256": model_sha,
-                            "optim_file": bundle.data_file(tag, ".optim").name, "optim_sha256": optim_sha,
-                            "unix_time": time.time()})
+        write_meta(
+            bundle,
+            {
+                "rank": rank,
+                "save_reason": reason,
+                "why": why,
+                "epoch": epoch,
+                "global_step": global_step,
+                "model_file": bundle.data_file(tag, ".fdl").name,
+                "model_sha256": model_sha,
+                "optim_file": bundle.data_file(tag, ".optim").name,
+                "optim_sha256": optim_sha,
+                "unix_time": time.time(),
+            },
+        )
         log.error("rank %d: saved its replica to %s (%s: %s)", rank, bundle.stem, reason, why)
     except Exception:
         log.exception("rank %d: could not save its replica to %s", rank, bundle.stem)

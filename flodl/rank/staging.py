@@ -45,7 +45,6 @@ _SLAB_BYTES = 64 << 20
 _ALIGN = 64
 
 
-
 # ---------------------------------------------------------------- sizes and budgets
 
 
@@ -325,8 +324,7 @@ class TieredSamples:
     covers bookkeeping only, never ``fetch``.
     """
 
-    def __init__(self, fetch: Callable[[int], Any], *, vram: VramPool | None,
-                 ram: RamCache | None, disk: DiskStage | None) -> None:
+    def __init__(self, fetch: Callable[[int], Any], *, vram: VramPool | None, ram: RamCache | None, disk: DiskStage | None) -> None:
         self._fetch = fetch
         self.vram, self.ram, self.disk = vram, ram, disk
         self._lock = threading.Lock()
@@ -405,8 +403,7 @@ class TieredSamples:
         except Exception as exc:  # caching is an optimisation: never fail a get over it
             if type(tier).__name__ not in self._warned:
                 self._warned.add(type(tier).__name__)
-                log.warning("%s cannot hold sample %d (%s: %s); it stays uncached",
-                            type(tier).__name__, i, type(exc).__name__, exc)
+                log.warning("%s cannot hold sample %d (%s: %s); it stays uncached", type(tier).__name__, i, type(exc).__name__, exc)
             return False
 
     def _promote(self, i: int, sample: Any) -> None:
@@ -424,8 +421,10 @@ class TieredSamples:
 
     def stats(self) -> dict[str, dict]:
         """Per tier counters (zeros for an absent tier) and the source's."""
-        out = {name: (tier.stats() if tier is not None else TierStats()).as_dict()
-               for name, tier in (("vram", self.vram), ("ram", self.ram), ("disk", self.disk))}
+        out = {
+            name: (tier.stats() if tier is not None else TierStats()).as_dict()
+            for name, tier in (("vram", self.vram), ("ram", self.ram), ("disk", self.disk))
+        }
         with self._lock:
             out["source"] = dict(self._source)
         return out

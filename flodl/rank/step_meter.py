@@ -84,8 +84,9 @@ class StepMeter:
             self._open = _Group(start=start, opened=time.perf_counter())
         return time.perf_counter()
 
-    def measured(self, t0: float, loss: torch.Tensor, *, epoch: int, step: int, samples: int, data_ms: float,
-                 close: bool = False) -> list[StepRecord]:
+    def measured(
+        self, t0: float, loss: torch.Tensor, *, epoch: int, step: int, samples: int, data_ms: float, close: bool = False
+    ) -> list[StepRecord]:
         """A step ended (launched, on a GPU): the records now known, this one's included on a CPU.
 
         ``close`` ends the step's group at once (a process's first step: warm-up, timed alone).
@@ -137,6 +138,5 @@ class StepMeter:
             if not math.isfinite(mean_loss):
                 epoch, step, _, _ = group.steps[0]
                 raise NonFiniteLoss(mean_loss, epoch, step)
-            records.extend(StepRecord(epoch, step, samples, mean_loss, step_ms, data_ms)
-                           for epoch, step, samples, data_ms in group.steps)
+            records.extend(StepRecord(epoch, step, samples, mean_loss, step_ms, data_ms) for epoch, step, samples, data_ms in group.steps)
         return records

@@ -140,8 +140,19 @@ def window_batches(window: m.Window, batch_size: int, batch_ms: float) -> list[t
 class SimWorker:
     """A worker whose ranks are tasks on this loop; ``await run()`` until Shutdown."""
 
-    def __init__(self, addr: str, secret: bytes, run_id: str, specs: list[SimRankSpec], *, dataset_len: int = 1000, batch_size: int = 10, host: str = "sim",
-                 record: bool = False, training: asyncio.Event | None = None) -> None:
+    def __init__(
+        self,
+        addr: str,
+        secret: bytes,
+        run_id: str,
+        specs: list[SimRankSpec],
+        *,
+        dataset_len: int = 1000,
+        batch_size: int = 10,
+        host: str = "sim",
+        record: bool = False,
+        training: asyncio.Event | None = None,
+    ) -> None:
         self.addr, self.secret, self.run_id = addr, secret, run_id
         self.specs = specs
         self.dataset_len = dataset_len
@@ -167,7 +178,9 @@ class SimWorker:
                     await asyncio.sleep(0.05)
                     beat.cancel()
                     return
-                ranks = [tg.create_task(self._rank(peer, rank, spec, welcome)) for rank, spec in zip(welcome.ranks, self.specs, strict=False)]
+                ranks = [
+                    tg.create_task(self._rank(peer, rank, spec, welcome)) for rank, spec in zip(welcome.ranks, self.specs, strict=False)
+                ]
                 await peer.expect(m.Shutdown, timeout_s=3600)
                 await asyncio.wait(ranks, timeout=5)
                 for rank, outcome in self.outcomes.items():
@@ -194,9 +207,18 @@ class SimWorker:
         await asyncio.sleep(spec.hello_delay_s)
         peer.send(
             m.RankHello(
-                rank=rank, host=self.host, pid=os.getpid(), device="cpu", versions=VERSIONS, model_signature="sim",
-                param_count=1, shuffle_signature="sim", dataset_len=self.dataset_len, has_eval=True,
-                eval_metric="sim_metric", batch_size=self.batch_size,
+                rank=rank,
+                host=self.host,
+                pid=os.getpid(),
+                device="cpu",
+                versions=VERSIONS,
+                model_signature="sim",
+                param_count=1,
+                shuffle_signature="sim",
+                dataset_len=self.dataset_len,
+                has_eval=True,
+                eval_metric="sim_metric",
+                batch_size=self.batch_size,
             )
         )
         welcome = await peer.expect(m.RankWelcome, m.Reject, m.Shutdown)
@@ -271,11 +293,23 @@ class SimWorker:
             return outcome
         peer.send(
             m.WindowDone(
-                rank=rank, window=cmd.window, batches=len(trained), consumed=sum(s for _, s in trained),
-                loss_sum=sum(c.loss_sum for c in per_epoch.values()), compute_ms=sum(c.compute_ms for c in per_epoch.values()),
-                data_ms=0.0, sync_ms=0.1, divergence=0.01 if cmd.measure_divergence else None, pre_norm=None,
-                post_norm=None, lr=0.1, epochs=epoch_rows(per_epoch), scalars={},
-                regrouped_at=-1, res={}, data={},
+                rank=rank,
+                window=cmd.window,
+                batches=len(trained),
+                consumed=sum(s for _, s in trained),
+                loss_sum=sum(c.loss_sum for c in per_epoch.values()),
+                compute_ms=sum(c.compute_ms for c in per_epoch.values()),
+                data_ms=0.0,
+                sync_ms=0.1,
+                divergence=0.01 if cmd.measure_divergence else None,
+                pre_norm=None,
+                post_norm=None,
+                lr=0.1,
+                epochs=epoch_rows(per_epoch),
+                scalars={},
+                regrouped_at=-1,
+                res={},
+                data={},
             )
         )
         return step

@@ -59,7 +59,9 @@ def announcement(rank: int) -> Any:
     connection reaches ``rank`` before its first snapshot (an abort may come before it)."""
     from .messages import Snapshot
 
-    return Snapshot(rank=rank, round=-1, weight=0.0, groups=[], dtypes=[], numels=[], bucket=-1, start=0, count=0, shm="", shm_offset=0, ranks=0)
+    return Snapshot(
+        rank=rank, round=-1, weight=0.0, groups=[], dtypes=[], numels=[], bucket=-1, start=0, count=0, shm="", shm_offset=0, ranks=0
+    )
 
 
 def is_announcement(header: Any) -> bool:
@@ -105,7 +107,10 @@ def check_slice(header: Any) -> torch.dtype:
     if not 0 <= header.bucket < n:
         raise ProtocolError("bulk", f"bucket {header.bucket} outside the {n} tensors of the layout")
     if header.start < 0 or header.count < 1 or header.start + header.count > header.numels[header.bucket]:
-        raise ProtocolError("bulk", f"slice [{header.start}, {header.start + header.count}) outside tensor {header.bucket} of {header.numels[header.bucket]} elements")
+        raise ProtocolError(
+            "bulk",
+            f"slice [{header.start}, {header.start + header.count}) outside tensor {header.bucket} of {header.numels[header.bucket]} elements",
+        )
     return DTYPES[header.dtypes[header.bucket]]
 
 

@@ -308,10 +308,25 @@ def _generate(kind: int, name: str, cls: type, fields: tuple[tuple[str, str], ..
         return head
 
     env: dict[str, Any] = {
-        "_Invalid": _Invalid, "ProtocolError": ProtocolError, "_Envelope": Envelope, "_cls": cls, "_heads": heads, "_head_for": head_for,
-        "_INT_MIN": _INT_MIN, "_INT_MAX": _INT_MAX, "MAX_STR": MAX_STR, "MAX_BIN": MAX_BIN, "MAX_ARRAY": MAX_ARRAY, "MAX_MAP": MAX_MAP,
-        "MAX_SENDER": MAX_SENDER, "TAG_LEN": TAG_LEN, "_HEADER_SIZE": _HEADER_SIZE, "_COPY_BELOW": _COPY_BELOW,
-        "_compare_digest": _compare_digest, "_unpackb": _unpackb, "_no_ext": _no_ext,
+        "_Invalid": _Invalid,
+        "ProtocolError": ProtocolError,
+        "_Envelope": Envelope,
+        "_cls": cls,
+        "_heads": heads,
+        "_head_for": head_for,
+        "_INT_MIN": _INT_MIN,
+        "_INT_MAX": _INT_MAX,
+        "MAX_STR": MAX_STR,
+        "MAX_BIN": MAX_BIN,
+        "MAX_ARRAY": MAX_ARRAY,
+        "MAX_MAP": MAX_MAP,
+        "MAX_SENDER": MAX_SENDER,
+        "TAG_LEN": TAG_LEN,
+        "_HEADER_SIZE": _HEADER_SIZE,
+        "_COPY_BELOW": _COPY_BELOW,
+        "_compare_digest": _compare_digest,
+        "_unpackb": _unpackb,
+        "_no_ext": _no_ext,
     }
     checks = []
     for i, (field_name, wire_type) in enumerate(fields):
@@ -322,7 +337,10 @@ def _generate(kind: int, name: str, cls: type, fields: tuple[tuple[str, str], ..
             checks.append(f"v{i} = _c{i}(v{i})")
     lines = "\n".join(checks).splitlines() or ["pass"]
     code = _TEMPLATE.format(
-        kind=kind, name=name, items=3 + len(fields), values=", ".join(f"v{i}" for i in range(len(fields))),
+        kind=kind,
+        name=name,
+        items=3 + len(fields),
+        values=", ".join(f"v{i}" for i in range(len(fields))),
         loads="\n".join(f"    v{i} = msg.{f}" for i, (f, _) in enumerate(fields)),
         checks="\n".join("    " + line for line in lines),
         checks_in_try="\n".join("    " + line for line in lines).replace("\n", "\n    "),
@@ -555,8 +573,16 @@ class FrameReader:
     are rate-limited (``DropLog``): every drop is counted, few are printed.
     """
 
-    def __init__(self, secret: bytes, run_id: str, *, max_frame: int = DEFAULT_MAX_FRAME, name: str = "", own: str = "",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        secret: bytes,
+        run_id: str,
+        *,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        name: str = "",
+        own: str = "",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.signer = Signer(secret)
         self.run_id = run_id
         self.max_frame = max_frame
@@ -637,7 +663,9 @@ class DropLog:
     per ``interval_s`` and ``burst`` for all peers together per interval; a
     line says how many drops went unprinted since the last one."""
 
-    def __init__(self, *, interval_s: float = DROP_LOG_INTERVAL_S, burst: int = DROP_LOG_BURST, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, *, interval_s: float = DROP_LOG_INTERVAL_S, burst: int = DROP_LOG_BURST, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.interval_s = interval_s
         self.burst = burst
         self.clock = clock

@@ -183,7 +183,9 @@ class Segment:
         size = torch.empty(0, dtype=dtype).element_size()
         end = offset + count * size
         if offset < 0 or count < 0 or offset % size or end > self.size:
-            raise ProtocolError("shm", f"slice [{offset}, {end}) of {dtype} outside or misaligned in segment {self.path} ({self.size} bytes)")
+            raise ProtocolError(
+                "shm", f"slice [{offset}, {end}) of {dtype} outside or misaligned in segment {self.path} ({self.size} bytes)"
+            )
         return self.bytes[offset:end].view(dtype)
 
     def unlink(self) -> None:

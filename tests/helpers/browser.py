@@ -12,7 +12,8 @@ CHROMIUM = shutil.which("chromium")
 
 
 needs_chromium = pytest.mark.skipif(
-    CHROMIUM is None, reason="Debian's `chromium` is not installed (apt-get install chromium; .ci/run installs it)")
+    CHROMIUM is None, reason="Debian's `chromium` is not installed (apt-get install chromium; .ci/run installs it)"
+)
 
 
 CONSOLE_ERROR = re.compile(r"CONSOLE.*(Uncaught|flodl dashboard:)")
@@ -26,8 +27,15 @@ def console_errors(stderr: str) -> list[str]:
 async def chromium(*args: str, timeout_s: float = 40.0) -> tuple[str, str]:
     """Run chromium off the event loop (the server shares it); (stdout, stderr)."""
     proc = await asyncio.create_subprocess_exec(
-        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", *args,
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        *args,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         async with asyncio.timeout(timeout_s):
             out, err = await proc.communicate()

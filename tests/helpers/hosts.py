@@ -20,8 +20,18 @@ def wait_until(condition, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def launch_on_hosts(cluster: Cluster, tmp_path: Path, proc_env: dict, *, step_sleep: str, epochs: int, extra: list[str] = (),
-            launcher_extra: list[str] = (), hold: Path | None = None, **hostfile) -> Proc:
+def launch_on_hosts(
+    cluster: Cluster,
+    tmp_path: Path,
+    proc_env: dict,
+    *,
+    step_sleep: str,
+    epochs: int,
+    extra: list[str] = (),
+    launcher_extra: list[str] = (),
+    hold: Path | None = None,
+    **hostfile,
+) -> Proc:
     """``python -m flodl.launcher`` on the three hosts; ``extra`` goes to the controller, ``launcher_extra`` to the launcher.
 
     ``hold``: until that file exists, every step sleeps 0.2 s (the namespaces share this file
@@ -30,9 +40,25 @@ def launch_on_hosts(cluster: Cluster, tmp_path: Path, proc_env: dict, *, step_sl
     if hold is not None:
         env |= {"FLODL_TEST_HOLD_FILE": str(hold), "FLODL_TEST_HOLD_SLEEP": "0.2"}
     path = cluster.hostfile(tmp_path / "hosts.toml", env=env, **hostfile)
-    args = ["--hostfile", str(path), "--advertise", cluster.gateway, "--grace-secs", "3", *launcher_extra, "--",
-            "--task", "tests/tasks/tiny.py:task", "--epochs", str(epochs), "--dashboard-port", "-1",
-            "--summary-json", str(tmp_path / "summary.json"), *extra]
+    args = [
+        "--hostfile",
+        str(path),
+        "--advertise",
+        cluster.gateway,
+        "--grace-secs",
+        "3",
+        *launcher_extra,
+        "--",
+        "--task",
+        "tests/tasks/tiny.py:task",
+        "--epochs",
+        str(epochs),
+        "--dashboard-port",
+        "-1",
+        "--summary-json",
+        str(tmp_path / "summary.json"),
+        *extra,
+    ]
     return Proc([PY, "-m", "flodl.launcher", *args], proc_env)
 
 

@@ -64,8 +64,15 @@ def task():
     if crash is not None and crash == os.environ.get("FLODL_RANK"):
         os._exit(1)
     x, y = _data(512, 0)
-    return Task(model=make_model, optimizer=make_optimizer, dataset=torch.utils.data.TensorDataset(x, y),
-                batch_size=16, train_step=train_step, eval_fn=evaluate, eval_metric="accuracy")
+    return Task(
+        model=make_model,
+        optimizer=make_optimizer,
+        dataset=torch.utils.data.TensorDataset(x, y),
+        batch_size=16,
+        train_step=train_step,
+        eval_fn=evaluate,
+        eval_metric="accuracy",
+    )
 
 
 def empty_task():
@@ -187,6 +194,13 @@ def batchnorm_task():
     """A BatchNorm model on the loss_fn path; its 'eval' reports the statistics' batch count.
     FLODL_TEST_BN_BATCHES sets Task.bn_recalibration_batches."""
     x, y = _data(512, 0)
-    return Task(model=_bn_model, optimizer=make_optimizer, dataset=torch.utils.data.TensorDataset(x, y), batch_size=16,
-                loss_fn=F.cross_entropy, eval_fn=_bn_batches_seen, eval_metric="bn_batches",
-                bn_recalibration_batches=int(os.environ.get("FLODL_TEST_BN_BATCHES", "16")))
+    return Task(
+        model=_bn_model,
+        optimizer=make_optimizer,
+        dataset=torch.utils.data.TensorDataset(x, y),
+        batch_size=16,
+        loss_fn=F.cross_entropy,
+        eval_fn=_bn_batches_seen,
+        eval_metric="bn_batches",
+        bn_recalibration_batches=int(os.environ.get("FLODL_TEST_BN_BATCHES", "16")),
+    )
