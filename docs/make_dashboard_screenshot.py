@@ -24,9 +24,25 @@ ROOT = HERE.parent
 
 
 def run_archive(html: Path, theme: str | None) -> None:
-    cmd = [sys.executable, "-m", "flodl.controller", "--task", "examples/digits.py:task", "--nproc-per-node", "3",
-           "--epochs", "10", "--reports-per-epoch", "5", "--heartbeat-timeout-secs", "5", "--dashboard-port", "-1",
-           "--dashboard-html", str(html)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flodl.controller",
+        "--task",
+        "examples/digits.py:task",
+        "--nproc-per-node",
+        "3",
+        "--epochs",
+        "10",
+        "--reports-per-epoch",
+        "5",
+        "--heartbeat-timeout-secs",
+        "5",
+        "--dashboard-port",
+        "-1",
+        "--dashboard-html",
+        str(html),
+    ]
     if theme:
         cmd += ["--dashboard-theme", theme]
     env = dict(os.environ, FLODL_INJECT_FAULT="2:epoch:5", FLODL_TEST_STEP_SLEEP="0.002")
@@ -37,9 +53,23 @@ def screenshot(html: Path, out: Path, size: str) -> None:
     chromium = shutil.which("chromium")
     if chromium is None:
         sys.exit("needs Debian's chromium (apt-get install chromium)")
-    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--window-size={size}",
-                    "--virtual-time-budget=5000", f"--screenshot={out}", html.as_uri()],
-                   check=True, timeout=120, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            f"--window-size={size}",
+            "--virtual-time-budget=5000",
+            f"--screenshot={out}",
+            html.as_uri(),
+        ],
+        check=True,
+        timeout=120,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def main() -> None:
