@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..config import ApplyPolicy, AverageBackend, DdpRunConfig
 from ..wire import messages as m
@@ -190,7 +191,7 @@ class CadenceLoop:
 
     # ------------------------------------------------------------ bundles
 
-    def coverage(self) -> dict:
+    def coverage(self) -> dict[str, Any]:
         """What is trained so far, for a checkpoint sidecar: per open epoch the
         positions not yet trained (in flight counts as not trained), and the
         first epoch never opened. Resuming trains exactly the rest."""
@@ -206,7 +207,7 @@ class CadenceLoop:
             "open": [{"epoch": e, "total": p.total, "uncovered": [list(r) for r in p.uncovered()]} for e, p in sorted(d.pools.items())],
         }
 
-    def restore(self, meta: dict) -> None:
+    def restore(self, meta: dict[str, Any]) -> None:
         """Continue a saved run: coverage, global step, sync count, and ElChe's
         timings when the world has the same size (else ElChe re-calibrates)."""
         cov = meta["coverage"]
@@ -404,7 +405,7 @@ class CadenceLoop:
         ]
         return aggregate(epoch, reports)
 
-    def telemetry(self) -> dict:
+    def telemetry(self) -> dict[str, Any]:
         """ElChe and guard numbers for the run summary."""
         return {
             "windows": self.window,

@@ -13,9 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from ..errors import EXIT_CONFIG, EXIT_NONFINITE, EXIT_RANK_LOST, EXIT_TASK_ERROR
 from .membership import unrecoverable
+
+if TYPE_CHECKING:
+    from ..config import DdpRunConfig
 
 #: Collective failures no death explains, rebuilt in place, before the run is stopped.
 MAX_COLLECTIVE_RETRIES = 3
@@ -38,7 +42,7 @@ class Decision:
     save_reason: str = ""  # with SAVE_AND_STOP: the sidecar's save_reason
 
 
-def after_deaths(config, *, started: bool, world_size: int, dead_total: int, survivors: int, can_save: bool) -> Decision:
+def after_deaths(config: DdpRunConfig, *, started: bool, world_size: int, dead_total: int, survivors: int, can_save: bool) -> Decision:
     """Ranks were declared dead (joiners already set aside): recover, or stop (saving if it can).
 
     ``started``: the first ranks were numbered and started (before, no rank can

@@ -297,7 +297,7 @@ class Dispatcher:
         for r, plan in plans.items():
             self._grant_flowing(nxt, plan, int(counts[r] * (CADENCE_HEADROOM - 1.0)) + 1, counts)
 
-    def _grant_flowing(self, pool: EpochPool, plan: WindowPlan, batches: int, counts: dict[int, int]) -> None:
+    def _grant_flowing(self, pool: EpochPool | None, plan: WindowPlan, batches: int, counts: dict[int, int]) -> None:
         """Grant ``batches`` from ``pool``, going on into the epochs after it while they run out."""
         while batches > 0 and pool is not None:
             before = plan.samples

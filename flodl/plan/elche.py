@@ -98,7 +98,8 @@ def _is_real(value: Any) -> bool:
 def _require_int(name: str, value: Any, minimum: int) -> int:
     if not _is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+    checked: int = value
+    return checked
 
 
 def _require_real(name: str, value: Any) -> float:

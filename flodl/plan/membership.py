@@ -24,8 +24,12 @@ import logging
 import signal
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from .progress import Progress, ProgressLimits, stalled
+
+if TYPE_CHECKING:
+    from ..config import DdpRunConfig
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +323,7 @@ class Membership:
         return [r for r in self.ranks.values() if r.state not in (PeerState.DEAD, PeerState.EXITED)]
 
 
-def unrecoverable(config, world_size: int, dead: int, survivors: int) -> tuple[str, str] | None:
+def unrecoverable(config: DdpRunConfig, world_size: int, dead: int, survivors: int) -> tuple[str, str] | None:
     """``(save_reason, why)`` if the run cannot go on without its dead ranks, else None.
 
     In order: the user's ``max_failure`` limit; a rank left at all (either
@@ -346,4 +350,5 @@ def restart_delay(used: int, max_restarts: int) -> float | None:
     None when its ``max_restarts`` are spent (the run then goes on without it)."""
     if used >= max_restarts:
         return None
-    return min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_BASE_S * 2**used)
+    backoff: float = RESTART_BACKOFF_BASE_S * 2**used
+    return min(RESTART_BACKOFF_MAX_S, backoff)

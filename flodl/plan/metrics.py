@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 
 @dataclass
@@ -141,7 +142,7 @@ class EpochStats:
     def samples_per_s(self) -> float:
         return self.samples * 1000.0 / self.wall_ms if self.wall_ms > 0 else 0.0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,
             "loss": self.avg_loss,

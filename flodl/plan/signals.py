@@ -74,10 +74,10 @@ class Verdict:
         if self.kind not in VERDICT_KINDS:
             raise ValueError(f"verdict kind must be one of {', '.join(VERDICT_KINDS)}, got {self.kind!r}")
         if self.kind == NUDGE_DOWN:
-            ok = isinstance(self.factor, (int, float)) and not isinstance(self.factor, bool)
-            if not ok or not math.isfinite(self.factor) or self.factor <= 0:
-                raise ValueError(f"a nudge_down verdict needs a positive finite factor, got {self.factor!r}")
-            object.__setattr__(self, "factor", float(self.factor))
+            factor = self.factor
+            if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not math.isfinite(factor) or factor <= 0:
+                raise ValueError(f"a nudge_down verdict needs a positive finite factor, got {factor!r}")
+            object.__setattr__(self, "factor", float(factor))
         elif self.factor is not None:
             raise ValueError(f"only nudge_down carries a factor, got {self.kind} with {self.factor!r}")
 

@@ -42,7 +42,7 @@ def as_frame(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without copying (any dtype, bfloat16 included)."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("bulk frames are contiguous CPU tensors")
-    return memoryview(t.view(torch.uint8).numpy())
+    return memoryview(t.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy's stubs: an ndarray is a buffer
 
 
 #: A model travels as slices of at most this many bytes (both directions).
@@ -65,7 +65,8 @@ def announcement(rank: int) -> Any:
 
 
 def is_announcement(header: Any) -> bool:
-    return header.round == -1 and header.bucket == -1 and header.count == 0
+    announced: bool = header.round == -1 and header.bucket == -1 and header.count == 0
+    return announced
 
 
 def slices(numels: Sequence[int], itemsizes: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -28,10 +28,10 @@ from ..errors import ProtocolError
 from .messages import PROTOCOL_VERSION, SCHEMA
 
 try:  # CPython's own SHA-256 (3.11: _sha256, 3.12+: _sha2): the same digest as OpenSSL's, by a much
-    from _sha256 import sha256 as _sha256  # shorter path per call (no EVP dispatch), which is what a
+    from _sha256 import sha256 as _sha256  # type: ignore[import-not-found]  # shorter path per call (no EVP dispatch), which is what a
 except ImportError:  # control frame's HMAC costs; not every build has it
     try:
-        from _sha2 import sha256 as _sha256
+        from _sha2 import sha256 as _sha256  # type: ignore[import-not-found]
     except ImportError:
         _sha256 = hashlib.sha256
 
@@ -96,7 +96,8 @@ def _check_int(x: Any) -> int:
 def _check_float(x: Any) -> float:
     tx = type(x)
     if tx is float:
-        return x
+        checked: float = x
+        return checked
     if tx is int:  # another encoder may write 0 for 0.0
         return float(x)
     raise _Invalid(f"expected float, got {tx.__name__}")
@@ -169,7 +170,7 @@ def compile_type(wire_type: str) -> Callable[[Any], Any]:
     if wire_type.startswith("list<") and wire_type.endswith(">"):
         item = compile_type(wire_type[5:-1])
 
-        def check_list(x: Any) -> list:
+        def check_list(x: Any) -> list[Any]:
             if type(x) not in (list, tuple) or len(x) > MAX_ARRAY:
                 raise _Invalid(f"expected array of at most {MAX_ARRAY}")
             return [item(i) for i in x]
@@ -178,7 +179,7 @@ def compile_type(wire_type: str) -> Callable[[Any], Any]:
     if wire_type.startswith("map<str,") and wire_type.endswith(">"):
         val = compile_type(wire_type[8:-1])
 
-        def check_map(x: Any) -> dict:
+        def check_map(x: Any) -> dict[str, Any]:
             if type(x) is not dict or len(x) > MAX_MAP:
                 raise _Invalid(f"expected map of at most {MAX_MAP}")
             return {k: val(x[k]) for k in sorted(x, key=_map_key)}
@@ -221,7 +222,7 @@ class _Spec:
     kind: int
     name: str
     cls: type
-    encode: Callable[[Any], list]  # message object -> validated wire values
+    encode: Callable[[Any], list[Any]]  # message object -> validated wire values
     frame: Callable[..., bytes]  # (message, sender, seq, run, pack, inner, outer) -> the signed frame (FrameWriter's path)
     open: Callable[..., Envelope]  # (signer, frame, end, version, run id or None) -> Envelope: every check from bad_tag on
 
@@ -292,7 +293,9 @@ def _open(signer, data, end, version, run_id):
 """
 
 
-def _generate(kind: int, name: str, cls: type, fields: tuple[tuple[str, str], ...]) -> tuple[Callable, Callable, Callable]:
+def _generate(
+    kind: int, name: str, cls: type, fields: tuple[tuple[str, str], ...]
+) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
     """Build ``_enc`` (message -> validated wire values), ``_frame`` and ``_open`` of one message.
 
     ``_frame(msg, sender, seq, run, pack, inner, outer)``: the signed frame, ``inner`` and ``outer``
@@ -390,7 +393,8 @@ class Signer:
         inner.update(data)
         outer = self._outer.copy()
         outer.update(inner.digest())
-        return outer.digest()[:TAG_LEN]
+        tag: bytes = outer.digest()[:TAG_LEN]
+        return tag
 
 
 _signers: dict[bytes, Signer] = {}
@@ -411,7 +415,7 @@ def sign(secret: bytes, data: bytes | memoryview) -> bytes:
     return signer_for(secret).tag(data)
 
 
-def message_fields(msg: Any) -> tuple[int, list]:
+def message_fields(msg: Any) -> tuple[int, list[Any]]:
     """Validate a message object and return ``(kind, wire field values)``.
 
     Raises:
@@ -433,9 +437,9 @@ def pack_frame(secret: bytes | Signer, msg: Any, *, sender: str, seq: int, run_i
         ProtocolError: ``schema`` if ``msg`` does not validate against the schema.
     """
     kind, fields = message_fields(msg)
-    body = msgpack.packb([sender, seq, run_id, *fields], use_bin_type=True)
+    body: bytes = msgpack.packb([sender, seq, run_id, *fields], use_bin_type=True)
     unsigned = HEADER.pack(MAGIC, version, kind, len(body)) + body
-    signer = secret if type(secret) is Signer else signer_for(secret)
+    signer = secret if isinstance(secret, Signer) else signer_for(secret)
     return unsigned + signer.tag(unsigned)
 
 
@@ -467,7 +471,7 @@ def unpack_frame(
         raise ProtocolError("oversized", f"body length {body_len}")
     if n < end + TAG_LEN:
         raise ProtocolError("truncated", f"{n} bytes, header says {end + TAG_LEN}")
-    return _open(secret if type(secret) is Signer else signer_for(secret), data, end, kind, version, run_id)
+    return _open(secret if isinstance(secret, Signer) else signer_for(secret), data, end, kind, version, run_id)
 
 
 #: The header read as (magic and version as one number, kind, body length): a sound one has the first ``_USUAL``.
@@ -643,7 +647,7 @@ class FrameReader:
         self.drops[reason] += 1
         # a peer's name is its ZeroMQ routing id, which anyone who connects chooses:
         # escaped, so no byte of it can start a line of its own in our output
-        peer = route_name(peer) if type(peer) is not str else _printable(peer, 80)
+        peer = _printable(peer, 80) if isinstance(peer, str) else route_name(peer)
         line = self.log.line(peer)
         if line is not None:
             log.warning("%sdropped frame from %s: %s %s%s", self.name and f"{self.name}: ", peer, reason, _printable(detail, 300), line)
@@ -669,7 +673,7 @@ class DropLog:
         self.interval_s = interval_s
         self.burst = burst
         self.clock = clock
-        self._peers: dict[str, list] = {}  # peer -> [time of its last line, drops unprinted since]
+        self._peers: dict[str, list[Any]] = {}  # peer -> [time of its last line, drops unprinted since]
         self._window = (0.0, 0)  # start of the current interval, lines printed in it
         self._unprinted = 0  # drops of every peer unprinted since the last line
 

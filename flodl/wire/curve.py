@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from typing import Any
 
 import zmq
 from zmq.utils import z85
@@ -65,7 +66,7 @@ def enabled() -> bool:
     return _server_secret is not None
 
 
-def server(sock: zmq.Socket) -> None:
+def server(sock: zmq.Socket[Any]) -> None:
     """Make a bound socket a CURVE server (before ``bind``); no-op when off."""
     if _server_secret is None:
         return
@@ -73,10 +74,11 @@ def server(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.CURVE_SECRETKEY, _server_secret)
 
 
-def client(sock: zmq.Socket) -> None:
+def client(sock: zmq.Socket[Any]) -> None:
     """Make a connecting socket a CURVE client of the run's servers (before ``connect``); no-op when off."""
     if _server_secret is None:
         return
+    assert _server_public is not None  # set with the secret
     public, secret = zmq.curve_keypair()
     sock.setsockopt(zmq.CURVE_SERVERKEY, _server_public)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, public)

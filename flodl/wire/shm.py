@@ -45,6 +45,7 @@ import struct
 import threading
 import warnings
 from pathlib import Path
+from typing import Self
 
 import torch
 
@@ -111,6 +112,8 @@ def layout_offsets(nbytes: list[int]) -> tuple[list[int], int]:
 class Segment:
     """One mapped file: created (read-write) by its owner, opened read-only by its peer."""
 
+    fd: int | None  # the owner's descriptor, set by create (opened segments have none)
+
     def __init__(self, path: Path, mm: mmap.mmap) -> None:
         self.path = path
         self.mm = mm
@@ -120,7 +123,7 @@ class Segment:
             self.bytes = torch.frombuffer(mm, dtype=torch.uint8) if self.size else torch.empty(0, dtype=torch.uint8)
 
     @classmethod
-    def create(cls, path: Path, nbytes: int, *, reserve: int | None = None) -> Segment:
+    def create(cls, path: Path, nbytes: int, *, reserve: int | None = None) -> Self:
         """A new zero-filled segment of ``nbytes`` (mode 0600), its first ``reserve`` bytes (all by default) backed now.
 
         Backing pages up front is what makes a full /dev/shm (a container's
@@ -146,6 +149,7 @@ class Segment:
 
     def reserve_range(self, offset: int, length: int) -> bool:
         """Back ``length`` bytes at ``offset`` with pages now; False when /dev/shm has no room."""
+        assert self.fd is not None  # the owner's segment (create)
         try:
             os.posix_fallocate(self.fd, offset, length)
             return True
@@ -198,6 +202,9 @@ class Segment:
 class UpdateSegment(Segment):
     """The controller's averages: a header stamped with the round, then one float32 slot."""
 
+    offsets: list[int]  # set by create_for
+    numels: list[int]
+
     STAMP = struct.Struct("<8sq")
 
     @classmethod
@@ -226,6 +233,7 @@ class UpdateSegment(Segment):
     def stamp_of(seg: Segment) -> int:
         """The round a reader's mapping says the slot holds now."""
         fence()
+        round_: int
         magic, round_ = UpdateSegment.STAMP.unpack(bytes(seg.mm[: UpdateSegment.STAMP.size]))
         if magic != MAGIC:
             raise ProtocolError("shm", f"segment {seg.path} is not an update segment")
@@ -241,6 +249,12 @@ class SnapshotSegment(Segment):
     most one round in flight on the lane), in the model's own dtypes. Pages
     are backed only once written, so a Sync run never pays for the slot.
     """
+
+    live_offsets: list[int]  # set by create_for
+    offsets: list[int]
+    live_size: int
+    slot_bytes: int
+    slot_ready: bool
 
     @classmethod
     def create_for(cls, run_id: str, rank: int, nbytes: list[int], live_bytes: list[int]) -> SnapshotSegment:

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 # (``send_multipart`` type-checks and loops in Python, ``getsockopt(EVENTS)`` returns an enum
 # that ``& zmq.POLLIN`` combines in Python): on a round trip every one of these calls runs
 # right after a wake-up, where that layer costs more than the call itself.
+_send: Callable[..., Any]
+_recv: Callable[..., Any]
+_get: Callable[..., Any]
 try:
     from zmq.backend import Socket as _Compiled
 
@@ -90,7 +93,7 @@ class AsyncSocket:
     re-checks ``EVENTS`` and schedules a drain when input is pending.
     """
 
-    def __init__(self, sock: zmq.Socket, on_parts: Callable[[list[bytes]], None], *, name: str = "") -> None:
+    def __init__(self, sock: zmq.Socket[Any], on_parts: Callable[[list[bytes]], None], *, name: str = "") -> None:
         self.sock = sock
         self.on_parts = on_parts
         self.name = name or getattr(on_parts, "__qualname__", "socket")  # names the socket in handler errors
@@ -104,8 +107,13 @@ class AsyncSocket:
     def start(self) -> None:
         """Start draining on the running loop (call from inside it)."""
         self.loop = asyncio.get_running_loop()
-        self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._on_fd)
+        self.loop.add_reader(self._fd(), self._on_fd)
         self._schedule_drain()
+
+    def _fd(self) -> int:
+        fd = self.sock.getsockopt(zmq.FD)
+        assert isinstance(fd, int)  # an int option
+        return fd
 
     def _on_fd(self) -> None:
         # drain right here rather than one loop iteration later: it is the
@@ -116,6 +124,7 @@ class AsyncSocket:
     def _schedule_drain(self) -> None:
         if not self._drain_scheduled and not self.closed:
             self._drain_scheduled = True
+            assert self.loop is not None  # start() came first
             self.loop.call_soon(self._drain)
 
     def resume(self) -> None:
@@ -151,7 +160,7 @@ class AsyncSocket:
                 return
         self._schedule_drain()  # more may be queued: come back after other tasks ran
 
-    def send(self, parts: list, *, copy: bool = True) -> bool:
+    def send(self, parts: list[Any], *, copy: bool = True) -> bool:
         """Queue a multipart message without blocking; False if it was dropped.
 
         ``copy=False`` sends buffers without copying them (bulk tensors): the
@@ -187,7 +196,7 @@ class AsyncSocket:
         self.closed = True
         if self.loop is not None:
             try:
-                self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
+                self.loop.remove_reader(self._fd())
             except Exception:  # the loop may already be closed at interpreter teardown
                 pass
         self.sock.close(linger=0)
@@ -203,7 +212,7 @@ class ControlEndpoint:
 
     def __init__(
         self,
-        sock: zmq.Socket,
+        sock: zmq.Socket[Any],
         *,
         secret: bytes,
         run_id: str,
@@ -252,7 +261,7 @@ class ControlEndpoint:
         self.io.close()
 
 
-def make_router(ctx: zmq.Context, bind: str, port: int) -> tuple[zmq.Socket, int]:
+def make_router(ctx: zmq.Context[Any], bind: str, port: int) -> tuple[zmq.Socket[Any], int]:
     """A ROUTER bound to ``tcp://bind:port`` (port 0 picks a free one); returns it and its port.
 
     ``ROUTER_MANDATORY`` turns sends to unknown or gone peers into counted
@@ -279,7 +288,7 @@ def make_router(ctx: zmq.Context, bind: str, port: int) -> tuple[zmq.Socket, int
     return sock, port
 
 
-def make_dealer(ctx: zmq.Context, addr: str) -> zmq.Socket:
+def make_dealer(ctx: zmq.Context[Any], addr: str) -> zmq.Socket[Any]:
     """A DEALER connected to ``addr``; the controller's ROUTER gives each of its connections a routing id.
 
     Connecting never blocks: ZeroMQ retries in the background and delivers
@@ -287,7 +296,7 @@ def make_dealer(ctx: zmq.Context, addr: str) -> zmq.Socket:
     A reconnect (after a reset) is a new connection with a new routing id;
     the controller moves the peer's route there on its next signed frame.
     """
-    sock = ctx.socket(zmq.DEALER)
+    sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 100_000)
     sock.setsockopt(zmq.RCVHWM, 100_000)
