@@ -22,7 +22,10 @@ def readme_commands() -> list[str]:
 def test_readme_first_screen_has_main_job_and_tests():
     main_job, tests = readme_commands()
     assert main_job.startswith("bash launch/setup.sh && ") and "flodl.controller" in main_job
-    assert tests == "bash launch/setup.sh && python3 -m pytest"
+    assert (
+        tests
+        == "bash launch/setup.sh && python3 -m ruff check . && python3 -m ruff format --check . && python3 -m mypy && python3 -m pytest"
+    )
 
 
 def test_ci_runs_the_readme_test_command():
