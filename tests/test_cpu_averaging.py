@@ -11,7 +11,7 @@ from flodl.errors import ProtocolError
 from flodl.wire import messages as m
 from flodl.wire.bulk import unpack_slice
 
-from .helpers.cpu_plane import Big, controller, rank_side, send_raw, stop, values
+from .helpers.cpu_plane import Big, controller, rank_side, send_raw, snapshot_header, stop, values
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -116,24 +116,8 @@ async def test_round_completes_without_a_rank_that_died(lane):
 async def test_bad_slices_are_rejected_with_a_clear_error(bad, reason, caplog):
     ctl, task = await controller()
     ctl.admit(b"rank0.x", 0)
-    fields = (
-        dict(
-            rank=0,
-            round=0,
-            weight=1.0,
-            groups=["p"],
-            dtypes=["float32"],
-            numels=[4],
-            bucket=0,
-            start=0,
-            count=4,
-            shm="",
-            shm_offset=0,
-            ranks=1,
-        )
-        | bad
-    )
-    send_raw(ctl.port, b"rank0.x/bulk", m.Snapshot(**fields), b"\0" * 16)
+    header = snapshot_header(**bad)
+    send_raw(ctl.port, b"rank0.x/bulk", header, b"\0" * 16)
     for _ in range(100):
         if ctl.drops["bulk"]:
             break
@@ -141,7 +125,7 @@ async def test_bad_slices_are_rejected_with_a_clear_error(bad, reason, caplog):
     assert ctl.drops["bulk"] == 1 and ctl.rounds.current is None
     assert reason in caplog.text
     with pytest.raises(ProtocolError, match="bulk"):
-        unpack_slice(m.Snapshot(**fields), [b"\0" * 16])
+        unpack_slice(header, [b"\0" * 16])
     await stop(ctl, task)
 
 

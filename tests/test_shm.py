@@ -20,7 +20,7 @@ from flodl.errors import ProtocolError
 from flodl.wire import messages as m
 from flodl.wire import shm
 
-from .helpers.cpu_plane import RUN, SECRET, Big, controller, rank_side, send_raw, stop
+from .helpers.cpu_plane import RUN, SECRET, Big, controller, rank_side, send_raw, snapshot_header, stop
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -120,27 +120,6 @@ async def test_the_lane_leaves_no_file_behind():
     assert not mine & set(_ours())
 
 
-def _lane_header(**over) -> m.Snapshot:
-    fields = (
-        dict(
-            rank=0,
-            round=0,
-            weight=1.0,
-            groups=["p"],
-            dtypes=["float32"],
-            numels=[4],
-            bucket=0,
-            start=0,
-            count=4,
-            shm="",
-            shm_offset=0,
-            ranks=1,
-        )
-        | over
-    )
-    return m.Snapshot(**fields)
-
-
 @pytest.mark.parametrize(
     "case, reason",
     [
@@ -157,10 +136,10 @@ async def test_forged_lane_headers_are_dropped_with_a_reason(case, reason, caplo
     other = shm.Segment.create(shm.path_for(RUN, "r1"), 16)
     try:
         header = {
-            "foreign": _lane_header(shm="/etc/passwd"),
-            "other-rank": _lane_header(shm=str(other.path)),
-            "outside": _lane_header(shm=str(own.path), shm_offset=8),
-            "frame": _lane_header(shm=str(own.path)),
+            "foreign": snapshot_header(shm="/etc/passwd"),
+            "other-rank": snapshot_header(shm=str(other.path)),
+            "outside": snapshot_header(shm=str(own.path), shm_offset=8),
+            "frame": snapshot_header(shm=str(own.path)),
         }[case]
         send_raw(ctl.port, b"rank0.x/bulk", header, b"\0" * 16) if case == "frame" else _send_raw_header(ctl.port, header)
         await _until(lambda: ctl.drops["bulk"], "the forged header to be dropped")

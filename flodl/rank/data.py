@@ -185,7 +185,7 @@ class BatchSource:
         """
         if self._tensors is not None:
             if self.device is not None:  # device-resident (place_on): gather there
-                idx = idx.to(self.device, non_blocking=True)  # a no-op for indices already there (_emit)
+                idx = idx.to(self.device, non_blocking=True)
             return tuple(t[idx] for t in self._tensors)
         ids = idx.tolist()
         if self.tiers is not None:

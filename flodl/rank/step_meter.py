@@ -65,7 +65,6 @@ class StepMeter:
     """Turns finished steps into ``StepRecord``s: at once on a CPU, in lagged groups on a GPU."""
 
     def __init__(self, device: torch.device, *, per_step: bool | None = None) -> None:
-        self.device = device
         # the device defers its read-backs unless told otherwise (a simulated slowdown paces each step)
         self.per_step = device.type != "cuda" if per_step is None else per_step
         self._open: _Group | None = None
@@ -116,7 +115,7 @@ class StepMeter:
     def _close(self) -> None:
         group, self._open = self._open, None
         total = torch.stack(group.losses).float().sum() if len(group.losses) > 1 else group.losses[0].float()
-        group.losses = []  # the steps' graphs may go
+        group.losses = []  # the steps' loss tensors are no longer needed
         group.host = torch.empty((), dtype=torch.float32, pin_memory=True)
         group.host.copy_(total, non_blocking=True)
         group.end = torch.cuda.Event(enable_timing=True)

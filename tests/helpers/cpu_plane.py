@@ -65,3 +65,25 @@ def send_raw(port: int, identity: bytes, header: m.Snapshot, payload: bytes) -> 
     sock.connect(f"tcp://127.0.0.1:{port}")
     sock.send_multipart([FrameWriter(SECRET, RUN, identity.decode()).encode(header), payload])
     sock.close()
+
+
+def snapshot_header(**over) -> m.Snapshot:
+    """A one-bucket snapshot header of rank 0, round 0 (4 float32 values, no lane), with ``over`` changed."""
+    fields = (
+        dict(
+            rank=0,
+            round=0,
+            weight=1.0,
+            groups=["p"],
+            dtypes=["float32"],
+            numels=[4],
+            bucket=0,
+            start=0,
+            count=4,
+            shm="",
+            shm_offset=0,
+            ranks=1,
+        )
+        | over
+    )
+    return m.Snapshot(**fields)
