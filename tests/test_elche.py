@@ -4,11 +4,12 @@ and the 0.7 deltas (phases, election, gated growth, relax_up, window cap, ratios
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from flodl.config import ElCheConfig
-from flodl.plan.elche import ElChe, cap_window, elect_anchor_rank, phase_for
+from flodl.plan.elche import SOLO_WINDOW_MS, ElChe, cap_window, elect_anchor_rank, phase_for
 from flodl.plan.signals import Phase, Verdict
 
 pytestmark = pytest.mark.timeout(30)
@@ -48,6 +49,39 @@ def test_one_rank_world_is_legal():
     assert che.anchor_rank == 0
     assert che.anchor_wall_ms() == pytest.approx(500.0)
     assert che.shares() == [1.0]
+
+
+def test_a_world_of_one_sizes_its_window_by_wall_time():
+    # nothing to average against: 1 ms batches make a SOLO_WINDOW_MS window, whatever sync costs
+    che = ElChe(1, anchor=10)
+    report(che, [10.0], sync_ms=0.0)
+    assert che.anchor == che.batch_counts[0] == math.ceil(SOLO_WINDOW_MS / 1.0)
+    assert che.anchor_wall_ms() == pytest.approx(SOLO_WINDOW_MS, rel=0.01)
+    # jitter inside the dead zone re-plans nothing
+    report(che, [che.anchor * 1.05], sync_ms=0.0)
+    assert che.anchor == math.ceil(SOLO_WINDOW_MS / 1.0)
+
+
+def test_a_world_of_one_keeps_its_bounds_and_cap():
+    assert ElChe(1, anchor=10, max_anchor=40).anchor == 10
+    capped = ElChe(1, anchor=10, max_anchor=40)
+    report(capped, [1.0], sync_ms=0.0)  # 0.1 ms batches would want 2,500
+    assert capped.batch_counts == [40]
+    slow = ElChe(1, anchor=10)
+    report(slow, [1000.0], sync_ms=0.0)  # 100 ms batches: min_anchor holds
+    assert slow.batch_counts == [10]
+    epoch = ElChe(1, anchor=10, max_total_batches=120)
+    report(epoch, [10.0], sync_ms=0.0)
+    assert epoch.batch_counts == [120]  # never past the window cap (an epoch's batches)
+
+
+def test_sync_policy_and_two_ranks_ignore_the_solo_rule():
+    sync = ElChe(1, anchor=10, sync_policy=True)
+    report(sync, [10.0], sync_ms=0.0)
+    assert sync.batch_counts == [10]
+    pair = ElChe(2, anchor=10)
+    report(pair, [10.0, 10.0], sync_ms=0.0)
+    assert pair.anchor == 10
 
 
 @pytest.mark.parametrize(

@@ -52,6 +52,11 @@ REARM_AFTER_STABLE = 5
 #: Float noise tolerated before rounding up (0.4 / 0.1 is 4.000000000000001).
 CEIL_SLACK = 1e-9
 
+#: A world of one averages nothing: its windows only pace dispatch, progress and admission, so
+#: they are sized by wall time (ms) alone, long enough that a window's fixed cost (its report,
+#: the device catching up at its end) is noise, short enough that a joiner waits little.
+SOLO_WINDOW_MS = 250.0
+
 #: Calibrations (valid timing reports) at which each phase begins.
 PHASE_THRESHOLDS: tuple[tuple[int, Phase], ...] = ((20, Phase.MATURE), (5, Phase.STABLE), (1, Phase.WARMUP))
 
@@ -331,7 +336,7 @@ class ElChe:
         self._update_speeds(wall_ms, batches)
         if not self._elect():
             return
-        anchor_changed = self._auto_tune(max(wall_ms), sync_ms)
+        anchor_changed = self._solo_anchor() if self._solo else self._auto_tune(max(wall_ms), sync_ms)
         self._recompute_counts(force=anchor_changed)
         self.calibrated = True
         self.calibration_count += 1
@@ -373,6 +378,22 @@ class ElChe:
             if elected is not None:
                 self.anchor_rank = elected
         return self.anchor_rank is not None and self.ms_per_batch[self.anchor_rank] > 0
+
+    @property
+    def _solo(self) -> bool:
+        """One rank, nothing to average against: no drift to bound, no averaging cost to weigh."""
+        return self.world_size == 1 and not self.sync_policy and self.partition_ratios is None
+
+    def _solo_anchor(self) -> bool:
+        """A world of one: the anchor that makes a window ``SOLO_WINDOW_MS`` long (within
+        ``min_anchor``..``max_anchor``; the window cap still applies). True if it changed now.
+        Outside the dead zone only, so timing jitter does not re-plan every window."""
+        wanted = int(_clamp(_ceil(SOLO_WINDOW_MS / self.ms_per_batch[0]), self.min_anchor, self.max_anchor))
+        if abs(wanted - self.anchor) <= DEAD_ZONE * self.anchor:
+            return False
+        self.anchor = wanted
+        self.pending_anchor = None
+        return True
 
     def _auto_tune(self, compute_ms: float, sync_ms: float) -> bool:
         """Anchor auto-tune against the averaging overhead; True if the anchor changed now.

@@ -42,6 +42,14 @@ Transform = Callable[[Any, list[PickKey]], Any]
 READERS = 8
 
 
+def _cut(shuffle: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """The picks of ``spans`` out of a pass's shuffle: a view for one span, a copy for several."""
+    if len(spans) == 1:
+        at, n = spans[0]
+        return shuffle[at : at + n]
+    return torch.cat([shuffle[at : at + n] for at, n in spans])
+
+
 class BatchSource:
     """Fetches batches of granted slices of the run's epochs."""
 
@@ -68,7 +76,9 @@ class BatchSource:
         self._readers: ThreadPoolExecutor | None = None  # parallel dataset reads (staged path), made on first use
         self._tensors = dataset.tensors if isinstance(dataset, TensorDataset) and collate_fn is None else None
         self._perms: dict[int, torch.Tensor] = {}
-        self._device_perms: dict[int, torch.Tensor] = {}  # the same shuffles as dataset indices on the device (place_on)
+        # the same shuffles as dataset indices (picks modulo the dataset: augmented passes are
+        # longer), where the tensors live: on the device after place_on
+        self._index_perms: dict[int, torch.Tensor] = {}
 
     def stage(self, tiers: Any) -> None:
         """Fetch samples through ``tiers`` (``staging.TieredSamples``) instead of straight from the dataset."""
@@ -87,11 +97,12 @@ class BatchSource:
 
     def place_on(self, device: torch.device) -> None:
         """Keep an in-memory dataset on ``device``: a batch is then a gather there, with no
-        host round trip (each pass's shuffle goes up once: ``_device_shuffle``)."""
+        host round trip (each pass's shuffle goes up once: ``_index_shuffle``)."""
         if self._tensors is None:
             return
         self._tensors = tuple(t.to(device) for t in self._tensors)
         self.device = device
+        self._index_perms.clear()  # host copies: the next batch takes them up once
 
     @property
     def in_memory(self) -> bool:
@@ -108,52 +119,62 @@ class BatchSource:
 
         A batch may span two grants of one epoch, never two epochs (each batch
         is one epoch's, so per-epoch metrics stay exact); a batch cut short by
-        an epoch edge is simply smaller.
+        an epoch edge is simply smaller. Batches are cut as integer spans of the
+        pass's shuffle; tensors are made once per batch (``_emit``), since each
+        tensor op costs microseconds a step.
         """
-        pending: list[tuple[torch.Tensor, int]] = []  # pieces of the next batch, with their place in the pass's shuffle
+        pending: list[tuple[int, int]] = []  # spans (place in the pass's shuffle, length) of the next batch
         have = 0
-        epoch_of = pass_of = None
+        epoch_of = pass_of = 0
         for epoch, start, size in grants:
-            if epoch_of is not None and epoch != epoch_of and pending:
+            if pending and epoch != epoch_of:
                 yield (epoch_of, *self._emit(pass_of, pending))
                 pending, have = [], 0
             epoch_of = epoch
-            pass_of, picks, at = self._picks(epoch, start, size)
-            while len(picks):
-                piece = picks[: self.batch_size - have]
-                pending.append((piece, at))
-                have += len(piece)
-                at += len(piece)
-                picks = picks[len(piece) :]
+            pass_of, at = self._span(epoch, start, size)
+            while size:
+                take = min(size, self.batch_size - have)
+                pending.append((at, take))
+                have += take
+                at += take
+                size -= take
                 if have == self.batch_size:
                     yield (epoch, *self._emit(pass_of, pending))
                     pending, have = [], 0
         if pending:
             yield (epoch_of, *self._emit(pass_of, pending))
 
-    def _emit(self, pass_index: int, pieces: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, Any]:
-        picks = pieces[0][0] if len(pieces) == 1 else torch.cat([piece for piece, _ in pieces])
-        if self.device is not None and self._tensors is not None:
-            # device-resident (place_on): the pass's shuffle is on the device too, so a batch's
-            # indices are a slice of it (a view) and the batch one gather per tensor, as a
-            # hand-written GPU loop does it: no host-to-device copy per step
-            shuffle = self._device_shuffle(pass_index)
-            spans = [shuffle[at : at + len(piece)] for piece, at in pieces]
-            idx = spans[0] if len(spans) == 1 else torch.cat(spans)
-            batch = tuple(t[idx] for t in self._tensors)
+    def _emit(self, pass_index: int, spans: list[tuple[int, int]]) -> tuple[torch.Tensor, Any]:
+        """``(indices, batch)`` of one batch: dataset indices for a resident tensor dataset with no
+        transform, else the picks (places in the pass, beyond the dataset when augmented)."""
+        if self._tensors is not None:
+            # in memory: the pass's shuffle as dataset indices sits where the tensors are (on the
+            # device after place_on), so a batch's indices are a slice of it (a view) and the batch
+            # one gather per tensor, as a hand-written loop does it: no modulo, no host-to-device
+            # copy per step
+            idx = _cut(self._index_shuffle(pass_index), spans)
+            batch: Any = tuple(t[idx] for t in self._tensors)
+            if self.transform is None:
+                return idx, batch
+            picks = _cut(self._perms[pass_index], spans)
         else:
+            picks = _cut(self._perms[pass_index], spans)
             batch = self.fetch(picks % self.length)
         if self.transform is not None:
             batch = self._transformed(batch, self.schedule.keys(pass_index, picks))
         return picks, batch
 
-    def _device_shuffle(self, pass_index: int) -> torch.Tensor:
-        """The pass's shuffle as dataset indices on the device (uploaded once per pass)."""
-        shuffle = self._device_perms.get(pass_index)
+    def _index_shuffle(self, pass_index: int) -> torch.Tensor:
+        """The pass's shuffle as dataset indices, where the tensors are (made, and uploaded, once per pass)."""
+        shuffle = self._index_perms.get(pass_index)
         if shuffle is None:
-            if len(self._device_perms) >= 2:  # windows straddle at most two passes
-                self._device_perms.pop(next(iter(self._device_perms)))
-            shuffle = self._device_perms[pass_index] = (self._perms[pass_index] % self.length).to(self.device)
+            if len(self._index_perms) >= 2:  # windows straddle at most two passes
+                self._index_perms.pop(next(iter(self._index_perms)))
+            perm = self._perms[pass_index]
+            shuffle = perm if self.schedule.pass_len == self.length else perm % self.length
+            if self.device is not None:
+                shuffle = shuffle.to(self.device)
+            self._index_perms[pass_index] = shuffle
         return shuffle
 
     def _transformed(self, batch: Any, keys: list[PickKey]) -> Any:
@@ -164,18 +185,17 @@ class BatchSource:
                 f"the transform raised {type(exc).__name__}: {exc} (picks of samples {[k.sample for k in keys][:8]}...)"
             ) from exc
 
-    def _picks(self, epoch: int, start: int, size: int) -> tuple[int, torch.Tensor, int]:
-        """``(pass_index, picks, at)`` of a grant, ``at`` its first pick's place in the pass's
-        shuffle; the shuffle is cached (windows revisit it)."""
+    def _span(self, epoch: int, start: int, size: int) -> tuple[int, int]:
+        """``(pass_index, at)`` of a grant, ``at`` its first pick's place in the pass's shuffle;
+        the shuffle is made once and cached (windows revisit it)."""
         pass_index, epoch_start, length = self.schedule.bounds(epoch)
         if start < 0 or size < 0 or start + size > length:
             raise ValueError(f"grant [{start}, {start + size}) outside epoch {epoch} of {length} picks")
-        perm = self._perms.get(pass_index)
-        if perm is None:
+        if pass_index not in self._perms:
             if len(self._perms) >= 2:  # windows straddle at most two passes
                 self._perms.pop(next(iter(self._perms)))
-            perm = self._perms[pass_index] = epoch_permutation(self.schedule.pass_len, self.seed, pass_index)
-        return pass_index, perm[epoch_start + start : epoch_start + start + size], epoch_start + start
+            self._perms[pass_index] = epoch_permutation(self.schedule.pass_len, self.seed, pass_index)
+        return pass_index, epoch_start + start
 
     def fetch(self, idx: torch.Tensor) -> Any:
         """Collate the samples at dataset indices ``idx``.
