@@ -145,8 +145,9 @@ class BatchSource:
             yield (epoch_of, *self._emit(pass_of, pending))
 
     def _emit(self, pass_index: int, spans: list[tuple[int, int]]) -> tuple[torch.Tensor, Any]:
-        """``(indices, batch)`` of one batch: dataset indices for a resident tensor dataset with no
-        transform, else the picks (places in the pass, beyond the dataset when augmented)."""
+        """``(picks, batch)`` of one batch; picks are places in the pass (beyond the dataset when
+        augmented), on the host, where the ledger keeps them."""
+        picks = _cut(self._perms[pass_index], spans)
         if self._tensors is not None:
             # in memory: the pass's shuffle as dataset indices sits where the tensors are (on the
             # device after place_on), so a batch's indices are a slice of it (a view) and the batch
@@ -154,11 +155,7 @@ class BatchSource:
             # copy per step
             idx = _cut(self._index_shuffle(pass_index), spans)
             batch: Any = tuple(t[idx] for t in self._tensors)
-            if self.transform is None:
-                return idx, batch
-            picks = _cut(self._perms[pass_index], spans)
         else:
-            picks = _cut(self._perms[pass_index], spans)
             batch = self.fetch(picks % self.length)
         if self.transform is not None:
             batch = self._transformed(batch, self.schedule.keys(pass_index, picks))
