@@ -1,6 +1,6 @@
 """Runtime overhead: one rank under flodl vs the same training in a plain PyTorch loop.
 
-    python bench/overhead.py [--quick | --smoke] [--device cuda] [--steps-ms 1,5]
+    python bench/overhead.py [--quick | --smoke] [--device cuda] [--steps-ms 1,5] [--pairs N]
 
 Same model, data, batch size, optimizer, shuffle and thread count; the plain
 loop is written as one would write it by hand: it indexes the same in-memory
@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument(
         "--steps-ms", default=None, help="comma-separated step times (ms) to size the cases by, instead of the plan's (e.g. 1 or 1,5)"
     )
+    parser.add_argument("--pairs", type=int, default=None, help="plain/flodl pairs per case, instead of the plan's")
     args = parser.parse_args(argv)
     DEVICE = args.device
     # one intra-op thread on both sides: on a small shared machine a second
@@ -172,6 +173,8 @@ def main(argv: list[str] | None = None) -> Path:
         cases, reps, samples, epochs = (("~5 ms step", 5.0),), 7, 12288, 2
     else:
         cases, reps, samples, epochs = (("~5 ms step", 5.0), ("~20 ms step", 20.0)), 9, 16384, 4
+    if args.pairs and not args.smoke:
+        reps = args.pairs
     if args.steps_ms and not args.smoke:
         cases = tuple((f"~{float(t):g} ms step", float(t)) for t in args.steps_ms.split(","))
     rows: list[Row] = []
