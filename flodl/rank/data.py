@@ -115,6 +115,7 @@ class BatchSource:
         epoch_of = pass_of = None
         for epoch, start, size in grants:
             if epoch_of is not None and epoch != epoch_of and pending:
+                assert pass_of is not None  # set with epoch_of
                 yield (epoch_of, *self._emit(pass_of, pending))
                 pending, have = [], 0
             epoch_of = epoch
@@ -129,6 +130,7 @@ class BatchSource:
                     yield (epoch, *self._emit(pass_of, pending))
                     pending, have = [], 0
         if pending:
+            assert epoch_of is not None and pass_of is not None  # pending pieces come from a grant
             yield (epoch_of, *self._emit(pass_of, pending))
 
     def _emit(self, pass_index: int, pieces: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, Any]:
@@ -157,6 +159,7 @@ class BatchSource:
         return shuffle
 
     def _transformed(self, batch: Any, keys: list[PickKey]) -> Any:
+        assert self.transform is not None  # called only when there is one
         try:
             return self.transform(batch, keys)
         except Exception as exc:
