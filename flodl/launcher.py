@@ -206,10 +206,12 @@ class Launcher:
 
     async def _send_credentials(self, child: Child, line: bytes) -> None:
         """Write ``SECRET_HEX RUN_ID`` into the ssh session; keep stdin open (its EOF means: stop)."""
+        stdin = child.proc.stdin
+        assert stdin is not None  # a host's ssh session is spawned with stdin=PIPE
         try:
-            child.proc.stdin.write(line)
+            stdin.write(line)
             async with asyncio.timeout(STDIN_WRITE_TIMEOUT_S):
-                await child.proc.stdin.drain()
+                await stdin.drain()
         except (OSError, TimeoutError) as exc:
             # ssh already exited or hangs: the watch loop sees the exit, the teardown the rest
             log.warning("%s: could not hand over the credentials: %s", child.name, exc or type(exc).__name__)
@@ -225,6 +227,7 @@ class Launcher:
 
     async def _watch(self) -> Verdict:
         """Wait for the end: a signal, the controller's exit, or a host failing at start."""
+        assert self.controller is not None  # _start gave no verdict: the controller started
         while True:
             if self._signals:
                 return Verdict(f"received {self._signals[0]}")
@@ -318,6 +321,7 @@ class Launcher:
     def _exit_code(self, verdict: Verdict) -> int:
         if verdict.code is not None:
             return verdict.code
+        assert self.controller is not None  # a controller that failed to start gave a verdict with a code
         code = self.controller.proc.returncode
         if code is None:
             return EXIT_LAUNCH_FAILED
@@ -328,6 +332,7 @@ class Launcher:
     async def _pump(self, child: Child) -> None:
         """Copy one child's output to ours, line by line, as ``[name] line``."""
         stream = child.proc.stdout
+        assert stream is not None  # every child is spawned with stdout=PIPE
         while True:
             try:
                 line = await stream.readline()

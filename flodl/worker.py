@@ -133,12 +133,19 @@ class Worker:
                 pass
 
     def _send(self, msg: Any) -> None:
+        assert self.endpoint is not None  # run() makes it before anything sends
         self.endpoint.send(msg)
+
+    @property
+    def _welcomed(self) -> m.WorkerWelcome:
+        """``welcome`` on the paths that run once it came (the relay, spawning ranks)."""
+        assert self.welcome is not None, "no WorkerWelcome yet"
+        return self.welcome
 
     # ------------------------------------------------------------ lifecycle
 
     async def run(self) -> int:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[Any] = zmq.Context.instance()
         self.endpoint = ControlEndpoint(
             make_dealer(ctx, self.controller),
             secret=self.secret,
@@ -251,7 +258,7 @@ class Worker:
         """Start the host relay; returns what the ranks are told of it ("ADDR PROBE NONCE")."""
         from .averaging.relay import HostRelay  # it averages with torch: only a relaying worker pays torch's import
 
-        welcome = self.welcome
+        welcome = self._welcomed
         host = self.controller.rsplit(":", 1)[0]  # tcp://HOST
         self.relay = HostRelay(
             secret=self.secret,
@@ -267,7 +274,7 @@ class Worker:
         return f"tcp://127.0.0.1:{self.relay.port} {self.relay.probe_path} {self.relay.probe_nonce}"
 
     async def _spawn(self, tg: asyncio.TaskGroup) -> None:
-        welcome = self.welcome
+        welcome = self._welcomed
         self._tg = tg
         self._relay_addr = self._start_relay(tg) if welcome.bulk_relay and welcome.bulk_port else ""
         for rank, device in zip(welcome.ranks, self.devices, strict=False):
@@ -276,7 +283,7 @@ class Worker:
 
     async def _start_rank(self, rank: int, device: str) -> None:
         """Start one rank process and its reaper."""
-        welcome = self.welcome
+        welcome = self._welcomed
         env = RankEnv(
             controller=self.controller,
             secret=self.secret,
@@ -295,6 +302,7 @@ class Worker:
         self.procs[rank] = proc
         if self.relay is not None:
             self.relay.admit(f"rank{rank}.{proc.pid}".encode(), rank)  # the rank's bulk identity, as it will connect
+        assert self._tg is not None  # _spawn set it; a respawn comes only once it is
         self._tg.create_task(self._reap(rank, proc))
 
     async def _respawn(self, msg: m.Respawn) -> None:

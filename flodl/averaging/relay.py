@@ -60,7 +60,7 @@ class HostRelay:
         self.local.live = lambda: self.local_live
         self.up_writer = FrameWriter(secret, run_id, identity)
         self.up_reader = FrameReader(secret, run_id, max_frame=1 << 20, name=f"{identity} upstream", own=identity)
-        sock = zmq.Context.instance().socket(zmq.DEALER)  # routing id assigned upstream; ``identity`` signs our headers
+        sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)  # routing id assigned upstream; ``identity`` signs our headers
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)
         sock.setsockopt(zmq.SNDHWM, 0)  # partial averages are copies we own: queued, never dropped
@@ -159,7 +159,7 @@ class HostRelay:
             self.drops["bulk"] += 1
             log.error("relay: rejected an averaged slice from the controller: %s", exc.detail)
             return
-        fields = dict(
+        fields: dict[str, Any] = dict(
             round=msg.round,
             aborted=False,
             ranks=msg.ranks,
@@ -173,6 +173,7 @@ class HostRelay:
         lane = self.local.lane_header(fields, msg.bucket, msg.start)
         if lane is not None:
             # local ranks on the lane read the average where our partial sum was (sent already)
+            assert piece is not None  # ranks > 0: not an empty update, so it carries a slice
             rnd.acc[msg.bucket][msg.start : msg.start + msg.count].copy_(piece)
         self.local.broadcast(m.Update(**fields, shm="", shm_offset=0), [parts[1]], lane=lane)
         self.received_up[msg.round] += msg.count

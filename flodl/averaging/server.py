@@ -70,7 +70,7 @@ class CpuAveraging:
     ) -> None:
         self.reader = FrameReader(secret, run_id, max_frame=1 << 20, name="controller bulk", own="controller")
         self.writer = FrameWriter(secret, run_id, "controller/bulk")
-        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 4)  # a few slices per peer in flight; TCP holds the rest
@@ -325,7 +325,7 @@ class SendBack:
         if param_weight <= 0:
             return  # nobody trained: the empty update goes out when the round is done
         out, acc = rnd.averaged(bucket, start, count, param_weight, buffer_weight)
-        fields = dict(
+        fields: dict[str, Any] = dict(
             round=rnd.number,
             aborted=False,
             ranks=int(buffer_weight),

@@ -65,7 +65,8 @@ def first_non_finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> str | None:
 
 
 def _model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
-    tensors, names = {}, []
+    tensors: dict[str, torch.Tensor] = {}
+    names: list[str] = []
     for i, (name, p) in enumerate(model.named_parameters()):
         tensors[f"p{i}"] = p
         names.append(name)

@@ -55,7 +55,8 @@ def save(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: di
         if tensor.dtype not in DTYPES:
             raise TypeError(f"{name}: dtype {tensor.dtype} cannot be stored in a safetensors file")
         data = tensor.detach().to("cpu").contiguous()
-        raw = memoryview(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else memoryview(b"")
+        # numpy's stubs give ndarray ``__buffer__`` only for Python >= 3.12; it is a buffer on 3.11 too.
+        raw = memoryview(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else memoryview(b"")  # type: ignore[arg-type]
         header[name] = {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + len(raw)]}
         blobs.append(raw)
         offset += len(raw)

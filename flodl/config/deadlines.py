@@ -67,6 +67,12 @@ class Deadlines:
         return cls(heartbeat_s=heartbeat_s, collective_s=heartbeat_s, snapshot_s=float(config.snapshot_timeout_secs))
 
     @property
+    def collective_timeout_s(self) -> float:
+        """``collective_s`` typed as set: ``__post_init__`` fills a None from ``heartbeat_s``."""
+        assert self.collective_s is not None
+        return self.collective_s
+
+    @property
     def verdict_wait_s(self) -> float:
         """How long a failed rank waits for the controller's ``Shutdown`` after reporting its error.
         The controller answers at once; one heartbeat timeout without an answer means it is gone."""
@@ -93,7 +99,7 @@ class Deadlines:
         at different times: a survivor may still sit in the failed collective until its own
         timeout (``collective_s``, doubled for slack), and only then waits for the controller's
         announcement like everyone else (``regroup_wait_s``)."""
-        return 2 * self.collective_s + self.regroup_wait_s
+        return 2 * self.collective_timeout_s + self.regroup_wait_s
 
     @property
     def snapshot_wait_s(self) -> float:
@@ -107,7 +113,7 @@ class Deadlines:
         """
         if self.snapshot_s is None:
             raise ValueError("snapshot_wait_s needs snapshot_s (the run's snapshot_timeout_secs)")
-        return max(self.collective_s, SNAPSHOT_WAIT_FACTOR * self.snapshot_s)
+        return max(self.collective_timeout_s, SNAPSHOT_WAIT_FACTOR * self.snapshot_s)
 
     def describe(self) -> str:
         """One line for the run-start log: every deadline and its value."""

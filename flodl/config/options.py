@@ -19,7 +19,7 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ..errors import ConfigError
 from .run import (
@@ -181,7 +181,8 @@ class _Spec:
 def _default_text(f: dataclasses.Field) -> str:
     if f.metadata["default_text"] is not None:
         return f.metadata["default_text"]
-    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    # MISSING is a sentinel object, not a type mypy can narrow on: say what the factory is.
+    default = f.default if f.default is not dataclasses.MISSING else cast(Callable[[], Any], f.default_factory)()
     if isinstance(default, bool):
         return "true" if default else "false"
     return str(default)

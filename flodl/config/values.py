@@ -112,7 +112,8 @@ class ElCheMode(_TextEnum):
         )
         return _MODE_BY_PARTS[pair]
 
-    def split(self) -> tuple[ApplyPolicy, AverageBackend]:
+    # Shadows ``str.split`` on purpose (a mode is a str enum); nothing splits a mode as text.
+    def split(self) -> tuple[ApplyPolicy, AverageBackend]:  # type: ignore[override]
         """``(policy, backend)`` of this mode."""
         return _PARTS_BY_MODE[self]
 

@@ -119,6 +119,7 @@ class Admission:
         relay = self._relays(worker)
         averaging = self.plane.averaging
         if relay:
+            assert averaging is not None  # _relays is false without the CPU backend's averaging
             averaging.admit_relay(worker.sender.encode(), worker.ranks)
         self.plane.send(
             m.WorkerWelcome(
@@ -186,7 +187,7 @@ class Admission:
             store_host=self.launch.advertise_host,
             store_port=self.plane.store.port,
             store_prefix=f"{self.run_id}/gen{self.members.generation}",
-            collective_timeout_s=self.deadlines.collective_s,
+            collective_timeout_s=self.deadlines.collective_timeout_s,
             config=self.config.to_dict(),
             seed=self.resume.seed(),  # a resumed run keeps the bundle's shuffle on every rank
             bulk_port=averaging.port if averaging is not None else 0,

@@ -73,11 +73,14 @@ class Checkpointer:
 
     def every_due(self, closed_epoch: int) -> bool:
         k = self.config.checkpoint_every
-        return bool(k) and (closed_epoch + 1) % k == 0
+        if not k:
+            return False
+        return (closed_epoch + 1) % k == 0
 
     def at_epoch_due(self, reached_epoch: int) -> bool:
         """One-shot: the cohort trains ``checkpoint_at_epoch`` (or later) now."""
-        if self.at_epoch_armed and reached_epoch >= self.config.checkpoint_at_epoch:
+        at = self.config.checkpoint_at_epoch  # set whenever armed
+        if self.at_epoch_armed and at is not None and reached_epoch >= at:
             self.at_epoch_armed = False
             return True
         return False

@@ -23,7 +23,7 @@ def _per_rank(ranks: dict[int, float]) -> str:
     """Each rank's samples/s, or, for many ranks, the slowest, the median and the fastest."""
     if len(ranks) <= LIST_RANKS_UP_TO:
         return "  [" + " ".join(f"r{r} {v:,.0f}/s" for r, v in ranks.items()) + "]"
-    order = sorted(ranks, key=ranks.get)
+    order = sorted(ranks, key=ranks.__getitem__)
     lo, mid, hi = order[0], order[len(order) // 2], order[-1]
     return f"  [{len(ranks)} ranks: slowest r{lo} {ranks[lo]:,.0f}/s, median {ranks[mid]:,.0f}/s, fastest r{hi} {ranks[hi]:,.0f}/s]"
 

@@ -276,7 +276,7 @@ class Controller:
     def _open(self) -> None:
         self.plane.open(self._on_message)
         log.info("deadlines: %s", self.deadlines.describe())
-        self.hooks.opened(self.plane.endpoint)
+        self.hooks.opened(self.plane.live_endpoint)
         # everything alive now (torch's import, above all) lives as long as the run: keep it out of
         # the collector's full passes, which otherwise stall the event loop 60-170 ms (1,000-rank bench)
         gc.freeze()
@@ -326,6 +326,8 @@ class Controller:
         )
         run.to(Phase.TRAINING)
         info = admission.task_info
+        # every first rank said hello or died, and with none left the deaths have failed the run
+        assert info is not None
         try:
             schedule = Schedule(info.dataset_len, self.config.augment, self.config.epoch_splits, self.launch.epochs)
         except ValueError as exc:
@@ -393,9 +395,15 @@ class Controller:
         # workers that arrived while these started join at a boundary
         loop = training.open_loop(admission.training_ranks(), self.resume.seed())
         if self.resume.meta is not None:
-            self.resume.apply(loop, training.info, training.schedule, training.total_epochs)
+            assert training.schedule is not None  # _conduct began training with it
+            self.resume.apply(loop, training.task, training.schedule, training.total_epochs)
         if averaging is not None:
-            averaging.on_round = lambda number, ms: (loop.note_round(ms), self.liveness.cpu_round_done(number, ms))
+
+            def on_round(number: int, ms: float) -> None:
+                loop.note_round(ms)
+                self.liveness.cpu_round_done(number, ms)
+
+            averaging.on_round = on_round
         depth = 1 if self.config.elche.mode.policy is ApplyPolicy.SYNC else 2
         in_flight: list[int] = []
         while True:

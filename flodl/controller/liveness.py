@@ -102,7 +102,7 @@ class Liveness:
 
     def _report_drops(self) -> None:
         """Frames dropped (forged, malformed, unauthorized) since the last beat: a control_drop alert."""
-        drops = self.plane.endpoint.drops
+        drops = self.plane.live_endpoint.drops
         total = sum(drops.values())
         if total > self._drops_seen:
             detail = ", ".join(f"{k} {v}" for k, v in sorted(drops.items()))
@@ -179,7 +179,7 @@ class Liveness:
     def on_rank_exited(self, identity: bytes, env: Envelope, msg: m.RankExited) -> None:
         worker = self.members.workers.get(env.sender)
         if worker is None or msg.rank not in worker.ranks:
-            self.plane.endpoint.drops["unauthorized"] += 1  # only a rank's own worker (its signed sender name) may report its exit
+            self.plane.live_endpoint.drops["unauthorized"] += 1  # only a rank's own worker (its signed sender name) may report its exit
             return
         if self.run.ended:
             # we told it to go: leaving now is not a death, whatever the code

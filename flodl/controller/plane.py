@@ -63,10 +63,16 @@ class ControlPlane:
     def address(self) -> str:
         return f"tcp://{self.launch.advertise_host}:{self.port}"
 
+    @property
+    def live_endpoint(self) -> ControlEndpoint:
+        """``endpoint`` on the paths that run only once ``open`` made it (sends, handlers)."""
+        assert self.endpoint is not None, "the control plane is not open"
+        return self.endpoint
+
     def open(self, on_message: OnMessage) -> None:
         import torch.distributed as dist
 
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[Any] = zmq.Context.instance()
         if curve.requested():
             curve.enable(self.secret)
         if not _is_loopback(self.launch.bind):
@@ -90,6 +96,8 @@ class ControlPlane:
         if self.config.elche.mode.backend is AverageBackend.CPU:
             from ..averaging.server import CpuAveraging  # torch, shm, bulk: only the CPU backend needs them
 
+            assert self.deadlines.snapshot_s is not None  # the controller's deadlines come from_config: it is set
+
             self.averaging = CpuAveraging(
                 secret=self.secret,
                 run_id=self.run_id,
@@ -111,17 +119,18 @@ class ControlPlane:
     # ============================================================ sending
 
     def send(self, msg: Any, identity: bytes) -> None:
-        self.endpoint.send(msg, identity)
+        self.live_endpoint.send(msg, identity)
 
     def send_rank(self, rank: int, msg: Any) -> None:
-        self.endpoint.send(msg, self.members.ranks[rank].identity)
+        self.live_endpoint.send(msg, self.members.ranks[rank].identity)
 
     def send_all(self, msg: Any, identities: Iterable[bytes]) -> None:
         """The same message to many peers, signed once (a Regroup lists every
         member: signing it per rank made each death cost O(world²))."""
-        frame = self.endpoint.writer.encode(msg)
+        endpoint = self.live_endpoint
+        frame = endpoint.writer.encode(msg)
         for identity in identities:
-            self.endpoint.send_frame(frame, identity)
+            endpoint.send_frame(frame, identity)
 
     def send_ranks(self, ranks: list[int], msg: Any) -> None:
         self.send_all(msg, [self.members.ranks[rank].identity for rank in ranks])
@@ -131,7 +140,7 @@ class ControlPlane:
         self.send_all(msg, [info.identity for info in self.members.live_ranks()])
 
     def on_ping(self, identity: bytes, env: Envelope, msg: m.Ping) -> None:
-        self.endpoint.send(m.Pong(msg.nonce, msg.sent_at), identity)
+        self.live_endpoint.send(m.Pong(msg.nonce, msg.sent_at), identity)
 
 
 def _lift_fd_limit() -> int:

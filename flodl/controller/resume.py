@@ -56,6 +56,7 @@ class Resume:
             RunAborted: the bundle was saved by another task or schedule.
         """
         meta = self.meta
+        assert meta is not None  # the conductor applies a resume only when load() read a sidecar
         cov = meta["coverage"]
         for field_name, mine in (("dataset_len", info.dataset_len), ("batch_size", info.batch_size)):
             if int(cov[field_name]) != mine:

@@ -58,7 +58,7 @@ class Saving:
 
     def _trajectory(self) -> dict:
         """Where the run stands now, for a sidecar; coverage first, before parameters move on."""
-        loop = self.training.cadence
+        loop = self.training.loop
         return {
             "epoch": loop.lowest_open_epoch,
             "global_step": loop.global_step,
@@ -67,7 +67,7 @@ class Saving:
             "mode": self.config.elche.mode.name,
             "run_id": self.run_id,
             "flodl_version": __version__,
-            "param_count": self.training.info.param_count,
+            "param_count": self.training.task.param_count,
             "elche_state": loop.elche.state_dict(),
             "coverage": loop.coverage(),
         }
@@ -79,7 +79,7 @@ class Saving:
         """Ask the elected rank for a checkpoint; returns its version."""
         self._remind_shared_storage()
         rank = self.training.eval_rank()
-        epoch = self.training.cadence.lowest_open_epoch
+        epoch = self.training.loop.lowest_open_epoch
         msg = self.checkpoints.request(rank=rank, reason=reason, epoch=epoch, meta=self._trajectory(), call_fn=call_fn, files=files)
         self.plane.send_rank(rank, msg)
         return msg.version

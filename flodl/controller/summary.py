@@ -78,7 +78,7 @@ def summarize(
         "syncs": cadence.syncs if cadence else 0,
         "final_loss": last.avg_loss if last else None,
         "final_eval": final_eval.value if final_eval else None,
-        "eval_metric_name": task_info.eval_metric if has_eval else None,
+        "eval_metric_name": task_info.eval_metric if has_eval and task_info is not None else None,
         "history": [s.to_dict() for s in history],
         "deaths": [
             {"rank": r.rank, "host": r.host, "pid": r.pid, "reason": r.death} for r in members.ranks.values() if r.state is PeerState.DEAD

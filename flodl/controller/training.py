@@ -72,6 +72,18 @@ class Training:
         return self.launch.epochs * self.config.epoch_splits
 
     @property
+    def task(self) -> m.RankHello:
+        """``info`` on the paths that run only once training has begun (``begin``)."""
+        assert self.info is not None, "training has not begun"
+        return self.info
+
+    @property
+    def loop(self) -> CadenceLoop:
+        """``cadence`` on the paths that run only once ``open_loop`` made it."""
+        assert self.cadence is not None, "the cadence loop is not open"
+        return self.cadence
+
+    @property
     def global_step(self) -> int:
         """Batches trained by the whole run so far (the loop's count: restored on resume, settled per window)."""
         return self.cadence.global_step if self.cadence is not None else 0
@@ -83,7 +95,7 @@ class Training:
 
     def open_loop(self, ranks: list[int], seed: int) -> CadenceLoop:
         """The cadence loop that plans every window from here on."""
-        info = self.info
+        info = self.task
         self.cadence = CadenceLoop(
             self.config,
             ranks,
@@ -101,7 +113,7 @@ class Training:
         """Every how many epochs an average must fall on the edge: evals and checkpoints score and
         keep the model of an epoch's end (a window may span more epochs than that only in between)."""
         every = [FLOW_MAX_EPOCHS]
-        if self.info.has_eval:
+        if self.task.has_eval:
             every.append(self.config.eval_every_epochs or 1)
         if self.config.checkpoint_every:
             every.append(self.config.checkpoint_every)
@@ -110,7 +122,7 @@ class Training:
     def start_window(self, number: int, windows: dict[int, m.Window], *, first_in_flight: bool) -> None:
         """Window ``number`` goes out: its epoch's progress line starts, and (with nothing else in
         flight) the per-rank batch counts the calibration and a death's accounting read."""
-        loop = self.cadence
+        loop = self.loop
         self._start_epoch_progress(loop.lowest_open_epoch)
         if first_in_flight:
             self.window_batches = {rank: 0 for rank in loop.ranks}
@@ -119,7 +131,7 @@ class Training:
 
     async def end_when_timed(self, number: int) -> None:
         """Calibration window: end it once every rank has timed a few batches."""
-        loop = self.cadence
+        loop = self.loop
         start = self.clock()
 
         def timed() -> bool:
@@ -141,11 +153,11 @@ class Training:
 
     def reported(self, number: int) -> bool:
         """Every rank the loop waits on has reported window ``number``."""
-        return self.cadence.waiting_on(number) <= set(self.window_reports.get(number, {}))
+        return self.loop.waiting_on(number) <= set(self.window_reports.get(number, {}))
 
     def take_reports(self, number: int) -> tuple[dict[int, m.WindowDone], dict[int, int]]:
         """Window ``number``'s reports, and the batches each rank that died in it reported."""
-        dead_batches = {r: self.window_batches.get(r, 0) for r in self.cadence.dead}
+        dead_batches = {r: self.window_batches.get(r, 0) for r in self.loop.dead}
         return self.window_reports.pop(number, {}), dead_batches
 
     def _start_epoch_progress(self, epoch: int) -> None:
@@ -159,7 +171,7 @@ class Training:
     def finish_epoch(self, stats: EpochStats, window: int = -1) -> None:
         """An epoch is fully trained and averaged (by ``window``): record it and ask for its eval."""
         self.history.append(stats)
-        if self.info.has_eval and self._eval_due(stats.epoch):
+        if self.task.has_eval and self._eval_due(stats.epoch):
             self.request_eval(stats.epoch, window)
 
     def _eval_due(self, epoch: int) -> bool:
@@ -193,11 +205,12 @@ class Training:
             return policy.rank
         if self._fastest not in live:
             self._fastest = None
-        if self._fastest is None and self.cadence is not None and self.cadence.elche.calibrated:
-            ms = self.cadence.elche.ms_per_batch
-            timed = [r for r in live if r in self.cadence.ranks and ms[self.cadence.ranks.index(r)] > 0]
+        cadence = self.cadence
+        if self._fastest is None and cadence is not None and cadence.elche.calibrated:
+            ms = cadence.elche.ms_per_batch
+            timed = [r for r in live if r in cadence.ranks and ms[cadence.ranks.index(r)] > 0]
             if timed:
-                self._fastest = min(timed, key=lambda r: ms[self.cadence.ranks.index(r)])
+                self._fastest = min(timed, key=lambda r: ms[cadence.ranks.index(r)])
         return self._fastest if self._fastest is not None else live[0]
 
     def ranks(self, joiners: set[int] | frozenset[int] = frozenset()) -> list[int]:
@@ -229,7 +242,7 @@ class Training:
 
     def description(self, run_id: str) -> dict:
         """What the dashboard and the record stream say about this run."""
-        info = self.info
+        info = self.task
         return {
             "run_id": run_id,
             "mode": self.config.elche.mode.name,
@@ -256,6 +269,7 @@ class Training:
         self.epoch_loss = msg.loss if self.epoch_loss is None else 0.9 * self.epoch_loss + 0.1 * msg.loss
         if not self.console.due():
             return  # the hot path: most frames only bump counters
+        assert self.schedule is not None  # a frame of the current epoch: its window went out after begin
         total = self.schedule.epoch_len(msg.epoch)
         elapsed = max(1e-9, self.clock() - self.run.started_at)
         done_total = sum(s.samples for s in self.history) + self.epoch_samples

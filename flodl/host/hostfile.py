@@ -91,7 +91,7 @@ def _host_from_table(table: Any, where: str) -> Host:
         raise ConfigError(f"{where}.{unknown[0]}", f"unknown key; valid keys are {sorted(HOST_KEYS)}")
     if "host" not in table:
         raise ConfigError(f"{where}.host", "missing: the ssh target or address of this host")
-    values = {k: _string(table[k], f"{where}.{k}") for k in _STR_KEYS if k in table}
+    values: dict[str, Any] = {k: _string(table[k], f"{where}.{k}") for k in _STR_KEYS if k in table}
     if "ssh_port" in table:
         values["ssh_port"] = _port(table["ssh_port"], f"{where}.ssh_port")
     if "env" in table:

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def exit_now(code: int) -> None:
     try:
         import zmq
 
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[Any] = zmq.Context.instance()
         closer = threading.Thread(target=ctx.destroy, kwargs={"linger": int(EXIT_FLUSH_S * 1000)}, daemon=True)
         closer.start()
         closer.join(EXIT_FLUSH_S + 0.5)

@@ -36,7 +36,7 @@ def check_theme(theme: object) -> str | None:
     """
     if theme not in THEMES or (theme is not None and not isinstance(theme, str)):
         raise ValueError(f"dashboard_theme must be None, 'light', 'dark' or 'auto', not {theme!r}")
-    return theme  # type: ignore[return-value]
+    return theme
 
 
 def embed_json(text: str) -> str:

@@ -106,6 +106,7 @@ class RecordLog:
         if rel is None:
             self._warn_once(f"<path {path!r}>", "record skipped: unsafe or missing path")
             return
+        assert isinstance(path, str)  # safe_relative gave a path: it was a str
         try:
             data = (encode(record) + "\n").encode()
         except (TypeError, ValueError) as exc:  # not JSON-serializable: a producer bug

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 Track = tuple[str, str]
 """A display row: (process name, thread name), e.g. ("controller", "cadence")."""
@@ -271,7 +271,7 @@ def _numbers(values: Mapping[str, Any]) -> dict[str, float]:
     return {str(k): v for k, v in values.items() if _is_number(v)}
 
 
-def _is_number(v: Any) -> bool:
+def _is_number(v: Any) -> TypeGuard[float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 

@@ -71,7 +71,7 @@ def gather_members(
         Superseded: ``give_up()`` turned true while waiting.
         RuntimeError: not every member arrived within ``wait_s`` (names the missing ones).
     """
-    store.set(f"arrived/{rank}", b"1")
+    store.set(f"arrived/{rank}", b"1")  # type: ignore[arg-type]  # torch's stub says str; the binding takes bytes too
     keys = [f"arrived/{r}" for r in range(world_size)]
     deadline = time.monotonic() + wait_s
     while not store.check(keys):
@@ -94,7 +94,7 @@ def build_group(
     timeout_s: float,
     gather_s: float | None = None,
     give_up: Callable[[], bool] | None = None,
-    on_gathered: Callable[[], None] | None = None,
+    on_gathered: Callable[[], object] | None = None,
 ) -> dist.ProcessGroup:
     """Join this generation's process group through the controller's store.
 
@@ -307,7 +307,7 @@ class CollectiveAverager:
         device = self.flat.buckets[0].flat.device if self.flat is not None and self.flat.buckets else torch.device("cpu")
         top = torch.tensor(values, dtype=torch.int64, device=device)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
+        opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # torch's stub: RedOpType converts to ReduceOp (pybind)
         self._wait(self.group.allreduce([top], opts))
         return top.tolist()
 

@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import zmq
@@ -61,7 +62,7 @@ class BulkLink:
     ) -> None:
         # no routing id of our own: the receiver assigns one per connection and binds it to ``sender``
         # (the name our headers are signed with) on the first of them, the announcement below
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)
         self.sock.setsockopt(zmq.SNDHWM, 4)  # back-pressure: a few slices in flight, never a pile of models

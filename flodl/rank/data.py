@@ -175,6 +175,7 @@ class BatchSource:
         return shuffle
 
     def _transformed(self, batch: Any, keys: list[PickKey]) -> Any:
+        assert self.transform is not None  # called only when there is one
         try:
             return self.transform(batch, keys)
         except Exception as exc:

@@ -99,6 +99,7 @@ class DiskStage:
         offset = self._reserve(len(data)) if data is not None else None
         if offset is None:
             return False
+        assert data is not None  # an offset is reserved only for data
         ok = self._write(data, offset)
         with self._lock:
             stored = ok and self.enabled  # closed meanwhile: the record is gone with the file

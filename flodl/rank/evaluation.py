@@ -16,6 +16,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,14 +26,37 @@ from .cpu_average import CpuAverager
 from .data import to_device
 from .norms import recalibrate
 
+if TYPE_CHECKING:
+    from ..task import Task
+    from .collective import CollectiveAverager
+    from .data import BatchSource
+    from .link import ControllerLink
+
 log = logging.getLogger("flodl.rank.runner")
 
 
 class Evaluating:
     """Evals, and the BatchNorm refresh before them."""
 
+    # RankRunner's state that these methods read and write (runner.py sets it up)
+    rank: int
+    device: torch.device
+    link: ControllerLink
+    task: Task | None
+    model: torch.nn.Module | None
+    averager: CollectiveAverager | CpuAverager | None
+    source: BatchSource | None
+    evals_taken: int
+    norm_layers: list
+    norms_stale: bool
+
+    if TYPE_CHECKING:
+
+        def _settle_background(self) -> None: ...  # regroup.py
+
     def _evaluate(self, cmd: m.RunEval) -> None:
         """Score the model with the task's eval function and report it (errors included)."""
+        assert self.task is not None and self.model is not None  # evals come once the rank is set up (_serve)
         self.evals_taken += 1  # between batches or between windows: the runner compares it with the link's count
         value, error = None, None
         start = time.perf_counter()
@@ -98,6 +122,7 @@ class Evaluating:
         epoch's order (flodl/rank/norms.py says why)."""
         if not (self.norms_stale and self.norm_layers):
             return
+        assert self.task is not None and self.model is not None and self.source is not None  # set up: norm_layers came after them
         self.norms_stale = False
         size = min(self.task.bn_recalibration_batches * self.task.batch_size, self.source.schedule.epoch_len(epoch))
         inputs = (to_device(batch, self.device)[0] for _, batch in self.source.batches(epoch, 0, size))

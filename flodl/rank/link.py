@@ -80,7 +80,7 @@ class ControllerLink:
         self.evals_asked = 0  # RunEval commands received (the training thread takes them early)
         self.regroup: Regroup | None = None  # the newest membership change
         self._on_regroup: Callable[[Regroup], None] = lambda msg: None  # called on the link thread (``call_on_regroup``)
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[Any] = zmq.Context.instance()
         pipe = f"inproc://flodl-link-{id(self)}"
         self._pipe_in = self._ctx.socket(zmq.PAIR)
         self._pipe_in.bind(pipe)

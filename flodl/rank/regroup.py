@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,13 @@ from .collective import Superseded, build_group
 from .flat import Averaged
 from .outcomes import Stop, is_collective_error
 from .window_stats import RoundStats
+
+if TYPE_CHECKING:
+    from ..config.deadlines import Deadlines
+    from ..testing.faults import FaultPlan
+    from .collective import CollectiveAverager
+    from .cpu_average import CpuAverager
+    from .link import ControllerLink
 
 log = logging.getLogger("flodl.rank.runner")
 
@@ -44,6 +52,29 @@ def redo_roles(mine: int, *, redo: bool, adopting: bool, top: int, top_redo: int
 
 class Regrouping:
     """Averages, and the rebuilt process groups they continue in."""
+
+    # RankRunner's state that these methods read and write (runner.py sets it up)
+    rank: int
+    device: torch.device
+    link: ControllerLink
+    deadlines: Deadlines
+    faults: FaultPlan
+    model: torch.nn.Module | None
+    averager: CollectiveAverager | CpuAverager | None
+    welcome: m.RankWelcome | None
+    terminated: bool
+    world_size: int
+    generation: int
+    position: int
+    redoing: bool
+    skip_redo: bool
+    bg_redo: bool
+    peers: frozenset[int]
+    norms_stale: bool
+
+    if TYPE_CHECKING:
+
+        def _announced_after(self, generation: int) -> bool: ...  # runner.py
 
     def _average(self, weight: float, *, measure: bool, block: bool, round_index: int, stats: RoundStats) -> Averaged:
         """Average, surviving a peer's death: if the collective fails, put the values

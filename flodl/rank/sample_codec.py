@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgpack
 import torch
 
-try:  # numpy is optional for flodl; arrays are only staged when it is there
+if TYPE_CHECKING:
     import numpy as np
-except ImportError:  # pragma: no cover - torch wheels normally bring numpy
-    np = None
+else:
+    try:  # numpy is optional for flodl; arrays are only staged when it is there
+        import numpy as np
+    except ImportError:  # pragma: no cover - torch wheels normally bring numpy
+        np = None
 
 _HEADER_LEN = struct.Struct("<I")
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
@@ -141,9 +144,10 @@ def _decode_node(node: Any, raw: memoryview) -> Any:
     if tag == "I":
         return int(node[1])
     if tag == "t":
-        return _decode_tensor(*node[1:], raw)
+        # the casts say how many fields the star argument holds: mypy cannot count a list
+        return _decode_tensor(*cast("tuple[str, list, int, int]", node[1:]), raw)
     if tag in ("a", "g"):
-        return _decode_numpy(tag, *node[1:], raw)
+        return _decode_numpy(tag, *cast("tuple[str, list, int, int]", node[1:]), raw)
     raise ValueError(f"unknown sample frame tag {tag!r}")
 
 

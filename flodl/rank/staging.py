@@ -22,10 +22,13 @@ import torch
 
 from .tier_stats import TierStats
 
-try:  # numpy is optional for flodl; arrays are only staged when it is there
+if TYPE_CHECKING:
     import numpy as np
-except ImportError:  # pragma: no cover - torch wheels normally bring numpy
-    np = None
+else:
+    try:  # numpy is optional for flodl; arrays are only staged when it is there
+        import numpy as np
+    except ImportError:  # pragma: no cover - torch wheels normally bring numpy
+        np = None
 
 log = logging.getLogger(__name__)
 
@@ -365,8 +368,13 @@ class TieredSamples:
                 if leader:
                     flight = self._inflight[i] = _Flight()
             if leader:
+                assert flight is not None  # the leader just made it
                 return self._lead(i, flight)
-            sample = holder.peek(i) if holder is not None else self._follow(flight)
+            if holder is not None:
+                sample = holder.peek(i)
+            else:
+                assert flight is not None  # no holder and not the leader: another fetch is in flight
+                sample = self._follow(flight)
             if sample is not None:
                 with self._lock:
                     self._source["shared"] += 1

@@ -65,7 +65,7 @@ def allow_peers(count: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[Any] = zmq.Context.instance()
     if ctx.get(zmq.MAX_SOCKETS) < count + 64:
         ctx.set(zmq.MAX_SOCKETS, count + 64)
 
@@ -128,6 +128,7 @@ def window_batches(window: m.Window, batch_size: int, batch_ms: float) -> list[t
                 out.append((epoch, pending))
                 pending = 0
     if pending:
+        assert epoch_of is not None  # pending samples are of the last grant's epoch
         out.append((epoch_of, pending))
     limit = len(out)
     if window.quota_batches:
@@ -316,6 +317,7 @@ class SimWorker:
 
     def _record(self, rank: int, cmd: m.Window, consumed: int) -> None:
         """The positions trained: the first ``consumed`` of the window's grants, in order."""
+        assert self.trained is not None  # only called with record=True
         out = self.trained.setdefault(rank, [])
         for epoch, start, size in cmd.grants:
             used = min(size, consumed)

@@ -53,7 +53,8 @@ from ..config.env import shm_lane_allowed
 from ..errors import ProtocolError
 
 #: Where segments live (tmpfs on every Linux).
-from .shm_sweep import SHM_DIR, sweep_stale  # noqa: F401  (torch-free: the worker sweeps too)
+from .shm_sweep import SHM_DIR as SHM_DIR  # `x as x`: an explicit re-export
+from .shm_sweep import sweep_stale as sweep_stale  # re-exported (torch-free: the worker sweeps too)
 
 #: The controller's segment header: magic, the round its slot holds.
 MAGIC = b"FLODLSH1"
