@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from flodl.errors import EXIT_RANK_LOST
+
 from .conftest import task_spec
 from .helpers.procs import Run, assert_all_gone
 
@@ -227,6 +229,19 @@ def test_a_rank_that_dies_while_the_others_start_costs_only_itself(proc_env, tmp
     assert set(summary["final_digests"]) == expected
     if mode != "cpu-cadence":
         assert len(set(summary["final_digests"].values())) == 1
+
+
+def test_a_death_past_max_failure_before_training_stops_without_a_bundle(proc_env, tmp_path):
+    """Rank 1 dies while the others build, with --max-failure 1 (one death is already too many)
+    and --save-path set: nothing was trained, so the run stops with the rank-lost code and says
+    why, and writes no bundle (it used to crash reading a training loop that did not exist yet)."""
+    stem = tmp_path / "ckpt"
+    env = {"FLODL_TEST_BUILD_CRASH": "1", "FLODL_TEST_BUILD_SLEEP": "1"}
+    run, path = run_tiny(proc_env, tmp_path, "nccl-cadence", epochs=3, env=env, extra=("--max-failure", "1", "--save-path", str(stem)))
+    assert run.wait(120) == EXIT_RANK_LOST, run.output
+    assert "Traceback" not in run.output, run.output
+    assert "max_failure" in run.output or "max-failure" in run.output, run.output
+    assert not list(tmp_path.glob("ckpt*")), sorted(p.name for p in tmp_path.iterdir())
 
 
 def test_a_controller_killed_outright_leaves_no_shared_memory(proc_env, tmp_path):

@@ -212,7 +212,9 @@ class Liveness:
             world_size=len(self.members.ranks),
             dead_total=dead_total,
             survivors=len(survivors),
-            can_save=bool(self.checkpoints.stem),
+            # before the first window there is no consensus nor coverage to write: the run stops
+            # and says so, rather than writing a bundle that would resume nothing
+            can_save=bool(self.checkpoints.stem) and self.training.cadence is not None,
         )
         if decision.outcome is Outcome.SAVE_AND_STOP:
             self.saving.save_and_stop(f"{reason}. {decision.why}", decision.save_reason)
