@@ -521,7 +521,8 @@ def main() -> None:
     if a.torchrun is None:
         a.torchrun = 0 if a.quick or a.smoke else 1
     epochs, step_s = (2, 0.05) if a.smoke else (4, 0.05) if a.quick else (8, 0.05)
-    tmp = Path(tempfile.mkdtemp(prefix="flodl-chaos-"))
+    out_dir = smoke_results() if a.smoke else None
+    tmp = Path(tempfile.mkdtemp(prefix="flodl-chaos-", dir=out_dir))  # a smoke's logs go with its results
     plans = make_plans(count, a.seed, epochs)
     print(
         f"{count} faults, seed {a.seed}, {epochs} epochs x {DATASET} samples, {step_s * 1000:.0f} ms/step, "
@@ -573,7 +574,7 @@ def main() -> None:
     )
     if lost:
         note += "\nlost runs:\n" + "\n".join(lost)
-    report(a.name, rows, note=note, results=smoke_results() if a.smoke else None)
+    report(a.name, rows, note=note, results=out_dir)
     print(f"logs in {tmp}")
 
 
