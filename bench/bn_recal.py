@@ -1,6 +1,6 @@
 """BatchNorm statistics after averaging: as averaged, or re-estimated (flodl/rank/norms.py).
 
-    python bench/bn_recal.py [--quick]
+    python bench/bn_recal.py [--quick | --smoke]
 
 Two ResNet-20 replicas (``bench.matrix.tasks``: the matrix's model, data,
 optimizer and initial weights) train Local SGD the way unequal ranks do under
@@ -11,12 +11,15 @@ accuracy is measured twice: the averaged model as it is, and a copy whose
 BatchNorm statistics ``flodl.rank.norms.recalibrate`` re-estimated from 16
 training batches (what a flodl eval rank does before scoring). Single process,
 CPU, fixed seeds: the difference is the statistics, nothing else.
+
+``--smoke``: one round of 4+1 batches on 256 training and 250 held-out images,
+2 batches to re-estimate, results in a temporary folder (does the bench still run?).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -26,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Row, report  # noqa: E402
+from bench.common import Row, report, size_parser, smoke_results  # noqa: E402
 from bench.matrix import tasks  # noqa: E402
 from flodl.rank.norms import norm_layers, recalibrate  # noqa: E402
 
@@ -49,13 +52,14 @@ def averaged_state(models: list[torch.nn.Module], weights: list[float]) -> dict[
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="5 rounds of 32+8 batches instead of 8 of 48+12")
-    args = ap.parse_args()
-    rounds, fast, slow = (5, 32, 8) if args.quick else (8, 48, 12)
+    args = size_parser(__doc__, "5 rounds of 32+8 batches instead of 8 of 48+12", "1 round of 4+1 batches on 256 images").parse_args()
+    rounds, fast, slow = (1, 4, 1) if args.smoke else (5, 32, 8) if args.quick else (8, 48, 12)
+    recal_batches = 2 if args.smoke else RECAL_BATCHES
     torch.manual_seed(0)
     torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
     spec = tasks.SPECS["resnet20"]
+    if args.smoke:  # toy data: the numbers mean nothing, the path is the bench's own
+        spec = dataclasses.replace(spec, samples=256, eval_samples=250)
     x, y = tasks.train_data(spec, spec.samples)
     loss_fn = tasks.loss_fn(spec)
     replicas = [tasks.make_model(spec), tasks.make_model(spec)]
@@ -87,7 +91,7 @@ def main() -> None:
             model.load_state_dict(state)
         as_averaged = tasks.evaluate(spec, replicas[0], cpu)
         fresh = copy.deepcopy(replicas[0])
-        recalibrate(fresh, norm_layers(fresh), (batch()[0] for _ in range(RECAL_BATCHES)))
+        recalibrate(fresh, norm_layers(fresh), (batch()[0] for _ in range(recal_batches)))
         re_estimated = tasks.evaluate(spec, fresh, cpu)
         print(
             f"round {r + 1}/{rounds} ({time.perf_counter() - start:.0f} s): eval {as_averaged * 100:.1f}% as averaged, "
@@ -104,7 +108,8 @@ def main() -> None:
         "bn_recal",
         rows,
         note=f"ResNet-20, 2 replicas, {fast}+{slow} batches of {spec.batch} per round (4:1), "
-        f"{RECAL_BATCHES} batches to re-estimate; CPU, fixed seeds",
+        f"{recal_batches} batches to re-estimate; CPU, fixed seeds" + ("; smoke: 256 training images" if args.smoke else ""),
+        results=smoke_results() if args.smoke else None,
     )
 
 

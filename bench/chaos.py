@@ -1,6 +1,6 @@
 """Chaos: one fault per real run, at a uniformly random moment, across the six modes.
 
-    python bench/chaos.py [--quick] [--faults N] [--seed S] [--parallel P]
+    python bench/chaos.py [--quick | --smoke] [--faults N] [--seed S] [--parallel P]
 
 Every run is ``python -m flodl.controller --task tests/tasks/tiny.py:task``
 with 3 local ranks and ``--heartbeat-timeout-secs 3``. Fault kinds (run ``i``
@@ -31,11 +31,13 @@ and stuck threads, all survivors averaging again <= 3 s after detection at p99
 (max <= 5 s), a loadable bundle after every controller kill. Full mode also
 runs torchrun's elastic restart on the same SIGKILL (``bench/faults.py``'s case).
 Run logs stay in a temporary folder printed at the end.
+
+``--smoke``: one ``kill`` fault (``nccl-sync``) in a 2-epoch run, no torchrun,
+results in a temporary folder (does the bench still run?).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -56,7 +58,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Row, report  # noqa: E402
+from bench.common import Row, report, size_parser, smoke_results  # noqa: E402
 
 TASK = f"{ROOT / 'tests' / 'tasks' / 'tiny.py'}:task"
 NPROC = 3
@@ -505,8 +507,7 @@ def torchrun_rows(runs: int, tmp: Path) -> list[Row]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="6 faults, shorter runs (under two minutes)")
+    parser = size_parser(__doc__, "6 faults, shorter runs (under two minutes)", "one kill fault in a 2-epoch run")
     parser.add_argument("--faults", type=int, default=None, help="faults (runs) to inject (default 100; quick 6)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the fault plan")
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time (default 2)")
@@ -516,11 +517,12 @@ def main() -> None:
     parser.add_argument("--max-minutes", type=float, default=None, help="start no new run after this many minutes; report the runs done")
     parser.add_argument("--name", default="chaos", help="results file name (bench/results/<name>.json)")
     a = parser.parse_args()
-    count = a.faults or (6 if a.quick else 100)
+    count = a.faults or (1 if a.smoke else 6 if a.quick else 100)
     if a.torchrun is None:
-        a.torchrun = 0 if a.quick else 1
-    epochs, step_s = (4, 0.05) if a.quick else (8, 0.05)
-    tmp = Path(tempfile.mkdtemp(prefix="flodl-chaos-"))
+        a.torchrun = 0 if a.quick or a.smoke else 1
+    epochs, step_s = (2, 0.05) if a.smoke else (4, 0.05) if a.quick else (8, 0.05)
+    out_dir = smoke_results() if a.smoke else None
+    tmp = Path(tempfile.mkdtemp(prefix="flodl-chaos-", dir=out_dir))  # a smoke's logs go with its results
     plans = make_plans(count, a.seed, epochs)
     print(
         f"{count} faults, seed {a.seed}, {epochs} epochs x {DATASET} samples, {step_s * 1000:.0f} ms/step, "
@@ -566,13 +568,13 @@ def main() -> None:
             print(f"torchrun comparison failed: {exc}", flush=True)
     lost = [f"#{r.plan.index} {r.plan.kind} {r.plan.mode}: {'; '.join(r.failures)} (log {r.log})" for r in results if r.lost]
     note = (
-        f"{'quick' if a.quick else 'full'}: {len(results)} faults{cut}, seed {a.seed}, {NPROC} CPU ranks, tiny task "
+        f"{'smoke' if a.smoke else 'quick' if a.quick else 'full'}: {len(results)} faults{cut}, seed {a.seed}, {NPROC} CPU ranks, tiny task "
         f"{DATASET} samples x {epochs} epochs, {step_s * 1000:.0f} ms/step, heartbeat {HEARTBEAT_S} s, "
         f"{a.parallel} runs at a time; {time.monotonic() - t0:.0f} s"
     )
     if lost:
         note += "\nlost runs:\n" + "\n".join(lost)
-    report(a.name, rows, note=note)
+    report(a.name, rows, note=note, results=out_dir)
     print(f"logs in {tmp}")
 
 

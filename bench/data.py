@@ -17,6 +17,8 @@ machine, the VRAM pool against the pinned RAM cache (``FLODL_VRAM_POOL=off``).
 
     python -m bench.data            # 4096 samples, 6 epochs
     python -m bench.data --quick    # 2048 samples, 4 epochs (under 2 minutes here)
+    python -m bench.data --smoke    # the RAM cache alone, 256 samples, 2 epochs, MLP width 64;
+                                    # results in a temporary folder (does the bench still run?)
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import Row, quick_flag, report
+from bench.common import Row, report, size_parser, smoke_results
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEEDUP_GOAL, STARVE_GOAL = 5.0, 0.05
@@ -100,17 +102,20 @@ def rows_for(case: str, summary: dict, uncached_warm: float | None) -> list[Row]
 
 
 def main() -> None:
-    quick = quick_flag(__doc__, "2048 samples, 4 epochs (under 2 minutes here)")
-    samples, epochs = (2048, 4) if quick else (4096, 6)
+    args = size_parser(__doc__, "2048 samples, 4 epochs (under 2 minutes here)", "the RAM cache alone, 256 samples, 2 epochs").parse_args()
+    samples, epochs = (256, 2) if args.smoke else (2048, 4) if args.quick else (4096, 6)
+    width = "64" if args.smoke else "512"
     cases = [
         ("tiers off", ["--no-sample-cache"], 1, None, {}),
         ("ram cache", [], 1, None, {}),
         ("disk stage", ["--ram-max-usage", "0", "--disk-stage-gb", "1"], 1, None, {}),
         ("ram cache, 2 ranks", [], 2, None, {}),
     ]
+    if args.smoke:
+        cases = [("ram cache", [], 1, None, {"FLODL_BENCH_WIDTH": width})]
     import torch
 
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not args.smoke:
         cases += [
             ("cuda: tiers off", ["--no-sample-cache", "--no-vram-pool"], 1, "cuda:0", {}),
             ("cuda: pinned ram cache", [], 1, "cuda:0", {"FLODL_VRAM_POOL": "off"}),
@@ -132,8 +137,9 @@ def main() -> None:
     report(
         "data",
         rows,
-        note=f"{samples} samples, ~1 ms per read, {epochs} epochs, batch 64, MLP width 512; "
+        note=f"{samples} samples, ~1 ms per read, {epochs} epochs, batch 64, MLP width {width}; "
         "warm = mean of the last two epochs; data_starve = data wait / (data wait + compute), last epoch",
+        results=smoke_results() if args.smoke else None,
     )
 
 

@@ -1,7 +1,7 @@
 """Faults: how fast a dead or hung rank is noticed, how soon the survivors train
 again, and what is lost — flodl next to torchrun's elastic restarts.
 
-    python bench/faults.py [--quick]
+    python bench/faults.py [--quick | --smoke]
 
 Three CPU ranks (one intra-op thread each) train the same small workload
 (``bench/tasks/faults.py``, 5 ms per step). In the middle of epoch 2 the
@@ -19,6 +19,9 @@ a hang), noting the wall-clock time, and lets the run finish:
 Goal (issue 5): death detected <= 1 s, hang <= heartbeat_timeout + 1 s,
 training again <= 3 s after detection, 0 samples lost; torchrun restarts the
 whole world.
+
+``--smoke``: one ``kill -9`` of a flodl ``nccl-cadence`` rank in a 5-epoch run of
+1,024 samples at 20 ms per step, no torchrun, results in a temporary folder (does the bench still run?).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Row, quick_flag, report  # noqa: E402
+from bench.common import Row, report, size_parser, smoke_results  # noqa: E402
 from bench.tasks.faults import BATCH, SAMPLES  # noqa: E402
 
 TASK = f"{ROOT / 'bench' / 'tasks' / 'faults.py'}:task"
@@ -46,8 +49,12 @@ NPROC = 3
 HEARTBEAT_S = 3
 
 
-def _env() -> dict:
+def _env(samples: int | None = None, step_s: float | None = None) -> dict:
     env = dict(os.environ)
+    if samples is not None:
+        env["FLODL_BENCH_FAULTS_SAMPLES"] = str(samples)
+    if step_s is not None:
+        env["FLODL_BENCH_STEP_SLEEP"] = str(step_s)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
@@ -64,7 +71,7 @@ def _ranks(parent: psutil.Process, marker: str, count: int, timeout: float = 60)
     raise RuntimeError(f"never saw {count} {marker} processes")
 
 
-def flodl_case(mode: str, sig: signal.Signals, epochs: int, tmp: Path) -> dict:
+def flodl_case(mode: str, sig: signal.Signals, epochs: int, tmp: Path, samples: int = SAMPLES, step_s: float | None = None) -> dict:
     """One flodl run with a rank killed or stopped mid-run; the numbers from its summary."""
     summary_path = tmp / f"flodl-{mode}-{sig.name}.json"
     log = open(tmp / f"flodl-{mode}-{sig.name}.log", "w")
@@ -87,7 +94,7 @@ def flodl_case(mode: str, sig: signal.Signals, epochs: int, tmp: Path) -> dict:
             str(summary_path),
             "--no-progress",
         ],
-        env=_env(),
+        env=_env(samples, step_s),
         stdout=log,
         stderr=subprocess.STDOUT,
         cwd=ROOT,
@@ -112,7 +119,7 @@ def flodl_case(mode: str, sig: signal.Signals, epochs: int, tmp: Path) -> dict:
     return {
         "detect_s": rec["unix_time"] - hit_at,
         "again_s": rec.get("training_again_s"),
-        "lost": epochs * SAMPLES - trained,
+        "lost": epochs * samples - trained,
         "redone": s["regranted_samples"],
         "restarted": 0,
         "eval": s["final_eval"],
@@ -171,13 +178,15 @@ def torchrun_case(epochs: int, tmp: Path) -> dict:
 
 
 def main() -> None:
-    quick = quick_flag(__doc__, "fewer epochs (under two minutes)")
-    epochs = 4 if quick else 8
+    args = size_parser(__doc__, "fewer epochs (under two minutes)", "one kill -9 in a 5-epoch run of 1,024 samples").parse_args()
+    epochs = 5 if args.smoke else 4 if args.quick else 8
+    samples = 1024 if args.smoke else SAMPLES
+    step_s = 0.02 if args.smoke else None  # the task's 5 ms would end a run this small before the kill
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="flodl-faults-") as td:
         tmp = Path(td)
-        for mode in ("nccl-cadence", "cpu-cadence"):
-            r = flodl_case(mode, signal.SIGKILL, epochs, tmp)
+        for mode in ("nccl-cadence",) if args.smoke else ("nccl-cadence", "cpu-cadence"):
+            r = flodl_case(mode, signal.SIGKILL, epochs, tmp, samples, step_s)
             case = f"flodl {mode} kill -9"
             rows += [
                 Row(case, "death detected", r["detect_s"], "s", "<= 1 s", r["detect_s"] <= 1.0),
@@ -189,6 +198,8 @@ def main() -> None:
                 Row(case, "final eval", r["eval"], "accuracy"),
             ]
             print(f"{case}: {r}", flush=True)
+        if args.smoke:
+            return _report(rows, epochs, samples, smoke_results(), step_ms=20)
         r = flodl_case("nccl-cadence", signal.SIGSTOP, epochs, tmp)
         case = "flodl nccl-cadence SIGSTOP"
         goal = HEARTBEAT_S + 1.0
@@ -206,12 +217,17 @@ def main() -> None:
             Row(case, "processes restarted", t["restarted"], "processes", "whole world", t["restarted"] == NPROC),
         ]
         print(f"{case}: {t}", flush=True)
+    _report(rows, epochs, samples)
+
+
+def _report(rows: list[Row], epochs: int, samples: int, results: Path | None = None, step_ms: int = 5) -> None:
     report(
         "faults",
         rows,
-        note=f"{NPROC} CPU ranks, {SAMPLES} samples x {epochs} epochs, batch {BATCH}, 5 ms/step; "
+        note=f"{NPROC} CPU ranks, {samples} samples x {epochs} epochs, batch {BATCH}, {step_ms} ms/step; "
         f"heartbeat_timeout_secs {HEARTBEAT_S}; flodl's training-again is measured from detection, "
         "torchrun's from the kill",
+        results=results,
     )
 
 

@@ -1,6 +1,6 @@
 """A CUDA rank plus CPU ranks on the CPU averaging backend vs the CUDA rank alone.
 
-    python bench/mixed.py [--quick]
+    python bench/mixed.py [--quick | --smoke]
 
 The same task (``bench/tasks/mlp.py``: an MLP on synthetic data, width set so
 a CPU rank is far slower than the GPU) trains for the same number of epochs
@@ -9,12 +9,15 @@ a CPU rank is far slower than the GPU) trains for the same number of epochs
 earns, and the CPU ranks average through the same-host lane. Reported: training
 throughput (samples/s of the run's training wall time), final loss, and the
 share of samples the CPU ranks trained. Needs a CUDA device; without one it
-says so and writes nothing.
+says so and writes nothing (with ``--smoke`` it also exits 1: a smoke that
+cannot run must fail).
+
+``--smoke``: ``cuda:0`` alone and ``cuda:0,cpu`` in ``cpu-cadence``, 1 epoch of
+2,048 samples at width 256, results in a temporary folder (does the bench still run?).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -25,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Row, report  # noqa: E402
+from bench.common import Row, report, size_parser, smoke_results  # noqa: E402
 
 TASK = f"{ROOT / 'bench' / 'tasks' / 'mlp.py'}:task"
 
@@ -63,22 +66,24 @@ def run(devices: str, mode: str | None, epochs: int, width: int, samples: int) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer samples and epochs")
-    args = parser.parse_args()
+    args = size_parser(__doc__, "fewer samples and epochs", "cuda:0 alone and beside one CPU rank, 1 epoch of 2,048 samples").parse_args()
     import torch
 
     if not torch.cuda.is_available():
+        if args.smoke:
+            sys.exit("bench/mixed.py --smoke: needs a CUDA device (torch.cuda.is_available() is False here); nothing measured")
         print("bench/mixed.py needs a CUDA device; none here, nothing measured")
         return
-    epochs, samples, width = (3, 32768, 1024) if args.quick else (6, 65536, 1024)
+    epochs, samples, width = (1, 2048, 256) if args.smoke else (3, 32768, 1024) if args.quick else (6, 65536, 1024)
+    groups = ("cuda:0,cpu",) if args.smoke else ("cuda:0,cpu,cpu", "cuda:0,cpu,cpu,cpu,cpu")
+    modes = ("cpu-cadence",) if args.smoke else ("cpu-cadence", "cpu-async")
     rows: list[Row] = []
     alone = run("cuda:0", None, epochs, width, samples)
     base = alone["samples_per_s"]
     rows.append(Row("cuda:0 alone", "samples/s", base, "samples/s"))
     rows.append(Row("cuda:0 alone", "final loss", alone["final_loss"], ""))
-    for devices in ("cuda:0,cpu,cpu", "cuda:0,cpu,cpu,cpu,cpu"):
-        for mode in ("cpu-cadence", "cpu-async"):
+    for devices in groups:
+        for mode in modes:
             s = run(devices, mode, epochs, width, samples)
             case = f"{devices} {mode}"
             rate = s["samples_per_s"]
@@ -88,7 +93,12 @@ def main() -> None:
             rows.append(Row(case, "CPU ranks' share", cpu_share * 100, "%"))
             rows.append(Row(case, "final loss", s["final_loss"], ""))
             rows.append(Row(case, "averaging round p50", s["averaging"]["round_ms_p50"] or 0.0, "ms"))
-    report("mixed_gpu", rows, note=f"bench/tasks/mlp.py width {width}, {samples} samples, {epochs} epochs; training wall time")
+    report(
+        "mixed_gpu",
+        rows,
+        note=f"bench/tasks/mlp.py width {width}, {samples} samples, {epochs} epochs; training wall time",
+        results=smoke_results() if args.smoke else None,
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Network latency: how much throughput each mode keeps when every link adds 5 or 20 ms.
 
-    python -m bench.network [--quick] [--results DIR]
+    python -m bench.network [--quick | --smoke] [--results DIR]
 
 Four network namespaces on one bridge stand in for four machines: the
 controller's (``flodl-b0``) and three hosts (``flodl-b1..b3``), each host's
@@ -34,6 +34,8 @@ compute; a Cadence window averages once per many batches.
 
 ``--quick``: 0 and 20 ms, the ``nccl-*`` modes, one epoch of half the samples
 (fixed costs, such as the calibration window and the last eval, weigh more).
+``--smoke``: ``nccl-cadence`` at 20 ms only, one epoch of 480 samples (10 steps
+per rank), results in a temporary folder (does the bench still run?).
 
 Goal: Cadence (nccl-cadence and cpu-cadence, each on its own row) loses < 5%
 of its 0 ms throughput at 20 ms.
@@ -58,7 +60,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Row, report  # noqa: E402
+from bench.common import Row, report, size_parser, smoke_results  # noqa: E402
 from tests.netns import Netem, NsHost, Shaper, make_hosts, netem_in_kernel, teardown_hosts, unusable_reason  # noqa: E402
 
 TASK = "bench.tasks.latency:task"
@@ -183,10 +185,7 @@ def relay_rows(port: int, log_dir: Path, epochs: int, samples: int) -> list[Row]
 
 
 def main() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="0 and 20 ms, the nccl-* modes, fewer epochs (under two minutes)")
+    parser = size_parser(__doc__, "0 and 20 ms, the nccl-* modes, fewer epochs (under two minutes)", "nccl-cadence at 20 ms, 480 samples")
     parser.add_argument("--relay", action="store_true", help="only the host-relay comparison at 20 ms (results in network_relay.json)")
     parser.add_argument(
         "--results",
@@ -196,16 +195,21 @@ def main() -> None:
         "so a quick check never replaces the full run's network.json)",
     )
     args = parser.parse_args()
-    quick = args.quick
+    quick, smoke = args.quick or args.smoke, args.smoke
     reason = unusable_reason(sshd=False)
     if reason:
         sys.exit(f"bench/network.py: namespace hosts unavailable: {reason}")
     if args.relay:
         return relay_only(args.results)
-    latencies = (0, 20) if quick else (0, 5, 20)
-    modes = ("nccl-sync", "nccl-cadence", "nccl-async") + (() if quick else ("cpu-sync", "cpu-cadence", "cpu-async"))
+    latencies = (20,) if smoke else (0, 20) if quick else (0, 5, 20)
+    modes = (
+        ("nccl-cadence",)
+        if smoke
+        else ("nccl-sync", "nccl-cadence", "nccl-async") + (() if quick else ("cpu-sync", "cpu-cadence", "cpu-async"))
+    )
     epochs = 1 if quick else 2
-    samples = SAMPLES // 2 if quick else SAMPLES  # quick: 100 steps per rank, so fixed costs (start, last eval) weigh more
+    # quick: 100 steps per rank, so fixed costs (start, last eval) weigh more; smoke: 10 steps per rank
+    samples = 480 if smoke else SAMPLES // 2 if quick else SAMPLES
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on SIGTERM too, as on Ctrl-C
     nodes = [CONTROLLER, *HOSTS]
     results: dict[tuple[int, str], dict] = {}  # (delay, mode) -> the run's summary
@@ -235,18 +239,19 @@ def main() -> None:
     for delay in latencies:
         for mode in modes:
             rate = results[(delay, mode)]["train_samples_per_s"]
-            loss = (1 - rate / results[(0, mode)]["train_samples_per_s"]) * 100
             case = f"{delay} ms {mode}"
-            goal = mode.endswith("cadence") and delay == 20
             rows.append(Row(case, "throughput", rate, "samples/s"))
-            rows.append(Row(case, "loss vs 0 ms", loss, "%", GOAL if goal else None, loss < GOAL_PCT if goal else None))
+            if (0, mode) in results:  # not in a smoke, which runs 20 ms alone
+                loss = (1 - rate / results[(0, mode)]["train_samples_per_s"]) * 100
+                goal = mode.endswith("cadence") and delay == 20
+                rows.append(Row(case, "loss vs 0 ms", loss, "%", GOAL if goal else None, loss < GOAL_PCT if goal else None))
             rows.append(Row(case, "averages", results[(delay, mode)]["syncs"], "rounds"))
     if not quick:
         rows += relay
     report(
-        "network_quick" if quick else "network",
+        "network_quick" if quick and not smoke else "network",
         rows,
-        results=args.results,
+        results=smoke_results() if smoke else args.results,
         note=f"3 hosts x 1 CPU rank + controller, each in a network namespace; added one-way delay per link via "
         f"{backend}; {TASK}, {STEP_S * 1000:.0f} ms/step, batch 16, {epochs} epoch(s) x {samples} samples; "
         "one run per case (this VM swings by ~15% between identical runs)",

@@ -1,4 +1,4 @@
-"""The control-plane, overhead, scale, hetero and cpu_avg benchmarks still run against the current code.
+"""Every benchmark still runs against the current code (the matrix: tests/test_matrix.py).
 
 Each bench's ``--smoke`` runs its whole path at toy sizes in seconds (the
 control plane: a controller, a simulated worker joining and training one window,
@@ -6,10 +6,16 @@ round trips to it and to the bare pyzmq echoes; the overhead: one plain loop and
 one real flodl run; scale: the real controller driving 16 simulated ranks
 through a death and a join, timed at its ``ControllerHooks``; hetero: a solo
 and one 2:1 cadence run through the CLI, about 20 s; cpu_avg: one 1 MB averaging
-round of 2 rank processes against gloo, on each lane, about 15 s) and writes its
-JSON under ``$FLODL_BENCH_RESULTS`` (here a temporary folder), so the
-committed ``bench/results`` are never touched. The numbers mean nothing at
-these sizes; what is tested is that the bench runs.
+round of 2 rank processes against gloo, on each lane, about 15 s; chaos: one
+kill fault in a 2-epoch run, about 10 s; faults: one kill -9 of a rank, about
+10 s; bn_recal: one round of 4+1 batches of a ResNet-20 on 256 images, about
+8 s; data: the RAM cache on 256 samples, about 8 s; network: nccl-cadence at
+20 ms in network namespaces, about 17 s, skipped where namespace hosts cannot
+be built; mixed: a CUDA rank alone and beside a CPU rank, skipped without CUDA,
+where ``--smoke`` must fail saying so) and writes its JSON under
+``$FLODL_BENCH_RESULTS`` (here a temporary folder), so the committed
+``bench/results`` are never touched. The numbers mean nothing at these sizes;
+what is tested is that the bench runs.
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from .conftest import ROOT
+from .netns import unusable_reason
 
 pytestmark = pytest.mark.timeout(60)  # each takes under 10 s here; the margin is for a loaded machine
 
@@ -28,16 +36,21 @@ FIELDS = {"case", "metric", "value", "unit", "goal", "met"}
 
 
 def run_smoke(script: str, name: str, tmp_path, proc_env, timeout_s: float = 50) -> dict:
+    """``script`` is a file under bench/ or, for a package's bench, ``-m bench.<name>``."""
     committed = ROOT / "bench" / "results" / f"{name}.json"
     before = committed.read_bytes() if committed.exists() else None
     env = dict(proc_env, FLODL_BENCH_RESULTS=str(tmp_path))
-    res = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / script), "--smoke"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s
-    )
+    how = script.split() if script.startswith("-m ") else [str(ROOT / "bench" / script)]
+    res = subprocess.run([sys.executable, *how, "--smoke"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = json.loads((tmp_path / f"{name}.json").read_text())
+    assert set(out) >= {"bench", "machine", "when", "rows"}
     assert out["bench"] == name and out["machine"] and out["when"] and out["rows"]
     assert all(set(row) == FIELDS for row in out["rows"])
+    for row in out["rows"]:
+        assert isinstance(row["case"], str) and isinstance(row["metric"], str) and isinstance(row["unit"], str)
+        assert isinstance(row["value"], int | float) and (row["goal"] is None or isinstance(row["goal"], str))
+        assert row["met"] in (True, False, None)
     assert (committed.read_bytes() if committed.exists() else None) == before  # the committed numbers are left alone
     return out
 
@@ -79,3 +92,54 @@ def test_cpu_avg_bench_runs(tmp_path, proc_env):
     out = run_smoke("cpu_avg.py", "cpu_avg", tmp_path, proc_env, timeout_s=110)
     values = {r["metric"]: r["value"] for r in out["rows"]}
     assert values["CPU round (lane)"] > 0 and values["CPU round (wire)"] > 0 and values["gloo all-reduce"] > 0
+
+
+def test_chaos_bench_runs(tmp_path, proc_env):
+    out = run_smoke("chaos.py", "chaos", tmp_path, proc_env)
+    rows = {(r["case"], r["metric"]): r["value"] for r in out["rows"]}
+    assert rows[("all", "faults")] == 1 and rows[("kill", "faults")] == 1  # the one fault, a kill, was run and reported
+
+
+def test_faults_bench_runs(tmp_path, proc_env):
+    out = run_smoke("faults.py", "faults", tmp_path, proc_env)
+    rows = {(r["case"], r["metric"]): r["value"] for r in out["rows"]}
+    assert rows[("flodl nccl-cadence kill -9", "death detected")] >= 0  # the kill landed and the controller recorded the death
+    assert {r["case"] for r in out["rows"]} == {"flodl nccl-cadence kill -9"}
+
+
+def test_bn_recal_bench_runs(tmp_path, proc_env):
+    out = run_smoke("bn_recal.py", "bn_recal", tmp_path, proc_env)
+    values = {r["metric"]: r["value"] for r in out["rows"]}
+    assert 0 <= values["eval, statistics as averaged"] <= 100 and 0 <= values["eval, statistics re-estimated"] <= 100
+
+
+def test_data_bench_runs(tmp_path, proc_env):
+    out = run_smoke("-m bench.data", "data", tmp_path, proc_env)
+    values = {r["metric"]: r["value"] for r in out["rows"]}
+    assert values["epoch 1 wall"] > 0 and values["staged per rank"] > 0  # the RAM cache staged the samples
+
+
+@pytest.mark.timeout(120)  # four network namespaces and a relay, then a controller and three workers
+@pytest.mark.skipif(unusable_reason(sshd=False) is not None, reason=f"namespace hosts unavailable: {unusable_reason(sshd=False)}")
+def test_network_bench_runs(tmp_path, proc_env):
+    out = run_smoke("-m bench.network", "network", tmp_path, proc_env, timeout_s=110)
+    values = {(r["case"], r["metric"]): r["value"] for r in out["rows"]}
+    assert values[("20 ms nccl-cadence", "throughput")] > 0
+
+
+@pytest.mark.timeout(120)  # a CUDA run and a mixed CUDA + CPU run
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bench/mixed.py needs a CUDA device")
+def test_mixed_bench_runs(tmp_path, proc_env):
+    out = run_smoke("mixed.py", "mixed_gpu", tmp_path, proc_env, timeout_s=110)
+    values = {(r["case"], r["metric"]): r["value"] for r in out["rows"]}
+    assert values[("cuda:0 alone", "samples/s")] > 0 and values[("cuda:0,cpu cpu-cadence", "samples/s")] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here: test_mixed_bench_runs runs the smoke")
+def test_mixed_bench_smoke_fails_clearly_without_cuda(tmp_path, proc_env):
+    env = dict(proc_env, FLODL_BENCH_RESULTS=str(tmp_path))
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "mixed.py"), "--smoke"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=50
+    )
+    assert res.returncode != 0 and "needs a CUDA device" in res.stderr  # a smoke that cannot run fails, and says why
+    assert not list(tmp_path.iterdir())

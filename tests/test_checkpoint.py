@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 
@@ -31,7 +32,7 @@ from flodl.controller.checkpoints import Checkpointer
 from flodl.plan.cadence import CadenceLoop
 from flodl.rank.saving import checkpoint, emergency_save
 
-from .conftest import task_spec
+from .conftest import ROOT, task_spec
 from .helpers.procs import Run, assert_all_gone
 
 pytestmark = pytest.mark.timeout(120)
@@ -431,10 +432,27 @@ def test_max_failure_on_the_cpu_backend_saves_from_a_survivor(proc_env, tmp_path
     assert read_meta(stem)["save_reason"] == "max_failure_exceeded"
 
 
-def test_corrupt_or_foreign_bundles_are_refused_before_training(proc_env, tmp_path):
-    stem = tmp_path / "run"
-    run, _ = _run(proc_env, tmp_path, "--save-path", str(stem), epochs=2)
+@pytest.fixture(scope="module")
+def finished_bundle(tmp_path_factory):
+    """The final save of a finished 2-epoch run, in a folder of its own (the same first run two tests
+    below each made): a test copies the folder (a bundle moves as one folder) and resumes or spoils the copy."""
+    folder = tmp_path_factory.mktemp("finished")
+    stem = folder / "bundle" / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1"}
+    run, _ = _run(env, folder, "--save-path", str(stem), epochs=2)
     assert run.wait(60) == 0, run.output
+    assert read_meta(stem)["save_reason"] == "final"
+    return stem.parent
+
+
+def _copy_of(folder, tmp_path):
+    """The stem of a copy of ``finished_bundle``'s bundle in ``tmp_path``."""
+    shutil.copytree(folder, tmp_path / folder.name)
+    return tmp_path / folder.name / "run"
+
+
+def test_corrupt_or_foreign_bundles_are_refused_before_training(proc_env, tmp_path, finished_bundle):
+    stem = _copy_of(finished_bundle, tmp_path)
     assert read_meta(stem)["save_reason"] == "final"
     foreign, _ = _run(proc_env, tmp_path, "--resume-from", str(stem), epochs=3, func="other_model_task")
     assert foreign.wait(60) == 2, foreign.output
@@ -471,11 +489,9 @@ def test_checkpoint_at_epoch_is_mid_epoch_and_resumable(proc_env, tmp_path):
     assert "checkpoint (checkpoint)" in run.output
 
 
-def test_resuming_a_complete_bundle_trains_nothing_scores_it_and_ends(proc_env, tmp_path):
+def test_resuming_a_complete_bundle_trains_nothing_scores_it_and_ends(proc_env, tmp_path, finished_bundle):
     """The final save of a finished run, resumed: no window to plan, one eval, exit 0 (it waited for an eval nobody asked for)."""
-    stem = tmp_path / "done"
-    first, _ = _run(proc_env, tmp_path, "--save-path", str(stem), epochs=2)
-    assert first.wait(60) == 0, first.output
+    stem = _copy_of(finished_bundle, tmp_path)
     again, path = _run(proc_env, tmp_path, "--resume-from", str(stem), epochs=2, name="again.json")
     assert again.wait(60) == 0, again.output
     assert "0 samples left to train" in again.output

@@ -91,12 +91,16 @@ def test_a_survivor_lost_while_the_group_is_rebuilt_costs_only_itself(proc_env, 
 
 
 def test_kill_9_from_outside_mid_run(proc_env, tmp_path):
-    # steps slow enough that the run is still training when the kill lands after "epoch 4/"
-    run, path = start(proc_env, tmp_path, "nccl-cadence", step_sleep="0.05")
+    # steps slow enough (50 ms) that the run is still training when the kill lands after "epoch 4/";
+    # once it has landed, 10 ms: the epochs after it only have to happen, not to last
+    killed = tmp_path / "killed"
+    env = {**proc_env, "FLODL_TEST_HOLD_FILE": str(killed), "FLODL_TEST_HOLD_SLEEP": "0.05"}
+    run, path = start(env, tmp_path, "nccl-cadence")
     ranks = run.ranks(3)
     run.wait_for_line("epoch 4/")
     victim = ranks[1]
     os.kill(victim.pid, signal.SIGKILL)
+    killed.touch()
     summary = finish(run, path)
     assert [d["pid"] for d in summary["deaths"]] == [victim.pid]
     assert "continuing with 2 rank(s)" in run.output

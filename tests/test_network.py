@@ -133,8 +133,10 @@ def _attack(
     sniffer = Sniffer(BRIDGE, port)  # started first: it must see the hellos
     sniffer.start()
     done = tmp / "attack-done"  # slow steps until the intruder is done: the run must outlast it
+    # held, a step takes 0.2 s (an epoch about 2 s) until the intruder is done; then 10 ms: the epochs left
+    # only finish the run, whose coverage and counters are what is asserted
     run = launch_on_hosts(
-        net, tmp, env, step_sleep="0.03", epochs=epochs, launcher_extra=["--port", str(port), *launcher_extra], extra=list(extra), hold=done
+        net, tmp, env, step_sleep="0.01", epochs=epochs, launcher_extra=["--port", str(port), *launcher_extra], extra=list(extra), hold=done
     )
     try:
         secret = _controller_secret(psutil.Process(run.proc.pid))
@@ -270,7 +272,8 @@ def test_under_encrypt_nothing_an_intruder_sends_reaches_the_controller(net, tmp
 
 
 def test_without_encrypt_an_intruder_cannot_take_over_a_ranks_route(net, tmp_path):
-    a = _attack(net, tmp_path, phases="hijack", epochs=24, extra=["--heartbeat-timeout-secs", "4"], hold_s=6)
+    # 12 epochs: held, the 11 after the first outlast the hijack (6 s, about 11 s in all here) twice over
+    a = _attack(net, tmp_path, phases="hijack", epochs=12, extra=["--heartbeat-timeout-secs", "4"], hold_s=6)
     print(f"hijack: {a['report']['hijacked_frames']} frame(s) meant for rank 1 reached the intruder; deaths {a['summary'].get('deaths')}")
     assert_no_flodl_left(net, 10)
     assert a["report"]["hijacked_frames"] == 0, "frames meant for the rank reached the intruder"

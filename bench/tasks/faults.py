@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from flodl import Task
 
-SAMPLES = 4096
+SAMPLES = 4096  # FLODL_BENCH_FAULTS_SAMPLES overrides it for the flodl run (bench/faults.py --smoke)
 BATCH = 16
 
 
@@ -48,7 +48,7 @@ def evaluate(model, device):
 
 
 def task():
-    x, y = data()
+    x, y = data(int(os.environ.get("FLODL_BENCH_FAULTS_SAMPLES", SAMPLES)))
     return Task(
         model=make_model,
         optimizer=make_optimizer,
