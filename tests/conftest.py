@@ -61,6 +61,20 @@ def _no_handler_errors():
         )
 
 
+@pytest.fixture(autouse=True)
+def _no_leaked_zmq():
+    """Fail a test that leaves a ZeroMQ socket open or a context un-terminated that it created
+    (tests/helpers/zmq_leaks.py says what counts). What leaked is left as it is: closing a socket
+    another thread may be using would crash the process."""
+    from .helpers import zmq_leaks
+
+    with zmq_leaks.tracking() as tracker:
+        yield
+    leaks = tracker.leaks()
+    if leaks:
+        pytest.fail(f"{len(leaks)} ZeroMQ leak(s) in this test:\n  " + "\n  ".join(leaks), pytrace=False)
+
+
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()

@@ -18,7 +18,7 @@ from flodl.errors import EXIT_CONTROLLER_LOST
 from flodl.wire import curve
 
 from .conftest import PY, ROOT, task_spec
-from .helpers.procs import Run, free_port
+from .helpers.procs import PICK_PORT, Run, reserved_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,15 +32,21 @@ def test_the_servers_key_comes_from_the_secret():
         curve.enable(b"b" * 32)
         assert curve._server_public != first
         sock = zmq.Context.instance().socket(zmq.DEALER)
-        curve.client(sock)
-        assert sock.getsockopt(zmq.MECHANISM) == zmq.CURVE
-        sock.close(0)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            curve.client(sock)
+            assert sock.getsockopt(zmq.MECHANISM) == zmq.CURVE
+        finally:
+            sock.close()
     finally:
         curve.disable()
     sock = zmq.Context.instance().socket(zmq.DEALER)
-    curve.client(sock)  # off: untouched
-    assert sock.getsockopt(zmq.MECHANISM) == zmq.NULL
-    sock.close(0)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        curve.client(sock)  # off: untouched
+        assert sock.getsockopt(zmq.MECHANISM) == zmq.NULL
+    finally:
+        sock.close()
 
 
 def _sniffer_or_skip(port: int):
@@ -80,7 +86,7 @@ def _train(proc_env, tmp_path, port: int, *extra: str) -> dict:
 
 
 def _sniffed_run(proc_env, tmp_path, *extra: str) -> tuple[dict, list[bytes]]:
-    port = free_port()
+    port = reserved_port()  # not PICK_PORT: the sniffer must watch the port before the first frame
     sniffer = _sniffer_or_skip(port)
     try:
         summary = _train(proc_env, tmp_path, port, *extra)
@@ -100,7 +106,6 @@ def test_an_encrypted_run_trains_and_shows_nothing_on_the_wire(proc_env, tmp_pat
 
 
 def test_a_worker_without_encrypt_cannot_join_an_encrypted_controller(proc_env):
-    port = free_port()
     env = {**proc_env, "FLODL_RUN_SECRET": os.urandom(32).hex(), "FLODL_RUN_ID": "enc-run"}
     ctl = Run(
         [
@@ -108,8 +113,7 @@ def test_a_worker_without_encrypt_cannot_join_an_encrypted_controller(proc_env):
             task_spec("tiny.py"),
             "--workers",
             "1",
-            "--port",
-            str(port),
+            *PICK_PORT,
             "--encrypt",
             "--join-timeout-secs",
             "8",
@@ -119,6 +123,7 @@ def test_a_worker_without_encrypt_cannot_join_an_encrypted_controller(proc_env):
         env,
     )
     try:
+        port = ctl.control_port()
         worker = subprocess.run(
             [PY, "-m", "flodl.worker", "--controller", f"tcp://127.0.0.1:{port}", "--devices", "cpu", "--join-timeout-secs", "3"],
             env=env,

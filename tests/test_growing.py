@@ -15,7 +15,7 @@ from flodl.plan.metrics import EpochCounters
 from flodl.wire import messages as m
 
 from .conftest import PY, ROOT, task_spec
-from .helpers.procs import Run, free_port
+from .helpers.procs import PICK_PORT, Run
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -111,7 +111,6 @@ class Cluster:
     """A controller waiting for one external worker, plus the workers started for it."""
 
     def __init__(self, proc_env, tmp_path, mode: str, extra=(), task: str = task_spec("tiny.py")) -> None:
-        self.port = free_port()
         # slow steps until the test releases the run (``release_after``): however long the late
         # worker takes to start on a loaded machine, the run cannot end before it has been seen
         # (held, an epoch of 2 ranks lasts about 2 s: the 19 after the first give a joiner over 30 s,
@@ -133,8 +132,7 @@ class Cluster:
                 task,
                 "--workers",
                 "1",
-                "--port",
-                str(self.port),
+                *PICK_PORT,
                 "--epochs",
                 str(EPOCHS),
                 "--mode",
@@ -150,8 +148,9 @@ class Cluster:
         self.workers: list[subprocess.Popen] = []
 
     def worker(self, *devices: str) -> subprocess.Popen:
+        port = self.run.control_port()
         proc = subprocess.Popen(
-            [PY, "-m", "flodl.worker", "--controller", f"tcp://127.0.0.1:{self.port}", "--devices", ",".join(devices)],
+            [PY, "-m", "flodl.worker", "--controller", f"tcp://127.0.0.1:{port}", "--devices", ",".join(devices)],
             env=self.env,
             cwd=ROOT,
             stdout=subprocess.DEVNULL,

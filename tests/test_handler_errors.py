@@ -34,6 +34,8 @@ def test_a_raising_handler_is_counted_logged_and_the_socket_goes_on(tally, caplo
 
     async def main():
         rx, tx = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        rx.setsockopt(zmq.LINGER, 0)
+        tx.setsockopt(zmq.LINGER, 0)
         port = rx.bind_to_random_port("tcp://127.0.0.1")
         tx.connect(f"tcp://127.0.0.1:{port}")
         io = transport.AsyncSocket(rx, handler, name="test-socket")

@@ -176,9 +176,8 @@ def test_stdin_credentials_line():
 
 def test_worker_reads_its_secret_from_stdin_and_stops_on_eof(proc_env):
     """Loopback: a --secret-from-stdin worker trains, and closing its stdin stops it and its ranks."""
-    from .helpers.procs import free_port
+    from .helpers.procs import PICK_PORT
 
-    port = free_port()
     env = {**proc_env, "FLODL_RUN_SECRET": SECRET, "FLODL_RUN_ID": "stdin-run", "FLODL_TEST_STEP_SLEEP": "0.02"}
     ctl = Proc(
         [
@@ -189,8 +188,7 @@ def test_worker_reads_its_secret_from_stdin_and_stops_on_eof(proc_env):
             task_spec("tiny.py"),
             "--workers",
             "1",
-            "--port",
-            str(port),
+            *PICK_PORT,
             "--epochs",
             "200",
             "--dashboard-port",
@@ -199,6 +197,11 @@ def test_worker_reads_its_secret_from_stdin_and_stops_on_eof(proc_env):
         env,
     )
     worker_env = {k: v for k, v in proc_env.items() if not k.startswith("FLODL_RUN")}
+    try:
+        port = ctl.control_port()
+    except BaseException:
+        ctl.kill()
+        raise
     worker = Proc(
         [PY, "-m", "flodl.worker", "--controller", f"tcp://127.0.0.1:{port}", "--devices", "cpu,cpu", "--secret-from-stdin"],
         {**worker_env, "FLODL_TEST_STEP_SLEEP": "0.02"},

@@ -41,6 +41,7 @@ from flodl.wire.codec import DROP_REASONS, unpack_frame
 
 from .conftest import PY, ROOT
 from .helpers.hosts import assert_no_flodl_left, launch_on_hosts, parent_pid
+from .helpers.procs import reserved_port
 from .intruder import FORGED_LINE
 from .netns import Netem, NsHost, Shaper, Unavailable, add_host, remove_host, ssh_cluster
 from .sniff import Sniffer, sender_seq
@@ -68,12 +69,6 @@ def net(tmp_path_factory):
                 remove_host(INTRUDER)
     except Unavailable as exc:
         pytest.skip(f"namespace hosts unavailable: {exc}")
-
-
-def _free_port(addr: str) -> int:
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
 
 
 def _controller_secret(launcher: psutil.Process, timeout: float = 30) -> bytes:
@@ -129,7 +124,9 @@ def _attack(
 ) -> dict:
     """A run across the three hosts while the intruder in flodl-n4 runs ``phases``; what both saw."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    port = _free_port(GATEWAY)
+    # not PICK_PORT: the sniffer watches the port from before the first hello, and the launcher
+    # must know it before it starts the controller (its hosts are told it)
+    port = reserved_port(GATEWAY)
     sniffer = Sniffer(BRIDGE, port)  # started first: it must see the hellos
     sniffer.start()
     done = tmp / "attack-done"  # slow steps until the intruder is done: the run must outlast it

@@ -16,7 +16,7 @@ from flodl.wire import messages as m
 from flodl.wire.codec import FrameWriter
 
 from .conftest import PY, ROOT, task_spec
-from .helpers.procs import Run, assert_all_gone, free_port, runs_module
+from .helpers.procs import PICK_PORT, Run, assert_all_gone, runs_module
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -216,7 +216,7 @@ def test_worker_without_secret_refuses_to_start(proc_env):
 
 def test_10000_hostile_frames_do_not_stop_training(proc_env, tmp_path):
     """A live controller takes 10,000 random and mutated frames and still trains."""
-    secret, run_id, port = os.urandom(32), "fuzz-run", free_port()
+    secret, run_id = os.urandom(32), "fuzz-run"
     # long enough that the controller reads every hostile frame before the run ends
     env = {**proc_env, "FLODL_RUN_SECRET": secret.hex(), "FLODL_RUN_ID": run_id, "FLODL_TEST_STEP_SLEEP": "0.02"}
     summary_path = tmp_path / "s.json"
@@ -228,13 +228,13 @@ def test_10000_hostile_frames_do_not_stop_training(proc_env, tmp_path):
             "2",
             "--epochs",
             "6",
-            "--port",
-            str(port),
+            *PICK_PORT,
             "--summary-json",
             str(summary_path),
         ],
         env,
     )
+    port = run.control_port()
     run.wait_for_line("epoch 1/6")
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)

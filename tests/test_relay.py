@@ -112,11 +112,11 @@ async def test_an_abort_upstream_reaches_the_local_ranks():
     before = {r: values(mo) for r, mo in models.items()}
     a = relay_for(ctl, "worker.a", [0, 1])
     avgs = {**ranks_under(a, {0: models[0], 1: models[1]}, lane=True)}
-    rank_side(ctl, 2, models[2])  # admitted, never sends: the controller aborts the round
+    silent = rank_side(ctl, 2, models[2])  # admitted, never sends: the controller aborts the round
     await asyncio.gather(*[asyncio.to_thread(avgs[r].average, 1.0) for r in (0, 1)])
     assert ctl.rounds.aborted == 1 and a.rounds.aborted == 1 and all(x.aborted == 1 for x in avgs.values())
     assert torch.equal(models[0].w.double(), before[0][0])  # kept its own values
-    await close([a], ctl, task, avgs.values())
+    await close([a], ctl, task, [*avgs.values(), silent])
 
 
 def test_relaying_loads_no_controller_code():

@@ -47,6 +47,7 @@ async def _until(predicate, what: str, timeout_s: float = 10.0) -> None:
 
 def _stranger(port: int, part_bytes: int, parts: int = 1) -> subprocess.Popen:
     """Another process (its memory is not ours) sends one message of ``parts`` parts of ``part_bytes`` each."""
+    # linger 3 s, bounded: the message must leave before the process ends, and term() waits for it
     code = (
         f"import zmq,time\nc=zmq.Context();s=c.socket(zmq.DEALER);s.setsockopt(zmq.LINGER,3000)\n"
         f"s.connect('tcp://127.0.0.1:{port}');b=bytes({part_bytes})\ns.send_multipart([b]*{parts});time.sleep(0.5);s.close();c.term()"

@@ -83,8 +83,10 @@ class ControllerLink:
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         pipe = f"inproc://flodl-link-{id(self)}"
         self._pipe_in = self._ctx.socket(zmq.PAIR)
+        self._pipe_in.setsockopt(zmq.LINGER, 0)
         self._pipe_in.bind(pipe)
         self._pipe_out = self._ctx.socket(zmq.PAIR)  # the training thread's end
+        self._pipe_out.setsockopt(zmq.LINGER, 0)
         self._pipe_out.setsockopt(zmq.SNDHWM, 0)
         self._pipe_out.connect(pipe)
         self._beat_due = False

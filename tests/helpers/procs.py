@@ -1,8 +1,10 @@
-"""Real processes under test: a free port, a process with its output captured line by line,
-a ``python -m flodl.controller`` run, and the check that a run left no process behind."""
+"""Real processes under test: a process with its output captured line by line, a ``python -m
+flodl.controller`` run that binds a port of its own choosing and says which, and the check that a
+run left no process behind."""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import threading
@@ -12,11 +14,32 @@ import psutil
 
 from ..conftest import PY, ROOT
 
+#: Controller flags: bind the control socket to a port the kernel picks (0) and log it at INFO
+#: (``controller listening on tcp://HOST:PORT``), which ``Proc.control_port`` reads back. Choosing a
+#: free port here and passing it would race: on a busy machine another process can take it first.
+PICK_PORT = ["--port", "0", "--log-level", "INFO"]
+_LISTENING = re.compile(r"controller listening on tcp://\S+:(\d+)")
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def reserved_port(host: str = "127.0.0.1") -> int:
+    """A port for a process to bind that must be known before it starts (a packet sniffer has to
+    watch it from the first frame), held against other processes' picks for a minute.
+
+    Only where ``PICK_PORT`` cannot serve: the port is left in TIME_WAIT (this side's accepted
+    connection, closed first), so the kernel hands it to no one else's ``bind(port 0)`` or outgoing
+    connection, while ZeroMQ's listener, which sets SO_REUSEADDR, may still bind it (the trick of
+    the ephemeral-port-reserve package). Only a process binding that very port can still take it.
+    """
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, 0))
+        listener.listen(1)
+        addr = listener.getsockname()
+        with socket.socket() as client:
+            client.connect(addr)
+            accepted, _ = listener.accept()
+            accepted.close()  # closed first: its end of the connection waits in TIME_WAIT
+        return addr[1]
 
 
 class Proc:
@@ -42,6 +65,11 @@ class Proc:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"never saw {needle!r}; output:\n{self.output}")
             time.sleep(0.05)
+
+    def control_port(self, timeout: float = 60) -> int:
+        """The port a controller started with ``PICK_PORT`` bound, once it listens."""
+        self.wait_for_line("controller listening on", timeout)
+        return next(int(m.group(1)) for line in self.lines if (m := _LISTENING.search(line)))
 
     def wait(self, timeout: float = 60) -> int:
         """The exit code; a process still running after ``timeout`` is killed and the test fails."""
