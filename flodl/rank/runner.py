@@ -137,6 +137,14 @@ class RankRunner(Regrouping, Evaluating):
         self.peers: frozenset[int] = frozenset()  # the ranks of this rank's process group (regroup.py: did one leave?)
         self.deferred: collections.deque = collections.deque()  # commands taken early that wait their turn
         self.evals_taken = 0  # RunEvals scored (compared with the link's count between batches)
+        # an open-ended (calibration) window: the controller ends it once every rank has timed a
+        # few batches, so those reports go out at once, each step measured on its own
+        self.probing = False
+        # Cadence's time quota: how far this rank's last window ran past its quota (it stops at the
+        # first batch edge after it, a slow rank's batch later than a fast one's). Taken off the next
+        # quota, so the ranks' windows stay aligned on the sum of their quotas instead of the slow
+        # rank drifting behind by half a batch a window until the fast one waits for it.
+        self.quota_debt_ms = 0.0
         self.position = 0  # the next average's place in the run: window << 16 | round (regroup.py compares them)
         self.welcome: m.RankWelcome | None = None
         self.handle = WorkerHandle(self)
@@ -552,6 +560,7 @@ class RankRunner(Regrouping, Evaluating):
     def _train_window(self, window: m.Window) -> None:
         """Train granted positions until a quota, average, and report (progressive dispatch)."""
         self.global_step = window.global_step
+        self.probing = not (window.quota_batches or window.quota_ms or window.sync_every)
         self.link.doing("step")
         self._maybe_regroup()  # a membership change announced between windows (a rank joined)
         self._start_warmer()
@@ -660,6 +669,8 @@ class RankRunner(Regrouping, Evaluating):
         start = time.perf_counter()
         self.model.train()  # once per window, not per step: it walks every module
         exhausted = False
+        target_ms = quota_ms - self.quota_debt_ms if quota_ms else 0.0
+        self.quota_debt_ms = 0.0
         for round_index in range(rounds):
             self.position = ((window or 0) << 16) | round_index
             stepped = 0
@@ -673,7 +684,7 @@ class RankRunner(Regrouping, Evaluating):
                     # the quota clock is the window's wall time less its averages: a fast rank's
                     # per-step work outside compute and data (hundreds of steps' worth) must not
                     # make it arrive late at the average its slow partner is already waiting in
-                    or (quota_ms and (time.perf_counter() - start) * 1000.0 - stats.sync_ms >= quota_ms)
+                    or (target_ms and self._past_quota(start, stats, target_ms, quota_ms))
                     or (window is not None and self.link.end_window >= window)
                 ):
                     exhausted = True
@@ -705,6 +716,15 @@ class RankRunner(Regrouping, Evaluating):
                 self.link.send_lazy(dataclasses.replace(last, sync_ms=averaged.ms))
         stats.finish((time.perf_counter() - start) * 1000.0)
         return stats
+
+    def _past_quota(self, start: float, stats: RoundStats, target_ms: float, quota_ms: float) -> bool:
+        """The window's time quota is used up (its wall less its averages): True, and what it ran
+        over is owed to the next window (bounded: half a quota)."""
+        over = (time.perf_counter() - start) * 1000.0 - stats.sync_ms - target_ms
+        if over < 0.0:
+            return False
+        self.quota_debt_ms = min(over, 0.5 * quota_ms)
+        return True
 
     def _evals_now(self) -> None:
         """Between batches: score the evals the controller asked for now rather than after this
@@ -748,7 +768,9 @@ class RankRunner(Regrouping, Evaluating):
                 stats.retime(last.epoch, last.batch_ms, rec.compute_ms)
                 last = dataclasses.replace(last, batch_ms=rec.compute_ms)
             if last is not None:
-                self.link.send_lazy(last)
+                # lazily (the link's next flush) but in a probe, whose end waits on these counts: a
+                # fast rank through its share would idle for the flush interval, a short epoch's worth
+                (self.link.send if self.probing else self.link.send_lazy)(last)
             last = m.BatchDone(self.rank, rec.epoch, rec.step, rec.samples, rec.loss, rec.compute_ms, rec.data_ms, 0.0)
         return last
 
@@ -775,8 +797,8 @@ class RankRunner(Regrouping, Evaluating):
         self.optimizer.step()
         self.step_count += 1
         records = self.meter.measured(
-            t0, loss, epoch=epoch, step=self.step_count, samples=samples, data_ms=data_ms, close=self.step_count == 1
-        )  # the warm-up step is timed alone
+            t0, loss, epoch=epoch, step=self.step_count, samples=samples, data_ms=data_ms, close=self.step_count == 1 or self.probing
+        )  # the warm-up step is timed alone, and a probe's steps each
         if self.slowdown > 1.0 and self.step_count > 1:  # SIMULATION (FLODL_SIMULATE_SLOWDOWN): a slower device
             # (from the second step: the first is set-up and warm-up, no device's pace), paced to
             # slowdown x FLODL_SIMULATE_BASE_MS; reported as the time the step really took, sleep
