@@ -660,11 +660,11 @@ class FrameReader:
             self._drop(exc.reason, peer, exc.detail)
             return None
         sender, seq = env.sender, env.seq
-        if self.own and (sender == self.own or sender.startswith(self._own_sub)):
-            self._drop("reflected", peer, f"seq {seq} signed as {sender}")
-            return None
         window = self._windows.get(sender)
-        if window is None:
+        if window is None:  # a sender's first frame; a sender with a window passed this check before (``own`` is fixed)
+            if self.own and (sender == self.own or sender.startswith(self._own_sub)):
+                self._drop("reflected", peer, f"seq {seq} signed as {sender}")
+                return None
             window = self._windows[sender] = ReplayWindow()
         top = window.top
         if seq > top:  # the usual frame, the newest from its sender: ReplayWindow.accept's first case, inline
