@@ -14,6 +14,7 @@ import asyncio
 import subprocess
 import time
 
+import msgpack
 import psutil
 import pytest
 import zmq
@@ -26,7 +27,8 @@ from flodl.testing import sim
 from flodl.testing.sim import SimRankSpec, SimWorker
 from flodl.wire import bulk
 from flodl.wire import messages as m
-from flodl.wire.codec import DEFAULT_MAX_FRAME, Envelope, FrameWriter
+from flodl.wire.codec import DEFAULT_MAX_FRAME, HEADER, MAGIC, Envelope, FrameReader, FrameWriter, sign
+from flodl.wire.messages import PROTOCOL_VERSION
 from flodl.wire.transport import CONTROL_MAX_MSG_BYTES, ControlEndpoint, Routes, make_router
 
 from .conftest import PY
@@ -268,6 +270,79 @@ async def test_the_controllers_own_frames_reflected_back_are_dropped():
             dealer.send(frame)
         await _until(lambda: ep.drops["reflected"] == len(own), "the reflected frames to be dropped")
         assert got == [] and ep.reader.accepted == 0
+    finally:
+        dealer.close()
+        ep.close()
+
+
+async def test_the_controllers_endpoint_answers_an_accepted_ping_and_no_other():
+    """``answer_pings``: a Ping's Pong leaves from the endpoint, but only for a frame the reader accepted;
+    forged, replayed, wrong-run, reflected, malformed and ill-typed Pings are dropped, counted, unanswered."""
+    got: list[Envelope] = []
+    sock, port = make_router(zmq.Context.instance(), "127.0.0.1", 0)
+    ep = ControlEndpoint(
+        sock, secret=SECRET, run_id=RUN, sender="controller", on_message=lambda ident, env: got.append(env), answer_pings=True
+    )
+    ep.start()
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    worker = FrameWriter(SECRET, RUN, "worker.a")
+
+    def signed(body: list) -> bytes:  # a frame signed with the run's secret around any body
+        packed = msgpack.packb(body, use_bin_type=True)
+        unsigned = HEADER.pack(MAGIC, PROTOCOL_VERSION, m.Ping.KIND, len(packed)) + packed
+        return unsigned + sign(SECRET, unsigned)
+
+    try:
+        first = worker.encode(m.Ping(nonce=1, sent_at=0.5))
+        tampered = bytearray(worker.encode(m.Ping(nonce=66, sent_at=0.5)))
+        tampered[HEADER.size + 2] ^= 0x01
+        bad = {
+            "bad_tag": [FrameWriter(b"x" * 32, RUN, "worker.a").encode(m.Ping(nonce=60, sent_at=0.5)), bytes(tampered)],
+            "replayed": [first],
+            "wrong_run": [FrameWriter(SECRET, "other-run", "worker.a").encode(m.Ping(nonce=61, sent_at=0.5))],
+            "reflected": [FrameWriter(SECRET, RUN, "controller").encode(m.Ping(nonce=62, sent_at=0.5))],
+            "malformed": [first + b"\x00"],
+            "schema": [signed(["worker.b", 1, RUN, "63", 0.5]), signed(["worker.b", 2, RUN, 64])],
+        }
+        dealer.send(first)
+        for frames in bad.values():
+            for frame in frames:
+                dealer.send(frame)
+        dealer.send(worker.encode(m.Ping(nonce=2, sent_at=1.5)))
+        await _until(lambda: ep.reader.accepted == 2 and sum(ep.drops.values()) == 8, "the pings read or dropped")
+        assert {reason: ep.drops[reason] for reason in bad} == {reason: len(frames) for reason, frames in bad.items()}
+        reader = FrameReader(SECRET, RUN)
+        pongs = []
+        deadline = time.monotonic() + 10
+        while len(pongs) < 2 and time.monotonic() < deadline:
+            if dealer.poll(100):
+                env = reader.read(dealer.recv())
+                assert env is not None and env.sender == "controller"
+                pongs.append(env.msg)
+        assert pongs == [m.Pong(nonce=1, sent_at=0.5), m.Pong(nonce=2, sent_at=1.5)]
+        await asyncio.sleep(0.2)
+        assert not dealer.poll(0)  # nothing answered the dropped ones
+        assert [env.msg for env in got] == [m.Ping(nonce=1, sent_at=0.5), m.Ping(nonce=2, sent_at=1.5)]  # still dispatched
+    finally:
+        dealer.close()
+        ep.close()
+
+
+async def test_an_endpoint_answers_no_ping_unless_asked():
+    got: list[Envelope] = []
+    sock, port = make_router(zmq.Context.instance(), "127.0.0.1", 0)
+    ep = ControlEndpoint(sock, secret=SECRET, run_id=RUN, sender="controller", on_message=lambda ident, env: got.append(env))
+    ep.start()
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        dealer.send(FrameWriter(SECRET, RUN, "worker.a").encode(m.Ping(nonce=1, sent_at=0.5)))
+        await _until(lambda: len(got) == 1, "the ping to be dispatched")
+        await asyncio.sleep(0.2)
+        assert not dealer.poll(0)
     finally:
         dealer.close()
         ep.close()

@@ -73,6 +73,10 @@ log = logging.getLogger("flodl.controller")
 Handler = Callable[[bytes, Envelope, Any], None]
 
 
+def _answered(identity: bytes, env: Envelope, msg: Any) -> None:
+    """A ``Ping``: its ``Pong`` went out from the endpoint (``answer_pings``) before the dispatch."""
+
+
 class Controller:
     """Runs one training run from start to summary (``await run()``).
 
@@ -192,7 +196,7 @@ class Controller:
             m.Heartbeat: self.liveness.on_heartbeat,
             m.Exiting: self.teardown.on_exiting,
             m.CheckpointDone: self.saving.on_checkpoint_done,
-            m.Ping: self.plane.on_ping,
+            m.Ping: _answered,  # the endpoint answered it before this dispatch: here only the bookkeeping (a sign of life)
         }
 
     # ============================================================ views (tests and benches read these)
@@ -457,9 +461,6 @@ class Controller:
         handler = self._handlers.get(type(msg))
         if handler is None:
             return  # a message we never act on in this direction
-        if type(msg) is m.Ping:  # answered at once, the bookkeeping after: a round trip waits on nothing else
-            handler(identity, env, msg)
-            handler = None
         now = self.clock()
         self._follow_route(identity, env)
         rank = getattr(msg, "rank", None)
@@ -471,8 +472,7 @@ class Controller:
             self.members.seen_worker(env.sender, now)
             if rank is None:
                 self.members.seen_route(identity, now)
-        if handler is not None:
-            handler(identity, env, msg)
+        handler(identity, env, msg)
         if self._observed:
             self.hooks.handled(msg)
 

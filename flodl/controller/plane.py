@@ -16,7 +16,6 @@ from ..config import AverageBackend, DdpRunConfig
 from ..config.deadlines import Deadlines
 from ..plan.membership import Membership
 from ..wire import curve
-from ..wire import messages as m
 from ..wire.codec import Envelope
 from ..wire.transport import ControlEndpoint, make_router
 from .launch import LaunchOptions
@@ -89,7 +88,10 @@ class ControlPlane:
                 )
         self.fd_limit = _lift_fd_limit()
         sock, self.port = make_router(ctx, self.launch.bind, self.launch.port)
-        self.endpoint = ControlEndpoint(sock, secret=self.secret, run_id=self.run_id, sender="controller", on_message=on_message)
+        # a Ping is answered by the endpoint itself, once the reader accepted it: a round trip waits on no dispatch
+        self.endpoint = ControlEndpoint(
+            sock, secret=self.secret, run_id=self.run_id, sender="controller", on_message=on_message, answer_pings=True
+        )
         self.endpoint.start()
         # the ranks' rendezvous; survives membership generations (each gets a key prefix)
         self.store = dist.TCPStore(self.launch.bind, 0, is_master=True, wait_for_workers=False)
@@ -138,9 +140,6 @@ class ControlPlane:
     def broadcast_ranks(self, msg: Any) -> None:
         """To every live rank."""
         self.send_all(msg, [info.identity for info in self.members.live_ranks()])
-
-    def on_ping(self, identity: bytes, env: Envelope, msg: m.Ping) -> None:
-        self.live_endpoint.send(m.Pong(msg.nonce, msg.sent_at), identity)
 
 
 def _lift_fd_limit() -> int:

@@ -224,6 +224,7 @@ class _Spec:
     cls: type
     encode: Callable[[Any], list[Any]]  # message object -> validated wire values
     frame: Callable[..., bytes]  # (message, sender, seq, run, pack, inner, outer) -> the signed frame (FrameWriter's path)
+    frame_of: Callable[..., bytes]  # (sender, seq, run, pack, inner, outer, *field values) -> the same frame
     open: Callable[..., Envelope]  # (signer, frame, end, version, run id or None) -> Envelope: every check from bad_tag on
 
 
@@ -250,6 +251,18 @@ def _enc(msg):
 
 def _frame(msg, sender, seq, run, pack, inner, outer):
 {loads}
+{checks}
+    body = pack([sender, seq, run, {values}])
+    n = len(body)
+    unsigned = (_heads.get(n) or _head_for(n)) + body
+    inner = inner.copy()
+    inner.update(unsigned)
+    outer = outer.copy()
+    outer.update(inner.digest())
+    return unsigned + outer.digest()[:TAG_LEN]
+
+
+def _frame_of(sender, seq, run, pack, inner, outer{params}):
 {checks}
     body = pack([sender, seq, run, {values}])
     n = len(body)
@@ -295,11 +308,12 @@ def _open(signer, data, end, version, run_id):
 
 def _generate(
     kind: int, name: str, cls: type, fields: tuple[tuple[str, str], ...]
-) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
-    """Build ``_enc`` (message -> validated wire values), ``_frame`` and ``_open`` of one message.
+) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """Build ``_enc`` (message -> validated wire values), ``_frame``, ``_frame_of`` and ``_open`` of one message.
 
     ``_frame(msg, sender, seq, run, pack, inner, outer)``: the signed frame, ``inner`` and ``outer``
-    being the HMAC's primed hash states (``Signer``). ``_open(signer, data, end, version, run_id)``:
+    being the HMAC's primed hash states (``Signer``); ``_frame_of(sender, seq, run, pack, inner, outer,
+    *field values)``: the same frame from the field values, no message object built. ``_open(signer, data, end, version, run_id)``:
     for a frame of this kind whose header and length are sound (``end``: where the tag starts), the
     checks of ``DROP_REASONS`` from ``bad_tag`` on, in order, then the envelope."""
     heads: dict[int, bytes] = {}  # body length -> the whole header (a frame's body has few sizes)
@@ -347,9 +361,10 @@ def _generate(
         loads="\n".join(f"    v{i} = msg.{f}" for i, (f, _) in enumerate(fields)),
         checks="\n".join("    " + line for line in lines),
         checks_in_try="\n".join("    " + line for line in lines).replace("\n", "\n    "),
+        params="".join(f", v{i}" for i in range(len(fields))),
     )
     exec(code, env)  # noqa: S102 - code built from our own schema only
-    return env["_enc"], env["_frame"], env["_open"]
+    return env["_enc"], env["_frame"], env["_frame_of"], env["_open"]
 
 
 def _spec(kind: int, name: str, cls: type, fields: tuple[tuple[str, str], ...]) -> _Spec:
@@ -566,6 +581,30 @@ class FrameWriter:
             del self._local.pack  # whatever it half wrote stays out of the next frame
             raise
 
+    def encode_fields(self, cls: type, *values: Any) -> bytes:
+        """``encode(cls(*values))`` without building the message: the same bytes (a ``Pong`` answered
+        from a ``Ping``'s fields on the round trip's path).
+
+        Raises:
+            ProtocolError: ``schema`` if ``cls`` is no message or a value does not validate (a local bug).
+        """
+        seq = next(self._seq)
+        spec = _SPEC_BY_CLASS.get(cls)
+        if spec is None:
+            raise ProtocolError("schema", f"{getattr(cls, '__name__', cls)} is not a protocol message")
+        try:
+            pack = self._local.pack
+        except AttributeError:
+            pack = self._local.pack = msgpack.Packer(use_bin_type=True).pack
+        signer = self.signer
+        try:
+            return spec.frame_of(self.sender, seq, self.run_id, pack, signer._inner, signer._outer, *values)
+        except _Invalid as exc:
+            raise ProtocolError("schema", f"{spec.name}: {exc}") from None
+        except BaseException:
+            del self._local.pack
+            raise
+
 
 class FrameReader:
     """Turns received bytes into envelopes; drops, counts and logs bad frames.
@@ -621,11 +660,11 @@ class FrameReader:
             self._drop(exc.reason, peer, exc.detail)
             return None
         sender, seq = env.sender, env.seq
-        if self.own and (sender == self.own or sender.startswith(self._own_sub)):
-            self._drop("reflected", peer, f"seq {seq} signed as {sender}")
-            return None
         window = self._windows.get(sender)
-        if window is None:
+        if window is None:  # a sender's first frame; a sender with a window passed this check before (``own`` is fixed)
+            if self.own and (sender == self.own or sender.startswith(self._own_sub)):
+                self._drop("reflected", peer, f"seq {seq} signed as {sender}")
+                return None
             window = self._windows[sender] = ReplayWindow()
         top = window.top
         if seq > top:  # the usual frame, the newest from its sender: ReplayWindow.accept's first case, inline

@@ -27,6 +27,7 @@ import zmq
 
 from . import curve
 from .codec import DEFAULT_MAX_FRAME, Envelope, FrameReader, FrameWriter, route_name
+from .messages import Ping, Pong
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ except (ImportError, AttributeError):  # another backend: the public methods
     _send, _recv, _get = zmq.Socket.send, zmq.Socket.recv, zmq.Socket.get
 _NOBLOCK, _MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 _RCVMORE, _EVENTS, _POLLIN = int(zmq.RCVMORE), int(zmq.EVENTS), int(zmq.POLLIN)
+
+_PING = Ping.KIND
 
 #: Messages handled per loop callback before yielding to other tasks.
 DRAIN_BATCH = 256
@@ -103,6 +106,7 @@ class AsyncSocket:
         self.handler_errors = 0
         self.paused = False  # a consumer that cannot keep up stops the reads (back-pressure)
         self._drain_scheduled = False
+        self._draining = False  # inside _drain, which reads on until EAGAIN: a send need not re-check EVENTS
 
     def start(self) -> None:
         """Start draining on the running loop (call from inside it)."""
@@ -136,28 +140,32 @@ class AsyncSocket:
         self._drain_scheduled = False
         if self.closed:
             return
-        sock = self.sock
-        for _ in range(DRAIN_BATCH):
-            if self.paused:
-                return
-            try:  # recv_multipart, without its Python layer
-                parts = [_recv(sock, _NOBLOCK)]
-                while _get(sock, _RCVMORE):
-                    parts.append(_recv(sock, _NOBLOCK))
-            except zmq.Again:
-                return
-            except zmq.ZMQError:
+        sock, on_parts = self.sock, self.on_parts
+        self._draining = True
+        try:
+            for _ in range(DRAIN_BATCH):
+                if self.paused:
+                    return
+                try:  # recv_multipart, without its Python layer
+                    parts = [_recv(sock, _NOBLOCK)]
+                    while _get(sock, _RCVMORE):
+                        parts.append(_recv(sock, _NOBLOCK))
+                except zmq.Again:
+                    return
+                except zmq.ZMQError:
+                    if self.closed:
+                        return
+                    raise
+                try:
+                    on_parts(parts)
+                except Exception as exc:  # a handler bug must not stop the socket: logged, counted, surfaced (HandlerErrors)
+                    self.handler_errors += 1
+                    HANDLER_ERRORS.record(self.name, exc)
+                    log.exception("%s: handler failed on an incoming message", self.name)
                 if self.closed:
                     return
-                raise
-            try:
-                self.on_parts(parts)
-            except Exception as exc:  # a handler bug must not stop the socket: logged, counted, surfaced (HandlerErrors)
-                self.handler_errors += 1
-                HANDLER_ERRORS.record(self.name, exc)
-                log.exception("%s: handler failed on an incoming message", self.name)
-            if self.closed:
-                return
+        finally:
+            self._draining = False
         self._schedule_drain()  # more may be queued: come back after other tasks ran
 
     def send(self, parts: list[Any], *, copy: bool = True) -> bool:
@@ -186,7 +194,9 @@ class AsyncSocket:
             self.send_drops[exc.strerror] += 1
             return False
         finally:
-            if not self.closed and _get(sock, _EVENTS) & _POLLIN:
+            # a send may take the FD's edge for input that came meanwhile: look, unless a drain is
+            # running (a handler's reply), which reads on until EAGAIN anyway
+            if not self._draining and not self.closed and _get(sock, _EVENTS) & _POLLIN:
                 self._schedule_drain()
 
     def close(self) -> None:
@@ -207,7 +217,11 @@ class ControlEndpoint:
 
     ``on_message(identity, envelope)`` is called for every accepted frame;
     ``identity`` is the ZeroMQ routing id of the sending peer on a ROUTER and
-    ``b""`` on a DEALER.
+    ``b""`` on a DEALER. With ``answer_pings`` (the controller's ROUTER), an
+    accepted ``Ping`` is answered with its ``Pong`` right here, before
+    ``on_message`` sees it: a round trip waits on no dispatch. Only an accepted
+    one: a frame the reader drops (forged, replayed, malformed, reflected...)
+    is never answered.
     """
 
     def __init__(
@@ -219,8 +233,10 @@ class ControlEndpoint:
         sender: str,
         on_message: Callable[[bytes, Envelope], None],
         max_frame: int = DEFAULT_MAX_FRAME,
+        answer_pings: bool = False,
     ) -> None:
         self.router = sock.type == zmq.ROUTER
+        self.answer_pings = answer_pings
         self.reader = FrameReader(secret, run_id, max_frame=max_frame, name=sender, own=sender)  # our own frames reflected: dropped
         self.writer = FrameWriter(secret, run_id, sender)
         self.on_message = on_message
@@ -245,8 +261,13 @@ class ControlEndpoint:
                 return
             identity, frame = b"", parts[0]
         env = self.reader.read(frame, identity if self.router else "controller")  # the route is named only if a drop is logged
-        if env is not None:
-            self.on_message(identity, env)
+        if env is None:
+            return
+        if self.answer_pings and env.kind == _PING:  # accepted: authenticated, checked, fresh
+            ping = env.msg
+            pong = self.writer.encode_fields(Pong, ping.nonce, ping.sent_at)
+            self.io.send([identity, pong] if self.router else [pong])
+        self.on_message(identity, env)
 
     def send(self, msg: Any, identity: bytes = b"") -> bool:
         """Sign and queue one message (to ``identity`` on a ROUTER)."""
