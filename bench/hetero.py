@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     solos: list[dict] = []
     pairs: dict[tuple[int, str], list[dict]] = {case: [] for case in cases}
     for seed in range(seeds):
-        solo = run(1, "nccl-sync", epochs, samples, seed)
+        solo = run(1, "nccl-cadence", epochs, samples, seed)  # the default mode: the best flodl solo is the ideal
         base = step_ms(solo)[0]
         solos.append(solo)
         print(

@@ -104,7 +104,7 @@ def _torchrun(algo: str, ratio: int = 1) -> Case:
     return Case(f"torchrun-{algo}{suffix}", _LABELS[algo] + (f" {ratio}:1" if ratio > 1 else ""), "torchrun", algo, ratio=ratio)
 
 
-SOLO = Case("solo", "solo (1 rank)", "flodl", "nccl-sync", nproc=1)
+SOLO = Case("solo", "solo (1 rank)", "flodl", "nccl-cadence", nproc=1)  # the default mode: the best flodl solo is the ideal
 EQUAL = (SOLO, *(_flodl(m) for m in FLODL_MODES), _torchrun("ddp"), _torchrun("postlocal"))
 UNEQUAL = (
     *(_flodl(m, RATIO) for m in ("nccl-cadence", "nccl-async", "cpu-cadence", "cpu-async")),
