@@ -163,6 +163,16 @@ def of_ideal(s: dict, solo: dict | None) -> tuple[float, float] | None:
     return s["train_samples_per_s"] / ideal, ideal
 
 
+def fast_step_vs_solo(s: dict, solo: dict | None) -> float | None:
+    """Rank 0's (the fast rank's) mean compute per batch in a pair over the solo run's: how much
+    slower the same step ran with a second rank and its traffic on the machine (1.0 = as fast as
+    alone). Below 1 / this, no schedule can reach the ideal, which assumes the solo speed."""
+    if not ok(solo):
+        return None
+    pair, alone = step_ms(s), step_ms(solo)
+    return pair[0] / alone[0] if pair and alone and alone[0] > 0 else None
+
+
 def ok(s: dict | None) -> bool:
     return s is not None and not s.get("matrix", {}).get("error") and s.get("wall_s") is not None
 
@@ -251,6 +261,11 @@ class Cell:
         same = [o for o in self.solo if seed_of(o) == seed_of(s)]
         return (same or self.solo or [None])[0]
 
+    def fast_step(self) -> float | None:
+        """Median over the seeds of ``fast_step_vs_solo`` (each against its seed's solo run)."""
+        got = [v for v in (fast_step_vs_solo(s, self._solo_for(s)) for s in self.runs) if v is not None]
+        return statistics.median(got) if got else None
+
     def of_ideal(self) -> tuple[float, float] | None:
         """Median ``(fraction of ideal, ideal samples/s)`` over the seeds (each against its seed's solo run)."""
         got = [v for v in (of_ideal(s, self._solo_for(s)) for s in self.runs) if v is not None]
@@ -336,6 +351,9 @@ def rows(runs: dict[str, dict[str, list[dict]]]) -> list[Row]:
                         frac >= GOAL_OF_IDEAL if goal_case else None,
                     )
                 )
+                fast = c.fast_step()
+                if fast is not None:
+                    out.append(Row(label, "fast rank's step, pair / solo (median)", fast, "x"))
             for base_id, name in ((BASELINE[ratio], "torchrun DDP"), (BASELINE_POSTLOCAL[ratio], "torchrun post-local")):
                 base = by_case.get(base_id)
                 if base is None or not base.ok:
@@ -424,10 +442,10 @@ def model_table(model: str, cases: dict[str, list[dict]]) -> str:
 
 def goal_table(runs: dict[str, dict[str, list[dict]]]) -> str:
     lines = [
-        f"| model | flodl case | slow/fast, flodl / DDP | of ideal (goal ≥ {GOAL_OF_IDEAL:.2f}) | train wall "
+        f"| model | flodl case | slow/fast, flodl / DDP | of ideal (goal ≥ {GOAL_OF_IDEAL:.2f}) | fast rank's step, pair / solo | train wall "
         f"| torchrun DDP {RATIO}:1 train wall | train speed-up (goal ≥ {GOAL_SPEEDUP:g}×) | command speed-up "
         f"| eval − DDP, means (goal ≥ −{GOAL_EVAL_POINTS:g}) | eval flodl / DDP (min–max) | train speed-up vs post-local |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model in _models(runs):
         by_case = cells(runs, model)
@@ -446,7 +464,7 @@ def goal_table(runs: dict[str, dict[str, list[dict]]]) -> str:
             itext = "—" if ideal is None else f"{ideal[0]:.2f} {_mark(ideal[0] >= GOAL_OF_IDEAL)}"
             pspeed = _x(post.train_s / c.train_s) if post is not None and post.ok else "—"
             lines.append(
-                f"| {model} | {_label(cid)} | {_f(c.ratio, '.2f')}× / {_f(base.ratio, '.2f')}× | {itext} "
+                f"| {model} | {_label(cid)} | {_f(c.ratio, '.2f')}× / {_f(base.ratio, '.2f')}× | {itext} | {_f(c.fast_step(), '.2f')}× "
                 f"| {c.train_s:.2f} s | {base.train_s:.2f} s | {sp:.2f}× {_mark(sp >= GOAL_SPEEDUP)} | {_x(cmd)} "
                 f"| {dtext} | {eval_text(c)} / {eval_text(base)} | {pspeed} |"
             )
