@@ -60,7 +60,15 @@ def test_evals_after_averages_score_re_estimated_statistics(proc_env, tmp_path, 
     runs = {}
     for n in (8, 0):
         path = tmp_path / f"s{n}.json"
-        env = {**proc_env, "FLODL_SIMULATE_SLOWDOWN": "1:3", "FLODL_TEST_BN_BATCHES": str(n)}
+        # both ranks paced (5 and 15 ms steps): an epoch then outlasts the time its eval request
+        # takes to reach the eval rank, so the average that closed it is still held when it is
+        # scored, on a loaded machine too (sub-ms steps let the eval rank run a window further)
+        env = {
+            **proc_env,
+            "FLODL_SIMULATE_SLOWDOWN": "0:1.001,1:3",
+            "FLODL_SIMULATE_BASE_MS": "5",
+            "FLODL_TEST_BN_BATCHES": str(n),
+        }
         run = Run(
             [
                 "--task",
