@@ -515,7 +515,9 @@ def main() -> None:
         "--torchrun", type=int, default=None, help="torchrun elastic-restart runs on the same SIGKILL, side by side (default 1; quick 0)"
     )
     parser.add_argument("--max-minutes", type=float, default=None, help="start no new run after this many minutes; report the runs done")
-    parser.add_argument("--name", default="chaos", help="results file name (bench/results/<name>.json)")
+    parser.add_argument(
+        "--name", default=None, help="results file name (bench/results/<name>.json; default chaos, or chaos_quick with --quick)"
+    )
     a = parser.parse_args()
     count = a.faults or (1 if a.smoke else 6 if a.quick else 100)
     if a.torchrun is None:
@@ -574,7 +576,8 @@ def main() -> None:
     )
     if lost:
         note += "\nlost runs:\n" + "\n".join(lost)
-    report(a.name, rows, note=note, results=out_dir)
+    # a quick check never replaces the committed full run
+    report(a.name or ("chaos_quick" if a.quick else "chaos"), rows, note=note, results=out_dir)
     print(f"logs in {tmp}")
 
 
