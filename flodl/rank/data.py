@@ -196,15 +196,12 @@ class BatchSource:
         return pass_index, epoch_start + start
 
     def fetch(self, idx: torch.Tensor) -> Any:
-        """Collate the samples at dataset indices ``idx``.
+        """Collate the samples at dataset indices ``idx`` (any dataset but an in-memory tensor
+        one, whose batches ``_emit`` gathers from the pass's index shuffle).
 
         Raises:
             TaskError: the dataset raised on a sample; the message names its index.
         """
-        if self._tensors is not None:
-            if self.device is not None:  # device-resident (place_on): gather there
-                idx = idx.to(self.device, non_blocking=True)
-            return tuple(t[idx] for t in self._tensors)
         ids = idx.tolist()
         if self.tiers is not None:
             samples = self._staged(ids)

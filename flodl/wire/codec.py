@@ -242,7 +242,20 @@ _INLINE = {
     "str": "if type({v}) is not str or len({v}) > MAX_STR: raise _Invalid('{f}: expected str of at most %d chars' % MAX_STR)",
 }
 
-_TEMPLATE = """
+# The signing tail of ``_frame`` (from a message) and ``_frame_of`` (from its field values),
+# written once: generated inline in both, since a call per frame would cost the hot path.
+_SIGN = """    body = pack([sender, seq, run, {values}])
+    n = len(body)
+    unsigned = (_heads.get(n) or _head_for(n)) + body
+    inner = inner.copy()
+    inner.update(unsigned)
+    outer = outer.copy()
+    outer.update(inner.digest())
+    return unsigned + outer.digest()[:TAG_LEN]
+"""
+
+_TEMPLATE = (
+    """
 def _enc(msg):
 {loads}
 {checks}
@@ -252,27 +265,15 @@ def _enc(msg):
 def _frame(msg, sender, seq, run, pack, inner, outer):
 {loads}
 {checks}
-    body = pack([sender, seq, run, {values}])
-    n = len(body)
-    unsigned = (_heads.get(n) or _head_for(n)) + body
-    inner = inner.copy()
-    inner.update(unsigned)
-    outer = outer.copy()
-    outer.update(inner.digest())
-    return unsigned + outer.digest()[:TAG_LEN]
-
+"""
+    + _SIGN
+    + """
 
 def _frame_of(sender, seq, run, pack, inner, outer{params}):
 {checks}
-    body = pack([sender, seq, run, {values}])
-    n = len(body)
-    unsigned = (_heads.get(n) or _head_for(n)) + body
-    inner = inner.copy()
-    inner.update(unsigned)
-    outer = outer.copy()
-    outer.update(inner.digest())
-    return unsigned + outer.digest()[:TAG_LEN]
-
+"""
+    + _SIGN
+    + """
 
 def _open(signer, data, end, version, run_id):
     view = data if len(data) <= _COPY_BELOW else memoryview(data)
@@ -304,6 +305,7 @@ def _open(signer, data, end, version, run_id):
         raise ProtocolError("wrong_run", frame_run[:64])
     return _Envelope(version, {kind}, sender, seq, frame_run, _cls({values}))
 """
+)
 
 
 def _generate(
