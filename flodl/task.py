@@ -34,6 +34,36 @@ EpochFn = Callable[[int, Any], None]
 #: ``checkpoint_fn(version, worker)`` runs on the elected rank every ``checkpoint_every`` epochs.
 CheckpointFn = Callable[[int, Any], None]
 
+#: ``torch.compile`` modes a ``Task.compile`` string may name.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+#: Modes that capture CUDA graphs (on a GPU): each step then starts with ``cudagraph_mark_step_begin``.
+GRAPHED_MODES = ("reduce-overhead", "max-autotune")
+
+
+def compile_kwargs(value: bool | str | dict[str, Any]) -> dict[str, Any] | None:
+    """``Task.compile`` as ``torch.compile`` keyword arguments, None when off.
+
+    ``True`` is torch's default mode, a string names a mode, a dict is passed
+    through (``{"mode": ..., "backend": ..., "fullgraph": ..., "dynamic": ...}``).
+
+    Raises:
+        TaskError: anything else, or an unknown mode.
+    """
+    if value is False or value is None:
+        return None
+    if value is True:
+        return {}
+    if isinstance(value, str):
+        if value not in COMPILE_MODES:
+            raise TaskError(f"Task.compile: unknown mode {value!r} (one of {', '.join(COMPILE_MODES)}, True or a dict)")
+        return {"mode": value}
+    if isinstance(value, dict):
+        mode = value.get("mode")
+        if mode is not None and mode not in COMPILE_MODES:
+            raise TaskError(f"Task.compile: unknown mode {mode!r} (one of {', '.join(COMPILE_MODES)})")
+        return dict(value)
+    raise TaskError(f"Task.compile must be True/False, a mode name or a dict of torch.compile arguments, got {value!r}")
+
 
 @dataclass
 class Task:
@@ -74,6 +104,16 @@ class Task:
             and fit the averaged weights badly (docs/cadence.md). 0 turns it
             off; models without BatchNorm, solo runs and ``train_step`` tasks
             (whose model input flodl cannot know) skip it.
+        compile: ``torch.compile`` the model's forward on every rank: ``True``
+            (torch's default mode), a mode name (``"reduce-overhead"`` captures
+            CUDA graphs on a GPU) or a dict of ``torch.compile`` arguments. flodl
+            compiles after it has laid the parameters out in its flat buckets,
+            so averages write into the very memory the compiled code (and its
+            CUDA graphs) reads: nothing re-compiles or re-records at an average.
+            The module stays the same object (``nn.Module.compile``), so saved
+            state dicts keep their keys. The loss is computed outside the
+            compiled forward (``loss_fn``, or your ``train_step``); see
+            docs/compile.md.
     """
 
     model: ModelFactory
@@ -89,6 +129,7 @@ class Task:
     epoch_fn: EpochFn | None = None
     checkpoint_fn: CheckpointFn | None = None
     bn_recalibration_batches: int = 16
+    compile: bool | str | dict[str, Any] = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -115,6 +156,7 @@ class Task:
             raise TaskError(f"Task.bn_recalibration_batches must be an int >= 0, got {n!r}")
         if not isinstance(self.eval_metric, str) or not self.eval_metric:
             raise TaskError("Task.eval_metric must be a non-empty string")
+        compile_kwargs(self.compile)
 
     def build_dataset(self) -> Any:
         """Return the dataset, calling the factory if one was given.

@@ -70,6 +70,12 @@ def test_overhead_bench_runs(tmp_path, proc_env):
     assert values["plain samples/s"] > 0 and values["flodl samples/s"] > 0
 
 
+def test_avg_stream_bench_runs(tmp_path, proc_env):
+    out = run_smoke("avg_stream.py", "avg_stream", tmp_path, proc_env)
+    metrics = {r["metric"] for r in out["rows"]}
+    assert "background (Cadence, Async): step-stream cost per average" in metrics and "blocking (Sync): share of a window" in metrics
+
+
 def test_scale_bench_runs(tmp_path, proc_env):
     out = run_smoke("scale.py", "scale", tmp_path, proc_env)
     values = {r["metric"]: r for r in out["rows"]}

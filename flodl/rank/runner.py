@@ -60,6 +60,7 @@ from ..wire import messages as m
 from ..wire.messages import PROTOCOL_VERSION
 from ..wire.transport import host_name
 from .collective import CollectiveAverager, Superseded, build_group
+from .compiling import compile_model
 from .cpu_average import BulkLink, CpuAverager
 from .data import BatchSource, to_device
 from .disk_stage import DiskStage
@@ -140,6 +141,7 @@ class RankRunner(Regrouping, Evaluating):
         # an open-ended (calibration) window: the controller ends it once every rank has timed a
         # few batches, so those reports go out at once, each step measured on its own
         self.probing = False
+        self.graphed = False  # the model's forward replays CUDA graphs: each step marks its start (compiling.py)
         # Cadence's time quota: how far this rank's last window ran past its quota (it stops at the
         # first batch edge after it, a slow rank's batch later than a fast one's). Taken off the next
         # quota, so the ranks' windows stay aligned on the sum of their quotas instead of the slow
@@ -461,6 +463,7 @@ class RankRunner(Regrouping, Evaluating):
         if not welcome.late:
             self._take_first_consensus(welcome)
         self.optimizer = self.task.optimizer(self.model)
+        self.graphed = compile_model(self.model, self.task.compile, self.device)  # after flattening: see compiling.py
         if config.resume_from and not welcome.late and not config.resume_weights_only:
             load_optimizer(self.optimizer, config.resume_from)  # required: a fresh optimizer only when asked for
         self.world_size = welcome.world_size
@@ -781,6 +784,8 @@ class RankRunner(Regrouping, Evaluating):
         model, task = self.model, self.task
         if self.lr is not None:
             self.lr.apply(self.global_step)
+        if self.graphed:
+            torch.compiler.cudagraph_mark_step_begin()
         if task.train_step is not None:
             loss = task.train_step(model, batch, self.device)
         else:
