@@ -72,3 +72,41 @@ def test_a_tensor_dataset_on_the_device_yields_the_same_batches_as_on_the_host()
     for (e1, p1, b1), (e2, p2, b2) in zip(host, gpu, strict=False):
         assert e1 == e2 and torch.equal(p1, p2) and p2.device.type == "cpu"  # the ledger's picks stay on the host
         assert all(t.device.type == "cuda" for t in b2) and all(torch.equal(a, b.cpu()) for a, b in zip(b1, b2, strict=False))
+
+
+class _HeldEvent:
+    """A stand-in CUDA event on a CPU: it has not passed until the test lets every event pass."""
+
+    passed = False
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return _HeldEvent.passed
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: object) -> float:
+        return 1.0
+
+
+def test_a_full_ring_reads_each_reused_slot_before_it_is_overwritten(monkeypatch):
+    """More groups in flight than the pinned ring has slots: each slot is read before a new sum
+    lands in it, so every group still reports its own loss (the device here is a stand-in: the
+    ring's bookkeeping is host logic)."""
+    import flodl.rank.step_meter as sm
+
+    monkeypatch.setattr(sm, "RING", 3)
+    monkeypatch.setattr(sm.torch.cuda, "Event", lambda enable_timing=True: _HeldEvent())
+    monkeypatch.setattr(_HeldEvent, "passed", False)
+    meter = StepMeter(torch.device("cpu"), per_step=False)
+    meter._ring = torch.zeros(3)  # pinned memory needs CUDA; the slots' logic does not
+    out = []
+    for step in range(1, 9):  # one step per group: 8 groups through 3 slots
+        out += meter.measured(meter.begin(), torch.tensor(float(step)), epoch=0, step=step, samples=1, data_ms=0.0, close=True)
+    assert out == []  # nothing passed yet
+    _HeldEvent.passed = True
+    out = meter.drain()
+    assert [r.loss for r in out] == [float(s) for s in range(1, 9)]

@@ -120,9 +120,11 @@ def build_group(
         # communicator; NCCL's watchdog is the backstop, later, and set (in the rank's
         # environment) to clean up without killing the process
         opts._timeout = datetime.timedelta(seconds=2 * timeout_s + 10)
-        return dist.ProcessGroupNCCL(pstore, rank, world_size, opts)
+        # torch's stub makes ProcessGroupNCCL/Gloo a bare Backend, without the collectives its
+        # binding has (allreduce, broadcast): they are used here as the ProcessGroup they act as
+        return dist.ProcessGroupNCCL(pstore, rank, world_size, opts)  # type: ignore[return-value]
     if give_up is None:
-        return dist.ProcessGroupGloo(pstore, rank, world_size, timeout)
+        return dist.ProcessGroupGloo(pstore, rank, world_size, timeout)  # type: ignore[return-value]  # the stub, as above
     return _interruptible(lambda: dist.ProcessGroupGloo(pstore, rank, world_size, timeout), give_up)
 
 
@@ -167,6 +169,7 @@ class _Background:
 
     works: list[Any]
     sends: list[torch.Tensor]
+    snapshot: list[torch.Tensor]  # the values at launch (the averager's ``backup``)
     measure: bool
     weight: float
     tag: int  # the runner's position of this average (regroup.py aligns redos by it)
@@ -189,8 +192,6 @@ class CollectiveAverager:
     still runs would block in its destructor) and the buckets it may still
     write into are replaced by fresh storage before the values are restored.
     """
-
-    backend = "collective"
 
     def __init__(
         self,
@@ -230,6 +231,13 @@ class CollectiveAverager:
     def group(self) -> dist.ProcessGroup | None:
         return self._group
 
+    @property
+    def _model(self) -> FlatModel:
+        """``flat``, on every path that averages, restores or scores: those run only with a
+        group, and a rank has a flat model before its first group (``flatten``)."""
+        assert self.flat is not None, "averaging a model that was never flattened"
+        return self.flat
+
     def enter_group(self, group: dist.ProcessGroup | None) -> None:
         """A new generation's group: averages may run again (one still in flight on the old group is given up)."""
         if self._background is not None:
@@ -243,13 +251,13 @@ class CollectiveAverager:
         if self.backup is None:
             return
         with torch.no_grad():
-            for bucket in self.flat.buckets:
+            for bucket in self._model.buckets:
                 if bucket.flat.is_cuda:
                     # the aborted NCCL kernel ran on its own stream: let it end before
                     # we write the buffers it was reducing into
                     torch.cuda.synchronize(bucket.flat.device)
             # only the buckets this average reached hold a fresh backup
-            for bucket, saved in list(zip(self.flat.buckets, self.backup, strict=False))[: self._backed_up]:
+            for bucket, saved in list(zip(self._model.buckets, self.backup, strict=False))[: self._backed_up]:
                 bucket.values.copy_(saved)
                 bucket.copy_out()
 
@@ -292,8 +300,9 @@ class CollectiveAverager:
         """Leave a running collective behind: park it with its group, and move every bucket
         to fresh storage so a late write of the abandoned work lands in memory nobody reads."""
         self._graveyard.append((self._group, work))
-        for index, bucket in enumerate(self.flat.buckets):
-            self.flat.rehome(index, torch.empty_like(bucket.flat))
+        flat = self._model
+        for index, bucket in enumerate(flat.buckets):
+            flat.rehome(index, torch.empty_like(bucket.flat))
         self._bury()
 
     def _bury(self) -> None:
@@ -331,7 +340,7 @@ class CollectiveAverager:
         then holds the consensus, so a joiner stops adopting."""
         if self.group is not None:
             with torch.no_grad():
-                for bucket in self.flat.buckets:
+                for bucket in self._model.buckets:
                     bucket.copy_in()
                     self._wait(self.group.broadcast(bucket.flat, root))
                     bucket.copy_out()
@@ -373,7 +382,7 @@ class CollectiveAverager:
             return False
         try:
             for work in bg.works:
-                if self.flat.buckets[0].flat.is_cuda:
+                if self._model.buckets[0].flat.is_cuda:
                     self._await_device(work)
                 else:
                     self._wait(work, abandon=lambda _: None)
@@ -390,7 +399,7 @@ class CollectiveAverager:
         kept = []
         try:
             with torch.no_grad():
-                for bucket, pre, send, work in zip(self.flat.buckets, self.backup, bg.sends, bg.works, strict=False):
+                for bucket, pre, send, work in zip(self._model.buckets, bg.snapshot, bg.sends, bg.works, strict=False):
                     work.wait()  # completed: raises the collective's own error, if any
                     total = float(send[bucket.numel :].item())
                     if self.aborted:
@@ -424,23 +433,23 @@ class CollectiveAverager:
             self._graveyard.extend((self._group, w) for w in running)
             self._sends = None
 
-    def _launch(self, weight: float, measure: bool, tag: int) -> Averaged:
-        """Start the average in the background from a snapshot of the values (``backup``)."""
+    def _launch(self, group: dist.ProcessGroup, backup: list[torch.Tensor], weight: float, measure: bool, tag: int) -> Averaged:
+        """Start the average in the background on ``group`` from a snapshot of the values (into ``backup``)."""
         start = time.perf_counter()
-        buckets = self.flat.buckets
+        buckets = self._model.buckets
         if self._sends is None:
             self._sends = [torch.empty_like(b.flat) for b in buckets]
         self._kept = None  # the buffers are about to hold the next average
         works = []
         with torch.no_grad():
-            for bucket, pre, send in zip(buckets, self.backup, self._sends, strict=False):
+            for bucket, pre, send in zip(buckets, backup, self._sends, strict=False):
                 bucket.copy_in()
                 w = weight if bucket.group == PARAMS else (1.0 if weight > 0 else 0.0)
                 pre.copy_(bucket.values)
                 torch.mul(bucket.values, w, out=send[: bucket.numel])
                 send[bucket.numel :].fill_(w)
-                works.append(self.group.allreduce([send]))
-        self._background = _Background(works, self._sends, measure, weight, tag)
+                works.append(group.allreduce([send]))
+        self._background = _Background(works, self._sends, backup, measure, weight, tag)
         ms = (time.perf_counter() - start) * 1000.0
         if not measure:
             return Averaged(ms)
@@ -459,7 +468,9 @@ class CollectiveAverager:
         if self._kept is None or self.landed_tag != tag:
             yield False
             return
-        buckets = self.flat.buckets
+        # a landed average's send buffers and snapshot: kept with ``_kept`` until the next launch or drop
+        assert self._sends is not None and self.backup is not None
+        buckets = self._model.buckets
         if self._scratch is None:
             self._scratch = [torch.empty_like(b.values) for b in buckets]
         with torch.no_grad():
@@ -502,14 +513,14 @@ class CollectiveAverager:
         self.settle()
         self._kept = None  # the buffers the landed result lies in are reused from here
         if self.backup is None:  # allocated once: an average must not allocate a model each time
-            self.backup = [torch.empty_like(b.values) for b in self.flat.buckets]
+            self.backup = [torch.empty_like(b.values) for b in self._model.buckets]
         if not block and not self.adopting:
-            return self._launch(weight, measure, tag)
+            return self._launch(self.group, self.backup, weight, measure, tag)
         collective_ms = 0.0  # what ElChe weighs against compute: the collective, not our bookkeeping
         pre_all, post_all = [], []
         landed = True  # every parameter bucket came back as the others' weighted average
         with torch.no_grad():
-            for bucket, pre in zip(self.flat.buckets, self.backup, strict=False):
+            for bucket, pre in zip(self._model.buckets, self.backup, strict=False):
                 bucket.copy_in()
                 values, slot = bucket.values, bucket.flat[bucket.numel :]
                 w = weight if bucket.group == PARAMS else (1.0 if weight > 0 else 0.0)

@@ -88,7 +88,8 @@ class BulkLink:
             raise DeadlineExceeded("the controller's bulk socket took no snapshot slice within the send timeout") from None
 
     def stamp(self) -> int:
-        """The round the controller's update segment holds now."""
+        """The round the controller's update segment holds now (asked once a lane update was read from it)."""
+        assert self.update_seg is not None, "no update segment opened yet"  # _lane_slice opens it
         return shm.UpdateSegment.stamp_of(self.update_seg)
 
     def _lane_slice(self, update: m.Update, frames: list) -> torch.Tensor:
@@ -148,9 +149,7 @@ class _Pending:
 
 
 class CpuAverager:
-    """Averages a ``FlatModel`` through the controller (same interface as the collective one)."""
-
-    backend = "cpu"
+    """Averages a ``FlatModel`` through the controller (``Averager``, averager.py, as the collective one)."""
 
     def __init__(
         self,
@@ -204,7 +203,8 @@ class CpuAverager:
         layout = dict(
             groups=[b.group for b in buckets], dtypes=[dtype_name(b.flat.dtype) for b in buckets], numels=[b.numel for b in buckets]
         )
-        if not (self.segment is not None and self._send_on_lane(weight, layout, measure=measure, block=block, overwrite=overwrite)):
+        seg = self.segment
+        if seg is None or not self._send_on_lane(seg, weight, layout, measure=measure, block=block, overwrite=overwrite):
             self._send_frames(weight, layout, measure=measure, block=block, overwrite=overwrite)
         mine = self.round - 1
         if block:
@@ -235,8 +235,8 @@ class CpuAverager:
                 self.flat.rehome(i, self.segment.view(self.segment.live_offset(i), b.flat.numel(), b.flat.dtype))
                 self.live_buckets.add(i)
 
-    def _send_on_lane(self, weight: float, layout: dict, *, measure: bool, block: bool, overwrite: bool) -> bool:
-        """Send the snapshot's headers, the slices lying in our segment; False when we must use frames.
+    def _send_on_lane(self, seg: shm.SnapshotSegment, weight: float, layout: dict, *, measure: bool, block: bool, overwrite: bool) -> bool:
+        """Send the snapshot's headers, the slices lying in our segment ``seg``; False when we must use frames.
 
         Every earlier round's average is read first: our header of this round
         tells the controller it may reuse its update slot (and our own slot is
@@ -250,18 +250,17 @@ class CpuAverager:
         if self.pending or self.must_stop():
             return False  # stopping: whatever goes out now goes as frames
         buckets = self.flat.buckets
-        seg = self.segment
         in_place = block and not measure
         live = [in_place and i in self.live_buckets for i in range(len(buckets))]
         if not all(live) and not seg.ready_slot():
             return False  # no room in /dev/shm for a snapshot copy: this one goes as frames
-        views = [
-            None if here else seg.view(seg.offset(i, 0), b.numel, b.flat.dtype)
-            for i, (b, here) in enumerate(zip(buckets, live, strict=False))
-        ]
+        # the snapshot slot's view of each bucket not sent from its live storage
+        views = {
+            i: seg.view(seg.offset(i, 0), b.numel, b.flat.dtype) for i, (b, here) in enumerate(zip(buckets, live, strict=False)) if not here
+        }
         with torch.no_grad():
-            for bucket in buckets:
-                bucket.copy_in()
+            for b in buckets:
+                b.copy_in()
             if in_place or overwrite:
                 snap = None  # the average replaces the values: nothing to blend against
             else:
@@ -301,8 +300,8 @@ class CpuAverager:
         if block and not measure:
             # nothing trains before the average lands, so the average simply replaces the
             # values and the live buffers can go out as they are: no copy on CPU ranks
-            for bucket in buckets:
-                bucket.copy_in()
+            for b in buckets:
+                b.copy_in()
             snap, overwrite = None, True
             host = [b.values.detach() if b.flat.device.type == "cpu" else b.values.detach().to("cpu") for b in buckets]
         else:
@@ -375,6 +374,7 @@ class CpuAverager:
             return
         bucket = self.flat.buckets[update.bucket]
         seg = slice(update.start, update.start + update.count)
+        assert piece is not None  # only an empty update (ranks 0, above) carries no slice: rounds.empty_update
         with torch.no_grad():
             avg = piece.to(bucket.flat.device)
             if bucket.copied:  # tensors with storage of their own: refresh our copy first

@@ -22,13 +22,14 @@ import torch
 
 from ..errors import DeadlineExceeded
 from ..wire import messages as m
+from .collective import CollectiveAverager
 from .cpu_average import CpuAverager
 from .data import to_device
 from .norms import recalibrate
 
 if TYPE_CHECKING:
     from ..task import Task
-    from .collective import CollectiveAverager
+    from .averager import Averager
     from .data import BatchSource
     from .link import ControllerLink
 
@@ -42,9 +43,9 @@ class Evaluating:
     rank: int
     device: torch.device
     link: ControllerLink
-    task: Task | None
-    model: torch.nn.Module | None
-    averager: CollectiveAverager | CpuAverager | None
+    task: Task
+    model: torch.nn.Module
+    averager: Averager | None
     source: BatchSource | None
     evals_taken: int
     norm_layers: list
@@ -56,7 +57,6 @@ class Evaluating:
 
     def _evaluate(self, cmd: m.RunEval) -> None:
         """Score the model with the task's eval function and report it (errors included)."""
-        assert self.task is not None and self.model is not None  # evals come once the rank is set up (_serve)
         self.evals_taken += 1  # between batches or between windows: the runner compares it with the link's count
         value, error = None, None
         start = time.perf_counter()
@@ -101,7 +101,7 @@ class Evaluating:
         closed the epoch), exactly, even when this rank has trained into the next window since;
         if that average is no longer held (rare: a later one already launched), the model as it
         is. Without a window: the model after its last average landed."""
-        if isinstance(self.averager, CpuAverager) or self.averager is None:
+        if not isinstance(self.averager, CollectiveAverager):  # the CPU backend, or not set up
             yield
             return
         tag = self.averager.pending_tag()
@@ -122,7 +122,7 @@ class Evaluating:
         epoch's order (flodl/rank/norms.py says why)."""
         if not (self.norms_stale and self.norm_layers):
             return
-        assert self.task is not None and self.model is not None and self.source is not None  # set up: norm_layers came after them
+        assert self.source is not None  # set up: norm_layers came after it
         self.norms_stale = False
         size = min(self.task.bn_recalibration_batches * self.task.batch_size, self.source.schedule.epoch_len(epoch))
         inputs = (to_device(batch, self.device)[0] for _, batch in self.source.batches(epoch, 0, size))

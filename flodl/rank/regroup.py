@@ -18,7 +18,8 @@ import torch
 
 from ..errors import DeadlineExceeded
 from ..wire import messages as m
-from .collective import Superseded, build_group
+from .collective import CollectiveAverager, Superseded, build_group
+from .cpu_average import CpuAverager
 from .flat import Averaged
 from .outcomes import Stop, is_collective_error
 from .window_stats import RoundStats
@@ -26,8 +27,7 @@ from .window_stats import RoundStats
 if TYPE_CHECKING:
     from ..config.deadlines import Deadlines
     from ..testing.faults import FaultPlan
-    from .collective import CollectiveAverager
-    from .cpu_average import CpuAverager
+    from .averager import Averager
     from .link import ControllerLink
 
 log = logging.getLogger("flodl.rank.runner")
@@ -59,8 +59,8 @@ class Regrouping:
     link: ControllerLink
     deadlines: Deadlines
     faults: FaultPlan
-    model: torch.nn.Module | None
-    averager: CollectiveAverager | CpuAverager | None
+    model: torch.nn.Module
+    averager: Averager | None
     welcome: m.RankWelcome | None
     terminated: bool
     world_size: int
@@ -76,18 +76,31 @@ class Regrouping:
 
         def _announced_after(self, generation: int) -> bool: ...  # runner.py
 
+    def _averaging(self) -> Averager:
+        """The averager: ``_join`` sets it up before the first window, eval or regroup."""
+        assert self.averager is not None, "averaging before the rank joined"
+        return self.averager
+
+    def _collective(self) -> CollectiveAverager:
+        """The averager on a path only the collective backend takes (its groups are rebuilt, its
+        averages redone: the CPU backend's rounds need neither, so they never get here)."""
+        averager = self.averager
+        assert isinstance(averager, CollectiveAverager), "a regroup step without a collective averager"
+        return averager
+
     def _average(self, weight: float, *, measure: bool, block: bool, round_index: int, stats: RoundStats) -> Averaged:
         """Average, surviving a peer's death: if the collective fails, put the values
         back, join the survivors' new group, and do this same average again there."""
         self.faults.reach("average")
         self.link.doing("average")
+        averager = self._averaging()
         while True:
             self._maybe_regroup()
             if self.skip_redo:
                 # the others completed the average this rank lost: it holds what we sent, and we
                 # take it from the next average, adding nothing to it (the adopting path)
                 self.skip_redo = self.redoing = False
-                self.averager.adopt_next()
+                self._collective().adopt_next()
                 self.position += 1
                 log.warning("rank %d: the survivors completed the failed average; taking their consensus next", self.rank)
                 self.link.doing("step")  # not an average of this generation: the adopting one will be
@@ -95,13 +108,13 @@ class Regrouping:
             if not self._previous_landed():
                 continue  # it was dropped: the survivors' group (above, next turn) repeats it first
             try:
-                averaged = self.averager.average(weight, measure=measure, block=block, tag=self.position)
+                averaged = averager.average(weight, measure=measure, block=block, tag=self.position)
                 self.norms_stale = self.norms_stale or self.world_size > 1
                 self.redoing = False
                 self.position += 1
                 return self._averaged(averaged)
             except RuntimeError as exc:
-                if self.averager.backend != "collective" or not is_collective_error(exc):
+                if not isinstance(averager, CollectiveAverager) or not is_collective_error(exc):
                     raise
                 if self.link.must_stop or self.terminated:
                     raise Stop from None  # the run stops: an abandoned average is not worth redoing
@@ -112,7 +125,7 @@ class Regrouping:
                     # tell the controller: a death it has not seen yet, or a group to rebuild
                     # (a failure a newer generation already explains needs no hint)
                     self._report_collective_failure(exc, self.generation)
-                self.averager.restore()
+                averager.restore()
                 self._await_regroup()
                 stats.regrouped(round_index)
 
@@ -126,10 +139,11 @@ class Regrouping:
     def _previous_landed(self) -> bool:
         """Before an average: the background one still in flight lands first (one at a time).
         False when it failed: it is dropped, and the rank waits for the survivors' new group."""
-        if self.averager.backend != "collective":
+        averager = self._averaging()
+        if not isinstance(averager, CollectiveAverager):
             return True
         try:
-            self.averager.settle()
+            averager.settle()
             return True
         except RuntimeError as exc:
             self._background_failed(exc)
@@ -144,14 +158,14 @@ class Regrouping:
         it, and training goes on until its Regroup (``_maybe_regroup``).
         """
         try:
-            self.averager.poll()
+            self._averaging().poll()
         except RuntimeError as exc:
             self._background_failed(exc)
 
     def _settle_background(self) -> None:
         """Wait for the collective average still in flight and land it (eval, save, exit):
         bounded like every collective wait; a failure drops it and is reported."""
-        if self.averager is None or self.averager.backend != "collective":
+        if not isinstance(self.averager, CollectiveAverager):
             return
         busy = self.link.busy
         self.link.doing("average")
@@ -163,7 +177,7 @@ class Regrouping:
             self.link.doing(busy)
 
     def _background_failed(self, exc: RuntimeError) -> None:
-        if self.averager.backend != "collective" or not is_collective_error(exc):
+        if not isinstance(self.averager, CollectiveAverager) or not is_collective_error(exc):
             raise exc
         if self.link.must_stop or self.terminated:
             raise Stop from None
@@ -186,9 +200,10 @@ class Regrouping:
         msg = self.link.regroup
         if msg is None or msg.generation <= self.generation:
             return
-        if self.averager.backend != "collective":
-            if self.averager.adopting and self.rank in msg.members and msg.first_round >= 0:
-                self.averager.start_at_round(msg.first_round)
+        averager = self._averaging()
+        if isinstance(averager, CpuAverager):
+            if averager.adopting and self.rank in msg.members and msg.first_round >= 0:
+                averager.start_at_round(msg.first_round)
                 self.generation = msg.generation
             return
         self._settle_background()  # an average of the old group: landed if it completed, else dropped
@@ -207,10 +222,11 @@ class Regrouping:
             return
         self.bg_redo = False
         skip, self.skip_redo = self.skip_redo, False
-        if skip or self.averager.group is None:
+        averager = self._collective()
+        if skip or averager.group is None:
             return
         current = self.position
-        self.averager.average(self.averager.dropped_weight, block=False, tag=self.averager.dropped_tag)
+        averager.average(averager.dropped_weight, block=False, tag=averager.dropped_tag)
         self.position = current
 
     def _regroup_to(self, msg: m.Regroup) -> None:
@@ -224,7 +240,7 @@ class Regrouping:
             except Superseded:
                 if self.link.must_stop or self.terminated:
                     raise Stop from None
-                msg = self.link.regroup  # the world changed again while we gathered: join the newer one
+                msg = self._newest()  # the world changed again while we gathered: join the newer one
             except RuntimeError as exc:
                 if not is_collective_error(exc):
                     raise
@@ -235,7 +251,14 @@ class Regrouping:
                 log.warning("rank %d: building generation %d failed (%s); waiting for the next one", self.rank, msg.generation, exc)
                 self._report_collective_failure(exc, msg.generation)
                 self._await_regroup(after=msg.generation)
-                msg = self.link.regroup
+                msg = self._newest()
+
+    def _newest(self) -> m.Regroup:
+        """The newest generation announced, once a wait ended on one (``_announced_after``: the
+        link only ever replaces it with a newer one, never with None)."""
+        msg = self.link.regroup
+        assert msg is not None, "no membership generation announced"
+        return msg
 
     def _report_collective_failure(self, exc: RuntimeError, generation: int) -> None:
         """Tell the controller a collective of ``generation`` failed (a death it may not have seen yet)."""
@@ -245,14 +268,15 @@ class Regrouping:
 
     def _enter(self, msg: m.Regroup) -> None:
         """Become one of ``msg``'s members: its group, then (ranks joined) the consensus."""
+        averager = self._collective()
         group = self._group_for(msg)
         self.generation = msg.generation
         world = len(msg.members)
-        self.averager.enter_group(group)
+        averager.enter_group(group)
         self.peers = frozenset(msg.members) if group is not None else frozenset()
         self.world_size = world
         if msg.sync_from >= 0 and msg.sync_from in msg.members:
-            self.averager.broadcast_from(msg.members.index(msg.sync_from))  # a joiner stops adopting
+            averager.broadcast_from(msg.members.index(msg.sync_from))  # a joiner stops adopting
             self.bg_redo = False  # every member now holds the same values: nothing to repeat
         elif group is not None:
             # A death mid-average can leave some survivors with the average done and others
@@ -261,18 +285,18 @@ class Regrouping:
             # another member already has behind it skips the redo and takes the others'
             # consensus from the next average (``_average``); otherwise all do it together.
             # a dropped background average counts at its own position: the one it repeats
-            mine = self.averager.dropped_tag if self.bg_redo else self.position
+            mine = averager.dropped_tag if self.bg_redo else self.position
             redo = self.redoing or self.bg_redo
-            top, top_redo = self.averager.highest(mine, mine if redo else -1)  # every member calls it: a collective
-            self.skip_redo, join = redo_roles(mine, redo=redo, adopting=self.averager.adopting, top=top, top_redo=top_redo)
+            top, top_redo = averager.highest(mine, mine if redo else -1)  # every member calls it: a collective
+            self.skip_redo, join = redo_roles(mine, redo=redo, adopting=averager.adopting, top=top, top_redo=top_redo)
             if join:
                 # a joiner holds nothing of the average the survivors repeat, but it must take part
                 # (one collective each, in the same order): with weight 0, which also hands it their
                 # consensus. A failure leaves it adopting, like any failed first average.
                 try:
-                    self.averager.average(0.0, block=True)
+                    averager.average(0.0, block=True)
                 except RuntimeError:
-                    self.averager.restore()
+                    averager.restore()
                     raise
         (log.info if msg.sync_from >= 0 else log.warning)(
             "rank %d: now one of %d ranks (generation %d): %s", self.rank, world, msg.generation, msg.reason
@@ -300,7 +324,8 @@ class Regrouping:
         world = len(msg.members)
         if world <= 1:
             return None
-        self.averager.flatten(self.model)  # a run that started alone and just grew
+        assert self.welcome is not None  # regroups come after the welcome (_join)
+        self._collective().flatten(self.model)  # a run that started alone and just grew
         return build_group(
             store_host=self.welcome.store_host,
             store_port=self.welcome.store_port,
@@ -308,7 +333,7 @@ class Regrouping:
             rank=msg.members.index(self.rank),
             world_size=world,
             device=self.device,
-            timeout_s=self.deadlines.collective_s,
+            timeout_s=self.deadlines.collective_timeout_s,
             gather_s=self.deadlines.group_gather_s,
             give_up=lambda: self.link.must_stop or self.terminated or self._announced_after(msg.generation),
             on_gathered=lambda: self.faults.reach("regroup"),

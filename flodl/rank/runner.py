@@ -59,6 +59,7 @@ from ..wire import curve
 from ..wire import messages as m
 from ..wire.messages import PROTOCOL_VERSION
 from ..wire.transport import host_name
+from .averager import Averager
 from .collective import CollectiveAverager, Superseded, build_group
 from .compiling import compile_model
 from .cpu_average import BulkLink, CpuAverager
@@ -104,6 +105,10 @@ def versions() -> dict[str, str]:
 class RankRunner(Regrouping, Evaluating):
     """Runs one rank from spawn to exit; ``run()`` returns the exit code."""
 
+    # built by ``_build``, the first thing ``run()`` does; nothing reads them before
+    task: Task
+    model: torch.nn.Module
+
     def __init__(self, env: RankEnv) -> None:
         self.env = env
         self.deadlines = Deadlines(heartbeat_s=env.heartbeat_timeout_s)  # the rest comes with the welcome
@@ -119,10 +124,9 @@ class RankRunner(Regrouping, Evaluating):
         )
         self.terminated = False
         self.step_count = 0
-        self.task: Task | None = None
-        self.model: torch.nn.Module | None = None
+        # set up by ``_join`` (None before: what an early exit checks); windows and evals come after it
         self.optimizer: torch.optim.Optimizer | None = None
-        self.averager: CollectiveAverager | CpuAverager | None = None
+        self.averager: Averager | None = None
         self.source: BatchSource | None = None
         self.max_grad_norm: float | None = None
         self.lr: LrState | None = None
@@ -436,7 +440,7 @@ class RankRunner(Regrouping, Evaluating):
                 shm_nonce=nonce,
             )
             self.closing.callback(bulk.close)
-            self.averager = CpuAverager(
+            cpu = self.averager = CpuAverager(
                 flat,
                 bulk,
                 rank=self.rank,
@@ -445,10 +449,10 @@ class RankRunner(Regrouping, Evaluating):
                 must_stop=lambda: self.link.must_stop or self.terminated,
                 adopting=welcome.late,
             )
-            self.closing.callback(self.averager.close)  # its shared-memory segment's name
+            self.closing.callback(cpu.close)  # its shared-memory segment's name
         else:
             group = self._first_group(welcome) if flat is not None and not welcome.late else None  # a joiner's comes with its Regroup
-            self.averager = CollectiveAverager(
+            collective = self.averager = CollectiveAverager(
                 flat,
                 group,
                 must_stop=lambda: self.link.must_stop or self.terminated,
@@ -457,17 +461,17 @@ class RankRunner(Regrouping, Evaluating):
             )
             self.peers = frozenset(range(welcome.world_size)) if group is not None else frozenset()
             # NCCL: break a hang on a dead peer (a regroup that only adds ranks leaves every collective able to finish)
-            self.link.call_on_regroup(lambda msg: self.averager.abort() if self._loses_peer(msg) else None)
+            self.link.call_on_regroup(lambda msg: collective.abort() if self._loses_peer(msg) else None)
         # a joiner (``welcome.late``) adopts: the consensus comes with the Regroup that admits it
         # (collective: a broadcast; CPU: the next average, taken whole)
         if not welcome.late:
             self._take_first_consensus(welcome)
-        self.optimizer = self.task.optimizer(self.model)
+        optimizer = self.optimizer = self.task.optimizer(self.model)
         self.graphed = compile_model(self.model, self.task.compile, self.device)  # after flattening: see compiling.py
         if config.resume_from and not welcome.late and not config.resume_weights_only:
-            load_optimizer(self.optimizer, config.resume_from)  # required: a fresh optimizer only when asked for
+            load_optimizer(optimizer, config.resume_from)  # required: a fresh optimizer only when asked for
         self.world_size = welcome.world_size
-        self.lr = LrState(self.optimizer, config.lr_factor(welcome.world_size), self.task.lr_schedule)
+        self.lr = LrState(optimizer, config.lr_factor(welcome.world_size), self.task.lr_schedule)
         self.max_grad_norm = config.max_grad_norm
         self.source = self._batch_source(config, welcome.seed)
         self.norm_layers = norm_layers(self.model) if self.task.bn_recalibration_batches and self.task.train_step is None else []
@@ -484,7 +488,7 @@ class RankRunner(Regrouping, Evaluating):
                 rank=self.rank,
                 world_size=welcome.world_size,
                 device=self.device,
-                timeout_s=self.deadlines.collective_s,
+                timeout_s=self.deadlines.collective_timeout_s,
                 gather_s=self.deadlines.group_gather_s,
                 give_up=lambda: self.link.must_stop or self.terminated or self._announced_after(welcome.generation),
             )
@@ -505,13 +509,19 @@ class RankRunner(Regrouping, Evaluating):
     def _take_first_consensus(self, welcome: m.RankWelcome) -> None:
         """Take rank 0's parameters, unless the first group never formed or a rank died during
         the broadcast: the survivors' Regroup then names whose parameters every member takes."""
+        averager = self._averaging()
         try:
-            self.averager.broadcast_from(0)
+            averager.broadcast_from(0)
         except RuntimeError as exc:
-            if self.averager.backend != "collective" or not is_collective_error(exc):
+            if not isinstance(averager, CollectiveAverager) or not is_collective_error(exc):
                 raise
             log.warning("rank %d: the first broadcast failed (%s); waiting for the survivors' group", self.rank, exc)
             self._report_collective_failure(exc, welcome.generation)
+
+    def _data_source(self) -> BatchSource:
+        """The rank's batch source, which ``_join`` sets up before the first window."""
+        assert self.source is not None, "no batch source before the welcome"
+        return self.source
 
     def _batch_source(self, config: DdpRunConfig, seed: int) -> BatchSource:
         """The rank's data path: the run's schedule (augment, epoch_splits), its
@@ -544,24 +554,26 @@ class RankRunner(Regrouping, Evaluating):
     def _open_vram_pool(self) -> None:
         """After the first step: keep samples in the VRAM left under ``vram_max_usage`` (a tensor
         dataset that fits goes there whole: batches are then gathered on the device)."""
-        tiers, config = self.source.tiers if self.source is not None else None, self.config
-        in_memory = self.source is not None and self.source.in_memory
-        if (tiers is None and not in_memory) or self.device.type != "cuda" or not config.vram_pool:
+        source, config = self.source, self.config
+        if source is None or config is None:  # not set up (a bare ``_step``, as tests run one): nothing to pool
+            return
+        if (source.tiers is None and not source.in_memory) or self.device.type != "cuda" or not config.vram_pool:
             return
         budget = vram_budget(
             self.device, max_usage=config.vram_max_usage, gpu_ram_share=config.gpu_ram_share, kill_switch=vram_pool_disabled()
         )
-        if in_memory:
-            if 0 < self.source.resident_bytes <= budget:  # a tensor dataset that fits: all of it on the device
-                self.source.place_on(self.device)
+        if source.in_memory:
+            if 0 < source.resident_bytes <= budget:  # a tensor dataset that fits: all of it on the device
+                source.place_on(self.device)
             return
         if budget > 0:
-            self.source.pool_in_vram(VramPool(self.device, budget))
+            source.pool_in_vram(VramPool(self.device, budget))
 
     # ------------------------------------------------------------- training
 
     def _train_window(self, window: m.Window) -> None:
         """Train granted positions until a quota, average, and report (progressive dispatch)."""
+        assert self.lr is not None  # _join set it up: windows come after the welcome
         self.global_step = window.global_step
         self.probing = not (window.quota_batches or window.quota_ms or window.sync_every)
         self.link.doing("step")
@@ -601,17 +613,18 @@ class RankRunner(Regrouping, Evaluating):
 
     def _start_warmer(self) -> None:
         """Once the first window trained: read the rest of the dataset into the tiers in the background."""
-        tiers = self.source.tiers
+        source = self._data_source()
+        tiers = source.tiers
         if self.warmer is not None or tiers is None or self.step_count == 0 or tiers.full():
             return
-        order = torch.randperm(self.source.length, generator=torch.Generator().manual_seed(self.source.seed + 7919 * self.rank))
+        order = torch.randperm(source.length, generator=torch.Generator().manual_seed(source.seed + 7919 * self.rank))
         self.warmer = CacheWarmer(tiers.get, order.tolist(), held=tiers.holds, full=tiers.full)
         self.warmer.start()
         self.closing.callback(self.warmer.stop)
 
     def _data_stats(self) -> dict[str, int]:
         """The staging tiers over the last window: hits and source fetches (deltas), bytes held now."""
-        tiers = self.source.tiers
+        tiers = self._data_source().tiers
         if tiers is None:
             return {}
         now = tiers.stats()
@@ -641,11 +654,12 @@ class RankRunner(Regrouping, Evaluating):
         joins the remaining averages with weight zero, so no peer waits forever.
         """
         stats = RoundStats()
-        prefetch = None if self.source.in_memory else Prefetcher(self.source.window_batches(grants), depth=PREFETCH_DEPTH)
+        source = self._data_source()
+        prefetch = None if source.in_memory else Prefetcher(source.window_batches(grants), depth=PREFETCH_DEPTH)
         try:
             return self._rounds(
                 stats,
-                iter(prefetch) if prefetch is not None else self.source.window_batches(grants),
+                iter(prefetch) if prefetch is not None else source.window_batches(grants),
                 rounds=rounds,
                 sync_every=sync_every,
                 quota_batches=quota_batches,
@@ -670,6 +684,7 @@ class RankRunner(Regrouping, Evaluating):
         window: int | None,
     ) -> RoundStats:
         start = time.perf_counter()
+        averager = self._averaging()
         self.model.train()  # once per window, not per step: it walks every module
         exhausted = False
         target_ms = quota_ms - self.quota_debt_ms if quota_ms else 0.0
@@ -679,7 +694,7 @@ class RankRunner(Regrouping, Evaluating):
             stepped = 0
             last: m.BatchDone | None = None
             while not exhausted and (not sync_every or stepped < sync_every):
-                if self.averager.adopting:
+                if averager.adopting:
                     exhausted = True  # a joiner without the consensus yet trains nothing (its grants go back)
                     break
                 if (
@@ -751,6 +766,7 @@ class RankRunner(Regrouping, Evaluating):
         self.current_epoch = epoch
         self.faults.reach("epoch", index=epoch)
         if self.task.epoch_fn is not None:
+            assert self.lr is not None  # _join set it up: epochs are trained in windows
             self.lr.apply(self.global_step)  # so the handle shows the LR of the step about to run
             self.link.doing("callback")
             try:
@@ -781,7 +797,8 @@ class RankRunner(Regrouping, Evaluating):
         """One optimizer step; returns the step records now known (step_meter.py: on a GPU,
         earlier steps', once the device has run them; nothing here waits for it)."""
         t0 = self.meter.begin()
-        model, task = self.model, self.task
+        model, task, optimizer = self.model, self.task, self.optimizer
+        assert optimizer is not None  # made by _join (or by hand, in tests) before any step
         if self.lr is not None:
             self.lr.apply(self.global_step)
         if self.graphed:
@@ -789,9 +806,10 @@ class RankRunner(Regrouping, Evaluating):
         if task.train_step is not None:
             loss = task.train_step(model, batch, self.device)
         else:
+            assert task.loss_fn is not None  # a Task has exactly one of the two (Task.validate)
             x, y = to_device(batch, self.device)
             loss = task.loss_fn(model(x), y)
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.faults.reach("batch") == "nan":  # tests: a diverging step
             for p in model.parameters():
@@ -799,7 +817,7 @@ class RankRunner(Regrouping, Evaluating):
                     p.grad.fill_(float("nan"))
         if self.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm)
-        self.optimizer.step()
+        optimizer.step()
         self.step_count += 1
         records = self.meter.measured(
             t0, loss, epoch=epoch, step=self.step_count, samples=samples, data_ms=data_ms, close=self.step_count == 1 or self.probing

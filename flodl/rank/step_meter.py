@@ -108,30 +108,33 @@ class StepMeter:
                 raise NonFiniteLoss(value, epoch, step)
             return [StepRecord(epoch, step, samples, value, (time.perf_counter() - t0) * 1000.0, data_ms)]
         group = self._open
+        assert group is not None, "measured() without begin()"  # begin() opens a group whenever steps are grouped
         group.losses.append(loss.detach())  # no kernel per step: the group's sum is one, at close
         group.steps.append((epoch, step, samples, data_ms))
         if close or len(group.steps) >= GROUP_STEPS or (time.perf_counter() - group.opened) * 1000.0 >= GROUP_MS:
-            self._close()
+            self._close(group)
             return self._resolve(wait=False)  # earlier groups may be done: asked once per group, not per step
         return []
 
     def drain(self) -> list[StepRecord]:
         """Wait for every launched step (a window's end) and return their records."""
         if self._open is not None:
-            self._close()
+            self._close(self._open)
         self._last_end = None  # a window's turnaround is not the next group's time
         return self._resolve(wait=True)
 
-    def _close(self) -> None:
-        group, self._open = self._open, None
+    def _close(self, group: _Group) -> None:
+        """End the open ``group``: its loss sum and end event are queued on the device."""
+        self._open = None
         total = torch.stack(group.losses).float().sum() if len(group.losses) > 1 else group.losses[0].float()
         group.losses = []  # the steps' loss tensors are no longer needed
         if self._ring is None:
             self._ring = torch.zeros(RING, dtype=torch.float32, pin_memory=True)
-        if len(self._in_flight) >= RING:  # every slot holds a sum not read yet: the oldest's is read now
-            oldest = self._in_flight[0]
-            oldest.end.synchronize()
-            oldest.loss_sum = float(self._ring[oldest.slot])
+        if len(self._in_flight) >= RING:  # every slot holds a sum not read yet: the one about to be reused is read now
+            # (the groups ahead of it were read early already and stay in flight until resolved)
+            owner = self._in_flight[len(self._in_flight) - RING]
+            owner.end.synchronize()
+            owner.loss_sum = self._sum_in(owner.slot)
         group.slot = self._next_slot
         self._next_slot = (self._next_slot + 1) % RING
         self._ring[group.slot].copy_(total, non_blocking=True)
@@ -149,10 +152,15 @@ class StepMeter:
                 break
             self._in_flight.popleft()
             n = len(group.steps)
-            mean_loss = (group.loss_sum if group.loss_sum is not None else float(self._ring[group.slot])) / n
+            mean_loss = (group.loss_sum if group.loss_sum is not None else self._sum_in(group.slot)) / n
             step_ms = group.start.elapsed_time(group.end) / n
             if not math.isfinite(mean_loss):
                 epoch, step, _, _ = group.steps[0]
                 raise NonFiniteLoss(mean_loss, epoch, step)
             records.extend(StepRecord(epoch, step, samples, mean_loss, step_ms, data_ms) for epoch, step, samples, data_ms in group.steps)
         return records
+
+    def _sum_in(self, slot: int) -> float:
+        """The loss sum a closed group left in ``slot`` of the ring (its end event has passed)."""
+        assert self._ring is not None, "a slot read before any group closed"  # _close makes the ring first
+        return float(self._ring[slot])
