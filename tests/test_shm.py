@@ -12,6 +12,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -255,3 +256,21 @@ def test_a_full_shm_is_an_error_at_creation_never_a_crash_later(tmp_path, monkey
     finally:
         # lazy: a mapping the interpreter has not released yet must not leave the mount behind
         subprocess.run(["umount", "-l", str(small)], capture_output=True)
+
+
+def test_sweep_takes_a_zombies_segments():
+    """A controller killed outright is a zombie until its parent reaps it; the worker sweeps in that
+    window, and the zombie's segments must go (signal 0 alone calls it alive)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    zombie = shm.SHM_DIR / f"{shm.prefix('sweep-zombie')}{child.pid}.0-probe"
+    try:
+        for _ in range(500):  # exited but not reaped: /proc says Z
+            state = open(f"/proc/{child.pid}/stat", "rb").read().rsplit(b")", 1)[1].split()[0]
+            if state == b"Z":
+                break
+            threading.Event().wait(0.01)
+        zombie.write_bytes(b"x")
+        assert shm.sweep_stale() >= 1 and not zombie.exists()
+    finally:
+        child.wait()
+        shm.unlink(zombie)

@@ -29,16 +29,29 @@ def sweep_stale() -> int:
         m = re.match(r"flodl-[A-Za-z0-9_.-]*?-(\d+)\.\d+-(probe|update|r\d+)$", p.name)
         if m is None:
             continue
-        try:
-            os.kill(int(m.group(1)), 0)
+        if _alive(int(m.group(1))):
             continue  # alive (or another user's): leave it
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
         try:
             p.unlink()
             removed += 1
         except OSError:
             pass
     return removed
+
+
+def _alive(pid: int) -> bool:
+    """Is ``pid`` a running process (or one we may not signal: another user's)? A zombie is not:
+    a controller killed outright stays one until its parent reaps it, and the worker sweeps in
+    that window (found under load: its probe segment was left behind)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True  # no procfs here: signal 0 is all we can know
+    return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] != b"Z"  # the state follows the command name's ")"
