@@ -188,7 +188,7 @@ class Controller:
             m.WorkerHello: self.admission.on_worker_hello,
             m.RankHello: self.admission.on_rank_hello,
             m.RankReady: self.admission.on_rank_ready,
-            m.BatchDone: self.training.on_batch_done,
+            m.TimingMsg: self.training.on_batch_done,
             m.WindowDone: self.training.on_window_done,
             m.EvalResult: self.training.on_eval_result,
             m.RankError: self.liveness.on_rank_error,

@@ -1,6 +1,6 @@
 """Training's books: the cadence loop, the windows' reports, each epoch's progress, stats and eval.
 
-``Training`` owns what the training messages (``BatchDone``, ``WindowDone``,
+``Training`` owns what the training messages (``TimingMsg``, ``WindowDone``,
 ``EvalResult``) record and what the progress and epoch lines print; the
 conductor (core.py) drives the windows and asks it to plan, settle and
 finish epochs.
@@ -53,7 +53,7 @@ class Training:
         self.cadence: CadenceLoop | None = None
         self.window_reports: dict[int, dict[int, m.WindowDone]] = {}
         self.window_batches: dict[int, int] = {}  # rank -> batches reported in the current window
-        self._timing_window = False  # a calibration window is being timed: every BatchDone wakes the conductor
+        self._timing_window = False  # a calibration window is being timed: every TimingMsg wakes the conductor
         self.history: list[EpochStats] = []
         self.evals: dict[int, m.EvalResult] = {}
         self.eval_requests: dict[int, int] = {}  # epoch -> rank asked to score it
@@ -257,7 +257,7 @@ class Training:
 
     # ============================================================ handlers
 
-    def on_batch_done(self, identity: bytes, env: Envelope, msg: m.BatchDone) -> None:
+    def on_batch_done(self, identity: bytes, env: Envelope, msg: m.TimingMsg) -> None:
         if msg.rank in self.window_batches:
             self.window_batches[msg.rank] += 1
             if self._timing_window:

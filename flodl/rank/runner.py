@@ -187,13 +187,13 @@ class RankRunner(Regrouping, Evaluating):
             return self._fail("build", exc, EXIT_TASK_ERROR)
         self.link.send(hello)
         try:
-            reply = self._await(m.RankWelcome, m.Reject, m.Shutdown)
+            reply = self._await(m.RankWelcome, m.Reject, m.Shutdown, m.ShutdownWithSave)
         except Stop:
             return self._stopped()
         if isinstance(reply, m.Reject):
             log.error("rank %d refused by the controller: %s", self.rank, reply.reason)
             return EXIT_TASK_ERROR
-        if isinstance(reply, m.Shutdown):
+        if isinstance(reply, (m.Shutdown, m.ShutdownWithSave)):
             return EXIT_OK if not reply.abort else EXIT_RANK_LOST
         try:
             self._join(reply)
@@ -214,7 +214,7 @@ class RankRunner(Regrouping, Evaluating):
                 cmd = self._next()
             except Stop:
                 return self._stopped()
-            if isinstance(cmd, m.Shutdown):
+            if isinstance(cmd, (m.Shutdown, m.ShutdownWithSave)):
                 if not cmd.abort:
                     self._settle_background()  # the last average lands: replicas end equal
                 self._save_on_shutdown(cmd)
@@ -289,9 +289,9 @@ class RankRunner(Regrouping, Evaluating):
         self.faults.reach("save")  # tests: the files are written, the controller has not committed them
         self.link.send(done)
 
-    def _save_on_shutdown(self, cmd: m.Shutdown) -> None:
+    def _save_on_shutdown(self, cmd: m.Shutdown | m.ShutdownWithSave) -> None:
         """ShutdownWithSave: the elected survivor writes the model and optimizer files."""
-        if not cmd.save_stem or cmd.save_rank != self.rank or self.optimizer is None or self._saved_on_shutdown:
+        if not isinstance(cmd, m.ShutdownWithSave) or cmd.save_rank != self.rank or self.optimizer is None or self._saved_on_shutdown:
             return
         self._saved_on_shutdown = True
         with self.link.saving():  # the link must not hard-exit us mid-write
@@ -316,7 +316,7 @@ class RankRunner(Regrouping, Evaluating):
             m.RankError(rank=self.rank, stage=stage, error=f"{type(exc).__name__}: {exc}"[:2000], detail=detail, generation=self.generation)
         )
         try:
-            self._await(m.Shutdown, timeout_s=self.deadlines.verdict_wait_s)
+            self._await(m.Shutdown, m.ShutdownWithSave, timeout_s=self.deadlines.verdict_wait_s)
         except (DeadlineExceeded, PeerLost, Stop):
             pass
         if self.link.shutdown is not None:
@@ -674,7 +674,7 @@ class RankRunner(Regrouping, Evaluating):
         for round_index in range(rounds):
             self.position = ((window or 0) << 16) | round_index
             stepped = 0
-            last: m.BatchDone | None = None
+            last: m.TimingMsg | None = None
             while not exhausted and (not sync_every or stepped < sync_every):
                 if self.averager.adopting:
                     exhausted = True  # a joiner without the consensus yet trains nothing (its grants go back)
@@ -756,7 +756,7 @@ class RankRunner(Regrouping, Evaluating):
                 raise UserError("epoch_fn", exc) from exc
             self.link.doing("step")
 
-    def _report(self, records: list[StepRecord], stats: RoundStats, last: m.BatchDone | None) -> m.BatchDone | None:
+    def _report(self, records: list[StepRecord], stats: RoundStats, last: m.TimingMsg | None) -> m.TimingMsg | None:
         """Count steps whose records are known, and queue their reports (each one a step late:
         the round's last report carries the average's time, set by the caller)."""
         for rec in records:
@@ -771,7 +771,7 @@ class RankRunner(Regrouping, Evaluating):
                 # lazily (the link's next flush) but in a probe, whose end waits on these counts: a
                 # fast rank through its share would idle for the flush interval, a short epoch's worth
                 (self.link.send if self.probing else self.link.send_lazy)(last)
-            last = m.BatchDone(self.rank, rec.epoch, rec.step, rec.samples, rec.loss, rec.compute_ms, rec.data_ms, 0.0)
+            last = m.TimingMsg(self.rank, rec.epoch, rec.step, rec.samples, rec.loss, rec.compute_ms, rec.data_ms, 0.0)
         return last
 
     def _step(self, batch: Any, *, epoch: int, samples: int, data_ms: float) -> list[StepRecord]:
