@@ -246,9 +246,17 @@ def test_builder_special_rules():
     assert cadence.with_policy("async").elche.mode is ElCheMode.CpuAsync
 
 
-@pytest.mark.parametrize("name", ["checkpoint_every", "eval_every_epochs", "reports_per_epoch", "max_log_size"])
+@pytest.mark.parametrize("name", ["checkpoint_every", "reports_per_epoch", "max_log_size"])
 def test_zero_means_off(name):
     assert value_of(getattr(DdpRunConfig(), f"with_{name}")(0), name) is None
+
+
+def test_eval_every_epochs_0_disables_evals_as_in_the_seed():
+    """0 stays 0 (no evals at all); unset keeps scoring every epoch."""
+    off = DdpRunConfig().with_eval_every_epochs(0)
+    assert off.eval_every_epochs == 0 and not off.evals_enabled
+    assert DdpRunConfig().evals_enabled and DdpRunConfig().with_eval_every_epochs(3).evals_enabled
+    assert DdpRunConfig.from_dict(off.to_dict()).eval_every_epochs == 0  # the ranks' copy says the same
 
 
 def test_seed_clamps():
@@ -834,3 +842,16 @@ def test_docs_toml_example_resolves():
     config = cli("--max-grad-norm", "0.5", toml=tomllib.loads(block))
     assert config.max_grad_norm == 0.5 and config.heartbeat_timeout_secs == 60
     config.check_available()  # the example only uses available options
+
+
+@pytest.mark.parametrize("mode", ["nccl-sync", "nccl-cadence", "nccl-async"])
+def test_easgd_alpha_is_refused_with_the_collective_modes(mode):
+    """The collective overwrites every replica with the average: an alpha there would be ignored."""
+    with pytest.raises(ConfigError) as err:
+        cli("--mode", mode, "--easgd-alpha", "0.5")
+    assert err.value.field == "easgd_alpha" and mode in str(err.value) and "cpu-" in str(err.value)
+
+
+@pytest.mark.parametrize("mode", ["cpu-sync", "cpu-cadence", "cpu-async"])
+def test_easgd_alpha_is_taken_by_the_cpu_modes(mode):
+    assert cli("--mode", mode, "--easgd-alpha", "0.5").elche.easgd_alpha == 0.5

@@ -153,7 +153,11 @@ class ElCheConfig:
     # The reference presets 0.5 for CpuAsync; that preset belongs with cpu-async
     # when it lands. Until then None (full overwrite) is the only default.
     easgd_alpha: float | None = _option(
-        None, check=_alpha, kind="float", default_text="off (full overwrite)", help="Elastic averaging weight, in (0, 1]."
+        None,
+        check=_alpha,
+        kind="float",
+        default_text="off (full overwrite)",
+        help="Elastic averaging weight, in (0, 1]; cpu-* modes only (refused with nccl-*).",
     )
     meta_controller: bool = _option(
         True, check=_flag(), kind="bool", help="LR-aware meta-controller that shrinks the anchor on LR drops and convergence."
@@ -182,6 +186,14 @@ class ElCheConfig:
         if self.effective_anchor > self.max_anchor:
             origin = "" if self.anchor is not None else f" (the {self.mode.value} preset)"
             raise ConfigError("anchor", f"{self.effective_anchor}{origin} exceeds max_anchor ({self.max_anchor}); lower it")
+        if self.easgd_alpha is not None and self.mode.backend is AverageBackend.NCCL:
+            # the collective all-reduces in place: every replica becomes the average, there is
+            # no coordinator copy to blend towards, so an alpha would be silently ignored
+            raise ConfigError(
+                "easgd_alpha",
+                f"applies only to the cpu averaging backend (cpu-sync, cpu-cadence, cpu-async); mode {self.mode.value} "
+                "averages through the collective, which overwrites every replica. Unset easgd_alpha or choose a cpu-* mode",
+            )
 
 
 # ---------------------------------------------------------------------------
@@ -287,12 +299,13 @@ class DdpRunConfig:
         kind="epoch_callback_policy",
         help="Rank that runs per-epoch callbacks: fastest or rank:N.",
     )
+    # 0 disables evals as in the seed; unset keeps flodl's default of scoring every epoch
     eval_every_epochs: int | None = _option(
         None,
-        check=_count(1, zero_is_none=True),
+        check=_count(0),
         kind="int",
         default_text="every epoch",
-        help="Run the eval function every N epochs, and after the last (0 or unset: every epoch).",
+        help="Run the eval function every N epochs, and after the last (0: no evals at all, not even the final one).",
     )
     reports_per_epoch: int | None = _option(
         None, check=_count(1, zero_is_none=True), kind="int", default_text="off", help="Sub-epoch monitor reports per epoch (0 = off)."
@@ -374,6 +387,11 @@ class DdpRunConfig:
     def lr_factor(self, world_size: int) -> float:
         """Learning-rate multiplier for ``world_size`` ranks."""
         return 1.0 + (world_size - 1) * self.lr_scale_ratio
+
+    @property
+    def evals_enabled(self) -> bool:
+        """False when ``eval_every_epochs`` is 0: the task's eval function is never called."""
+        return self.eval_every_epochs != 0
 
     @property
     def scalar_reduction_map(self) -> dict[str, Reduction]:

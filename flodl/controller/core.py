@@ -363,17 +363,17 @@ class Controller:
             steps_per_epoch=max(1, schedule.epoch_len(0) // info.batch_size),
         )
         await self._run_windows()
-        if info.has_eval and total_epochs - 1 not in training.eval_requests:
+        if training.evals_on and total_epochs - 1 not in training.eval_requests:
             # nothing was left to train (a resumed bundle that was complete): score it once all the same
             training.request_eval(total_epochs - 1)
-        if info.has_eval:
+        if training.evals_on:
             await run.until(lambda: total_epochs - 1 in training.evals, self.launch.eval_timeout_secs, "the final eval")
         if self.checkpoints.stem:
             await self.saving.checkpoint("final", call_fn=False, wait=True)
         run.mark_finished()
         training.flush_epoch_lines()
         await self.teardown.shutdown_peers()
-        failed = [e for e in training.evals.values() if e.error] if info.has_eval else []
+        failed = [e for e in training.evals.values() if e.error] if training.evals_on else []
         if failed and len(failed) == len(training.evals):
             # trained, but nothing says how well: not a plain success (the last error says why)
             summary = self.summary("completed, every eval failed", EXIT_EVALS_FAILED)

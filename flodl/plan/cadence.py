@@ -403,7 +403,7 @@ class CadenceLoop:
             )
             for rank, c in sorted(acc.rows.items())
         ]
-        return aggregate(epoch, reports)
+        return aggregate(epoch, reports, self.config.scalar_reduction_map)
 
     def telemetry(self) -> dict[str, Any]:
         """ElChe and guard numbers for the run summary."""

@@ -8,6 +8,7 @@ FLODL_TEST_FAIL_AT      raise RuntimeError at this local step (a broken user tas
 FLODL_TEST_BUILD_SLEEP  seconds the task factory takes (a task that prepares its data at start)
 FLODL_TEST_BUILD_CRASH  the rank of this number crashes (exit 1) while it builds the task
 FLODL_TEST_EVAL_FAIL    make eval_fn raise
+FLODL_TEST_RECORD_SEEN  record_scalar("seen", samples in the batch) every step (a count to declare sum)
 """
 
 import os
@@ -42,6 +43,10 @@ def train_step(model, batch, device):
     if _STEP["n"] == 1:
         time.sleep(float(os.environ.get("FLODL_TEST_FIRST_STEP_SLEEP", "0") or 0))
     x, y = batch
+    if os.environ.get("FLODL_TEST_RECORD_SEEN"):
+        from flodl import record_scalar
+
+        record_scalar("seen", x.shape[0])
     return F.cross_entropy(model(x.to(device)), y.to(device))
 
 
