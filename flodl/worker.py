@@ -295,6 +295,7 @@ class Worker:
             heartbeat_timeout_s=welcome.heartbeat_timeout_s,
             parent_pid=os.getpid(),
             relay_addr=self._relay_addr,
+            seed=welcome.seed,
         )
         # with --secret-from-stdin, stdin is the launcher's line: ranks must not hold or read it
         stdin = asyncio.subprocess.DEVNULL if self.watch_stdin else None

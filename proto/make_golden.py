@@ -28,7 +28,9 @@ GOLDEN = ROOT / "proto" / "golden"
 
 SAMPLES = [
     m.WorkerHello(host="node-a", pid=4242, devices=["cuda:0", "cpu"], versions={"flodl": "0.1.0", "protocol": str(PROTOCOL_VERSION)}),
-    m.WorkerWelcome(ranks=[0, 1], world_size=2, task="examples/digits.py:task", heartbeat_timeout_s=30.0, bulk_port=0, bulk_relay=False),
+    m.WorkerWelcome(
+        ranks=[0, 1], world_size=2, task="examples/digits.py:task", heartbeat_timeout_s=30.0, bulk_port=0, bulk_relay=False, seed=-1
+    ),
     m.Reject(reason="model signature differs from rank 0"),
     m.RankExited(rank=1, pid=4300, code=-9),
     m.RankHello(

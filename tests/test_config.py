@@ -101,6 +101,7 @@ SEED_DEFAULTS = {
     "resume_from": None,
     "resume_weights_only": False,
     "checkpoint_at_epoch": None,
+    "deterministic": False,
 }
 
 
@@ -181,6 +182,7 @@ BUILDERS = [
     ("with_scalar_reductions", ({"tokens": "sum"},), "scalar_reductions", (("tokens", Reduction.SUM),)),
     ("with_resume_from", ("ckpt/run",), "resume_from", "ckpt/run"),
     ("with_resume_weights_only", (), "resume_weights_only", True),
+    ("with_deterministic", (), "deterministic", True),
     ("with_checkpoint_at_epoch", (3,), "checkpoint_at_epoch", 3),
     # ElChe passthroughs
     ("with_mode", (ElCheMode.CpuAsync,), "mode", ElCheMode.CpuAsync),
@@ -376,6 +378,7 @@ def test_validate_catches_values_smuggled_past_construction():
         (DdpRunConfig().with_mode("cpu-cadence").with_max_anchor(5), None, "anchor"),  # preset 10
         (DdpRunConfig().with_mode("nccl-cadence").with_checkpoint_at_epoch(2), None, "checkpoint_at_epoch"),
         (DdpRunConfig().with_resume_weights_only(), None, "resume_weights_only"),  # weights of which bundle?
+        (DdpRunConfig().with_mode("cpu-sync").with_deterministic(), None, "deterministic"),  # arrival-order sums
         (DdpRunConfig(), 0, "world_size"),
     ],
 )
@@ -575,12 +578,15 @@ def everything_set() -> DdpRunConfig:
 
 def test_everything_set_really_sets_everything():
     config, default = everything_set(), DdpRunConfig()
-    for name in SEED_DEFAULTS:
+    # deterministic refuses the cpu-* mode set there (test_validate_cross_field_and_world_rules)
+    for name in set(SEED_DEFAULTS) - {"deterministic"}:
         assert value_of(config, name) != value_of(default, name), name
     config.validate(world_size=2)
 
 
-@pytest.mark.parametrize("config", [DdpRunConfig(), everything_set()], ids=["defaults", "everything"])
+@pytest.mark.parametrize(
+    "config", [DdpRunConfig(), everything_set(), DdpRunConfig().with_deterministic()], ids=["defaults", "everything", "deterministic"]
+)
 def test_to_dict_from_dict_round_trip_is_exact(config):
     plain = config.to_dict()
     assert set(plain) == set(SEED_DEFAULTS)  # flat: ElChe fields at top level

@@ -357,6 +357,14 @@ class DdpRunConfig:
         default_text="none",
         help="One-shot checkpoint (with mid-epoch coverage) once the cohort trains this epoch; needs save_path.",
     )
+    deterministic: bool = _option(
+        False,
+        check=_flag(),
+        kind="bool",
+        help="Reproducible runs: averaging points and grants fixed by batch counts, never by the clock "
+        "(equal per-rank quotas, the fast rank waits), RNGs seeded from --seed, torch's deterministic "
+        "algorithms; nccl-* modes only.",
+    )
 
     def __post_init__(self) -> None:
         _normalise_fields(self)
@@ -414,6 +422,14 @@ class DdpRunConfig:
             raise ConfigError("checkpoint_at_epoch", "needs save_path (the bundle stem to write)")
         if self.resume_weights_only and self.resume_from is None:
             raise ConfigError("resume_weights_only", "needs resume_from (the bundle whose weights to load)")
+        if self.deterministic and self.elche.mode.backend is AverageBackend.CPU:
+            # the coordinator folds snapshot slices in the order they arrive, scaling each at once
+            # only when every weight is already known: the rounding, so the result, follows the clock
+            raise ConfigError(
+                "deterministic",
+                f"cannot be combined with mode {self.elche.mode.value}: the cpu averaging backend sums the "
+                "replicas in the order they arrive, so its rounding follows timing; use nccl-sync, nccl-cadence or nccl-async",
+            )
         if world_size is not None:
             self._validate_world(world_size)
 
@@ -570,6 +586,10 @@ class DdpRunConfig:
 
     def with_checkpoint_at_epoch(self, epoch: int | None) -> DdpRunConfig:
         return self._replace(checkpoint_at_epoch=epoch)
+
+    def with_deterministic(self, enabled: bool = True) -> DdpRunConfig:
+        """Bit-reproducible runs (same seed, same machine): batch-count schedule, seeded RNGs."""
+        return self._replace(deterministic=enabled)
 
     # ElChe passthroughs.
 
@@ -742,6 +762,8 @@ AVAILABLE_FIELDS: frozenset[str] = frozenset(
         "sample_cache",
         "disk_stage_gb",
         "disk_stage_dir",
+        # reproducible runs
+        "deterministic",
     }
 )
 #: Modes this version can run: all six.

@@ -408,7 +408,9 @@ class Controller:
                 self.liveness.cpu_round_done(number, ms)
 
             averaging.on_round = on_round
-        depth = 1 if self.config.elche.mode.policy is ApplyPolicy.SYNC else 2
+        # deterministic: one window at a time too, so an epoch's RunEval reaches the eval rank
+        # before its next window does, and scores exactly the average that closed the epoch
+        depth = 1 if self.config.elche.mode.policy is ApplyPolicy.SYNC or self.config.deterministic else 2
         in_flight: list[int] = []
         while True:
             # a collective joiner on its way: plan one window at a time, so it waits for one boundary, not two

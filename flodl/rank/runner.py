@@ -62,6 +62,7 @@ from ..wire.transport import host_name
 from .collective import CollectiveAverager, Superseded, build_group
 from .cpu_average import BulkLink, CpuAverager
 from .data import BatchSource, to_device
+from .determinism import seed_everything, use_deterministic_algorithms
 from .disk_stage import DiskStage
 from .evaluation import Evaluating
 from .flat import FlatModel, model_digest
@@ -129,6 +130,7 @@ class RankRunner(Regrouping, Evaluating):
         self.global_step = 0
         self.current_epoch = -1
         self.config: DdpRunConfig | None = None
+        self.deterministic = False  # the run's ``deterministic`` option (set at join)
         self._saved_on_shutdown = False
         self.generation = 0
         self.redoing = False  # an average failed and is to be redone in the next generation
@@ -363,6 +365,9 @@ class RankRunner(Regrouping, Evaluating):
     # ---------------------------------------------------------------- setup
 
     def _build(self) -> m.RankHello:
+        if self.env.seed >= 0:  # deterministic: before CUDA, and before the task draws any random number
+            use_deterministic_algorithms()
+            seed_everything(self.env.seed)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             # a collective NCCL gives up on must raise in this rank, not kill it: the
@@ -460,6 +465,9 @@ class RankRunner(Regrouping, Evaluating):
         # (collective: a broadcast; CPU: the next average, taken whole)
         if not welcome.late:
             self._take_first_consensus(welcome)
+        self.deterministic = config.deterministic
+        if config.deterministic:
+            seed_everything(welcome.seed, stream=self.rank + 1)  # each rank its own stream (dropout), the same every run
         self.optimizer = self.task.optimizer(self.model)
         if config.resume_from and not welcome.late and not config.resume_weights_only:
             load_optimizer(self.optimizer, config.resume_from)  # required: a fresh optimizer only when asked for
@@ -708,8 +716,10 @@ class RankRunner(Regrouping, Evaluating):
                 last = self._report(records, stats, last)
             last = self._report(self.meter.drain(), stats, last)  # the device catches up: a window's end may wait
             # a window's end average (Cadence, Async) runs in the background on either backend:
-            # a rank never waits at it for a slower peer; Sync's per-batch rounds block
-            block = bool(sync_every)
+            # a rank never waits at it for a slower peer; Sync's per-batch rounds block, and so
+            # does every average of a deterministic run (a background one lands at whichever
+            # batch is running when it completes: a clock's choice)
+            block = bool(sync_every) or self.deterministic
             averaged = self._average(float(stepped), measure=measure, block=block, round_index=round_index, stats=stats)
             stats.averaged(averaged)
             if last is not None:

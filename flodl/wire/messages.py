@@ -48,6 +48,8 @@ class WorkerWelcome:
     """port of the controller's bulk-plane socket (CPU averaging backend), 0 when unused"""
     bulk_relay: bool
     """run a host relay: this host's ranks send their snapshots to the worker, which pre-averages them (weighted) and sends one snapshot upstream per round, so the controller's ingress grows with hosts, not ranks"""
+    seed: int
+    """deterministic runs: the run seed, with which the ranks seed every RNG before building the task and turn on torch's deterministic algorithms; -1 otherwise"""
 
 
 @dataclass(slots=True)
@@ -523,7 +525,7 @@ class ShutdownWithSave:
 
 SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     1: ('WorkerHello', WorkerHello, (('host', 'str'), ('pid', 'int'), ('devices', 'list<str>'), ('versions', 'map<str,str>'),)),
-    2: ('WorkerWelcome', WorkerWelcome, (('ranks', 'list<int>'), ('world_size', 'int'), ('task', 'str'), ('heartbeat_timeout_s', 'float'), ('bulk_port', 'int'), ('bulk_relay', 'bool'),)),
+    2: ('WorkerWelcome', WorkerWelcome, (('ranks', 'list<int>'), ('world_size', 'int'), ('task', 'str'), ('heartbeat_timeout_s', 'float'), ('bulk_port', 'int'), ('bulk_relay', 'bool'), ('seed', 'int'),)),
     3: ('Reject', Reject, (('reason', 'str'),)),
     4: ('RankExited', RankExited, (('rank', 'int'), ('pid', 'int'), ('code', 'int'),)),
     5: ('RankHello', RankHello, (('rank', 'int'), ('host', 'str'), ('pid', 'int'), ('device', 'str'), ('versions', 'map<str,str>'), ('model_signature', 'str'), ('param_count', 'int'), ('shuffle_signature', 'str'), ('dataset_len', 'int'), ('has_eval', 'bool'), ('eval_metric', 'str'), ('batch_size', 'int'),)),

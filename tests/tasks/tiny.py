@@ -209,3 +209,32 @@ def batchnorm_task():
         eval_metric="bn_batches",
         bn_recalibration_batches=int(os.environ.get("FLODL_TEST_BN_BATCHES", "16")),
     )
+
+
+def _noisy_model():
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 2)
+    )
+
+
+def _noisy_eval(model, device):
+    """eval_fn that draws from the global RNG (a random subset), as user evals do."""
+    x, y = _data(256, 1)
+    keep = torch.rand(256) < 0.9
+    return (model(x[keep]).argmax(1) == y[keep]).float().mean().item()
+
+
+def noisy_task():
+    """Everything that draws random numbers: data and initial weights from the global RNG (only
+    reproducible, and only equal on every rank, in a deterministic run, which seeds it before the
+    build), dropout, BatchNorm re-estimated before each eval, an eval that draws too."""
+    x = torch.randn(512, 8)
+    return Task(
+        model=_noisy_model,
+        optimizer=lambda model: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        dataset=torch.utils.data.TensorDataset(x, (x.sum(1) > 0).long()),
+        batch_size=16,
+        loss_fn=F.cross_entropy,
+        eval_fn=_noisy_eval,
+        eval_metric="accuracy",
+    )
