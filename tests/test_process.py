@@ -186,6 +186,7 @@ def test_model_mismatch_is_refused_before_training(proc_env, tmp_path):
         (["--max-log-size", "-5"], ["max_log_size"]),
         (["--mode", "nccl-turbo"], ["mode", "cpu-async"]),
         (["--mode", "nccl-sync", "--easgd-alpha", "0.5"], ["easgd_alpha", "nccl-sync"]),
+        (["--mode", "cpu-async", "--deterministic"], ["deterministic", "cpu-async"]),
     ],
 )
 def test_bad_option_fails_fast_naming_it(proc_env, flags, named):
