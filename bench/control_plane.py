@@ -7,7 +7,7 @@ process plays one worker with N simulated ranks over real ZeroMQ sockets made
 by flodl's own ``make_dealer``: it joins through the whole protocol (hellos,
 welcomes, ``RankReady``), takes the one ``Window`` each rank is given (Sync,
 non-progressive: a rank's whole partition of the epoch, batch size 1), signs
-every ``BatchDone`` frame of it in advance, then sends them as fast as it can,
+every ``TimingMsg`` frame of it in advance, then sends them as fast as it can,
 so the controller, not the sender, is the bottleneck; each rank then reports
 its ``WindowDone`` and the run completes. The controller counts the frames it
 handled between the first and the last arrival.
@@ -69,14 +69,14 @@ RECV_TIMEOUT_MS = 30_000
 
 
 class IngestCount(ControllerHooks):
-    """Times the real controller's BatchDone ingest: how many it handled, the first and the last."""
+    """Times the real controller's TimingMsg ingest: how many it handled, the first and the last."""
 
     def __init__(self) -> None:
         self.count = 0
         self.first = self.last = 0.0
 
     def handled(self, msg: object) -> None:
-        if type(msg) is m.BatchDone:
+        if type(msg) is m.TimingMsg:
             now = time.perf_counter()
             if not self.count:
                 self.first = now
@@ -136,13 +136,13 @@ def sim_worker(addr: str, bare_addrs: dict[str, str], nranks: int, frames: int, 
     sent = 0
     send_s = 0.0
     while True:  # one Window per rank and epoch (Sync, not progressive); Shutdown ends the run
-        cmds = [_recv(sock, rdr, m.Window, m.Shutdown, timeout_ms=wait_ms) for _, sock, _, rdr in ranks]
-        if any(isinstance(c, m.Shutdown) for c in cmds):
+        cmds = [_recv(sock, rdr, m.Window, m.Shutdown, m.ShutdownWithSave, timeout_ms=wait_ms) for _, sock, _, rdr in ranks]
+        if any(isinstance(c, (m.Shutdown, m.ShutdownWithSave)) for c in cmds):
             break
         plans = [window_batches(c, 1, 0.0) for c in cmds]
         # sign everything first: the measurement is the controller's, not the signer's
         signed = [
-            [writer.encode(m.BatchDone(r, e, i + 1, s, 0.5, 1.0, 0.0, 0.0)) for i, (e, s) in enumerate(p)]
+            [writer.encode(m.TimingMsg(r, e, i + 1, s, 0.5, 1.0, 0.0, 0.0)) for i, (e, s) in enumerate(p)]
             for (r, _, writer, _), p in zip(ranks, plans, strict=False)
         ]
         longest = max(len(f) for f in signed)
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> Path:
     rows.append(Row("bare echo on the event loop (AsyncSocket)", "p99", _p(rtts["loop"], 0.99), "µs"))
     ping_len, pong_len = frame_sizes()
     note = (
-        f"{frames} pre-signed BatchDone frames per case, {reps} repetition(s); {len(flodl_rtts)} idle Ping/Pong round trips "
+        f"{frames} pre-signed TimingMsg frames per case, {reps} repetition(s); {len(flodl_rtts)} idle Ping/Pong round trips "
         f"pooled over all runs, taken in turns with as many to each bare echo ({ping_len} B out, {pong_len} B back, same socket options); "
         f"load average {os.getloadavg()[0]:.2f}"
     )

@@ -7,7 +7,7 @@ decides when the ranks average; the ranks' collective is what the simulation
 leaves out) runs alone in one process on uvloop. A second process holds every
 simulated worker and rank of ``flodl.testing.sim`` on one event loop, each rank with
 its own DEALER socket speaking the real protocol: hello, ready, one signed
-``BatchDone`` per batch, a ``WindowDone`` per window, heartbeats, exits. The
+``TimingMsg`` per batch, a ``WindowDone`` per window, heartbeats, exits. The
 ranks have random speeds (a per-rank slowdown of 1-3x, and every batch drawn
 +-25% around it); some die at random batches (their worker reports them
 killed), one hangs (found by the heartbeat timeout), and new workers arrive

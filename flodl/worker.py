@@ -94,7 +94,7 @@ class Worker:
         self.endpoint: ControlEndpoint | None = None
         self.procs: dict[int, asyncio.subprocess.Process] = {}
         self.welcome: m.WorkerWelcome | None = None
-        self.shutdown: m.Shutdown | None = None
+        self.shutdown: m.Shutdown | m.ShutdownWithSave | None = None
         self.reject: m.Reject | None = None
         self.last_heard = time.monotonic()
         self.relay: HostRelay | None = None
@@ -114,7 +114,7 @@ class Worker:
             self.heartbeat_timeout_s = msg.heartbeat_timeout_s
         elif isinstance(msg, m.Reject):
             self.reject = msg
-        elif isinstance(msg, m.Shutdown):
+        elif isinstance(msg, (m.Shutdown, m.ShutdownWithSave)):
             self.shutdown = msg
         elif isinstance(msg, m.Fence):
             self._fence(msg)
@@ -224,7 +224,7 @@ class Worker:
                 return EXIT_INTERRUPTED
             if self.shutdown is not None:
                 # a rank saving the bundle on the way out gets the clean grace
-                await self._stop_ranks(ABORT_GRACE_S if self.shutdown.abort and not self.shutdown.save_stem else CLEAN_GRACE_S)
+                await self._stop_ranks(ABORT_GRACE_S if self.shutdown.abort and isinstance(self.shutdown, m.Shutdown) else CLEAN_GRACE_S)
                 self._send(m.Exiting(rank=-1, reason="shutdown", digest=""))
                 return EXIT_OK
             silent = time.monotonic() - self.last_heard
@@ -295,6 +295,7 @@ class Worker:
             heartbeat_timeout_s=welcome.heartbeat_timeout_s,
             parent_pid=os.getpid(),
             relay_addr=self._relay_addr,
+            seed=welcome.seed,
         )
         # with --secret-from-stdin, stdin is the launcher's line: ranks must not hold or read it
         stdin = asyncio.subprocess.DEVNULL if self.watch_stdin else None

@@ -28,7 +28,9 @@ GOLDEN = ROOT / "proto" / "golden"
 
 SAMPLES = [
     m.WorkerHello(host="node-a", pid=4242, devices=["cuda:0", "cpu"], versions={"flodl": "0.1.0", "protocol": str(PROTOCOL_VERSION)}),
-    m.WorkerWelcome(ranks=[0, 1], world_size=2, task="examples/digits.py:task", heartbeat_timeout_s=30.0, bulk_port=0, bulk_relay=False),
+    m.WorkerWelcome(
+        ranks=[0, 1], world_size=2, task="examples/digits.py:task", heartbeat_timeout_s=30.0, bulk_port=0, bulk_relay=False, seed=-1
+    ),
     m.Reject(reason="model signature differs from rank 0"),
     m.RankExited(rank=1, pid=4300, code=-9),
     m.RankHello(
@@ -61,12 +63,13 @@ SAMPLES = [
         shm_nonce="",
     ),
     m.RankReady(rank=1, generation=0, init_ms=12.5),
-    m.BatchDone(rank=1, epoch=3, step=97, samples=32, loss=0.25, batch_ms=5.5, data_ms=0.125, sync_ms=0.75),
+    m.TimingMsg(rank=1, epoch=3, step=97, samples=32, loss=0.25, batch_ms=5.5, data_ms=0.125, sync_ms=0.75),
     m.Respawn(rank=3, device="cuda:1", replaces=1, attempt=1, delay_s=1.0),
+    m.ShutdownWithSave(reason="rank 1 lost", abort=True, save_stem="/shared/run", save_rank=0, save_tag="f00d"),
     m.Heartbeat(step=1234, sent_at=1700000000.5, busy="step", busy_s=0.25, step_ms=12.5, averaged=3),
     m.RunEval(epoch=5, final=True, window=17),
     m.EvalResult(rank=0, epoch=5, final=True, value=0.96875, elapsed_ms=3.5, error=None),
-    m.Shutdown(reason="run complete", abort=False, save_stem="", save_rank=-1, save_tag=""),
+    m.Shutdown(reason="run complete", abort=False),
     m.Exiting(rank=-1, reason="shutdown", digest=""),
     m.RankError(rank=1, stage="train", error="RuntimeError: boom", detail="Traceback ...", generation=0),
     m.Ping(nonce=7, sent_at=12.25),

@@ -58,7 +58,7 @@ def run_smoke(script: str, name: str, tmp_path, proc_env, timeout_s: float = 50)
 def test_control_plane_bench_runs(tmp_path, proc_env):
     out = run_smoke("control_plane.py", "control_plane", tmp_path, proc_env)
     rows = {(r["case"], r["metric"]): r for r in out["rows"]}
-    assert rows[("ingest, 4 ranks", "frames/s (median)")]["value"] > 0  # every BatchDone of the window was counted (asserted inside)
+    assert rows[("ingest, 4 ranks", "frames/s (median)")]["value"] > 0  # every TimingMsg of the window was counted (asserted inside)
     p50 = rows[("round trip rank→controller→rank", "p50")]
     assert p50["value"] > 0 and p50["goal"].startswith("≤ bare pyzmq + 10 µs") and p50["met"] in (True, False)
     assert rows[("bare pyzmq DEALER→ROUTER echo", "p50")]["value"] > 0

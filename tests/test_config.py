@@ -101,6 +101,7 @@ SEED_DEFAULTS = {
     "resume_from": None,
     "resume_weights_only": False,
     "checkpoint_at_epoch": None,
+    "deterministic": False,
 }
 
 
@@ -181,6 +182,7 @@ BUILDERS = [
     ("with_scalar_reductions", ({"tokens": "sum"},), "scalar_reductions", (("tokens", Reduction.SUM),)),
     ("with_resume_from", ("ckpt/run",), "resume_from", "ckpt/run"),
     ("with_resume_weights_only", (), "resume_weights_only", True),
+    ("with_deterministic", (), "deterministic", True),
     ("with_checkpoint_at_epoch", (3,), "checkpoint_at_epoch", 3),
     # ElChe passthroughs
     ("with_mode", (ElCheMode.CpuAsync,), "mode", ElCheMode.CpuAsync),
@@ -246,9 +248,17 @@ def test_builder_special_rules():
     assert cadence.with_policy("async").elche.mode is ElCheMode.CpuAsync
 
 
-@pytest.mark.parametrize("name", ["checkpoint_every", "eval_every_epochs", "reports_per_epoch", "max_log_size"])
+@pytest.mark.parametrize("name", ["checkpoint_every", "reports_per_epoch", "max_log_size"])
 def test_zero_means_off(name):
     assert value_of(getattr(DdpRunConfig(), f"with_{name}")(0), name) is None
+
+
+def test_eval_every_epochs_0_disables_evals_as_in_the_seed():
+    """0 stays 0 (no evals at all); unset keeps scoring every epoch."""
+    off = DdpRunConfig().with_eval_every_epochs(0)
+    assert off.eval_every_epochs == 0 and not off.evals_enabled
+    assert DdpRunConfig().evals_enabled and DdpRunConfig().with_eval_every_epochs(3).evals_enabled
+    assert DdpRunConfig.from_dict(off.to_dict()).eval_every_epochs == 0  # the ranks' copy says the same
 
 
 def test_seed_clamps():
@@ -368,6 +378,7 @@ def test_validate_catches_values_smuggled_past_construction():
         (DdpRunConfig().with_mode("cpu-cadence").with_max_anchor(5), None, "anchor"),  # preset 10
         (DdpRunConfig().with_mode("nccl-cadence").with_checkpoint_at_epoch(2), None, "checkpoint_at_epoch"),
         (DdpRunConfig().with_resume_weights_only(), None, "resume_weights_only"),  # weights of which bundle?
+        (DdpRunConfig().with_mode("cpu-sync").with_deterministic(), None, "deterministic"),  # arrival-order sums
         (DdpRunConfig(), 0, "world_size"),
     ],
 )
@@ -567,12 +578,15 @@ def everything_set() -> DdpRunConfig:
 
 def test_everything_set_really_sets_everything():
     config, default = everything_set(), DdpRunConfig()
-    for name in SEED_DEFAULTS:
+    # deterministic refuses the cpu-* mode set there (test_validate_cross_field_and_world_rules)
+    for name in set(SEED_DEFAULTS) - {"deterministic"}:
         assert value_of(config, name) != value_of(default, name), name
     config.validate(world_size=2)
 
 
-@pytest.mark.parametrize("config", [DdpRunConfig(), everything_set()], ids=["defaults", "everything"])
+@pytest.mark.parametrize(
+    "config", [DdpRunConfig(), everything_set(), DdpRunConfig().with_deterministic()], ids=["defaults", "everything", "deterministic"]
+)
 def test_to_dict_from_dict_round_trip_is_exact(config):
     plain = config.to_dict()
     assert set(plain) == set(SEED_DEFAULTS)  # flat: ElChe fields at top level
@@ -834,3 +848,16 @@ def test_docs_toml_example_resolves():
     config = cli("--max-grad-norm", "0.5", toml=tomllib.loads(block))
     assert config.max_grad_norm == 0.5 and config.heartbeat_timeout_secs == 60
     config.check_available()  # the example only uses available options
+
+
+@pytest.mark.parametrize("mode", ["nccl-sync", "nccl-cadence", "nccl-async"])
+def test_easgd_alpha_is_refused_with_the_collective_modes(mode):
+    """The collective overwrites every replica with the average: an alpha there would be ignored."""
+    with pytest.raises(ConfigError) as err:
+        cli("--mode", mode, "--easgd-alpha", "0.5")
+    assert err.value.field == "easgd_alpha" and mode in str(err.value) and "cpu-" in str(err.value)
+
+
+@pytest.mark.parametrize("mode", ["cpu-sync", "cpu-cadence", "cpu-async"])
+def test_easgd_alpha_is_taken_by_the_cpu_modes(mode):
+    assert cli("--mode", mode, "--easgd-alpha", "0.5").elche.easgd_alpha == 0.5

@@ -104,5 +104,5 @@ async def test_the_hooks_see_a_run_with_a_death(quiet_console):
     assert windows == sorted(set(windows)) and [w for w, _ in calls["settled"]] == windows
     assert calls["deaths_handled"][0][0] == {1}
     handled = set(calls["handled"])
-    assert {(m.WorkerHello,), (m.RankHello,), (m.RankReady,), (m.BatchDone,), (m.WindowDone,), (m.EvalResult,)} <= handled
+    assert {(m.WorkerHello,), (m.RankHello,), (m.RankReady,), (m.TimingMsg,), (m.WindowDone,), (m.EvalResult,)} <= handled
     assert "joiners_admitted" not in calls

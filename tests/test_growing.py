@@ -11,11 +11,10 @@ import pytest
 from flodl.averaging.server import CpuAveraging
 from flodl.config import DdpRunConfig
 from flodl.plan.cadence import CadenceLoop
-from flodl.plan.metrics import EpochCounters
-from flodl.wire import messages as m
 
 from .conftest import PY, ROOT, task_spec
 from .helpers.procs import PICK_PORT, Run
+from .helpers.windows import fold_window
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,40 +24,12 @@ EPOCHS = 20  # cheap once released; held, they are the joiner's time to arrive
 # ------------------------------------------------------------------ pure parts
 
 
-def _report(loop: CadenceLoop, number: int, ms_per_batch: dict[int, float]) -> None:
-    """Every rank trains its whole grant at its speed; fold the window in."""
-    reports = {}
-    for rank, plan in loop.plans[number].items():
-        batches = -(-plan.samples // loop.dispatcher.batch_size)
-        epochs = sorted({g.epoch for g in plan.grants})
-        reports[rank] = m.WindowDone(
-            rank=rank,
-            window=number,
-            batches=batches,
-            consumed=plan.samples,
-            loss_sum=batches * 0.5,
-            compute_ms=batches * ms_per_batch[rank],
-            data_ms=0.0,
-            sync_ms=1.0,
-            divergence=None,
-            pre_norm=None,
-            post_norm=None,
-            lr=0.1,
-            epochs=[EpochCounters(batches, plan.samples, batches * 0.5, batches * ms_per_batch[rank]).row(e) for e in epochs[:1]],
-            scalars={},
-            regrouped_at=-1,
-            res={},
-            data={},
-        )
-    loop.on_reports(number, reports, now=float(number + 1))
-
-
 def test_a_joiner_is_planned_from_the_next_window_with_an_anchor_share():
     loop = CadenceLoop(DdpRunConfig().with_mode("nccl-async"), [0, 1], dataset_len=4000, batch_size=10, epochs=10, seed=1)
     for _ in range(3):  # probe, then timed windows: rank 1 is 3x slower
         number = loop.window
         assert loop.next_windows(now=float(number)) is not None
-        _report(loop, number, {0: 1.0, 1: 3.0})
+        fold_window(loop, number, {0: 1.0, 1: 3.0})
     anchor, counts = loop.elche.anchor, list(loop.elche.batch_counts)
     loop.add_ranks([2])
     assert loop.ranks == [0, 1, 2]
@@ -68,7 +39,7 @@ def test_a_joiner_is_planned_from_the_next_window_with_an_anchor_share():
     number = loop.window
     windows = loop.next_windows(now=10.0)
     assert set(windows) == {0, 1, 2} and windows[2].grants
-    _report(loop, number, {0: 1.0, 1: 3.0, 2: 1.5})
+    fold_window(loop, number, {0: 1.0, 1: 3.0, 2: 1.5})
     assert loop.elche.ms_per_batch[2] > 0  # timed by its first window
 
 

@@ -29,7 +29,7 @@ def monitored(tmp_path_factory):
     from .conftest import ROOT
 
     tmp = tmp_path_factory.mktemp("monitored")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", FLODL_TEST_STEP_SLEEP="0.02")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", FLODL_TEST_STEP_SLEEP="0.02", FLODL_TEST_RECORD_SEEN="1")
     run = Run(
         [
             "--task",
@@ -85,6 +85,15 @@ def test_the_reader_reproduces_the_epoch_table(monitored):
         assert set(row["ranks"]) == {"rank0", "rank1"}
 
 
+def test_a_sum_scalar_is_the_total_in_the_summary_and_the_record_stream(monitored):
+    """--scalar-reduction seen=sum: each epoch's history row says what its root record says, a count
+    (a window's scalars are booked to the last epoch it touched, so the run's total is exact, not each row)."""
+    summary = [h["scalars"]["seen"] for h in monitored["summary"]["history"]]
+    roots = [r for r in load(monitored["dir"] / "logs")["root"] if r.get("kind") == "node" and r.get("epoch_complete")]
+    assert summary == [r["metrics"]["seen"] for r in roots]
+    assert sum(summary) == 512.0 * EPOCHS  # a mean would read the batch size, 16
+
+
 def test_records_carry_sub_epoch_reports_resources_and_the_meta(monitored):
     records = load(monitored["dir"] / "logs")
     root = records["root"]
@@ -129,3 +138,18 @@ def test_the_archive_draws_the_run_offline(monitored, tmp_path):
     assert 'data-series="eval"' in dom
     assert "data-errors" not in dom or 'data-errors="0"' in dom
     assert not console_errors(stderr)
+
+
+def test_eval_every_epochs_0_never_calls_the_eval_function(proc_env, tmp_path):
+    """As in the reference, 0 disables evals: an eval_fn that would raise is never called,
+    the run completes, and the summary has no eval (neither per epoch nor final)."""
+    env = {**proc_env, "FLODL_TEST_EVAL_FAIL": "1"}
+    path = tmp_path / "s.json"
+    two_epochs = ["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "2"]
+    run = Run([*two_epochs, "--eval-every-epochs", "0", "--summary-json", str(path)], env)
+    assert run.wait(90) == 0, run.output
+    summary = json.loads(path.read_text())
+    assert summary["exit_reason"] == "completed" and summary["epochs_completed"] == 2
+    assert summary["final_eval"] is None and summary["eval_metric_name"] is None
+    assert [h["eval"] for h in summary["history"]] == [None, None]
+    assert "eval failed" not in run.output

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,22 @@ def test_schema_and_python_agree_both_ways():
         assert msg["kind"] == cls.KIND
         assert [f.name for f in dataclasses.fields(cls)] == [f["name"] for f in msg["fields"]]
     assert SCHEMA["version"] == m.PROTOCOL_VERSION
+
+
+def test_protocol_readme_speaks_the_schemas_version():
+    """A peer written from proto/README.md must speak the version the code and vectors use."""
+    readme = (ROOT / "proto" / "README.md").read_text()
+    title = re.search(r"^# flodl control protocol, version (\d+)$", readme, re.M)
+    layout = re.search(r"this document describes `(\d+)`", readme)
+    assert title and layout, "proto/README.md no longer states its version where this test looks"
+    assert int(title.group(1)) == int(layout.group(1)) == SCHEMA["version"] == m.PROTOCOL_VERSION
+
+
+def test_frames_use_the_product_cards_names():
+    """The rank's timing report is TimingMsg and the saving stop is ShutdownWithSave; Shutdown no longer saves."""
+    names = {msg["name"] for msg in SCHEMA["messages"]}
+    assert {"TimingMsg", "ShutdownWithSave", "Shutdown"} <= names and "BatchDone" not in names
+    assert not {f.name for f in dataclasses.fields(m.Shutdown)} & {"save_stem", "save_rank", "save_tag"}
 
 
 def test_every_message_has_a_golden_vector():
@@ -250,7 +267,7 @@ def test_reader_survives_random_garbage():
     rng = random.Random(7)
     writer = FrameWriter(SECRET, RUN, "rank0.1")
     reader = FrameReader(SECRET, RUN)
-    good = [writer.encode(m.BatchDone(0, 0, i, 32, 0.5, 1.0, 0.0, 0.0)) for i in range(1, 50)]
+    good = [writer.encode(m.TimingMsg(0, 0, i, 32, 0.5, 1.0, 0.0, 0.0)) for i in range(1, 50)]
     for i in range(5000):
         base = bytearray(rng.choice(good))
         mode = i % 4
@@ -296,7 +313,7 @@ def test_writer_threads_each_pack_their_own_frames():
 
     def work(base: int) -> None:
         for i in range(2000):
-            frames.append(writer.encode(m.BatchDone(base, 0, i + 1, 32, 0.5, 1.0, 0.0, 0.0)))
+            frames.append(writer.encode(m.TimingMsg(base, 0, i + 1, 32, 0.5, 1.0, 0.0, 0.0)))
 
     threads = [threading.Thread(target=work, args=(b,)) for b in range(4)]
     for t in threads:
@@ -313,7 +330,7 @@ def test_reader_fast_path_drops_for_the_reasons_unpack_frame_gives():
     dropped for the reason the full check order (``unpack_frame``) gives, and good ones pass."""
     rng = random.Random(11)
     writer = FrameWriter(SECRET, RUN, "rank0.1")
-    samples = [m.BatchDone(0, 0, 1, 32, 0.5, 1.0, 0.0, 0.0), m.Ping(nonce=3, sent_at=2.0), m.Reject(reason="x" * 300)]
+    samples = [m.TimingMsg(0, 0, 1, 32, 0.5, 1.0, 0.0, 0.0), m.Ping(nonce=3, sent_at=2.0), m.Reject(reason="x" * 300)]
     for i in range(3000):
         frame = bytearray(writer.encode(rng.choice(samples)))
         mode = i % 6
@@ -325,7 +342,7 @@ def test_reader_fast_path_drops_for_the_reasons_unpack_frame_gives():
             frame += rng.randbytes(rng.randint(1, 5))
         elif mode == 4:  # a valid tag over a body that lies about its kind or its length
             body = bytes(frame[HEADER.size : -16])
-            kind = rng.choice([m.Ping.KIND, m.BatchDone.KIND, 999])
+            kind = rng.choice([m.Ping.KIND, m.TimingMsg.KIND, 999])
             unsigned = HEADER.pack(MAGIC, m.PROTOCOL_VERSION, kind, len(body) + rng.choice([0, 0, 1, -1])) + body
             frame = bytearray(unsigned + sign(SECRET, unsigned))
         elif mode == 5:  # someone else's run

@@ -527,3 +527,34 @@ def test_cli_refuses_a_dir_without_logs(tmp_path, capsys):
     _synthetic_run(tmp_path)
     assert reader.main([str(tmp_path), "--path", "root/nope"]) == 2
     assert "root/b.lan" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("reduction", ["sum", "max", "min", "last"])
+def test_the_summary_rows_fold_declared_scalars_as_the_record_stream_does(reduction):
+    """A key declared in ``scalar_reductions`` reads the same in the summary's history
+    (``aggregate``) and at the record tree's root: ``tokens=sum`` is the total in both."""
+    reports = [
+        EpochReport(
+            rank=r,
+            epoch=0,
+            batches=10 + r,
+            samples=(10 + r) * 32,
+            loss_sum=1.0,
+            wall_ms=100.0,
+            compute_ms=80.0,
+            data_ms=1.0,
+            sync_ms=5.0,
+            syncs=2,
+            scalars={"tokens": [500.0 * (r + 1), 10.0 + r]},
+        )
+        for r in range(4)
+    ]
+    stats = aggregate(0, reports, {"tokens": Reduction.parse(reduction)})
+    root = epoch_records(stats, rank_paths(HOSTS), {"tokens": reduction}, ts_ms=TS)[0]
+    assert root["metrics"]["tokens"] == pytest.approx(stats.scalars["tokens"])
+    per_rank = [500.0 * (r + 1) if reduction == "sum" else 500.0 * (r + 1) / (10 + r) for r in range(4)]
+    want = {"sum": sum(per_rank), "max": max(per_rank), "min": min(per_rank), "last": per_rank[3]}[reduction]
+    assert stats.scalars["tokens"] == pytest.approx(want)
+    assert stats.to_dict()["scalars"]["tokens"] == pytest.approx(want)  # what the summary's history[] carries
+    # undeclared, the key keeps the reference's batch-weighted mean of per-rank means
+    assert aggregate(0, reports).scalars["tokens"] == pytest.approx(sum(500.0 * (r + 1) for r in range(4)) / sum(10 + r for r in range(4)))

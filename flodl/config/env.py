@@ -42,6 +42,7 @@ PARENT_PID = "FLODL_PARENT_PID"  # a child exits if its parent is no longer this
 # "ADDR PROBE NONCE" of the host relay a rank sends snapshots to ("": the controller). Worker -> rank
 # only. It was spelled FLODL_BULK_RELAY, the name of the user's relay switch below: now one name, one meaning.
 RELAY_ADDR = "FLODL_RELAY_ADDR"
+SEED = "FLODL_SEED"  # deterministic runs: the run seed a rank seeds its RNGs with before building the task
 
 # ---- switches a user (or a benchmark) sets
 ENCRYPT = "FLODL_ENCRYPT"  # 1|on|yes|true: CURVE-encrypt every plane (as --encrypt); children inherit it
@@ -116,6 +117,7 @@ class RankEnv:
     heartbeat_timeout_s: float
     parent_pid: int
     relay_addr: str = ""  # the host relay's "ADDR PROBE NONCE", or "" (snapshots go to the controller)
+    seed: int = -1  # deterministic runs: the run seed (WorkerWelcome.seed); -1: not deterministic
 
     def to_env(self) -> dict[str, str]:
         return {
@@ -128,6 +130,7 @@ class RankEnv:
             HEARTBEAT_TIMEOUT: repr(self.heartbeat_timeout_s),
             PARENT_PID: str(self.parent_pid),
             RELAY_ADDR: self.relay_addr,
+            SEED: str(self.seed),
         }
 
     @classmethod
@@ -152,7 +155,14 @@ class RankEnv:
             heartbeat_timeout_s=float(env[HEARTBEAT_TIMEOUT]),
             parent_pid=int(env.get(PARENT_PID, "0")),
             relay_addr=env.get(RELAY_ADDR, ""),
+            seed=int(env.get(SEED, "-1") or -1),
         )
+
+
+def fixed_cublas_workspace() -> None:
+    """Deterministic runs: cuBLAS repeats its results only with a fixed workspace, which it reads
+    from ``CUBLAS_WORKSPACE_CONFIG`` when its handle is made (a value the user set wins)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 def child_environ(extra: dict[str, str]) -> dict[str, str]:

@@ -153,7 +153,11 @@ class ElCheConfig:
     # The reference presets 0.5 for CpuAsync; that preset belongs with cpu-async
     # when it lands. Until then None (full overwrite) is the only default.
     easgd_alpha: float | None = _option(
-        None, check=_alpha, kind="float", default_text="off (full overwrite)", help="Elastic averaging weight, in (0, 1]."
+        None,
+        check=_alpha,
+        kind="float",
+        default_text="off (full overwrite)",
+        help="Elastic averaging weight, in (0, 1]; cpu-* modes only (refused with nccl-*).",
     )
     meta_controller: bool = _option(
         True, check=_flag(), kind="bool", help="LR-aware meta-controller that shrinks the anchor on LR drops and convergence."
@@ -182,6 +186,14 @@ class ElCheConfig:
         if self.effective_anchor > self.max_anchor:
             origin = "" if self.anchor is not None else f" (the {self.mode.value} preset)"
             raise ConfigError("anchor", f"{self.effective_anchor}{origin} exceeds max_anchor ({self.max_anchor}); lower it")
+        if self.easgd_alpha is not None and self.mode.backend is AverageBackend.NCCL:
+            # the collective all-reduces in place: every replica becomes the average, there is
+            # no coordinator copy to blend towards, so an alpha would be silently ignored
+            raise ConfigError(
+                "easgd_alpha",
+                f"applies only to the cpu averaging backend (cpu-sync, cpu-cadence, cpu-async); mode {self.mode.value} "
+                "averages through the collective, which overwrites every replica. Unset easgd_alpha or choose a cpu-* mode",
+            )
 
 
 # ---------------------------------------------------------------------------
@@ -287,12 +299,13 @@ class DdpRunConfig:
         kind="epoch_callback_policy",
         help="Rank that runs per-epoch callbacks: fastest or rank:N.",
     )
+    # 0 disables evals as in the seed; unset keeps flodl's default of scoring every epoch
     eval_every_epochs: int | None = _option(
         None,
-        check=_count(1, zero_is_none=True),
+        check=_count(0),
         kind="int",
         default_text="every epoch",
-        help="Run the eval function every N epochs, and after the last (0 or unset: every epoch).",
+        help="Run the eval function every N epochs, and after the last (0: no evals at all, not even the final one).",
     )
     reports_per_epoch: int | None = _option(
         None, check=_count(1, zero_is_none=True), kind="int", default_text="off", help="Sub-epoch monitor reports per epoch (0 = off)."
@@ -344,6 +357,14 @@ class DdpRunConfig:
         default_text="none",
         help="One-shot checkpoint (with mid-epoch coverage) once the cohort trains this epoch; needs save_path.",
     )
+    deterministic: bool = _option(
+        False,
+        check=_flag(),
+        kind="bool",
+        help="Reproducible runs: averaging points and grants fixed by batch counts, never by the clock "
+        "(equal per-rank quotas, the fast rank waits), RNGs seeded from --seed, torch's deterministic "
+        "algorithms; nccl-* modes only.",
+    )
 
     def __post_init__(self) -> None:
         _normalise_fields(self)
@@ -376,6 +397,11 @@ class DdpRunConfig:
         return 1.0 + (world_size - 1) * self.lr_scale_ratio
 
     @property
+    def evals_enabled(self) -> bool:
+        """False when ``eval_every_epochs`` is 0: the task's eval function is never called."""
+        return self.eval_every_epochs != 0
+
+    @property
     def scalar_reduction_map(self) -> dict[str, Reduction]:
         return dict(self.scalar_reductions)
 
@@ -396,6 +422,14 @@ class DdpRunConfig:
             raise ConfigError("checkpoint_at_epoch", "needs save_path (the bundle stem to write)")
         if self.resume_weights_only and self.resume_from is None:
             raise ConfigError("resume_weights_only", "needs resume_from (the bundle whose weights to load)")
+        if self.deterministic and self.elche.mode.backend is AverageBackend.CPU:
+            # the coordinator folds snapshot slices in the order they arrive, scaling each at once
+            # only when every weight is already known: the rounding, so the result, follows the clock
+            raise ConfigError(
+                "deterministic",
+                f"cannot be combined with mode {self.elche.mode.value}: the cpu averaging backend sums the "
+                "replicas in the order they arrive, so its rounding follows timing; use nccl-sync, nccl-cadence or nccl-async",
+            )
         if world_size is not None:
             self._validate_world(world_size)
 
@@ -552,6 +586,10 @@ class DdpRunConfig:
 
     def with_checkpoint_at_epoch(self, epoch: int | None) -> DdpRunConfig:
         return self._replace(checkpoint_at_epoch=epoch)
+
+    def with_deterministic(self, enabled: bool = True) -> DdpRunConfig:
+        """Bit-reproducible runs (same seed, same machine): batch-count schedule, seeded RNGs."""
+        return self._replace(deterministic=enabled)
 
     # ElChe passthroughs.
 
@@ -724,6 +762,8 @@ AVAILABLE_FIELDS: frozenset[str] = frozenset(
         "sample_cache",
         "disk_stage_gb",
         "disk_stage_dir",
+        # reproducible runs
+        "deterministic",
     }
 )
 #: Modes this version can run: all six.

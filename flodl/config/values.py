@@ -11,7 +11,7 @@ from __future__ import annotations
 import decimal
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -154,6 +154,33 @@ class Reduction(_TextEnum):
     @classmethod
     def parse(cls, text: Any, *, field_name: str | None = "scalar_reductions") -> Reduction:
         return super().parse(text, field_name=field_name)
+
+    def fold(self, contribs: Sequence[tuple[float, float]]) -> float | None:
+        """Fold ``(value, work)`` pairs of the children that reported a key.
+
+        ``None`` (absent) when nobody reported it, or for Mean when the summed work
+        is not positive: a zero-work child realized nothing and weighs nothing.
+        Last takes the highest-work child (ties: the later one in child order),
+        since children of one node have no time order between them. The record
+        tree and the run summary's epoch rows both fold with this.
+        """
+        if not contribs:
+            return None
+        values = [v for v, _ in contribs]
+        if self is Reduction.SUM:
+            return math.fsum(values)
+        if self is Reduction.MAX:
+            return max(values)
+        if self is Reduction.MIN:
+            return min(values)
+        if self is Reduction.LAST:
+            best_value, best_work = contribs[0]
+            for value, work in contribs[1:]:
+                if work >= best_work:
+                    best_value, best_work = value, work
+            return best_value
+        wsum = math.fsum(w for _, w in contribs)
+        return math.fsum(v * w for v, w in contribs) / wsum if wsum > 0 else None
 
 
 #: Keys whose roll-up is fixed by the runtime; user declarations cannot change them.

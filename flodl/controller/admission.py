@@ -129,6 +129,7 @@ class Admission:
                 heartbeat_timeout_s=self.deadlines.heartbeat_s,
                 bulk_port=averaging.port if averaging is not None else 0,
                 bulk_relay=relay,
+                seed=self.launch.seed if self.config.deterministic else -1,
             ),
             worker.identity,
         )

@@ -188,7 +188,7 @@ class Controller:
             m.WorkerHello: self.admission.on_worker_hello,
             m.RankHello: self.admission.on_rank_hello,
             m.RankReady: self.admission.on_rank_ready,
-            m.BatchDone: self.training.on_batch_done,
+            m.TimingMsg: self.training.on_batch_done,
             m.WindowDone: self.training.on_window_done,
             m.EvalResult: self.training.on_eval_result,
             m.RankError: self.liveness.on_rank_error,
@@ -363,17 +363,17 @@ class Controller:
             steps_per_epoch=max(1, schedule.epoch_len(0) // info.batch_size),
         )
         await self._run_windows()
-        if info.has_eval and total_epochs - 1 not in training.eval_requests:
+        if training.evals_on and total_epochs - 1 not in training.eval_requests:
             # nothing was left to train (a resumed bundle that was complete): score it once all the same
             training.request_eval(total_epochs - 1)
-        if info.has_eval:
+        if training.evals_on:
             await run.until(lambda: total_epochs - 1 in training.evals, self.launch.eval_timeout_secs, "the final eval")
         if self.checkpoints.stem:
             await self.saving.checkpoint("final", call_fn=False, wait=True)
         run.mark_finished()
         training.flush_epoch_lines()
         await self.teardown.shutdown_peers()
-        failed = [e for e in training.evals.values() if e.error] if info.has_eval else []
+        failed = [e for e in training.evals.values() if e.error] if training.evals_on else []
         if failed and len(failed) == len(training.evals):
             # trained, but nothing says how well: not a plain success (the last error says why)
             summary = self.summary("completed, every eval failed", EXIT_EVALS_FAILED)
@@ -408,7 +408,9 @@ class Controller:
                 self.liveness.cpu_round_done(number, ms)
 
             averaging.on_round = on_round
-        depth = 1 if self.config.elche.mode.policy is ApplyPolicy.SYNC else 2
+        # deterministic: one window at a time too, so an epoch's RunEval reaches the eval rank
+        # before its next window does, and scores exactly the average that closed the epoch
+        depth = 1 if self.config.elche.mode.policy is ApplyPolicy.SYNC or self.config.deterministic else 2
         in_flight: list[int] = []
         while True:
             # a collective joiner on its way: plan one window at a time, so it waits for one boundary, not two

@@ -55,7 +55,6 @@ def summarize(
             row["sync_ms"] += part.sync_ms
     last = history[-1] if history else None
     task_info = admission.task_info
-    has_eval = task_info is not None and task_info.has_eval
     evals = training.evals
     final_eval = evals.get(training.total_epochs - 1)
     eval_s = sum(e.elapsed_ms for e in evals.values()) / 1000.0
@@ -78,7 +77,7 @@ def summarize(
         "syncs": cadence.syncs if cadence else 0,
         "final_loss": last.avg_loss if last else None,
         "final_eval": final_eval.value if final_eval else None,
-        "eval_metric_name": task_info.eval_metric if has_eval and task_info is not None else None,
+        "eval_metric_name": task_info.eval_metric if training.evals_on and task_info is not None else None,
         "history": [s.to_dict() for s in history],
         "deaths": [
             {"rank": r.rank, "host": r.host, "pid": r.pid, "reason": r.death} for r in members.ranks.values() if r.state is PeerState.DEAD

@@ -98,7 +98,7 @@ class Teardown:
             self.members.worker_gone(env.sender)
         self.run.changed()
 
-    def _broadcast_shutdown(self, msg: m.Shutdown) -> None:
+    def _broadcast_shutdown(self, msg: m.Shutdown | m.ShutdownWithSave) -> None:
         """To every worker and every rank that ever said hello, dead ones included:
         a rank we gave up on may still be listening and can exit on its own."""
         identities = [w.identity for w in self.members.workers.values() if not w.exited]
@@ -111,7 +111,7 @@ class Teardown:
         # a rank still starting (a late worker's, a healing restart) would not hear the Shutdown
         # until it said hello: its worker would wait out its whole grace period for it
         self.admission.drop_all_joiners("the run ended before it joined")
-        self._broadcast_shutdown(m.Shutdown(reason="run complete", abort=False, save_stem="", save_rank=-1, save_tag=""))
+        self._broadcast_shutdown(m.Shutdown(reason="run complete", abort=False))
         await self._wait_peers_gone(SHUTDOWN_WAIT_S)
         self.run.to(Phase.DONE)
 
@@ -123,7 +123,9 @@ class Teardown:
         self.console.failed(str(exc))
         stem, writer, tag = self.saving.shutdown_save or ("", -1, "")
         if self.plane.endpoint is not None:
-            self._broadcast_shutdown(m.Shutdown(reason=str(exc)[:500], abort=True, save_stem=stem, save_rank=writer, save_tag=tag))
+            reason = str(exc)[:500]
+            stop = m.ShutdownWithSave(reason, True, stem, writer, tag) if stem else m.Shutdown(reason=reason, abort=True)
+            self._broadcast_shutdown(stop)
         await self._wait_peers_gone(ABORT_WAIT_S + (CHECKPOINT_WAIT_S if stem else 0.0))
         if stem:
             if self.checkpoints.written and self.checkpoints.written[-1]["version"] == SHUTDOWN_SAVE:

@@ -1,6 +1,6 @@
 """Training's books: the cadence loop, the windows' reports, each epoch's progress, stats and eval.
 
-``Training`` owns what the training messages (``BatchDone``, ``WindowDone``,
+``Training`` owns what the training messages (``TimingMsg``, ``WindowDone``,
 ``EvalResult``) record and what the progress and epoch lines print; the
 conductor (core.py) drives the windows and asks it to plan, settle and
 finish epochs.
@@ -53,7 +53,7 @@ class Training:
         self.cadence: CadenceLoop | None = None
         self.window_reports: dict[int, dict[int, m.WindowDone]] = {}
         self.window_batches: dict[int, int] = {}  # rank -> batches reported in the current window
-        self._timing_window = False  # a calibration window is being timed: every BatchDone wakes the conductor
+        self._timing_window = False  # a calibration window is being timed: every TimingMsg wakes the conductor
         self.history: list[EpochStats] = []
         self.evals: dict[int, m.EvalResult] = {}
         self.eval_requests: dict[int, int] = {}  # epoch -> rank asked to score it
@@ -113,7 +113,7 @@ class Training:
         """Every how many epochs an average must fall on the edge: evals and checkpoints score and
         keep the model of an epoch's end (a window may span more epochs than that only in between)."""
         every = [FLOW_MAX_EPOCHS]
-        if self.task.has_eval:
+        if self.evals_on:
             every.append(self.config.eval_every_epochs or 1)
         if self.config.checkpoint_every:
             every.append(self.config.checkpoint_every)
@@ -171,8 +171,13 @@ class Training:
     def finish_epoch(self, stats: EpochStats, window: int = -1) -> None:
         """An epoch is fully trained and averaged (by ``window``): record it and ask for its eval."""
         self.history.append(stats)
-        if self.task.has_eval and self._eval_due(stats.epoch):
+        if self.evals_on and self._eval_due(stats.epoch):
             self.request_eval(stats.epoch, window)
+
+    @property
+    def evals_on(self) -> bool:
+        """The task has an eval function and ``eval_every_epochs`` is not 0 (False before training)."""
+        return self.info is not None and self.info.has_eval and self.config.evals_enabled
 
     def _eval_due(self, epoch: int) -> bool:
         """``eval_every_epochs``: every N epochs and always the last (unset: every epoch)."""
@@ -226,7 +231,7 @@ class Training:
         """Print each finished epoch once its eval (if any) is in, in order."""
         if self.info is None:
             return  # nothing trained yet
-        metric = self.info.eval_metric if self.info.has_eval else None
+        metric = self.info.eval_metric if self.evals_on else None
         while self._printed < len(self.history):
             stats = self.history[self._printed]
             if metric is not None and stats.epoch in self.eval_requests:
@@ -251,13 +256,13 @@ class Training:
             "epochs": self.total_epochs,
             "dataset_len": info.dataset_len,
             "batch_size": info.batch_size,
-            "eval_metric": info.eval_metric if info.has_eval else None,
+            "eval_metric": info.eval_metric if self.evals_on else None,
             "reports_per_epoch": self.config.reports_per_epoch,
         }
 
     # ============================================================ handlers
 
-    def on_batch_done(self, identity: bytes, env: Envelope, msg: m.BatchDone) -> None:
+    def on_batch_done(self, identity: bytes, env: Envelope, msg: m.TimingMsg) -> None:
         if msg.rank in self.window_batches:
             self.window_batches[msg.rank] += 1
             if self._timing_window:

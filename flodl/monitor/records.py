@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import CORE_REDUCTIONS, Reduction
-from ..plan.metrics import EpochStats
+from ..plan.metrics import EpochStats, rank_scalar
 
 VERSION = 1
 ROOT = "root"
@@ -68,34 +68,8 @@ def reduction_for(key: str, declared: Reductions) -> Reduction:
 
 
 def reduce(reduction: Reduction, contribs: Sequence[tuple[float, float]]) -> float | None:
-    """Fold ``(value, work)`` pairs of the children that reported a key.
-
-    ``None`` (absent) when nobody reported it, or for Mean when the summed work
-    is not positive: a zero-work child realized nothing and weighs nothing.
-    Last takes the highest-work child (ties: the later one in child order),
-    since children of one node have no time order between them.
-    """
-    if not contribs:
-        return None
-    values = [v for v, _ in contribs]
-    if reduction is Reduction.SUM:
-        return math.fsum(values)
-    if reduction is Reduction.MAX:
-        return max(values)
-    if reduction is Reduction.MIN:
-        return min(values)
-    if reduction is Reduction.LAST:
-        return _highest_work_value(contribs)
-    wsum = math.fsum(w for _, w in contribs)
-    return math.fsum(v * w for v, w in contribs) / wsum if wsum > 0 else None
-
-
-def _highest_work_value(contribs: Sequence[tuple[float, float]]) -> float:
-    best_value, best_work = contribs[0]
-    for value, work in contribs[1:]:
-        if work >= best_work:
-            best_value, best_work = value, work
-    return best_value
+    """Fold ``(value, work)`` pairs of the children that reported a key (``Reduction.fold``)."""
+    return reduction.fold(contribs)
 
 
 def _is_number(value: object) -> bool:
@@ -367,9 +341,7 @@ def epoch_leaf_metrics(stats: EpochStats, rank: int, reductions: Reductions | No
         return {}, 0.0
     declared = reductions or {}
     metrics: dict[str, float] = {
-        key: total if reduction_for(key, declared) is Reduction.SUM else total / count
-        for key, (total, count) in part.scalars.items()
-        if count > 0
+        key: rank_scalar(total, count, reduction_for(key, declared)) for key, (total, count) in part.scalars.items() if count > 0
     }
     if part.batches > 0:
         metrics["loss"] = part.loss_sum / part.batches

@@ -71,6 +71,7 @@ class CadenceLoop:
             max_overshoot=elche_cfg.max_overshoot,
             max_batch_diff=elche_cfg.max_batch_diff,
             epoch_len=self.schedule.epoch_len,
+            fixed=config.deterministic,
         )
         # a window is at most an epoch's batches, or a few epochs' when epochs flow into each other
         # (the dispatcher's ``flows``) and nothing needs every edge (``span_epochs``: evals, checkpoints)
@@ -81,6 +82,9 @@ class CadenceLoop:
         self.global_step = global_step
         self.window = 0
         self.config = config
+        # deterministic: ElChe's counts stay as the config sets them (anchor, or partition_ratios);
+        # no timing, verdict or saved state ever changes them, so no clock reaches a plan
+        self.deterministic = config.deterministic
         self.dead: set[int] = set()
         self.regranted = 0  # samples a dead rank held that went back to the pool
         self.collective = elche_cfg.mode.backend is AverageBackend.NCCL
@@ -222,7 +226,7 @@ class CadenceLoop:
         self.global_step = int(meta["global_step"])
         self.syncs = int(meta.get("sync_round", 0))
         state = meta.get("elche_state")
-        if state and state.get("world_size") == len(self.ranks):
+        if state and state.get("world_size") == len(self.ranks) and not self.deterministic:
             self.elche.load_state_dict(state)
 
     @property
@@ -287,10 +291,10 @@ class CadenceLoop:
             self.dispatcher.reclaim(rank)  # a dead rank's reserved partitions go to the survivors
         self.global_step += sum(r.batches for r in reports.values())
         live = {r: reports[r] for r in self.ranks if r in reports}
-        if len(live) == len(self.ranks) and not any(p.dead for p in plans.values()):
-            self._tune(window, plans, live, (now - self.started.pop(window)) * 1000.0 - self.paused_ms)
-        else:
-            self.started.pop(window, None)  # a window cut short by a death says nothing about speed
+        started = self.started.pop(window, now)
+        # a window cut short by a death says nothing about speed; a deterministic run never learns it
+        if len(live) == len(self.ranks) and not any(p.dead for p in plans.values()) and not self.deterministic:
+            self._tune(window, plans, live, (now - started) * 1000.0 - self.paused_ms)
         self.paused_ms = 0.0
         return [self._close(epoch, now) for epoch in self.dispatcher.take_completed()]
 
@@ -403,7 +407,7 @@ class CadenceLoop:
             )
             for rank, c in sorted(acc.rows.items())
         ]
-        return aggregate(epoch, reports)
+        return aggregate(epoch, reports, self.config.scalar_reduction_map)
 
     def telemetry(self) -> dict[str, Any]:
         """ElChe and guard numbers for the run summary."""

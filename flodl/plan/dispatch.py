@@ -15,6 +15,10 @@ from the epoch's ``EpochPool``), and when to stop:
 * **Async** — a batch quota per rank (ElChe's counts); at an epoch's tail a
   rank may stream into the next epoch, at most ``max_overshoot`` batches.
 
+``fixed`` (the ``deterministic`` option): no probe, and Cadence's stop rule
+is its batch count, not the clock; with counts that never change, every plan
+is then a function of batch counts alone.
+
 Cold start (no timing yet): an open-ended probe window in which every rank
 trains as fast as it can until the controller has timed a few batches of the
 slowest, so nobody idles while speeds are measured. Tail
@@ -99,6 +103,7 @@ class Dispatcher:
         max_batch_diff: int | None = None,
         start_epoch: int = 0,
         epoch_len: Callable[[int], int] | None = None,
+        fixed: bool = False,
     ) -> None:
         if not ranks:
             raise ValueError("no ranks")
@@ -110,6 +115,9 @@ class Dispatcher:
         self.batch_size = batch_size
         self.epochs = epochs
         self.progressive = progressive
+        # ``deterministic``: no probe, and Cadence stops on a batch quota (its counts) instead of the
+        # clock, so every plan is a function of batch counts alone (the counts stay fixed: CadenceLoop)
+        self.fixed = fixed
         self.max_batch_diff = max_batch_diff
         self.pools: dict[int, EpochPool] = {}
         self.next_epoch = start_epoch  # the next pool to create
@@ -176,7 +184,7 @@ class Dispatcher:
         plans = {r: WindowPlan(r) for r in self.ranks}
         if self.policy is ApplyPolicy.SYNC:
             self._plan_sync(pool, plans)
-        elif not elche.calibrated:
+        elif not elche.calibrated and not self.fixed:
             self._plan_probe(pool, plans)
         else:
             self._plan_cadence_or_async(pool, plans, elche, shares)
@@ -250,7 +258,7 @@ class Dispatcher:
         for r, plan in plans.items():
             plan.kind = "full"
             self._grant(pool, plan, counts[r])
-            if self.policy is ApplyPolicy.CADENCE:
+            if self.policy is ApplyPolicy.CADENCE and not self.fixed:
                 plan.quota_ms = elche.anchor_wall_ms()
                 plan.quota_batches = cap or 0
             else:
@@ -290,8 +298,8 @@ class Dispatcher:
         for r, plan in plans.items():
             plan.kind = "full"
             self._grant(pool, plan, old[r])
-            plan.quota_ms = elche.anchor_wall_ms()
-            plan.quota_batches = cap or 0
+            plan.quota_ms = 0.0 if self.fixed else elche.anchor_wall_ms()
+            plan.quota_batches = counts[r] if self.fixed else (cap or 0)
         for r, plan in plans.items():
             self._grant_flowing(nxt, plan, max(0, counts[r] - old[r]), counts)
         for r, plan in plans.items():

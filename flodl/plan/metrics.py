@@ -4,7 +4,9 @@ Pure logic. ``EpochCounters`` is the one record of what a rank did in an
 epoch: the rank fills it batch by batch, ``WindowDone.epochs`` carries it as
 rows, the controller sums it per rank until the epoch closes. Loss is
 batch-weighted across ranks; user scalars (sum, count pairs) are averaged per
-rank, then batch-weighted across the ranks that recorded them; an epoch's wall
+rank, then batch-weighted across the ranks that recorded them, unless the run
+declares another reduction for the key (``scalar_reductions``: then they fold
+exactly as the record stream's tree does, a ``sum`` key to its total); an epoch's wall
 time is its slowest rank's. Golden values from the reference runtime are in
 ``tests/test_pure.py`` (``test_epoch_aggregation_golden``).
 """
@@ -15,6 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
+
+from ..config.values import Reduction
 
 
 @dataclass
@@ -168,24 +172,35 @@ class EpochStats:
         }
 
 
-def aggregate(epoch: int, reports: Iterable[EpochReport]) -> EpochStats:
-    """Fold every report of ``epoch`` into an ``EpochStats``."""
+def rank_scalar(total: float, count: float, reduction: Reduction) -> float:
+    """One rank's value of a user scalar over an epoch: its total for a count
+    declared ``sum`` (tokens seen), else its mean. The record stream's leaves hold the same."""
+    return total if reduction is Reduction.SUM else total / count
+
+
+def _fold_scalar(key: str, per_rank: Mapping[int, RankEpoch], reduction: Reduction) -> float | None:
+    """``key`` across the ranks that recorded it, as the record stream rolls it up
+    (weights: samples); the default Mean stays the reference's batch-weighted mean."""
+    recorded = [(p, p.scalars[key]) for p in per_rank.values() if p.scalars.get(key, (0.0, 0.0))[1] > 0 and p.batches > 0]
+    if reduction is not Reduction.MEAN:
+        return reduction.fold([(rank_scalar(total, count, reduction), float(p.samples)) for p, (total, count) in recorded])
+    den = sum(p.batches for p, _ in recorded)
+    return sum(total / count * p.batches for p, (total, count) in recorded) / den if den > 0 else None
+
+
+def aggregate(epoch: int, reports: Iterable[EpochReport], reductions: Mapping[str, Reduction] | None = None) -> EpochStats:
+    """Fold every report of ``epoch`` into an ``EpochStats``; ``reductions`` are the run's
+    ``scalar_reductions`` (undeclared keys: Mean)."""
     per_rank: dict[int, RankEpoch] = {}
     for report in reports:
         per_rank.setdefault(report.rank, RankEpoch(report.rank)).add(report)
     batches = sum(p.batches for p in per_rank.values())
     loss_sum = sum(p.loss_sum for p in per_rank.values())
     scalars: dict[str, float] = {}
-    keys = sorted({k for p in per_rank.values() for k in p.scalars})
-    for key in keys:
-        num = den = 0.0
-        for p in per_rank.values():
-            total, count = p.scalars.get(key, (0.0, 0.0))
-            if count > 0 and p.batches > 0:
-                num += total / count * p.batches
-                den += p.batches
-        if den > 0:
-            scalars[key] = num / den
+    for key in sorted({k for p in per_rank.values() for k in p.scalars}):
+        value = _fold_scalar(key, per_rank, (reductions or {}).get(key, Reduction.MEAN))
+        if value is not None:
+            scalars[key] = value
     return EpochStats(
         epoch=epoch,
         avg_loss=loss_sum / batches if batches else None,

@@ -25,6 +25,7 @@ from ..wire import messages as m
 from .collective import CollectiveAverager
 from .cpu_average import CpuAverager
 from .data import to_device
+from .determinism import traceless
 from .norms import recalibrate
 
 if TYPE_CHECKING:
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
     from .link import ControllerLink
 
 log = logging.getLogger("flodl.rank.runner")
+
+#: Deterministic runs: an eval of epoch e draws from RNG stream EVAL_STREAM + e (training's are 1..ranks).
+EVAL_STREAM = 1 << 32
 
 
 class Evaluating:
@@ -50,6 +54,8 @@ class Evaluating:
     evals_taken: int
     norm_layers: list
     norms_stale: bool
+    deterministic: bool
+    welcome: m.RankWelcome | None
 
     if TYPE_CHECKING:
 
@@ -72,7 +78,11 @@ class Evaluating:
         if self.task.eval_fn is None:
             error = "the task has no eval_fn"
         else:
-            with self._scored_model(getattr(cmd, "window", -1)):
+            # deterministic: the eval falls between two batches where the clock puts it; it
+            # must leave the RNGs and the BatchNorm statistics as training left them
+            seed = self.welcome.seed if self.deterministic and self.welcome is not None else None
+            no_trace = traceless(self.model, seed, EVAL_STREAM + cmd.epoch) if seed is not None else contextlib.nullcontext()
+            with no_trace, self._scored_model(getattr(cmd, "window", -1)):
                 self._refresh_norms(cmd.epoch)
                 was_training = self.model.training
                 self.model.eval()

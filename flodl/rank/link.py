@@ -29,7 +29,7 @@ import zmq
 
 from ..errors import EXIT_CONTROLLER_LOST, EXIT_RANK_LOST, DeadlineExceeded, PeerLost
 from ..wire.codec import FrameReader, FrameWriter
-from ..wire.messages import EndWindow, Heartbeat, Regroup, RunEval, Shutdown
+from ..wire.messages import EndWindow, Heartbeat, Regroup, RunEval, Shutdown, ShutdownWithSave
 from ..wire.transport import make_dealer
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class ControllerLink:
         self._saving = False  # the training thread writes a checkpoint (``saving``, ``hold_exit``)
         self._saving_since: float | None = None
         self.lost: str | None = None  # why the controller is considered gone
-        self.shutdown: Shutdown | None = None
+        self.shutdown: Shutdown | ShutdownWithSave | None = None
         self.end_window = -1  # the highest window the controller asked to end
         self.evals_asked = 0  # RunEval commands received (the training thread takes them early)
         self.regroup: Regroup | None = None  # the newest membership change
@@ -277,7 +277,7 @@ class ControllerLink:
                 # must not wait behind the window it is meant to end
                 self.end_window = max(self.end_window, msg.window)
                 continue
-            if isinstance(msg, Shutdown):
+            if isinstance(msg, (Shutdown, ShutdownWithSave)):
                 self.shutdown = msg
             self.commands.put(msg)
             if isinstance(msg, RunEval):

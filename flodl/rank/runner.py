@@ -64,6 +64,7 @@ from .collective import CollectiveAverager, Superseded, build_group
 from .compiling import compile_model
 from .cpu_average import BulkLink, CpuAverager
 from .data import BatchSource, to_device
+from .determinism import seed_everything, use_deterministic_algorithms
 from .disk_stage import DiskStage
 from .evaluation import Evaluating
 from .flat import FlatModel, model_digest
@@ -134,6 +135,7 @@ class RankRunner(Regrouping, Evaluating):
         self.global_step = 0
         self.current_epoch = -1
         self.config: DdpRunConfig | None = None
+        self.deterministic = False  # the run's ``deterministic`` option (set at join)
         self._saved_on_shutdown = False
         self.generation = 0
         self.redoing = False  # an average failed and is to be redone in the next generation
@@ -193,13 +195,13 @@ class RankRunner(Regrouping, Evaluating):
             return self._fail("build", exc, EXIT_TASK_ERROR)
         self.link.send(hello)
         try:
-            reply = self._await(m.RankWelcome, m.Reject, m.Shutdown)
+            reply = self._await(m.RankWelcome, m.Reject, m.Shutdown, m.ShutdownWithSave)
         except Stop:
             return self._stopped()
         if isinstance(reply, m.Reject):
             log.error("rank %d refused by the controller: %s", self.rank, reply.reason)
             return EXIT_TASK_ERROR
-        if isinstance(reply, m.Shutdown):
+        if isinstance(reply, (m.Shutdown, m.ShutdownWithSave)):
             return EXIT_OK if not reply.abort else EXIT_RANK_LOST
         try:
             self._join(reply)
@@ -220,7 +222,7 @@ class RankRunner(Regrouping, Evaluating):
                 cmd = self._next()
             except Stop:
                 return self._stopped()
-            if isinstance(cmd, m.Shutdown):
+            if isinstance(cmd, (m.Shutdown, m.ShutdownWithSave)):
                 if not cmd.abort:
                     self._settle_background()  # the last average lands: replicas end equal
                 self._save_on_shutdown(cmd)
@@ -295,9 +297,9 @@ class RankRunner(Regrouping, Evaluating):
         self.faults.reach("save")  # tests: the files are written, the controller has not committed them
         self.link.send(done)
 
-    def _save_on_shutdown(self, cmd: m.Shutdown) -> None:
+    def _save_on_shutdown(self, cmd: m.Shutdown | m.ShutdownWithSave) -> None:
         """ShutdownWithSave: the elected survivor writes the model and optimizer files."""
-        if not cmd.save_stem or cmd.save_rank != self.rank or self.optimizer is None or self._saved_on_shutdown:
+        if not isinstance(cmd, m.ShutdownWithSave) or cmd.save_rank != self.rank or self.optimizer is None or self._saved_on_shutdown:
             return
         self._saved_on_shutdown = True
         with self.link.saving():  # the link must not hard-exit us mid-write
@@ -322,7 +324,7 @@ class RankRunner(Regrouping, Evaluating):
             m.RankError(rank=self.rank, stage=stage, error=f"{type(exc).__name__}: {exc}"[:2000], detail=detail, generation=self.generation)
         )
         try:
-            self._await(m.Shutdown, timeout_s=self.deadlines.verdict_wait_s)
+            self._await(m.Shutdown, m.ShutdownWithSave, timeout_s=self.deadlines.verdict_wait_s)
         except (DeadlineExceeded, PeerLost, Stop):
             pass
         if self.link.shutdown is not None:
@@ -369,6 +371,9 @@ class RankRunner(Regrouping, Evaluating):
     # ---------------------------------------------------------------- setup
 
     def _build(self) -> m.RankHello:
+        if self.env.seed >= 0:  # deterministic: before CUDA, and before the task draws any random number
+            use_deterministic_algorithms()
+            seed_everything(self.env.seed)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             # a collective NCCL gives up on must raise in this rank, not kill it: the
@@ -466,6 +471,9 @@ class RankRunner(Regrouping, Evaluating):
         # (collective: a broadcast; CPU: the next average, taken whole)
         if not welcome.late:
             self._take_first_consensus(welcome)
+        self.deterministic = config.deterministic
+        if config.deterministic:
+            seed_everything(welcome.seed, stream=self.rank + 1)  # each rank its own stream (dropout), the same every run
         optimizer = self.optimizer = self.task.optimizer(self.model)
         self.graphed = compile_model(self.model, self.task.compile, self.device)  # after flattening: see compiling.py
         if config.resume_from and not welcome.late and not config.resume_weights_only:
@@ -692,7 +700,7 @@ class RankRunner(Regrouping, Evaluating):
         for round_index in range(rounds):
             self.position = ((window or 0) << 16) | round_index
             stepped = 0
-            last: m.BatchDone | None = None
+            last: m.TimingMsg | None = None
             while not exhausted and (not sync_every or stepped < sync_every):
                 if averager.adopting:
                     exhausted = True  # a joiner without the consensus yet trains nothing (its grants go back)
@@ -726,8 +734,10 @@ class RankRunner(Regrouping, Evaluating):
                 last = self._report(records, stats, last)
             last = self._report(self.meter.drain(), stats, last)  # the device catches up: a window's end may wait
             # a window's end average (Cadence, Async) runs in the background on either backend:
-            # a rank never waits at it for a slower peer; Sync's per-batch rounds block
-            block = bool(sync_every)
+            # a rank never waits at it for a slower peer; Sync's per-batch rounds block, and so
+            # does every average of a deterministic run (a background one lands at whichever
+            # batch is running when it completes: a clock's choice)
+            block = bool(sync_every) or self.deterministic
             averaged = self._average(float(stepped), measure=measure, block=block, round_index=round_index, stats=stats)
             stats.averaged(averaged)
             if last is not None:
@@ -775,7 +785,7 @@ class RankRunner(Regrouping, Evaluating):
                 raise UserError("epoch_fn", exc) from exc
             self.link.doing("step")
 
-    def _report(self, records: list[StepRecord], stats: RoundStats, last: m.BatchDone | None) -> m.BatchDone | None:
+    def _report(self, records: list[StepRecord], stats: RoundStats, last: m.TimingMsg | None) -> m.TimingMsg | None:
         """Count steps whose records are known, and queue their reports (each one a step late:
         the round's last report carries the average's time, set by the caller)."""
         for rec in records:
@@ -790,7 +800,7 @@ class RankRunner(Regrouping, Evaluating):
                 # lazily (the link's next flush) but in a probe, whose end waits on these counts: a
                 # fast rank through its share would idle for the flush interval, a short epoch's worth
                 (self.link.send if self.probing else self.link.send_lazy)(last)
-            last = m.BatchDone(self.rank, rec.epoch, rec.step, rec.samples, rec.loss, rec.compute_ms, rec.data_ms, 0.0)
+            last = m.TimingMsg(self.rank, rec.epoch, rec.step, rec.samples, rec.loss, rec.compute_ms, rec.data_ms, 0.0)
         return last
 
     def _step(self, batch: Any, *, epoch: int, samples: int, data_ms: float) -> list[StepRecord]:

@@ -4,7 +4,7 @@ For loopback tests and control-plane benchmarks: a ``SimWorker`` says hello
 like ``flodl.worker`` and, once welcomed, starts one ``SimRank`` task per
 device instead of a process. A ``SimRank`` opens its own DEALER, joins,
 "trains" each slice it is granted by sending the same frames a real rank
-sends (``BatchDone`` per batch, ``WindowDone`` per window) after an optional
+sends (``TimingMsg`` per batch, ``WindowDone`` per window) after an optional
 per-batch delay, answers evals, and leaves on ``Shutdown``. No torch, no
 collective: what is under test is the controller.
 
@@ -173,7 +173,7 @@ class SimWorker:
             async with asyncio.TaskGroup() as tg:
                 beat = tg.create_task(peer.beat())
                 peer.send(m.WorkerHello(host=self.host, pid=os.getpid(), devices=["cpu"] * len(self.specs), versions=VERSIONS))
-                welcome = await peer.expect(m.WorkerWelcome, m.Reject, m.Shutdown)
+                welcome = await peer.expect(m.WorkerWelcome, m.Reject, m.Shutdown, m.ShutdownWithSave)
                 if not isinstance(welcome, m.WorkerWelcome):
                     peer.send(m.Exiting(rank=-1, reason="refused" if isinstance(welcome, m.Reject) else "shutdown", digest=""))
                     await asyncio.sleep(0.05)
@@ -182,7 +182,7 @@ class SimWorker:
                 ranks = [
                     tg.create_task(self._rank(peer, rank, spec, welcome)) for rank, spec in zip(welcome.ranks, self.specs, strict=False)
                 ]
-                await peer.expect(m.Shutdown, timeout_s=3600)
+                await peer.expect(m.Shutdown, m.ShutdownWithSave, timeout_s=3600)
                 await asyncio.wait(ranks, timeout=5)
                 for rank, outcome in self.outcomes.items():
                     if outcome == "silent":  # a real worker kills a hung rank and reports it
@@ -222,15 +222,15 @@ class SimWorker:
                 batch_size=self.batch_size,
             )
         )
-        welcome = await peer.expect(m.RankWelcome, m.Reject, m.Shutdown)
+        welcome = await peer.expect(m.RankWelcome, m.Reject, m.Shutdown, m.ShutdownWithSave)
         if not isinstance(welcome, m.RankWelcome):
             return "refused"
         peer.send(m.RankReady(rank=rank, generation=welcome.generation, init_ms=0.0))
         step = 0
         rng = random.Random(spec.seed)
         while True:
-            cmd = await peer.expect(m.Window, m.RunEval, m.Shutdown, timeout_s=3600)
-            if isinstance(cmd, m.Shutdown):
+            cmd = await peer.expect(m.Window, m.RunEval, m.Shutdown, m.ShutdownWithSave, timeout_s=3600)
+            if isinstance(cmd, (m.Shutdown, m.ShutdownWithSave)):
                 peer.send(m.Exiting(rank=rank, reason=cmd.reason, digest=""))
                 await asyncio.sleep(0.05)
                 return "aborted" if cmd.abort else "completed"
@@ -283,12 +283,12 @@ class SimWorker:
                 await asyncio.sleep(ms / 1000.0)
             trained.append((epoch, samples))
             per_epoch.setdefault(epoch, EpochCounters()).add_batch(samples, 1.0 / step, ms, 0.0)
-            peer.send(m.BatchDone(rank, epoch, step, samples, 1.0 / step, ms, 0.0, 0.0))
+            peer.send(m.TimingMsg(rank, epoch, step, samples, 1.0 / step, ms, 0.0, 0.0))
             self.batches_sent += 1
         if self.trained is not None:
             self._record(rank, cmd, sum(s for _, s in trained))
         if outcome == -2:
-            await peer.expect(m.Shutdown, timeout_s=3600)  # a hung rank: it hears, never answers
+            await peer.expect(m.Shutdown, m.ShutdownWithSave, timeout_s=3600)  # a hung rank: it hears, never answers
             return -2
         if outcome is not None:
             return outcome

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 @dataclass(slots=True)
@@ -48,6 +48,8 @@ class WorkerWelcome:
     """port of the controller's bulk-plane socket (CPU averaging backend), 0 when unused"""
     bulk_relay: bool
     """run a host relay: this host's ranks send their snapshots to the worker, which pre-averages them (weighted) and sends one snapshot upstream per round, so the controller's ingress grows with hosts, not ranks"""
+    seed: int
+    """deterministic runs: the run seed, with which the ranks seed every RNG before building the task and turn on torch's deterministic algorithms; -1 otherwise"""
 
 
 @dataclass(slots=True)
@@ -150,8 +152,8 @@ class RankReady:
 
 
 @dataclass(slots=True)
-class BatchDone:
-    """A rank finished one optimizer step; timing and loss for the cadence, the monitor and liveness. (rank -> controller)"""
+class TimingMsg:
+    """A rank's timing report for one optimizer step: timing and loss for the cadence, the monitor and liveness. (rank -> controller)"""
 
     KIND: ClassVar[int] = 9
     rank: int
@@ -225,19 +227,13 @@ class EvalResult:
 
 @dataclass(slots=True)
 class Shutdown:
-    """Stop: after a completed run, or abort a failed one; peers exit and leave no process behind. (controller -> worker|rank)"""
+    """Stop: after a completed run, or abort a failed one without saving; peers exit and leave no process behind. (controller -> worker|rank)"""
 
     KIND: ClassVar[int] = 14
     reason: str
     """why, for logs"""
     abort: bool
     """true when the run failed and ranks should not wait on peers"""
-    save_stem: str
-    """ShutdownWithSave: the bundle stem save_rank writes before exiting (empty: no save)"""
-    save_rank: int
-    """the rank that writes the bundle's data files (-1: none)"""
-    save_tag: str
-    """name part of that save's data files: save_rank writes <save_stem>.<save_tag>.fdl and .optim, new names, so the committed bundle stays whole until the controller's sidecar names the new files (empty: no save)"""
 
 
 @dataclass(slots=True)
@@ -476,7 +472,7 @@ class SaveCheckpoint:
 
 @dataclass(slots=True)
 class CheckpointDone:
-    """The rank's part of a checkpoint is written (or failed): the answer to SaveCheckpoint, and to a Shutdown that asked for a save. (rank -> controller)"""
+    """The rank's part of a checkpoint is written (or failed): the answer to SaveCheckpoint, and to a ShutdownWithSave. (rank -> controller)"""
 
     KIND: ClassVar[int] = 27
     rank: int
@@ -510,19 +506,36 @@ class Respawn:
     """back-off: seconds to wait before starting it"""
 
 
+@dataclass(slots=True)
+class ShutdownWithSave:
+    """Stop a failed run, but first have one survivor save the consensus bundle (save_rank writes its files, the controller commits the sidecar); otherwise as Shutdown. (controller -> worker|rank)"""
+
+    KIND: ClassVar[int] = 29
+    reason: str
+    """why, for logs"""
+    abort: bool
+    """true: the run failed; after saving, ranks do not wait on peers"""
+    save_stem: str
+    """the bundle stem save_rank writes before exiting"""
+    save_rank: int
+    """the rank that writes the bundle's data files"""
+    save_tag: str
+    """name part of that save's data files: save_rank writes <save_stem>.<save_tag>.fdl and .optim, new names, so the committed bundle stays whole until the controller's sidecar names the new files"""
+
+
 SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     1: ('WorkerHello', WorkerHello, (('host', 'str'), ('pid', 'int'), ('devices', 'list<str>'), ('versions', 'map<str,str>'),)),
-    2: ('WorkerWelcome', WorkerWelcome, (('ranks', 'list<int>'), ('world_size', 'int'), ('task', 'str'), ('heartbeat_timeout_s', 'float'), ('bulk_port', 'int'), ('bulk_relay', 'bool'),)),
+    2: ('WorkerWelcome', WorkerWelcome, (('ranks', 'list<int>'), ('world_size', 'int'), ('task', 'str'), ('heartbeat_timeout_s', 'float'), ('bulk_port', 'int'), ('bulk_relay', 'bool'), ('seed', 'int'),)),
     3: ('Reject', Reject, (('reason', 'str'),)),
     4: ('RankExited', RankExited, (('rank', 'int'), ('pid', 'int'), ('code', 'int'),)),
     5: ('RankHello', RankHello, (('rank', 'int'), ('host', 'str'), ('pid', 'int'), ('device', 'str'), ('versions', 'map<str,str>'), ('model_signature', 'str'), ('param_count', 'int'), ('shuffle_signature', 'str'), ('dataset_len', 'int'), ('has_eval', 'bool'), ('eval_metric', 'str'), ('batch_size', 'int'),)),
     6: ('RankWelcome', RankWelcome, (('rank', 'int'), ('world_size', 'int'), ('generation', 'int'), ('store_host', 'str'), ('store_port', 'int'), ('store_prefix', 'str'), ('collective_timeout_s', 'float'), ('config', 'map<str,value>'), ('seed', 'int'), ('bulk_port', 'int'), ('late', 'bool'), ('shm_probe', 'str'), ('shm_nonce', 'str'),)),
     7: ('RankReady', RankReady, (('rank', 'int'), ('generation', 'int'), ('init_ms', 'float'),)),
-    9: ('BatchDone', BatchDone, (('rank', 'int'), ('epoch', 'int'), ('step', 'int'), ('samples', 'int'), ('loss', 'float'), ('batch_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'),)),
+    9: ('TimingMsg', TimingMsg, (('rank', 'int'), ('epoch', 'int'), ('step', 'int'), ('samples', 'int'), ('loss', 'float'), ('batch_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'),)),
     11: ('Heartbeat', Heartbeat, (('step', 'int'), ('sent_at', 'float'), ('busy', 'str'), ('busy_s', 'float'), ('step_ms', 'float'), ('averaged', 'int'),)),
     12: ('RunEval', RunEval, (('epoch', 'int'), ('final', 'bool'), ('window', 'int'),)),
     13: ('EvalResult', EvalResult, (('rank', 'int'), ('epoch', 'int'), ('final', 'bool'), ('value', 'opt<float>'), ('elapsed_ms', 'float'), ('error', 'opt<str>'),)),
-    14: ('Shutdown', Shutdown, (('reason', 'str'), ('abort', 'bool'), ('save_stem', 'str'), ('save_rank', 'int'), ('save_tag', 'str'),)),
+    14: ('Shutdown', Shutdown, (('reason', 'str'), ('abort', 'bool'),)),
     15: ('Exiting', Exiting, (('rank', 'int'), ('reason', 'str'), ('digest', 'str'),)),
     16: ('RankError', RankError, (('rank', 'int'), ('stage', 'str'), ('error', 'str'), ('detail', 'str'), ('generation', 'int'),)),
     17: ('Ping', Ping, (('nonce', 'int'), ('sent_at', 'float'),)),
@@ -537,4 +550,5 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     26: ('SaveCheckpoint', SaveCheckpoint, (('version', 'int'), ('stem', 'str'), ('tag', 'str'), ('reason', 'str'), ('epoch', 'int'), ('call_fn', 'bool'),)),
     27: ('CheckpointDone', CheckpointDone, (('rank', 'int'), ('version', 'int'), ('model_sha256', 'str'), ('optim_sha256', 'str'), ('elapsed_ms', 'float'), ('error', 'opt<str>'),)),
     28: ('Respawn', Respawn, (('rank', 'int'), ('device', 'str'), ('replaces', 'int'), ('attempt', 'int'), ('delay_s', 'float'),)),
+    29: ('ShutdownWithSave', ShutdownWithSave, (('reason', 'str'), ('abort', 'bool'), ('save_stem', 'str'), ('save_rank', 'int'), ('save_tag', 'str'),)),
 }

@@ -8,6 +8,7 @@ FLODL_TEST_FAIL_AT      raise RuntimeError at this local step (a broken user tas
 FLODL_TEST_BUILD_SLEEP  seconds the task factory takes (a task that prepares its data at start)
 FLODL_TEST_BUILD_CRASH  the rank of this number crashes (exit 1) while it builds the task
 FLODL_TEST_EVAL_FAIL    make eval_fn raise
+FLODL_TEST_RECORD_SEEN  record_scalar("seen", samples in the batch) every step (a count to declare sum)
 """
 
 import os
@@ -42,6 +43,10 @@ def train_step(model, batch, device):
     if _STEP["n"] == 1:
         time.sleep(float(os.environ.get("FLODL_TEST_FIRST_STEP_SLEEP", "0") or 0))
     x, y = batch
+    if os.environ.get("FLODL_TEST_RECORD_SEEN"):
+        from flodl import record_scalar
+
+        record_scalar("seen", x.shape[0])
     return F.cross_entropy(model(x.to(device)), y.to(device))
 
 
@@ -203,4 +208,33 @@ def batchnorm_task():
         eval_fn=_bn_batches_seen,
         eval_metric="bn_batches",
         bn_recalibration_batches=int(os.environ.get("FLODL_TEST_BN_BATCHES", "16")),
+    )
+
+
+def _noisy_model():
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 2)
+    )
+
+
+def _noisy_eval(model, device):
+    """eval_fn that draws from the global RNG (a random subset), as user evals do."""
+    x, y = _data(256, 1)
+    keep = torch.rand(256) < 0.9
+    return (model(x[keep]).argmax(1) == y[keep]).float().mean().item()
+
+
+def noisy_task():
+    """Everything that draws random numbers: data and initial weights from the global RNG (only
+    reproducible, and only equal on every rank, in a deterministic run, which seeds it before the
+    build), dropout, BatchNorm re-estimated before each eval, an eval that draws too."""
+    x = torch.randn(512, 8)
+    return Task(
+        model=_noisy_model,
+        optimizer=lambda model: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        dataset=torch.utils.data.TensorDataset(x, (x.sum(1) > 0).long()),
+        batch_size=16,
+        loss_fn=F.cross_entropy,
+        eval_fn=_noisy_eval,
+        eval_metric="accuracy",
     )
