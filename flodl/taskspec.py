@@ -48,6 +48,14 @@ def _import_file(path_text: str) -> Any:
     return module
 
 
+def not_importable(module_text: str) -> str:
+    """The one-line error for a task module no import root holds, saying what to do."""
+    return (
+        f"cannot import task module {module_text!r} from {Path.cwd()}: run from the directory that holds it, "
+        f"add that directory to PYTHONPATH, or name the file (--task path/to/{module_text.replace('.', '/')}.py:function)"
+    )
+
+
 def resolve(spec: str) -> Callable[[], Any] | Task:
     """Import the object a spec names (without calling it).
 
@@ -63,7 +71,9 @@ def resolve(spec: str) -> Callable[[], Any] | Task:
         try:
             module = importlib.import_module(module_text)
         except ModuleNotFoundError as exc:
-            raise TaskError(f"cannot import task module {module_text!r}: {exc}") from exc
+            if exc.name is None or not (module_text == exc.name or module_text.startswith(exc.name + ".")):
+                raise  # the task module was found; something it imports is missing: the user's code raised
+            raise TaskError(not_importable(module_text)) from None
     obj: Any = module
     for part in attr.split("."):
         try:
