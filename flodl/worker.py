@@ -126,7 +126,8 @@ class Worker:
         """The controller gave this rank up: SIGKILL it (SIGTERM cannot reach a stopped process)."""
         proc = self.procs.get(msg.rank)
         if proc is not None and proc.returncode is None:
-            log.warning("%s: killing rank %d, declared dead: %s", self.sender, msg.rank, msg.reason)
+            # after the run's Shutdown the kill is part of the stop, not a death
+            log.log(logging.INFO if self.shutdown else logging.WARNING, "%s: killing rank %d: %s", self.sender, msg.rank, msg.reason)
             try:
                 proc.kill()
             except ProcessLookupError:

@@ -53,3 +53,49 @@ def test_a_task_from_the_users_own_module_runs_from_another_directory(tmp_path):
     run = Proc([PY, str(proj / "train.py")], _bare_env(), cwd=elsewhere)
     assert run.wait(80) == 0, run.output
     assert "TRAINED 0" in run.output, run.output
+
+
+def test_a_task_spec_is_checked_by_reading_the_module_not_running_it(tmp_path, monkeypatch):
+    """``check_spec`` finds a missing file, module or attribute without executing the module (its
+    import of torch, its side effects): a module that raises on import passes if it names the task."""
+    from flodl.errors import TaskError
+    from flodl.taskspec import check_spec
+
+    (tmp_path / "loud.py").write_text("raise SystemExit('executed')\n\ndef task():\n    pass\n")
+    (tmp_path / "star.py").write_text("from os.path import *\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    check_spec(f"{tmp_path / 'loud.py'}:task")
+    check_spec("loud:task")
+    check_spec("star:anything")  # a star import may bind it: the ranks decide
+    check_spec("os.path:join")  # an imported module is looked at directly
+    for spec, said in (
+        (f"{tmp_path / 'nope.py'}:task", "not found"),
+        (f"{tmp_path / 'loud.py'}:tsak", "defines no 'tsak'"),
+        ("loud:tsak", "defines no 'tsak'"),
+        ("no_such_module_here:task", "add that directory to PYTHONPATH"),
+        ("os.path:nope", "has no attribute 'nope'"),
+    ):
+        with pytest.raises(TaskError, match=said):
+            check_spec(spec)
+
+
+def test_a_bad_flag_costs_one_line_and_a_hint():
+    run = Proc([PY, "-m", "flodl.controller", "--task", "x.py:task", "--epochs", "abc"], _bare_env() | {"PYTHONPATH": str(ROOT)})
+    assert run.wait(30) == 2
+    assert len(run.lines) == 2, run.output
+    assert "--epochs: invalid int value: 'abc'" in run.lines[0] and "--help" in run.lines[1], run.output
+    run = Proc([PY, "-m", "flodl.controller", "--task", "x.py:task", "--hearbeat-timeout-secs=3"], _bare_env() | {"PYTHONPATH": str(ROOT)})
+    assert run.wait(30) == 2
+    assert "did you mean --heartbeat-timeout-secs?" in run.output, run.output
+
+
+def test_help_groups_the_options_and_shows_every_default():
+    from flodl.config.options import HELP_GROUPS
+    from flodl.controller.launch import build_parser
+
+    parser = build_parser()
+    titles = [group.title for group in parser._action_groups if group._group_actions and group.title != "options"]
+    assert titles == list(HELP_GROUPS)
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert "default" in action.help.lower() or "required" in action.help, f"{action.option_strings} shows no default"
