@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import textwrap
+import time
 
 import pytest
 
-from .conftest import PY, ROOT
-from .helpers.procs import Proc
+from .conftest import PY, ROOT, task_spec
+from .helpers.procs import Proc, Run
 
 _USER_TASK = """
 import torch
@@ -99,3 +101,39 @@ def test_help_groups_the_options_and_shows_every_default():
     for action in parser._actions:
         if action.option_strings and action.dest != "help":
             assert "default" in action.help.lower() or "required" in action.help, f"{action.option_strings} shows no default"
+
+
+def _interrupt(proc_env, tmp_path, after: str, *extra: str) -> tuple[Run, list[float]]:
+    """A 2-rank run with --save-path, SIGINT once ``after`` is printed; (the run, [sent, save line, exit] times)."""
+    env = {**proc_env, "FLODL_TEST_STEP_SLEEP": "0.05"}
+    args = ["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "30", "--save-path", str(tmp_path / "ck"), *extra]
+    run = Run(args, env)
+    run.wait_for_line(after, timeout=120)
+    sent = time.monotonic()
+    run.proc.send_signal(signal.SIGINT)
+    marks = [sent]
+    if after.startswith("epoch"):
+        run.wait_for_line("saved the run to the bundle", timeout=60)
+        marks.append(time.monotonic())
+    assert run.wait(60) == 130, run.output
+    return run, [*marks, time.monotonic()]
+
+
+@pytest.mark.timeout(150)
+def test_ctrl_c_in_training_saves_says_so_as_information_and_exits_soon_after(proc_env, tmp_path):
+    run, (sent, saved, ended) = _interrupt(proc_env, tmp_path, "epoch 1/30")
+    print(f"SIGINT -> save line {saved - sent:.2f} s, save line -> exit {ended - saved:.2f} s")
+    stopping = next(i for i, line in enumerate(run.lines) if "interrupted by SIGINT" in line)
+    assert run.lines[stopping].endswith(f"saving the run to {tmp_path / 'ck'}"), run.output
+    assert not any("ERROR" in line or "WARNING" in line for line in run.lines), run.output
+    assert "continue it with --resume-from" in run.lines[-1], run.output  # the last word: what was saved
+    assert (tmp_path / "ck.meta.json").exists()
+
+
+@pytest.mark.timeout(150)
+def test_ctrl_c_before_training_says_that_nothing_was_saved(proc_env, tmp_path):
+    run, (sent, ended) = _interrupt(proc_env, tmp_path, "dashboard:")
+    print(f"SIGINT -> exit {ended - sent:.2f} s")
+    assert "interrupted by SIGINT before training began; nothing was saved" in run.output, run.output
+    assert not any("ERROR" in line or "WARNING" in line for line in run.lines), run.output  # no rank kept it waiting
+    assert not list(tmp_path.glob("ck*"))

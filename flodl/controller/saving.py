@@ -111,8 +111,15 @@ class Saving:
         self.run.fail(message, code)
 
     def on_signal(self, sig: int) -> None:
+        """Ctrl-C / SIGTERM: stop, keeping the work where there is some; the message says which
+        (an interrupt is the user's choice, told as information, not an error)."""
         message = f"interrupted by {signal.Signals(sig).name}"
-        if self.checkpoints.stem and self.run.phase is Phase.TRAINING and self.training.cadence is not None and self.run.failure is None:
-            self.save_and_stop(message, "interrupted", EXIT_INTERRUPTED)  # Ctrl-C keeps the work: resume later
+        if self.run.failure is not None:
+            return  # already stopping: the first reason stands
+        if self.checkpoints.stem and self.run.phase is Phase.TRAINING and self.training.cadence is not None:
+            # Ctrl-C keeps the work: resume later
+            self.save_and_stop(f"{message}; saving the run to {self.checkpoints.stem}", "interrupted", EXIT_INTERRUPTED)
+        elif self.checkpoints.stem:
+            self.run.fail(f"{message} before training began; nothing was saved", EXIT_INTERRUPTED)
         else:
-            self.run.fail(message, EXIT_INTERRUPTED)
+            self.run.fail(f"{message}; nothing was saved (no --save-path)", EXIT_INTERRUPTED)
