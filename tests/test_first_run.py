@@ -137,3 +137,22 @@ def test_ctrl_c_before_training_says_that_nothing_was_saved(proc_env, tmp_path):
     assert "interrupted by SIGINT before training began; nothing was saved" in run.output, run.output
     assert not any("ERROR" in line or "WARNING" in line for line in run.lines), run.output  # no rank kept it waiting
     assert not list(tmp_path.glob("ck*"))
+
+
+def test_a_rank_without_samples_is_refused_and_a_batch_beyond_a_share_is_warned():
+    from flodl.plan.schedule import Schedule
+
+    refusal, warning = Schedule(3).share_problem(batch_size=1, world=4)
+    assert refusal and "3 sample(s) for 4 ranks: 1 rank(s) would train nothing" in refusal and warning is None
+    refusal, warning = Schedule(256).share_problem(batch_size=1000, world=4)
+    assert refusal is None and warning and "batch_size 1000" in warning and "~64 of 256 samples over 4 ranks" in warning
+    assert Schedule(256, epoch_splits=4).share_problem(batch_size=32, world=4)[1]  # 64 samples an epoch: 16 a rank
+    assert Schedule(256).share_problem(batch_size=64, world=4) == (None, None)
+
+
+@pytest.mark.timeout(90)
+def test_a_world_larger_than_the_data_is_refused_before_the_group_forms(proc_env):
+    run = Run(["--task", task_spec("tiny.py", "three_samples_task"), "--nproc-per-node", "4", "--epochs", "1"], proc_env)
+    assert run.wait(80) == 2, run.output
+    assert "an epoch has 3 sample(s) for 4 ranks: 1 rank(s) would train nothing" in run.output, run.output
+    assert "Traceback" not in run.output and "epoch 1/" not in run.output
