@@ -12,6 +12,7 @@ import signal
 from collections.abc import Callable
 
 from .. import __version__
+from ..checkpoint.meta import progress_text
 from ..config import DdpRunConfig
 from ..errors import EXIT_INTERRUPTED, EXIT_SAVED
 from ..monitor.hub import Monitor
@@ -92,13 +93,14 @@ class Saving:
     def on_checkpoint_done(self, identity: bytes, env: Envelope, msg: m.CheckpointDone) -> None:
         if self.checkpoints.on_done(msg):
             last = self.checkpoints.written[-1]
-            self.console.line(f"checkpoint ({last['reason']}) at epoch {last['epoch']} -> {last['stem']}")
+            where = progress_text(last["epoch"], self.training.total_epochs)
+            self.console.line(f"checkpoint ({last['reason']}): {where} -> {last['stem']}")
             now = self.clock()
             self.monitor.span(
                 "checkpoint", start_s=now - msg.elapsed_ms / 1000.0, end_s=now, rank=msg.rank, args={"reason": last["reason"]}
             )
             self.monitor.event(
-                "checkpoint", f"checkpoint ({last['reason']}) at epoch {last['epoch']} written by rank {msg.rank}", rank=msg.rank, now_s=now
+                "checkpoint", f"checkpoint ({last['reason']}): {where}, written by rank {msg.rank}", rank=msg.rank, now_s=now
             )
         self.run.changed()
 
