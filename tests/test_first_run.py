@@ -156,3 +156,29 @@ def test_a_world_larger_than_the_data_is_refused_before_the_group_forms(proc_env
     assert run.wait(80) == 2, run.output
     assert "an epoch has 3 sample(s) for 4 ranks: 1 rank(s) would train nothing" in run.output, run.output
     assert "Traceback" not in run.output and "epoch 1/" not in run.output
+
+
+def test_a_bundle_is_described_in_the_consoles_epoch_numbers():
+    """The sidecar stores the 0-based index of the first open epoch; people read 1-based numbers."""
+    from flodl.checkpoint.meta import progress_text
+
+    assert progress_text(0, 10) == "0 of 10 epoch(s) complete, continues in epoch 1/10"
+    assert progress_text(2, 10) == "2 of 10 epoch(s) complete, continues in epoch 3/10"
+    assert progress_text(10, 10) == "all 10 epoch(s) complete"
+
+
+def test_help_and_a_bad_spec_load_neither_the_runtime_nor_torch():
+    """What keeps `--help` and the door's errors under a second: they import no torch, no uvloop/ZeroMQ runtime."""
+    probe = (
+        "import runpy, sys\n"
+        "for argv in (['--help'], ['--task', 'nope.py:task']):\n"
+        "    sys.argv = ['flodl.controller', *argv]\n"
+        "    try:\n"
+        "        runpy.run_module('flodl.controller', run_name='__main__', alter_sys=True)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print('LOADED', sorted(m for m in ('torch', 'flodl.controller.core', 'zmq') if m in sys.modules))\n"
+    )
+    run = Proc([PY, "-c", probe], _bare_env() | {"PYTHONPATH": str(ROOT)})
+    assert run.wait(30) == 0, run.output
+    assert "LOADED []" in run.output, run.output
