@@ -64,6 +64,11 @@ def not_importable(module_text: str) -> str:
     )
 
 
+def _names_the_module(exc: ModuleNotFoundError, module_text: str) -> bool:
+    """Is the missing module the task's module (or a package above it), not one it imports?"""
+    return exc.name is not None and (module_text == exc.name or module_text.startswith(exc.name + "."))
+
+
 def resolve(spec: str) -> Callable[[], Any] | Task:
     """Import the object a spec names (without calling it).
 
@@ -79,7 +84,7 @@ def resolve(spec: str) -> Callable[[], Any] | Task:
         try:
             module = importlib.import_module(module_text)
         except ModuleNotFoundError as exc:
-            if exc.name is None or not (module_text == exc.name or module_text.startswith(exc.name + ".")):
+            if not _names_the_module(exc, module_text):
                 raise  # the task module was found; something it imports is missing: the user's code raised
             raise TaskError(not_importable(module_text)) from None
     obj: Any = module
@@ -128,8 +133,12 @@ def _module_source(module_text: str) -> Path | None:
         sys.path.insert(0, "")  # as resolve() does in the ranks
     try:
         found = importlib.util.find_spec(module_text)
-    except ModuleNotFoundError:
+    except ModuleNotFoundError as exc:
+        if not _names_the_module(exc, module_text):
+            return None  # a parent package imports something missing: the ranks show the user's traceback
         found = None
+    except Exception:  # a parent package raised as it was imported: the ranks show it, with its traceback
+        return None
     if found is None:
         raise TaskError(not_importable(module_text))
     origin = found.origin

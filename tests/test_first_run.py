@@ -69,6 +69,9 @@ def test_a_task_spec_is_checked_by_reading_the_module_not_running_it(tmp_path, m
     check_spec(f"{tmp_path / 'loud.py'}:task")
     check_spec("loud:task")
     check_spec("star:anything")  # a star import may bind it: the ranks decide
+    (tmp_path / "brokenpkg").mkdir()
+    (tmp_path / "brokenpkg" / "__init__.py").write_text("import not_a_module_anywhere\n")
+    check_spec("brokenpkg.mod:task")  # the package's own import fails: the ranks show the user's traceback
     check_spec("os.path:join")  # an imported module is looked at directly
     for spec, said in (
         (f"{tmp_path / 'nope.py'}:task", "not found"),
