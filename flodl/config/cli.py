@@ -26,6 +26,6 @@ class BriefParser(argparse.ArgumentParser):
                 close = difflib.get_close_matches(word.split("=", 1)[0], flags, n=1)
                 if close:
                     lines.append(f"  did you mean {close[0]}?")
-        lines.append(f"  {self.prog} --help lists every option, grouped, with its default")
+        lines.append(f"  {self.prog} --help lists every option and its default")
         sys.stderr.write("\n".join(lines) + "\n")
         sys.exit(EXIT_CONFIG)
