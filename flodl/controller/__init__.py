@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         launch, config = resolve(args)
         config.check_available()
         from ..wire import curve  # ZeroMQ: once the options are known good
+
         # a launcher may hand the run's credentials down (multi-host); else we make them
         secret, run_id = read_run_credentials()
         if args.encrypt:
