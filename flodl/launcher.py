@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
+from .config.cli import BriefParser
 from .config.env import child_environ, credentials_env, new_run_id, new_run_secret
 from .errors import EXIT_CONFIG, EXIT_LAUNCH_FAILED, ConfigError
 from .host.hostfile import (
@@ -362,7 +363,7 @@ class Launcher:
 
 def build_parser() -> argparse.ArgumentParser:
     """The launcher's own options; the controller's come after ``--``."""
-    p = argparse.ArgumentParser(
+    p = BriefParser(
         prog="python -m flodl.launcher",
         usage="python -m flodl.launcher (--hostfile FILE | --host HOST[:DEVICES] ...) --advertise ADDR [options] -- CONTROLLER_OPTIONS",
         description="Run the controller here and one worker per host over ssh; everything after -- goes to "

@@ -91,8 +91,9 @@ class Task:
             group's base learning rate, where ``global_step`` counts the batches
             of all ranks (so a schedule written for one process keeps its shape).
         epoch_fn: ``epoch_fn(epoch, worker)`` called on every rank when it
-            starts training an epoch; ``worker`` can read and change the LR,
-            swap the schedule, and reach the model and optimizer.
+            starts training an epoch (``epoch`` is the 0-based index: the
+            console's epoch ``epoch + 1``); ``worker`` can read and change the
+            LR, swap the schedule, and reach the model and optimizer.
         checkpoint_fn: ``checkpoint_fn(version, worker)`` called on one rank
             (``epoch_callback_policy``) every ``checkpoint_every`` epochs, with
             ``worker.model`` holding the consensus parameters. Exceptions are

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from . import __version__
+from .config.cli import BriefParser
 from .config.deadlines import Deadlines
 from .config.env import RankEnv, child_environ, parent_pid, parse_run_secret, read_run_credentials, request_encryption, strict
 from .errors import EXIT_CONFIG, EXIT_CONTROLLER_LOST, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, ConfigError
@@ -126,7 +127,8 @@ class Worker:
         """The controller gave this rank up: SIGKILL it (SIGTERM cannot reach a stopped process)."""
         proc = self.procs.get(msg.rank)
         if proc is not None and proc.returncode is None:
-            log.warning("%s: killing rank %d, declared dead: %s", self.sender, msg.rank, msg.reason)
+            # after the run's Shutdown the kill is part of the stop, not a death
+            log.log(logging.INFO if self.shutdown else logging.WARNING, "%s: killing rank %d: %s", self.sender, msg.rank, msg.reason)
             try:
                 proc.kill()
             except ProcessLookupError:
@@ -345,7 +347,7 @@ class Worker:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m flodl.worker", description="Run one host's ranks for a flodl controller.")
+    p = BriefParser(prog="python -m flodl.worker", description="Run one host's ranks for a flodl controller.")
     p.add_argument("--controller", required=True, help="controller address, tcp://HOST:PORT")
     p.add_argument("--nproc", type=int, default=None, help="number of ranks (default: one per visible GPU, else 1 CPU rank)")
     p.add_argument("--devices", default=None, help="explicit comma-separated devices, e.g. cuda:0,cuda:1 or cpu,cpu")

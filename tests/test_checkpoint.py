@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -483,10 +484,12 @@ def test_checkpoint_every_calls_checkpoint_fn_and_a_failing_one_is_survived(proc
 def test_checkpoint_at_epoch_is_mid_epoch_and_resumable(proc_env, tmp_path):
     stem = tmp_path / "mid"
     run, _ = _run(
-        proc_env, tmp_path, "--mode", "cpu-async", "--save-path", str(stem), "--checkpoint-at-epoch", "1", epochs=3, func="big_data_task"
+        proc_env, tmp_path, "--mode", "cpu-async", "--save-path", str(stem), "--checkpoint-at-epoch", "2", epochs=3, func="big_data_task"
     )
     assert run.wait(60) == 0, run.output
-    assert "checkpoint (checkpoint)" in run.output
+    # epoch 2 as the console counts: the checkpoint falls once the second epoch trains (one complete, at most)
+    assert re.search(r"checkpoint \(checkpoint\): [01] of 3 epoch\(s\) complete, continues in epoch [12]/3 -> ", run.output), run.output
+    assert f"checkpoint (final): all 3 epoch(s) complete -> {stem}" in run.output, run.output
 
 
 def test_resuming_a_complete_bundle_trains_nothing_scores_it_and_ends(proc_env, tmp_path, finished_bundle):
@@ -494,6 +497,7 @@ def test_resuming_a_complete_bundle_trains_nothing_scores_it_and_ends(proc_env, 
     stem = _copy_of(finished_bundle, tmp_path)
     again, path = _run(proc_env, tmp_path, "--resume-from", str(stem), epochs=2, name="again.json")
     assert again.wait(60) == 0, again.output
+    assert f"resuming {stem}: all 2 epoch(s) complete, global step" in again.output, again.output  # counted as the console does
     assert "0 samples left to train" in again.output
     summary = json.loads(path.read_text())
     assert summary["samples"] == 0 and summary["final_eval"] is not None

@@ -318,6 +318,7 @@ BAD_VALUES = [
     ("scalar_reductions", {"": "sum"}),
     ("scalar_reductions", "tokens=sum"),
     ("checkpoint_at_epoch", -1),
+    ("checkpoint_at_epoch", 0),  # epochs count from 1, as the console prints them
     ("mode", "nccl-turbo"),
     ("mode", 3),
     ("anchor", 0),

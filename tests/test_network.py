@@ -376,7 +376,8 @@ def test_a_run_stopped_part_way_resumes_across_hosts_from_shared_storage(net, tm
         f"resumed history {[(h['epoch'], h['samples']) for h in after['history']]}"
     )
     left = samples - covered_open + samples * (epochs - saved_at - 1)
-    assert f"resuming {stem}: epoch {saved_at}, global step {meta['global_step']}, {left:,} samples left" in second.output, second.output
+    where = f"{saved_at} of {epochs} epoch(s) complete, continues in epoch {saved_at + 1}/{epochs}"
+    assert f"resuming {stem}: {where}, global step {meta['global_step']}, {left:,} samples left" in second.output, second.output
     assert second.output.count(SHARED_STORAGE_NOTE) == 1, second.output
     assert after["exit_reason"] == "completed" and after["resumed_from"] == str(stem)
     assert sorted(r["host"] for r in after["per_rank"]) == [h.name for h in HOSTS]

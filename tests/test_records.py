@@ -467,7 +467,7 @@ def _synthetic_run(logdir):
 def test_reader_reproduces_the_epoch_table(tmp_path):
     history = _synthetic_run(tmp_path)
     table = reader.epoch_table(tmp_path)
-    assert [row["epoch"] for row in table] == [0, 1, 2]
+    assert [row["epoch"] for row in table] == [1, 2, 3]  # the records' index 0, 1, 2, as the console prints it
     for row, want in zip(table, history, strict=False):
         assert row["loss"] == pytest.approx(want["loss"], rel=1e-12)
         assert row["eval"] == pytest.approx(want["eval"])
@@ -505,7 +505,7 @@ def test_cli_prints_the_table_and_events(tmp_path):
     assert lines[0] == "run run_id=syn world_size=4"
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["epoch", "loss"])
     assert lines[header].split()[6:] == ["rank0", "s/s", "rank1", "s/s", "rank2", "s/s", "rank3", "s/s"]
-    assert [line.split()[0] for line in lines[header + 1 : header + 4]] == ["0", "1", "2"]
+    assert [line.split()[0] for line in lines[header + 1 : header + 4]] == ["1", "2", "3"]  # as the console numbers them
     assert "events (2):" in done.stdout  # the first occurrence, then the four it absorbed
     assert "rank_lost" in done.stdout and "x4: silent" in done.stdout
     assert "-" in lines[header + 2].split()[-1]  # rank3 died: no throughput in epoch 1
@@ -515,7 +515,7 @@ def test_cli_json_output(tmp_path, capsys):
     _synthetic_run(tmp_path)
     assert reader.main([str(tmp_path), "--json"]) == 0
     as_json = json.loads(capsys.readouterr().out)
-    assert [row["epoch"] for row in as_json["epochs"]] == [0, 1, 2]
+    assert [row["epoch"] for row in as_json["epochs"]] == [1, 2, 3]
     assert as_json["meta"]["run"]["run_id"] == "syn"
 
 

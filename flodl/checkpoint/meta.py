@@ -18,9 +18,17 @@ from typing import Any
 from .atomic_file import write_atomic
 from .files import SCHEMA_VERSION, CheckpointBundle, CheckpointError, data_files, read_sidecar, remove_superseded
 
-__all__ = ["SAVE_REASONS", "file_sha256", "read_meta", "write_meta"]
+__all__ = ["SAVE_REASONS", "file_sha256", "progress_text", "read_meta", "write_meta"]
 
 SAVE_REASONS = ("checkpoint", "final", "interrupted", "max_failure_exceeded", "single_survivor", "all_ranks_lost", "controller_lost")
+
+
+def progress_text(epoch_index: int, total: int) -> str:
+    """Where a bundle stands, in the console's words. The sidecar's ``epoch`` is a 0-based index
+    (the first epoch not complete, so also the number complete); people read "epoch 3/10"."""
+    if epoch_index >= total:
+        return f"all {total} epoch(s) complete"
+    return f"{epoch_index} of {total} epoch(s) complete, continues in epoch {epoch_index + 1}/{total}"
 
 
 def file_sha256(path: str | os.PathLike) -> str:

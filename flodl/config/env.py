@@ -16,7 +16,8 @@ what a variable means, its default and what it accepts are written once
   only: ``FLODL_SIMULATE_*``, ``FLODL_INJECT_FAULT``, ``FLODL_STRICT``.
 
 A few variables of other programs are read here too (``CUDA_VISIBLE_DEVICES``,
-``OMP_NUM_THREADS``) and one is set for torch (``TORCH_NCCL_ASYNC_ERROR_HANDLING``).
+``OMP_NUM_THREADS``), one is set for torch (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) and
+children's ``PYTHONPATH`` is extended with this process's import roots (``child_environ``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +58,7 @@ BULK_SLICE_BYTES = "FLODL_BULK_SLICE_BYTES"  # a model travels in slices of at m
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 TORCH_NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+PYTHONPATH = "PYTHONPATH"  # children get the import roots of their parent (child_environ)
 
 _ON = ("1", "on", "yes", "true")
 _OFF = ("0", "off", "no", "false")
@@ -166,8 +169,35 @@ def fixed_cublas_workspace() -> None:
 
 
 def child_environ(extra: dict[str, str]) -> dict[str, str]:
-    """This process's environment plus ``extra``, for a child process."""
-    return {**os.environ, **extra}
+    """This process's environment plus ``extra``, for a child process.
+
+    ``PYTHONPATH`` gains what a fresh ``python -m flodl.*`` started elsewhere
+    would miss (``import_path``), so the child imports what this process can.
+    """
+    env = {**os.environ}
+    env[PYTHONPATH] = os.pathsep.join(_unique([*import_path(), *filter(None, env.get(PYTHONPATH, "").split(os.pathsep))]))
+    return {**env, **extra}
+
+
+def import_path() -> list[str]:
+    """The import roots a child needs: flodl's own parent directory (flodl may be on ``sys.path``
+    without being installed), then this process's ``sys.path`` entries a fresh interpreter lacks:
+    the launching script's directory and whatever it added. A task imported from the user's own
+    module (``Trainer.builder(task)`` in ``~/proj/train.py``) is then importable by ranks started
+    from any working directory. The interpreter's own directories are left out (a child of the same
+    ``sys.executable`` has them, in their own order)."""
+    own = str(Path(__file__).resolve().parents[2])
+    system = tuple(str(Path(p).resolve()) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix})
+    roots = [own]
+    for entry in sys.path:
+        path = str(Path(entry or os.getcwd()).resolve())
+        if Path(path).is_dir() and not any(path == s or path.startswith(s + os.sep) for s in system):
+            roots.append(path)
+    return _unique(roots)
+
+
+def _unique(items: list[str]) -> list[str]:
+    return list(dict.fromkeys(items))
 
 
 def parent_pid() -> int:

@@ -196,6 +196,32 @@ def _specs() -> dict[str, _Spec]:
 
 _SPECS = _specs()
 
+#: ``--help``'s groups, in order, and the run options each holds (every option in exactly one).
+#: The launch options join them where they belong (flodl/controller/launch.py); "launch" has only those.
+HELP_GROUPS: dict[str, tuple[str, ...]] = {
+    "launch": (),
+    "modes and cadence": (
+        *("mode", "anchor", "min_anchor", "max_anchor", "overhead_target", "max_batch_diff", "max_overshoot"),
+        *("divergence_threshold", "no_divergence_guard", "convergence_guard", "partition_ratios", "easgd_alpha"),
+        *("meta_controller", "relax_up", "progressive_dispatch", "max_grad_norm", "lr_scale_ratio"),
+        *("eval_every_epochs", "epoch_callback_policy", "deterministic"),
+    ),
+    "fault tolerance and checkpoints": (
+        *("save_path", "max_failure", "heartbeat_timeout_secs", "snapshot_timeout_secs"),
+        *("checkpoint_every", "checkpoint_at_epoch", "resume_from", "resume_weights_only"),
+    ),
+    "data": (
+        *("augment", "epoch_splits", "transform", "vram_pool", "vram_max_usage", "ram_max_usage"),
+        *("gpu_ram_share", "sample_cache", "disk_stage_gb", "disk_stage_dir"),
+    ),
+    "monitoring": (
+        *("reports_per_epoch", "scalar_reductions", "record_log_dir", "max_log_size"),
+        *("dashboard_html", "dashboard_theme", "timeline"),
+    ),
+}
+_GROUP_OF = {name: title for title, names in HELP_GROUPS.items() for name in names}
+assert sorted(_GROUP_OF) == sorted(_SPECS), "every run option belongs to exactly one --help group"
+
 
 # ---------------------------------------------------------------------------
 # CLI
@@ -215,14 +241,17 @@ def _argparse_type(spec: _Spec) -> Callable[[str], Any]:
     return parse
 
 
-def add_run_options(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per run option to ``parser`` (group "run options").
+def add_run_options(parser: argparse.ArgumentParser, groups: dict[str, Any] | None = None) -> None:
+    """Add one flag per run option to ``parser``, each in its ``HELP_GROUPS`` group (taken from
+    ``groups`` by title where the caller made it, else added to the parser).
 
     Every flag defaults to ``argparse.SUPPRESS``: an option the user did not
     give is absent from the namespace, so TOML and defaults can fill it in.
     """
-    group = parser.add_argument_group("run options", "Precedence: flag > TOML config > default. See docs/options.md.")
+    groups = {} if groups is None else groups
     for spec in _SPECS.values():
+        title = _GROUP_OF[spec.name]
+        group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
         # argparse %-formats help strings, so a literal % must be doubled.
         values = f" Values: {spec.kind.type_text[len('one of ') :]}." if spec.kind.type_text.startswith("one of ") else ""
         help_text = f"{spec.help}{values} Default: {spec.default_text}.".replace("%", "%%")
@@ -326,4 +355,4 @@ def option_table() -> list[dict[str, str]]:
     ]
 
 
-__all__ = ["add_run_options", "load_toml", "option_table", "resolve_run_config"]
+__all__ = ["HELP_GROUPS", "add_run_options", "load_toml", "option_table", "resolve_run_config"]

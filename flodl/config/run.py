@@ -352,10 +352,11 @@ class DdpRunConfig:
     )
     checkpoint_at_epoch: int | None = _option(
         None,
-        check=_count(0),
+        check=_count(1),
         kind="int",
         default_text="none",
-        help="One-shot checkpoint (with mid-epoch coverage) once the cohort trains this epoch; needs save_path.",
+        help="One-shot checkpoint (with mid-epoch coverage) once the cohort trains epoch E (counted from 1, as the console "
+        "does); needs save_path.",
     )
     deterministic: bool = _option(
         False,

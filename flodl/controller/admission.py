@@ -198,6 +198,11 @@ class Admission:
         )
 
     def on_worker_hello(self, identity: bytes, env: Envelope, msg: m.WorkerHello) -> None:
+        if self.run.ended or self.run.failure is not None:
+            # the run is over (Ctrl-C before the local worker said hello): not a refusal, an end
+            why = str(self.run.failure) if self.run.failure is not None else "the run has ended"
+            self.plane.send(m.Shutdown(reason=why[:500], abort=True), identity)
+            return
         problem = self.worker_problem(env.sender, msg)
         if problem:
             self.plane.send(m.Reject(reason=problem), identity)

@@ -78,9 +78,10 @@ class Checkpointer:
         return (closed_epoch + 1) % k == 0
 
     def at_epoch_due(self, reached_epoch: int) -> bool:
-        """One-shot: the cohort trains ``checkpoint_at_epoch`` (or later) now."""
+        """One-shot: the cohort trains ``checkpoint_at_epoch`` (or later) now. ``reached_epoch`` is
+        the 0-based index; the option counts as the console does (epoch 1 is the first)."""
         at = self.config.checkpoint_at_epoch  # set whenever armed
-        if self.at_epoch_armed and at is not None and reached_epoch >= at:
+        if self.at_epoch_armed and at is not None and reached_epoch + 1 >= at:
             self.at_epoch_armed = False
             return True
         return False

@@ -318,6 +318,8 @@ class Controller:
         await run.until(
             lambda: all(r in admission.hellos or lost(r) for r in first), self.launch.join_timeout_secs, "ranks to start and say hello"
         )
+        # before the group forms: a world the data cannot feed is refused at once
+        warning = self._check_shares(sum(1 for r in first if not lost(r)))
         admission.welcome_ranks()
         if any(lost(r) for r in first):
             reason = f"rank(s) {', '.join(str(r) for r in first if lost(r))} died while starting"
@@ -332,10 +334,7 @@ class Controller:
         info = admission.task_info
         # every first rank said hello or died, and with none left the deaths have failed the run
         assert info is not None
-        try:
-            schedule = Schedule(info.dataset_len, self.config.augment, self.config.epoch_splits, self.launch.epochs)
-        except ValueError as exc:
-            raise RunAborted(f"epoch_splits: {exc}", EXIT_CONFIG) from None
+        schedule = self._schedule(info)
         training.begin(info, schedule)
         total_epochs = training.total_epochs
         self.console.header(
@@ -356,6 +355,8 @@ class Controller:
                 f"  {self.launch.epochs} pass(es) of {schedule.pass_len} picks (each sample x{self.config.augment}), "
                 f"{self.config.epoch_splits} epoch(s) per pass of ~{schedule.epoch_len(0)} samples"
             )
+        if warning:
+            self.console.line(f"flodl: warning: {warning}")
         run.mark_started()
         self.monitor.begin(
             training.description(self.run_id),
@@ -384,6 +385,22 @@ class Controller:
         summary = self.summary("completed", 0)
         self.console.done(summary)
         return summary
+
+    def _schedule(self, info: m.RankHello) -> Schedule:
+        try:
+            return Schedule(info.dataset_len, self.config.augment, self.config.epoch_splits, self.launch.epochs)
+        except ValueError as exc:
+            raise RunAborted(f"epoch_splits: {exc}", EXIT_CONFIG) from None
+
+    def _check_shares(self, world: int) -> str | None:
+        """Refuse (exit 2) a world the data cannot feed; return a warning for one it feeds thinly."""
+        info = self.admission.task_info
+        if info is None:  # every first rank died starting: the run fails on that
+            return None
+        refusal, warning = self._schedule(info).share_problem(info.batch_size, world)
+        if refusal:
+            raise RunAborted(refusal, EXIT_CONFIG)
+        return warning
 
     async def _run_windows(self) -> None:
         """Progressive dispatch: window after window until every epoch is trained.

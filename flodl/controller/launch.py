@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import DdpRunConfig
-from ..config.options import add_run_options, load_toml, resolve_run_config
-from ..errors import ConfigError
+from ..config.cli import BriefParser
+from ..config.options import HELP_GROUPS, add_run_options, load_toml, resolve_run_config
+from ..errors import ConfigError, TaskError
 from ..plan.schedule import DEFAULT_SEED
+from ..taskspec import check_spec
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,13 @@ class LaunchOptions:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(name, f"must be a positive number of seconds, got {value:g}")
+        if self.embedded:
+            # the local ranks import the spec from here: a typo is found now, not after their start-up
+            # (external workers may hold the task where this host does not: theirs to check)
+            try:
+                check_spec(self.task)
+            except TaskError as exc:
+                raise ConfigError("task", str(exc)) from None
 
     @property
     def embedded(self) -> bool:
@@ -78,7 +87,7 @@ class LaunchOptions:
 
 
 _HELP = {
-    "task": "task factory to train: path/to/file.py:function or package.module:function",
+    "task": "task factory to train: path/to/file.py:function or package.module:function (required)",
     "epochs": "number of epochs (passes over the dataset)",
     "nproc_per_node": "ranks on this host for the embedded worker (default: one per GPU, else 1 CPU rank)",
     "devices": "explicit devices for the embedded worker, e.g. cuda:0,cuda:1 or cpu,cpu",
@@ -99,28 +108,55 @@ _HELP = {
 LAUNCH_KEYS = frozenset(f.name for f in dataclasses.fields(LaunchOptions))
 
 
+#: The ``--help`` group of each launch option not in "launch" (see ``HELP_GROUPS``).
+_LAUNCH_GROUP = {
+    "join_timeout_secs": "fault tolerance and checkpoints",
+    "eval_timeout_secs": "fault tolerance and checkpoints",
+    "step_timeout_secs": "fault tolerance and checkpoints",
+    "max_restarts": "fault tolerance and checkpoints",
+    "summary_json": "monitoring",
+    "progress": "monitoring",
+    "dashboard_port": "monitoring",
+}
+
+
+def _with_default(help_text: str, default: Any) -> str:
+    """Every flag says its default: appended unless the help already explains it."""
+    if "default" in help_text or "required" in help_text:
+        return help_text
+    shown = "none" if default is None else str(default).lower() if isinstance(default, bool) else default
+    return f"{help_text}. Default: {shown}."
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The controller's CLI: launch options, run options, and ``--config``."""
-    parser = argparse.ArgumentParser(
+    """The controller's CLI: launch options, run options, and ``--config``, in ``HELP_GROUPS``."""
+    parser = BriefParser(
         prog="python -m flodl.controller",
-        description="Train a flodl task on local or remote ranks. Flags win over --config TOML, which wins over defaults.",
+        usage="%(prog)s --task FILE.py:FUNCTION [--epochs N] [--nproc-per-node N] [options]",
+        description="Train a flodl task on local or remote ranks. Flags win over --config TOML, which wins over "
+        "defaults; docs/options.md explains every option.",
     )
-    parser.add_argument("--config", default=None, help="TOML file of options (keys are the option names)")
-    parser.add_argument("--log-level", default="WARNING", help="logging level: DEBUG, INFO, WARNING")
-    parser.add_argument(
+    groups = {title: parser.add_argument_group(title) for title in HELP_GROUPS}
+    launch = groups["launch"]
+    launch.add_argument("--config", default=None, help="TOML file of options (keys are the option names). Default: none.")
+    launch.add_argument("--log-level", default="WARNING", help="logging level: DEBUG, INFO, WARNING. Default: WARNING.")
+    launch.add_argument(
         "--encrypt",
         action="store_true",
         help="encrypt the control and bulk planes with ZeroMQ CURVE, keys derived from the run secret "
-        "(FLODL_ENCRYPT=1 does the same); external workers need --encrypt too",
+        "(FLODL_ENCRYPT=1 does the same); external workers need --encrypt too. Default: off.",
     )
-    group = parser.add_argument_group("launch options")
     for f in dataclasses.fields(LaunchOptions):
         flag = "--" + f.name.replace("_", "-")
+        group = groups[_LAUNCH_GROUP.get(f.name, "launch")]
+        help_text = _with_default(_HELP[f.name], f.default).replace("%", "%%")
         if f.type in ("bool | None",):
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=_HELP[f.name])
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         else:
-            group.add_argument(flag, dest=f.name, type=_parser_of(f), default=argparse.SUPPRESS, help=_HELP[f.name])
-    add_run_options(parser)
+            kind = _parser_of(f)
+            metavar = {int: "N", float: "X"}.get(kind, "PATH" if f.name == "summary_json" else None)
+            group.add_argument(flag, dest=f.name, type=kind, metavar=metavar, default=argparse.SUPPRESS, help=help_text)
+    add_run_options(parser, groups)
     return parser
 
 

@@ -94,7 +94,7 @@ class RunState:
     def fail(self, message: str, code: int) -> None:
         """Latch the run's failure (the first one wins) and wake the conductor."""
         if self._failure is None:
-            log.error("%s", message)
+            log.info("%s", message)  # the console says it ("run stopped: ..."), once
             self._failure = RunAborted(message, code)
         self._changed.set()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from ..checkpoint.meta import read_meta
+from ..checkpoint.meta import progress_text, read_meta
 from ..config import DdpRunConfig
 from ..errors import EXIT_CONFIG, RunAborted
 from ..plan.cadence import CadenceLoop
@@ -79,6 +79,6 @@ class Resume:
         left = sum(s for item in cov["open"] for _, s in item["uncovered"])
         left += sum(schedule.epoch_len(e) for e in range(int(cov["next_epoch"]), total_epochs))
         self.console.line(
-            f"resuming {self.config.resume_from}: epoch {meta['epoch']}, global step {meta['global_step']}, "
+            f"resuming {self.config.resume_from}: {progress_text(int(meta['epoch']), total_epochs)}, global step {meta['global_step']}, "
             f"{left:,} samples left to train ({meta['save_reason']})"
         )

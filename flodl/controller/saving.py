@@ -12,6 +12,7 @@ import signal
 from collections.abc import Callable
 
 from .. import __version__
+from ..checkpoint.meta import progress_text
 from ..config import DdpRunConfig
 from ..errors import EXIT_INTERRUPTED, EXIT_SAVED
 from ..monitor.hub import Monitor
@@ -92,13 +93,14 @@ class Saving:
     def on_checkpoint_done(self, identity: bytes, env: Envelope, msg: m.CheckpointDone) -> None:
         if self.checkpoints.on_done(msg):
             last = self.checkpoints.written[-1]
-            self.console.line(f"checkpoint ({last['reason']}) at epoch {last['epoch']} -> {last['stem']}")
+            where = progress_text(last["epoch"], self.training.total_epochs)
+            self.console.line(f"checkpoint ({last['reason']}): {where} -> {last['stem']}")
             now = self.clock()
             self.monitor.span(
                 "checkpoint", start_s=now - msg.elapsed_ms / 1000.0, end_s=now, rank=msg.rank, args={"reason": last["reason"]}
             )
             self.monitor.event(
-                "checkpoint", f"checkpoint ({last['reason']}) at epoch {last['epoch']} written by rank {msg.rank}", rank=msg.rank, now_s=now
+                "checkpoint", f"checkpoint ({last['reason']}): {where}, written by rank {msg.rank}", rank=msg.rank, now_s=now
             )
         self.run.changed()
 
@@ -111,8 +113,15 @@ class Saving:
         self.run.fail(message, code)
 
     def on_signal(self, sig: int) -> None:
+        """Ctrl-C / SIGTERM: stop, keeping the work where there is some; the message says which
+        (an interrupt is the user's choice, told as information, not an error)."""
         message = f"interrupted by {signal.Signals(sig).name}"
-        if self.checkpoints.stem and self.run.phase is Phase.TRAINING and self.training.cadence is not None and self.run.failure is None:
-            self.save_and_stop(message, "interrupted", EXIT_INTERRUPTED)  # Ctrl-C keeps the work: resume later
+        if self.run.failure is not None:
+            return  # already stopping: the first reason stands
+        if self.checkpoints.stem and self.run.phase is Phase.TRAINING and self.training.cadence is not None:
+            # Ctrl-C keeps the work: resume later
+            self.save_and_stop(f"{message}; saving the run to {self.checkpoints.stem}", "interrupted", EXIT_INTERRUPTED)
+        elif self.checkpoints.stem:
+            self.run.fail(f"{message} before training began; nothing was saved", EXIT_INTERRUPTED)
         else:
-            self.run.fail(message, EXIT_INTERRUPTED)
+            self.run.fail(f"{message}; nothing was saved (no --save-path)", EXIT_INTERRUPTED)

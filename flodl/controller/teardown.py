@@ -105,6 +105,19 @@ class Teardown:
         identities += [r.identity for r in self.members.ranks.values() if r.identity and r.state is not PeerState.EXITED]
         self.plane.send_all(msg, identities)
 
+    def _fence_unheard(self) -> None:
+        """Ranks that never said hello are still importing torch or building their task: they would
+        hear the abort only once done, and their worker would wait its grace period for them. They
+        hold nothing (no replica, no bundle): their workers kill them now. After the Shutdown, so a
+        worker knows the kill is the run's end, not a death."""
+        for worker in self.members.workers.values():
+            if worker.exited:
+                continue
+            for rank in worker.ranks:
+                info = self.members.ranks.get(rank)
+                if info is not None and not info.identity and info.exit_code is None:
+                    self.plane.send(m.Fence(rank=rank, reason="the run stopped before it joined"), worker.identity)
+
     async def shutdown_peers(self) -> None:
         """Clean end: Shutdown to everyone, then wait (bounded) for them to leave."""
         self.run.to(Phase.SHUTTING_DOWN)
@@ -126,6 +139,7 @@ class Teardown:
             reason = str(exc)[:500]
             stop = m.ShutdownWithSave(reason, True, stem, writer, tag) if stem else m.Shutdown(reason=reason, abort=True)
             self._broadcast_shutdown(stop)
+            self._fence_unheard()
         await self._wait_peers_gone(ABORT_WAIT_S + (CHECKPOINT_WAIT_S if stem else 0.0))
         if stem:
             if self.checkpoints.written and self.checkpoints.written[-1]["version"] == SHUTDOWN_SAVE:

@@ -78,7 +78,8 @@ def _leaves_under(records: dict[str, list[dict]], path: str) -> list[str]:
 def epoch_table(logdir: str | Path | dict[str, list[dict]], path: str = ROOT) -> list[dict]:
     """One row per completed epoch of node ``path``, in epoch order.
 
-    Row keys: ``epoch``, ``loss``, ``eval``, ``throughput`` (samples/s, Σ over
+    Row keys: ``epoch`` (counted from 1, as the console prints it; the records store the 0-based
+    index), ``loss``, ``eval``, ``throughput`` (samples/s, Σ over
     ranks), ``samples`` (the node's ``work``: realized samples), ``syncs``, and
     ``ranks`` (leaf name → that rank's throughput, for every rank below the
     node). A value the records do not carry is None.
@@ -95,7 +96,7 @@ def epoch_table(logdir: str | Path | dict[str, list[dict]], path: str = ROOT) ->
 def _row(epoch: int, rec: dict, leaves: dict[str, dict[int, dict]]) -> dict:
     metrics = rec.get("metrics", {})
     return {
-        "epoch": epoch,
+        "epoch": epoch + 1,
         "loss": metrics.get("loss"),
         "eval": metrics.get("eval"),
         "throughput": metrics.get("throughput"),

@@ -117,6 +117,29 @@ class Schedule:
     def epoch_len(self, epoch: int) -> int:
         return self.bounds(epoch)[2]
 
+    def share_problem(self, batch_size: int, world: int) -> tuple[str | None, str | None]:
+        """``(refusal, warning)`` for ``world`` ranks training batches of ``batch_size`` (None: fine).
+
+        Refused: an epoch has fewer samples than ranks, so a rank trains nothing at all. Warned:
+        a rank's share of an epoch is smaller than one batch, so each rank takes one partial
+        batch (one step) per epoch; training still means something, at one step per epoch.
+        """
+        samples = min(self.epoch_len(e) for e in range(self.epoch_splits))
+        if samples < world:
+            return (
+                f"an epoch has {samples} sample(s) for {world} ranks: {world - samples} rank(s) would train nothing; "
+                f"run at most {samples} rank(s) or give the task more data",
+                None,
+            )
+        share = samples // world
+        if batch_size > share:
+            return None, (
+                f"batch_size {batch_size} is more than a rank's share of an epoch (~{share} of {samples} samples "
+                f"over {world} ranks): each rank takes one partial batch, one step, per epoch; "
+                f"a batch_size of at most {share} gives more steps"
+            )
+        return None, None
+
     def picks(self, seed: int, epoch: int, offset: int, size: int) -> tuple[int, torch.Tensor]:
         """``(pass_index, picks)`` of positions ``[offset, offset + size)`` of ``epoch``."""
         pass_index, start, length = self.bounds(epoch)

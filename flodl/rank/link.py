@@ -224,8 +224,10 @@ class ControllerLink:
                 if self.lost is None:
                     self._check_alive(now, last_heard)
                 if give_up_at is None and self.must_stop:
-                    give_up_at = now + self.exit_grace_s
-                if give_up_at is not None and now > give_up_at and not self._done.is_set() and not self._saving_past(now):
+                    # a rank still building its task (the user's factory, torch's import) has nothing to
+                    # keep and would not look for the order before it is done: it goes at once
+                    give_up_at = now + (0.0 if self.busy == "build" else self.exit_grace_s)
+                if give_up_at is not None and now >= give_up_at and not self._done.is_set() and not self._saving_past(now):
                     self._hard_exit()
             self._flush_lazy(dealer)  # flush what the training thread queued last
             self._forward(dealer)
@@ -315,6 +317,9 @@ class ControllerLink:
 
     def _hard_exit(self) -> None:
         code = EXIT_CONTROLLER_LOST if self.lost else EXIT_RANK_LOST
-        log.error("%s: training thread did not stop within %.1f s; exiting", self.sender, self.exit_grace_s)
+        if self.busy == "build":
+            log.info("%s: the run stopped while this rank built its task; exiting", self.sender)
+        else:
+            log.error("%s: training thread did not stop within %.1f s; exiting", self.sender, self.exit_grace_s)
         logging.shutdown()
         os._exit(code)

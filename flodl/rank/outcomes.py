@@ -8,6 +8,12 @@ peer gone: recoverable) from errors in the user's training step.
 
 from __future__ import annotations
 
+import os
+import traceback
+from pathlib import Path
+
+_FLODL_DIR = str(Path(__file__).resolve().parents[1]) + os.sep
+
 
 class Stop(Exception):
     """The rank's work ends here: the controller is gone, ordered an abort, or we got SIGTERM."""
@@ -31,6 +37,22 @@ class NonFiniteLoss(ArithmeticError):
             "its replica was not averaged into the others and nothing was saved over the last bundle "
             "(lower the learning rate, or clip gradients with --max-grad-norm)"
         )
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The traceback of ``exc`` (and of its chained causes) without flodl's own frames: the user
+    sees where their code raised, not the runner that called it. Where no frame is the user's (a
+    flodl bug), the whole traceback."""
+    report = traceback.TracebackException.from_exception(exc)
+    seen: set[int] = set()
+    te: traceback.TracebackException | None = report
+    while te is not None and id(te) not in seen:
+        seen.add(id(te))
+        theirs = [frame for frame in te.stack if not (frame.filename or "").startswith(_FLODL_DIR)]
+        if theirs:
+            te.stack[:] = theirs
+        te = te.__cause__ or te.__context__
+    return "".join(report.format())
 
 
 def is_collective_error(exc: RuntimeError) -> bool:

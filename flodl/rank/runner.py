@@ -25,7 +25,6 @@ import platform
 import signal
 import sys
 import time
-import traceback
 from typing import Any
 
 import torch
@@ -71,7 +70,7 @@ from .flat import FlatModel, model_digest
 from .handle import LrState, WorkerHandle
 from .link import ControllerLink
 from .norms import norm_layers
-from .outcomes import NonFiniteLoss, Stop, UserError, is_collective_error
+from .outcomes import NonFiniteLoss, Stop, UserError, is_collective_error, user_traceback
 from .prefetch import CacheWarmer, Prefetcher
 from .regroup import Regrouping
 from .saving import checkpoint, emergency_save
@@ -318,8 +317,9 @@ class RankRunner(Regrouping, Evaluating):
 
     def _fail(self, stage: str, exc: BaseException, code: int) -> int:
         """Report an error once, then wait (bounded) for the controller's verdict."""
-        detail = "".join(traceback.format_exception(exc))[-8000:]
-        log.error("rank %d failed during %s: %s", self.rank, stage, exc)
+        detail = user_traceback(exc)[-8000:]
+        # the controller prints it, once for the run: this rank's own line would repeat it
+        log.info("rank %d failed during %s: %s", self.rank, stage, exc)
         self.link.send(
             m.RankError(rank=self.rank, stage=stage, error=f"{type(exc).__name__}: {exc}"[:2000], detail=detail, generation=self.generation)
         )

@@ -87,6 +87,14 @@ def empty_task():
     return t
 
 
+def three_samples_task():
+    """3 samples: a world of 4 ranks would leave one with nothing to train (refused, exit 2)."""
+    t = task()
+    x, y = _data(3, 0)
+    t.dataset = torch.utils.data.TensorDataset(x, y)
+    return t
+
+
 def other_model_task():
     """Same data, different model: must be refused at join."""
     t = task()
