@@ -8,12 +8,12 @@ own stream (NCCL's; gloo's threads on a CPU) while the rank trains on, and the
 result lands between two steps as ``local ← (local − snapshot) + average``
 (flodl/rank/collective.py). The copy and the landing run on the step stream;
 this bench measures what they cost it, with flodl's own ``CollectiveAverager``
-on the matrix's ResNet-20 and GPT-nano, in one process: a training loop with
-no average against the same loop launching one every ``WINDOW`` steps and
-landing it at the first step after it completed. The cost per average is the
-difference in wall time over the number of averages; it is also given as a
-share of a window of ``WINDOW`` steps. A blocking average (Sync's) is
-measured the same way, for reference.
+on the matrix's ResNet-20 and GPT-nano: the step stream's time from before a
+launch to after its landing (CUDA events on the stream: the copy into the send
+buffer, the wait for the collective's event, the landing arithmetic), and the
+host's time in the two calls; against a training step's time, and as a share
+of a window of ``WINDOW`` steps. A blocking average (Sync's) is measured the
+same way, for reference. On a CPU (gloo, the smoke) the times are the host's.
 
 The group here has one member (one GPU is lent: NCCL refuses two ranks on one
 GPU), so the all-reduce moves nothing across devices: what is measured is the
@@ -27,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,33 +50,62 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train(name: str, device: torch.device, steps: int, group: dist.ProcessGroup | None, *, block: bool = False) -> float:
-    """Wall seconds of ``steps`` training steps of model ``name``, averaging in ``group`` every ``WINDOW`` steps when given one."""
+class StreamClock:
+    """Times a block on the device's current stream (CUDA events) and on the host."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def __call__(self, block: Callable[[], object], reps: int) -> tuple[float, float]:
+        """(median stream ms, median host ms) of ``block`` over ``reps`` runs, each alone on the stream."""
+        stream_ms, host_ms = [], []
+        for _ in range(reps):
+            sync(self.device)
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            block()
+            host = (time.perf_counter() - t0) * 1000.0
+            if self.cuda:
+                end.record()
+                end.synchronize()
+                stream_ms.append(start.elapsed_time(end))
+            else:
+                stream_ms.append(host)
+            host_ms.append(host)
+        return statistics.median(stream_ms), statistics.median(host_ms)
+
+
+def measure(name: str, device: torch.device, group: dist.ProcessGroup, reps: int) -> dict[str, tuple[float, float]]:
+    """Stream and host ms of a training step, of a background average (launch + landing) and of a blocking one."""
     task = tasks.task(name)
     x_all, y_all = (t.to(device) for t in task.dataset.tensors)
     model = task.model().to(device)
-    # flattened before the optimizer exists, as the rank does: it must hold the views
-    averager = CollectiveAverager(FlatModel(model), group) if group is not None else None
+    averager = CollectiveAverager(FlatModel(model), group)  # flattened before the optimizer, as the rank does
     opt = task.optimizer(model)
-    gen = torch.Generator().manual_seed(0)
-    bs, n = task.batch_size, len(x_all)
-    for warm in (True, False):
-        sync(device)
-        start = time.perf_counter()
-        for step in range(WINDOW if warm else steps):
-            if averager is not None:
-                averager.poll()  # a finished background average lands here, between steps
-            idx = torch.randint(0, n, (bs,), generator=gen).to(device, non_blocking=True)
-            loss = task.loss_fn(model(x_all[idx]), y_all[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if averager is not None and (step + 1) % WINDOW == 0:
-                averager.average(float(WINDOW), block=block)
-        if averager is not None:
-            averager.settle()
-        float(loss.detach())  # the device is done
-    return time.perf_counter() - start
+    idx = torch.arange(task.batch_size, device=device)
+
+    def step() -> None:
+        loss = task.loss_fn(model(x_all[idx]), y_all[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    def background() -> None:
+        averager.average(float(WINDOW), block=False)
+        averager.settle()  # its landing (the collective is long done: one member)
+
+    clock = StreamClock(device)
+    for _ in range(5):  # warm-up: kernels, allocator, the averager's buffers
+        step()
+        background()
+    return {
+        "step": clock(step, reps),
+        "background (Cadence, Async)": clock(background, reps),
+        "blocking (Sync)": clock(lambda: averager.average(float(WINDOW), block=True), reps),
+    }
 
 
 def one_member_group(device: torch.device) -> tuple[dist.ProcessGroup, dist.TCPStore]:
@@ -94,31 +124,29 @@ def main(argv: list[str] | None = None) -> Path:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     os.environ.setdefault("FLODL_MATRIX_SAMPLES", "4096")
-    models, steps, reps = (("resnet20", "gpt_nano"), 1000, 5)
+    models, reps = ("resnet20", "gpt_nano"), 50
     if args.quick:
-        steps, reps = 300, 3
+        reps = 20
     if args.smoke:
-        models, steps, reps = ("logreg",), 2 * WINDOW, 1  # the smallest model: does the path run?
+        models, reps = ("logreg",), 3  # the smallest model: does the path run?
     group, store = one_member_group(device)
     rows: list[Row] = []
     for name in models:
-        plain, background, blocking = [], [], []
-        for _ in range(reps):  # alternating, so drift hits every variant
-            plain.append(train(name, device, steps, None))
-            background.append(train(name, device, steps, group))
-            blocking.append(train(name, device, steps, group, block=True))
-        averages = steps // WINDOW
-        base = statistics.median(plain)
-        step_ms = base / steps * 1000.0
-        for label, walls in (("background (Cadence, Async)", background), ("blocking (Sync)", blocking)):
-            cost_ms = (statistics.median(walls) - base) / averages * 1000.0
-            case = f"{name}, {step_ms:.2f} ms step, average every {WINDOW}"
-            rows.append(Row(case, f"{label}: step-stream cost per average", cost_ms * 1000.0, "µs"))
-            rows.append(Row(case, f"{label}: share of a window", cost_ms / (WINDOW * step_ms) * 100.0, "%"))
-        print(f"{name}: plain {base:.3f} s, background {statistics.median(background):.3f} s, blocking {statistics.median(blocking):.3f} s")
+        times = measure(name, device, group, reps)
+        step_ms = times["step"][0]
+        case = f"{name}, {step_ms:.2f} ms step, average every {WINDOW}"
+        for label in ("background (Cadence, Async)", "blocking (Sync)"):
+            stream_ms, host_ms = times[label]
+            rows.append(Row(case, f"{label}: step-stream time per average", stream_ms * 1000.0, "µs"))
+            rows.append(Row(case, f"{label}: host time per average", host_ms * 1000.0, "µs"))
+            rows.append(Row(case, f"{label}: share of a window", stream_ms / (WINDOW * step_ms) * 100.0, "%"))
+        print(
+            f"{name}: step {step_ms:.3f} ms; "
+            + "; ".join(f"{k} {v[0] * 1000:.0f} µs stream, {v[1] * 1000:.0f} µs host" for k, v in times.items() if k != "step")
+        )
     del store
     note = (
-        f"{steps} steps per run, median of {reps} alternating runs; flodl's CollectiveAverager in a one-member "
+        f"median of {reps} timings each; flodl's CollectiveAverager in a one-member "
         f"{'NCCL' if device.type == 'cuda' else 'gloo'} group on {device}: the copy and landing on the step stream, "
         "not the all-reduce across devices"
     )

@@ -235,6 +235,8 @@ def plan(args: argparse.Namespace) -> tuple[list[tuple[str, float | None, str]],
         targets, models, reps, samples, epochs = (5.0, 20.0), (), 9, 16384, 4
     if args.steps_ms:
         targets = tuple(float(t) for t in args.steps_ms.split(",") if t)
+    if args.steps_ms and args.models is None:  # cases named: only those
+        models = ()
     if args.models is not None:
         models = tuple(m for m in args.models.split(",") if m)
     cases = [(f"~{t:g} ms step", t, "mlp") for t in targets] + [(name, None, name) for name in models]

@@ -73,7 +73,7 @@ def test_overhead_bench_runs(tmp_path, proc_env):
 def test_avg_stream_bench_runs(tmp_path, proc_env):
     out = run_smoke("avg_stream.py", "avg_stream", tmp_path, proc_env)
     metrics = {r["metric"] for r in out["rows"]}
-    assert "background (Cadence, Async): step-stream cost per average" in metrics and "blocking (Sync): share of a window" in metrics
+    assert "background (Cadence, Async): step-stream time per average" in metrics and "blocking (Sync): share of a window" in metrics
 
 
 def test_scale_bench_runs(tmp_path, proc_env):

@@ -1,7 +1,8 @@
 """A task whose model is compiled (``Task.compile``), for the compile tests.
 
-FLODL_TEST_COMPILE  JSON of Task.compile (default: {"backend": "aot_eager"}: dynamo and
-                    autograd tracing without a C++ or Triton build, seconds on a CPU)
+FLODL_TEST_COMPILE  JSON of Task.compile on a GPU rank (default, and always on a CPU rank:
+                    {"backend": "aot_eager"}: dynamo and autograd tracing without a C++ or
+                    Triton build, seconds on a CPU)
 FLODL_TEST_TRACES   a folder: each eval writes how often the model's forward ran eagerly in this
                     process (compiled: never, dynamo's trace folds the count away; eager: every step)
 """
@@ -48,6 +49,14 @@ def evaluate(model, device):
         return (model(x.to(device)).argmax(1).cpu() == y).float().mean().item()
 
 
+AOT_EAGER = '{"backend": "aot_eager"}'
+
+
+def _on_gpu():
+    """This rank trains on a GPU (a CPU rank beside it keeps aot_eager: an inductor C++ build takes minutes)."""
+    return os.environ.get("FLODL_DEVICE", "cpu").startswith("cuda")
+
+
 def task():
     return Task(
         model=make_model,
@@ -57,5 +66,5 @@ def task():
         loss_fn=F.cross_entropy,
         eval_fn=evaluate,
         eval_metric="accuracy",
-        compile=json.loads(os.environ.get("FLODL_TEST_COMPILE", '{"backend": "aot_eager"}')),
+        compile=json.loads(os.environ.get("FLODL_TEST_COMPILE", AOT_EAGER) if _on_gpu() else AOT_EAGER),
     )
