@@ -847,8 +847,9 @@ class RankRunner(Regrouping, Evaluating):
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
 
     def _step(self, batch: Any, *, epoch: int, samples: int, data_ms: float) -> list[StepRecord]:
-        """One batch (an optimizer step, or a part of one when accumulating); returns the step records now known (step_meter.py: on a GPU,
-        earlier steps', once the device has run them; nothing here waits for it)."""
+        """One batch: an optimizer step, or part of one when accumulating (update.py). Returns the
+        step records now known (step_meter.py: on a GPU, earlier steps', once the device has run
+        them; nothing here waits for it)."""
         t0 = self.meter.begin()
         if self.update is None:  # the plain step: nothing else per step (update.py has the rest)
             if self.lr is not None:
