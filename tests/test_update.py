@@ -360,10 +360,11 @@ def test_fp16_runs_count_skipped_steps_in_the_summary_and_keep_the_scale(tmp_pat
     assert _train_state(tmp_path / "again")[0]["scaler"]["scale"] == 65536.0 / 16  # ... and resumed from
 
 
-def test_two_ranks_accumulate_schedule_and_cover_every_sample(tmp_path):
-    """Cadence on two ranks, 2 batches a step, StepLR on the global step, two optimizers: every
-    sample once per epoch, and the saved scheduler stands at a global step the run reached."""
-    summary, _ = _run("unplain_task", tmp_path, epochs=3, nproc=2)
+@pytest.mark.parametrize("mode", ["nccl-cadence", "nccl-sync", "cpu-async"])
+def test_two_ranks_accumulate_schedule_and_cover_every_sample(tmp_path, mode):
+    """Two ranks, 2 batches a step, StepLR on the global step, two optimizers: every sample once
+    per epoch in each policy, and the saved scheduler stands at a global step the run reached."""
+    summary, _ = _run("unplain_task", tmp_path, epochs=3, nproc=2, config=DdpRunConfig().with_mode(mode))
     assert [h["samples"] for h in summary["history"]] == [512] * 3
     state, meta = _train_state(tmp_path / "run")
     assert 0 < state["schedulers"]["at"] <= meta["global_step"] // 2
