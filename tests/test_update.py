@@ -379,3 +379,12 @@ def test_handle_refuses_to_set_the_lr_under_a_scheduler():
 
     with pytest.raises(TaskError, match=r"worker\.set_lr: the task's Task\.scheduler sets the LR"):
         WorkerHandle(Runner()).set_lr(0.1)
+
+
+def test_a_rank_killed_inside_an_accumulation_leaves_exact_coverage(tmp_path, monkeypatch):
+    """Rank 1 of 3 SIGKILLs itself at its 5th optimizer step, gradients accumulated, step not
+    taken: the survivors finish, and every sample of every epoch is trained exactly once."""
+    monkeypatch.setenv("FLODL_INJECT_FAULT", "1:batch:5")
+    summary, _ = _run("unplain_task", tmp_path, epochs=3, nproc=3)
+    assert [d["rank"] for d in summary["deaths"]] == [1]
+    assert [h["samples"] for h in summary["history"]] == [512] * 3
