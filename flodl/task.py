@@ -33,6 +33,13 @@ LrSchedule = Callable[[int], float]
 EpochFn = Callable[[int, Any], None]
 #: ``checkpoint_fn(version, worker)`` runs on the elected rank every ``checkpoint_every`` epochs.
 CheckpointFn = Callable[[int, Any], None]
+#: ``scheduler(optimizer) -> torch.optim.lr_scheduler.LRScheduler`` (called once per optimizer).
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+#: ``Task.precision``: the autocast dtype of the forward (None: full precision, no autocast).
+PRECISIONS: dict[str, torch.dtype | None] = {"32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+#: ``Task.scheduler_interval``: what one scheduler step is (docs/task.md).
+SCHEDULER_INTERVALS = ("global", "rank")
 
 #: ``torch.compile`` modes a ``Task.compile`` string may name.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -74,11 +81,14 @@ class Task:
             calls it; the rank then overwrites its parameters with rank 0's so
             all replicas start identical, whatever the factory's seeding.
         optimizer: factory taking the model (already on its device) and
-            returning its optimizer.
+            returning its optimizer, or a list/tuple of optimizers (each over
+            its own parameters): every one steps, zeroes, follows the LR
+            schedule and is saved.
         dataset: a map-style dataset (``__len__`` + ``__getitem__``), or a
             zero-argument factory returning one. Every rank must see the same
             samples in the same order; flodl decides which indices each trains.
-        batch_size: samples per optimizer step on each rank.
+        batch_size: samples per batch on each rank (an optimizer step takes
+            ``accumulate_grad_batches`` batches).
         loss_fn: ``loss_fn(model(x), y)`` for datasets yielding ``(x, y)``.
             Give either ``loss_fn`` or ``train_step``.
         train_step: ``train_step(model, batch, device) -> loss`` for anything
@@ -115,6 +125,23 @@ class Task:
             state dicts keep their keys. The loss is computed outside the
             compiled forward (``loss_fn``, or your ``train_step``); see
             docs/compile.md.
+        scheduler: ``scheduler(optimizer) -> LRScheduler`` (a
+            ``torch.optim.lr_scheduler`` object), called once per optimizer
+            after the LR factor is applied; stepped once per optimizer step as
+            ``scheduler_interval`` counts them. Its state is saved with the
+            optimizer's. Give ``scheduler`` or ``lr_schedule``, not both.
+        scheduler_interval: ``"global"`` (default): the scheduler has taken as
+            many steps as all ranks' optimizer steps (``lr_schedule``'s global
+            step), so every rank agrees on the LR after each average;
+            ``"rank"``: one scheduler step per this rank's own optimizer step.
+        accumulate_grad_batches: batches whose gradients add up into one
+            optimizer step (each batch's loss divided by it). Coverage still
+            counts every batch; an average never falls inside an accumulation
+            (docs/task.md).
+        precision: ``"32"`` (default), ``"bf16-mixed"`` or ``"fp16-mixed"``:
+            the forward (model and loss) runs under ``torch.autocast``; fp16
+            adds a ``GradScaler`` whose state is saved, and counts the steps it
+            skips (``amp_skipped_steps``).
     """
 
     model: ModelFactory
@@ -131,6 +158,10 @@ class Task:
     checkpoint_fn: CheckpointFn | None = None
     bn_recalibration_batches: int = 16
     compile: bool | str | dict[str, Any] = False
+    scheduler: SchedulerFactory | None = None
+    scheduler_interval: str = "global"
+    accumulate_grad_batches: int = 1
+    precision: str = "32"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -148,13 +179,20 @@ class Task:
             raise TaskError(f"Task.batch_size must be a positive int, got {self.batch_size!r}")
         if (self.loss_fn is None) == (self.train_step is None):
             raise TaskError("Task needs exactly one of loss_fn or train_step")
-        for name in ("eval_fn", "lr_schedule", "epoch_fn", "collate_fn", "checkpoint_fn"):
+        for name in ("eval_fn", "lr_schedule", "epoch_fn", "collate_fn", "checkpoint_fn", "scheduler"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TaskError(f"Task.{name} must be callable, got {value!r}")
-        n = self.bn_recalibration_batches
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise TaskError(f"Task.bn_recalibration_batches must be an int >= 0, got {n!r}")
+        if self.scheduler is not None and self.lr_schedule is not None:
+            raise TaskError("Task.scheduler and Task.lr_schedule both set the LR: give one of them")
+        if self.scheduler_interval not in SCHEDULER_INTERVALS:
+            raise TaskError(f"Task.scheduler_interval must be one of {', '.join(SCHEDULER_INTERVALS)}, got {self.scheduler_interval!r}")
+        if self.precision not in PRECISIONS:
+            raise TaskError(f"Task.precision must be one of {', '.join(map(repr, PRECISIONS))}, got {self.precision!r}")
+        for name, low in (("bn_recalibration_batches", 0), ("accumulate_grad_batches", 1)):
+            n = getattr(self, name)
+            if not isinstance(n, int) or isinstance(n, bool) or n < low:
+                raise TaskError(f"Task.{name} must be an int >= {low}, got {n!r}")
         if not isinstance(self.eval_metric, str) or not self.eval_metric:
             raise TaskError("Task.eval_metric must be a non-empty string")
         compile_kwargs(self.compile)

@@ -151,8 +151,12 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, model: torch.nn.Module |
                 yield f"{names.get(id(param), 'a parameter')}'s {key}", value
 
 
-def save_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike) -> str:
-    """Write an optimizer's state (tensors as safetensors, the rest as JSON metadata); returns the file's sha256."""
+def save_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, train_state: dict[str, Any] | None = None) -> str:
+    """Write an optimizer's state (tensors as safetensors, the rest as JSON metadata); returns the file's sha256.
+
+    ``train_state``: JSON kept beside it (the LR schedulers', the GradScaler's, how the
+    parameter groups split between several optimizers: ``flodl.rank.update.train_state``).
+    """
     state = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     plain: dict[str, dict[str, Any]] = {}
@@ -162,23 +166,32 @@ def save_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike) ->
                 tensors[f"state.{pid}.{key}"] = value
             else:
                 plain.setdefault(str(pid), {})[key] = value
-    return safetensors_io.save(
-        path, tensors, {"format": "flodl-optim", "param_groups": json.dumps(state["param_groups"]), "plain": json.dumps(plain)}
-    )
+    metadata = {"format": "flodl-optim", "param_groups": json.dumps(state["param_groups"]), "plain": json.dumps(plain)}
+    if train_state:
+        try:
+            metadata["train_state"] = json.dumps(train_state)
+        except TypeError as exc:  # a scheduler holding a function: flodl saves no pickle
+            raise TypeError(f"the LR scheduler's or scaler's state cannot be saved as JSON ({exc})") from None
+    return safetensors_io.save(path, tensors, metadata)
 
 
-def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike) -> None:
-    """Load a bundle's optimizer state (named by its stem, sidecar or ``.optim``) into ``optimizer``.
+def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, *, fits: list[int] | None = None) -> dict[str, Any]:
+    """Load a bundle's optimizer state (named by its stem, sidecar or ``.optim``) into ``optimizer``;
+    returns the ``train_state`` saved with it (``{}`` when none).
+
+    ``fits``: the parameter groups of each of the task's optimizers, checked against the
+    split the file was saved with (when it says).
 
     Raises:
-        CheckpointError: missing, corrupt, made for other parameter groups, or
-            holding NaN/Inf (naming the tensor).
+        CheckpointError: missing, corrupt, made for other parameter groups or
+            optimizers, or holding NaN/Inf (naming the tensor).
     """
     file = resolve(path, "optim")
     try:
         tensors, metadata = safetensors_io.load(file)
         groups = json.loads(metadata["param_groups"])
         plain = json.loads(metadata.get("plain", "{}"))
+        train_state = json.loads(metadata.get("train_state", "{}"))
     except FileNotFoundError:
         raise CheckpointError(f"{file}: no such optimizer file") from None
     except (CorruptFile, KeyError, ValueError) as exc:
@@ -188,6 +201,11 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike) ->
         raise CheckpointError(
             f"{file}: optimizer state tensor {bad} holds NaN or Inf; the run diverged before this "
             "save. Resume from an earlier bundle, or this one's weights alone (resume_weights_only)"
+        )
+    if fits is not None and train_state.get("optimizers", fits) != fits:
+        raise CheckpointError(
+            f"{file} does not fit this task's optimizers: saved from optimizers of {train_state['optimizers']} "
+            f"parameter groups, this task's have {fits}"
         )
     mine = optimizer.state_dict()["param_groups"]
     if [len(g["params"]) for g in groups] != [len(g["params"]) for g in mine]:
@@ -209,3 +227,4 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike) ->
         optimizer.load_state_dict({"state": state, "param_groups": groups})
     except (ValueError, KeyError, RuntimeError) as exc:
         raise CheckpointError(f"{file} does not fit this optimizer: {exc}") from None
+    return train_state

@@ -8,7 +8,8 @@ where ``lr_factor = 1 + (W − 1)·lr_scale_ratio`` and ``global_step`` counts t
 batches of all ranks (the controller sends it with every plan; the rank adds
 its own steps since). ``set_lr`` / ``scale_lr`` change the base,
 ``set_scheduler`` swaps the schedule; every rank runs ``epoch_fn``, so a change
-made there applies to every replica.
+made there applies to every replica. A task with a torch ``Task.scheduler``
+leaves the LR to it: these three refuse (update.py steps it).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from ..errors import TaskError
 
 
 class LrState:
@@ -38,6 +41,12 @@ class LrState:
         for group, base in zip(self.optimizer.param_groups, self.base, strict=False):
             group["lr"] = base * self.factor * mult
         self._applied = key
+
+    def rebase(self) -> None:
+        """Take the optimizer's current LRs as the base (a resumed optimizer's), applied for step 0."""
+        self.base = [float(g["lr"]) for g in self.optimizer.param_groups]
+        self._applied = None
+        self.apply(0)
 
     def set_base(self, base: list[float], global_step: int) -> None:
         """New base LRs, one per group; applied at once for ``global_step``."""
@@ -74,8 +83,9 @@ class WorkerHandle:
 
     @property
     def local_step(self) -> int:
-        """Optimizer steps this rank has taken."""
-        return self._runner.step_count
+        """Optimizer steps this rank has taken (batches / ``accumulate_grad_batches``)."""
+        update = self._runner.update
+        return update.steps if update is not None else self._runner.step_count
 
     @property
     def global_step(self) -> int:
@@ -98,16 +108,22 @@ class WorkerHandle:
     def optimizer(self) -> torch.optim.Optimizer:
         return self._runner.optimizer
 
+    def _lr_state(self, what: str) -> LrState:
+        update = self._runner.update
+        if update is not None and update.schedulers:
+            raise TaskError(f"worker.{what}: the task's Task.scheduler sets the LR; change it through the scheduler")
+        return self._runner.lr
+
     def set_lr(self, lr: float) -> None:
         """Set every group's base LR (the factor and schedule still apply on top)."""
-        lrs = self._runner.lr
-        lrs.set_base([float(lr)] * len(lrs.base), self.global_step)
+        lrs = self._lr_state("set_lr")
+        lrs.set_base([float(lr)] * len(lrs.base), self._runner.lr_step)
 
     def scale_lr(self, factor: float) -> None:
         """Multiply every group's base LR by ``factor``."""
-        lrs = self._runner.lr
-        lrs.set_base([b * float(factor) for b in lrs.base], self.global_step)
+        lrs = self._lr_state("scale_lr")
+        lrs.set_base([b * float(factor) for b in lrs.base], self._runner.lr_step)
 
     def set_scheduler(self, schedule: Callable[[int], float] | None) -> None:
         """Replace the schedule: ``schedule(global_step) -> multiplier`` (None: constant)."""
-        self._runner.lr.set_schedule(schedule, self.global_step)
+        self._lr_state("set_scheduler").set_schedule(schedule, self._runner.lr_step)

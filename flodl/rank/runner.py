@@ -76,6 +76,7 @@ from .regroup import Regrouping
 from .saving import checkpoint, emergency_save
 from .staging import RamCache, TieredSamples, VramPool, ram_budget, vram_budget
 from .step_meter import StepMeter, StepRecord
+from .update import Update, build_optimizer, check_precision, needs_update, train_state
 from .window_stats import RoundStats
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,9 @@ class RankRunner(Regrouping, Evaluating):
         self.terminated = False
         self.step_count = 0
         # set up by ``_join`` (None before: what an early exit checks); windows and evals come after it
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer: Any = None  # the task's optimizer, or several as one (update.Optimizers)
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.update: Update | None = None  # accumulation, mixed precision, schedulers: None on the plain step
         self.averager: Averager | None = None
         self.source: BatchSource | None = None
         self.max_grad_norm: float | None = None
@@ -223,6 +226,7 @@ class RankRunner(Regrouping, Evaluating):
                 return self._stopped()
             if isinstance(cmd, (m.Shutdown, m.ShutdownWithSave)):
                 if not cmd.abort:
+                    self._finish_accumulation()
                     self._settle_background()  # the last average lands: replicas end equal
                 self._save_on_shutdown(cmd)
                 digest = "" if cmd.abort else model_digest(self.model)
@@ -265,6 +269,7 @@ class RankRunner(Regrouping, Evaluating):
             why=why,
             epoch=max(0, self.current_epoch),
             global_step=self.global_step,
+            train_state=self._train_state(),
         )
 
     def _stopped(self) -> int:
@@ -275,6 +280,9 @@ class RankRunner(Regrouping, Evaluating):
         if self.link.lost:
             raise PeerLost(self.link.lost)
         if self.link.shutdown is not None:
+            stop = self.link.shutdown
+            if isinstance(stop, m.ShutdownWithSave) and stop.save_stem and stop.save_rank == self.rank:
+                self._finish_accumulation()  # stopped between batches: the gradients are whole
             self._save_on_shutdown(self.link.shutdown)
         self.link.send(m.Exiting(rank=self.rank, reason="abort", digest=""))
         return EXIT_RANK_LOST
@@ -282,6 +290,7 @@ class RankRunner(Regrouping, Evaluating):
     def _checkpoint(self, cmd: m.SaveCheckpoint) -> None:
         """Write this rank's part of a consensus checkpoint between windows and say so."""
         self.link.doing("save")
+        self._finish_accumulation()
         self._settle_background()  # the consensus includes the last window's average
         done = checkpoint(
             rank=self.rank,
@@ -292,6 +301,7 @@ class RankRunner(Regrouping, Evaluating):
             version=cmd.version,
             call_fn=self.task.checkpoint_fn if cmd.call_fn else None,
             handle=self.handle,
+            train_state=self._train_state(),
         )
         self.faults.reach("save")  # tests: the files are written, the controller has not committed them
         self.link.send(done)
@@ -312,8 +322,18 @@ class RankRunner(Regrouping, Evaluating):
                     version=-1,
                     call_fn=None,
                     handle=self.handle,
+                    train_state=self._train_state(),
                 )
             )
+
+    def _finish_accumulation(self) -> None:
+        """A solo rank carries an accumulation across windows (no average ends them): a save steps it first."""
+        if self.update is not None:
+            self.update.window_end(self.global_step, flush=True)
+
+    def _train_state(self) -> dict[str, Any] | None:
+        """What the .optim file keeps beside the optimizer state (schedulers, scaler, the optimizers' split)."""
+        return train_state(self.optimizers, self.update)
 
     def _fail(self, stage: str, exc: BaseException, code: int) -> int:
         """Report an error once, then wait (bounded) for the controller's verdict."""
@@ -382,6 +402,7 @@ class RankRunner(Regrouping, Evaluating):
         try:  # a spec that names nothing, or a task whose dataset is unusable (empty): the user's, exit 2
             task = self.task = load_task(self.env.task)
             dataset = task.build_dataset()
+            check_precision(task.precision, self.device)
         except TaskError as exc:
             raise UserError("task spec", exc) from exc
         if not omp_threads_set():
@@ -474,16 +495,36 @@ class RankRunner(Regrouping, Evaluating):
         self.deterministic = config.deterministic
         if config.deterministic:
             seed_everything(welcome.seed, stream=self.rank + 1)  # each rank its own stream (dropout), the same every run
-        optimizer = self.optimizer = self.task.optimizer(self.model)
+        try:
+            self.optimizer, self.optimizers = build_optimizer(self.task, self.model)
+            # the LR factor goes on before the schedulers are built (they take it as their base)
+            # and before a saved state is loaded (whose LRs hold it already)
+            self.lr = LrState(self.optimizer, config.lr_factor(welcome.world_size), self.task.lr_schedule)
+            if needs_update(self.task):
+                self.update = Update(
+                    self.task, self.optimizer, self.optimizers, self.device, self.lr, forward=self._forward, grads_ready=self._grads_ready
+                )
+        except TaskError as exc:
+            raise UserError("task", exc) from exc
         self.graphed = compile_model(self.model, self.task.compile, self.device)  # after flattening: see compiling.py
         if config.resume_from and not welcome.late and not config.resume_weights_only:
-            load_optimizer(optimizer, config.resume_from)  # required: a fresh optimizer only when asked for
+            self._resume_optimizer(config.resume_from)
         self.world_size = welcome.world_size
-        self.lr = LrState(optimizer, config.lr_factor(welcome.world_size), self.task.lr_schedule)
         self.max_grad_norm = config.max_grad_norm
         self.source = self._batch_source(config, welcome.seed)
         self.norm_layers = norm_layers(self.model) if self.task.bn_recalibration_batches and self.task.train_step is None else []
         self.link.send(m.RankReady(rank=self.rank, generation=welcome.generation, init_ms=(time.perf_counter() - start) * 1000))
+
+    def _resume_optimizer(self, stem: str) -> None:
+        """Load the bundle's optimizer state (required: a fresh optimizer only when asked for), and its
+        schedulers' and scaler's. The LR: a scheduler's state holds it; otherwise the loaded
+        groups' LRs become the base, as before schedulers existed."""
+        saved = load_optimizer(self.optimizer, stem, fits=[len(o.param_groups) for o in self.optimizers])
+        if self.update is not None:
+            self.update.load_state_dict(saved)
+        if self.update is None or not self.update.schedulers:
+            assert self.lr is not None  # _join builds it before loading a saved state
+            self.lr.rebase()
 
     def _first_group(self, welcome: m.RankWelcome) -> torch.distributed.ProcessGroup | None:
         """The run's first process group, or None when a rank died while it formed: the
@@ -583,6 +624,8 @@ class RankRunner(Regrouping, Evaluating):
         """Train granted positions until a quota, average, and report (progressive dispatch)."""
         assert self.lr is not None  # _join set it up: windows come after the welcome
         self.global_step = window.global_step
+        if self.update is not None:
+            self.update.window_start(window.global_step)  # "global" schedulers: every rank at the same LR
         self.probing = not (window.quota_batches or window.quota_ms or window.sync_every)
         self.link.doing("step")
         self._maybe_regroup()  # a membership change announced between windows (a rank joined)
@@ -597,6 +640,9 @@ class RankRunner(Regrouping, Evaluating):
             window=window.window,
         )
         last = stats.last_average
+        window_scalars, data = scalars.drain(), self._data_stats()
+        if self.update is not None:
+            self.update.report(window_scalars, data)
         self.link.send(
             m.WindowDone(
                 rank=self.rank,
@@ -612,10 +658,10 @@ class RankRunner(Regrouping, Evaluating):
                 post_norm=last.post_norm if last else None,
                 lr=self.lr.current,
                 epochs=epoch_rows(stats.per_epoch),
-                scalars=scalars.drain(),
+                scalars=window_scalars,
                 regrouped_at=stats.regrouped_at,
                 res=self.resources.summary(),
-                data=self._data_stats(),
+                data=data,
             )
         )
 
@@ -701,11 +747,11 @@ class RankRunner(Regrouping, Evaluating):
             self.position = ((window or 0) << 16) | round_index
             stepped = 0
             last: m.TimingMsg | None = None
-            while not exhausted and (not sync_every or stepped < sync_every):
+            while not exhausted and (not sync_every or stepped < sync_every or self._accumulating()):
                 if averager.adopting:
                     exhausted = True  # a joiner without the consensus yet trains nothing (its grants go back)
                     break
-                if (
+                if not self._accumulating() and (
                     (quota_batches and stats.batches + self.meter.pending >= quota_batches)
                     # the quota clock is the window's wall time less its averages: a fast rank's
                     # per-step work outside compute and data (hundreds of steps' worth) must not
@@ -732,6 +778,8 @@ class RankRunner(Regrouping, Evaluating):
                 records = self._step(batch, epoch=epoch, samples=len(idx), data_ms=data_ms)
                 stepped += 1
                 last = self._report(records, stats, last)
+            if self.update is not None:  # grants that ended inside an accumulation: its step now, before the average
+                self.update.window_end(self.global_step, flush=self.world_size > 1)
             last = self._report(self.meter.drain(), stats, last)  # the device catches up: a window's end may wait
             # a window's end average (Cadence, Async) runs in the background on either backend:
             # a rank never waits at it for a slower peer; Sync's per-batch rounds block, and so
@@ -744,6 +792,15 @@ class RankRunner(Regrouping, Evaluating):
                 self.link.send_lazy(dataclasses.replace(last, sync_ms=averaged.ms))
         stats.finish((time.perf_counter() - start) * 1000.0)
         return stats
+
+    @property
+    def lr_step(self) -> int:
+        """The global step LR schedules see: all ranks' optimizer steps (batches / accumulate_grad_batches)."""
+        return self.global_step // self.task.accumulate_grad_batches
+
+    def _accumulating(self) -> bool:
+        """Inside a gradient accumulation: no average, no window end, until it is complete (docs/task.md)."""
+        return self.update is not None and self.update.pending > 0
 
     def _past_quota(self, start: float, stats: RoundStats, target_ms: float, quota_ms: float) -> bool:
         """The window's time quota is used up (its wall less its averages): True, and what it ran
@@ -777,7 +834,7 @@ class RankRunner(Regrouping, Evaluating):
         self.faults.reach("epoch", index=epoch)
         if self.task.epoch_fn is not None:
             assert self.lr is not None  # _join set it up: epochs are trained in windows
-            self.lr.apply(self.global_step)  # so the handle shows the LR of the step about to run
+            self.lr.apply(self.lr_step)  # so the handle shows the LR of the step about to run
             self.link.doing("callback")
             try:
                 self.task.epoch_fn(epoch, self.handle)
@@ -803,31 +860,41 @@ class RankRunner(Regrouping, Evaluating):
             last = m.TimingMsg(self.rank, rec.epoch, rec.step, rec.samples, rec.loss, rec.compute_ms, rec.data_ms, 0.0)
         return last
 
-    def _step(self, batch: Any, *, epoch: int, samples: int, data_ms: float) -> list[StepRecord]:
-        """One optimizer step; returns the step records now known (step_meter.py: on a GPU,
-        earlier steps', once the device has run them; nothing here waits for it)."""
-        t0 = self.meter.begin()
-        model, task, optimizer = self.model, self.task, self.optimizer
-        assert optimizer is not None  # made by _join (or by hand, in tests) before any step
-        if self.lr is not None:
-            self.lr.apply(self.global_step)
-        if self.graphed:
-            torch.compiler.cudagraph_mark_step_begin()
+    def _forward(self, batch: Any) -> torch.Tensor:
+        """The batch's loss: the task's ``train_step``, or ``loss_fn(model(x), y)``."""
+        task = self.task
         if task.train_step is not None:
-            loss = task.train_step(model, batch, self.device)
-        else:
-            assert task.loss_fn is not None  # a Task has exactly one of the two (Task.validate)
-            x, y = to_device(batch, self.device)
-            loss = task.loss_fn(model(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+            return task.train_step(self.model, batch, self.device)
+        assert task.loss_fn is not None  # a Task has exactly one of the two (Task.validate)
+        x, y = to_device(batch, self.device)
+        return task.loss_fn(self.model(x), y)
+
+    def _grads_ready(self) -> None:
+        """Between backward and the optimizer step: clipping (and the tests' diverging step)."""
         if self.faults.reach("batch") == "nan":  # tests: a diverging step
-            for p in model.parameters():
+            for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.fill_(float("nan"))
         if self.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm)
-        optimizer.step()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+
+    def _step(self, batch: Any, *, epoch: int, samples: int, data_ms: float) -> list[StepRecord]:
+        """One batch: an optimizer step, or part of one when accumulating (update.py). Returns the
+        step records now known (step_meter.py: on a GPU, earlier steps', once the device has run
+        them; nothing here waits for it)."""
+        t0 = self.meter.begin()
+        if self.graphed:
+            torch.compiler.cudagraph_mark_step_begin()
+        if self.update is None:  # the plain step: nothing else per step (update.py has the rest)
+            if self.lr is not None:
+                self.lr.apply(self.global_step)
+            loss = self._forward(batch)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self._grads_ready()
+            self.optimizer.step()
+        else:
+            loss = self.update.batch(batch, self.global_step)
         self.step_count += 1
         records = self.meter.measured(
             t0, loss, epoch=epoch, step=self.step_count, samples=samples, data_ms=data_ms, close=self.step_count == 1 or self.probing

@@ -25,8 +25,11 @@ class NonFinite(ValueError):
     """The model or optimizer state holds NaN/Inf: saving it would replace a usable bundle with a useless one."""
 
 
-def write_bundle_files(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stem: str, tag: str) -> tuple[str, str]:
-    """``<stem>.<tag>.fdl`` then ``<stem>.<tag>.optim``, each atomic; returns their sha256.
+def write_bundle_files(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, stem: str, tag: str, train_state: dict[str, Any] | None = None
+) -> tuple[str, str]:
+    """``<stem>.<tag>.fdl`` then ``<stem>.<tag>.optim`` (with ``train_state``: schedulers, scaler), each atomic;
+    returns their sha256.
 
     Raises:
         NonFinite: naming the first tensor holding NaN/Inf (nothing is written).
@@ -38,10 +41,12 @@ def write_bundle_files(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if bad is not None:
         raise NonFinite(f"optimizer state {bad} holds NaN or Inf")
     bundle = CheckpointBundle.at(stem)
-    return save_model(model, bundle.data_file(tag, ".fdl")), save_optimizer(optimizer, bundle.data_file(tag, ".optim"))
+    return save_model(model, bundle.data_file(tag, ".fdl")), save_optimizer(optimizer, bundle.data_file(tag, ".optim"), train_state)
 
 
-def checkpoint(*, rank: int, model, optimizer, stem: str, tag: str, version: int, call_fn, handle: Any) -> m.CheckpointDone:
+def checkpoint(
+    *, rank: int, model, optimizer, stem: str, tag: str, version: int, call_fn, handle: Any, train_state: dict[str, Any] | None = None
+) -> m.CheckpointDone:
     """Write the files (if ``stem``) and call ``checkpoint_fn`` (if given); the answer for the controller.
 
     A failure is reported in the answer, never raised: a checkpoint that could
@@ -51,7 +56,7 @@ def checkpoint(*, rank: int, model, optimizer, stem: str, tag: str, version: int
     digests, errors = ("", ""), []
     if stem:
         try:
-            digests = write_bundle_files(model, optimizer, stem, tag)
+            digests = write_bundle_files(model, optimizer, stem, tag, train_state)
         except NonFinite as exc:
             errors.append(f"refused to save {stem}: {exc}; the previous bundle is kept")
         except Exception as exc:  # disk full, permissions: report, keep training
@@ -72,7 +77,18 @@ def checkpoint(*, rank: int, model, optimizer, stem: str, tag: str, version: int
     )
 
 
-def emergency_save(*, model, optimizer, stem: str, rank: int, reason: str, why: str, epoch: int, global_step: int) -> None:
+def emergency_save(
+    *,
+    model,
+    optimizer,
+    stem: str,
+    rank: int,
+    reason: str,
+    why: str,
+    epoch: int,
+    global_step: int,
+    train_state: dict[str, Any] | None = None,
+) -> None:
     """The controller is gone (or this rank was terminated): keep this replica as the bundle ``<stem>.rank<N>``.
 
     Same crash safety as a consensus bundle: new data files, then the sidecar
@@ -83,7 +99,7 @@ def emergency_save(*, model, optimizer, stem: str, rank: int, reason: str, why: 
     bundle = CheckpointBundle.at(stem).rank(rank)
     tag = new_tag()
     try:
-        model_sha, optim_sha = write_bundle_files(model, optimizer, str(bundle.stem), tag)
+        model_sha, optim_sha = write_bundle_files(model, optimizer, str(bundle.stem), tag, train_state)
         write_meta(
             bundle,
             {

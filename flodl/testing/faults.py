@@ -10,7 +10,7 @@ deadlocked data read or user code that never returns: heartbeats go on),
 ``nan`` (at ``batch``: the gradients turn NaN, so the next loss is NaN).
 Points:
 
-* ``batch``   mid-batch: gradients computed, step not taken
+* ``batch``   mid-batch: gradients computed, step not taken (accumulating: counts optimizer steps)
 * ``average`` mid-averaging: the replica backed up, peers already inside the round
 * ``epoch``   at an epoch edge: the first batch of epoch ``n`` (0-based) about to run
 * ``regroup`` rebuilding the process group of the ``n``-th new generation (collective
