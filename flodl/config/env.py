@@ -16,7 +16,9 @@ what a variable means, its default and what it accepts are written once
   only: ``FLODL_SIMULATE_*``, ``FLODL_INJECT_FAULT``, ``FLODL_STRICT``.
 
 A few variables of other programs are read here too (``CUDA_VISIBLE_DEVICES``,
-``OMP_NUM_THREADS``) and one is set for torch (``TORCH_NCCL_ASYNC_ERROR_HANDLING``).
+``OMP_NUM_THREADS``), one is set for torch (``TORCH_NCCL_ASYNC_ERROR_HANDLING``),
+and torchrun's four (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``)
+for a script-mode rank.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ BULK_SLICE_BYTES = "FLODL_BULK_SLICE_BYTES"  # a model travels in slices of at m
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 TORCH_NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+# torchrun's, set for a script-mode rank (docs/script-mode.md): the values at its spawn, never updated
+TORCHRUN_RANK, TORCHRUN_WORLD_SIZE = "RANK", "WORLD_SIZE"
+TORCHRUN_LOCAL_RANK, TORCHRUN_LOCAL_WORLD_SIZE = "LOCAL_RANK", "LOCAL_WORLD_SIZE"
 
 _ON = ("1", "on", "yes", "true")
 _OFF = ("0", "off", "no", "false")
@@ -153,6 +158,22 @@ class RankEnv:
             parent_pid=int(env.get(PARENT_PID, "0")),
             relay_addr=env.get(RELAY_ADDR, ""),
         )
+
+
+def torchrun_env(*, rank: int, world_size: int, local_rank: int, local_world_size: int) -> dict[str, str]:
+    """torchrun's variables for a script-mode rank, so libraries that read them behave."""
+    return {
+        TORCHRUN_RANK: str(rank),
+        TORCHRUN_WORLD_SIZE: str(world_size),
+        TORCHRUN_LOCAL_RANK: str(local_rank),
+        TORCHRUN_LOCAL_WORLD_SIZE: str(local_world_size),
+    }
+
+
+def pythonpath_with(directory: str) -> str:
+    """``PYTHONPATH`` with ``directory`` first: a script-mode rank imports the flodl its worker runs."""
+    rest = os.environ.get("PYTHONPATH", "")
+    return directory + (os.pathsep + rest if rest else "")
 
 
 def child_environ(extra: dict[str, str]) -> dict[str, str]:

@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from .. import scriptspec
 from ..config import DdpRunConfig
 from ..config.options import add_run_options, load_toml, resolve_run_config
 from ..errors import ConfigError
@@ -25,6 +26,8 @@ class LaunchOptions:
     """Where and what to run. Every field has a ``--kebab-case`` flag and a TOML key."""
 
     task: str = ""
+    script: str = ""
+    script_args: tuple[str, ...] = ()
     epochs: int = 1
     nproc_per_node: int | None = None
     devices: str | None = None
@@ -43,7 +46,9 @@ class LaunchOptions:
 
     def validate(self) -> None:
         """Raises: ConfigError naming the first bad field."""
-        if not self.task or ":" not in self.task:
+        if self.script or self.script_args:
+            scriptspec.check(self.task, self.script, self.script_args)
+        elif not self.task or ":" not in self.task:
             raise ConfigError("task", "needs a task spec such as examples/digits.py:task or mypkg.train:task")
         if self.epochs < 1:
             raise ConfigError("epochs", f"must be >= 1, got {self.epochs}")
@@ -65,6 +70,16 @@ class LaunchOptions:
                 raise ConfigError(name, f"must be a positive number of seconds, got {value:g}")
 
     @property
+    def spec(self) -> str:
+        """What the ranks are told to run (``WorkerWelcome.task``): the task spec, or the script's."""
+        return scriptspec.encode(self.script, self.script_args) if self.script else self.task
+
+    @property
+    def label(self) -> str:
+        """The run's work as the console and the dashboard name it."""
+        return scriptspec.label(self.task, self.script, self.script_args)
+
+    @property
     def embedded(self) -> bool:
         """No external workers: the controller starts a local worker itself."""
         return self.workers == 0
@@ -79,6 +94,9 @@ class LaunchOptions:
 
 _HELP = {
     "task": "task factory to train: path/to/file.py:function or package.module:function",
+    "script": "your own training script, run on every rank as torchrun runs it (python -m flodl.controller "
+    "--script train.py [options] -- SCRIPT_ARGS); it calls flodl.init(): docs/script-mode.md",
+    "script_args": "the script's own arguments: everything after --",
     "epochs": "number of epochs (passes over the dataset)",
     "nproc_per_node": "ranks on this host for the embedded worker (default: one per GPU, else 1 CPU rank)",
     "devices": "explicit devices for the embedded worker, e.g. cuda:0,cuda:1 or cpu,cpu",
@@ -115,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     group = parser.add_argument_group("launch options")
     for f in dataclasses.fields(LaunchOptions):
+        if f.name == "script_args":  # not a flag: the words after --
+            group.add_argument(f.name, nargs="*", default=argparse.SUPPRESS, help=_HELP[f.name])
+            continue
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool | None",):
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=_HELP[f.name])
@@ -143,7 +164,7 @@ def resolve(args: argparse.Namespace) -> tuple[LaunchOptions, DdpRunConfig]:
     launch: dict[str, Any] = {}
     for name in LAUNCH_KEYS:
         if hasattr(args, name):
-            launch[name] = getattr(args, name)
+            launch[name] = tuple(getattr(args, name)) if name == "script_args" else getattr(args, name)
         elif name in toml_values:
             launch[name] = _coerce(name, toml_values[name])
     options = LaunchOptions(**launch)
@@ -153,6 +174,10 @@ def resolve(args: argparse.Namespace) -> tuple[LaunchOptions, DdpRunConfig]:
 
 
 def _coerce(name: str, value: Any) -> Any:
+    if name == "script_args":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(name, f"must be a list of strings, got {value!r}")
+        return tuple(value)
     field = {f.name: f for f in dataclasses.fields(LaunchOptions)}[name]
     want = _parser_of(field)
     if "bool" in str(field.type):

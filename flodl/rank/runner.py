@@ -167,7 +167,7 @@ class RankRunner(Regrouping, Evaluating):
     # ------------------------------------------------------------ lifecycle
 
     def run(self) -> int:
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._trap_signals()
         with self.closing:
             self.link.start()
             self.closing.callback(self.link.close)
@@ -359,6 +359,10 @@ class RankRunner(Regrouping, Evaluating):
             if isinstance(cmd, kinds):
                 return cmd
 
+    def _trap_signals(self) -> None:
+        """SIGTERM ends the rank at its next batch (script mode traps it in the script's main thread)."""
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self.terminated = True
 
@@ -371,7 +375,7 @@ class RankRunner(Regrouping, Evaluating):
             # survivors of a dead peer rebuild their group and go on (2 = clean up only)
             nccl_errors_raise()
         try:  # a spec that names nothing, or a task whose dataset is unusable (empty): the user's, exit 2
-            task = self.task = load_task(self.env.task)
+            task = self.task = self._load_task()
             dataset = task.build_dataset()
         except TaskError as exc:
             raise UserError("task spec", exc) from exc
@@ -399,6 +403,10 @@ class RankRunner(Regrouping, Evaluating):
             eval_metric=task.eval_metric,
             batch_size=task.batch_size,
         )
+
+    def _load_task(self) -> Task:
+        """The user's task, imported by its spec (script mode: made of what the script prepared)."""
+        return load_task(self.env.task)
 
     def _join(self, welcome: m.RankWelcome) -> None:
         start = time.perf_counter()
@@ -781,25 +789,11 @@ class RankRunner(Regrouping, Evaluating):
         """One optimizer step; returns the step records now known (step_meter.py: on a GPU,
         earlier steps', once the device has run them; nothing here waits for it)."""
         t0 = self.meter.begin()
-        model, task = self.model, self.task
         if self.lr is not None:
             self.lr.apply(self.global_step)
         if self.graphed:
             torch.compiler.cudagraph_mark_step_begin()
-        if task.train_step is not None:
-            loss = task.train_step(model, batch, self.device)
-        else:
-            x, y = to_device(batch, self.device)
-            loss = task.loss_fn(model(x), y)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.faults.reach("batch") == "nan":  # tests: a diverging step
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.fill_(float("nan"))
-        if self.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm)
-        self.optimizer.step()
+        loss = self._train_batch(batch)
         self.step_count += 1
         records = self.meter.measured(
             t0, loss, epoch=epoch, step=self.step_count, samples=samples, data_ms=data_ms, close=self.step_count == 1 or self.probing
@@ -822,6 +816,26 @@ class RankRunner(Regrouping, Evaluating):
         if not records:
             self.link.progressed(now, None, step=self.step_count)
         return records
+
+    def _train_batch(self, batch: Any) -> torch.Tensor:
+        """The step's own work: forward, backward, optimizer step; returns the loss (not synced).
+        Script mode hands this part to the user's loop (script_rank.py)."""
+        model, task = self.model, self.task
+        if task.train_step is not None:
+            loss = task.train_step(model, batch, self.device)
+        else:
+            x, y = to_device(batch, self.device)
+            loss = task.loss_fn(model(x), y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.faults.reach("batch") == "nan":  # tests: a diverging step
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+        if self.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        return loss
 
 
 #: Intra-op threads of a GPU rank: its CPU work is batch gathers and small host ops.
