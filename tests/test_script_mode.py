@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flodl import scriptspec
+from flodl.checkpoint.bundle import read_meta
 from flodl.errors import EXIT_CONFIG, EXIT_RANK_LOST, EXIT_TASK_ERROR
 from flodl.rank.flat import FlatModel
 
@@ -19,9 +20,9 @@ SCRIPT = str(TASKS / "script.py")
 EPOCHS = 3
 
 
-def start(proc_env, tmp_path, *, mode="nccl-cadence", env=(), extra=()):
-    path = tmp_path / "s.json"
-    args = ["--script", SCRIPT, "--nproc-per-node", "2", "--epochs", str(EPOCHS), "--mode", mode, "--summary-json", str(path), *extra]
+def start(proc_env, tmp_path, *, mode="nccl-cadence", env=(), extra=(), epochs=EPOCHS, name="s.json"):
+    path = tmp_path / name
+    args = ["--script", SCRIPT, "--nproc-per-node", "2", "--epochs", str(epochs), "--mode", mode, "--summary-json", str(path), *extra]
     return Run(args, {**proc_env, **dict(env)}), path
 
 
@@ -60,6 +61,28 @@ def test_a_rank_killed_mid_epoch_costs_nothing(proc_env, tmp_path):
     summary = finished(run, path)
     assert [d["rank"] for d in summary["deaths"]] == [1] and "killed by SIGKILL" in summary["deaths"][0]["reason"]
     assert "continuing with 1 rank(s)" in run.output
+
+
+@pytest.mark.timeout(120)
+def test_a_death_past_max_failure_saves_and_the_script_resumes_the_rest(proc_env, tmp_path):
+    """The survivor's loop ends with SystemExit once the bundle (the script's model and its
+    optimizer) is written; the resumed scripts start at the saved epoch and train exactly the rest."""
+    stem, out = tmp_path / "ck" / "run", tmp_path / "out"
+    out.mkdir()
+    env = {"FLODL_TEST_STEP_SLEEP": "0.005", "FLODL_INJECT_FAULT": "1:average:6"}
+    extra = ("--max-failure", "1", "--save-path", str(stem))
+    run, path = start(proc_env, tmp_path, env=env, extra=extra, epochs=6)
+    assert run.wait(60) == 6, run.output
+    meta = read_meta(stem)
+    assert meta["save_reason"] == "max_failure_exceeded" and meta["epoch"] >= 1
+    first = json.loads(path.read_text())
+    covered_open = sum(item["total"] - sum(z for _, z in item["uncovered"]) for item in meta["coverage"]["open"])
+    run2, path2 = start(proc_env, tmp_path, env={"FLODL_TEST_OUT": str(out)}, extra=("--resume-from", str(stem)), epochs=6, name="s2.json")
+    assert run2.wait(60) == 0, run2.output
+    second = json.loads(path2.read_text())
+    trained = sum(h["samples"] for h in first["history"]) + covered_open + sum(h["samples"] for h in second["history"])
+    assert trained == 6 * 512  # every sample of every epoch once, across the two runs
+    assert json.loads((out / "rank0.json").read_text())["epochs"][0] == meta["epoch"]
 
 
 @pytest.mark.timeout(60)
