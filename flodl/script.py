@@ -142,6 +142,8 @@ class Run:
         item = self._bridge.call(Prepared(model, optimizer, dataset, batch_size, collate_fn))
         if item.kind == END:
             self._end(item)
+        if self._rank.threads:
+            torch.set_num_threads(self._rank.threads)  # the rank's share of the host's cores, on this thread too
         return model, optimizer
 
     def epochs(self) -> Iterator[int]:

@@ -60,6 +60,7 @@ class ScriptRank(RankRunner):
         super().__init__(env)
         self.bridge = bridge
         self.prepared: Prepared | None = None
+        self.threads = 0  # intra-op threads _build chose for this rank (0: not yet)
 
     def start(self) -> threading.Thread:
         """Run the rank on a daemon thread (a stuck driver never holds the process); ``bridge.ended`` says how it ended."""
@@ -105,6 +106,13 @@ class ScriptRank(RankRunner):
             collate_fn=p.collate_fn,
             train_step=_never,
         )
+
+    def _build(self) -> m.RankHello:
+        hello = super()._build()
+        # the intra-op thread count is per thread: the one _build chose (the rank's share of the
+        # cores) is set on this thread only; prepare() sets it on the script's thread too
+        self.threads = torch.get_num_threads()
+        return hello
 
     def _join(self, welcome: m.RankWelcome) -> None:
         super()._join(welcome)
