@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 
 import pytest
 import torch
@@ -24,6 +25,17 @@ def start(proc_env, tmp_path, *, mode="nccl-cadence", env=(), extra=(), epochs=E
     path = tmp_path / name
     args = ["--script", SCRIPT, "--nproc-per-node", "2", "--epochs", str(epochs), "--mode", mode, "--summary-json", str(path), *extra]
     return Run(args, {**proc_env, **dict(env)}), path
+
+
+def scripts(run, count=2, timeout=30.0) -> list:
+    """The run's process tree once ``count`` script-mode ranks are in it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tree = run.tree()
+        if sum(runs_module(p, SCRIPT) for p in tree) >= count:
+            return tree
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {count} script ranks; output:\n{run.output}")
 
 
 def finished(run, path) -> dict:
@@ -61,6 +73,18 @@ def test_a_rank_killed_mid_epoch_costs_nothing(proc_env, tmp_path):
     summary = finished(run, path)
     assert [d["rank"] for d in summary["deaths"]] == [1] and "killed by SIGKILL" in summary["deaths"][0]["reason"]
     assert "continuing with 1 rank(s)" in run.output
+
+
+@pytest.mark.timeout(90)
+def test_a_script_stuck_in_its_own_code_is_declared_hung_and_fenced(proc_env, tmp_path):
+    """Rank 1's loop blocks for good mid-epoch; its link thread keeps beating: the step deadline
+    finds it, its worker kills it, rank 0 trains the rest."""
+    run, path = start(proc_env, tmp_path, env={"FLODL_TEST_HANG_AT": "1:10"}, extra=("--heartbeat-timeout-secs", "3"))
+    tree = scripts(run)
+    summary = finished(run, path)
+    [death] = summary["deaths"]
+    assert death["rank"] == 1 and "made no progress in a training step" in death["reason"], death
+    assert_all_gone(tree)
 
 
 @pytest.mark.timeout(120)
@@ -112,9 +136,8 @@ def test_a_script_that_never_calls_init_is_named(proc_env, tmp_path):
 @pytest.mark.timeout(60)
 def test_a_killed_controller_takes_the_scripts_down(proc_env, tmp_path):
     run, _ = start(proc_env, tmp_path, env={"FLODL_TEST_STEP_SLEEP": "0.05"})
+    tree = scripts(run)
     run.wait_for_line("epoch 1/")
-    tree = run.tree()
-    assert sum(runs_module(p, SCRIPT) for p in tree) == 2
     run.proc.kill()
     run.wait(10)
     assert_all_gone(tree, timeout=15)

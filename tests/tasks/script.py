@@ -6,11 +6,13 @@ FLODL_TEST_FAIL_AT      raise RuntimeError at this local step (a broken loop)
 FLODL_TEST_OUT          a directory: each rank writes rank<R>.json there at the end (torchrun's
                         variables, the epochs and batches it trained, its final weights' sum)
 FLODL_TEST_NO_INIT      never call flodl.init()
+FLODL_TEST_HANG_AT      "rank:step": that rank's loop blocks for good at that step (a script stuck in its own code)
 FLODL_TEST_MISUSE       "step": call run.step before any batch (misuse, refused with one clear error)
 """
 
 import json
 import os
+import threading
 import time
 
 import torch
@@ -37,6 +39,7 @@ def main():
     if os.environ.get("FLODL_TEST_MISUSE") == "step":
         run.step(torch.tensor(0.0))
     fail_at = int(os.environ.get("FLODL_TEST_FAIL_AT", "0") or 0)
+    hang_rank, _, hang_step = os.environ.get("FLODL_TEST_HANG_AT", "-1:0").partition(":")
     pause = float(os.environ.get("FLODL_TEST_STEP_SLEEP", "0") or 0)
     steps, epochs = 0, []
     for epoch in run.epochs():
@@ -45,6 +48,8 @@ def main():
             steps += 1
             if steps == fail_at:
                 raise RuntimeError(f"injected failure at step {steps}")
+            if run.rank == int(hang_rank) and steps == int(hang_step):
+                threading.Event().wait()
             time.sleep(pause)
             loss = F.cross_entropy(model(xb), yb)
             optimizer.zero_grad()
