@@ -110,7 +110,7 @@ class Run:
 
     @property
     def world_size(self) -> int:
-        """How many ranks train now (live: it changes when a rank dies or joins)."""
+        """How many ranks train now (live: it changes when a rank dies or joins; 1 until ``prepare()``)."""
         return self._rank.world_size
 
     @property

@@ -69,10 +69,16 @@ def test_a_script_trains_on_two_ranks(proc_env, tmp_path, mode):
 
 @pytest.mark.timeout(90)
 def test_a_rank_killed_mid_epoch_costs_nothing(proc_env, tmp_path):
-    run, path = start(proc_env, tmp_path, env={"FLODL_INJECT_FAULT": "1:batch:12", "FLODL_TEST_STEP_SLEEP": "0.005"})
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"FLODL_INJECT_FAULT": "1:batch:12", "FLODL_TEST_STEP_SLEEP": "0.005", "FLODL_TEST_OUT": str(out)}
+    run, path = start(proc_env, tmp_path, env=env)
     summary = finished(run, path)
     assert [d["rank"] for d in summary["deaths"]] == [1] and "killed by SIGKILL" in summary["deaths"][0]["reason"]
     assert "continuing with 1 rank(s)" in run.output
+    survivor = json.loads((out / "rank0.json").read_text())
+    assert survivor["world_size"] == 1 and survivor["env"]["WORLD_SIZE"] == "2"  # run.world_size is live, WORLD_SIZE is not
+    assert not (out / "rank1.json").exists()
 
 
 @pytest.mark.timeout(90)

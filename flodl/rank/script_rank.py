@@ -90,9 +90,10 @@ class ScriptRank(RankRunner):
         return super()._run()
 
     def _check_alive(self) -> None:
+        """Before prepare(): the run may end while the script builds its model and data."""
         if self.link.lost:
             raise PeerLost(self.link.lost)
-        if self.terminated:
+        if self.terminated or self.link.must_stop:
             raise Stop
 
     def _load_task(self) -> Task:
