@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 
@@ -207,5 +208,7 @@ def test_the_shipped_example_runs_as_documented(proc_env, tmp_path):
     assert run.wait(80) == 0, run.output
     summary = json.loads(path.read_text())
     assert [h["samples"] for h in summary["history"]] == [1500, 1500]
-    assert "rank 1: epoch 2 done, replica accuracy" in run.output
-    assert summary["history"][-1]["scalars"]["accuracy"] > 0.5  # epoch 1's report (10 classes: chance is 0.1)
+    # the last epoch's loop ends after the final average: both replicas score the consensus
+    last = [float(a) for a in re.findall(r"rank \d: epoch 2 done, replica accuracy ([\d.]+)", run.output)]
+    assert len(last) == 2 and last[0] == last[1] > 0.8, run.output
+    assert "accuracy" in summary["history"][-1]["scalars"]  # run.report reached the epoch rows
