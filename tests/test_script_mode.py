@@ -82,6 +82,25 @@ def test_a_rank_killed_mid_epoch_costs_nothing(proc_env, tmp_path):
     assert not (out / "rank1.json").exists()
 
 
+@pytest.mark.timeout(120)
+def test_a_dead_script_rank_is_restarted_as_a_new_rank_with_torchruns_variables(proc_env, tmp_path):
+    """--max-restarts: rank 1 dies, its worker starts the script again as rank 2 in its place."""
+    out, hold = tmp_path / "out", tmp_path / "joined"
+    out.mkdir()
+    env = {"FLODL_INJECT_FAULT": "1:batch:12", "FLODL_TEST_HOLD_FILE": str(hold), "FLODL_TEST_OUT": str(out)}
+    run, path = start(proc_env, tmp_path, env=env, extra=("--max-restarts", "1"), epochs=6)
+    run.wait_for_line("training with 2 rank(s)", timeout=90)
+    hold.touch()
+    assert run.wait(60) == 0, run.output
+    summary = json.loads(path.read_text())
+    assert [h["samples"] for h in summary["history"]] == [512] * 6
+    assert [(r["rank"], r["replaces"]) for r in summary["restarts"]] == [(2, 1)]
+    assert len(set(summary["final_digests"].values())) == 1 and set(summary["final_digests"]) == {"0", "2"}
+    # a new number, the place of the rank it replaces; WORLD_SIZE counts the ranks numbered so far
+    env = json.loads((out / "rank2.json").read_text())["env"]
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("2", "3", "1", "2")
+
+
 @pytest.mark.timeout(90)
 def test_a_script_stuck_in_its_own_code_is_declared_hung_and_fenced(proc_env, tmp_path):
     """Rank 1's loop blocks for good mid-epoch; its link thread keeps beating: the step deadline

@@ -2,6 +2,7 @@
 environment variables:
 
 FLODL_TEST_STEP_SLEEP   seconds to sleep in every step (make a run long enough to hurt)
+FLODL_TEST_HOLD_FILE    while this file does not exist, steps sleep FLODL_TEST_HOLD_SLEEP instead
 FLODL_TEST_FAIL_AT      raise RuntimeError at this local step (a broken loop)
 FLODL_TEST_OUT          a directory: each rank writes rank<R>.json there at the end (torchrun's
                         variables, the epochs and batches it trained, its final weights' sum)
@@ -50,7 +51,8 @@ def main():
                 raise RuntimeError(f"injected failure at step {steps}")
             if run.rank == int(hang_rank) and steps == int(hang_step):
                 threading.Event().wait()
-            time.sleep(pause)
+            held = os.environ.get("FLODL_TEST_HOLD_FILE")
+            time.sleep(float(os.environ.get("FLODL_TEST_HOLD_SLEEP", "0.1")) if held and not os.path.exists(held) else pause)
             loss = F.cross_entropy(model(xb), yb)
             optimizer.zero_grad()
             loss.backward()
