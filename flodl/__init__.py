@@ -3,7 +3,8 @@
 Every rank runs its own training loop (Local SGD); an asyncio controller
 decides when replicas are averaged, which samples each rank trains, and what
 happens when a rank dies. Start with ``Task`` and ``Trainer.builder``, or
-``python -m flodl.controller --task file.py:task --nproc-per-node 2``.
+``python -m flodl.controller --task file.py:task --nproc-per-node 2``; or keep
+your own loop: ``flodl.init()`` in a script run with ``--script train.py``.
 """
 
 __version__ = "0.1.0"
@@ -22,7 +23,7 @@ from .errors import ConfigError, FlodlError, RunAborted, TaskError
 
 #: Names imported on first use: they bring torch, which the worker and the
 #: controller's CLI do not need to start (about a second per process).
-_LAZY = {"Task": ".task", "Trainer": ".trainer", "record_scalar": ".scalars"}
+_LAZY = {"Task": ".task", "Trainer": ".trainer", "record_scalar": ".scalars", "init": ".script"}
 
 
 def __getattr__(name: str):
@@ -51,5 +52,6 @@ __all__ = [
     "TaskError",
     "Trainer",
     "__version__",
+    "init",
     "record_scalar",
 ]

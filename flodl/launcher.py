@@ -460,6 +460,8 @@ def check_controller_args(controller_args: list[str]) -> None:
     if not controller_args:
         raise ConfigError("--", "nothing to run: give the controller's options after --, e.g. -- --task train.py:task --epochs 5")
     for arg in controller_args:
+        if arg == "--":  # what follows is a --script's own arguments
+            break
         flag = arg.split("=", 1)[0]
         if flag in LAUNCHER_OWNED_FLAGS:
             raise ConfigError(flag, "is set by the launcher (from the hosts, --bind, --port, --advertise); remove it after --")

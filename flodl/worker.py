@@ -42,6 +42,7 @@ from .config.env import RankEnv, child_environ, parent_pid, parse_run_secret, re
 from .errors import EXIT_CONFIG, EXIT_CONTROLLER_LOST, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, ConfigError
 from .host.devices import choose_devices
 from .host.proc import die_with_parent, nap, terminate_then_kill
+from .scriptspec import rank_command
 from .wire import curve
 from .wire import messages as m
 from .wire.codec import Envelope
@@ -86,6 +87,7 @@ class Worker:
     ) -> None:
         self.controller = controller
         self.devices = devices
+        self.local_ranks: dict[int, int] = {}  # global rank -> its place on this host (torchrun's LOCAL_RANK)
         self.secret = secret
         self.run_id = run_id
         self.join_timeout_s = join_timeout_s
@@ -279,7 +281,8 @@ class Worker:
         welcome = self._welcomed
         self._tg = tg
         self._relay_addr = self._start_relay(tg) if welcome.bulk_relay and welcome.bulk_port else ""
-        for rank, device in zip(welcome.ranks, self.devices, strict=False):
+        for local, (rank, device) in enumerate(zip(welcome.ranks, self.devices, strict=False)):
+            self.local_ranks[rank] = local
             await self._start_rank(rank, device)
         log.info("%s spawned ranks %s on %s", self.sender, welcome.ranks, self.devices)
 
@@ -301,7 +304,11 @@ class Worker:
         )
         # with --secret-from-stdin, stdin is the launcher's line: ranks must not hold or read it
         stdin = asyncio.subprocess.DEVNULL if self.watch_stdin else None
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "flodl.rank", env=child_environ(env.to_env()), stdin=stdin)
+        # python -m flodl.rank, or in script mode the user's script (scriptspec.py)
+        argv, extra = rank_command(
+            welcome.task, rank=rank, world_size=welcome.world_size, local_rank=self.local_ranks.get(rank, 0), local_world=len(self.devices)
+        )
+        proc = await asyncio.create_subprocess_exec(*argv, env=child_environ({**env.to_env(), **extra}), stdin=stdin)
         self.procs[rank] = proc
         if self.relay is not None:
             self.relay.admit(f"rank{rank}.{proc.pid}".encode(), rank)  # the rank's bulk identity, as it will connect
@@ -323,6 +330,7 @@ class Worker:
         if self.shutdown is not None or self._interrupted:
             return
         log.warning("%s: restarting rank %d as rank %d on %s (attempt %d)", self.sender, msg.replaces, msg.rank, msg.device, msg.attempt)
+        self.local_ranks[msg.rank] = self.local_ranks.get(msg.replaces, 0)
         await self._start_rank(msg.rank, msg.device)
 
     async def _reap(self, rank: int, proc: asyncio.subprocess.Process) -> None:

@@ -143,6 +143,7 @@ def test_host_flag_and_controller_args():
         check_controller_args(["--task", "t.py:task", "--workers=2"])
     with pytest.raises(ConfigError, match="nothing to run"):
         check_controller_args([])
+    check_controller_args(["--script", "train.py", "--", "--port", "5"])  # after the second --: the script's own
 
 
 def test_stdin_credentials_line():

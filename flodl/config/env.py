@@ -16,8 +16,10 @@ what a variable means, its default and what it accepts are written once
   only: ``FLODL_SIMULATE_*``, ``FLODL_INJECT_FAULT``, ``FLODL_STRICT``.
 
 A few variables of other programs are read here too (``CUDA_VISIBLE_DEVICES``,
-``OMP_NUM_THREADS``), one is set for torch (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) and
-children's ``PYTHONPATH`` is extended with this process's import roots (``child_environ``).
+``OMP_NUM_THREADS``), one is set for torch (``TORCH_NCCL_ASYNC_ERROR_HANDLING``),
+children's ``PYTHONPATH`` is extended with this process's import roots (``child_environ``),
+and torchrun's four (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) are
+set for a script-mode rank.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 TORCH_NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 PYTHONPATH = "PYTHONPATH"  # children get the import roots of their parent (child_environ)
+# torchrun's, set for a script-mode rank (docs/script-mode.md): the values at its spawn, never updated
+TORCHRUN_RANK, TORCHRUN_WORLD_SIZE = "RANK", "WORLD_SIZE"
+TORCHRUN_LOCAL_RANK, TORCHRUN_LOCAL_WORLD_SIZE = "LOCAL_RANK", "LOCAL_WORLD_SIZE"
 
 _ON = ("1", "on", "yes", "true")
 _OFF = ("0", "off", "no", "false")
@@ -166,6 +171,22 @@ def fixed_cublas_workspace() -> None:
     """Deterministic runs: cuBLAS repeats its results only with a fixed workspace, which it reads
     from ``CUBLAS_WORKSPACE_CONFIG`` when its handle is made (a value the user set wins)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def torchrun_env(*, rank: int, world_size: int, local_rank: int, local_world_size: int) -> dict[str, str]:
+    """torchrun's variables for a script-mode rank, so libraries that read them behave."""
+    return {
+        TORCHRUN_RANK: str(rank),
+        TORCHRUN_WORLD_SIZE: str(world_size),
+        TORCHRUN_LOCAL_RANK: str(local_rank),
+        TORCHRUN_LOCAL_WORLD_SIZE: str(local_world_size),
+    }
+
+
+def pythonpath_with(directory: str) -> str:
+    """``PYTHONPATH`` with ``directory`` first: a script-mode rank imports the flodl its worker runs."""
+    rest = os.environ.get("PYTHONPATH", "")
+    return directory + (os.pathsep + rest if rest else "")
 
 
 def child_environ(extra: dict[str, str]) -> dict[str, str]:

@@ -125,7 +125,7 @@ class Admission:
             m.WorkerWelcome(
                 ranks=worker.ranks,
                 world_size=self._next_rank,
-                task=self.launch.task,
+                task=self.launch.spec,
                 heartbeat_timeout_s=self.deadlines.heartbeat_s,
                 bulk_port=averaging.port if averaging is not None else 0,
                 bulk_relay=relay,

@@ -340,7 +340,7 @@ class Controller:
         self.console.header(
             run_id=self.run_id,
             mode=str(self.config.elche.mode.name),
-            task=self.launch.task,
+            task=self.launch.label,
             ranks=[
                 f"rank{r.rank} {r.device}@{r.host}"
                 for r in sorted(self.members.ranks.values(), key=lambda r: r.rank)

@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from .. import scriptspec
 from ..config import DdpRunConfig
 from ..config.cli import BriefParser
 from ..config.options import HELP_GROUPS, add_run_options, load_toml, resolve_run_config
@@ -27,6 +28,8 @@ class LaunchOptions:
     """Where and what to run. Every field has a ``--kebab-case`` flag and a TOML key."""
 
     task: str = ""
+    script: str = ""
+    script_args: tuple[str, ...] = ()
     epochs: int = 1
     nproc_per_node: int | None = None
     devices: str | None = None
@@ -45,7 +48,9 @@ class LaunchOptions:
 
     def validate(self) -> None:
         """Raises: ConfigError naming the first bad field."""
-        if not self.task or ":" not in self.task:
+        if self.script or self.script_args:
+            scriptspec.check(self.task, self.script, self.script_args)
+        elif not self.task or ":" not in self.task:
             raise ConfigError("task", "needs a task spec such as examples/digits.py:task or mypkg.train:task")
         if self.epochs < 1:
             raise ConfigError("epochs", f"must be >= 1, got {self.epochs}")
@@ -65,13 +70,23 @@ class LaunchOptions:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(name, f"must be a positive number of seconds, got {value:g}")
-        if self.embedded:
+        if self.embedded and not (self.script or self.script_args):  # a script is checked above (scriptspec)
             # the local ranks import the spec from here: a typo is found now, not after their start-up
             # (external workers may hold the task where this host does not: theirs to check)
             try:
                 check_spec(self.task)
             except TaskError as exc:
                 raise ConfigError("task", str(exc)) from None
+
+    @property
+    def spec(self) -> str:
+        """What the ranks are told to run (``WorkerWelcome.task``): the task spec, or the script's."""
+        return scriptspec.encode(self.script, self.script_args) if self.script else self.task
+
+    @property
+    def label(self) -> str:
+        """The run's work as the console and the dashboard name it."""
+        return scriptspec.label(self.task, self.script, self.script_args)
 
     @property
     def embedded(self) -> bool:
@@ -87,7 +102,10 @@ class LaunchOptions:
 
 
 _HELP = {
-    "task": "task factory to train: path/to/file.py:function or package.module:function (required)",
+    "task": "task factory to train: path/to/file.py:function or package.module:function",
+    "script": "your own training script, run on every rank as torchrun runs it (python -m flodl.controller "
+    "--script train.py [options] -- SCRIPT_ARGS); it calls flodl.init(): docs/script-mode.md",
+    "script_args": "the script's own arguments: everything after --",
     "epochs": "number of epochs (passes over the dataset)",
     "nproc_per_node": "ranks on this host for the embedded worker (default: one per GPU, else 1 CPU rank)",
     "devices": "explicit devices for the embedded worker, e.g. cuda:0,cuda:1 or cpu,cpu",
@@ -132,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The controller's CLI: launch options, run options, and ``--config``, in ``HELP_GROUPS``."""
     parser = BriefParser(
         prog="python -m flodl.controller",
-        usage="%(prog)s --task FILE.py:FUNCTION [--epochs N] [--nproc-per-node N] [options]",
+        usage="%(prog)s (--task FILE.py:FUNCTION | --script TRAIN.py) [--epochs N] [--nproc-per-node N] [options] [-- SCRIPT_ARGS]",
         description="Train a flodl task on local or remote ranks. Flags win over --config TOML, which wins over "
         "defaults; docs/options.md explains every option.",
     )
@@ -147,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(FLODL_ENCRYPT=1 does the same); external workers need --encrypt too. Default: off.",
     )
     for f in dataclasses.fields(LaunchOptions):
+        if f.name == "script_args":  # not a flag: the words after --
+            launch.add_argument(f.name, nargs="*", default=argparse.SUPPRESS, help=_HELP[f.name])
+            continue
         flag = "--" + f.name.replace("_", "-")
         group = groups[_LAUNCH_GROUP.get(f.name, "launch")]
         help_text = _with_default(_HELP[f.name], f.default).replace("%", "%%")
@@ -179,7 +200,7 @@ def resolve(args: argparse.Namespace) -> tuple[LaunchOptions, DdpRunConfig]:
     launch: dict[str, Any] = {}
     for name in LAUNCH_KEYS:
         if hasattr(args, name):
-            launch[name] = getattr(args, name)
+            launch[name] = tuple(getattr(args, name)) if name == "script_args" else getattr(args, name)
         elif name in toml_values:
             launch[name] = _coerce(name, toml_values[name])
     options = LaunchOptions(**launch)
@@ -189,6 +210,10 @@ def resolve(args: argparse.Namespace) -> tuple[LaunchOptions, DdpRunConfig]:
 
 
 def _coerce(name: str, value: Any) -> Any:
+    if name == "script_args":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(name, f"must be a list of strings, got {value!r}")
+        return tuple(value)
     field = {f.name: f for f in dataclasses.fields(LaunchOptions)}[name]
     want = _parser_of(field)
     if "bool" in str(field.type):

@@ -251,7 +251,7 @@ class Training:
         return {
             "run_id": run_id,
             "mode": self.config.elche.mode.name,
-            "task": self.launch.task,
+            "task": self.launch.label,
             "world_size": self.members.world_size,
             "epochs": self.total_epochs,
             "dataset_len": info.dataset_len,

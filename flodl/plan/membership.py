@@ -200,10 +200,13 @@ class Membership:
         if info is None:
             return None
         info.exit_code = code
-        if info.pid == 0:
+        unheard = info.pid == 0  # it never said hello
+        if unheard:
             info.pid = pid
         if info.state is not PeerState.EXITED and info.death is None:
             info.death = describe_exit(code)
+            if unheard and code == 0:  # only a --script ends well without a word: it never joined
+                info.death += " before its hello (does the --script call flodl.init()?)"
         return info
 
     def rank_left(self, rank: int, code: int | None = None) -> None:

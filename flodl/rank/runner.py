@@ -175,7 +175,7 @@ class RankRunner(Regrouping, Evaluating):
     # ------------------------------------------------------------ lifecycle
 
     def run(self) -> int:
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._trap_signals()
         with self.closing:
             self.link.start()
             self.closing.callback(self.link.close)
@@ -385,6 +385,10 @@ class RankRunner(Regrouping, Evaluating):
             if isinstance(cmd, kinds):
                 return cmd
 
+    def _trap_signals(self) -> None:
+        """SIGTERM ends the rank at its next batch (script mode traps it in the script's main thread)."""
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self.terminated = True
 
@@ -400,7 +404,7 @@ class RankRunner(Regrouping, Evaluating):
             # survivors of a dead peer rebuild their group and go on (2 = clean up only)
             nccl_errors_raise()
         try:  # a spec that names nothing, or a task whose dataset is unusable (empty): the user's, exit 2
-            task = self.task = load_task(self.env.task)
+            task = self.task = self._load_task()
             dataset = task.build_dataset()
             check_precision(task.precision, self.device)
         except TaskError as exc:
@@ -429,6 +433,10 @@ class RankRunner(Regrouping, Evaluating):
             eval_metric=task.eval_metric,
             batch_size=task.batch_size,
         )
+
+    def _load_task(self) -> Task:
+        """The user's task, imported by its spec (script mode: made of what the script prepared)."""
+        return load_task(self.env.task)
 
     def _join(self, welcome: m.RankWelcome) -> None:
         start = time.perf_counter()
@@ -888,11 +896,7 @@ class RankRunner(Regrouping, Evaluating):
         if self.update is None:  # the plain step: nothing else per step (update.py has the rest)
             if self.lr is not None:
                 self.lr.apply(self.global_step)
-            loss = self._forward(batch)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self._grads_ready()
-            self.optimizer.step()
+            loss = self._train_batch(batch)
         else:
             loss = self.update.batch(batch, self.global_step)
         self.step_count += 1
@@ -917,6 +921,16 @@ class RankRunner(Regrouping, Evaluating):
         if not records:
             self.link.progressed(now, None, step=self.step_count)
         return records
+
+    def _train_batch(self, batch: Any) -> torch.Tensor:
+        """The plain step's own work: forward, backward, optimizer step; returns the loss (not
+        synced). Script mode hands this part to the user's loop (script_rank.py)."""
+        loss = self._forward(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self._grads_ready()
+        self.optimizer.step()
+        return loss
 
 
 #: Intra-op threads of a GPU rank: its CPU work is batch gathers and small host ops.

@@ -41,7 +41,7 @@ class WorkerWelcome:
     world_size: int
     """number of ranks in the run"""
     task: str
-    """the task factory spec the ranks import (module:function or file.py:function)"""
+    """what the ranks run: a task factory spec they import (module:function or file.py:function), or script: and a JSON list [path, *args], a script the worker runs as python path args (script mode)"""
     heartbeat_timeout_s: float
     """seconds of controller silence after which the worker stops its ranks and exits"""
     bulk_port: int

@@ -1,0 +1,138 @@
+"""``ScriptRank``: the rank runner of script mode, driven from a thread beside the user's loop.
+
+It is ``RankRunner`` with three seams filled differently (the rest, from
+hello to exit, is the rank every ``Task`` gets: windows, averages, regroups,
+saves, liveness):
+
+* ``_load_task`` waits for the script's ``run.prepare(...)`` and makes a
+  ``Task`` of what it got (the script's model, optimizer and dataset; its
+  ``train_step`` is never called);
+* ``_train_batch`` hands the batch to the script's loop and waits for the
+  loss it gives ``run.step``: the script runs forward, backward and its
+  optimizer's step itself;
+* ``_enter_epoch`` first hands the script the end of the epoch it was in, so
+  its code after ``for batch in run.batches()`` (an eval, a report) runs
+  before the next epoch's first batch, watched as a callback is.
+
+Every handoff goes through the ``Bridge``: one thread runs at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config.env import RankEnv
+from ..errors import EXIT_FAILED, EXIT_TASK_ERROR, PeerLost
+from ..task import Task
+from ..wire import messages as m
+from .bridge import BATCH, EPOCH_END, PREPARED, Bridge, Item, ScriptFailed
+from .data import to_device
+from .outcomes import Stop, UserError
+from .runner import RankRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the script's ``run.prepare`` hands the rank."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    dataset: Any
+    batch_size: int
+    collate_fn: Any = None
+
+
+def _never(model: torch.nn.Module, batch: Any, device: torch.device) -> torch.Tensor:
+    raise AssertionError("script mode: the script's own loop computes the loss")
+
+
+class ScriptRank(RankRunner):
+    """A rank whose training step is the script's own loop body."""
+
+    def __init__(self, env: RankEnv, bridge: Bridge) -> None:
+        super().__init__(env)
+        self.bridge = bridge
+        self.prepared: Prepared | None = None
+        self.threads = 0  # intra-op threads _build chose for this rank (0: not yet)
+
+    def start(self) -> threading.Thread:
+        """Run the rank on a daemon thread (a stuck driver never holds the process); ``bridge.ended`` says how it ended."""
+        thread = threading.Thread(target=self._drive, name="flodl-rank", daemon=True)
+        thread.start()
+        return thread
+
+    def _drive(self) -> None:
+        code = EXIT_FAILED
+        try:
+            code = self.run()
+        except Exception:  # a flodl bug: say so; the script still gets its end
+            log.exception("rank %d: the driver failed", self.rank)
+        finally:
+            self.bridge.finish(code)
+
+    def _trap_signals(self) -> None:
+        """Signals reach the main thread only: ``flodl.init()`` traps SIGTERM there."""
+
+    def _run(self) -> int:
+        try:
+            self.prepared = self.bridge.first(self._check_alive)
+        except Stop:
+            return self._stopped()
+        except ScriptFailed as exc:
+            return self._fail("build", exc.reason, EXIT_TASK_ERROR)
+        return super()._run()
+
+    def _check_alive(self) -> None:
+        """Before prepare(): the run may end while the script builds its model and data."""
+        if self.link.lost:
+            raise PeerLost(self.link.lost)
+        if self.terminated or self.link.must_stop:
+            raise Stop
+
+    def _load_task(self) -> Task:
+        p = self.prepared
+        assert p is not None  # _run waited for it
+        return Task(
+            model=lambda: p.model,
+            optimizer=lambda model: p.optimizer,  # flattening keeps the Parameter objects: it stays valid
+            dataset=p.dataset,
+            batch_size=p.batch_size,
+            collate_fn=p.collate_fn,
+            train_step=_never,
+        )
+
+    def _build(self) -> m.RankHello:
+        hello = super()._build()
+        # the intra-op thread count is per thread: the one _build chose (the rank's share of the
+        # cores) is set on this thread only; prepare() sets it on the script's thread too
+        self.threads = torch.get_num_threads()
+        return hello
+
+    def _join(self, welcome: m.RankWelcome) -> None:
+        super()._join(welcome)
+        self._hand(Item(PREPARED))  # prepare() returns; the script's next call goes on
+
+    def _enter_epoch(self, epoch: int) -> None:
+        if self.current_epoch >= 0 and epoch > self.current_epoch:
+            self.link.doing("callback")  # the script's code between epochs: watched as epoch_fn is
+            self._hand(Item(EPOCH_END, epoch=self.current_epoch))
+            self.link.doing("step")
+        super()._enter_epoch(epoch)
+
+    def _train_batch(self, batch: Any) -> torch.Tensor:
+        loss = self._hand(Item(BATCH, epoch=self.current_epoch, batch=to_device(batch, self.device)))
+        self.faults.reach("batch")  # tests: a death mid-batch (the script's step taken, not yet counted)
+        return loss
+
+    def _hand(self, item: Item) -> Any:
+        try:
+            return self.bridge.hand(item)
+        except ScriptFailed as exc:
+            raise UserError("train", exc.reason) from exc.reason

@@ -1,0 +1,266 @@
+"""Script mode's API: keep your own training loop, let flodl run it on every rank.
+
+``python -m flodl.controller --script train.py [options] [-- script args]``
+starts ``train.py`` once per rank, as ``torchrun train.py`` does. The script
+calls ``flodl.init()`` and trains in its own loop::
+
+    import flodl
+    run = flodl.init()
+    model, optimizer = run.prepare(model, optimizer, dataset, batch_size=64)
+    for epoch in run.epochs():
+        for x, y in run.batches():
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            run.step(loss)
+        run.report(accuracy=evaluate(model))
+
+Underneath, the rank (``rank/script_rank.py``) runs on a thread of its own
+and takes turns with the script's main thread (``rank/bridge.py``): the
+rank's windows, averages, regroups and saves happen between the script's
+batches, never during them. docs/script-mode.md says what the loop means
+under Local SGD and what the rank's environment holds.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any, NoReturn
+
+import torch
+
+from . import scalars, scriptspec
+from .config.env import RankEnv
+from .errors import EXIT_CONFIG, EXIT_TASK_ERROR
+from .rank.bridge import BATCH, END, EPOCH_END, Bridge, Item
+from .rank.link import SAVE_GRACE_S
+from .rank.script_rank import Prepared, ScriptRank
+
+_USAGE = "start it with python -m flodl.controller --script SCRIPT.py [options] [-- script args]"
+_run: Run | None = None
+
+
+def init() -> Run:
+    """Join the run this process was started for; returns its ``Run`` (the same one on a second call).
+
+    Outside a flodl run (started as ``python train.py``) it prints one line and exits with status 2.
+    """
+    global _run
+    if _run is None:
+        _run = Run(_rank_env())
+    return _run
+
+
+def _rank_env() -> RankEnv:
+    try:
+        env = RankEnv.from_environ()
+        is_script = scriptspec.decode(env.task) is not None
+    except (KeyError, ValueError) as exc:
+        _refuse(f"this script calls flodl.init() but was not started by flodl (missing {exc}): {_USAGE}")
+    if not is_script:
+        _refuse(f"flodl.init() is for scripts run with --script; this process is a --task rank: {_USAGE}")
+    return env
+
+
+def _refuse(line: str) -> NoReturn:
+    print(f"flodl: {line}", file=sys.stderr)
+    raise SystemExit(EXIT_CONFIG)
+
+
+class Run:
+    """This rank of the run, as the script sees it."""
+
+    def __init__(self, env: RankEnv) -> None:
+        from .host.proc import die_with_parent
+        from .wire import curve
+
+        die_with_parent(env.parent_pid)
+        if curve.requested():
+            curve.enable(env.secret)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group; the controller drives shutdown
+        logging.basicConfig(level=logging.WARNING, format=f"[rank {env.rank}] %(levelname)s %(message)s", stream=sys.stderr)
+        self._bridge = Bridge()
+        self._rank = ScriptRank(env, self._bridge)
+        signal.signal(signal.SIGTERM, self._rank._on_sigterm)  # only the main thread may trap it
+        if self._rank.device.type == "cuda":
+            torch.cuda.set_device(self._rank.device)  # the current device is per thread: the script's too
+        self._pending: Item | None = None  # the driver's last item, not yet taken
+        self._loss: torch.Tensor | None = None  # the last batch's loss, for the driver's next turn
+        self._outstanding = False  # a batch was given out and its run.step is due
+        self._in_epoch = False
+        self._prepared = False
+        self.epoch = -1
+        self._previous_hook = sys.excepthook
+        sys.excepthook = self._on_uncaught
+        atexit.register(self._on_exit)
+        self._rank.start()
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def rank(self) -> int:
+        """This rank's number in the run (never reused: a restarted rank gets a new one)."""
+        return self._rank.rank
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks train now (live: it changes when a rank dies or joins; 1 until ``prepare()``)."""
+        return self._rank.world_size
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device; ``run.batches()`` puts the batches' tensors on it."""
+        return self._rank.device
+
+    # ------------------------------------------------------------ the loop
+
+    def prepare(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Any, *, batch_size: int, collate_fn: Any = None
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """Join the run with this model, optimizer and dataset; returns the model and optimizer.
+
+        The model moves to ``run.device`` and takes rank 0's weights; its
+        parameters keep their identity (the optimizer stays valid). Every rank
+        must give the same dataset (same samples, same order): flodl grants
+        each rank its indices, ``batch_size`` at a time.
+
+        Raises:
+            TypeError, ValueError: naming the bad argument.
+            RuntimeError: called twice.
+            SystemExit: the run refused this rank or ended before it joined.
+        """
+        if self._prepared:
+            raise RuntimeError("flodl: run.prepare() is called once")
+        _check_prepare(model, optimizer, dataset, batch_size)
+        self._prepared = True
+        item = self._bridge.call(Prepared(model, optimizer, dataset, batch_size, collate_fn))
+        if item.kind == END:
+            self._end(item)
+        if self._rank.threads:
+            torch.set_num_threads(self._rank.threads)  # the rank's share of the host's cores, on this thread too
+        return model, optimizer
+
+    def epochs(self) -> Iterator[int]:
+        """The epochs this rank trains in, in order; ends when the run does.
+
+        Raises:
+            SystemExit: the run ended abnormally (this rank lost, an abort, a NaN loss), once this
+                rank's part (its saves) is done, with the rank's exit code.
+        """
+        self._need_prepared("run.epochs()")
+        while True:
+            item = self._peek()
+            if item.kind == END:
+                self._end(item)
+                return
+            if self._in_epoch:
+                raise RuntimeError("flodl: each epoch runs `for batch in run.batches()` to its end (every granted batch is trained once)")
+            self._in_epoch = True
+            self.epoch = item.epoch
+            yield item.epoch
+
+    def batches(self) -> Iterator[Any]:
+        """This rank's granted batches of the current epoch, their tensors on ``run.device``.
+
+        Raises:
+            SystemExit: as ``epochs()``.
+        """
+        self._need_prepared("run.batches()")
+        if not self._in_epoch:
+            raise RuntimeError("flodl: iterate run.batches() inside `for epoch in run.epochs()`")
+        while True:
+            item = self._peek()
+            if item.kind == BATCH:
+                self._pending, self._outstanding = None, True
+                yield item.batch
+                continue
+            self._in_epoch = False
+            if item.kind == EPOCH_END:
+                self._pending = None
+                return
+            self._end(item)  # END: a completed run's last epoch ends here, its end stays for epochs()
+            return
+
+    def step(self, loss: torch.Tensor) -> None:
+        """This batch is trained (the script took its optimizer step); ``loss`` is its loss.
+
+        The loss is read later, off the step's path (no device sync here).
+
+        Raises:
+            RuntimeError: outside ``run.batches()``, or twice for one batch.
+            TypeError: ``loss`` is not a one-element tensor.
+        """
+        if not self._outstanding:
+            raise RuntimeError("flodl: run.step(loss) is called once per batch, inside `for batch in run.batches()`")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(f"flodl: run.step(loss) takes the batch's loss, a one-element tensor; got {type(loss).__name__}")
+        self._loss, self._outstanding = loss.detach(), False
+
+    def report(self, **metrics: float) -> None:
+        """Record user metrics (``run.report(accuracy=0.93)``): they ride this rank's next window
+        report into the epoch rows, the record stream and the dashboard, averaged across ranks."""
+        for key, value in metrics.items():
+            scalars.record_scalar(key, value)
+
+    # ------------------------------------------------------------ internals
+
+    def _need_prepared(self, what: str) -> None:
+        if not self._prepared:
+            raise RuntimeError(f"flodl: call run.prepare(model, optimizer, dataset, batch_size=...) before {what}")
+
+    def _peek(self) -> Item:
+        """The driver's next item: the one pending, or (the driver's turn) a new one."""
+        if self._pending is None:
+            if self._outstanding:
+                raise RuntimeError("flodl: call run.step(loss) for every batch before taking the next")
+            self._pending, self._loss = self._bridge.call(self._loss), None
+        return self._pending
+
+    @staticmethod
+    def _end(item: Item) -> None:
+        if item.code:
+            raise SystemExit(item.code)
+
+    def _on_uncaught(self, kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        """The script's code raised: the rank reports it with its traceback (the controller prints
+        it) and the process exits with the rank's code. After the run ended, an error is only the
+        script's own: Python's usual traceback and exit."""
+        if self._bridge.ended is not None:
+            self._previous_hook(kind, exc, tb)
+            return
+        self._leave(exc)
+
+    def _on_exit(self) -> None:
+        """The script returned: fine once the run ended; before, the rank reports it (the run stops)."""
+        if self._bridge.ended is None:
+            self._leave(RuntimeError("the script returned before the run ended (leave the loop over run.epochs() only when it ends)"))
+
+    def _leave(self, reason: BaseException) -> None:
+        from .host.proc import exit_now
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._bridge.fail(reason)
+        ended = self._bridge.wait_ended(self._rank.deadlines.verdict_wait_s + SAVE_GRACE_S)
+        exit_now(ended.code if ended is not None and ended.code else EXIT_TASK_ERROR)
+
+
+def _check_prepare(model: Any, optimizer: Any, dataset: Any, batch_size: Any) -> None:
+    """Raises: TypeError / ValueError naming the bad argument of ``run.prepare``."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"flodl: run.prepare(model, ...): model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"flodl: run.prepare(..., optimizer, ...): must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    mine = {id(p) for p in model.parameters()}
+    if any(id(p) not in mine for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError("flodl: run.prepare: the optimizer holds tensors that are not the model's parameters")
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise TypeError(f"flodl: run.prepare(..., dataset): a map-style dataset (len + getitem), got {type(dataset).__name__}")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"flodl: run.prepare(..., batch_size=...): a positive int, got {batch_size!r}")

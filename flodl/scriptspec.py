@@ -1,0 +1,88 @@
+"""Script mode's wire form: the user's own training script as the thing every rank runs.
+
+``--script train.py -- ARGS`` travels to the workers in ``WorkerWelcome.task``
+(no new protocol field) as ``script:`` followed by the JSON list ``[path,
+*args]``; a task spec never starts so (``module:function`` names a module, and
+no module is called ``script``... unless written ``script.py:fn``, which is a
+path). A worker that reads one spawns ``python PATH ARGS`` instead of
+``python -m flodl.rank``, with the rank's usual environment plus torchrun's
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``. The
+script's ``flodl.init()`` (``flodl/script.py``) then runs the rank inside it.
+
+The path travels as given, like a task file: every host must have the script
+at that path relative to its worker's working directory. No torch here: the
+worker and the controller's CLI import this module.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .config.env import pythonpath_with, torchrun_env
+from .errors import ConfigError
+
+PREFIX = "script:"
+
+
+def encode(path: str, args: Sequence[str]) -> str:
+    """The ``WorkerWelcome.task`` text that runs ``path`` with ``args`` on every rank."""
+    return PREFIX + json.dumps([path, *args])
+
+
+def decode(spec: str) -> list[str] | None:
+    """``[path, *args]`` of a script spec; None for a task spec.
+
+    Raises:
+        ValueError: it starts with ``script:`` but is not a JSON list of strings.
+    """
+    if not spec.startswith(PREFIX):
+        return None
+    try:
+        argv = json.loads(spec[len(PREFIX) :])
+    except ValueError:
+        argv = None
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+        raise ValueError(f"malformed script spec {spec[:200]!r}: expected script: and a JSON list [path, *args]")
+    return argv
+
+
+def check(task: str, script: str, script_args: Sequence[str]) -> None:
+    """The launch options of script mode: exactly one of ``--task`` / ``--script``, the script a file here.
+
+    Raises:
+        ConfigError: naming the field.
+    """
+    if not script:
+        raise ConfigError("script_args", "arguments after -- go to a --script; give --script PATH")
+    if task:
+        raise ConfigError("script", "give --task or --script, not both")
+    if not Path(script).is_file():
+        raise ConfigError("script", f"{script!r} is not a file (resolved to {Path(script).resolve()})")
+
+
+def label(task: str, script: str, script_args: Sequence[str]) -> str:
+    """What the console and the dashboard call the run's work."""
+    return " ".join(["script", script, *script_args]) if script else task
+
+
+def rank_command(task: str, *, rank: int, world_size: int, local_rank: int, local_world: int) -> tuple[list[str], dict[str, str]]:
+    """The argv of a rank process and the variables it gets beyond ``RankEnv``'s.
+
+    A task spec: ``python -m flodl.rank``. A script spec: ``python PATH ARGS``
+    with torchrun's four variables, as they stand at this spawn (a restarted
+    rank's number is new, so ``WORLD_SIZE`` is at least ``RANK + 1``).
+
+    Raises:
+        ValueError: a malformed script spec.
+    """
+    argv = decode(task)
+    if argv is None:
+        return [sys.executable, "-m", "flodl.rank"], {}
+    env = torchrun_env(rank=rank, world_size=max(world_size, rank + 1), local_rank=local_rank, local_world_size=local_world)
+    # ``python -m flodl.rank`` finds flodl on the working directory when it is not installed; a
+    # script's sys.path starts at the script's folder instead: hand it the worker's flodl
+    env["PYTHONPATH"] = pythonpath_with(str(Path(__file__).resolve().parent.parent))
+    return [sys.executable, *argv], env

@@ -1,0 +1,73 @@
+"""A tiny training script for script-mode process tests (tests/test_script_mode.py), steered by
+environment variables:
+
+FLODL_TEST_STEP_SLEEP   seconds to sleep in every step (make a run long enough to hurt)
+FLODL_TEST_HOLD_FILE    while this file does not exist, steps sleep FLODL_TEST_HOLD_SLEEP instead
+FLODL_TEST_FAIL_AT      raise RuntimeError at this local step (a broken loop)
+FLODL_TEST_OUT          a directory: each rank writes rank<R>.json there at the end (torchrun's
+                        variables, the epochs and batches it trained, its final weights' sum)
+FLODL_TEST_NO_INIT      never call flodl.init()
+FLODL_TEST_HANG_AT      "rank:step": that rank's loop blocks for good at that step (a script stuck in its own code)
+FLODL_TEST_MISUSE       "step": call run.step before any batch (misuse, refused with one clear error)
+"""
+
+import json
+import os
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+import flodl
+
+
+def _data(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return x, (x.sum(1) > 0).long()
+
+
+def main():
+    if os.environ.get("FLODL_TEST_NO_INIT"):
+        return
+    run = flodl.init()
+    torch.manual_seed(run.rank)  # the replicas start unlike: prepare() makes them rank 0's
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = _data(512, 0)
+    model, optimizer = run.prepare(model, optimizer, torch.utils.data.TensorDataset(x, y), batch_size=16)
+    if os.environ.get("FLODL_TEST_MISUSE") == "step":
+        run.step(torch.tensor(0.0))
+    fail_at = int(os.environ.get("FLODL_TEST_FAIL_AT", "0") or 0)
+    hang_rank, _, hang_step = os.environ.get("FLODL_TEST_HANG_AT", "-1:0").partition(":")
+    pause = float(os.environ.get("FLODL_TEST_STEP_SLEEP", "0") or 0)
+    steps, epochs = 0, []
+    for epoch in run.epochs():
+        epochs.append(epoch)
+        for xb, yb in run.batches():
+            steps += 1
+            if steps == fail_at:
+                raise RuntimeError(f"injected failure at step {steps}")
+            if run.rank == int(hang_rank) and steps == int(hang_step):
+                threading.Event().wait()
+            held = os.environ.get("FLODL_TEST_HOLD_FILE")
+            time.sleep(float(os.environ.get("FLODL_TEST_HOLD_SLEEP", "0.1")) if held and not os.path.exists(held) else pause)
+            loss = F.cross_entropy(model(xb), yb)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            run.step(loss)
+        with torch.no_grad():
+            run.report(accuracy=(model(x).argmax(1) == y).float().mean().item())
+    out = os.environ.get("FLODL_TEST_OUT")
+    if out:
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+        record = {"env": {k: os.environ.get(k) for k in names}, "epochs": epochs, "steps": steps, "world_size": run.world_size}
+        record["weights"] = float(sum(p.detach().double().sum() for p in model.parameters()))
+        with open(os.path.join(out, f"rank{run.rank}.json"), "w") as f:
+            json.dump(record, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""Script mode (``--script``, ``flodl.init()``): the user's own loop, run as a rank, with real processes."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+
+import pytest
+import torch
+
+from flodl import scriptspec
+from flodl.checkpoint.bundle import read_meta
+from flodl.errors import EXIT_CONFIG, EXIT_RANK_LOST, EXIT_TASK_ERROR
+from flodl.rank.flat import FlatModel
+
+from .conftest import PY, ROOT, TASKS
+from .helpers.procs import Run, assert_all_gone, runs_module
+
+SCRIPT = str(TASKS / "script.py")
+EPOCHS = 3
+
+
+def start(proc_env, tmp_path, *, mode="nccl-cadence", env=(), extra=(), epochs=EPOCHS, name="s.json"):
+    path = tmp_path / name
+    args = ["--script", SCRIPT, "--nproc-per-node", "2", "--epochs", str(epochs), "--mode", mode, "--summary-json", str(path), *extra]
+    return Run(args, {**proc_env, **dict(env)}), path
+
+
+def scripts(run, count=2, timeout=30.0) -> list:
+    """The run's process tree once ``count`` script-mode ranks are in it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tree = run.tree()
+        if sum(runs_module(p, SCRIPT) for p in tree) >= count:
+            return tree
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {count} script ranks; output:\n{run.output}")
+
+
+def finished(run, path) -> dict:
+    assert run.wait(60) == 0, run.output
+    summary = json.loads(path.read_text())
+    assert [h["samples"] for h in summary["history"]] == [512] * EPOCHS  # every sample once, none lost
+    assert summary["exit_reason"] == "completed" and summary["final_eval"] is None
+    return summary
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["nccl-cadence", "cpu-async"])
+def test_a_script_trains_on_two_ranks(proc_env, tmp_path, mode):
+    out = tmp_path / "out"
+    out.mkdir()
+    run, path = start(proc_env, tmp_path, mode=mode, env={"FLODL_TEST_OUT": str(out)})
+    summary = finished(run, path)
+    assert summary["world_size"] == 2 and summary["deaths"] == []
+    assert summary["final_loss"] < summary["history"][0]["loss"]
+    # run.report's values ride the next window report: they reach the epoch rows
+    assert 0.7 < summary["history"][-1]["scalars"]["accuracy"] <= 1.0
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r, record in enumerate(ranks):
+        assert record["env"] == {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2"}
+        assert record["epochs"] == list(range(EPOCHS)) and record["world_size"] == 2
+    assert sum(r["steps"] for r in ranks) == EPOCHS * 512 // 16  # the loops trained every granted batch, once
+    if mode == "nccl-cadence":  # the last average lands before the script's loop ends: equal replicas
+        assert ranks[0]["weights"] == ranks[1]["weights"]
+        assert len(set(summary["final_digests"].values())) == 1
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_killed_mid_epoch_costs_nothing(proc_env, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"FLODL_INJECT_FAULT": "1:batch:12", "FLODL_TEST_STEP_SLEEP": "0.005", "FLODL_TEST_OUT": str(out)}
+    run, path = start(proc_env, tmp_path, env=env)
+    summary = finished(run, path)
+    assert [d["rank"] for d in summary["deaths"]] == [1] and "killed by SIGKILL" in summary["deaths"][0]["reason"]
+    assert "continuing with 1 rank(s)" in run.output
+    survivor = json.loads((out / "rank0.json").read_text())
+    assert survivor["world_size"] == 1 and survivor["env"]["WORLD_SIZE"] == "2"  # run.world_size is live, WORLD_SIZE is not
+    assert not (out / "rank1.json").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_script_rank_is_restarted_as_a_new_rank_with_torchruns_variables(proc_env, tmp_path):
+    """--max-restarts: rank 1 dies, its worker starts the script again as rank 2 in its place."""
+    out, hold = tmp_path / "out", tmp_path / "joined"
+    out.mkdir()
+    env = {"FLODL_INJECT_FAULT": "1:batch:12", "FLODL_TEST_HOLD_FILE": str(hold), "FLODL_TEST_OUT": str(out)}
+    run, path = start(proc_env, tmp_path, env=env, extra=("--max-restarts", "1"), epochs=6)
+    run.wait_for_line("training with 2 rank(s)", timeout=90)
+    hold.touch()
+    assert run.wait(60) == 0, run.output
+    summary = json.loads(path.read_text())
+    assert [h["samples"] for h in summary["history"]] == [512] * 6
+    assert [(r["rank"], r["replaces"]) for r in summary["restarts"]] == [(2, 1)]
+    assert len(set(summary["final_digests"].values())) == 1 and set(summary["final_digests"]) == {"0", "2"}
+    # a new number, the place of the rank it replaces; WORLD_SIZE counts the ranks numbered so far
+    env = json.loads((out / "rank2.json").read_text())["env"]
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("2", "3", "1", "2")
+
+
+@pytest.mark.timeout(90)
+def test_a_script_stuck_in_its_own_code_is_declared_hung_and_fenced(proc_env, tmp_path):
+    """Rank 1's loop blocks for good mid-epoch; its link thread keeps beating: the step deadline
+    finds it, its worker kills it, rank 0 trains the rest."""
+    run, path = start(proc_env, tmp_path, env={"FLODL_TEST_HANG_AT": "1:10"}, extra=("--heartbeat-timeout-secs", "3"))
+    tree = scripts(run)
+    summary = finished(run, path)
+    [death] = summary["deaths"]
+    assert death["rank"] == 1 and "made no progress in a training step" in death["reason"], death
+    assert_all_gone(tree)
+
+
+@pytest.mark.timeout(120)
+def test_a_death_past_max_failure_saves_and_the_script_resumes_the_rest(proc_env, tmp_path):
+    """The survivor's loop ends with SystemExit once the bundle (the script's model and its
+    optimizer) is written; the resumed scripts start at the saved epoch and train exactly the rest."""
+    stem, out = tmp_path / "ck" / "run", tmp_path / "out"
+    out.mkdir()
+    env = {"FLODL_TEST_STEP_SLEEP": "0.005", "FLODL_INJECT_FAULT": "1:average:6"}
+    extra = ("--max-failure", "1", "--save-path", str(stem))
+    run, path = start(proc_env, tmp_path, env=env, extra=extra, epochs=6)
+    assert run.wait(60) == 6, run.output
+    meta = read_meta(stem)
+    assert meta["save_reason"] == "max_failure_exceeded" and meta["epoch"] >= 1
+    first = json.loads(path.read_text())
+    covered_open = sum(item["total"] - sum(z for _, z in item["uncovered"]) for item in meta["coverage"]["open"])
+    run2, path2 = start(proc_env, tmp_path, env={"FLODL_TEST_OUT": str(out)}, extra=("--resume-from", str(stem)), epochs=6, name="s2.json")
+    assert run2.wait(60) == 0, run2.output
+    second = json.loads(path2.read_text())
+    trained = sum(h["samples"] for h in first["history"]) + covered_open + sum(h["samples"] for h in second["history"])
+    assert trained == 6 * 512  # every sample of every epoch once, across the two runs
+    assert json.loads((out / "rank0.json").read_text())["epochs"][0] == meta["epoch"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        # the loop raises at its 5th step: the traceback reaches the controller, the run stops
+        ({"FLODL_TEST_FAIL_AT": "5"}, ["failed during train: RuntimeError: injected failure at step 5", f'File "{SCRIPT}", line']),
+        # misuse of the API: one clear error, the same way
+        ({"FLODL_TEST_MISUSE": "step"}, ["run.step(loss) is called once per batch, inside `for batch in run.batches()`"]),
+    ],
+)
+def test_an_error_in_the_script_stops_the_run_as_a_task_error(proc_env, tmp_path, env, says):
+    run, _ = start(proc_env, tmp_path, env=env)
+    assert run.wait(45) == EXIT_TASK_ERROR, run.output
+    for text in says:
+        assert text in run.output
+
+
+@pytest.mark.timeout(60)
+def test_a_script_that_never_calls_init_is_named(proc_env, tmp_path):
+    run, _ = start(proc_env, tmp_path, env={"FLODL_TEST_NO_INIT": "1"})
+    assert run.wait(45) == EXIT_RANK_LOST, run.output
+    assert "exited with code 0 before its hello (does the --script call flodl.init()?)" in run.output
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_controller_takes_the_scripts_down(proc_env, tmp_path):
+    run, _ = start(proc_env, tmp_path, env={"FLODL_TEST_STEP_SLEEP": "0.05"})
+    tree = scripts(run)
+    run.wait_for_line("epoch 1/")
+    run.proc.kill()
+    run.wait(10)
+    assert_all_gone(tree, timeout=15)
+
+
+def test_a_script_started_by_hand_says_how_to_start_it(proc_env):
+    done = subprocess.run([PY, SCRIPT], env=proc_env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == EXIT_CONFIG
+    assert done.stderr.count("\n") == 1 and "start it with python -m flodl.controller --script" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--script", "no/such/train.py"], "script: 'no/such/train.py' is not a file"),
+        (["--script", SCRIPT, "--task", "tests/tasks/tiny.py:task"], "give --task or --script, not both"),
+        (["--task", "tests/tasks/tiny.py:task", "--", "--lr", "1"], "arguments after -- go to a --script"),
+    ],
+)
+def test_bad_script_options_fail_fast(proc_env, args, says):
+    done = subprocess.run([PY, "-m", "flodl.controller", *args], env=proc_env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == EXIT_CONFIG and says in done.stderr and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_the_script_and_its_args_travel_in_the_task_field():
+    spec = scriptspec.encode("train.py", ["--lr", "0.1", "a b"])
+    assert scriptspec.decode(spec) == ["train.py", "--lr", "0.1", "a b"]
+    assert scriptspec.decode("examples/digits.py:task") is None
+    argv, env = scriptspec.rank_command(spec, rank=3, world_size=2, local_rank=1, local_world=2)
+    assert argv[1:] == ["train.py", "--lr", "0.1", "a b"]
+    # a restarted rank's number is new: WORLD_SIZE counts the ranks numbered so far
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("3", "4", "1", "2")
+    assert scriptspec.rank_command("m:f", rank=0, world_size=1, local_rank=0, local_world=1) == ([PY, "-m", "flodl.rank"], {})
+    with pytest.raises(ValueError, match="malformed script spec"):
+        scriptspec.decode("script:{not json")
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), lambda ps: torch.optim.AdamW(ps, lr=0.01)])
+def test_an_optimizer_made_before_flattening_steps_the_flat_buffers(make):
+    """prepare() takes the script's optimizer, made before flodl flattens the model: flattening
+    rebinds each parameter's .data and keeps the Parameter objects, so its steps land in the
+    buffers flodl averages."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    optimizer = make(model.parameters())
+    flat = FlatModel(model)
+    before = flat.snapshot()[0]
+    model(torch.randn(5, 4)).pow(2).sum().backward()
+    optimizer.step()
+    after = flat.buckets[0].values
+    assert not torch.equal(before, after)
+    with torch.no_grad():  # and the model reads the buffers: an average written there is what it computes with
+        flat.buckets[0].values.zero_()
+    assert all(float(p.detach().abs().sum()) == 0.0 for p in model.parameters())
+
+
+@pytest.mark.timeout(90)
+def test_the_shipped_example_runs_as_documented(proc_env, tmp_path):
+    pytest.importorskip("sklearn")
+    path = tmp_path / "s.json"
+    run = Run(["--script", "examples/script_mode.py", "--nproc-per-node", "2", "--epochs", "2", "--summary-json", str(path)], proc_env)
+    assert run.wait(80) == 0, run.output
+    summary = json.loads(path.read_text())
+    assert [h["samples"] for h in summary["history"]] == [1500, 1500]
+    # the last epoch's loop ends after the final average: both replicas score the consensus
+    last = [float(a) for a in re.findall(r"rank \d: epoch 2 done, replica accuracy ([\d.]+)", run.output)]
+    assert len(last) == 2 and last[0] == last[1] > 0.8, run.output
+    assert "accuracy" in summary["history"][-1]["scalars"]  # run.report reached the epoch rows
