@@ -92,13 +92,19 @@ def task_spec(name: str, func: str = "task") -> str:
     return f"{TASKS / name}:{func}"
 
 
-@pytest.fixture
-def proc_env(tmp_path):
-    """Environment for real-process tests: the repo importable, output unbuffered."""
+def process_env() -> dict:
+    """Environment for real-process tests: the repo importable, output unbuffered (for fixtures
+    wider than one test, which cannot take ``proc_env``)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+@pytest.fixture
+def proc_env(tmp_path):
+    """Environment for real-process tests: the repo importable, output unbuffered."""
+    return process_env()
 
 
 PY = sys.executable

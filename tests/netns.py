@@ -92,10 +92,18 @@ class Cluster:
     bridge: str = ""
 
     def hostfile(
-        self, path: Path, *, env: dict[str, str], per_host_ifname: bool = True, ssh_port: int | None = None, devices: str = "cpu"
+        self,
+        path: Path,
+        *,
+        env: dict[str, str],
+        per_host_ifname: bool = True,
+        ssh_port: int | None = None,
+        devices: str = "cpu",
+        hosts: int | None = None,
     ) -> Path:
+        """A hostfile for the cluster's hosts (``hosts``: only the first that many)."""
         blocks = []
-        for h in self.hosts:
+        for h in self.hosts[:hosts]:
             lines = [
                 f'host = "{h.addr}"',
                 f'devices = "{devices}"',

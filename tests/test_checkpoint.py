@@ -33,7 +33,7 @@ from flodl.controller.checkpoints import Checkpointer
 from flodl.plan.cadence import CadenceLoop
 from flodl.rank.saving import checkpoint, emergency_save
 
-from .conftest import ROOT, task_spec
+from .conftest import process_env, task_spec
 from .helpers.procs import Run, assert_all_gone
 
 pytestmark = pytest.mark.timeout(120)
@@ -435,12 +435,12 @@ def test_max_failure_on_the_cpu_backend_saves_from_a_survivor(proc_env, tmp_path
 
 @pytest.fixture(scope="module")
 def finished_bundle(tmp_path_factory):
-    """The final save of a finished 2-epoch run, in a folder of its own (the same first run two tests
-    below each made): a test copies the folder (a bundle moves as one folder) and resumes or spoils the copy."""
+    """The final save of a finished 2-epoch run of the momentum task (its .optim holds state tensors),
+    in a folder of its own (the same first run three tests below each made): a test copies the
+    folder (a bundle moves as one folder) and resumes or spoils the copy."""
     folder = tmp_path_factory.mktemp("finished")
     stem = folder / "bundle" / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1"}
-    run, _ = _run(env, folder, "--save-path", str(stem), epochs=2)
+    run, _ = _run(process_env(), folder, "--save-path", str(stem), epochs=2, func="momentum_task")
     assert run.wait(60) == 0, run.output
     assert read_meta(stem)["save_reason"] == "final"
     return stem.parent
@@ -461,7 +461,7 @@ def test_corrupt_or_foreign_bundles_are_refused_before_training(proc_env, tmp_pa
     model_file = _files(CheckpointBundle.at(stem))["model"]
     data = model_file.read_bytes()
     model_file.write_bytes(data[: len(data) // 2])
-    corrupt, _ = _run(proc_env, tmp_path, "--resume-from", str(stem), epochs=3)
+    corrupt, _ = _run(proc_env, tmp_path, "--resume-from", str(stem), epochs=3, func="momentum_task")
     assert corrupt.wait(60) == 2, corrupt.output
     assert "sha256 differs" in corrupt.output
     missing, _ = _run(proc_env, tmp_path, "--resume-from", str(tmp_path / "nothing"), epochs=3)
@@ -495,7 +495,7 @@ def test_checkpoint_at_epoch_is_mid_epoch_and_resumable(proc_env, tmp_path):
 def test_resuming_a_complete_bundle_trains_nothing_scores_it_and_ends(proc_env, tmp_path, finished_bundle):
     """The final save of a finished run, resumed: no window to plan, one eval, exit 0 (it waited for an eval nobody asked for)."""
     stem = _copy_of(finished_bundle, tmp_path)
-    again, path = _run(proc_env, tmp_path, "--resume-from", str(stem), epochs=2, name="again.json")
+    again, path = _run(proc_env, tmp_path, "--resume-from", str(stem), epochs=2, func="momentum_task", name="again.json")
     assert again.wait(60) == 0, again.output
     assert f"resuming {stem}: all 2 epoch(s) complete, global step" in again.output, again.output  # counted as the console does
     assert "0 samples left to train" in again.output
@@ -526,10 +526,8 @@ def test_losing_the_controller_saves_each_replica_and_leaves_no_process(proc_env
 
 
 @pytest.mark.timeout(180)
-def test_resume_needs_every_file_of_the_bundle_and_finite_values(proc_env, tmp_path):
-    stem = tmp_path / "run"
-    run, _ = _run(proc_env, tmp_path, "--save-path", str(stem), epochs=2, func="momentum_task")
-    assert run.wait(60) == 0, run.output
+def test_resume_needs_every_file_of_the_bundle_and_finite_values(proc_env, tmp_path, finished_bundle):
+    stem = _copy_of(finished_bundle, tmp_path)
     bundle = CheckpointBundle.at(stem)
     files, sidecar = _files(bundle), bundle.meta.read_text()
     tensors, metadata = safetensors_io.load(files["optim"])

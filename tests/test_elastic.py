@@ -59,11 +59,13 @@ CASES = [(mode, fault) for mode in ("nccl-cadence", "cpu-cadence") for fault in 
 
 @pytest.mark.parametrize(("mode", "fault"), CASES)
 def test_a_rank_dies_at_a_chosen_point_and_the_run_finishes(proc_env, tmp_path, mode, fault):
-    """Rank 1 SIGKILLs itself mid-batch, mid-averaging or at an epoch edge."""
+    """Rank 1 SIGKILLs itself mid-batch, mid-averaging or at an epoch edge. No restarts are left
+    (--max-restarts 0, the default): nothing restarts, the run goes on with the survivors."""
     proc_env = {**proc_env, "FLODL_INJECT_FAULT": f"1:{fault}"}
     run, path = start(proc_env, tmp_path, mode)
     summary = finish(run, path)
     assert [d["rank"] for d in summary["deaths"]] == [1]
+    assert summary["restarts"] == [] and summary["joins"] == []
     assert "killed by SIGKILL" in summary["deaths"][0]["reason"]
     assert summary["recoveries"][0]["survivors"] == [0, 2]
     assert "continuing with 2 rank(s)" in run.output

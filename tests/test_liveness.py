@@ -9,12 +9,14 @@ import os
 import random
 import signal
 import time
+from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 
 from flodl.errors import EXIT_RANK_LOST
 
-from .conftest import task_spec
+from .conftest import process_env, task_spec
 from .helpers.procs import Run, assert_all_gone
 
 pytestmark = pytest.mark.timeout(180)
@@ -51,29 +53,44 @@ def finished(run, path, epochs):
     return summary
 
 
+@pytest.fixture(scope="module")
+def hung_run(tmp_path_factory) -> Callable[[str], SimpleNamespace]:
+    """Rank 1's training thread blocks for good mid-batch while its link thread keeps beating: one
+    run per mode, made on first ask and shared by the tests that check what became of the rank
+    (fenced; detected in time), as each run costs a start-up of three ranks."""
+    runs: dict[str, SimpleNamespace] = {}
+
+    def run_for(mode: str) -> SimpleNamespace:
+        if mode not in runs:
+            run, path = run_tiny(
+                process_env(), tmp_path_factory.mktemp(f"hung-{mode}"), mode, env={"FLODL_INJECT_FAULT": "1:batch:40:hang"}
+            )
+            tree = run.tree()
+            runs[mode] = SimpleNamespace(run=run, tree=tree, summary=finished(run, path, 10))
+        return runs[mode]
+
+    return run_for
+
+
 @pytest.mark.parametrize("mode", ["nccl-cadence", "cpu-cadence", "nccl-sync"])
-def test_a_training_thread_stuck_in_user_code_is_declared_hung_and_fenced(proc_env, tmp_path, mode):
-    """Rank 1's training thread blocks for good mid-batch while its link thread keeps beating:
-    it is declared hung within about the heartbeat timeout, killed, and the others finish."""
-    run, path = run_tiny(proc_env, tmp_path, mode, env={"FLODL_INJECT_FAULT": "1:batch:40:hang"})
-    tree = run.tree()
-    summary = finished(run, path, 10)
+def test_a_training_thread_stuck_in_user_code_is_declared_hung_and_fenced(hung_run, mode):
+    """It is declared hung within about the heartbeat timeout, killed, and the others finish."""
+    hung = hung_run(mode)
+    run, summary = hung.run, hung.summary
     [death] = summary["deaths"]
     assert death["rank"] == 1
     assert "made no progress in a training step" in death["reason"], death
     assert "continuing with 2 rank(s)" in run.output
     assert summary["final_eval"] > 0.7
-    assert_all_gone(tree)  # the hung rank was fenced (SIGKILL), not left behind
+    assert_all_gone(hung.tree)  # the hung rank was fenced (SIGKILL), not left behind
 
 
-def test_a_stuck_thread_is_detected_within_the_heartbeat_timeout(proc_env, tmp_path):
+def test_a_stuck_thread_is_detected_within_the_heartbeat_timeout(hung_run):
     """Detection of a stuck training thread: heartbeat timeout + 3 steps, not a collective
     timeout or more (the stall is measured from the moment the fault fired, read off the log)."""
-    run, path = run_tiny(proc_env, tmp_path, "nccl-cadence", heartbeat=3, env={"FLODL_INJECT_FAULT": "2:batch:30:hang"})
-    summary = finished(run, path, 10)
-    [death] = summary["deaths"]
+    [death] = hung_run("nccl-cadence").summary["deaths"]
     stuck = float(death["reason"].split("for ")[1].split(" s")[0])
-    assert 3.0 <= stuck < 4.5, death["reason"]  # the deadline (3 s + 3 steps), printed to 0.1 s
+    assert 3.0 <= stuck < 4.5, death["reason"]  # the deadline (3 s heartbeat + 3 steps), printed to 0.1 s
 
 
 def test_a_task_slower_to_build_than_the_heartbeat_timeout_starts(proc_env, tmp_path):
@@ -161,12 +178,9 @@ def test_healing_restarts_a_dead_rank_and_the_world_returns_to_full_size(proc_en
     assert "restarting rank 1 as rank 3" in run.output
 
 
-def test_healing_stops_after_max_restarts(proc_env, tmp_path):
-    """Without restarts left (--max-restarts 0, the default) the run goes on with the survivors."""
-    run, path = run_tiny(proc_env, tmp_path, "nccl-cadence", env={"FLODL_INJECT_FAULT": "1:batch:20"})
-    summary = finished(run, path, 10)
-    assert summary["restarts"] == [] and summary["joins"] == []
-    assert set(summary["final_digests"]) == {"0", "2"}
+# Without restarts left (--max-restarts 0, the default) nothing restarts and the run goes on with the
+# survivors: test_elastic.py's test_a_rank_dies_at_a_chosen_point_and_the_run_finishes checks it of
+# every one of its deaths (a run of its own here cost a start-up of three ranks).
 
 
 def test_a_restart_still_starting_when_the_run_ends_is_fenced_not_waited_for(proc_env, tmp_path):

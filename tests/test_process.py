@@ -8,6 +8,8 @@ import random
 import signal
 import subprocess
 import time
+from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import zmq
@@ -15,19 +17,51 @@ import zmq
 from flodl.wire import messages as m
 from flodl.wire.codec import FrameWriter
 
-from .conftest import PY, ROOT, task_spec
+from .conftest import PY, ROOT, process_env, task_spec
 from .helpers.procs import PICK_PORT, Run, assert_all_gone, runs_module
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_digits_trains_on_two_ranks(proc_env, tmp_path):
-    summary_path = tmp_path / "summary.json"
-    run = Run(
-        ["--task", "examples/digits.py:task", "--nproc-per-node", "2", "--epochs", "3", "--summary-json", str(summary_path)], proc_env
-    )
-    assert run.wait(100) == 0, run.output
-    summary = json.loads(summary_path.read_text())
+MODES = ["nccl-sync", "nccl-cadence", "nccl-async", "cpu-sync", "cpu-cadence", "cpu-async"]
+DIGITS = 1500  # examples/digits.py's training split: 47 batches of 32 an epoch
+DIGITS_EPOCHS = 4
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory) -> Callable[[str], SimpleNamespace]:
+    """One real 2-rank digits run per mode, rank 1 made 3x slower (simulated), made on first ask
+    and shared by the tests that each check one side of it (what a summary holds, the accuracy
+    band, coverage and pace): a run per test cost a process start-up each, most of such a test's
+    time. nccl-cadence is the default mode: its run passes no --mode, so the default is checked."""
+    runs: dict[str, SimpleNamespace] = {}
+
+    def run_for(mode: str) -> SimpleNamespace:
+        if mode not in runs:
+            path = tmp_path_factory.mktemp(f"digits-{mode}") / "s.json"
+            env = {**process_env(), "FLODL_SIMULATE_SLOWDOWN": "1:3"}
+            args = [
+                "--task",
+                "examples/digits.py:task",
+                "--nproc-per-node",
+                "2",
+                "--epochs",
+                str(DIGITS_EPOCHS),
+                "--summary-json",
+                str(path),
+            ]
+            run = Run(args + ([] if mode == "nccl-cadence" else ["--mode", mode]), env)
+            assert run.wait(120) == 0, run.output
+            runs[mode] = SimpleNamespace(run=run, summary=json.loads(path.read_text()))
+        return runs[mode]
+
+    return run_for
+
+
+def test_digits_trains_on_two_ranks(digits_run):
+    """The default mode's run (it passes no --mode): what the summary holds, and a model that learned."""
+    digits = digits_run("nccl-cadence")
+    run, summary = digits.run, digits.summary
     for key in (
         "mode",
         "world_size",
@@ -43,13 +77,13 @@ def test_digits_trains_on_two_ranks(proc_env, tmp_path):
         "exit_reason",
     ):
         assert key in summary
-    assert summary["world_size"] == 2 and summary["epochs"] == 3 and summary["mode"] == "NcclCadence"
+    assert summary["world_size"] == 2 and summary["epochs"] == DIGITS_EPOCHS and summary["mode"] == "NcclCadence"
     assert summary["exit_reason"] == "completed" and summary["deaths"] == []
     assert summary["final_eval"] > 0.85, run.output
     assert summary["final_loss"] < summary["history"][0]["loss"]
     assert {r["device"] for r in summary["per_rank"]} == {"cpu"}
-    assert sum(r["samples"] for r in summary["per_rank"]) == 3 * 1500
-    assert "epoch 3/3" in run.output and "final accuracy" in run.output
+    assert sum(r["samples"] for r in summary["per_rank"]) == DIGITS_EPOCHS * DIGITS
+    assert f"epoch {DIGITS_EPOCHS}/{DIGITS_EPOCHS}" in run.output and "final accuracy" in run.output
 
 
 def test_kill_9_rank_stops_run_fast_and_leaves_nothing(proc_env):
@@ -292,22 +326,19 @@ def test_trainer_api_runs_like_the_cli(tmp_path):
     assert json.loads((tmp_path / "s.json").read_text())["run_id"] == summary["run_id"]
 
 
-@pytest.mark.parametrize("mode", ["nccl-sync", "nccl-cadence", "nccl-async", "cpu-sync", "cpu-cadence", "cpu-async"])
-def test_each_mode_with_a_3x_slower_rank_covers_every_sample(proc_env, tmp_path, mode):
+@pytest.mark.parametrize("mode", MODES)
+def test_each_mode_with_a_3x_slower_rank_covers_every_sample(digits_run, mode):
     """A real 2-process run per mode, rank 1 made 3x slower (simulated): exact coverage, fast rank does more."""
-    env = {**proc_env, "FLODL_SIMULATE_SLOWDOWN": "1:3", "FLODL_TEST_STEP_SLEEP": "0.002"}
-    path = tmp_path / "s.json"
-    run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "4", "--mode", mode, "--summary-json", str(path)], env)
-    assert run.wait(120) == 0, run.output
-    summary = json.loads(path.read_text())
-    assert [h["samples"] for h in summary["history"]] == [512] * 4  # the ledger closed every epoch exactly
+    summary = digits_run(mode).summary
+    assert [h["samples"] for h in summary["history"]] == [DIGITS] * DIGITS_EPOCHS  # the ledger closed every epoch exactly
     fast, slow = (r["samples"] for r in summary["per_rank"])
     if mode.endswith("sync") and not mode.endswith("async"):
-        assert fast == slow  # lockstep
-        assert summary["syncs"] == 4 * 16
+        # lockstep: each epoch's even split of its 47 batches (24 and 23), whatever the speeds
+        assert (fast, slow) == (DIGITS_EPOCHS * 24 * 32, DIGITS_EPOCHS * (DIGITS - 24 * 32)), (fast, slow)
+        assert summary["syncs"] == DIGITS_EPOCHS * 24
     else:
         assert fast > 1.5 * slow, (fast, slow)
-        assert summary["syncs"] < 4 * 16
+        assert summary["syncs"] < DIGITS_EPOCHS * 24
         assert summary["cadence"]["batch_counts"][0] > summary["cadence"]["batch_counts"][1]
     assert summary["final_eval"] > 0.7
 
@@ -358,17 +389,12 @@ def test_epoch_fn_and_lr_schedule_follow_the_global_step(proc_env, tmp_path):
     assert json.loads(path.read_text())["history"][0]["scalars"]["world"] == 2
 
 
-@pytest.mark.parametrize("mode", ["nccl-sync", "nccl-cadence", "nccl-async", "cpu-sync", "cpu-cadence", "cpu-async"])
-def test_all_six_modes_train_digits_to_the_same_band(proc_env, tmp_path, mode):
-    path = tmp_path / "s.json"
-    run = Run(
-        ["--task", "examples/digits.py:task", "--nproc-per-node", "2", "--epochs", "4", "--mode", mode, "--summary-json", str(path)],
-        proc_env,
-    )
-    assert run.wait(120) == 0, run.output
-    summary = json.loads(path.read_text())
+@pytest.mark.parametrize("mode", MODES)
+def test_all_six_modes_train_digits_to_the_same_band(digits_run, mode):
+    """Every mode trains digits into one accuracy band, with rank 1 3x slower at that (the shared run)."""
+    summary = digits_run(mode).summary
     assert summary["mode"].lower() == mode.replace("-", "")
-    assert [h["samples"] for h in summary["history"]] == [1500] * 4
+    assert [h["samples"] for h in summary["history"]] == [DIGITS] * DIGITS_EPOCHS
     assert summary["final_eval"] >= 0.88, (mode, summary["final_eval"])
     if mode.startswith("cpu"):
         assert summary["averaging"]["rounds"] >= summary["syncs"] and summary["averaging"]["aborted"] == 0

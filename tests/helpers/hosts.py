@@ -32,7 +32,8 @@ def launch_on_hosts(
     hold: Path | None = None,
     **hostfile,
 ) -> Proc:
-    """``python -m flodl.launcher`` on the three hosts; ``extra`` goes to the controller, ``launcher_extra`` to the launcher.
+    """``python -m flodl.launcher`` on the cluster's hosts; ``extra`` goes to the controller, ``launcher_extra`` to the launcher,
+    ``hostfile`` to ``Cluster.hostfile`` (``devices``, ``hosts``: only the first that many, ...).
 
     ``hold``: until that file exists, every step sleeps 0.2 s (the namespaces share this file
     system), so the run outlasts whatever the test does meanwhile, however loaded the machine."""
