@@ -491,3 +491,27 @@ def test_only_a_regroup_that_leaves_out_a_peer_breaks_the_group():
     assert rank._group_broken()
     rank.generation = 4  # ... but that is the generation this rank is in now
     assert not rank._group_broken()
+
+
+def test_a_resumed_lr_is_base_times_factor_times_schedule_once():
+    """The loaded optimizer's groups hold the saved run's applied LR (base x factor x schedule);
+    restoring must not take it as a new base, or the factor and the schedule apply twice."""
+    from flodl.rank.handle import LrState
+
+    def halve_every_10(step):
+        return 0.5 ** (step // 10)
+
+    def fresh():
+        return torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+
+    saved_run = LrState(fresh(), 2.0, halve_every_10)
+    saved_run.apply(20)
+    state = saved_run.optimizer.state_dict()
+    assert state["param_groups"][0]["lr"] == pytest.approx(0.05)
+    for saved_base in ([0.1], None):  # a bundle that kept its base, and one from before it did
+        resumed = LrState(fresh(), 2.0, halve_every_10)
+        resumed.optimizer.load_state_dict(state)
+        resumed.restore(saved_base, 20)
+        assert resumed.current == pytest.approx(0.05)
+        resumed.apply(30)
+        assert resumed.current == pytest.approx(0.025)

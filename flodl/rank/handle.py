@@ -42,11 +42,15 @@ class LrState:
             group["lr"] = base * self.factor * mult
         self._applied = key
 
-    def rebase(self) -> None:
-        """Take the optimizer's current LRs as the base (a resumed optimizer's), applied for step 0."""
-        self.base = [float(g["lr"]) for g in self.optimizer.param_groups]
+    def restore(self, saved_base: list[float] | None, global_step: int) -> None:
+        """A saved optimizer state was just loaded into the groups, LRs included: those are the saved
+        run's *applied* LRs (base x factor x schedule), never a base. The base is the saved run's
+        (``saved_base``; a bundle from before it was kept: this task's), applied for ``global_step``.
+        (Taking the loaded LRs as the base applied the factor and the schedule twice on resume.)"""
+        if saved_base is not None and len(saved_base) == len(self.base):
+            self.base = [float(b) for b in saved_base]
         self._applied = None
-        self.apply(0)
+        self.apply(global_step)
 
     def set_base(self, base: list[float], global_step: int) -> None:
         """New base LRs, one per group; applied at once for ``global_step``."""

@@ -333,7 +333,7 @@ class RankRunner(Regrouping, Evaluating):
 
     def _train_state(self) -> dict[str, Any] | None:
         """What the .optim file keeps beside the optimizer state (schedulers, scaler, the optimizers' split)."""
-        return train_state(self.optimizers, self.update)
+        return train_state(self.optimizers, self.update, lr_base=self.lr.base if self.lr is not None else None)
 
     def _fail(self, stage: str, exc: BaseException, code: int) -> int:
         """Report an error once, then wait (bounded) for the controller's verdict."""
@@ -532,7 +532,7 @@ class RankRunner(Regrouping, Evaluating):
             self.update.load_state_dict(saved)
         if self.update is None or not self.update.schedulers:
             assert self.lr is not None  # _join builds it before loading a saved state
-            self.lr.rebase()
+            self.lr.restore(saved.get("lr_base"), self.global_step)
 
     def _first_group(self, welcome: m.RankWelcome) -> torch.distributed.ProcessGroup | None:
         """The run's first process group, or None when a rank died while it formed: the

@@ -321,10 +321,13 @@ def make_scheduler(factory: Callable[[torch.optim.Optimizer], Any], optimizer: t
     return sched
 
 
-def train_state(optimizers: list[torch.optim.Optimizer], update: Update | None) -> dict[str, Any]:
+def train_state(optimizers: list[torch.optim.Optimizer], update: Update | None, *, lr_base: list[float] | None = None) -> dict[str, Any]:
     """What a bundle's ``.optim`` file keeps beside the optimizer state: how its parameter groups split
-    between the task's optimizers, and the schedulers' and scaler's state."""
+    between the task's optimizers, the base LRs (before the LR factor and schedule: the groups' own
+    LRs have both applied), and the schedulers' and scaler's state."""
     out: dict[str, Any] = {"optimizers": [len(o.param_groups) for o in optimizers]}
+    if lr_base is not None:
+        out["lr_base"] = list(lr_base)
     if update is not None:
         out.update(update.state_dict())
     return out
