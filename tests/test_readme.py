@@ -40,3 +40,12 @@ def test_main_job_options_parse():
     config.check_available()
     assert launch.task == "examples/digits.py:task" and launch.nproc_per_node == 2 and launch.epochs == 5
     assert (ROOT / "examples" / "digits.py").exists()
+
+
+def test_sample_output_names_the_mode_the_main_job_runs():
+    text = (ROOT / "README.md").read_text()
+    sample = text[text.index("## What you get") :]
+    shown = re.search(r"^flodl run \w+ \| mode (\w+) \| task (\S+)$", sample, re.M)
+    main_job = readme_commands()[0].split("&& ", 1)[1].split()
+    _, config = resolve(build_parser().parse_args(main_job[3:]))
+    assert shown and shown.group(1) == config.elche.mode.name and shown.group(2) == "examples/digits.py:task"
