@@ -94,3 +94,12 @@ def test_the_join_file_is_documented_where_its_option_is_listed():
     assert "--join-file PATH" in build_parser().format_help()
     for doc in ("README.md", "docs/options.md", "docs/multihost.md"):
         assert "--join-file" in (ROOT / doc).read_text(), doc
+
+
+def test_the_trainer_refuses_external_workers_without_the_runs_secret(monkeypatch):
+    from flodl import Trainer
+
+    monkeypatch.delenv("FLODL_RUN_SECRET", raising=False)
+    monkeypatch.delenv("FLODL_RUN_ID", raising=False)
+    with pytest.raises(ConfigError, match="workers: workers started by hand need this run's secret"):
+        Trainer.builder(task_spec("tiny.py")).workers(1).run()
