@@ -14,7 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .config import DdpRunConfig
-from .controller import Controller, LaunchOptions, run_controller
+from .config.env import read_run_credentials
+from .controller import Controller, LaunchOptions, check_external_credentials, run_controller
 from .controller.console import Console
 from .errors import ConfigError
 from .taskspec import spec_of
@@ -43,6 +44,10 @@ class TrainerBuilder:
     def workers(self, n: int, *, bind: str = "127.0.0.1", port: int = 0) -> TrainerBuilder:
         """Wait for ``n`` external ``flodl.worker`` processes instead of starting one."""
         return self._set(workers=n, bind=bind, port=port)
+
+    def join_file(self, path: str) -> TrainerBuilder:
+        """Write the run's join file (0600) for workers started with ``python -m flodl.worker --join-file PATH``."""
+        return self._set(join_file=path)
 
     def seed(self, seed: int) -> TrainerBuilder:
         return self._set(seed=seed)
@@ -95,7 +100,9 @@ class TrainerBuilder:
             RunAborted: the run failed; ``.summary`` holds what was done.
         """
         launch, config = self.build()
-        return run_controller(Controller(launch, config, console=Console(live=launch.progress)))
+        secret, run_id = read_run_credentials()  # as the CLI: a launcher's or the user's, else made here
+        check_external_credentials(launch, secret, run_id)
+        return run_controller(Controller(launch, config, secret=secret, run_id=run_id, console=Console(live=launch.progress)))
 
 
 class Trainer:

@@ -39,6 +39,7 @@ from . import __version__
 from .config.cli import BriefParser
 from .config.deadlines import Deadlines
 from .config.env import RankEnv, child_environ, parent_pid, parse_run_secret, read_run_credentials, request_encryption, strict
+from .config.joinfile import read_join_file
 from .errors import EXIT_CONFIG, EXIT_CONTROLLER_LOST, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, ConfigError
 from .host.devices import choose_devices
 from .host.proc import die_with_parent, nap, terminate_then_kill
@@ -213,7 +214,8 @@ class Worker:
                 return self._finish_early()
             if time.monotonic() > deadline:
                 log.error(
-                    "no answer from the controller at %s within %.0f s%s",
+                    "no answer from the controller at %s within %.0f s: a controller never answers a worker with "
+                    "another run's secret or id (FLODL_RUN_SECRET/FLODL_RUN_ID or --join-file)%s",
                     self.controller,
                     self.join_timeout_s,
                     " (is it running with --encrypt too?)" if curve.enabled() else " (if it runs with --encrypt, so must this worker)",
@@ -356,7 +358,14 @@ class Worker:
 
 def build_parser() -> argparse.ArgumentParser:
     p = BriefParser(prog="python -m flodl.worker", description="Run one host's ranks for a flodl controller.")
-    p.add_argument("--controller", required=True, help="controller address, tcp://HOST:PORT")
+    p.add_argument("--controller", default=None, help="controller address, tcp://HOST:PORT (required unless --join-file gives it)")
+    p.add_argument(
+        "--join-file",
+        default=None,
+        metavar="PATH",
+        help="read the run id, secret, controller address and encryption from the join file a controller run with "
+        "--join-file PATH wrote (mode 0600); --controller, if given, overrides its address",
+    )
     p.add_argument("--nproc", type=int, default=None, help="number of ranks (default: one per visible GPU, else 1 CPU rank)")
     p.add_argument("--devices", default=None, help="explicit comma-separated devices, e.g. cuda:0,cuda:1 or cpu,cpu")
     p.add_argument("--join-timeout-secs", type=float, default=DEFAULT_JOIN_TIMEOUT_S, help="seconds to wait for the controller's welcome")
@@ -411,18 +420,29 @@ def read_stdin_credentials(fd: int, timeout_s: float) -> tuple[bytes, str]:
 
 
 def _credentials(args: argparse.Namespace) -> tuple[bytes, str]:
-    """From stdin (launcher) or the environment (controller, hand-started worker).
+    """From a join file, stdin (launcher) or the environment (controller, hand-started worker).
+    A join file also fills in ``args.controller`` (unless given) and asks for encryption if the run has it.
 
     Raises:
-        ConfigError, ValueError: missing or malformed credentials.
+        ConfigError, ValueError: missing or malformed credentials, or no controller address.
     """
+    if args.join_file and args.secret_from_stdin:
+        raise ConfigError("join_file", "give --join-file or --secret-from-stdin, not both")
+    if args.join_file:
+        info = read_join_file(args.join_file)
+        args.controller = args.controller or info.controller
+        args.encrypt = args.encrypt or info.encrypt
+        return info.secret, info.run_id
+    if not args.controller:
+        raise ConfigError("controller", "needs --controller tcp://HOST:PORT (or --join-file PATH)")
     if args.secret_from_stdin:
         return read_stdin_credentials(sys.stdin.fileno(), args.secret_timeout_secs)
     secret, run_id = read_run_credentials()
     if secret is None or run_id is None:
         raise ConfigError(
             "FLODL_RUN_SECRET",
-            "the worker needs FLODL_RUN_SECRET (hex) and FLODL_RUN_ID in its environment, as the controller or launcher sets them",
+            "the worker needs FLODL_RUN_SECRET (hex) and FLODL_RUN_ID in its environment, the same as the controller's, "
+            "or --join-file PATH (a controller run with --join-file PATH writes it)",
         )
     return secret, run_id
 

@@ -8,7 +8,7 @@ protocol. This script writes:
 * the message catalogue between the markers in ``proto/README.md``.
 
 Run ``python proto/generate.py`` after editing the schema; the test suite
-fails (``tests/test_protocol_schema.py``) while the generated files are stale.
+fails (``tests/test_protocol.py``, ``test_generated_files_are_fresh``) while the generated files are stale.
 ``--check`` exits 1 instead of writing when something would change.
 """
 

@@ -1,5 +1,5 @@
-"""ElChe cadence balancer: reference golden values (§2.5), acceptance items 1-10 (§8)
-and the 0.7 deltas (phases, election, gated growth, relax_up, window cap, ratios, checkpoints)."""
+"""ElChe cadence balancer (docs/cadence.md#elche): the reference ElChe's golden values, its acceptance
+items 1-10 (numbered as in the reference's list, which is not in this repository) and the 0.7 deltas (phases, election, gated growth, relax_up, window cap, ratios, checkpoints)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def ungated(world_size: int = 2, **kwargs) -> ElChe:
 
 
 # ---------------------------------------------------------------------------
-# §8 item 1: construction
+# acceptance item 1: construction
 # ---------------------------------------------------------------------------
 
 
@@ -118,7 +118,7 @@ def test_construction_clamps_like_the_reference():
 
 
 # ---------------------------------------------------------------------------
-# §2.5 golden values, §8 items 2-6
+# golden values, acceptance items 2-6
 # ---------------------------------------------------------------------------
 
 
@@ -245,7 +245,7 @@ def test_speed_ratio_is_capped_at_64():
 
 
 # ---------------------------------------------------------------------------
-# §8 item 7: clamp_total
+# acceptance item 7: clamp_total
 # ---------------------------------------------------------------------------
 
 
@@ -271,7 +271,7 @@ def test_clamp_total_remainder_in_index_order():
 
 
 # ---------------------------------------------------------------------------
-# §8 item 9: speed hints
+# acceptance item 9: speed hints
 # ---------------------------------------------------------------------------
 
 
@@ -310,7 +310,7 @@ def test_wrong_speed_hint_self_corrects_after_one_report():
 
 
 # ---------------------------------------------------------------------------
-# §8 item 10: nudge_anchor_down
+# acceptance item 10: nudge_anchor_down
 # ---------------------------------------------------------------------------
 
 
@@ -429,7 +429,7 @@ def test_election_keeps_rank_within_margin():
 
 
 # ---------------------------------------------------------------------------
-# 0.7: gated growth (§8 item 18)
+# 0.7: gated growth (acceptance item 18)
 # ---------------------------------------------------------------------------
 
 

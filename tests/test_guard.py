@@ -1,5 +1,5 @@
-"""Divergence signal, trend guard and meta-controller: acceptance items 11-17 (§8, MsfGuard
-excluded), make_guard's choices and meta-controller sequences."""
+"""Divergence signal, trend guard and meta-controller: the reference ElChe's acceptance items 11-17
+(MsfGuard excluded; docs/cadence.md#convergence-guard-and-meta-controller), make_guard's choices and meta-controller sequences."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_bad_verdicts_are_rejected(kind, factor):
 
 
 # ---------------------------------------------------------------------------
-# §8 items 11-12: the signal
+# acceptance items 11-12: the signal
 # ---------------------------------------------------------------------------
 
 
@@ -88,7 +88,7 @@ def test_cosine_without_norms_or_direction():
 
 
 # ---------------------------------------------------------------------------
-# §8 items 13-15: the trend guard
+# acceptance items 13-15: the trend guard
 # ---------------------------------------------------------------------------
 
 
@@ -202,7 +202,7 @@ def test_make_guard_thresholds():
 
 
 # ---------------------------------------------------------------------------
-# §8 item 17: meta-controller
+# acceptance item 17: meta-controller
 # ---------------------------------------------------------------------------
 
 

@@ -206,7 +206,7 @@ def _done(rank, loss, batches, ms, samples, scalars):
 
 
 def test_epoch_aggregation_golden():
-    """The reference runtime's golden values (flodl-core §4.10)."""
+    """The reference runtime's golden values for epoch aggregation (docs/architecture.md, step 6)."""
     stats = aggregate(
         0,
         [

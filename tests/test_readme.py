@@ -40,3 +40,22 @@ def test_main_job_options_parse():
     config.check_available()
     assert launch.task == "examples/digits.py:task" and launch.nproc_per_node == 2 and launch.epochs == 5
     assert (ROOT / "examples" / "digits.py").exists()
+
+
+def test_sample_output_names_the_mode_the_main_job_runs():
+    text = (ROOT / "README.md").read_text()
+    sample = text[text.index("## What you get") :]
+    shown = re.search(r"^flodl run \w+ \| mode (\w+) \| task (\S+)$", sample, re.M)
+    main_job = readme_commands()[0].split("&& ", 1)[1].split()
+    _, config = resolve(build_parser().parse_args(main_job[3:]))
+    assert shown and shown.group(1) == config.elche.mode.name and shown.group(2) == "examples/digits.py:task"
+
+
+def test_readme_names_the_system_packages_ci_installs():
+    script = (ROOT / "launch" / "system-packages.sh").read_text()
+    packages = re.findall(r"missing\+=\((\S+)\)", script)
+    assert packages == ["chromium", "openssh-server", "iproute2"]
+    readme = (ROOT / "README.md").read_text()
+    head = readme[: readme.index("## What you get")]
+    assert all(f"`{name}`" in head for name in packages) and "bash launch/system-packages.sh" in head
+    assert "bash launch/system-packages.sh" in (ROOT / ".ci" / "run").read_text().splitlines()

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .hooks import ControllerHooks
     from .phase import Phase
 
-__all__ = ["Controller", "ControllerHooks", "LaunchOptions", "Phase", "main", "run_controller"]
+__all__ = ["Controller", "ControllerHooks", "LaunchOptions", "Phase", "check_external_credentials", "main", "run_controller"]
 
 log = logging.getLogger("flodl.controller")
 
@@ -87,6 +87,24 @@ def report_handler_errors(summary: dict) -> None:
         summary["failure"] = f"{count} message handler error(s) in the controller (FLODL_STRICT)"
 
 
+def check_external_credentials(launch: LaunchOptions, secret: bytes | None, run_id: str | None) -> None:
+    """Workers started by hand must hold the run's secret and id: with ``--workers N`` they come
+    from the environment (FLODL_RUN_SECRET and FLODL_RUN_ID, set for both sides) or are made here
+    and written to ``--join-file``; a secret made here and shown to no one would admit no worker.
+
+    Raises:
+        ConfigError: external workers, and neither both variables nor a join file.
+    """
+    if launch.embedded or launch.join_file or (secret is not None and run_id is not None):
+        return
+    raise ConfigError(
+        "workers",
+        "workers started by hand need this run's secret: export FLODL_RUN_SECRET (hex, >= 16 bytes) and "
+        "FLODL_RUN_ID for the controller and every worker, or give --join-file PATH and start each worker "
+        "with python -m flodl.worker --join-file PATH (docs/multihost.md)",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -98,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # a launcher may hand the run's credentials down (multi-host); else we make them
         secret, run_id = read_run_credentials()
+        check_external_credentials(launch, secret, run_id)
         if args.encrypt:
             request_encryption()  # the controller, and every process it starts, encrypts
         if curve.requested() and not curve.available():

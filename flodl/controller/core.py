@@ -37,12 +37,14 @@ import logging
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ..checkpoint.files import CheckpointError
 from ..config import ApplyPolicy, DdpRunConfig
 from ..config.deadlines import Deadlines
 from ..config.env import new_run_id, new_run_secret
+from ..config.joinfile import JoinInfo
 from ..errors import EXIT_CONFIG, EXIT_EVALS_FAILED, EXIT_FAILED, RunAborted
 from ..monitor.hub import Monitor
 from ..plan.cadence import CadenceLoop
@@ -50,6 +52,7 @@ from ..plan.membership import Membership, PeerState
 from ..plan.metrics import EpochStats
 from ..plan.progress import ProgressLimits
 from ..plan.schedule import Schedule
+from ..wire import curve
 from ..wire import messages as m
 from ..wire.codec import Envelope
 from ..wire.transport import ControlEndpoint, route_moves
@@ -97,6 +100,8 @@ class Controller:
     ) -> None:
         self.launch = launch
         self.config = config
+        # where workers started by hand get the secret from, said when they are awaited
+        self.secret_source = "FLODL_RUN_SECRET" if secret else "made here"
         self.secret = secret or new_run_secret()
         self.run_id = run_id or new_run_id()
         self.console = console or Console(live=launch.progress)
@@ -248,6 +253,7 @@ class Controller:
             url = await self.monitor.start()
             if url:
                 self.console.line(f"dashboard: {url}")
+            self._hand_out_credentials()
             self.ready.set()  # tests read .port once everything listens
             async with asyncio.TaskGroup() as tg:
                 helpers = [tg.create_task(self.liveness.watch())]
@@ -276,6 +282,22 @@ class Controller:
                 self.console.line(f"wrote {path}")
             await self.teardown.stop_worker()
             self.plane.close()
+            if self.launch.join_file:
+                Path(self.launch.join_file).unlink(missing_ok=True)  # it holds the secret of a run that is over
+
+    def _hand_out_credentials(self) -> None:
+        """Write ``--join-file``, and say where workers started by hand connect and where their
+        secret comes from (never the secret itself: stdout ends up in logs)."""
+        if self.launch.join_file:
+            JoinInfo(self.run_id, self.secret, self.plane.address, curve.enabled()).write(self.launch.join_file)
+        if self.launch.embedded:
+            return
+        source = f"join file {self.launch.join_file}" if self.launch.join_file else self.secret_source
+        how = f"--join-file {self.launch.join_file}" if self.launch.join_file else f"--controller {self.plane.address}"
+        self.console.line(
+            f"waiting for {self.launch.workers} worker(s) at {self.plane.address}, run {self.run_id}, secret from {source}: "
+            f"python -m flodl.worker {how}"
+        )
 
     def _open(self) -> None:
         self.plane.open(self._on_message)

@@ -45,6 +45,7 @@ class LaunchOptions:
     max_restarts: int = 0
     progress: bool | None = None
     dashboard_port: int = 0
+    join_file: str | None = None
 
     def validate(self) -> None:
         """Raises: ConfigError naming the first bad field."""
@@ -121,6 +122,8 @@ _HELP = {
     "the new rank joins the running world at a window boundary (0: go on without it)",
     "step_timeout_secs": "seconds a training step may take before its rank is declared hung (default: heartbeat timeout + 3x the rank's slowest recent step; its first step: join_timeout_secs)",
     "progress": "live progress line (default: on when stdout is a terminal)",
+    "join_file": "write the run's join file here (run id, secret, control address; mode 0600, removed at the end) "
+    "once the controller listens: a worker started by hand joins with python -m flodl.worker --join-file PATH. Default: none.",
     "dashboard_port": "live dashboard port, served read-only on the bind address (0 picks a free one and prints it; -1 turns it off)",
 }
 LAUNCH_KEYS = frozenset(f.name for f in dataclasses.fields(LaunchOptions))
@@ -175,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         else:
             kind = _parser_of(f)
-            metavar = {int: "N", float: "X"}.get(kind, "PATH" if f.name == "summary_json" else None)
+            metavar = {int: "N", float: "X"}.get(kind, "PATH" if f.name in ("summary_json", "join_file") else None)
             group.add_argument(flag, dest=f.name, type=kind, metavar=metavar, default=argparse.SUPPRESS, help=help_text)
     add_run_options(parser, groups)
     return parser

@@ -1,4 +1,4 @@
-"""Bounded on-disk persistence of the record stream: one JSONL ring per node (§12.5).
+"""Bounded on-disk persistence of the record stream: one JSONL ring per node (docs/monitor.md, "Record stream").
 
 A record's ``path`` is its file: ``root`` → ``<dir>/root.log``,
 ``root/h1.lan/rank0`` → ``<dir>/root/h1.lan/rank0.log`` (``.log`` is appended,

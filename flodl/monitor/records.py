@@ -3,7 +3,7 @@
 Pure logic, no I/O. Every record is a plain JSON-ready dict with ``"v": 1``.
 A **node** record is one path in the tree ``root[/<host>]/rankN``: a leaf (a
 rank) carries raw values, an interior node (host, root) the same fields rolled
-up over its *direct* children (§12.3). Because every node also carries its
+up over its *direct* children (docs/monitor.md, "Record stream"). Because every node also carries its
 summed ``work``, a hierarchical work-weighted mean equals the flat one.
 An **event** record is an alert from the ``AlertLane``; a **meta** record
 carries the declared reductions and the run description. ``SubEpochReporter``
@@ -99,7 +99,7 @@ def rollup_res(children: Sequence[Mapping]) -> dict[str, float]:
 
 
 def rollup(children: Sequence[Mapping], reductions: Reductions) -> dict:
-    """The aggregate of one interior node over its direct children (§12.3).
+    """The aggregate of one interior node over its direct children (docs/monitor.md, "Record stream").
 
     ``children`` are node records (``metrics``, ``work``, optional ``res``).
     Returns ``{"work": Σ work, "metrics": {...}, "res"?: {...}}``, ``res`` only
@@ -134,7 +134,7 @@ def node_record(
     children: int | None = None,
     sev: str = "info",
 ) -> dict:
-    """A ``kind: node`` record (§12.1).
+    """A ``kind: node`` record (docs/monitor.md, "Record stream").
 
     A leaf passes ``alive`` as a bool and may pass ``device``; an interior node
     passes ``children`` (its direct-child count) and ``alive`` as the number of
@@ -430,7 +430,7 @@ class _Alert:
 
 
 class AlertLane:
-    """The bounded, collapsing alert feed (§12.6). Time is passed in, never read.
+    """The bounded, collapsing alert feed (docs/monitor.md, "Record stream": alerts). Time is passed in, never read.
 
     ``record`` returns the event records to append to the stream. The first
     occurrence of a ``(class, path)`` emits at once; repeats within
@@ -520,7 +520,7 @@ class AlertLane:
 
 
 class SubEpochReporter:
-    """Decides when a sub-epoch report is due (§12.4, ``reports_per_epoch = x``).
+    """Decides when a sub-epoch report is due (docs/monitor.md, "Sub-epoch reports"; ``reports_per_epoch = x``).
 
     ``epoch_work`` is the epoch's steps (total_samples // batch_size). Call
     ``on_sync`` at each reduce boundary with the work done so far this epoch:
