@@ -100,3 +100,16 @@ def test_both_save_and_resume(trained):
     assert [h["epoch"] for h in summary["history"]] == [EPOCHS] and summary["history"][0]["samples"] == 1500
     assert re.findall(r"^epoch (\d+):", out, re.M) == [str(EPOCHS + 1)]
     assert accuracy(out) > 0.9
+
+
+@pytest.mark.timeout(120)
+def test_the_task_version_trains(tmp_path):
+    """flodl_task.py: the cosine scheduler, accumulation 2 and precision fields build and train."""
+    summary_path = tmp_path / "task.json"
+    cmd = [PY, "-m", "flodl.controller", "--task", f"{MIGRATE / 'flodl_task.py'}:task", "--nproc-per-node", "2"]
+    cmd += ["--epochs", "3", "--lr-scale-ratio", "0", "--summary-json", str(summary_path)]
+    done = subprocess.run(cmd, env=process_env(), cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads(summary_path.read_text())
+    assert summary["exit_reason"] == "completed" and [h["samples"] for h in summary["history"]] == [1500] * 3
+    assert summary["final_eval"] > 0.8, summary["history"]
