@@ -1,7 +1,7 @@
 """Runtime overhead: one rank under flodl vs the same training in a plain PyTorch loop.
 
     python bench/overhead.py [--quick | --smoke] [--device cuda] [--steps-ms 1,5] [--pairs N]
-                             [--models resnet20,gpt_nano] [--compile reduce-overhead]
+                             [--models resnet20,gpt_nano] [--compile reduce-overhead] [--script]
 
 Same model, data, batch size, optimizer, shuffle and thread count; the plain
 loop is written as one would write it by hand: it indexes the same in-memory
@@ -38,6 +38,12 @@ ResNet-20 and GPT-nano. ``--compile MODE`` compiles both sides the same way
 each step for CUDA graphs); goal with ``reduce-overhead``: ≥ 95% at 1 ms. Cases
 are named by their eager step time.
 
+``--script`` runs flodl's side in script mode (issue 18): the same training as
+the user's own loop, ``bench/tasks/solo_script.py`` under ``python -m
+flodl.controller --script``, its rate from the run summary's training wall as
+for a ``Task``; the plain side is unchanged. Results in ``overhead_script.json``
+(``overhead_gpu_script.json`` with ``--device cuda``); eager only (no ``--compile``).
+
 ``--smoke`` runs one small pair without sizing (seconds) and writes its JSON
 under ``$FLODL_BENCH_RESULTS`` or a temporary folder, never ``bench/results``.
 """
@@ -47,10 +53,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,12 +74,16 @@ from flodl import Trainer  # noqa: E402
 from flodl.task import COMPILE_MODES  # noqa: E402
 
 TASK = f"{ROOT / 'bench' / 'tasks' / 'solo.py'}:task"
+#: ``--script``: the same training as ``TASK``, in the user's own loop (script mode).
+SCRIPT = ROOT / "bench" / "tasks" / "solo_script.py"
 #: The plain loop reads its loss back every this many steps (a log line's worth), as one would by hand.
 LOSS_EVERY = 50
 #: Each case's plain step is at least this long (the goal is stated at ≥ 4 ms steps).
 MIN_STEP_MS = 4.0
 
 DEVICE = "cpu"
+#: ``--script``: flodl's side runs ``SCRIPT`` in script mode instead of ``TASK``.
+SCRIPT_MODE = False
 
 
 def plain_loop(epochs: int, *, steady: bool = False, sync_every_step: bool = False) -> tuple[float, float]:
@@ -142,9 +154,23 @@ def plain_run(epochs: int, *, sync_every_step: bool = False) -> float:
 
 def flodl_run(epochs: int) -> float:
     """Samples/s of one flodl run over its training wall (the run summary's)."""
+    if SCRIPT_MODE:
+        return script_run(epochs)
     builder = Trainer.builder(TASK).epochs(epochs).progress(False)
     builder = builder.devices("cuda:0") if DEVICE == "cuda" else builder.nproc_per_node(1)
     summary = builder.run()
+    assert summary["exit_reason"] == "completed", summary["exit_reason"]
+    return summary["samples"] / summary["wall_s"]
+
+
+def script_run(epochs: int) -> float:
+    """Samples/s of one script-mode run (``SCRIPT`` through the controller's CLI) over its training wall."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "summary.json"
+        where = ["--devices", "cuda:0"] if DEVICE == "cuda" else ["--nproc-per-node", "1"]
+        cmd = [sys.executable, "-m", "flodl.controller", "--script", str(SCRIPT), *where, "--epochs", str(epochs)]
+        subprocess.run([*cmd, "--summary-json", str(path)], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        summary = json.loads(path.read_text())
     assert summary["exit_reason"] == "completed", summary["exit_reason"]
     return summary["samples"] / summary["wall_s"]
 
@@ -216,6 +242,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=COMPILE_MODES,
         default=None,
         help="torch.compile mode on both sides (Task.compile / model.compile); results in <name>_compiled[_mode].json",
+    )
+    parser.add_argument(
+        "--script", action="store_true", help="flodl's side in script mode (bench/tasks/solo_script.py); results in <name>_script.json"
     )
     parser.add_argument("--name", default=None, help="results file name (default: overhead, overhead_gpu, + the compile mode)")
     return parser.parse_args(argv)
@@ -311,9 +340,11 @@ def mlp_batch() -> int:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    global DEVICE
+    global DEVICE, SCRIPT_MODE
     args = parse_args(argv)
-    DEVICE = args.device
+    DEVICE, SCRIPT_MODE = args.device, args.script
+    if args.script and args.compile:
+        raise SystemExit("overhead.py: --script runs eager (the script does not compile); drop --compile")
     # one intra-op thread on both sides: on a small shared machine a second
     # thread makes every step hostage to whatever else runs, drowning the signal
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -334,6 +365,8 @@ def main(argv: list[str] | None = None) -> Path:
     name = args.name or ("overhead_gpu" if DEVICE == "cuda" else "overhead")
     if args.compile and not args.name:
         name += "_compiled" + ("" if args.compile == "default" else "_" + args.compile.replace("-", "_"))
+    if args.script and not args.name:
+        name += "_script"
     if DEVICE == "cuda":
         note += (
             f"; 1 CUDA rank vs a plain loop on the same GPU, the data on the device for both, ~{GPU_EPOCH_MS / 1000:g} s epochs x {epochs}"
@@ -341,6 +374,8 @@ def main(argv: list[str] | None = None) -> Path:
         note += f" (matrix models: {MODEL_SAMPLES} samples x {MODEL_EPOCHS} epochs)"
     else:
         note += f"; {samples} samples x {epochs} epoch(s); 1 CPU rank, 1 intra-op thread on both sides (OMP_NUM_THREADS=1)"
+    if args.script:
+        note += "; flodl's side in script mode (bench/tasks/solo_script.py: the user's own loop, flodl.init/prepare/batches/step)"
     if args.compile:
         note += f"; torch.compile(mode={args.compile!r}) on both sides"
     return report(name, rows, note=note, results=smoke_results() if args.smoke else None)

@@ -3,7 +3,7 @@
 Each bench's ``--smoke`` runs its whole path at toy sizes in seconds (the
 control plane: a controller, a simulated worker joining and training one window,
 round trips to it and to the bare pyzmq echoes; the overhead: one plain loop and
-one real flodl run; scale: the real controller driving 16 simulated ranks
+one real flodl run (and once more in script mode, ``--script``); scale: the real controller driving 16 simulated ranks
 through a death and a join, timed at its ``ControllerHooks``; hetero: a solo
 and one 2:1 cadence run through the CLI, about 20 s; cpu_avg: one 1 MB averaging
 round of 2 rank processes against gloo, on each lane, about 15 s; chaos: one
@@ -35,13 +35,13 @@ pytestmark = pytest.mark.timeout(60)  # each takes under 10 s here; the margin i
 FIELDS = {"case", "metric", "value", "unit", "goal", "met"}
 
 
-def run_smoke(script: str, name: str, tmp_path, proc_env, timeout_s: float = 50) -> dict:
+def run_smoke(script: str, name: str, tmp_path, proc_env, timeout_s: float = 50, extra: tuple[str, ...] = ()) -> dict:
     """``script`` is a file under bench/ or, for a package's bench, ``-m bench.<name>``."""
     committed = ROOT / "bench" / "results" / f"{name}.json"
     before = committed.read_bytes() if committed.exists() else None
     env = dict(proc_env, FLODL_BENCH_RESULTS=str(tmp_path))
     how = script.split() if script.startswith("-m ") else [str(ROOT / "bench" / script)]
-    res = subprocess.run([sys.executable, *how, "--smoke"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    res = subprocess.run([sys.executable, *how, "--smoke", *extra], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = json.loads((tmp_path / f"{name}.json").read_text())
     assert set(out) >= {"bench", "machine", "when", "rows"}
@@ -66,6 +66,12 @@ def test_control_plane_bench_runs(tmp_path, proc_env):
 
 def test_overhead_bench_runs(tmp_path, proc_env):
     out = run_smoke("overhead.py", "overhead", tmp_path, proc_env)
+    values = {r["metric"]: r["value"] for r in out["rows"]}
+    assert values["plain samples/s"] > 0 and values["flodl samples/s"] > 0
+
+
+def test_overhead_bench_runs_script_mode(tmp_path, proc_env):
+    out = run_smoke("overhead.py", "overhead_script", tmp_path, proc_env, extra=("--script",))
     values = {r["metric"]: r["value"] for r in out["rows"]}
     assert values["plain samples/s"] > 0 and values["flodl samples/s"] > 0
 
