@@ -39,6 +39,13 @@ def missing() -> str | None:
     absent = [b for b in BINARIES if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
     if absent:
         return f"Slurm/munge binaries missing: {', '.join(absent)} (apt-get install slurmctld slurmd slurm-client munge)"
+    if (os.cpu_count() or 1) < 2:
+        return "needs 2 CPUs (a job of two tasks on the one node)"
+    node = socket.gethostname().split(".")[0]
+    try:
+        socket.gethostbyname(node)  # the recipe finds the controller's address with getent hosts
+    except OSError:
+        return f"this host's name {node!r} does not resolve"
     return None
 
 
