@@ -55,6 +55,8 @@ def test_readme_names_the_system_packages_ci_installs():
     script = (ROOT / "launch" / "system-packages.sh").read_text()
     packages = re.findall(r"missing\+=\((\S+)\)", script)
     assert packages == ["chromium", "openssh-server", "iproute2"]
+    packages += [*re.search(r"for bin in ([a-z ]+); do", script).group(1).split(), *re.findall(r"lean\+=\(([a-z-]+)\)", script)]
+    assert packages[3:] == ["slurmctld", "slurmd", "munge", "slurm-client"]
     readme = (ROOT / "README.md").read_text()
     head = readme[: readme.index("## What you get")]
     assert all(f"`{name}`" in head for name in packages) and "bash launch/system-packages.sh" in head
