@@ -95,7 +95,7 @@ class TrainerBuilder:
             RunAborted: the run failed; ``.summary`` holds what was done.
         """
         launch, config = self.build()
-        return run_controller(Controller(launch, config, console=Console(live=launch.progress)))
+        return run_controller(Controller(launch, config, console=Console.for_progress(launch.progress)))
 
 
 class Trainer:

@@ -31,6 +31,7 @@ from .launch import LaunchOptions
 from .phase import Phase, RunState
 from .plane import ControlPlane
 from .resume import Resume
+from .startup import Startup
 from .training import Training
 
 #: Open files the controller keeps for itself (sockets' mailboxes, the store, logs, the dashboard).
@@ -51,6 +52,7 @@ class Admission:
         training: Training,
         resume: Resume,
         console: Console,
+        startup: Startup,
         monitor: Monitor,
         hooks: ControllerHooks,
         clock: Callable[[], float],
@@ -65,6 +67,7 @@ class Admission:
         self.training = training
         self.resume = resume
         self.console = console
+        self.startup = startup
         self.monitor = monitor
         self.hooks = hooks
         self.clock = clock
@@ -213,6 +216,8 @@ class Admission:
         self.members.add_worker(worker, self.clock())
         if self.run.admitting:
             self._grow(worker)
+        else:
+            self.startup.worker_up(len(self.members.workers), self.expected_workers)
         self.run.changed()
 
     def worker_problem(self, sender: str, msg: m.WorkerHello) -> str | None:
@@ -274,6 +279,8 @@ class Admission:
             self.task_info = msg
         if msg.rank in self.joiners:
             self.plane.send_rank(msg.rank, self._rank_welcome(msg.rank, late=True))
+        elif not self.welcomed:
+            self.startup.rank_built(len(self.hellos), self.initial_world)
         self.run.changed()
 
     def on_rank_ready(self, identity: bytes, env: Envelope, msg: m.RankReady) -> None:
