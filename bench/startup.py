@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -66,7 +67,7 @@ def torchrun_run(epochs: int) -> tuple[float, float]:
     whole = time.time() - t0
     if res.returncode != 0:
         raise RuntimeError(f"torchrun exited {res.returncode}:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
-    firsts = [float(line.split()[1]) for line in res.stdout.splitlines() if line.startswith("FIRST_BATCH ")]
+    firsts = [float(t) for t in re.findall(r"FIRST_BATCH (\d+\.\d{6})", res.stdout)]
     if not firsts:
         raise RuntimeError(f"torchrun printed no FIRST_BATCH:\n{res.stdout[-2000:]}")
     return min(firsts) - t0, whole

@@ -286,8 +286,9 @@ class Controller:
         self.plane.open(self._on_message)
         log.info("deadlines: %s", self.deadlines.describe())
         self.hooks.opened(self.plane.live_endpoint)
-        # everything alive now (torch's import, above all) lives as long as the run: keep it out of
-        # the collector's full passes, which otherwise stall the event loop 60-170 ms (1,000-rank bench)
+        # everything alive now (and torch's import, once the store opened: plane.py) lives as long as the
+        # run: keep it out of the collector's full passes, which otherwise stall the event loop 60-170 ms
+        # (1,000-rank bench)
         gc.freeze()
 
     def summary(self, exit_reason: str, exit_code: int) -> dict:
@@ -330,6 +331,7 @@ class Controller:
             self.startup.ranks_built(built, len(first), params=admission.task_info.param_count, samples=admission.task_info.dataset_len)
         # before the group forms: a world the data cannot feed is refused at once
         warning = self._check_shares(built)
+        await self.plane.store_open()  # opened on a thread meanwhile (plane.py): the welcome names its port
         admission.welcome_ranks()
         if any(lost(r) for r in first):
             reason = f"rank(s) {', '.join(str(r) for r in first if lost(r))} died while starting"
