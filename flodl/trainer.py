@@ -102,7 +102,7 @@ class TrainerBuilder:
         launch, config = self.build()
         secret, run_id = read_run_credentials()  # as the CLI: a launcher's or the user's, else made here
         check_external_credentials(launch, secret, run_id)
-        return run_controller(Controller(launch, config, secret=secret, run_id=run_id, console=Console(live=launch.progress)))
+        return run_controller(Controller(launch, config, secret=secret, run_id=run_id, console=Console.for_progress(launch.progress)))
 
 
 class Trainer:

@@ -6,7 +6,8 @@ round trips to it and to the bare pyzmq echoes; the overhead: one plain loop and
 one real flodl run (and once more in script mode, ``--script``); scale: the real controller driving 16 simulated ranks
 through a death and a join, timed at its ``ControllerHooks``; hetero: a solo
 and one 2:1 cadence run through the CLI, about 20 s; cpu_avg: one 1 MB averaging
-round of 2 rank processes against gloo, on each lane, about 15 s; chaos: one
+round of 2 rank processes against gloo, on each lane, about 15 s; startup: one
+one-epoch run of the README job under flodl and one under torchrun, about 30 s; chaos: one
 kill fault in a 2-epoch run, about 10 s; faults: one kill -9 of a rank, about
 10 s; bn_recal: one round of 4+1 batches of a ResNet-20 on 256 images, about
 8 s; data: the RAM cache on 256 samples, about 8 s; network: nccl-cadence at
@@ -97,6 +98,17 @@ def test_hetero_bench_runs(tmp_path, proc_env):
     out = run_smoke("hetero.py", "hetero", tmp_path, proc_env, timeout_s=110)
     values = {(r["case"], r["metric"]): r["value"] for r in out["rows"]}
     assert values[("solo", "train samples/s (median)")] > 0 and values[("2:1 nccl-cadence", "train samples/s (median)")] > 0
+
+
+@pytest.mark.timeout(180)  # two real one-epoch runs of the README job: flodl's, then torchrun's, every rank importing torch
+def test_startup_bench_runs(tmp_path, proc_env):
+    out = run_smoke("startup.py", "startup", tmp_path, proc_env, timeout_s=170)
+    rows = {r["metric"]: r for r in out["rows"]}
+    first, torchrun = rows["flodl: first batch"]["value"], rows["torchrun: first batch"]["value"]
+    assert 0 < first < rows["flodl: whole command"]["value"] and 0 < torchrun < rows["torchrun: whole command"]["value"]
+    ratio = rows["first batch flodl/torchrun"]
+    assert ratio["goal"] == "≤ 1.2× torchrun" and ratio["met"] == (ratio["value"] <= 1.2)
+    assert "load average" in out["note"] and "first_batch" in out["note"]
 
 
 @pytest.mark.timeout(120)  # two rank processes per lane, each importing torch

@@ -125,9 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flodl: bad option {exc}", file=sys.stderr)
         return EXIT_CONFIG
     from .core import Controller  # the runtime, once the options are known good
+    from .startup import process_started_unix
 
     try:
-        run_controller(Controller(launch, config, secret=secret, run_id=run_id))
+        run_controller(Controller(launch, config, secret=secret, run_id=run_id, started_unix=process_started_unix()))
     except RunAborted as exc:
         return exc.exit_code
     except Exception:

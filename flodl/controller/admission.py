@@ -31,6 +31,7 @@ from .launch import LaunchOptions
 from .phase import Phase, RunState
 from .plane import ControlPlane
 from .resume import Resume
+from .startup import Startup
 from .training import Training
 
 #: Open files the controller keeps for itself (sockets' mailboxes, the store, logs, the dashboard).
@@ -51,6 +52,7 @@ class Admission:
         training: Training,
         resume: Resume,
         console: Console,
+        startup: Startup,
         monitor: Monitor,
         hooks: ControllerHooks,
         clock: Callable[[], float],
@@ -65,6 +67,7 @@ class Admission:
         self.training = training
         self.resume = resume
         self.console = console
+        self.startup = startup
         self.monitor = monitor
         self.hooks = hooks
         self.clock = clock
@@ -77,6 +80,7 @@ class Admission:
         self.welcomed = False  # the first ranks were welcomed: a death from now on regroups them
         # growing: ranks of workers that arrived while training, until admitted at a window boundary
         self.joiners: dict[int, float] = {}  # rank -> deadline to be ready
+        self._held: list[int] = []  # joiners that said hello before the store opened (plane.py): welcomed with the first ranks
         self.joins: list[dict] = []  # every admission: when, generation, ranks, host
         self._next_rank = 0  # rank numbers are never reused, so a late report can't be misread
         self._fd_warned = False
@@ -176,6 +180,10 @@ class Admission:
             if self.plane.averaging is not None:
                 self.plane.averaging.admit(self.members.ranks[rank].sender.encode(), rank)
         self.welcomed = True
+        for rank in self._held:
+            if rank in self.joiners:
+                self.plane.send_rank(rank, self._rank_welcome(rank, late=True))
+        self._held.clear()
 
     def _rank_welcome(self, rank: int, *, late: bool) -> m.RankWelcome:
         """A late rank gets the world the run started with (so its LR factor matches
@@ -213,6 +221,8 @@ class Admission:
         self.members.add_worker(worker, self.clock())
         if self.run.admitting:
             self._grow(worker)
+        else:
+            self.startup.worker_up(len(self.members.workers), self.expected_workers)
         self.run.changed()
 
     def worker_problem(self, sender: str, msg: m.WorkerHello) -> str | None:
@@ -272,8 +282,12 @@ class Admission:
         self.hellos[msg.rank] = msg
         if self.task_info is None:
             self.task_info = msg
-        if msg.rank in self.joiners:
+        if msg.rank in self.joiners and self.plane.store is None:
+            self._held.append(msg.rank)  # its welcome names the store: it goes out with the first ranks'
+        elif msg.rank in self.joiners:
             self.plane.send_rank(msg.rank, self._rank_welcome(msg.rank, late=True))
+        elif not self.welcomed:
+            self.startup.rank_built(len(self.hellos), self.initial_world)
         self.run.changed()
 
     def on_rank_ready(self, identity: bytes, env: Envelope, msg: m.RankReady) -> None:

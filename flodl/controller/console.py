@@ -2,8 +2,11 @@
 
 On a terminal the progress line rewrites itself in place a few times a
 second; anywhere else (a log file, CI) it degrades to a plain line every few
-seconds, so logs stay readable. Epoch lines and the final line always print.
-Time is injected so tests need not sleep.
+seconds, so logs stay readable. Start-up lines (startup.py) say what the run
+does before its first batch: one line per phase, counts within a phase
+rewritten in place on a terminal only. ``quiet`` (``--no-progress``) drops
+both; epoch lines and the final line always print. Time is injected so tests
+need not sleep.
 """
 
 from __future__ import annotations
@@ -35,9 +38,12 @@ def _fmt_rate(samples_per_s: float) -> str:
 class Console:
     """Human-readable run output on one stream."""
 
-    def __init__(self, out: TextIO | None = None, *, live: bool | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, out: TextIO | None = None, *, live: bool | None = None, quiet: bool = False, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.out = out or sys.stdout
         self.live = self.out.isatty() if live is None else live
+        self.quiet = quiet  # no progress line, no start-up lines
         self.clock = clock
         self.interval_s = 0.25 if self.live else 5.0
         self._last = 0.0
@@ -53,6 +59,24 @@ class Console:
     def line(self, text: str) -> None:
         self._write(text)
 
+    @classmethod
+    def for_progress(cls, progress: bool | None) -> Console:
+        """The console of the ``progress`` option: None follows the terminal, True forces the
+        live line, False (``--no-progress``) prints neither progress nor start-up lines."""
+        return cls(live=progress, quiet=progress is False)
+
+    def startup(self, text: str, *, done: bool) -> None:
+        """A start-up line: ``done`` ends a phase (always a line); a count within one is shown
+        on a terminal only, rewritten in place."""
+        if self.quiet:
+            return
+        if done:
+            self._write(text)
+        elif self.live:
+            self.out.write("\r\033[K" + text)
+            self.out.flush()
+            self._dirty = True
+
     def header(self, *, run_id: str, mode: str, task: str, ranks: list[str], dataset_len: int, batch_size: int, epochs: int) -> None:
         self._write(f"flodl run {run_id} | mode {mode} | task {task}")
         self._write(f"  {len(ranks)} rank(s): {', '.join(ranks)}")
@@ -61,14 +85,14 @@ class Console:
 
     def due(self) -> bool:
         """Whether a progress line would print now (callers skip building one otherwise)."""
-        return self.clock() - self._last >= self.interval_s
+        return not self.quiet and self.clock() - self._last >= self.interval_s
 
     def progress(
         self, *, epoch: int, epochs: int, done: int, total: int, rate: float, loss: float | None, ranks: dict[int, float] | None = None
     ) -> None:
         """Show progress within an epoch (throttled); ``ranks`` adds each rank's samples/s."""
         now = self.clock()
-        if now - self._last < self.interval_s:
+        if self.quiet or now - self._last < self.interval_s:
             return
         self._last = now
         pct = 100.0 * done / total if total else 0.0
@@ -89,7 +113,8 @@ class Console:
         self._write(f"epoch {stats.epoch + 1}/{epochs}  {loss}{ev}  {_fmt_rate(stats.samples_per_s)}  {stats.wall_ms / 1000:.1f} s")
 
     def done(self, summary: dict) -> None:
-        parts = [f"done in {summary['wall_s']:.1f} s"]
+        startup = f" (start-up {summary['startup_s']:.1f} s)" if summary.get("startup_s") is not None else ""
+        parts = [f"done in {summary['wall_s']:.1f} s{startup}"]
         if summary.get("final_eval") is not None:
             parts.append(f"final {summary['eval_metric_name']} {summary['final_eval']:.4f}")
         if summary.get("final_loss") is not None:

@@ -66,6 +66,7 @@ from .phase import Phase, RunState
 from .plane import ControlPlane
 from .resume import Resume
 from .saving import Saving
+from .startup import Startup
 from .summary import summarize
 from .teardown import Teardown
 from .training import Training
@@ -97,6 +98,7 @@ class Controller:
         console: Console | None = None,
         clock: Callable[[], float] = time.monotonic,
         hooks: ControllerHooks | None = None,
+        started_unix: float | None = None,
     ) -> None:
         self.launch = launch
         self.config = config
@@ -104,7 +106,7 @@ class Controller:
         self.secret_source = "FLODL_RUN_SECRET" if secret else "made here"
         self.secret = secret or new_run_secret()
         self.run_id = run_id or new_run_id()
-        self.console = console or Console(live=launch.progress)
+        self.console = console or Console.for_progress(launch.progress)
         self.clock = clock
         self.hooks = hooks or ControllerHooks()
         self._observed = hooks is not None  # the per-message hook costs a call on the hot path: only when asked for
@@ -117,6 +119,8 @@ class Controller:
             step_s=launch.step_timeout_secs,
         )
         say = self.console.line
+        # start-up counts from ``started_unix`` (the CLI: the process start), else from now
+        self.startup = startup = Startup(self.console, started_unix=started_unix)
         self.members = Membership(deadlines.heartbeat_s)
         self.checkpoints = Checkpointer(config, say=say)
         self.monitor = Monitor(
@@ -128,7 +132,7 @@ class Controller:
             launch, config, members, secret=self.secret, run_id=self.run_id, clock=clock, say=say, deadlines=deadlines
         )
         self.training = training = Training(
-            launch, config, members=members, run=run, plane=plane, console=console, monitor=monitor, clock=clock
+            launch, config, members=members, run=run, plane=plane, console=console, startup=startup, monitor=monitor, clock=clock
         )
         self.resume = resume = Resume(launch, config, members=members, checkpoints=checkpoints, console=console)
         self.admission = admission = Admission(
@@ -140,6 +144,7 @@ class Controller:
             training=training,
             resume=resume,
             console=console,
+            startup=startup,
             monitor=monitor,
             hooks=self.hooks,
             clock=clock,
@@ -303,8 +308,9 @@ class Controller:
         self.plane.open(self._on_message)
         log.info("deadlines: %s", self.deadlines.describe())
         self.hooks.opened(self.plane.live_endpoint)
-        # everything alive now (torch's import, above all) lives as long as the run: keep it out of
-        # the collector's full passes, which otherwise stall the event loop 60-170 ms (1,000-rank bench)
+        # everything alive now (and torch's import, once the store opened: plane.py) lives as long as the
+        # run: keep it out of the collector's full passes, which otherwise stall the event loop 60-170 ms
+        # (1,000-rank bench)
         gc.freeze()
 
     def summary(self, exit_reason: str, exit_code: int) -> dict:
@@ -322,6 +328,7 @@ class Controller:
             liveness=self.liveness,
             checkpoints=self.checkpoints,
             teardown=self.teardown,
+            startup=self.startup,
             now=self.clock(),
         )
 
@@ -334,14 +341,19 @@ class Controller:
             lambda: len(self.members.workers) >= admission.expected_workers, self.launch.join_timeout_secs, "workers to connect"
         )
         admission.welcome_workers()
+        self.startup.workers_up([w.host for w in self.members.workers.values()], admission.initial_world)
         run.to(Phase.JOINING)
         first = [r for r in range(admission.initial_world)]  # a worker arriving meanwhile waits to be admitted
         lost = lambda r: r in self.members.ranks and self.members.ranks[r].state is PeerState.DEAD  # noqa: E731  (died starting: the run goes on)
         await run.until(
             lambda: all(r in admission.hellos or lost(r) for r in first), self.launch.join_timeout_secs, "ranks to start and say hello"
         )
+        built = sum(1 for r in first if not lost(r))
+        if admission.task_info is not None:
+            self.startup.ranks_built(built, len(first), params=admission.task_info.param_count, samples=admission.task_info.dataset_len)
         # before the group forms: a world the data cannot feed is refused at once
-        warning = self._check_shares(sum(1 for r in first if not lost(r)))
+        warning = self._check_shares(built)
+        await self.plane.store_open()  # opened on a thread meanwhile (plane.py): the welcome names its port
         admission.welcome_ranks()
         if any(lost(r) for r in first):
             reason = f"rank(s) {', '.join(str(r) for r in first if lost(r))} died while starting"
@@ -352,6 +364,7 @@ class Controller:
             self.launch.join_timeout_secs,
             "ranks to join the collective",
         )
+        self.startup.group_formed(built, collective=self.plane.averaging is None)
         run.to(Phase.TRAINING)
         info = admission.task_info
         # every first rank said hello or died, and with none left the deaths have failed the run

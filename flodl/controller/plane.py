@@ -2,11 +2,23 @@
 
 ``ControlPlane`` opens and closes them and is the one way out for a message:
 to one peer, to a few ranks or to many peers, a frame signed once for all.
+
+The TCPStore is torch's, and importing torch costs the controller seconds
+on a small machine. Ranks need the store only once they are welcomed,
+after seconds of importing torch themselves, so on the collective backends
+``open`` binds the ROUTER at once and opens the store on a thread while the
+worker and its ranks start; the conductor awaits ``store_open`` before the
+first ``RankWelcome``. The CPU backend's averaging plane is part of every
+``WorkerWelcome`` and of the run's tasks, so there both open at once.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import gc
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +67,7 @@ class ControlPlane:
         self.endpoint: ControlEndpoint | None = None
         self.port: int | None = None
         self.store: Any = None  # torch.distributed.TCPStore, once open
+        self._opening: concurrent.futures.Future | None = None  # the store, opening on a thread
         self.averaging: CpuAveraging | None = None  # the CPU backend's bulk plane, when used
         self.fd_limit = 0  # the soft limit on open files once open lifted it (0: unknown)
 
@@ -69,8 +82,8 @@ class ControlPlane:
         return self.endpoint
 
     def open(self, on_message: OnMessage) -> None:
-        import torch.distributed as dist
-
+        """Bind the ROUTER; start opening the store (on a thread: ``store_open``), or, on the CPU
+        backend, open it and the averaging plane now."""
         ctx: zmq.Context[Any] = zmq.Context.instance()
         if curve.requested():
             curve.enable(self.secret)
@@ -93,23 +106,44 @@ class ControlPlane:
             sock, secret=self.secret, run_id=self.run_id, sender="controller", on_message=on_message, answer_pings=True
         )
         self.endpoint.start()
-        # the ranks' rendezvous; survives membership generations (each gets a key prefix)
-        self.store = dist.TCPStore(self.launch.bind, 0, is_master=True, wait_for_workers=False)
-        if self.config.elche.mode.backend is AverageBackend.CPU:
-            from ..averaging.server import CpuAveraging  # torch, shm, bulk: only the CPU backend needs them
+        if self.config.elche.mode.backend is not AverageBackend.CPU:
+            self._opening = concurrent.futures.Future()
+            threading.Thread(target=self._open_store, name="flodl-store", daemon=True).start()
+            log.info("controller listening on tcp://%s:%d (the store opens meanwhile)", self.launch.bind, self.port)
+            return
+        self.store = _tcp_store(self.launch.bind)
+        from ..averaging.server import CpuAveraging  # the averaging plane: torch, shm, bulk; only the CPU backend needs them
 
-            assert self.deadlines.snapshot_s is not None  # the controller's deadlines come from_config: it is set
+        assert self.deadlines.snapshot_s is not None  # the controller's deadlines come from_config: it is set
 
-            self.averaging = CpuAveraging(
-                secret=self.secret,
-                run_id=self.run_id,
-                bind=self.launch.bind,
-                timeout_s=self.deadlines.snapshot_s,
-                clock=self.clock,
-            )
-            self.averaging.live = lambda: {r.rank for r in self.members.live_ranks()}
-            self.averaging.start()
+        self.averaging = CpuAveraging(
+            secret=self.secret,
+            run_id=self.run_id,
+            bind=self.launch.bind,
+            timeout_s=self.deadlines.snapshot_s,
+            clock=self.clock,
+        )
+        self.averaging.live = lambda: {r.rank for r in self.members.live_ranks()}
+        self.averaging.start()
         log.info("controller listening on tcp://%s:%d (store port %d)", self.launch.bind, self.port, self.store.port)
+
+    def _open_store(self) -> None:
+        """The store thread: import torch, open the store, hand it over (or what went wrong).
+        A daemon: a run that ends meanwhile does not wait for torch's import."""
+        assert self._opening is not None
+        try:
+            self._opening.set_result(_tcp_store(self.launch.bind))
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting conductor, raised there
+            self._opening.set_exception(exc)
+
+    async def store_open(self) -> None:
+        """Wait (if need be) for the store opening on its thread."""
+        if self.store is not None or self._opening is None:
+            return
+        self.store = await asyncio.wrap_future(self._opening)
+        # torch's objects live as long as the run: out of the collector's full passes, as the rest (core.py)
+        gc.freeze()
+        log.info("store open on port %d", self.store.port)
 
     def close(self) -> None:
         if self.endpoint is not None:
@@ -140,6 +174,13 @@ class ControlPlane:
     def broadcast_ranks(self, msg: Any) -> None:
         """To every live rank."""
         self.send_all(msg, [info.identity for info in self.members.live_ranks()])
+
+
+def _tcp_store(bind: str) -> Any:
+    """The ranks' rendezvous; it survives membership generations (each gets a key prefix)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(bind, 0, is_master=True, wait_for_workers=False)
 
 
 def _lift_fd_limit() -> int:

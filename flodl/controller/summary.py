@@ -12,6 +12,7 @@ from .checkpoints import Checkpointer
 from .liveness import Liveness
 from .phase import RunState
 from .plane import ControlPlane
+from .startup import Startup
 from .teardown import Teardown
 from .training import Training
 
@@ -30,6 +31,7 @@ def summarize(
     liveness: Liveness,
     checkpoints: Checkpointer,
     teardown: Teardown,
+    startup: Startup,
     now: float,
 ) -> dict:
     """One dict that says what the run did (``now``: the end, if the run has not marked one)."""
@@ -67,6 +69,9 @@ def summarize(
         "epochs": training.total_epochs,
         "epochs_completed": len(history),
         "wall_s": wall,
+        # from the process start (the CLI) or the controller's construction to the first batch trained
+        "startup_s": startup.startup_s,
+        "startup": startup.summary(),
         "samples_per_s": samples / wall if wall > 0 else 0.0,
         # evals pause training on every rank; without them, what training alone sustained
         "eval_s": eval_s,

@@ -23,6 +23,7 @@ from .console import Console
 from .launch import LaunchOptions
 from .phase import RunState
 from .plane import ControlPlane
+from .startup import Startup
 
 
 class Training:
@@ -37,10 +38,13 @@ class Training:
         run: RunState,
         plane: ControlPlane,
         console: Console,
+        startup: Startup,
         monitor: Monitor,
         clock: Callable[[], float],
     ) -> None:
         self.launch = launch
+        self.startup = startup
+        self.trained = False  # a batch was reported: start-up is over
         self.config = config
         self.members = members
         self.run = run
@@ -263,6 +267,9 @@ class Training:
     # ============================================================ handlers
 
     def on_batch_done(self, identity: bytes, env: Envelope, msg: m.TimingMsg) -> None:
+        if not self.trained:
+            self.trained = True
+            self.startup.first_batch()
         if msg.rank in self.window_batches:
             self.window_batches[msg.rank] += 1
             if self._timing_window:
