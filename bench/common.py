@@ -86,6 +86,14 @@ def report(bench: str, rows: list[Row], *, note: str = "", results: Path | None 
         print(f"{r.case:<{width}}{r.metric:<22}{r.value:>14,.2f}  {r.unit:<10}{(r.goal or '-'):<26}{met}")
     if note:
         print(note)
+    path = write_results(bench, rows, note=note, results=results)
+    print(f"wrote {path}")
+    return path
+
+
+def write_results(bench: str, rows: list[Row], *, note: str = "", results: Path | None = None) -> Path:
+    """Write the JSON alone (no table): a long bench calls it after each case, so a run cut short
+    (a time limit, a lost machine) keeps the cases it finished, its note saying how far it got."""
     folder = RESULTS if results is None else results
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{bench}.json"
@@ -93,5 +101,4 @@ def report(bench: str, rows: list[Row], *, note: str = "", results: Path | None 
     if note:
         payload["note"] = note
     path.write_text(json.dumps(payload, indent=1) + "\n")
-    print(f"wrote {path}")
     return path

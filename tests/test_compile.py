@@ -87,3 +87,25 @@ def test_a_compiled_model_trains_across_averages_with_exact_coverage(proc_env, t
     saved = [p for p in tmp_path.iterdir() if p.name.startswith("run")]
     assert saved, os.listdir(tmp_path)
     load_model(make_model(), str(saved[0]))
+
+
+@pytest.mark.timeout(180)
+def test_bf16_autocast_under_a_compiled_model_trains_across_averages(proc_env, tmp_path):
+    """``precision="bf16-mixed"`` with the model compiled: autocast wraps the compiled forward and
+    the averages that write the parameters in place leave the compiled code valid. On the device
+    machine the GPU rank runs inductor with CUDA graphs; here both ranks run aot_eager on the CPU,
+    where bf16 autocast works too."""
+    env = {**proc_env, "FLODL_TEST_PRECISION": "bf16-mixed", "FLODL_TEST_TRACES": str(tmp_path)}
+    devices = ["--nproc-per-node", "2"]
+    if CUDA:
+        env["FLODL_TEST_COMPILE"] = json.dumps("reduce-overhead")
+        devices = ["--devices", "cuda:0,cpu"]
+    path = tmp_path / "s.json"
+    args = ["--task", task_spec("compiled.py"), *devices, "--epochs", "3", "--mode", "cpu-async"]
+    run = Run([*args, "--summary-json", str(path)], env)
+    assert run.wait(170) == 0, run.output
+    summary = json.loads(path.read_text())
+    assert [h["samples"] for h in summary["history"]] == [1024] * 3
+    assert summary["syncs"] >= 2 and summary["final_eval"] > 0.85, summary["final_eval"]
+    counts = [int(p.read_text()) for p in tmp_path.iterdir() if p.suffix == ".txt"]
+    assert counts and max(counts) == 0, counts

@@ -3,6 +3,7 @@
 FLODL_TEST_COMPILE  JSON of Task.compile on a GPU rank (default, and always on a CPU rank:
                     {"backend": "aot_eager"}: dynamo and autograd tracing without a C++ or
                     Triton build, seconds on a CPU)
+FLODL_TEST_PRECISION  Task.precision (default "32"), e.g. bf16-mixed: autocast under the compiled forward
 FLODL_TEST_TRACES   a folder: each eval writes how often the model's forward ran eagerly in this
                     process (compiled: never, dynamo's trace folds the count away; eager: every step)
 """
@@ -67,4 +68,5 @@ def task():
         eval_fn=evaluate,
         eval_metric="accuracy",
         compile=json.loads(os.environ.get("FLODL_TEST_COMPILE", AOT_EAGER) if _on_gpu() else AOT_EAGER),
+        precision=os.environ.get("FLODL_TEST_PRECISION", "32"),
     )
