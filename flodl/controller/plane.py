@@ -94,7 +94,7 @@ class ControlPlane:
                     "torch's store and any nccl/gloo collectives are not"
                 )
             else:
-                # every frame is signed (HMAC with the run secret), but nothing is encrypted
+                # every frame is signed (a keyed BLAKE2b tag with the run secret), but nothing is encrypted
                 self.say(
                     f"note: serving on {self.launch.bind} beyond loopback: frames are authenticated, not encrypted; "
                     "keep the network trusted, tunnel it, or run with --encrypt"

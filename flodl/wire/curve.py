@@ -1,12 +1,12 @@
 """Optional ZeroMQ CURVE encryption of the control and bulk planes.
 
-Frames are always authenticated (HMAC with the run secret); on a network
+Frames are always authenticated (a keyed BLAKE2b tag with the run secret); on a network
 that is not trusted, ``--encrypt`` (``FLODL_ENCRYPT=1`` in the environment of
 every process of the run) also encrypts them. There is no key to hand out:
 the controller's CURVE key pair is derived from the run secret, so exactly the
 processes holding the secret know the server's public key and can complete
 the handshake; each client uses a fresh key pair per socket. A peer without
-the secret cannot even connect, let alone send a frame the HMAC would then
+the secret cannot even connect, let alone send a frame the tag check would then
 refuse.
 
 What CURVE does not cover: torch's TCPStore rendezvous and the NCCL/gloo
