@@ -17,7 +17,7 @@ from flodl.plan.schedule import Schedule
 from flodl.rank.shard_source import ShardSource
 from flodl.task import Task
 
-from .conftest import TASKS, task_spec
+from .conftest import ROOT, TASKS, task_spec
 from .helpers.procs import Run
 from .tasks.shards import write_shards
 
@@ -204,3 +204,18 @@ def test_bad_shards_fail_fast_with_exit_2(proc_env, tmp_path, shards, bad, scrip
     run, _ = _run(tmp_path, {**proc_env, "FLODL_TEST_BAD": bad}, mode="cpu-cadence" if script else "nccl-cadence", script=script)
     assert run.wait(45) == EXIT_CONFIG, run.output
     assert says in run.output
+
+
+@pytest.mark.timeout(120)
+def test_the_shipped_example_runs_as_documented(proc_env, tmp_path):
+    path = tmp_path / "s.json"
+    env = {**proc_env, "FLODL_EXAMPLE_SHARDS": str(tmp_path / "data")}
+    run = Run(["--task", "examples/shards.py:task", "--nproc-per-node", "2", "--epochs", "2", "--summary-json", str(path)], env)
+    assert run.wait(90) == 0, run.output
+    summary = json.loads(path.read_text())
+    assert len(list((tmp_path / "data").glob("train-*.pt"))) == 16 and not list((tmp_path / "data").glob(".*"))
+    assert summary["coverage"]["guarantee"] == "exactly-once" and summary["coverage"]["positions_per_epoch"] == 16
+    per_epoch = sum(len(torch.load(p)["y"]) for p in (tmp_path / "data").glob("train-*.pt"))
+    assert [h["samples"] for h in summary["history"]] == [per_epoch] * 2
+    assert summary["final_eval"] > 0.8
+    assert (ROOT / "examples" / "shards.py").read_text().count("flodl.controller --task examples/shards.py:task") == 1
