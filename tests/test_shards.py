@@ -206,6 +206,13 @@ def test_bad_shards_fail_fast_with_exit_2(proc_env, tmp_path, shards, bad, scrip
     assert says in run.output
 
 
+@pytest.mark.timeout(60)
+def test_a_transform_with_shards_is_refused_naming_it(proc_env, tmp_path, shards):
+    run, _ = _run(tmp_path, proc_env, "--transform", f"{TASKS / 'tiny.py'}:jitter")
+    assert run.wait(45) == EXIT_CONFIG, run.output
+    assert "transform: not available with a flodl.Shards dataset" in run.output
+
+
 @pytest.mark.timeout(120)
 def test_the_shipped_example_runs_as_documented(proc_env, tmp_path):
     path = tmp_path / "s.json"

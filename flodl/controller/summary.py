@@ -20,18 +20,18 @@ from .training import Training
 
 
 def _coverage(info: m.RankHello | None, cadence: CadenceLoop | None) -> dict | None:
-    """What the ledger guarantees: each position (a sample, or a shard of a ``Shards`` dataset)
-    of every completed epoch trained once. A shard is trained whole or given back whole; one
+    """The ledger's grain (a sample, or a shard of a ``Shards`` dataset) and, for shards, what it
+    settled: each shard of a completed epoch trained whole, once, or given back whole. One
     exception is counted, not hidden: a rank that died after its window's last average but
-    before its report had its shards averaged in, and they are trained again (``maybe_repeated``)."""
+    before its report had its shards averaged in, and they are trained again (``maybe_repeated``;
+    docs/data.md says what neither grain can see)."""
     if info is None or cadence is None:
         return None
-    return {
-        "grain": info.grain,
-        "positions_per_epoch": cadence.schedule.epoch_len(0),
-        "guarantee": "exactly-once" if cadence.maybe_repeated == 0 else "at-least-once",
-        "maybe_repeated": cadence.maybe_repeated,
-    }
+    out: dict = {"grain": info.grain, "positions_per_epoch": cadence.schedule.epoch_len(0)}
+    if info.grain == "shard":
+        out["guarantee"] = "exactly-once" if cadence.maybe_repeated == 0 else "at-least-once"
+        out["maybe_repeated"] = cadence.maybe_repeated
+    return out
 
 
 def summarize(
