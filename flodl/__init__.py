@@ -23,7 +23,7 @@ from .errors import ConfigError, FlodlError, RunAborted, TaskError
 
 #: Names imported on first use: they bring torch, which the worker and the
 #: controller's CLI do not need to start (about a second per process).
-_LAZY = {"Task": ".task", "Trainer": ".trainer", "record_scalar": ".scalars", "init": ".script"}
+_LAZY = {"Shards": ".shards", "Task": ".task", "Trainer": ".trainer", "record_scalar": ".scalars", "init": ".script"}
 
 
 def __getattr__(name: str):
@@ -48,6 +48,7 @@ __all__ = [
     "MaxFailureThreshold",
     "Reduction",
     "RunAborted",
+    "Shards",
     "Task",
     "TaskError",
     "Trainer",

@@ -41,6 +41,7 @@ from .errors import EXIT_CONFIG, EXIT_TASK_ERROR
 from .rank.bridge import BATCH, END, EPOCH_END, Bridge, Item
 from .rank.link import SAVE_GRACE_S
 from .rank.script_rank import Prepared, ScriptRank
+from .shards import Shards
 
 _USAGE = "start it with python -m flodl.controller --script SCRIPT.py [options] [-- script args]"
 _run: Run | None = None
@@ -128,7 +129,9 @@ class Run:
         The model moves to ``run.device`` and takes rank 0's weights; its
         parameters keep their identity (the optimizer stays valid). Every rank
         must give the same dataset (same samples, same order): flodl grants
-        each rank its indices, ``batch_size`` at a time.
+        each rank its indices, ``batch_size`` at a time; a ``flodl.Shards``
+        is granted shard by shard, each streamed into batches of ``batch_size``
+        that end where the shard ends (docs/data.md).
 
         Raises:
             TypeError, ValueError: naming the bad argument.
@@ -260,7 +263,9 @@ def _check_prepare(model: Any, optimizer: Any, dataset: Any, batch_size: Any) ->
     mine = {id(p) for p in model.parameters()}
     if any(id(p) not in mine for group in optimizer.param_groups for p in group["params"]):
         raise ValueError("flodl: run.prepare: the optimizer holds tensors that are not the model's parameters")
-    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        raise TypeError(f"flodl: run.prepare(..., dataset): a map-style dataset (len + getitem), got {type(dataset).__name__}")
+    if not isinstance(dataset, Shards) and not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise TypeError(
+            f"flodl: run.prepare(..., dataset): a map-style dataset (len + getitem) or a flodl.Shards, got {type(dataset).__name__}"
+        )
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"flodl: run.prepare(..., batch_size=...): a positive int, got {batch_size!r}")

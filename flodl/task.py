@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .errors import TaskError
+from .shards import Shards
 
 #: ``model_factory() -> nn.Module`` (built on CPU; the rank moves it to its device).
 ModelFactory = Callable[[], torch.nn.Module]
@@ -84,9 +85,11 @@ class Task:
             returning its optimizer, or a list/tuple of optimizers (each over
             its own parameters): every one steps, zeroes, follows the LR
             schedule and is saved.
-        dataset: a map-style dataset (``__len__`` + ``__getitem__``), or a
-            zero-argument factory returning one. Every rank must see the same
-            samples in the same order; flodl decides which indices each trains.
+        dataset: a map-style dataset (``__len__`` + ``__getitem__``), a
+            ``flodl.Shards`` (streamed shards: flodl grants shards instead of
+            indices, docs/data.md), or a zero-argument factory returning one.
+            Every rank must see the same samples (shards) in the same order;
+            flodl decides which indices (shards) each trains.
         batch_size: samples per batch on each rank (an optimizer step takes
             ``accumulate_grad_batches`` batches).
         loss_fn: ``loss_fn(model(x), y)`` for datasets yielding ``(x, y)``.
@@ -204,10 +207,18 @@ class Task:
             TaskError: the result has no ``__len__``/``__getitem__`` or is empty.
         """
         ds = self.dataset
-        if not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")) and callable(ds):
+        if not _dataset_like(ds) and callable(ds):
             ds = ds()
-        if not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
-            raise TaskError(f"Task.dataset must be a map-style dataset (len + getitem), got {type(ds).__name__}")
+        if isinstance(ds, Shards):
+            ds.check()  # an opener that gives no iterable fails here, before training
+            return ds
+        if not _dataset_like(ds):
+            raise TaskError(f"Task.dataset must be a map-style dataset (len + getitem) or a flodl.Shards, got {type(ds).__name__}")
         if len(ds) == 0:
             raise TaskError("Task.dataset is empty")
         return ds
+
+
+def _dataset_like(ds: Any) -> bool:
+    """A dataset as it is, not a factory of one: map-style, or shards."""
+    return isinstance(ds, Shards) or (hasattr(ds, "__len__") and hasattr(ds, "__getitem__"))

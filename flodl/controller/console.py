@@ -77,10 +77,12 @@ class Console:
             self.out.flush()
             self._dirty = True
 
-    def header(self, *, run_id: str, mode: str, task: str, ranks: list[str], dataset_len: int, batch_size: int, epochs: int) -> None:
+    def header(
+        self, *, run_id: str, mode: str, task: str, ranks: list[str], dataset_len: int, batch_size: int, epochs: int, grain: str = "sample"
+    ) -> None:
         self._write(f"flodl run {run_id} | mode {mode} | task {task}")
         self._write(f"  {len(ranks)} rank(s): {', '.join(ranks)}")
-        self._write(f"  {dataset_len} samples, batch {batch_size} per rank, {epochs} epoch(s)")
+        self._write(f"  {dataset_len} {grain}s, batch {batch_size} per rank, {epochs} epoch(s)")
         self._last = self.clock()  # the first progress line comes one interval in
 
     def due(self) -> bool:
@@ -90,7 +92,8 @@ class Console:
     def progress(
         self, *, epoch: int, epochs: int, done: int, total: int, rate: float, loss: float | None, ranks: dict[int, float] | None = None
     ) -> None:
-        """Show progress within an epoch (throttled); ``ranks`` adds each rank's samples/s."""
+        """Show progress within an epoch (throttled); ``ranks`` adds each rank's samples/s. A
+        ``total`` of 0 is unknown (streamed shards): samples so far, no share nor eta."""
         now = self.clock()
         if self.quiet or now - self._last < self.interval_s:
             return
@@ -100,11 +103,13 @@ class Console:
         loss_text = f"  loss {loss:.4f}" if loss is not None else ""
         per_rank = _per_rank(ranks) if ranks and len(ranks) > 1 else ""
         text = f"epoch {epoch + 1}/{epochs}  {pct:5.1f}%  {done}/{total}  {_fmt_rate(rate)}  eta {left:4.0f} s{loss_text}{per_rank}"
+        if not total:
+            text = f"epoch {epoch + 1}/{epochs}  {done} samples  {_fmt_rate(rate)}{loss_text}{per_rank}"
         if self.live:
             self.out.write("\r\033[K" + text)
             self.out.flush()
             self._dirty = True
-        elif done < total:
+        elif done < total or not total:
             self._write(text)
 
     def epoch(self, stats: EpochStats, epochs: int, metric: str | None) -> None:

@@ -350,7 +350,8 @@ class Controller:
         )
         built = sum(1 for r in first if not lost(r))
         if admission.task_info is not None:
-            self.startup.ranks_built(built, len(first), params=admission.task_info.param_count, samples=admission.task_info.dataset_len)
+            hello = admission.task_info
+            self.startup.ranks_built(built, len(first), params=hello.param_count, samples=hello.dataset_len, grain=hello.grain)
         # before the group forms: a world the data cannot feed is refused at once
         warning = self._check_shares(built)
         await self.plane.store_open()  # opened on a thread meanwhile (plane.py): the welcome names its port
@@ -384,6 +385,7 @@ class Controller:
             dataset_len=info.dataset_len,
             batch_size=info.batch_size,
             epochs=total_epochs,
+            grain=info.grain,
         )
         if self.config.augment > 1 or self.config.epoch_splits > 1:
             self.console.line(
@@ -432,7 +434,8 @@ class Controller:
         info = self.admission.task_info
         if info is None:  # every first rank died starting: the run fails on that
             return None
-        refusal, warning = self._schedule(info).share_problem(info.batch_size, world)
+        # a shard is one position and a rank's batches are its own: only the shard count can be short
+        refusal, warning = self._schedule(info).share_problem(1 if info.grain == "shard" else info.batch_size, world)
         if refusal:
             raise RunAborted(refusal, EXIT_CONFIG)
         return warning

@@ -58,11 +58,11 @@ class Resume:
         meta = self.meta
         assert meta is not None  # the conductor applies a resume only when load() read a sidecar
         cov = meta["coverage"]
-        for field_name, mine in (("dataset_len", info.dataset_len), ("batch_size", info.batch_size)):
-            if int(cov[field_name]) != mine:
+        for field_name, mine in (("dataset_len", info.dataset_len), ("batch_size", info.batch_size), ("grain", info.grain)):
+            if str(cov.get(field_name, "sample")) != str(mine):
                 raise RunAborted(
                     f"resume_from {self.config.resume_from}: the bundle was saved with {field_name} "
-                    f"{cov[field_name]}, this task has {mine}; resume the same task",
+                    f"{cov.get(field_name, 'sample')}, this task has {mine}; resume the same task",
                     EXIT_CONFIG,
                 )
         if int(cov["epochs"]) != total_epochs:

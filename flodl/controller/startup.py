@@ -77,8 +77,8 @@ class Startup:
         if built < ranks:
             self._so_far(f"ranks built their task {built}/{ranks}")
 
-    def ranks_built(self, built: int, ranks: int, *, params: int, samples: int) -> None:
-        self._mark("ranks_built", f"ranks built their task {built}/{ranks} ({params:,} parameters, {samples:,} samples)")
+    def ranks_built(self, built: int, ranks: int, *, params: int, samples: int, grain: str = "sample") -> None:
+        self._mark("ranks_built", f"ranks built their task {built}/{ranks} ({params:,} parameters, {samples:,} {grain}s)")
 
     def group_formed(self, world: int, *, collective: bool) -> None:
         """Every first rank is ready: in the process group (collective backends), holding rank 0's parameters."""

@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 from ..config import DdpRunConfig
+from ..plan.cadence import CadenceLoop
 from ..plan.membership import Membership, PeerState
+from ..wire import messages as m
 from .admission import Admission
 from .checkpoints import Checkpointer
 from .liveness import Liveness
@@ -15,6 +17,21 @@ from .plane import ControlPlane
 from .startup import Startup
 from .teardown import Teardown
 from .training import Training
+
+
+def _coverage(info: m.RankHello | None, cadence: CadenceLoop | None) -> dict | None:
+    """The ledger's grain (a sample, or a shard of a ``Shards`` dataset) and, for shards, what it
+    settled: each shard of a completed epoch trained whole, once, or given back whole. One
+    exception is counted, not hidden: a rank that died after its window's last average but
+    before its report had its shards averaged in, and they are trained again (``maybe_repeated``;
+    docs/data.md says what neither grain can see)."""
+    if info is None or cadence is None:
+        return None
+    out: dict = {"grain": info.grain, "positions_per_epoch": cadence.schedule.epoch_len(0)}
+    if info.grain == "shard":
+        out["guarantee"] = "exactly-once" if cadence.maybe_repeated == 0 else "at-least-once"
+        out["maybe_repeated"] = cadence.maybe_repeated
+    return out
 
 
 def summarize(
@@ -92,6 +109,7 @@ def summarize(
         "joins": admission.joins,
         "checkpoints": checkpoints.written,
         "regranted_samples": cadence.regranted if cadence else 0,
+        "coverage": _coverage(task_info, cadence),
         "data": {str(r): row for r, row in sorted(training.data_stats.items())},
         "resumed_from": config.resume_from and str(config.resume_from),
         "final_digests": {str(r): d for r, d in sorted(teardown.final_digests.items())},

@@ -110,6 +110,7 @@ class Training:
             global_step=self.global_step,
             schedule=self.schedule,
             span_epochs=self._edges_needed_every(),
+            grain=info.grain,
         )
         return self.cadence
 
@@ -282,7 +283,8 @@ class Training:
         if not self.console.due():
             return  # the hot path: most frames only bump counters
         assert self.schedule is not None  # a frame of the current epoch: its window went out after begin
-        total = self.schedule.epoch_len(msg.epoch)
+        # streamed shards: an epoch's samples are not known ahead (its length counts shards)
+        total = self.schedule.epoch_len(msg.epoch) if self.task.grain == "sample" else 0
         elapsed = max(1e-9, self.clock() - self.run.started_at)
         done_total = sum(s.samples for s in self.history) + self.epoch_samples
         self.console.progress(

@@ -52,20 +52,26 @@ class CadenceLoop:
         global_step: int = 0,
         schedule: Schedule | None = None,
         span_epochs: int = FLOW_MAX_EPOCHS,
+        grain: str = "sample",
     ) -> None:
         elche_cfg = config.elche
+        # a Shards dataset ("shard"): a position is a shard and the unit every plan counts (grants,
+        # quotas, Sync's rounds, ElChe's batch counts) is one shard; its batches stay the ranks' own
+        self.grain = grain
+        self.batch_size = batch_size
+        unit = 1 if grain == "shard" else batch_size
         self.policy = elche_cfg.mode.policy
         self.ranks = sorted(ranks)
         self.seed = seed
         # augment and epoch_splits reshape epochs: ``epochs`` is then the schedule's epoch count
         self.schedule = schedule or Schedule(dataset_len, passes=epochs)
         epochs = self.schedule.epochs
-        batches_per_epoch = max(1, self.schedule.epoch_len(0) // batch_size)
+        batches_per_epoch = max(1, self.schedule.epoch_len(0) // unit)
         self.dispatcher = Dispatcher(
             self.policy,
             self.ranks,
             dataset_len,
-            batch_size,
+            unit,
             epochs,
             progressive=config.effective_progressive_dispatch,
             max_overshoot=elche_cfg.max_overshoot,
@@ -87,6 +93,10 @@ class CadenceLoop:
         self.deterministic = config.deterministic
         self.dead: set[int] = set()
         self.regranted = 0  # samples a dead rank held that went back to the pool
+        # shards a dead rank may have averaged in before they went back to the pool (trained twice):
+        # it died after its window's last average, before saying how many shards that held
+        self.maybe_repeated = 0
+        self.regrouped_out: set[int] = set()  # dead ranks a regroup already left out of the consensus
         self.collective = elche_cfg.mode.backend is AverageBackend.NCCL
         self.plans: dict[int, dict[int, WindowPlan]] = {}  # window -> rank -> plan, while outstanding
         self.started: dict[int, float] = {}
@@ -203,7 +213,8 @@ class CadenceLoop:
         return {
             "seed": self.seed,
             "dataset_len": d.dataset_len,
-            "batch_size": d.batch_size,
+            "batch_size": self.batch_size,
+            "grain": self.grain,
             "epochs": d.epochs,
             "augment": self.schedule.augment,
             "epoch_splits": self.schedule.epoch_splits,
@@ -302,9 +313,14 @@ class CadenceLoop:
         regrouped = [r.regrouped_at for r in reports.values() if r.regrouped_at >= 0]
         bs = self.dispatcher.batch_size
         if regrouped:
+            self.regrouped_out.add(plan.rank)
             return min(plan.samples, min(regrouped) * bs) if plan.sync_every else 0
         if self.collective and reports:
             # the survivors finished every average of the window with it: its work is in
+            if self.grain == "shard":
+                if plan.rank not in self.regrouped_out:  # its TimingMsgs count batches, not shards: all go back
+                    self.maybe_repeated += plan.samples
+                return 0  # (a window after the regroup that left it out: none of it is in)
             return min(plan.samples, last_batches * bs)
         return 0
 
@@ -327,7 +343,9 @@ class CadenceLoop:
 
     def _account_dead(self, rank: int, plan: WindowPlan, consumed: int) -> None:
         """The samples a dead rank trained into the consensus count in its epochs' rows
-        (its losses died with it, so only the sample count is known)."""
+        (its losses died with it, so only the sample count is known; for shards not even that)."""
+        if self.grain == "shard":
+            return
         for grant, used in plan.consumed_per_grant(consumed):
             if used and grant.epoch in self.epochs:
                 self.epochs[grant.epoch].rows.setdefault(rank, EpochCounters()).samples += used
@@ -335,7 +353,8 @@ class CadenceLoop:
     def _tune(self, window: int, plans: dict[int, WindowPlan], reports: dict[int, m.WindowDone], window_ms: float) -> None:
         """ElChe timing, then the guard's and meta-controller's verdict on the anchor."""
         walls = [reports[r].compute_ms + reports[r].data_ms for r in self.ranks]
-        batches = [reports[r].batches for r in self.ranks]
+        # ElChe counts the plans' unit: batches, or shards for a Shards dataset
+        batches = [reports[r].consumed if self.grain == "shard" else reports[r].batches for r in self.ranks]
         if sum(batches):
             # ElChe weighs what averaging costs against the window's compute.
             # Probe and tail windows are short by construction and teach speeds only.

@@ -117,6 +117,17 @@ class Schedule:
     def epoch_len(self, epoch: int) -> int:
         return self.bounds(epoch)[2]
 
+    def span(self, epoch: int, start: int, size: int) -> tuple[int, int]:
+        """``(pass_index, at)`` of a grant ``[epoch, start, size]``, ``at`` its first pick's place in the pass.
+
+        Raises:
+            ValueError: the grant reaches outside the epoch.
+        """
+        pass_index, epoch_start, length = self.bounds(epoch)
+        if start < 0 or size < 0 or start + size > length:
+            raise ValueError(f"grant [{start}, {start + size}) outside epoch {epoch} of {length} picks")
+        return pass_index, epoch_start + start
+
     def share_problem(self, batch_size: int, world: int) -> tuple[str | None, str | None]:
         """``(refusal, warning)`` for ``world`` ranks training batches of ``batch_size`` (None: fine).
 

@@ -42,6 +42,23 @@ Transform = Callable[[Any, list[PickKey]], Any]
 READERS = 8
 
 
+class PassShuffles:
+    """Each pass's seeded shuffle (``epoch_permutation``), made once when a grant first needs it;
+    windows straddle at most two passes, so only the last two are kept."""
+
+    def __init__(self, pass_len: int, seed: int) -> None:
+        self.pass_len, self.seed = pass_len, seed
+        self._made: dict[int, torch.Tensor] = {}
+
+    def __getitem__(self, pass_index: int) -> torch.Tensor:
+        shuffle = self._made.get(pass_index)
+        if shuffle is None:
+            if len(self._made) >= 2:
+                self._made.pop(next(iter(self._made)))
+            shuffle = self._made[pass_index] = epoch_permutation(self.pass_len, self.seed, pass_index)
+        return shuffle
+
+
 def _cut(shuffle: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
     """The picks of ``spans`` out of a pass's shuffle: a view for one span, a copy for several."""
     if len(spans) == 1:
@@ -75,7 +92,7 @@ class BatchSource:
         self.device: torch.device | None = None  # set once a VRAM pool may hand back device-resident samples
         self._readers: ThreadPoolExecutor | None = None  # parallel dataset reads (staged path), made on first use
         self._tensors = dataset.tensors if isinstance(dataset, TensorDataset) and collate_fn is None else None
-        self._perms: dict[int, torch.Tensor] = {}
+        self._perms = PassShuffles(self.schedule.pass_len, seed)
         # the same shuffles as dataset indices (picks modulo the dataset: augmented passes are
         # longer), where the tensors live: on the device after place_on
         self._index_perms: dict[int, torch.Tensor] = {}
@@ -184,16 +201,9 @@ class BatchSource:
             ) from exc
 
     def _span(self, epoch: int, start: int, size: int) -> tuple[int, int]:
-        """``(pass_index, at)`` of a grant, ``at`` its first pick's place in the pass's shuffle;
-        the shuffle is made once and cached (windows revisit it)."""
-        pass_index, epoch_start, length = self.schedule.bounds(epoch)
-        if start < 0 or size < 0 or start + size > length:
-            raise ValueError(f"grant [{start}, {start + size}) outside epoch {epoch} of {length} picks")
-        if pass_index not in self._perms:
-            if len(self._perms) >= 2:  # windows straddle at most two passes
-                self._perms.pop(next(iter(self._perms)))
-            self._perms[pass_index] = epoch_permutation(self.schedule.pass_len, self.seed, pass_index)
-        return pass_index, epoch_start + start
+        """``(pass_index, at)`` of a grant, ``at`` its first pick's place in the pass's shuffle
+        (``_emit`` cuts it from the shuffle, made on first use)."""
+        return self.schedule.span(epoch, start, size)
 
     def fetch(self, idx: torch.Tensor) -> Any:
         """Collate the samples at dataset indices ``idx`` (any dataset but an in-memory tensor

@@ -13,6 +13,7 @@ failing is reported, never fatal.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from .averager import Averager
     from .data import BatchSource
     from .link import ControllerLink
+    from .shard_source import ShardSource
 
 log = logging.getLogger("flodl.rank.runner")
 
@@ -50,7 +52,7 @@ class Evaluating:
     task: Task
     model: torch.nn.Module
     averager: Averager | None
-    source: BatchSource | None
+    source: BatchSource | ShardSource | None
     evals_taken: int
     norm_layers: list
     norms_stale: bool
@@ -135,7 +137,9 @@ class Evaluating:
         assert self.source is not None  # set up: norm_layers came after it
         self.norms_stale = False
         size = min(self.task.bn_recalibration_batches * self.task.batch_size, self.source.schedule.epoch_len(epoch))
-        inputs = (to_device(batch, self.device)[0] for _, batch in self.source.batches(epoch, 0, size))
+        # at most that many batches: a shard's batches are not counted ahead (shard_source.py)
+        batches = itertools.islice(self.source.batches(epoch, 0, size), self.task.bn_recalibration_batches)
+        inputs = (to_device(batch, self.device)[0] for _, batch in batches)
         try:
             recalibrate(self.model, self.norm_layers, inputs)
         except Exception as exc:  # a data or model error here must not cost the eval

@@ -50,6 +50,7 @@ from ..errors import (
 from ..host.gauges import ResourceSampler
 from ..plan.metrics import epoch_rows
 from ..plan.schedule import Schedule, shuffle_signature
+from ..shards import Shards
 from ..task import Task
 from ..taskspec import load_task
 from ..taskspec import resolve as resolve_spec
@@ -74,6 +75,7 @@ from .outcomes import NonFiniteLoss, Stop, UserError, is_collective_error, user_
 from .prefetch import CacheWarmer, Prefetcher
 from .regroup import Regrouping
 from .saving import checkpoint, emergency_save
+from .shard_source import ShardPicks, ShardSource
 from .staging import RamCache, TieredSamples, VramPool, ram_budget, vram_budget
 from .step_meter import StepMeter, StepRecord
 from .update import Update, build_optimizer, check_precision, needs_update, train_state
@@ -130,7 +132,7 @@ class RankRunner(Regrouping, Evaluating):
         self.optimizers: list[torch.optim.Optimizer] = []
         self.update: Update | None = None  # accumulation, mixed precision, schedulers: None on the plain step
         self.averager: Averager | None = None
-        self.source: BatchSource | None = None
+        self.source: BatchSource | ShardSource | None = None
         self.max_grad_norm: float | None = None
         self.lr: LrState | None = None
         self.world_size = 1
@@ -432,6 +434,7 @@ class RankRunner(Regrouping, Evaluating):
             has_eval=task.eval_fn is not None,
             eval_metric=task.eval_metric,
             batch_size=task.batch_size,
+            grain="shard" if isinstance(dataset, Shards) else "sample",
         )
 
     def _load_task(self) -> Task:
@@ -575,15 +578,21 @@ class RankRunner(Regrouping, Evaluating):
             log.warning("rank %d: the first broadcast failed (%s); waiting for the survivors' group", self.rank, exc)
             self._report_collective_failure(exc, welcome.generation)
 
-    def _data_source(self) -> BatchSource:
+    def _data_source(self) -> BatchSource | ShardSource:
         """The rank's batch source, which ``_join`` sets up before the first window."""
         assert self.source is not None, "no batch source before the welcome"
         return self.source
 
-    def _batch_source(self, config: DdpRunConfig, seed: int) -> BatchSource:
+    def _batch_source(self, config: DdpRunConfig, seed: int) -> BatchSource | ShardSource:
         """The rank's data path: the run's schedule (augment, epoch_splits), its
-        delivery transform, and the staging tiers for datasets not already in memory."""
+        delivery transform, and the staging tiers for datasets not already in memory;
+        shards stream through a ``ShardSource`` (no tiers: each grant is read once)."""
         dataset = self.task.build_dataset()
+        if isinstance(dataset, Shards):
+            if config.transform is not None:  # its PickKeys name samples, which a stream of shards has no index for
+                raise UserError("config", TaskError("transform: not available with a flodl.Shards dataset (transform in open_shard)"))
+            schedule = Schedule(len(dataset), config.augment, config.epoch_splits)
+            return ShardSource(dataset, self.task.batch_size, seed=seed, collate_fn=self.task.collate_fn, schedule=schedule)
         transform = config.transform
         if isinstance(transform, str):
             try:
@@ -613,6 +622,8 @@ class RankRunner(Regrouping, Evaluating):
         dataset that fits goes there whole: batches are then gathered on the device)."""
         source, config = self.source, self.config
         if source is None or config is None:  # not set up (a bare ``_step``, as tests run one): nothing to pool
+            return
+        if not isinstance(source, BatchSource):  # streamed shards: nothing staged
             return
         if (source.tiers is None and not source.in_memory) or self.device.type != "cuda" or not config.vram_pool:
             return
@@ -656,7 +667,8 @@ class RankRunner(Regrouping, Evaluating):
                 rank=self.rank,
                 window=window.window,
                 batches=stats.batches,
-                consumed=stats.samples,
+                # positions trained: samples, or whole shards for a Shards dataset
+                consumed=stats.positions if isinstance(self._data_source(), ShardSource) else stats.samples,
                 loss_sum=stats.loss_sum,
                 compute_ms=stats.compute_ms,
                 data_ms=stats.data_ms,
@@ -749,23 +761,31 @@ class RankRunner(Regrouping, Evaluating):
         averager = self._averaging()
         self.model.train()  # once per window, not per step: it walks every module
         exhausted = False
+        # a Shards dataset: positions are shards; the window stops, averages (Sync) and counts
+        # coverage only where a shard ends (shard_source.py), and its quota counts shards
+        sharded = isinstance(self._data_source(), ShardSource)
+        whole = True  # no shard is part-trained: the window may stop here
         target_ms = quota_ms - self.quota_debt_ms if quota_ms else 0.0
         self.quota_debt_ms = 0.0
         for round_index in range(rounds):
             self.position = ((window or 0) << 16) | round_index
-            stepped = 0
+            stepped = shards = 0
             last: m.TimingMsg | None = None
-            while not exhausted and (not sync_every or stepped < sync_every or self._accumulating()):
+            while not exhausted and (not sync_every or (shards if sharded else stepped) < sync_every or self._accumulating()):
                 if averager.adopting:
                     exhausted = True  # a joiner without the consensus yet trains nothing (its grants go back)
                     break
-                if not self._accumulating() and (
-                    (quota_batches and stats.batches + self.meter.pending >= quota_batches)
-                    # the quota clock is the window's wall time less its averages: a fast rank's
-                    # per-step work outside compute and data (hundreds of steps' worth) must not
-                    # make it arrive late at the average its slow partner is already waiting in
-                    or (target_ms and self._past_quota(start, stats, target_ms, quota_ms))
-                    or (window is not None and self.link.end_window >= window)
+                if (
+                    not self._accumulating()
+                    and whole
+                    and (
+                        (quota_batches and (stats.positions if sharded else stats.batches + self.meter.pending) >= quota_batches)
+                        # the quota clock is the window's wall time less its averages: a fast rank's
+                        # per-step work outside compute and data (hundreds of steps' worth) must not
+                        # make it arrive late at the average its slow partner is already waiting in
+                        or (target_ms and self._past_quota(start, stats, target_ms, quota_ms))
+                        or (window is not None and self.link.end_window >= window)
+                    )
                 ):
                     exhausted = True
                     break
@@ -778,10 +798,21 @@ class RankRunner(Regrouping, Evaluating):
                     exhausted = True
                     break
                 epoch, idx, batch = item
+                if isinstance(idx, ShardPicks):
+                    stats.positions += idx.ends
+                    shards += idx.ends
+                    whole = bool(idx.ends)
+                    if batch is None:  # an empty shard: trained, with nothing to step
+                        continue
                 self._land_background()  # an average that completed meanwhile lands here, between steps
                 if self.link.evals_asked > self.evals_taken:
                     self._evals_now()
+                world = self.world_size
                 self._maybe_regroup()  # a peer died: join the survivors' new group now
+                if sharded and self.world_size < world and stats.regrouped_at < 0:
+                    # no average failed, yet the dead peer is out of this round's and the window's
+                    # averages: say so, or the controller takes its shards as averaged in (cadence.py)
+                    stats.regrouped(round_index)
                 self._enter_epoch(epoch)
                 records = self._step(batch, epoch=epoch, samples=len(idx), data_ms=data_ms)
                 stepped += 1

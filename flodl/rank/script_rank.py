@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..config.env import RankEnv
-from ..errors import EXIT_FAILED, EXIT_TASK_ERROR, PeerLost
+from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_TASK_ERROR, PeerLost, TaskError
 from ..task import Task
 from ..wire import messages as m
 from .bridge import BATCH, EPOCH_END, PREPARED, Bridge, Item, ScriptFailed
@@ -86,6 +86,8 @@ class ScriptRank(RankRunner):
         except Stop:
             return self._stopped()
         except ScriptFailed as exc:
+            if isinstance(exc.reason, TaskError):  # flodl refused what the script gave it (an empty Shards): exit 2
+                return self._fail("task spec", exc.reason, EXIT_CONFIG)
             return self._fail("build", exc.reason, EXIT_TASK_ERROR)
         return super()._run()
 

@@ -18,6 +18,7 @@ class RoundStats:
 
     batches: int = 0
     samples: int = 0
+    positions: int = 0  # shards trained whole (a Shards dataset; the runner counts them)
     loss_sum: float = 0.0
     compute_ms: float = 0.0
     data_ms: float = 0.0

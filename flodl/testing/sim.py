@@ -220,6 +220,7 @@ class SimWorker:
                 has_eval=True,
                 eval_metric="sim_metric",
                 batch_size=self.batch_size,
+                grain="sample",
             )
         )
         welcome = await peer.expect(m.RankWelcome, m.Reject, m.Shutdown, m.ShutdownWithSave)
