@@ -280,9 +280,10 @@ class CadenceLoop:
 
         A rank that died in this window is settled from what the consensus holds
         of its work: in an every-batch (Sync) window, the rounds completed before
-        the survivors regrouped; in a window averaged once at its end, nothing,
-        unless the survivors finished that average with it (then its last known
-        batch count, ``dead_batches``).
+        the survivors regrouped (or, none regrouping, its last known batch count,
+        ``dead_batches``); in a window averaged once at its end, nothing: it
+        reports right after launching that average, so unreported it never took
+        part (all of its grants go back to the survivors).
         """
         plans = self.plans.pop(window)
         rounds = max(p.rounds for p in plans.values())
@@ -315,13 +316,18 @@ class CadenceLoop:
         if regrouped:
             self.regrouped_out.add(plan.rank)
             return min(plan.samples, min(regrouped) * bs) if plan.sync_every else 0
-        if self.collective and reports:
-            # the survivors finished every average of the window with it: its work is in
+        if self.collective and reports and plan.sync_every:
+            # Sync: the survivors finished every round of the window with it (none regrouped), and
+            # its TimingMsgs go out after each round's average: what they count is in the consensus
             if self.grain == "shard":
                 if plan.rank not in self.regrouped_out:  # its TimingMsgs count batches, not shards: all go back
                     self.maybe_repeated += plan.samples
                 return 0  # (a window after the regroup that left it out: none of it is in)
             return min(plan.samples, last_batches * bs)
+        # Averaged once, at the window's end (Cadence, Async): a rank reports its window right after
+        # launching that average, so one that died without reporting it never took part in it (its
+        # batches trained on a replica that is gone), however many TimingMsgs it sent: all go back.
+        # Its survivors cannot say otherwise: they may learn of the death after their own report.
         return 0
 
     def _account(self, rank: int, report: m.WindowDone, rounds: int, plan: WindowPlan) -> None:

@@ -95,7 +95,7 @@ class Regrouping:
         self.link.doing("average")
         averager = self._averaging()
         while True:
-            self._maybe_regroup()
+            self._regroup_in_round(stats, round_index)
             if self.skip_redo:
                 # the others completed the average this rank lost: it holds what we sent, and we
                 # take it from the next average, adding nothing to it (the adopting path)
@@ -188,6 +188,16 @@ class Regrouping:
         announced = self.link.regroup
         if announced is None or announced.generation <= self.generation:
             self._report_collective_failure(exc, self.generation)
+
+    def _regroup_in_round(self, stats: RoundStats, round_index: int) -> None:
+        """``_maybe_regroup`` inside a window's round ``round_index``, before its average: a
+        generation that lost a member makes this round's average the survivors' alone, so the
+        window's report says so (``regrouped_at``) and the controller counts none of the dead
+        rank's batches from this round on as averaged in (cadence.py ``_dead_consumed``)."""
+        peers = self.peers
+        self._maybe_regroup()
+        if not peers <= self.peers:
+            stats.regrouped(round_index)
 
     def _maybe_regroup(self) -> None:
         """Act on a new membership generation the controller announced.

@@ -647,7 +647,8 @@ class RankRunner(Regrouping, Evaluating):
             self.update.window_start(window.global_step)  # "global" schedulers: every rank at the same LR
         self.probing = not (window.quota_batches or window.quota_ms or window.sync_every)
         self.link.doing("step")
-        self._maybe_regroup()  # a membership change announced between windows (a rank joined)
+        peers = self.peers
+        self._maybe_regroup()  # a membership change announced between windows (a rank joined, or died)
         self._start_warmer()
         stats = self._run_rounds(
             window.grants,
@@ -658,6 +659,8 @@ class RankRunner(Regrouping, Evaluating):
             measure=window.measure_divergence,
             window=window.window,
         )
+        if not peers <= self.peers:  # a member left before this window's first average: none of it is theirs
+            stats.regrouped(0)
         last = stats.last_average
         window_scalars, data = scalars.drain(), self._data_stats()
         if self.update is not None:
@@ -807,12 +810,9 @@ class RankRunner(Regrouping, Evaluating):
                 self._land_background()  # an average that completed meanwhile lands here, between steps
                 if self.link.evals_asked > self.evals_taken:
                     self._evals_now()
-                world = self.world_size
-                self._maybe_regroup()  # a peer died: join the survivors' new group now
-                if sharded and self.world_size < world and stats.regrouped_at < 0:
-                    # no average failed, yet the dead peer is out of this round's and the window's
-                    # averages: say so, or the controller takes its shards as averaged in (cadence.py)
-                    stats.regrouped(round_index)
+                # a peer died: join the survivors' new group now (and the report says so: no average
+                # failed, yet the dead peer is out of this round's average, cadence.py _dead_consumed)
+                self._regroup_in_round(stats, round_index)
                 self._enter_epoch(epoch)
                 records = self._step(batch, epoch=epoch, samples=len(idx), data_ms=data_ms)
                 stepped += 1

@@ -25,7 +25,7 @@ class RoundStats:
     sync_ms: float = 0.0
     wall_ms: float = 0.0
     last_average: Averaged | None = None
-    regrouped_at: int = -1  # the averaging round redone in a new generation, if any
+    regrouped_at: int = -1  # the first averaging round done in a generation that lost a member, if any
     per_epoch: dict[int, EpochCounters] = field(default_factory=dict)
 
     def add(self, epoch: int, samples: int, loss: float, compute_ms: float, data_ms: float) -> None:
@@ -48,8 +48,9 @@ class RoundStats:
         self.last_average = result
 
     def regrouped(self, round_index: int) -> None:
-        """Round ``round_index``'s average failed and is redone in a new generation."""
-        self.regrouped_at = round_index
+        """Round ``round_index``'s average is done in a new generation that lost a member (it
+        failed and is redone there, or the regroup came first): the earliest such round counts."""
+        self.regrouped_at = round_index if self.regrouped_at < 0 else min(self.regrouped_at, round_index)
 
     def finish(self, wall_ms: float) -> None:
         """The window ended after ``wall_ms`` of wall time."""

@@ -8,11 +8,17 @@ from flodl.plan.metrics import EpochCounters
 from flodl.wire import messages as m
 
 
-def fold_window(loop: CadenceLoop, number: int, ms_per_batch: dict[int, float]) -> dict[int, int]:
+def fold_window(
+    loop: CadenceLoop, number: int, ms_per_batch: dict[int, float], dead_batches: dict[int, int] | None = None
+) -> dict[int, int]:
     """Each rank trains its grants up to its batch quota (all of them without one) at its
-    ms/batch; the reports are folded in. Returns the batches each rank trained."""
+    ms/batch; the reports are folded in. Returns the batches each rank trained. A rank in
+    ``dead_batches`` died in the window: it reports nothing, having sent TimingMsgs for that
+    many batches."""
     reports, bs = {}, loop.dispatcher.batch_size
     for rank, plan in loop.plans[number].items():
+        if dead_batches and rank in dead_batches:
+            continue
         batches = -(-plan.samples // bs)
         if plan.quota_batches:
             batches = min(batches, plan.quota_batches)
@@ -37,5 +43,5 @@ def fold_window(loop: CadenceLoop, number: int, ms_per_batch: dict[int, float]) 
             res={},
             data={},
         )
-    loop.on_reports(number, reports, now=float(number + 1))
+    loop.on_reports(number, reports, now=float(number + 1), dead_batches=dead_batches)
     return {rank: r.batches for rank, r in reports.items()}
