@@ -41,6 +41,7 @@ from .errors import EXIT_CONFIG, EXIT_TASK_ERROR
 from .rank.bridge import BATCH, END, EPOCH_END, Bridge, Item
 from .rank.link import SAVE_GRACE_S
 from .rank.script_rank import Prepared, ScriptRank
+from .task import loader_problem
 
 _USAGE = "start it with python -m flodl.controller --script SCRIPT.py [options] [-- script args]"
 _run: Run | None = None
@@ -121,14 +122,26 @@ class Run:
     # ------------------------------------------------------------ the loop
 
     def prepare(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Any, *, batch_size: int, collate_fn: Any = None
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataset: Any,
+        *,
+        batch_size: int,
+        collate_fn: Any = None,
+        num_workers: int = 0,
+        prefetch_factor: int | None = None,
+        pin_memory: bool = False,
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Join the run with this model, optimizer and dataset; returns the model and optimizer.
 
         The model moves to ``run.device`` and takes rank 0's weights; its
         parameters keep their identity (the optimizer stays valid). Every rank
         must give the same dataset (same samples, same order): flodl grants
-        each rank its indices, ``batch_size`` at a time.
+        each rank its indices, ``batch_size`` at a time. ``num_workers``,
+        ``prefetch_factor`` and ``pin_memory`` are torch DataLoader's: worker
+        processes run ``dataset[i]`` for the granted batches (``Task``'s fields
+        of those names, docs/task.md).
 
         Raises:
             TypeError, ValueError: naming the bad argument.
@@ -138,8 +151,11 @@ class Run:
         if self._prepared:
             raise RuntimeError("flodl: run.prepare() is called once")
         _check_prepare(model, optimizer, dataset, batch_size)
+        problem = loader_problem(num_workers, prefetch_factor, pin_memory)
+        if problem is not None:
+            raise ValueError(f"flodl: run.prepare(..., {problem[0]}=...): {problem[0]} {problem[1]}")
         self._prepared = True
-        item = self._bridge.call(Prepared(model, optimizer, dataset, batch_size, collate_fn))
+        item = self._bridge.call(Prepared(model, optimizer, dataset, batch_size, collate_fn, num_workers, prefetch_factor, pin_memory))
         if item.kind == END:
             self._end(item)
         if self._rank.threads:

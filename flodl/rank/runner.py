@@ -69,6 +69,7 @@ from .evaluation import Evaluating
 from .flat import FlatModel, model_digest
 from .handle import LrState, WorkerHandle
 from .link import ControllerLink
+from .loader import WorkerReads
 from .norms import norm_layers
 from .outcomes import NonFiniteLoss, Stop, UserError, is_collective_error, user_traceback
 from .prefetch import CacheWarmer, Prefetcher
@@ -83,6 +84,8 @@ log = logging.getLogger(__name__)
 
 #: Batches fetched ahead of training, for datasets not already in memory.
 PREFETCH_DEPTH = 4
+#: How long a window's end waits for its reader thread to leave a batch it is reading.
+READER_JOIN_S = 30.0
 
 
 def model_signature(model: torch.nn.Module) -> str:
@@ -596,7 +599,25 @@ class RankRunner(Regrouping, Evaluating):
         )
         if not source.in_memory:  # a tensor dataset is already in memory: nothing to stage
             source.stage(self._staging_tiers(config, dataset))
+        self._loading(source, dataset, seed)
         return source
+
+    def _loading(self, source: BatchSource, dataset: Any, seed: int) -> None:
+        """The task's DataLoader-style options: worker processes reading the samples, pinned batches."""
+        task = self.task
+        if source.in_memory:
+            if task.num_workers or task.pin_memory:
+                log.warning("rank %d: a TensorDataset is gathered in memory: Task.num_workers/pin_memory go unused", self.rank)
+            return
+        if task.pin_memory and self.device.type != "cuda":
+            log.warning("rank %d: Task.pin_memory has no effect on a %s device (it pins for copies to CUDA)", self.rank, self.device.type)
+        workers = None
+        if task.num_workers:
+            workers = WorkerReads(
+                dataset, workers=task.num_workers, prefetch_factor=task.prefetch_factor, seed=seed, collate_fn=task.collate_fn
+            )
+            self.closing.callback(workers.close)
+        source.read_with(workers, pin=task.pin_memory and self.device.type == "cuda")
 
     def _staging_tiers(self, config: DdpRunConfig, dataset: Any) -> TieredSamples:
         """RAM cache (pinned on CUDA ranks) and disk stage now; the VRAM pool after the
@@ -717,7 +738,11 @@ class RankRunner(Regrouping, Evaluating):
         """
         stats = RoundStats()
         source = self._data_source()
-        prefetch = None if source.in_memory else Prefetcher(source.window_batches(grants), depth=PREFETCH_DEPTH)
+        prefetch = None
+        if not source.in_memory:
+            # worker reads start here, in the training thread (their processes die with it)
+            produced = source.loaded_batches(grants) if source.workers is not None else source.window_batches(grants)
+            prefetch = Prefetcher(produced, depth=PREFETCH_DEPTH, join_timeout_s=READER_JOIN_S)
         try:
             return self._rounds(
                 stats,
@@ -731,7 +756,9 @@ class RankRunner(Regrouping, Evaluating):
             )
         finally:
             if prefetch is not None:
-                prefetch.close()
+                prefetch.close()  # what it read ahead is dropped: only trained batches are reported
+                if prefetch.abandoned and source.workers is not None:
+                    source.workers.discard()  # never two threads in one loader: the next window starts new workers
 
     def _rounds(
         self,
