@@ -4,27 +4,33 @@ read by the rank's own threads (``num_workers=0``) or by worker processes (``Tas
 It drives the rank's data path in process, as a rank's window does (``BatchSource`` with the
 staging tiers off, as ``--no-sample-cache`` leaves them, so every pass reads every sample; the
 batches taken through the ``Prefetcher``), and reports samples per second over one pass, after
-a first pass that starts the workers. No training, no controller: what is measured is how fast
+a first pass that starts the workers: the median of alternating pairs of runs, and the
+spread of their ratios. No training, no controller: what is measured is how fast
 batches can arrive. The read either spins (CPU-bound Python that holds the GIL: decoding,
 augmentation, what workers are for) or sleeps (I/O, which the rank's 8 reader threads already
 overlap).
 
-    python -m bench.loader                      # 2048 samples of 1 ms (spin), batch 32, 0 vs 2 workers
-    python -m bench.loader --read sleep         # the same with a read that sleeps
-    python -m bench.loader --workers 0 1 2 4 --samples 4096
+    python -m bench.loader                      # 2048 samples of 1 ms, spin and sleep, 0 vs 2 workers
+    python -m bench.loader --quick              # 1024 samples
+    python -m bench.loader --workers 0 1 2 4    # other worker counts
+    python -m bench.loader --smoke              # 128 samples of 0.1 ms, spin only: does the bench still run?
 """
 
 from __future__ import annotations
 
-import argparse
+import os
+import statistics
 import time
 
 import torch
 
+from bench.common import Row, report, size_parser, smoke_results
 from flodl.rank.data import BatchSource
 from flodl.rank.loader import WorkerReads
 from flodl.rank.prefetch import Prefetcher
 from flodl.rank.staging import TieredSamples
+
+BATCH = 32
 
 
 class CostlyReads(torch.utils.data.Dataset):
@@ -68,20 +74,34 @@ def samples_per_s(workers: int, *, samples: int, item_ms: float, read: str, batc
             source.workers.close()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=2048, help="dataset size: samples per pass")
-    parser.add_argument("--item-ms", type=float, default=1.0, help="milliseconds one __getitem__ takes")
-    parser.add_argument("--read", choices=("spin", "sleep"), default="spin", help="spin: CPU-bound, holds the GIL; sleep: I/O-like")
-    parser.add_argument("--batch", type=int, default=32, help="samples per batch")
-    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="num_workers values to compare")
-    args = parser.parse_args(argv)
-    rates = {w: samples_per_s(w, samples=args.samples, item_ms=args.item_ms, read=args.read, batch=args.batch) for w in args.workers}
-    base = rates[args.workers[0]]
-    for workers, rate in rates.items():
-        print(
-            f"num_workers={workers}: {rate:,.1f} samples/s ({rate / base:.3f}x), {args.item_ms:g} ms {args.read} reads, batch {args.batch}"
-        )
+def main() -> None:
+    parser = size_parser(__doc__, "1024 samples a pass", "128 samples of 0.1 ms, spin only")
+    parser.add_argument("--pairs", type=int, default=3, help="alternating runs of each worker count per read kind")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="num_workers values to compare (the first is the baseline)")
+    args = parser.parse_args()
+    samples, item_ms = (128, 0.1) if args.smoke else (1024, 1.0) if args.quick else (2048, 1.0)
+    rows: list[Row] = []
+    for read in ("spin",) if args.smoke else ("spin", "sleep"):
+        # alternating pairs, medians: the load on a shared machine drifts between cases
+        runs: dict[int, list[float]] = {w: [] for w in args.workers}
+        for _ in range(1 if args.smoke else args.pairs):
+            for workers in args.workers:
+                runs[workers].append(samples_per_s(workers, samples=samples, item_ms=item_ms, read=read, batch=BATCH))
+        base = runs[args.workers[0]]
+        for workers, rates in runs.items():
+            rows.append(Row(f"{read} reads, {workers} workers", "samples/s (median)", statistics.median(rates), "samples/s"))
+            if workers != args.workers[0]:
+                ratios = [rate / first for rate, first in zip(rates, base, strict=True)]
+                rows.append(Row(f"{read} reads, {workers} workers", f"vs {args.workers[0]}, median pair", statistics.median(ratios), "x"))
+                rows.append(Row(f"{read} reads, {workers} workers", "lowest pair", min(ratios), "x"))
+                rows.append(Row(f"{read} reads, {workers} workers", "highest pair", max(ratios), "x"))
+    report(
+        "loader",
+        rows,
+        note=f"{samples} samples a pass, {item_ms:g} ms per read (spin: CPU-bound, holds the GIL; sleep: I/O-like), "
+        f"batch {BATCH}, staging tiers off; the second pass of each run, {args.pairs} alternating pairs; load average {os.getloadavg()[0]:.1f} at the end",
+        results=smoke_results() if args.smoke else None,
+    )
 
 
 if __name__ == "__main__":
