@@ -96,27 +96,32 @@ def test_pinned_pins_every_host_tensor_and_keeps_the_structure():
 # ---------------------------------------------------------------- the rank's data path, in process
 
 
-@pytest.mark.timeout(60)
-def test_worker_reads_give_the_in_process_batches_and_fill_the_tiers(tmp_path):
+@pytest.fixture
+def cached(tmp_path):
+    """A source with 2 loader workers over a RAM cache big enough for all: ``(source, tiers, reads dir)``."""
     seen = tmp_path / "w"
     seen.mkdir()
     tiers = TieredSamples(Logged(seen).__getitem__, vram=None, ram=RamCache(1 << 24), disk=None)
     loaded = source(Logged(seen), workers=2, tiers=tiers)
-    try:
-        grants = [[0, 0, 120], [0, 150, 50]]
-        got = flat(loaded.loaded_batches(grants))
-        assert got == flat(source(Logged(tmp_path)).window_batches(grants))
-        workers = set(loaded.workers.pids)
-        assert len(workers) == 2 and os.getpid() not in workers
-        read = reads(seen)
-        assert set(read) <= workers and sorted(i for ids in read.values() for i in ids) == sorted(i for _, _, b in got for i in b)
-        assert tiers.stats()["source"]["fetches"] == 170 and all(tiers.holds(i) for _, _, b in got for i in b)
-        # the next window's samples are all held: the workers read nothing, the tiers serve them
-        again = flat(loaded.loaded_batches([[1, 0, 200]]))
-        assert sorted(i for _, _, b in again for i in b) == list(range(200))
-        assert sum(map(len, reads(seen).values())) == 170 + 30  # only the 30 never granted before
-    finally:
-        loaded.workers.close()
+    yield loaded, tiers, seen
+    loaded.workers.close()
+
+
+@pytest.mark.timeout(60)
+def test_worker_reads_give_the_in_process_batches_and_fill_the_tiers(tmp_path, cached):
+    loaded, tiers, seen = cached
+    grants = [[0, 0, 120], [0, 150, 50]]
+    got = flat(loaded.loaded_batches(grants))
+    assert got == flat(source(Logged(tmp_path)).window_batches(grants))
+    workers = set(loaded.workers.pids)
+    assert len(workers) == 2 and os.getpid() not in workers
+    read = reads(seen)
+    assert set(read) <= workers and sorted(i for ids in read.values() for i in ids) == sorted(i for _, _, b in got for i in b)
+    assert tiers.stats()["source"]["fetches"] == 170 and all(tiers.holds(i) for _, _, b in got for i in b)
+    # the next window's samples are all held: the workers read nothing, the tiers serve them
+    again = flat(loaded.loaded_batches([[1, 0, 200]]))
+    assert sorted(i for _, _, b in again for i in b) == list(range(200))
+    assert sum(map(len, reads(seen).values())) == 170 + 30  # only the 30 never granted before
 
 
 @pytest.mark.timeout(60)
@@ -171,6 +176,19 @@ def test_a_window_cut_short_drops_its_read_ahead_and_the_next_window_gets_only_i
 
 
 @pytest.mark.timeout(60)
+def test_what_a_cut_short_window_read_ahead_stays_in_the_tiers_and_is_not_read_again(tmp_path, cached):
+    loaded, tiers, seen = cached
+    window = loaded.loaded_batches([[0, 0, 200]])
+    trained = flat([next(window) for _ in range(3)])
+    window.close()  # the window ends: reads stop, those in flight land in the tiers
+    ahead = sum(map(len, reads(seen).values()))
+    assert 48 < ahead < 200 and tiers.stats()["source"]["fetches"] == ahead
+    rest = flat(loaded.loaded_batches([[0, 48, 152]]))
+    assert trained + rest == flat(source(Logged(tmp_path)).window_batches([[0, 0, 200]]))
+    assert sorted(i for ids in reads(seen).values() for i in ids) == list(range(200))  # each sample read once
+
+
+@pytest.mark.timeout(60)
 def test_a_failing_getitem_in_a_worker_is_named_by_its_index(tmp_path):
     loaded = source(Logged(tmp_path, bad=7), workers=2)
     try:
@@ -183,12 +201,15 @@ def test_a_failing_getitem_in_a_worker_is_named_by_its_index(tmp_path):
 # ---------------------------------------------------------------- real runs
 
 
-def start(tmp_path: Path, name: str, env: dict, *, script: bool = False, epochs: int = EPOCHS, extra=()) -> tuple[Run, Path, Path]:
+def start(
+    tmp_path: Path, name: str, env: dict, *, script: bool = False, epochs: int = EPOCHS, cache: bool = False, extra=()
+) -> tuple[Run, Path, Path]:
     logs = tmp_path / name
     logs.mkdir()
     summary = tmp_path / f"{name}.json"
     what = ["--script", str(TASKS / "script.py")] if script else ["--task", task_spec("loaded.py")]
-    args = [*what, "--nproc-per-node", "2", "--epochs", str(epochs), "--no-sample-cache", "--summary-json", str(summary), *extra]
+    args = [*what, "--nproc-per-node", "2", "--epochs", str(epochs), "--summary-json", str(summary), *extra]
+    args += [] if cache else ["--no-sample-cache"]
     return Run(args, {**env, "FLODL_TEST_LOG_DIR": str(logs)}), logs, summary
 
 
@@ -251,12 +272,16 @@ def test_a_rank_killed_mid_epoch_takes_its_loader_workers_with_it(proc_env, tmp_
 
 
 @pytest.mark.timeout(120)
-def test_script_mode_reads_with_workers(proc_env, tmp_path):
-    run, logs, summary = start(tmp_path, "script", {**proc_env, "FLODL_TEST_NUM_WORKERS": "2"}, script=True)
-    finished(run, summary)
+def test_script_mode_reads_with_workers_into_the_sample_cache(proc_env, tmp_path):
+    """The RAM cache on: the workers' reads fill it, and nothing reads in the ranks (the cache
+    warmer, whose reads would hold the rank's GIL, stays off with workers)."""
+    run, logs, summary = start(tmp_path, "script", {**proc_env, "FLODL_TEST_NUM_WORKERS": "2"}, script=True, cache=True)
+    out = finished(run, summary)
     assert trained_counts(logs) == Counter({i: EPOCHS for i in range(SAMPLES)})
     ranks, readers = pids_of(logs, "trained"), pids_of(logs, "reads")
     assert len(ranks) == 2 and len(readers) == 4 and not readers & ranks
+    reads = sum(len(p.read_text().split()) for p in logs.glob("reads.*"))
+    assert reads == sum(rank["source_fetches"] for rank in out["data"].values()) < EPOCHS * SAMPLES  # later epochs hit the cache
 
 
 @pytest.mark.timeout(90)

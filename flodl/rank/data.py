@@ -13,6 +13,7 @@ re-raised naming the sample index, so the user knows which sample is broken.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -178,17 +179,20 @@ class BatchSource:
         """
         assert self.workers is not None, "loaded_batches needs worker reads (num_workers > 0)"
         ahead: deque[tuple[int, int, torch.Tensor, list[int], list[int]]] = deque()
+        ending = threading.Event()
 
         def reads() -> Iterator[list[int]]:
             # run by the loader as far ahead as its workers read: each batch's plan waits in `ahead`
             for epoch, pass_index, spans in self._plan(grants):
+                if ending.is_set():
+                    return  # the window ended: no more reads, those in flight are kept (_merged)
                 picks = _cut(self._perms[pass_index], spans)
                 ids = (picks % self.length).tolist()
                 asked = self._to_read(ids)
                 ahead.append((epoch, pass_index, picks, ids, asked))
                 yield asked
 
-        return self._merged(self.workers.open(reads()), ahead)
+        return self._merged(self.workers.open(reads()), ahead, ending)
 
     def _to_read(self, ids: list[int]) -> list[int]:
         """What the workers read of a batch: the samples the tiers lack, or, once the tiers take no
@@ -199,24 +203,53 @@ class BatchSource:
         misses = [i for i in dict.fromkeys(ids) if not tiers.holds(i)]
         return [WHOLE, *ids] if len(misses) == len(set(ids)) and tiers.full() else misses
 
-    def _merged(self, results: Iterator[Any], ahead: deque) -> Iterator[tuple[int, torch.Tensor, Any]]:
-        """Each batch from what the workers read (kept in the tiers) and what the tiers held."""
-        for got in results:
-            epoch, pass_index, picks, ids, asked = ahead.popleft()
-            if isinstance(got, Whole):
-                if self.tiers is not None:
-                    self.tiers.fetched_elsewhere(len(ids))
-                yield epoch, picks, self._delivered(pass_index, picks, got.batch)
-                continue
-            # the samples asked for (a whole batch comes back as samples when one of them failed)
-            read = dict(zip(asked[1:] if asked[:1] == [WHOLE] else asked, got, strict=True))
-            for i, sample in read.items():
-                if isinstance(sample, Failed):
-                    raise TaskError(f"dataset[{i}] raised {sample.error}")
-                if self.tiers is not None:
-                    self.tiers.offer(i, sample)
-            batch = self._collated([read[i] if i in read else self._one(i) for i in ids])
-            yield epoch, picks, self._delivered(pass_index, picks, batch)
+    def _merged(self, results: Iterator[Any], ahead: deque, ending: threading.Event) -> Iterator[tuple[int, torch.Tensor, Any]]:
+        """Each batch from what the workers read (kept in the tiers) and what the tiers held.
+
+        Closed before its end (the window ended), it stops the reads and waits for those in
+        flight (as the loader's reset at the next window would) to keep their samples in the
+        tiers: read ahead, never trained, never reported as trained.
+        """
+        try:
+            for got in results:
+                epoch, pass_index, picks, ids, asked = ahead.popleft()
+                if isinstance(got, Whole):
+                    self._count_whole(ids)
+                    yield epoch, picks, self._delivered(pass_index, picks, got.batch)
+                    continue
+                read = self._kept(got, asked)
+                batch = self._collated([read[i] if i in read else self._one(i) for i in ids])
+                yield epoch, picks, self._delivered(pass_index, picks, batch)
+        except GeneratorExit:
+            ending.set()
+            for got in results:
+                _, _, _, ids, asked = ahead.popleft()
+                if isinstance(got, Whole):
+                    self._count_whole(ids)
+                elif any(isinstance(sample, Failed) for sample in got):
+                    break  # raised when a window trains that sample
+                else:
+                    self._kept(got, asked)
+            raise
+
+    def _count_whole(self, ids: list[int]) -> None:
+        if self.tiers is not None:
+            self.tiers.fetched_elsewhere(len(ids))
+
+    def _kept(self, got: list[Any], asked: list[int]) -> dict[int, Any]:
+        """The samples the workers read for ``asked``, by index, each kept in the tiers.
+
+        Raises:
+            TaskError: a sample's ``__getitem__`` raised in the worker; the message names its index.
+        """
+        # the samples asked for (a whole batch comes back as samples when one of them failed)
+        read = dict(zip(asked[1:] if asked[:1] == [WHOLE] else asked, got, strict=True))
+        for i, sample in read.items():
+            if isinstance(sample, Failed):
+                raise TaskError(f"dataset[{i}] raised {sample.error}")
+            if self.tiers is not None:
+                self.tiers.offer(i, sample)
+        return read
 
     def _emit(self, pass_index: int, spans: list[tuple[int, int]]) -> tuple[torch.Tensor, Any]:
         """``(picks, batch)`` of one batch; picks are places in the pass (beyond the dataset when

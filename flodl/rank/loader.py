@@ -11,8 +11,8 @@ the rest from them and collates (the tiers keep raw samples, so collating
 comes after that merge). Once the tiers take nothing more, a batch none of
 whose samples they hold is read and collated whole in a worker (``Whole``),
 as torch's DataLoader does it. Batches come back in the order they were granted;
-what was read ahead but not trained when a window ends is dropped when the
-next window starts (``iter`` resets the loader), never counted as trained.
+when a window ends, the reads stop and those in flight land in the tiers
+(``BatchSource._merged``): read ahead, never trained, never reported as trained.
 
 Workers are forked (a task file's classes need not be importable by name in
 a fresh interpreter) from the thread that trains, and die with the rank: the
@@ -157,8 +157,8 @@ class WorkerReads:
     def open(self, reads: Iterator[list[int]]) -> Iterator[list[Any]]:
         """Start a window: the workers read each list of ``reads`` in order; iterate the result for
         their samples. Call it from the thread that trains: the first call forks the workers, and
-        a worker dies with the thread that forked it. The previous window's reads still in flight
-        are waited for and dropped."""
+        a worker dies with the thread that forked it. Reads of an earlier window still in flight
+        (none once that window's batches were closed) are waited for and dropped."""
         if self._loader is None:
             self._loader = self._make()
         self._feed.reads = reads

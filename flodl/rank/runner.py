@@ -695,10 +695,14 @@ class RankRunner(Regrouping, Evaluating):
         )
 
     def _start_warmer(self) -> None:
-        """Once the first window trained: read the rest of the dataset into the tiers in the background."""
+        """Once the first window trained: read the rest of the dataset into the tiers in the background.
+
+        Not with loader workers: the warmer reads in the rank's threads, under its GIL, which is
+        what workers are there to spare it (``__getitem__`` holding the GIL); the workers' reads
+        fill the tiers instead."""
         source = self._data_source()
         tiers = source.tiers
-        if self.warmer is not None or tiers is None or self.step_count == 0 or tiers.full():
+        if self.warmer is not None or tiers is None or source.workers is not None or self.step_count == 0 or tiers.full():
             return
         order = torch.randperm(source.length, generator=torch.Generator().manual_seed(source.seed + 7919 * self.rank))
         self.warmer = CacheWarmer(tiers.get, order.tolist(), held=tiers.holds, full=tiers.full)
@@ -756,7 +760,7 @@ class RankRunner(Regrouping, Evaluating):
             )
         finally:
             if prefetch is not None:
-                prefetch.close()  # what it read ahead is dropped: only trained batches are reported
+                prefetch.close()  # what it read ahead is not trained, nor reported: only trained batches are
                 if prefetch.abandoned and source.workers is not None:
                     source.workers.discard()  # never two threads in one loader: the next window starts new workers
 
