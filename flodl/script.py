@@ -42,6 +42,7 @@ from .rank.bridge import BATCH, END, EPOCH_END, Bridge, Item
 from .rank.link import SAVE_GRACE_S
 from .rank.script_rank import Prepared, ScriptRank
 from .shards import Shards
+from .task import loader_problem
 
 _USAGE = "start it with python -m flodl.controller --script SCRIPT.py [options] [-- script args]"
 _run: Run | None = None
@@ -122,7 +123,16 @@ class Run:
     # ------------------------------------------------------------ the loop
 
     def prepare(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Any, *, batch_size: int, collate_fn: Any = None
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataset: Any,
+        *,
+        batch_size: int,
+        collate_fn: Any = None,
+        num_workers: int = 0,
+        prefetch_factor: int | None = None,
+        pin_memory: bool = False,
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Join the run with this model, optimizer and dataset; returns the model and optimizer.
 
@@ -131,7 +141,10 @@ class Run:
         must give the same dataset (same samples, same order): flodl grants
         each rank its indices, ``batch_size`` at a time; a ``flodl.Shards``
         is granted shard by shard, each streamed into batches of ``batch_size``
-        that end where the shard ends (docs/data.md).
+        that end where the shard ends (docs/data.md). ``num_workers``,
+        ``prefetch_factor`` and ``pin_memory`` are torch DataLoader's: worker
+        processes run ``dataset[i]`` for the granted batches (``Task``'s fields
+        of those names, docs/task.md).
 
         Raises:
             TypeError, ValueError: naming the bad argument.
@@ -141,8 +154,11 @@ class Run:
         if self._prepared:
             raise RuntimeError("flodl: run.prepare() is called once")
         _check_prepare(model, optimizer, dataset, batch_size)
+        problem = loader_problem(num_workers, prefetch_factor, pin_memory)
+        if problem is not None:
+            raise ValueError(f"flodl: run.prepare(..., {problem[0]}=...): {problem[0]} {problem[1]}")
         self._prepared = True
-        item = self._bridge.call(Prepared(model, optimizer, dataset, batch_size, collate_fn))
+        item = self._bridge.call(Prepared(model, optimizer, dataset, batch_size, collate_fn, num_workers, prefetch_factor, pin_memory))
         if item.kind == END:
             self._end(item)
         if self._rank.threads:

@@ -73,6 +73,21 @@ def compile_kwargs(value: bool | str | dict[str, Any]) -> dict[str, Any] | None:
     raise TaskError(f"Task.compile must be True/False, a mode name or a dict of torch.compile arguments, got {value!r}")
 
 
+def loader_problem(num_workers: Any, prefetch_factor: Any, pin_memory: Any) -> tuple[str, str] | None:
+    """``(field, what is wrong)`` for bad loader options, None when they are fine (``Task`` and
+    ``run.prepare`` name the field their own way)."""
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
+        return "num_workers", f"must be an int >= 0, got {num_workers!r}"
+    if prefetch_factor is not None:
+        if not isinstance(prefetch_factor, int) or isinstance(prefetch_factor, bool) or prefetch_factor < 1:
+            return "prefetch_factor", f"must be an int >= 1 or None, got {prefetch_factor!r}"
+        if num_workers == 0:
+            return "prefetch_factor", "is how many batches each worker reads ahead: it needs num_workers > 0"
+    if not isinstance(pin_memory, bool):
+        return "pin_memory", f"must be True or False, got {pin_memory!r}"
+    return None
+
+
 @dataclass
 class Task:
     """Everything a rank needs to train one replica.
@@ -145,6 +160,18 @@ class Task:
             the forward (model and loss) runs under ``torch.autocast``; fp16
             adds a ``GradScaler`` whose state is saved, and counts the steps it
             skips (``amp_skipped_steps``).
+        num_workers: worker processes that run the dataset's ``__getitem__``
+            for the granted batches, as torch's DataLoader workers do (0, the
+            default: threads of the rank read). Use it when ``__getitem__`` is
+            CPU-bound Python (decoding, augmentation) that holds the GIL. The
+            rank collates (what the workers read also fills the staging
+            tiers); a ``TensorDataset`` is gathered in memory and uses none.
+            Workers are forked and die with their rank (docs/data.md).
+        prefetch_factor: batches each worker reads ahead (torch's default, 2,
+            when None); only with ``num_workers`` > 0.
+        pin_memory: collate each batch into page-locked host memory, so its
+            copy to a CUDA device overlaps the step; ignored (with a note in
+            the rank's log) on a CPU device.
     """
 
     model: ModelFactory
@@ -165,6 +192,9 @@ class Task:
     scheduler_interval: str = "global"
     accumulate_grad_batches: int = 1
     precision: str = "32"
+    num_workers: int = 0
+    prefetch_factor: int | None = None
+    pin_memory: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -199,6 +229,9 @@ class Task:
         if not isinstance(self.eval_metric, str) or not self.eval_metric:
             raise TaskError("Task.eval_metric must be a non-empty string")
         compile_kwargs(self.compile)
+        problem = loader_problem(self.num_workers, self.prefetch_factor, self.pin_memory)
+        if problem is not None:
+            raise TaskError(f"Task.{problem[0]} {problem[1]}")
 
     def build_dataset(self) -> Any:
         """Return the dataset, calling the factory if one was given.

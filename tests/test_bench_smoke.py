@@ -10,7 +10,8 @@ round of 2 rank processes against gloo, on each lane, about 15 s; startup: one
 one-epoch run of the README job under flodl and one under torchrun, about 30 s; chaos: one
 kill fault in a 2-epoch run, about 10 s; faults: one kill -9 of a rank, about
 10 s; bn_recal: one round of 4+1 batches of a ResNet-20 on 256 images, about
-8 s; data: the RAM cache on 256 samples, about 8 s; network: nccl-cadence at
+8 s; data: the RAM cache on 256 samples, about 8 s; loader: 128 samples read by the rank's
+threads and by 2 loader workers, about 5 s; network: nccl-cadence at
 20 ms in network namespaces, about 17 s, skipped where namespace hosts cannot
 be built; mixed: a CUDA rank alone and beside a CPU rank, skipped without CUDA,
 where ``--smoke`` must fail saying so) and writes its JSON under
@@ -141,6 +142,12 @@ def test_data_bench_runs(tmp_path, proc_env):
     out = run_smoke("-m bench.data", "data", tmp_path, proc_env)
     values = {r["metric"]: r["value"] for r in out["rows"]}
     assert values["epoch 1 wall"] > 0 and values["staged per rank"] > 0  # the RAM cache staged the samples
+
+
+def test_loader_bench_runs(tmp_path, proc_env):
+    out = run_smoke("-m bench.loader", "loader", tmp_path, proc_env)
+    rates = {r["case"]: r["value"] for r in out["rows"] if r["unit"] == "samples/s"}
+    assert set(rates) == {"spin reads, 0 workers", "spin reads, 2 workers"} and min(rates.values()) > 0
 
 
 @pytest.mark.timeout(120)  # four network namespaces and a relay, then a controller and three workers

@@ -5,14 +5,16 @@ picks from the shared seeded shuffle of the epoch's pass (``schedule.Schedule``:
 ``augment`` copies of each sample, ``epoch_splits`` epochs per pass), fetches
 the samples (a fast path for in-memory tensor datasets; otherwise through the
 staging tiers, ``staging.py``: VRAM pool, RAM cache, disk stage, then the
-dataset's ``__getitem__``), collates, applies the run's delivery ``transform``
-with each row's ``PickKey``, and moves the batch to the device. A failing
-``__getitem__`` is re-raised naming the sample index, so the user knows which
-sample is broken.
+dataset's ``__getitem__``, or worker processes that run it: ``loader.py``),
+collates, applies the run's delivery ``transform`` with each row's
+``PickKey``, and moves the batch to the device. A failing ``__getitem__`` is
+re-raised naming the sample index, so the user knows which sample is broken.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,18 +24,30 @@ from torch.utils.data import TensorDataset, default_collate
 
 from ..errors import TaskError
 from ..plan.schedule import PickKey, Schedule, epoch_permutation
+from .loader import WHOLE, Failed, Whole, WorkerReads
+
+
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``batch`` with ``fn`` applied to every tensor inside it (nested lists, tuples, namedtuples, dicts)."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, (list, tuple)):
+        moved = [map_tensors(b, fn) for b in batch]
+        return type(batch)(moved) if not hasattr(batch, "_fields") else type(batch)(*moved)
+    if isinstance(batch, dict):
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
+    return batch
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor inside a (nested) batch to ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        moved = [to_device(b, device) for b in batch]
-        return type(batch)(moved) if not hasattr(batch, "_fields") else type(batch)(*moved)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
+
+
+def pinned(batch: Any) -> Any:
+    """The batch's host tensors in page-locked memory (``pin_memory``): their copy to a CUDA
+    device is then asynchronous. Device tensors (from the VRAM pool) stay where they are."""
+    return map_tensors(batch, lambda t: t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t)
 
 
 Transform = Callable[[Any, list[PickKey]], Any]
@@ -91,6 +105,8 @@ class BatchSource:
         self.tiers = tiers  # staging.TieredSamples, or None: straight from the dataset
         self.device: torch.device | None = None  # set once a VRAM pool may hand back device-resident samples
         self._readers: ThreadPoolExecutor | None = None  # parallel dataset reads (staged path), made on first use
+        self.workers: WorkerReads | None = None  # worker processes reading the tiers' misses (num_workers)
+        self.pin = False  # collated batches into pinned memory (pin_memory on a CUDA rank)
         self._tensors = dataset.tensors if isinstance(dataset, TensorDataset) and collate_fn is None else None
         self._perms = PassShuffles(self.schedule.pass_len, seed)
         # the same shuffles as dataset indices (picks modulo the dataset: augmented passes are
@@ -100,6 +116,11 @@ class BatchSource:
     def stage(self, tiers: Any) -> None:
         """Fetch samples through ``tiers`` (``staging.TieredSamples``) instead of straight from the dataset."""
         self.tiers = tiers
+
+    def read_with(self, workers: WorkerReads | None, *, pin: bool) -> None:
+        """Have ``workers`` read the samples the tiers lack (``loaded_batches``); ``pin``: deliver
+        batches in pinned memory."""
+        self.workers, self.pin = workers, pin
 
     def pool_in_vram(self, pool: Any) -> None:
         """Add ``pool`` (``staging.VramPool``) to the tiers: samples may now come back resident on
@@ -132,7 +153,12 @@ class BatchSource:
             yield picks, batch
 
     def window_batches(self, grants: list[list[int]]) -> Iterator[tuple[int, torch.Tensor, Any]]:
-        """Yield ``(epoch, indices, batch)`` over ``[epoch, start, size]`` grants in order.
+        """Yield ``(epoch, indices, batch)`` over ``[epoch, start, size]`` grants in order (``_plan``)."""
+        for epoch, pass_index, spans in self._plan(grants):
+            yield (epoch, *self._emit(pass_index, spans))
+
+    def _plan(self, grants: list[list[int]]) -> Iterator[tuple[int, int, list[tuple[int, int]]]]:
+        """``(epoch, pass_index, spans)`` of each batch of the grants, in order.
 
         A batch may span two grants of one epoch, never two epochs (each batch
         is one epoch's, so per-epoch metrics stay exact); a batch cut short by
@@ -145,7 +171,7 @@ class BatchSource:
         epoch_of = pass_of = 0
         for epoch, start, size in grants:
             if pending and epoch != epoch_of:
-                yield (epoch_of, *self._emit(pass_of, pending))
+                yield epoch_of, pass_of, pending
                 pending, have = [], 0
             epoch_of = epoch
             pass_of, at = self._span(epoch, start, size)
@@ -156,10 +182,91 @@ class BatchSource:
                 at += take
                 size -= take
                 if have == self.batch_size:
-                    yield (epoch, *self._emit(pass_of, pending))
+                    yield epoch, pass_of, pending
                     pending, have = [], 0
         if pending:
-            yield (epoch_of, *self._emit(pass_of, pending))
+            yield epoch_of, pass_of, pending
+
+    def loaded_batches(self, grants: list[list[int]]) -> Iterator[tuple[int, torch.Tensor, Any]]:
+        """``window_batches`` with the samples the tiers lack read by the worker processes.
+
+        The window's reads start now, in the calling thread (the first window
+        forks the workers, which die with that thread: call it from the one
+        that trains); the batches may then be taken in another (the prefetcher's).
+        """
+        assert self.workers is not None, "loaded_batches needs worker reads (num_workers > 0)"
+        ahead: deque[tuple[int, int, torch.Tensor, list[int], list[int]]] = deque()
+        ending = threading.Event()
+
+        def reads() -> Iterator[list[int]]:
+            # run by the loader as far ahead as its workers read: each batch's plan waits in `ahead`
+            for epoch, pass_index, spans in self._plan(grants):
+                if ending.is_set():
+                    return  # the window ended: no more reads, those in flight are kept (_merged)
+                picks = _cut(self._perms[pass_index], spans)
+                ids = (picks % self.length).tolist()
+                asked = self._to_read(ids)
+                ahead.append((epoch, pass_index, picks, ids, asked))
+                yield asked
+
+        return self._merged(self.workers.open(reads()), ahead, ending)
+
+    def _to_read(self, ids: list[int]) -> list[int]:
+        """What the workers read of a batch: the samples the tiers lack, or, once the tiers take no
+        more, a batch they hold none of whole (``WHOLE``: the worker collates it)."""
+        tiers = self.tiers
+        if tiers is None:
+            return [WHOLE, *ids]
+        misses = [i for i in dict.fromkeys(ids) if not tiers.holds(i)]
+        return [WHOLE, *ids] if len(misses) == len(set(ids)) and tiers.full() else misses
+
+    def _merged(self, results: Iterator[Any], ahead: deque, ending: threading.Event) -> Iterator[tuple[int, torch.Tensor, Any]]:
+        """Each batch from what the workers read (kept in the tiers) and what the tiers held.
+
+        Closed before its end (the window ended), it stops the reads and waits for those in
+        flight (as the loader's reset at the next window would) to keep their samples in the
+        tiers: read ahead, never trained, never reported as trained.
+        """
+        try:
+            for got in results:
+                epoch, pass_index, picks, ids, asked = ahead.popleft()
+                if isinstance(got, Whole):
+                    self._count_whole(ids)
+                    yield epoch, picks, self._delivered(pass_index, picks, got.batch)
+                    continue
+                read = self._kept(got, asked)
+                batch = self._collated([read[i] if i in read else self._one(i) for i in ids])
+                yield epoch, picks, self._delivered(pass_index, picks, batch)
+        except GeneratorExit:
+            ending.set()
+            for got in results:
+                _, _, _, ids, asked = ahead.popleft()
+                if isinstance(got, Whole):
+                    self._count_whole(ids)
+                elif any(isinstance(sample, Failed) for sample in got):
+                    break  # raised when a window trains that sample
+                else:
+                    self._kept(got, asked)
+            raise
+
+    def _count_whole(self, ids: list[int]) -> None:
+        if self.tiers is not None:
+            self.tiers.fetched_elsewhere(len(ids))
+
+    def _kept(self, got: list[Any], asked: list[int]) -> dict[int, Any]:
+        """The samples the workers read for ``asked``, by index, each kept in the tiers.
+
+        Raises:
+            TaskError: a sample's ``__getitem__`` raised in the worker; the message names its index.
+        """
+        # the samples asked for (a whole batch comes back as samples when one of them failed)
+        read = dict(zip(asked[1:] if asked[:1] == [WHOLE] else asked, got, strict=True))
+        for i, sample in read.items():
+            if isinstance(sample, Failed):
+                raise TaskError(f"dataset[{i}] raised {sample.error}")
+            if self.tiers is not None:
+                self.tiers.offer(i, sample)
+        return read
 
     def _emit(self, pass_index: int, spans: list[tuple[int, int]]) -> tuple[torch.Tensor, Any]:
         """``(picks, batch)`` of one batch; picks are places in the pass (beyond the dataset when
@@ -174,9 +281,13 @@ class BatchSource:
             batch: Any = tuple(t[idx] for t in self._tensors)
         else:
             batch = self.fetch(picks % self.length)
+        return picks, self._delivered(pass_index, picks, batch)
+
+    def _delivered(self, pass_index: int, picks: torch.Tensor, batch: Any) -> Any:
+        """The batch as training gets it: the run's transform applied, pinned when asked."""
         if self.transform is not None:
             batch = self._transformed(batch, self.schedule.keys(pass_index, picks))
-        return picks, batch
+        return pinned(batch) if self.pin else batch
 
     def _index_shuffle(self, pass_index: int) -> torch.Tensor:
         """The pass's shuffle as dataset indices, where the tensors are (made, and uploaded, once per pass)."""
@@ -214,10 +325,7 @@ class BatchSource:
         """
         ids = idx.tolist()
         if self.tiers is not None:
-            samples = self._staged(ids)
-            if self.device is not None:  # some came from the VRAM pool: collate them all on the device
-                samples = [to_device(sample, self.device) for sample in samples]
-            return self.collate(samples)
+            return self._collated(self._staged(ids))
         getitems = getattr(self.dataset, "__getitems__", None)
         if getitems is not None:
             try:
@@ -225,6 +333,11 @@ class BatchSource:
             except Exception:
                 pass  # fall back to one sample at a time to name the culprit
         return self.collate([self._one(i) for i in ids])
+
+    def _collated(self, samples: list[Any]) -> Any:
+        if self.device is not None:  # some may come from the VRAM pool: collate them all on the device
+            samples = [to_device(sample, self.device) for sample in samples]
+        return self.collate(samples)
 
     def _staged(self, ids: list[int]) -> list[Any]:
         """A batch's samples through the tiers: hits in this thread, misses read in parallel.

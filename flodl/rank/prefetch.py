@@ -82,6 +82,11 @@ class Prefetcher:
                 if not self._thread.is_alive() and self._queue.empty():
                     raise RuntimeError("prefetch thread ended without a result") from None
 
+    @property
+    def abandoned(self) -> bool:
+        """The producer is still inside its iterator after ``close``."""
+        return self._thread.is_alive()
+
     def close(self) -> None:
         """Stop the producer and join it; safe to call twice."""
         self._finished = True

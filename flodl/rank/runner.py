@@ -70,6 +70,7 @@ from .evaluation import Evaluating
 from .flat import FlatModel, model_digest
 from .handle import LrState, WorkerHandle
 from .link import ControllerLink
+from .loader import WorkerReads
 from .norms import norm_layers
 from .outcomes import NonFiniteLoss, Stop, UserError, is_collective_error, user_traceback
 from .prefetch import CacheWarmer, Prefetcher
@@ -85,6 +86,8 @@ log = logging.getLogger(__name__)
 
 #: Batches fetched ahead of training, for datasets not already in memory.
 PREFETCH_DEPTH = 4
+#: How long a window's end waits for its reader thread to leave a batch it is reading.
+READER_JOIN_S = 30.0
 
 
 def model_signature(model: torch.nn.Module) -> str:
@@ -591,6 +594,8 @@ class RankRunner(Regrouping, Evaluating):
         if isinstance(dataset, Shards):
             if config.transform is not None:  # its PickKeys name samples, which a stream of shards has no index for
                 raise UserError("config", TaskError("transform: not available with a flodl.Shards dataset (transform in open_shard)"))
+            if self.task.num_workers:  # the loader workers read samples by index; a shard is one stream
+                raise UserError("config", TaskError("num_workers: not available with a flodl.Shards dataset (read ahead in open_shard)"))
             schedule = Schedule(len(dataset), config.augment, config.epoch_splits)
             return ShardSource(dataset, self.task.batch_size, seed=seed, collate_fn=self.task.collate_fn, schedule=schedule)
         transform = config.transform
@@ -605,7 +610,25 @@ class RankRunner(Regrouping, Evaluating):
         )
         if not source.in_memory:  # a tensor dataset is already in memory: nothing to stage
             source.stage(self._staging_tiers(config, dataset))
+        self._loading(source, dataset, seed)
         return source
+
+    def _loading(self, source: BatchSource, dataset: Any, seed: int) -> None:
+        """The task's DataLoader-style options: worker processes reading the samples, pinned batches."""
+        task = self.task
+        if source.in_memory:
+            if task.num_workers or task.pin_memory:
+                log.warning("rank %d: a TensorDataset is gathered in memory: Task.num_workers/pin_memory go unused", self.rank)
+            return
+        if task.pin_memory and self.device.type != "cuda":
+            log.warning("rank %d: Task.pin_memory has no effect on a %s device (it pins for copies to CUDA)", self.rank, self.device.type)
+        workers = None
+        if task.num_workers:
+            workers = WorkerReads(
+                dataset, workers=task.num_workers, prefetch_factor=task.prefetch_factor, seed=seed, collate_fn=task.collate_fn
+            )
+            self.closing.callback(workers.close)
+        source.read_with(workers, pin=task.pin_memory and self.device.type == "cuda")
 
     def _staging_tiers(self, config: DdpRunConfig, dataset: Any) -> TieredSamples:
         """RAM cache (pinned on CUDA ranks) and disk stage now; the VRAM pool after the
@@ -689,10 +712,14 @@ class RankRunner(Regrouping, Evaluating):
         )
 
     def _start_warmer(self) -> None:
-        """Once the first window trained: read the rest of the dataset into the tiers in the background."""
+        """Once the first window trained: read the rest of the dataset into the tiers in the background.
+
+        Not with loader workers: the warmer reads in the rank's threads, under its GIL, which is
+        what workers are there to spare it (``__getitem__`` holding the GIL); the workers' reads
+        fill the tiers instead."""
         source = self._data_source()
         tiers = source.tiers
-        if self.warmer is not None or tiers is None or self.step_count == 0 or tiers.full():
+        if self.warmer is not None or tiers is None or source.workers is not None or self.step_count == 0 or tiers.full():
             return
         order = torch.randperm(source.length, generator=torch.Generator().manual_seed(source.seed + 7919 * self.rank))
         self.warmer = CacheWarmer(tiers.get, order.tolist(), held=tiers.holds, full=tiers.full)
@@ -732,7 +759,11 @@ class RankRunner(Regrouping, Evaluating):
         """
         stats = RoundStats()
         source = self._data_source()
-        prefetch = None if source.in_memory else Prefetcher(source.window_batches(grants), depth=PREFETCH_DEPTH)
+        prefetch = None
+        if not source.in_memory:
+            # worker reads start here, in the training thread (their processes die with it)
+            produced = source.loaded_batches(grants) if source.workers is not None else source.window_batches(grants)
+            prefetch = Prefetcher(produced, depth=PREFETCH_DEPTH, join_timeout_s=READER_JOIN_S)
         try:
             return self._rounds(
                 stats,
@@ -746,7 +777,9 @@ class RankRunner(Regrouping, Evaluating):
             )
         finally:
             if prefetch is not None:
-                prefetch.close()
+                prefetch.close()  # what it read ahead is not trained, nor reported: only trained batches are
+                if prefetch.abandoned and source.workers is not None:
+                    source.workers.discard()  # never two threads in one loader: the next window starts new workers
 
     def _rounds(
         self,

@@ -47,6 +47,9 @@ class Prepared:
     dataset: Any
     batch_size: int
     collate_fn: Any = None
+    num_workers: int = 0
+    prefetch_factor: int | None = None
+    pin_memory: bool = False
 
 
 def _never(model: torch.nn.Module, batch: Any, device: torch.device) -> torch.Tensor:
@@ -108,6 +111,9 @@ class ScriptRank(RankRunner):
             batch_size=p.batch_size,
             collate_fn=p.collate_fn,
             train_step=_never,
+            num_workers=p.num_workers,
+            prefetch_factor=p.prefetch_factor,
+            pin_memory=p.pin_memory,
         )
 
     def _build(self) -> m.RankHello:

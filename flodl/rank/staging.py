@@ -400,6 +400,20 @@ class TieredSamples:
             flight.sample, flight.ok = sample, fetched and sample is not None
             flight.done.set()  # after a failure, followers retry and raise their own error
 
+    def offer(self, i: int, sample: Any) -> None:
+        """A sample the source gave elsewhere (a loader worker, ``loader.py``): counted as a source
+        fetch and kept in the first tier with room, as ``get`` would have."""
+        with self._lock:
+            self._source["fetches"] += 1
+            held = any(i in tier for tier in self._tiers())
+        if not held:
+            self._place(i, sample)
+
+    def fetched_elsewhere(self, count: int) -> None:
+        """Count ``count`` samples the source gave a loader worker that collated them itself."""
+        with self._lock:
+            self._source["fetches"] += count
+
     def _place(self, i: int, sample: Any) -> None:
         for tier in self._tiers():
             if self._put(tier, i, sample):

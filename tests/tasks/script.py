@@ -9,6 +9,8 @@ FLODL_TEST_OUT          a directory: each rank writes rank<R>.json there at the 
 FLODL_TEST_NO_INIT      never call flodl.init()
 FLODL_TEST_HANG_AT      "rank:step": that rank's loop blocks for good at that step (a script stuck in its own code)
 FLODL_TEST_MISUSE       "step": call run.step before any batch (misuse, refused with one clear error)
+FLODL_TEST_NUM_WORKERS  run.prepare(..., num_workers=N) over loaded.py's logged dataset (reads and
+                        trained indices logged to FLODL_TEST_LOG_DIR)
 """
 
 import json
@@ -18,6 +20,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from loaded import LoggedDataset, log_line
 
 import flodl
 
@@ -36,7 +39,9 @@ def main():
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x, y = _data(512, 0)
-    model, optimizer = run.prepare(model, optimizer, torch.utils.data.TensorDataset(x, y), batch_size=16)
+    workers = os.environ.get("FLODL_TEST_NUM_WORKERS")
+    dataset = LoggedDataset(512) if workers else torch.utils.data.TensorDataset(x, y)
+    model, optimizer = run.prepare(model, optimizer, dataset, batch_size=16, num_workers=int(workers or 0))
     if os.environ.get("FLODL_TEST_MISUSE") == "step":
         run.step(torch.tensor(0.0))
     fail_at = int(os.environ.get("FLODL_TEST_FAIL_AT", "0") or 0)
@@ -45,7 +50,10 @@ def main():
     steps, epochs = 0, []
     for epoch in run.epochs():
         epochs.append(epoch)
-        for xb, yb in run.batches():
+        for batch in run.batches():
+            xb, yb = batch[0], batch[1]
+            if workers:
+                log_line("trained", " ".join(map(str, batch[2].tolist())))
             steps += 1
             if steps == fail_at:
                 raise RuntimeError(f"injected failure at step {steps}")
