@@ -719,7 +719,8 @@ class RankRunner(Regrouping, Evaluating):
         fill the tiers instead."""
         source = self._data_source()
         tiers = source.tiers
-        if self.warmer is not None or tiers is None or source.workers is not None or self.step_count == 0 or tiers.full():
+        loading = isinstance(source, BatchSource) and source.workers is not None
+        if self.warmer is not None or tiers is None or loading or self.step_count == 0 or tiers.full():
             return
         order = torch.randperm(source.length, generator=torch.Generator().manual_seed(source.seed + 7919 * self.rank))
         self.warmer = CacheWarmer(tiers.get, order.tolist(), held=tiers.holds, full=tiers.full)
@@ -762,7 +763,8 @@ class RankRunner(Regrouping, Evaluating):
         prefetch = None
         if not source.in_memory:
             # worker reads start here, in the training thread (their processes die with it)
-            produced = source.loaded_batches(grants) if source.workers is not None else source.window_batches(grants)
+            loading = isinstance(source, BatchSource) and source.workers is not None
+            produced = source.loaded_batches(grants) if isinstance(source, BatchSource) and loading else source.window_batches(grants)
             prefetch = Prefetcher(produced, depth=PREFETCH_DEPTH, join_timeout_s=READER_JOIN_S)
         try:
             return self._rounds(
@@ -778,7 +780,7 @@ class RankRunner(Regrouping, Evaluating):
         finally:
             if prefetch is not None:
                 prefetch.close()  # what it read ahead is not trained, nor reported: only trained batches are
-                if prefetch.abandoned and source.workers is not None:
+                if prefetch.abandoned and isinstance(source, BatchSource) and source.workers is not None:
                     source.workers.discard()  # never two threads in one loader: the next window starts new workers
 
     def _rounds(
