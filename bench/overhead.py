@@ -230,7 +230,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--device", choices=("cpu", "cuda"), default="cpu", help="where both sides train (cuda: results in overhead_gpu.json)"
     )
     parser.add_argument(
-        "--steps-ms", default=None, help="comma-separated step times (ms) to size the cases by, instead of the plan's (e.g. 1 or 1,5)"
+        "--steps-ms",
+        default=None,
+        help="comma-separated step times (ms) to size the cases by, instead of the plan's (e.g. 1 or 1,5; 0: none, with --models)",
     )
     parser.add_argument("--pairs", type=int, default=None, help="plain/flodl pairs per case, instead of the plan's")
     parser.add_argument(
@@ -284,7 +286,7 @@ def plan(args: argparse.Namespace) -> tuple[list[tuple[str, float | None, str]],
     else:
         targets, models, reps, samples, epochs = (5.0, 20.0), (), 9, 16384, 4
     if args.steps_ms:
-        targets = tuple(float(t) for t in args.steps_ms.split(",") if t)
+        targets = tuple(float(t) for t in args.steps_ms.split(",") if t and float(t) > 0)  # 0: no MLP case
     if args.steps_ms and args.models is None:  # cases named: only those
         models = ()
     if args.models is not None:
