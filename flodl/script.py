@@ -202,6 +202,24 @@ class Run:
             raise TypeError(f"flodl: run.step(loss) takes the batch's loss, a one-element tensor; got {type(loss).__name__}")
         self._loss, self._outstanding = loss.detach(), False
 
+    def register_state(self, name: str, obj: Any) -> None:
+        """Keep ``obj``'s state (``state_dict`` / ``load_state_dict``: an LR scheduler, a GradScaler,
+        a counter) in the run's bundles, and restore it when the run is resumed.
+
+        Register before ``run.epochs()``: on a resumed run the saved state is loaded into
+        ``obj`` at once (``obj`` registered before ``prepare()``: at ``prepare()``). The bundle
+        holds the saving rank's copy, as it does the optimizer's state; every rank of the
+        resumed run loads that one. The state must be JSON (flodl writes no pickle).
+
+        Raises:
+            TypeError, ValueError: naming the bad argument (a state that is not JSON, a name used twice).
+            RuntimeError: called once the epochs began.
+            flodl.checkpoint.files.CheckpointError: the bundle's state does not load into ``obj``.
+        """
+        if self.epoch >= 0:
+            raise RuntimeError(f"flodl: run.register_state({name!r}, ...) comes before `for epoch in run.epochs()`")
+        self._rank.states.register(name, obj)
+
     def report(self, **metrics: float) -> None:
         """Record user metrics (``run.report(accuracy=0.93)``): they ride this rank's next window
         report into the epoch rows, the record stream and the dashboard, averaged across ranks."""

@@ -12,11 +12,14 @@ import torch
 
 from flodl import scriptspec
 from flodl.checkpoint.bundle import read_meta
+from flodl.checkpoint.files import CheckpointError
 from flodl.errors import EXIT_CONFIG, EXIT_RANK_LOST, EXIT_TASK_ERROR
 from flodl.rank.flat import FlatModel
+from flodl.rank.script_state import ScriptState
 
 from .conftest import PY, ROOT, TASKS
 from .helpers.procs import Run, assert_all_gone, runs_module
+from .tasks.script import Counter
 
 SCRIPT = str(TASKS / "script.py")
 EPOCHS = 3
@@ -135,6 +138,37 @@ def test_a_death_past_max_failure_saves_and_the_script_resumes_the_rest(proc_env
     assert json.loads((out / "rank0.json").read_text())["epochs"][0] == meta["epoch"]
 
 
+@pytest.mark.timeout(150)
+def test_registered_state_is_saved_and_a_resumed_script_ends_as_a_straight_run(proc_env, tmp_path):
+    """An LR scheduler and a counter, registered with run.register_state, stepped at every epoch's end:
+    stopped in epoch 2 (rank 1 dies past --max-failure, rank 0 writes the bundle) and resumed,
+    the scripts end with the LR and the count of a run never stopped (fresh ones would count
+    only the resumed epochs and halve the restored LR again)."""
+    straight_out, out = tmp_path / "straight", tmp_path / "out"
+    straight_out.mkdir()
+    out.mkdir()
+    epochs, sync = 6, ("--mode", "nccl-sync")
+    run, _ = start(proc_env, tmp_path, env={"FLODL_TEST_STATE": "1", "FLODL_TEST_OUT": str(straight_out)}, extra=sync, epochs=epochs)
+    assert run.wait(60) == 0, run.output
+    straight = [json.loads((straight_out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(s["counter"], s["lr"]) for s in straight] == [(epochs, straight[0]["lr"])] * 2 and straight[0]["lr"] > 0
+
+    stem = tmp_path / "ck" / "run"
+    env = {"FLODL_TEST_STATE": "1", "FLODL_INJECT_FAULT": "1:average:40"}  # 16 batches a rank an epoch: epoch 2
+    run1, _ = start(
+        proc_env, tmp_path, env=env, extra=(*sync, "--max-failure", "1", "--save-path", str(stem)), epochs=epochs, name="s1.json"
+    )
+    assert run1.wait(60) == 6, run1.output
+    meta = read_meta(stem)
+    assert meta["save_reason"] == "max_failure_exceeded" and 1 <= meta["epoch"] < epochs
+    env = {"FLODL_TEST_STATE": "1", "FLODL_TEST_OUT": str(out)}
+    run2, _ = start(proc_env, tmp_path, env=env, extra=(*sync, "--resume-from", str(stem)), epochs=epochs, name="s2.json")
+    assert run2.wait(60) == 0, run2.output
+    resumed = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert resumed[0]["epochs"][0] <= meta["epoch"]  # the resumed loops began where the bundle stood
+    assert [(r["counter"], r["lr"]) for r in resumed] == [(s["counter"], s["lr"]) for s in straight]
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("env", "says"),
@@ -231,3 +265,48 @@ def test_the_shipped_example_runs_as_documented(proc_env, tmp_path):
     last = [float(a) for a in re.findall(r"rank \d: epoch 2 done, replica accuracy ([\d.]+)", run.output)]
     assert len(last) == 2 and last[0] == last[1] > 0.8, run.output
     assert "accuracy" in summary["history"][-1]["scalars"]  # run.report reached the epoch rows
+
+
+def test_register_state_refuses_what_no_bundle_could_hold_and_restores_what_one_does():
+    """ScriptState, without processes: refusals name the object; a resumed bundle's state loads
+    into an object registered before or after it was read; the saved copy does not follow the object."""
+    states = ScriptState()
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    with pytest.raises(TypeError, match=r"register_state\('bad', obj\): obj needs state_dict\(\) and load_state_dict\(\)"):
+        states.register("bad", object())
+    with pytest.raises(TypeError, match=r"register_state\('tensor'\): its state_dict\(\) must be JSON"):
+        states.register("tensor", torch.nn.Linear(1, 1))  # a module's state holds tensors
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    states.register("sched", sched)
+    with pytest.raises(ValueError, match="registered already"):
+        states.register("sched", sched)
+    optimizer.step()
+    sched.step()
+    saved = states.saved(3)
+    sched.step()
+    assert saved["script_epoch"] == 3 and saved["script"]["sched"]["last_epoch"] == 1  # a copy, taken at the save
+
+    resumed = ScriptState()
+    early = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=1.0), step_size=1, gamma=0.5)
+    resumed.register("sched", early)
+    resumed.resume({**saved, "script": {**saved["script"], "later": {"ends": 7}}})
+    assert early.last_epoch == 1
+    late = Counter()
+    resumed.register("later", late)  # registered after the bundle was read: loaded at once
+    assert late.ends == 7
+    with pytest.raises(CheckpointError, match=r"register_state\('broken'\): the bundle's state does not load"):
+        broken = ScriptState()
+        broken.resume({"script": {"broken": {"nope": 1}}})
+        broken.register("broken", Counter())
+
+
+@pytest.mark.parametrize(("saved", "first", "current"), [(2, 3, 2), (2, 2, -1), (3, 2, -1), (-1, 0, -1)])
+def test_a_resumed_script_gets_the_end_of_the_epoch_it_was_saved_in(saved, first, current):
+    """Saved in epoch 2 before its end-of-epoch code ran and resumed in epoch 3, the script is
+    handed epoch 2's end first (current epoch 2); resumed in its own epoch (or an earlier one,
+    a window in flight trained again), nothing is handed."""
+    states = ScriptState()
+    states.resume({"script": {}, "script_epoch": saved})
+    assert states.first_epoch(first, -1) == current
+    assert states.first_epoch(first + 1, 7) == 7  # only the resumed run's first batch

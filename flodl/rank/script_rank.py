@@ -12,7 +12,11 @@ saves, liveness):
   optimizer's step itself;
 * ``_enter_epoch`` first hands the script the end of the epoch it was in, so
   its code after ``for batch in run.batches()`` (an eval, a report) runs
-  before the next epoch's first batch, watched as a callback is.
+  before the next epoch's first batch, watched as a callback is;
+* ``_train_state`` / ``_resume_optimizer`` keep the objects the script
+  registers (``run.register_state``: its LR schedulers, a GradScaler, its
+  counters) in the bundle's ``.optim`` file beside the optimizer's state, and
+  restore them on resume (script_state.py).
 
 Every handoff goes through the ``Bridge``: one thread runs at a time.
 """
@@ -26,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.bundle import load_optimizer
 from ..config.env import RankEnv
 from ..errors import EXIT_FAILED, EXIT_TASK_ERROR, PeerLost
 from ..task import Task
@@ -34,6 +39,7 @@ from .bridge import BATCH, EPOCH_END, PREPARED, Bridge, Item, ScriptFailed
 from .data import to_device
 from .outcomes import Stop, UserError
 from .runner import RankRunner
+from .script_state import ScriptState
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +67,7 @@ class ScriptRank(RankRunner):
         self.bridge = bridge
         self.prepared: Prepared | None = None
         self.threads = 0  # intra-op threads _build chose for this rank (0: not yet)
+        self.states = ScriptState()  # what run.register_state gave, and what a resumed bundle holds for it
 
     def start(self) -> threading.Thread:
         """Run the rank on a daemon thread (a stuck driver never holds the process); ``bridge.ended`` says how it ended."""
@@ -119,7 +126,20 @@ class ScriptRank(RankRunner):
         super()._join(welcome)
         self._hand(Item(PREPARED))  # prepare() returns; the script's next call goes on
 
+    def _resume_optimizer(self, stem: str) -> None:
+        """The optimizer's state and the script's registered objects, from the bundle. The loaded
+        groups' LRs stay as saved: the script's own schedulers set them (there is no flodl schedule
+        to re-apply), and the schedulers' restored state steps on from them."""
+        saved = load_optimizer(self.optimizer, stem, fits=[len(o.param_groups) for o in self.optimizers])
+        self.states.resume(saved)
+
+    def _train_state(self) -> dict[str, Any] | None:
+        out = super()._train_state() or {}
+        out.update(self.states.saved(self.current_epoch))
+        return out
+
     def _enter_epoch(self, epoch: int) -> None:
+        self.current_epoch = self.states.first_epoch(epoch, self.current_epoch)
         if self.current_epoch >= 0 and epoch > self.current_epoch:
             self.link.doing("callback")  # the script's code between epochs: watched as epoch_fn is
             self._hand(Item(EPOCH_END, epoch=self.current_epoch))

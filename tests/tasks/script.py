@@ -9,6 +9,8 @@ FLODL_TEST_OUT          a directory: each rank writes rank<R>.json there at the 
 FLODL_TEST_NO_INIT      never call flodl.init()
 FLODL_TEST_HANG_AT      "rank:step": that rank's loop blocks for good at that step (a script stuck in its own code)
 FLODL_TEST_MISUSE       "step": call run.step before any batch (misuse, refused with one clear error)
+FLODL_TEST_STATE        register a LambdaLR (halves the LR at every epoch's end) and a counter of epoch ends
+                        with run.register_state; rank<R>.json then holds their final "lr" and "counter"
 """
 
 import json
@@ -28,6 +30,19 @@ def _data(n, seed):
     return x, (x.sum(1) > 0).long()
 
 
+class Counter:
+    """A script's own state: how many epochs' end-of-epoch code ran."""
+
+    def __init__(self):
+        self.ends = 0
+
+    def state_dict(self):
+        return {"ends": self.ends}
+
+    def load_state_dict(self, state):
+        self.ends = state["ends"]
+
+
 def main():
     if os.environ.get("FLODL_TEST_NO_INIT"):
         return
@@ -37,6 +52,13 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x, y = _data(512, 0)
     model, optimizer = run.prepare(model, optimizer, torch.utils.data.TensorDataset(x, y), batch_size=16)
+    counter, scheduler = Counter(), None
+    if os.environ.get("FLODL_TEST_STATE"):
+        # after prepare: from the scaled LR. LambdaLR sets base x 0.5**steps: a fresh one on a
+        # resumed run would halve the restored LR again from step 0
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: 0.5**e)
+        run.register_state("lr_scheduler", scheduler)
+        run.register_state("counter", counter)
     if os.environ.get("FLODL_TEST_MISUSE") == "step":
         run.step(torch.tensor(0.0))
     fail_at = int(os.environ.get("FLODL_TEST_FAIL_AT", "0") or 0)
@@ -60,10 +82,14 @@ def main():
             run.step(loss)
         with torch.no_grad():
             run.report(accuracy=(model(x).argmax(1) == y).float().mean().item())
+        counter.ends += 1
+        if scheduler is not None:
+            scheduler.step()
     out = os.environ.get("FLODL_TEST_OUT")
     if out:
         names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
         record = {"env": {k: os.environ.get(k) for k in names}, "epochs": epochs, "steps": steps, "world_size": run.world_size}
+        record.update(lr=optimizer.param_groups[0]["lr"], counter=counter.ends)
         record["weights"] = float(sum(p.detach().double().sum() for p in model.parameters()))
         with open(os.path.join(out, f"rank{run.rank}.json"), "w") as f:
             json.dump(record, f)
