@@ -187,6 +187,16 @@ def test_an_error_in_the_script_stops_the_run_as_a_task_error(proc_env, tmp_path
 
 
 @pytest.mark.timeout(60)
+def test_an_empty_dataset_is_the_users_error_exit_2_in_one_line(proc_env, tmp_path):
+    """prepare() given no samples: the rank reports it as the user's error, not as the script
+    raising (as a Task's empty dataset: tests/test_liveness.py)."""
+    run, _ = start(proc_env, tmp_path, env={"FLODL_TEST_EMPTY": "1"})
+    assert run.wait(45) == EXIT_CONFIG, run.output
+    assert run.output.count("run.prepare(..., dataset): the dataset is empty") == 1, run.output
+    assert "Traceback" not in run.output and "--- traceback" not in run.output, run.output
+
+
+@pytest.mark.timeout(60)
 def test_a_script_that_never_calls_init_is_named(proc_env, tmp_path):
     run, _ = start(proc_env, tmp_path, env={"FLODL_TEST_NO_INIT": "1"})
     assert run.wait(45) == EXIT_RANK_LOST, run.output

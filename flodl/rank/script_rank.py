@@ -32,7 +32,7 @@ import torch
 
 from ..checkpoint.bundle import load_optimizer
 from ..config.env import RankEnv
-from ..errors import EXIT_FAILED, EXIT_TASK_ERROR, PeerLost
+from ..errors import EXIT_FAILED, EXIT_TASK_ERROR, PeerLost, TaskError
 from ..task import Task
 from ..wire import messages as m
 from .bridge import BATCH, EPOCH_END, PREPARED, Bridge, Item, ScriptFailed
@@ -104,8 +104,15 @@ class ScriptRank(RankRunner):
             raise Stop
 
     def _load_task(self) -> Task:
+        """A ``Task`` of what the script prepared.
+
+        Raises:
+            TaskError: the dataset is empty (the user's error: exit 2, one line, as a Task's).
+        """
         p = self.prepared
         assert p is not None  # _run waited for it
+        if len(p.dataset) == 0:
+            raise TaskError("run.prepare(..., dataset): the dataset is empty (no samples to train)")
         return Task(
             model=lambda: p.model,
             optimizer=lambda model: p.optimizer,  # flattening keeps the Parameter objects: it stays valid

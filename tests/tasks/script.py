@@ -9,6 +9,7 @@ FLODL_TEST_OUT          a directory: each rank writes rank<R>.json there at the 
 FLODL_TEST_NO_INIT      never call flodl.init()
 FLODL_TEST_HANG_AT      "rank:step": that rank's loop blocks for good at that step (a script stuck in its own code)
 FLODL_TEST_MISUSE       "step": call run.step before any batch (misuse, refused with one clear error)
+FLODL_TEST_EMPTY        prepare() an empty dataset (refused as the user's error, exit 2)
 FLODL_TEST_STATE        register a LambdaLR (halves the LR at every epoch's end) and a counter of epoch ends
                         with run.register_state; rank<R>.json then holds their final "lr" and "counter"
 """
@@ -50,7 +51,7 @@ def main():
     torch.manual_seed(run.rank)  # the replicas start unlike: prepare() makes them rank 0's
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x, y = _data(512, 0)
+    x, y = _data(0 if os.environ.get("FLODL_TEST_EMPTY") else 512, 0)
     model, optimizer = run.prepare(model, optimizer, torch.utils.data.TensorDataset(x, y), batch_size=16)
     counter, scheduler = Counter(), None
     if os.environ.get("FLODL_TEST_STATE"):
