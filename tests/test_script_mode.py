@@ -13,9 +13,12 @@ import torch
 from flodl import scriptspec
 from flodl.checkpoint.bundle import read_meta
 from flodl.checkpoint.files import CheckpointError
+from flodl.controller.epoch_ends import EpochEnds
 from flodl.errors import EXIT_CONFIG, EXIT_RANK_LOST, EXIT_TASK_ERROR
+from flodl.plan.metrics import EpochReport, aggregate
 from flodl.rank.flat import FlatModel
 from flodl.rank.script_state import ScriptState
+from flodl.wire import messages as m
 
 from .conftest import PY, ROOT, TASKS
 from .helpers.procs import Run, assert_all_gone, runs_module
@@ -59,7 +62,8 @@ def test_a_script_trains_on_two_ranks(proc_env, tmp_path, mode):
     summary = finished(run, path)
     assert summary["world_size"] == 2 and summary["deaths"] == []
     assert summary["final_loss"] < summary["history"][0]["loss"]
-    # run.report's values ride the next window report: they reach the epoch rows
+    # run.report after an epoch's batches lands in that epoch's row, the last epoch's too
+    assert [h["scalars"]["epoch_seen"] for h in summary["history"]] == list(range(EPOCHS))
     assert 0.7 < summary["history"][-1]["scalars"]["accuracy"] <= 1.0
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r, record in enumerate(ranks):
@@ -69,6 +73,22 @@ def test_a_script_trains_on_two_ranks(proc_env, tmp_path, mode):
     if mode == "nccl-cadence":  # the last average lands before the script's loop ends: equal replicas
         assert ranks[0]["weights"] == ranks[1]["weights"]
         assert len(set(summary["final_digests"].values())) == 1
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["nccl-sync", "nccl-async"])
+def test_a_report_after_an_epochs_batches_lands_in_that_epoch(proc_env, tmp_path, mode):
+    """Each script reports epoch_seen=e after epoch e's batches (the script's end-of-epoch code runs
+    when its rank begins the next epoch, or when the run completes): every epoch's row holds e,
+    in the summary, the console's order and the record stream, root and per rank."""
+    logs = tmp_path / "logs"
+    run, path = start(proc_env, tmp_path, mode=mode, extra=("--record-log-dir", str(logs)))
+    summary = finished(run, path)
+    assert [h["scalars"]["epoch_seen"] for h in summary["history"]] == list(range(EPOCHS))
+    for log in (logs / "root.log", logs / "root" / "rank0.log", logs / "root" / "rank1.log"):
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        epochs = [(r["epoch"], r["metrics"].get("epoch_seen")) for r in records if r.get("epoch_complete")]
+        assert epochs == [(e, e) for e in range(EPOCHS)], (log, epochs)
 
 
 @pytest.mark.timeout(90)
@@ -293,9 +313,9 @@ def test_register_state_refuses_what_no_bundle_could_hold_and_restores_what_one_
         states.register("sched", sched)
     optimizer.step()
     sched.step()
-    saved = states.saved(3)
+    saved = states.saved()
     sched.step()
-    assert saved["script_epoch"] == 3 and saved["script"]["sched"]["last_epoch"] == 1  # a copy, taken at the save
+    assert saved["script"]["sched"]["last_epoch"] == 1  # a copy, taken at the save
 
     resumed = ScriptState()
     early = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=1.0), step_size=1, gamma=0.5)
@@ -311,12 +331,21 @@ def test_register_state_refuses_what_no_bundle_could_hold_and_restores_what_one_
         broken.register("broken", Counter())
 
 
-@pytest.mark.parametrize(("saved", "first", "current"), [(2, 3, 2), (2, 2, -1), (3, 2, -1), (-1, 0, -1)])
-def test_a_resumed_script_gets_the_end_of_the_epoch_it_was_saved_in(saved, first, current):
-    """Saved in epoch 2 before its end-of-epoch code ran and resumed in epoch 3, the script is
-    handed epoch 2's end first (current epoch 2); resumed in its own epoch (or an earlier one,
-    a window in flight trained again), nothing is handed."""
-    states = ScriptState()
-    states.resume({"script": {}, "script_epoch": saved})
-    assert states.first_epoch(first, -1) == current
-    assert states.first_epoch(first + 1, 7) == 7  # only the resumed run's first batch
+def test_an_epochs_row_waits_for_every_live_script_that_trained_in_it():
+    """EpochEnds, without processes: values reported before the epoch closed and after it both
+    reach its row (per rank and folded, weighted by batches); the row is complete once every live
+    rank that trained in it ended it, a dead or idle rank not awaited."""
+    ends = EpochEnds()
+    early = m.EpochEnd(rank=0, epoch=1, scalars={"acc": [1.8, 2.0]})  # before the close: two reports, mean 0.9
+    ends.note(early, None)
+    reports = [
+        EpochReport(rank, 1, batches, batches * 16, 0.0, 10.0, 0.0, 0.0, 0.0, 1, {}) for rank, batches in ((0, 30), (1, 10), (2, 0), (3, 5))
+    ]
+    stats = aggregate(1, reports)
+    ends.close(stats)
+    assert stats.scalars == {"acc": 0.9} and stats.per_rank[0].scalars == {"acc": [1.8, 2.0]}
+    assert not ends.complete(stats, live={0, 1, 2})  # rank 1 trained in it and has not ended it
+    ends.note(m.EpochEnd(rank=1, epoch=1, scalars={"acc": [0.5, 1.0]}), stats)  # after the close
+    assert stats.scalars == {"acc": pytest.approx((0.9 * 30 + 0.5 * 10) / 40)}
+    assert ends.complete(stats, live={0, 1, 2})  # rank 2 trained nothing of it; rank 3 is dead
+    assert not ends.complete(stats, live={0, 1, 3})

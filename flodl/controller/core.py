@@ -201,6 +201,7 @@ class Controller:
             m.TimingMsg: self.training.on_batch_done,
             m.WindowDone: self.training.on_window_done,
             m.EvalResult: self.training.on_eval_result,
+            m.EpochEnd: self.training.on_epoch_end,
             m.RankError: self.liveness.on_rank_error,
             m.RankExited: self.liveness.on_rank_exited,
             m.Heartbeat: self.liveness.on_heartbeat,
@@ -269,6 +270,7 @@ class Controller:
                 try:
                     return await self._conduct()
                 except RunAborted as exc:
+                    self.training.flush_epoch_lines(over=True)  # script mode: rows still waiting for an end that will not come
                     await self.teardown.abort(exc)
                     exc.summary = self.summary(str(exc), exc.exit_code)
                     raise
@@ -409,6 +411,7 @@ class Controller:
         run.mark_finished()
         training.flush_epoch_lines()
         await self.teardown.shutdown_peers()
+        training.flush_epoch_lines(over=True)  # script mode: the last epoch's ends came before the scripts' Exiting
         failed = [e for e in training.evals.values() if e.error] if training.evals_on else []
         if failed and len(failed) == len(training.evals):
             # trained, but nothing says how well: not a plain success (the last error says why)

@@ -30,14 +30,15 @@ from typing import Any
 
 import torch
 
+from .. import scalars
 from ..checkpoint.bundle import load_optimizer
 from ..config.env import RankEnv
-from ..errors import EXIT_FAILED, EXIT_TASK_ERROR, PeerLost, TaskError
+from ..errors import EXIT_FAILED, EXIT_OK, EXIT_TASK_ERROR, PeerLost, TaskError
 from ..task import Task
 from ..wire import messages as m
 from .bridge import BATCH, EPOCH_END, PREPARED, Bridge, Item, ScriptFailed
 from .data import to_device
-from .outcomes import Stop, UserError
+from .outcomes import Stop, UserError, user_traceback
 from .runner import RankRunner
 from .script_state import ScriptState
 
@@ -142,16 +143,39 @@ class ScriptRank(RankRunner):
 
     def _train_state(self) -> dict[str, Any] | None:
         out = super()._train_state() or {}
-        out.update(self.states.saved(self.current_epoch))
+        out.update(self.states.saved())
         return out
 
     def _enter_epoch(self, epoch: int) -> None:
-        self.current_epoch = self.states.first_epoch(epoch, self.current_epoch)
         if self.current_epoch >= 0 and epoch > self.current_epoch:
-            self.link.doing("callback")  # the script's code between epochs: watched as epoch_fn is
-            self._hand(Item(EPOCH_END, epoch=self.current_epoch))
-            self.link.doing("step")
+            self._end_epoch()
         super()._enter_epoch(epoch)
+
+    def _end_epoch(self) -> None:
+        """Hand the script the end of its current epoch, then send the controller what it reported
+        up to then (``EpochEnd``): that epoch's row waits for it (controller/epoch_ends.py).
+
+        Raises:
+            UserError: the script's code raised.
+        """
+        busy = self.link.busy
+        self.link.doing("callback")  # the script's code between epochs: watched as epoch_fn is
+        self._hand(Item(EPOCH_END, epoch=self.current_epoch))
+        self.link.send(m.EpochEnd(rank=self.rank, epoch=self.current_epoch, scalars=scalars.drain()))
+        self.link.doing(busy)
+
+    def _completed(self) -> int:
+        """The run completed and the last average landed: the script's last epoch ends now, on the
+        consensus, and its reports reach that epoch's row. An error there is the script's own (the
+        run trained every epoch): its traceback here, and the process exits with 4."""
+        if self.current_epoch < 0:
+            return EXIT_OK  # it trained nothing: no epoch to end
+        try:
+            self._end_epoch()
+        except UserError as exc:
+            log.error("rank %d: the script's code after its last epoch raised:\n%s", self.rank, user_traceback(exc.original))
+            return EXIT_TASK_ERROR
+        return EXIT_OK
 
     def _train_batch(self, batch: Any) -> torch.Tensor:
         loss = self._hand(Item(BATCH, epoch=self.current_epoch, batch=to_device(batch, self.device)))

@@ -5,15 +5,13 @@ schedulers, a GradScaler, a counter of its own). Every bundle the rank writes
 (a consensus checkpoint, ShutdownWithSave, an emergency save) keeps the
 writing rank's copy of each, as JSON in the ``.optim`` file's ``train_state``
 beside the optimizer's state (which is that rank's too): ``{"script": {name:
-state}, "script_epoch": e}``. A resumed run loads that one copy into every
-rank's object before the first batch it trains.
+state}}``. A resumed run loads that one copy into every rank's object before
+the first batch it trains.
 
-``script_epoch`` is the epoch the script was in when the bundle was written,
-its end-of-epoch code not yet run. If the resumed run starts in a later epoch
-(the save came after this rank's last batch of that epoch), the script is
-handed that epoch's end first, with no batches, so the code after its
-``for batch in run.batches()`` (a scheduler's per-epoch step, a report) runs
-once, as in a run never stopped.
+The states are those of the moment the rank wrote the bundle, between two of
+its batches: a script's end-of-epoch code that had not run yet (it runs when
+the rank's next epoch begins) is not in them, and a resumed run that starts
+in the next epoch does not run it (docs/script-mode.md#resume).
 
 The two threads of a script rank never touch this at once (rank/bridge.py):
 the script registers in its turn (or before ``prepare``, while the driver only
@@ -38,7 +36,6 @@ class ScriptState:
     def __init__(self) -> None:
         self.objects: dict[str, Any] = {}
         self._resumed: dict[str, Any] | None = None  # the bundle's states not yet loaded (None: not resumed)
-        self._resumed_in: int | None = None  # the bundle's script_epoch, until the first batch
 
     def register(self, name: str, obj: Any) -> None:
         """Keep ``obj``'s state in the bundles; a resumed run's saved state is loaded into it now.
@@ -69,22 +66,12 @@ class ScriptState:
             CheckpointError: a saved state does not load into its object.
         """
         self._resumed = dict(train_state.get("script") or {})
-        epoch = train_state.get("script_epoch")
-        self._resumed_in = int(epoch) if epoch is not None else None
         for name, obj in self.objects.items():
             self._load(name, obj)
 
-    def saved(self, epoch: int) -> dict[str, Any]:
-        """What the bundle keeps: each registered object's state, and the epoch the script is in."""
-        return {"script": {name: _as_json(name, obj.state_dict()) for name, obj in self.objects.items()}, "script_epoch": epoch}
-
-    def first_epoch(self, epoch: int, current: int) -> int:
-        """The rank's current epoch as it enters ``epoch``: on a resumed run's first batch, the saved
-        script's epoch when it ended before ``epoch`` (its end is then handed to the script first)."""
-        if self._resumed_in is None:
-            return current
-        saved, self._resumed_in = self._resumed_in, None
-        return saved if saved < epoch else current
+    def saved(self) -> dict[str, Any]:
+        """What the bundle keeps: each registered object's state, by name."""
+        return {"script": {name: _as_json(name, obj.state_dict()) for name, obj in self.objects.items()}}
 
     def _load(self, name: str, obj: Any) -> None:
         assert self._resumed is not None

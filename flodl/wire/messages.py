@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 @dataclass(slots=True)
@@ -523,6 +523,19 @@ class ShutdownWithSave:
     """name part of that save's data files: save_rank writes <save_stem>.<save_tag>.fdl and .optim, new names, so the committed bundle stays whole until the controller's sidecar names the new files"""
 
 
+@dataclass(slots=True)
+class EpochEnd:
+    """Script mode: the script's end-of-epoch code (after its loop over the epoch's batches) has run on this rank; what it reported, for that epoch's row (the controller prints and records a closed epoch once every live rank that trained in it has sent this). (rank -> controller)"""
+
+    KIND: ClassVar[int] = 30
+    rank: int
+    """global rank"""
+    epoch: int
+    """the epoch that ended"""
+    scalars: dict[str, list[float]]
+    """user scalars recorded since the rank's last report and up to the end of that epoch's code, name to [sum, count]"""
+
+
 SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     1: ('WorkerHello', WorkerHello, (('host', 'str'), ('pid', 'int'), ('devices', 'list<str>'), ('versions', 'map<str,str>'),)),
     2: ('WorkerWelcome', WorkerWelcome, (('ranks', 'list<int>'), ('world_size', 'int'), ('task', 'str'), ('heartbeat_timeout_s', 'float'), ('bulk_port', 'int'), ('bulk_relay', 'bool'), ('seed', 'int'),)),
@@ -551,4 +564,5 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     27: ('CheckpointDone', CheckpointDone, (('rank', 'int'), ('version', 'int'), ('model_sha256', 'str'), ('optim_sha256', 'str'), ('elapsed_ms', 'float'), ('error', 'opt<str>'),)),
     28: ('Respawn', Respawn, (('rank', 'int'), ('device', 'str'), ('replaces', 'int'), ('attempt', 'int'), ('delay_s', 'float'),)),
     29: ('ShutdownWithSave', ShutdownWithSave, (('reason', 'str'), ('abort', 'bool'), ('save_stem', 'str'), ('save_rank', 'int'), ('save_tag', 'str'),)),
+    30: ('EpochEnd', EpochEnd, (('rank', 'int'), ('epoch', 'int'), ('scalars', 'map<str,list<float>>'),)),
 }

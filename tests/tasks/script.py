@@ -81,8 +81,8 @@ def main():
             loss.backward()
             optimizer.step()
             run.step(loss)
-        with torch.no_grad():
-            run.report(accuracy=(model(x).argmax(1) == y).float().mean().item())
+        with torch.no_grad():  # after the epoch's batches: lands in this epoch's row
+            run.report(accuracy=(model(x).argmax(1) == y).float().mean().item(), epoch_seen=epoch)
         counter.ends += 1
         if scheduler is not None:
             scheduler.step()
