@@ -92,6 +92,26 @@ def test_a_report_after_an_epochs_batches_lands_in_that_epoch(proc_env, tmp_path
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("declared", [":declared", ":explicit", ""])
+def test_no_average_falls_inside_a_declared_accumulation(proc_env, tmp_path, declared):
+    """Rank 0 steps its optimizer every 2 batches, rank 1 every 4, each checking that its weights
+    are still those of its accumulation's first batch when the next one comes (no average between).
+    Declared (prepare(accumulate_grad_batches=N), or run.step(loss, optimizer_stepped=...) batch by
+    batch), Sync averages only between accumulations: no
+    weights ever change inside one, every sample still trained once. Undeclared, Sync averages
+    after every batch, and rank 0's steps reach rank 1 inside its accumulations."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"FLODL_TEST_ACCUM": f"2,4{declared}", "FLODL_TEST_OUT": str(out)}
+    run, path = start(proc_env, tmp_path, mode="nccl-sync", env=env)
+    finished(run, path)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert sum(r["steps"] for r in ranks) == EPOCHS * 512 // 16
+    breaks = [r["accum_breaks"] for r in ranks]
+    assert breaks == [0, 0] if declared else breaks[1] > 0, breaks
+
+
+@pytest.mark.timeout(90)
 def test_a_rank_killed_mid_epoch_costs_nothing(proc_env, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

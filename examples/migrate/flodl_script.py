@@ -51,7 +51,7 @@ def main() -> None:
                 optimizer.step()
                 optimizer.zero_grad()
                 scheduler.step()
-            run.step(loss)
+            run.step(loss, optimizer_stepped=(i + 1) % ACCUM == 0)  # no average inside an accumulation
         if rank == 0:
             print(f"epoch {epoch + 1}: loss {loss.item() * ACCUM:.4f}, lr {scheduler.get_last_lr()[0]:.2e}", flush=True)
 

@@ -54,6 +54,16 @@ class Prepared:
     dataset: Any
     batch_size: int
     collate_fn: Any = None
+    accumulate_grad_batches: int = 1  # the script steps its optimizer once every this many batches
+
+
+@dataclass(frozen=True)
+class Stepped:
+    """What ``run.step`` hands the rank: the batch's loss, and whether the script stepped its
+    optimizer after it (None: unsaid, counted from ``accumulate_grad_batches``)."""
+
+    loss: torch.Tensor
+    optimizer_stepped: bool | None = None
 
 
 def _never(model: torch.nn.Module, batch: Any, device: torch.device) -> torch.Tensor:
@@ -69,6 +79,7 @@ class ScriptRank(RankRunner):
         self.prepared: Prepared | None = None
         self.threads = 0  # intra-op threads _build chose for this rank (0: not yet)
         self.states = ScriptState()  # what run.register_state gave, and what a resumed bundle holds for it
+        self.micro = 0  # batches since the script last stepped its optimizer (inside an accumulation: > 0)
 
     def start(self) -> threading.Thread:
         """Run the rank on a daemon thread (a stuck driver never holds the process); ``bridge.ended`` says how it ended."""
@@ -178,9 +189,22 @@ class ScriptRank(RankRunner):
         return EXIT_OK
 
     def _train_batch(self, batch: Any) -> torch.Tensor:
-        loss = self._hand(Item(BATCH, epoch=self.current_epoch, batch=to_device(batch, self.device)))
+        done: Stepped = self._hand(Item(BATCH, epoch=self.current_epoch, batch=to_device(batch, self.device)))
+        self.micro += 1
+        stepped = done.optimizer_stepped
+        if stepped or (stepped is None and self.micro >= self._accumulate):
+            self.micro = 0
         self.faults.reach("batch")  # tests: a death mid-batch (the script's step taken, not yet counted)
-        return loss
+        return done.loss
+
+    @property
+    def _accumulate(self) -> int:
+        return self.prepared.accumulate_grad_batches if self.prepared is not None else 1
+
+    def _accumulating(self) -> bool:
+        """Inside the script's accumulation: the window goes on (no average, no quota stop) until
+        the script steps its optimizer, as for a Task's ``accumulate_grad_batches``."""
+        return self.micro > 0
 
     def _hand(self, item: Item) -> Any:
         try:
