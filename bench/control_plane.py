@@ -128,7 +128,7 @@ def sim_worker(addr: str, bare_addrs: dict[str, str], nranks: int, frames: int, 
     for r in welcome.ranks:
         sock = make_dealer(ctx, addr)
         writer = FrameWriter(SECRET, RUN, f"rank{r}.bench")
-        sock.send(writer.encode(m.RankHello(r, "bench", os.getpid(), "cpu", VERSIONS, "sig", 1, "shuf", frames, False, "none", 1)))
+        sock.send(writer.encode(m.RankHello(r, "bench", os.getpid(), "cpu", VERSIONS, "sig", 1, "shuf", frames, False, "none", 1, 1)))
         ranks.append((r, sock, writer, FrameReader(SECRET, RUN)))
     for r, sock, writer, rdr in ranks:
         w = _recv(sock, rdr, m.RankWelcome, timeout_ms=wait_ms)

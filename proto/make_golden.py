@@ -46,6 +46,7 @@ SAMPLES = [
         has_eval=True,
         eval_metric="accuracy",
         batch_size=32,
+        accumulate_grad_batches=2,
     ),
     m.RankWelcome(
         rank=0,

@@ -104,11 +104,14 @@ def test_no_average_falls_inside_a_declared_accumulation(proc_env, tmp_path, dec
     out.mkdir()
     env = {"FLODL_TEST_ACCUM": f"2,4{declared}", "FLODL_TEST_OUT": str(out)}
     run, path = start(proc_env, tmp_path, mode="nccl-sync", env=env)
-    finished(run, path)
+    summary = finished(run, path)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert sum(r["steps"] for r in ranks) == EPOCHS * 512 // 16
     breaks = [r["accum_breaks"] for r in ranks]
     assert breaks == [0, 0] if declared else breaks[1] > 0, breaks
+    # the declared N travel in the hellos: Sync plans a round per 4 batches (the longest), not one per batch
+    rounds = 16 // 4 if declared == ":declared" else 16
+    assert [h["syncs"] for h in summary["history"]] == [rounds] * EPOCHS
 
 
 @pytest.mark.timeout(90)

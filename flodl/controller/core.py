@@ -452,7 +452,10 @@ class Controller:
         """
         admission, training, averaging = self.admission, self.training, self.plane.averaging
         # workers that arrived while these started join at a boundary
-        loop = training.open_loop(admission.training_ranks(), self.resume.seed())
+        ranks = admission.training_ranks()
+        # the longest accumulation of the ranks that start: Sync's rounds are whole accumulations of each
+        accumulate = max((admission.hellos[r].accumulate_grad_batches for r in ranks if r in admission.hellos), default=1)
+        loop = training.open_loop(ranks, self.resume.seed(), accumulate=accumulate)
         if self.resume.meta is not None:
             assert training.schedule is not None  # _conduct began training with it
             self.resume.apply(loop, training.task, training.schedule, training.total_epochs)

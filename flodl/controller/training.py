@@ -100,8 +100,9 @@ class Training:
     def begin(self, info: m.RankHello, schedule: Schedule) -> None:
         self.info, self.schedule = info, schedule
 
-    def open_loop(self, ranks: list[int], seed: int) -> CadenceLoop:
-        """The cadence loop that plans every window from here on."""
+    def open_loop(self, ranks: list[int], seed: int, *, accumulate: int = 1) -> CadenceLoop:
+        """The cadence loop that plans every window from here on; ``accumulate``: the ranks'
+        batches per optimizer step (Sync averages at its multiples)."""
         info = self.task
         self.cadence = CadenceLoop(
             self.config,
@@ -113,6 +114,7 @@ class Training:
             global_step=self.global_step,
             schedule=self.schedule,
             span_epochs=self._edges_needed_every(),
+            accumulate=accumulate,
         )
         return self.cadence
 

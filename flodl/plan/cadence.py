@@ -52,6 +52,7 @@ class CadenceLoop:
         global_step: int = 0,
         schedule: Schedule | None = None,
         span_epochs: int = FLOW_MAX_EPOCHS,
+        accumulate: int = 1,
     ) -> None:
         elche_cfg = config.elche
         self.policy = elche_cfg.mode.policy
@@ -72,6 +73,7 @@ class CadenceLoop:
             max_batch_diff=elche_cfg.max_batch_diff,
             epoch_len=self.schedule.epoch_len,
             fixed=config.deterministic,
+            accumulate=accumulate,
         )
         # a window is at most an epoch's batches, or a few epochs' when epochs flow into each other
         # (the dispatcher's ``flows``) and nothing needs every edge (``span_epochs``: evals, checkpoints)
@@ -302,7 +304,7 @@ class CadenceLoop:
         regrouped = [r.regrouped_at for r in reports.values() if r.regrouped_at >= 0]
         bs = self.dispatcher.batch_size
         if regrouped:
-            return min(plan.samples, min(regrouped) * bs) if plan.sync_every else 0
+            return min(plan.samples, min(regrouped) * plan.sync_every * bs) if plan.sync_every else 0
         if self.collective and reports:
             # the survivors finished every average of the window with it: its work is in
             return min(plan.samples, last_batches * bs)

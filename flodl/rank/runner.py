@@ -438,6 +438,7 @@ class RankRunner(Regrouping, Evaluating):
             has_eval=task.eval_fn is not None,
             eval_metric=task.eval_metric,
             batch_size=task.batch_size,
+            accumulate_grad_batches=task.accumulate_grad_batches,
         )
 
     def _load_task(self) -> Task:

@@ -23,6 +23,7 @@ Every handoff goes through the ``Bridge``: one thread runs at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
@@ -139,7 +140,8 @@ class ScriptRank(RankRunner):
         # the intra-op thread count is per thread: the one _build chose (the rank's share of the
         # cores) is set on this thread only; prepare() sets it on the script's thread too
         self.threads = torch.get_num_threads()
-        return hello
+        # the script's accumulation, not the Task's (which never accumulates: the script steps)
+        return dataclasses.replace(hello, accumulate_grad_batches=self._accumulate)
 
     def _join(self, welcome: m.RankWelcome) -> None:
         super()._join(welcome)

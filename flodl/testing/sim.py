@@ -220,6 +220,7 @@ class SimWorker:
                 has_eval=True,
                 eval_metric="sim_metric",
                 batch_size=self.batch_size,
+                accumulate_grad_batches=1,
             )
         )
         welcome = await peer.expect(m.RankWelcome, m.Reject, m.Shutdown, m.ShutdownWithSave)
