@@ -235,8 +235,10 @@ class Run:
         self._rank.states.register(name, obj)
 
     def report(self, **metrics: float) -> None:
-        """Record user metrics (``run.report(accuracy=0.93)``): they ride this rank's next window
-        report into the epoch rows, the record stream and the dashboard, averaged across ranks."""
+        """Record user metrics (``run.report(accuracy=0.93)``) for the epoch rows, the record stream
+        and the dashboard, averaged across ranks. Reported after an epoch's batches, they land in
+        that epoch's row (the rank sends them once this code is done: ``EpochEnd``); inside the
+        batch loop, in the epoch the window report covers."""
         for key, value in metrics.items():
             scalars.record_scalar(key, value)
 
