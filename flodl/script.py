@@ -40,7 +40,7 @@ from .config.env import RankEnv
 from .errors import EXIT_CONFIG, EXIT_TASK_ERROR
 from .rank.bridge import BATCH, END, EPOCH_END, Bridge, Item
 from .rank.link import SAVE_GRACE_S
-from .rank.script_rank import Prepared, ScriptRank
+from .rank.script_rank import Prepared, ScriptRank, Stepped
 from .shards import Shards
 from .task import loader_problem
 
@@ -93,7 +93,7 @@ class Run:
         if self._rank.device.type == "cuda":
             torch.cuda.set_device(self._rank.device)  # the current device is per thread: the script's too
         self._pending: Item | None = None  # the driver's last item, not yet taken
-        self._loss: torch.Tensor | None = None  # the last batch's loss, for the driver's next turn
+        self._loss: Stepped | None = None  # the last batch's loss (and whether the optimizer stepped), for the driver's next turn
         self._outstanding = False  # a batch was given out and its run.step is due
         self._in_epoch = False
         self._prepared = False
@@ -133,6 +133,7 @@ class Run:
         num_workers: int = 0,
         prefetch_factor: int | None = None,
         pin_memory: bool = False,
+        accumulate_grad_batches: int = 1,
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Join the run with this model, optimizer and dataset; returns the model and optimizer.
 
@@ -144,7 +145,9 @@ class Run:
         that end where the shard ends (docs/data.md). ``num_workers``,
         ``prefetch_factor`` and ``pin_memory`` are torch DataLoader's: worker
         processes run ``dataset[i]`` for the granted batches (``Task``'s fields
-        of those names, docs/task.md).
+        of those names, docs/task.md). ``accumulate_grad_batches``: the
+        script steps its optimizer once every this many batches (``run.step`` may say so
+        batch by batch instead); no average then falls inside an accumulation.
 
         Raises:
             TypeError, ValueError: naming the bad argument.
@@ -153,12 +156,14 @@ class Run:
         """
         if self._prepared:
             raise RuntimeError("flodl: run.prepare() is called once")
-        _check_prepare(model, optimizer, dataset, batch_size)
+        _check_prepare(model, optimizer, dataset, batch_size, accumulate_grad_batches)
         problem = loader_problem(num_workers, prefetch_factor, pin_memory)
         if problem is not None:
             raise ValueError(f"flodl: run.prepare(..., {problem[0]}=...): {problem[0]} {problem[1]}")
         self._prepared = True
-        item = self._bridge.call(Prepared(model, optimizer, dataset, batch_size, collate_fn, num_workers, prefetch_factor, pin_memory))
+        item = self._bridge.call(
+            Prepared(model, optimizer, dataset, batch_size, collate_fn, num_workers, prefetch_factor, pin_memory, accumulate_grad_batches)
+        )
         if item.kind == END:
             self._end(item)
         if self._rank.threads:
@@ -206,9 +211,12 @@ class Run:
             self._end(item)  # END: a completed run's last epoch ends here, its end stays for epochs()
             return
 
-    def step(self, loss: torch.Tensor) -> None:
-        """This batch is trained (the script took its optimizer step); ``loss`` is its loss.
+    def step(self, loss: torch.Tensor, *, optimizer_stepped: bool | None = None) -> None:
+        """This batch is trained; ``loss`` is its loss.
 
+        ``optimizer_stepped``: did the script step its optimizer after this batch? Unsaid, it
+        did every ``accumulate_grad_batches`` batches (every batch without accumulation). While
+        it has not, the rank averages nothing: an average never falls inside an accumulation.
         The loss is read later, off the step's path (no device sync here).
 
         Raises:
@@ -219,11 +227,33 @@ class Run:
             raise RuntimeError("flodl: run.step(loss) is called once per batch, inside `for batch in run.batches()`")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"flodl: run.step(loss) takes the batch's loss, a one-element tensor; got {type(loss).__name__}")
-        self._loss, self._outstanding = loss.detach(), False
+        if optimizer_stepped is not None and not isinstance(optimizer_stepped, bool):
+            raise TypeError(f"flodl: run.step(loss, optimizer_stepped=...) takes a bool, got {type(optimizer_stepped).__name__}")
+        self._loss, self._outstanding = Stepped(loss.detach(), optimizer_stepped), False
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """Keep ``obj``'s state (``state_dict`` / ``load_state_dict``: an LR scheduler, a GradScaler,
+        a counter) in the run's bundles, and restore it when the run is resumed.
+
+        Register before ``run.epochs()``: on a resumed run the saved state is loaded into
+        ``obj`` at once (``obj`` registered before ``prepare()``: at ``prepare()``). The bundle
+        holds the saving rank's copy, as it does the optimizer's state; every rank of the
+        resumed run loads that one. The state must be JSON (flodl writes no pickle).
+
+        Raises:
+            TypeError, ValueError: naming the bad argument (a state that is not JSON, a name used twice).
+            RuntimeError: called once the epochs began.
+            flodl.checkpoint.files.CheckpointError: the bundle's state does not load into ``obj``.
+        """
+        if self.epoch >= 0:
+            raise RuntimeError(f"flodl: run.register_state({name!r}, ...) comes before `for epoch in run.epochs()`")
+        self._rank.states.register(name, obj)
 
     def report(self, **metrics: float) -> None:
-        """Record user metrics (``run.report(accuracy=0.93)``): they ride this rank's next window
-        report into the epoch rows, the record stream and the dashboard, averaged across ranks."""
+        """Record user metrics (``run.report(accuracy=0.93)``) for the epoch rows, the record stream
+        and the dashboard, averaged across ranks. Reported after an epoch's batches, they land in
+        that epoch's row (the rank sends them once this code is done: ``EpochEnd``); inside the
+        batch loop, in the epoch the window report covers."""
         for key, value in metrics.items():
             scalars.record_scalar(key, value)
 
@@ -270,7 +300,7 @@ class Run:
         exit_now(ended.code if ended is not None and ended.code else EXIT_TASK_ERROR)
 
 
-def _check_prepare(model: Any, optimizer: Any, dataset: Any, batch_size: Any) -> None:
+def _check_prepare(model: Any, optimizer: Any, dataset: Any, batch_size: Any, accumulate: Any) -> None:
     """Raises: TypeError / ValueError naming the bad argument of ``run.prepare``."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"flodl: run.prepare(model, ...): model must be a torch.nn.Module, got {type(model).__name__}")
@@ -285,3 +315,5 @@ def _check_prepare(model: Any, optimizer: Any, dataset: Any, batch_size: Any) ->
         )
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"flodl: run.prepare(..., batch_size=...): a positive int, got {batch_size!r}")
+    if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+        raise ValueError(f"flodl: run.prepare(..., accumulate_grad_batches=...): a positive int, got {accumulate!r}")

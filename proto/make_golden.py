@@ -47,6 +47,7 @@ SAMPLES = [
         eval_metric="accuracy",
         batch_size=32,
         grain="sample",
+        accumulate_grad_batches=2,
     ),
     m.RankWelcome(
         rank=0,
@@ -67,6 +68,7 @@ SAMPLES = [
     m.TimingMsg(rank=1, epoch=3, step=97, samples=32, loss=0.25, batch_ms=5.5, data_ms=0.125, sync_ms=0.75),
     m.Respawn(rank=3, device="cuda:1", replaces=1, attempt=1, delay_s=1.0),
     m.ShutdownWithSave(reason="rank 1 lost", abort=True, save_stem="/shared/run", save_rank=0, save_tag="f00d"),
+    m.EpochEnd(rank=1, epoch=2, scalars={"accuracy": [0.93, 1.0]}),
     m.Heartbeat(step=1234, sent_at=1700000000.5, busy="step", busy_s=0.25, step_ms=12.5, averaged=3),
     m.RunEval(epoch=5, final=True, window=17),
     m.EvalResult(rank=0, epoch=5, final=True, value=0.96875, elapsed_ms=3.5, error=None),

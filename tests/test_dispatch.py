@@ -35,6 +35,17 @@ def test_sync_windows_are_equal_and_average_every_batch():
     assert [p.grants[0].start for p in plans.values()] == [0, 50]
 
 
+@pytest.mark.parametrize("progressive", [True, False])
+def test_sync_averages_once_per_optimizer_step_when_the_ranks_accumulate(progressive):
+    """accumulate_grad_batches=2 (the ranks' hellos): a round is 2 batches, so a window of 50
+    batches a rank (non-progressive: its whole partition) costs 25 averages, not 50 rounds of
+    which half would find the rank inside an accumulation; progressive windows are whole accumulations."""
+    d = Dispatcher(ApplyPolicy.SYNC, [0, 1], 1000, 10, 1, progressive=progressive, accumulate=2)
+    plans = d.plan(ElChe(2, anchor=1))
+    quota = 6 if progressive else 50  # progressive: 5 batches a rank, rounded up to whole accumulations
+    assert all(p.quota_batches == quota and p.sync_every == 2 and p.rounds == quota // 2 for p in plans.values())
+
+
 def test_probe_is_open_ended_equal_shares():
     d = Dispatcher(ApplyPolicy.CADENCE, [0, 1, 2], 900, 10, 1)
     plans = d.plan(ElChe(3))

@@ -12,11 +12,17 @@ import torch
 
 from flodl import scriptspec
 from flodl.checkpoint.bundle import read_meta
+from flodl.checkpoint.files import CheckpointError
+from flodl.controller.epoch_ends import EpochEnds
 from flodl.errors import EXIT_CONFIG, EXIT_RANK_LOST, EXIT_TASK_ERROR
+from flodl.plan.metrics import EpochReport, aggregate
 from flodl.rank.flat import FlatModel
+from flodl.rank.script_state import ScriptState
+from flodl.wire import messages as m
 
 from .conftest import PY, ROOT, TASKS
 from .helpers.procs import Run, assert_all_gone, runs_module
+from .tasks.script import Counter
 
 SCRIPT = str(TASKS / "script.py")
 EPOCHS = 3
@@ -56,7 +62,8 @@ def test_a_script_trains_on_two_ranks(proc_env, tmp_path, mode):
     summary = finished(run, path)
     assert summary["world_size"] == 2 and summary["deaths"] == []
     assert summary["final_loss"] < summary["history"][0]["loss"]
-    # run.report's values ride the next window report: they reach the epoch rows
+    # run.report after an epoch's batches lands in that epoch's row, the last epoch's too
+    assert [h["scalars"]["epoch_seen"] for h in summary["history"]] == list(range(EPOCHS))
     assert 0.7 < summary["history"][-1]["scalars"]["accuracy"] <= 1.0
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r, record in enumerate(ranks):
@@ -66,6 +73,45 @@ def test_a_script_trains_on_two_ranks(proc_env, tmp_path, mode):
     if mode == "nccl-cadence":  # the last average lands before the script's loop ends: equal replicas
         assert ranks[0]["weights"] == ranks[1]["weights"]
         assert len(set(summary["final_digests"].values())) == 1
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["nccl-sync", "nccl-async"])
+def test_a_report_after_an_epochs_batches_lands_in_that_epoch(proc_env, tmp_path, mode):
+    """Each script reports epoch_seen=e after epoch e's batches (the script's end-of-epoch code runs
+    when its rank begins the next epoch, or when the run completes): every epoch's row holds e,
+    in the summary, the console's order and the record stream, root and per rank."""
+    logs = tmp_path / "logs"
+    run, path = start(proc_env, tmp_path, mode=mode, extra=("--record-log-dir", str(logs)))
+    summary = finished(run, path)
+    assert [h["scalars"]["epoch_seen"] for h in summary["history"]] == list(range(EPOCHS))
+    for log in (logs / "root.log", logs / "root" / "rank0.log", logs / "root" / "rank1.log"):
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        epochs = [(r["epoch"], r["metrics"].get("epoch_seen")) for r in records if r.get("epoch_complete")]
+        assert epochs == [(e, e) for e in range(EPOCHS)], (log, epochs)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("declared", [":declared", ":explicit", ""])
+def test_no_average_falls_inside_a_declared_accumulation(proc_env, tmp_path, declared):
+    """Rank 0 steps its optimizer every 2 batches, rank 1 every 4, each checking that its weights
+    are still those of its accumulation's first batch when the next one comes (no average between).
+    Declared (prepare(accumulate_grad_batches=N), or run.step(loss, optimizer_stepped=...) batch by
+    batch), Sync averages only between accumulations: no
+    weights ever change inside one, every sample still trained once. Undeclared, Sync averages
+    after every batch, and rank 0's steps reach rank 1 inside its accumulations."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"FLODL_TEST_ACCUM": f"2,4{declared}", "FLODL_TEST_OUT": str(out)}
+    run, path = start(proc_env, tmp_path, mode="nccl-sync", env=env)
+    summary = finished(run, path)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert sum(r["steps"] for r in ranks) == EPOCHS * 512 // 16
+    breaks = [r["accum_breaks"] for r in ranks]
+    assert breaks == [0, 0] if declared else breaks[1] > 0, breaks
+    # the declared N travel in the hellos: Sync plans a round per 4 batches (the longest), not one per batch
+    rounds = 16 // 4 if declared == ":declared" else 16
+    assert [h["syncs"] for h in summary["history"]] == [rounds] * EPOCHS
 
 
 @pytest.mark.timeout(90)
@@ -135,6 +181,37 @@ def test_a_death_past_max_failure_saves_and_the_script_resumes_the_rest(proc_env
     assert json.loads((out / "rank0.json").read_text())["epochs"][0] == meta["epoch"]
 
 
+@pytest.mark.timeout(150)
+def test_registered_state_is_saved_and_a_resumed_script_ends_as_a_straight_run(proc_env, tmp_path):
+    """An LR scheduler and a counter, registered with run.register_state, stepped at every epoch's end:
+    stopped in epoch 2 (rank 1 dies past --max-failure, rank 0 writes the bundle) and resumed,
+    the scripts end with the LR and the count of a run never stopped (fresh ones would count
+    only the resumed epochs and halve the restored LR again)."""
+    straight_out, out = tmp_path / "straight", tmp_path / "out"
+    straight_out.mkdir()
+    out.mkdir()
+    epochs, sync = 6, ("--mode", "nccl-sync")
+    run, _ = start(proc_env, tmp_path, env={"FLODL_TEST_STATE": "1", "FLODL_TEST_OUT": str(straight_out)}, extra=sync, epochs=epochs)
+    assert run.wait(60) == 0, run.output
+    straight = [json.loads((straight_out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(s["counter"], s["lr"]) for s in straight] == [(epochs, straight[0]["lr"])] * 2 and straight[0]["lr"] > 0
+
+    stem = tmp_path / "ck" / "run"
+    env = {"FLODL_TEST_STATE": "1", "FLODL_INJECT_FAULT": "1:average:40"}  # 16 batches a rank an epoch: epoch 2
+    run1, _ = start(
+        proc_env, tmp_path, env=env, extra=(*sync, "--max-failure", "1", "--save-path", str(stem)), epochs=epochs, name="s1.json"
+    )
+    assert run1.wait(60) == 6, run1.output
+    meta = read_meta(stem)
+    assert meta["save_reason"] == "max_failure_exceeded" and 1 <= meta["epoch"] < epochs
+    env = {"FLODL_TEST_STATE": "1", "FLODL_TEST_OUT": str(out)}
+    run2, _ = start(proc_env, tmp_path, env=env, extra=(*sync, "--resume-from", str(stem)), epochs=epochs, name="s2.json")
+    assert run2.wait(60) == 0, run2.output
+    resumed = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert resumed[0]["epochs"][0] <= meta["epoch"]  # the resumed loops began where the bundle stood
+    assert [(r["counter"], r["lr"]) for r in resumed] == [(s["counter"], s["lr"]) for s in straight]
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("env", "says"),
@@ -150,6 +227,16 @@ def test_an_error_in_the_script_stops_the_run_as_a_task_error(proc_env, tmp_path
     assert run.wait(45) == EXIT_TASK_ERROR, run.output
     for text in says:
         assert text in run.output
+
+
+@pytest.mark.timeout(60)
+def test_an_empty_dataset_is_the_users_error_exit_2_in_one_line(proc_env, tmp_path):
+    """prepare() given no samples: the rank reports it as the user's error, not as the script
+    raising (as a Task's empty dataset: tests/test_liveness.py)."""
+    run, _ = start(proc_env, tmp_path, env={"FLODL_TEST_EMPTY": "1"})
+    assert run.wait(45) == EXIT_CONFIG, run.output
+    assert run.output.count("run.prepare(..., dataset): the dataset is empty") == 1, run.output
+    assert "Traceback" not in run.output and "--- traceback" not in run.output, run.output
 
 
 @pytest.mark.timeout(60)
@@ -231,3 +318,57 @@ def test_the_shipped_example_runs_as_documented(proc_env, tmp_path):
     last = [float(a) for a in re.findall(r"rank \d: epoch 2 done, replica accuracy ([\d.]+)", run.output)]
     assert len(last) == 2 and last[0] == last[1] > 0.8, run.output
     assert "accuracy" in summary["history"][-1]["scalars"]  # run.report reached the epoch rows
+
+
+def test_register_state_refuses_what_no_bundle_could_hold_and_restores_what_one_does():
+    """ScriptState, without processes: refusals name the object; a resumed bundle's state loads
+    into an object registered before or after it was read; the saved copy does not follow the object."""
+    states = ScriptState()
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    with pytest.raises(TypeError, match=r"register_state\('bad', obj\): obj needs state_dict\(\) and load_state_dict\(\)"):
+        states.register("bad", object())
+    with pytest.raises(TypeError, match=r"register_state\('tensor'\): its state_dict\(\) must be JSON"):
+        states.register("tensor", torch.nn.Linear(1, 1))  # a module's state holds tensors
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    states.register("sched", sched)
+    with pytest.raises(ValueError, match="registered already"):
+        states.register("sched", sched)
+    optimizer.step()
+    sched.step()
+    saved = states.saved()
+    sched.step()
+    assert saved["script"]["sched"]["last_epoch"] == 1  # a copy, taken at the save
+
+    resumed = ScriptState()
+    early = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=1.0), step_size=1, gamma=0.5)
+    resumed.register("sched", early)
+    resumed.resume({**saved, "script": {**saved["script"], "later": {"ends": 7}}})
+    assert early.last_epoch == 1
+    late = Counter()
+    resumed.register("later", late)  # registered after the bundle was read: loaded at once
+    assert late.ends == 7
+    with pytest.raises(CheckpointError, match=r"register_state\('broken'\): the bundle's state does not load"):
+        broken = ScriptState()
+        broken.resume({"script": {"broken": {"nope": 1}}})
+        broken.register("broken", Counter())
+
+
+def test_an_epochs_row_waits_for_every_live_script_that_trained_in_it():
+    """EpochEnds, without processes: values reported before the epoch closed and after it both
+    reach its row (per rank and folded, weighted by batches); the row is complete once every live
+    rank that trained in it ended it, a dead or idle rank not awaited."""
+    ends = EpochEnds()
+    early = m.EpochEnd(rank=0, epoch=1, scalars={"acc": [1.8, 2.0]})  # before the close: two reports, mean 0.9
+    ends.note(early, None)
+    reports = [
+        EpochReport(rank, 1, batches, batches * 16, 0.0, 10.0, 0.0, 0.0, 0.0, 1, {}) for rank, batches in ((0, 30), (1, 10), (2, 0), (3, 5))
+    ]
+    stats = aggregate(1, reports)
+    ends.close(stats)
+    assert stats.scalars == {"acc": 0.9} and stats.per_rank[0].scalars == {"acc": [1.8, 2.0]}
+    assert not ends.complete(stats, live={0, 1, 2})  # rank 1 trained in it and has not ended it
+    ends.note(m.EpochEnd(rank=1, epoch=1, scalars={"acc": [0.5, 1.0]}), stats)  # after the close
+    assert stats.scalars == {"acc": pytest.approx((0.9 * 30 + 0.5 * 10) / 40)}
+    assert ends.complete(stats, live={0, 1, 2})  # rank 2 trained nothing of it; rank 3 is dead
+    assert not ends.complete(stats, live={0, 1, 3})

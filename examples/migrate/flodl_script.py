@@ -2,8 +2,8 @@
 
     python -m flodl.controller --script examples/migrate/flodl_script.py --nproc-per-node 2 --epochs 10 --lr-scale-ratio 0 -- --epochs 10
 
-Save and resume are flodl's (--save-path / --resume-from: the model, the optimizer and
-exact coverage); the cosine schedule restarts on resume (script mode has no hooks for it yet).
+Save and resume are flodl's (--save-path / --resume-from: the model, the optimizer, the
+registered scheduler and exact coverage).
 """
 
 import argparse
@@ -39,6 +39,7 @@ def main() -> None:
     model, optimizer = run.prepare(model, optimizer, dataset, batch_size=args.batch_size)
     steps_per_epoch = -(-len(dataset) // (args.batch_size * run.world_size))  # len(loader) of one rank
     scheduler = CosineAnnealingLR(optimizer, T_max=args.epochs * steps_per_epoch // ACCUM)
+    run.register_state("scheduler", scheduler)  # in the bundle; a resumed run continues the cosine
 
     for epoch in run.epochs():
         model.train()
@@ -50,7 +51,7 @@ def main() -> None:
                 optimizer.step()
                 optimizer.zero_grad()
                 scheduler.step()
-            run.step(loss)
+            run.step(loss, optimizer_stepped=(i + 1) % ACCUM == 0)  # no average inside an accumulation
         if rank == 0:
             print(f"epoch {epoch + 1}: loss {loss.item() * ACCUM:.4f}, lr {scheduler.get_last_lr()[0]:.2e}", flush=True)
 

@@ -171,7 +171,7 @@ def save_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, tr
         try:
             metadata["train_state"] = json.dumps(train_state)
         except TypeError as exc:  # a scheduler holding a function: flodl saves no pickle
-            raise TypeError(f"the LR scheduler's or scaler's state cannot be saved as JSON ({exc})") from None
+            raise TypeError(f"the LR schedulers', scaler's or script's registered state cannot be saved as JSON ({exc})") from None
     return safetensors_io.save(path, tensors, metadata)
 
 

@@ -201,6 +201,7 @@ class Controller:
             m.TimingMsg: self.training.on_batch_done,
             m.WindowDone: self.training.on_window_done,
             m.EvalResult: self.training.on_eval_result,
+            m.EpochEnd: self.training.on_epoch_end,
             m.RankError: self.liveness.on_rank_error,
             m.RankExited: self.liveness.on_rank_exited,
             m.Heartbeat: self.liveness.on_heartbeat,
@@ -269,6 +270,7 @@ class Controller:
                 try:
                     return await self._conduct()
                 except RunAborted as exc:
+                    self.training.flush_epoch_lines(over=True)  # script mode: rows still waiting for an end that will not come
                     await self.teardown.abort(exc)
                     exc.summary = self.summary(str(exc), exc.exit_code)
                     raise
@@ -411,6 +413,7 @@ class Controller:
         run.mark_finished()
         training.flush_epoch_lines()
         await self.teardown.shutdown_peers()
+        training.flush_epoch_lines(over=True)  # script mode: the last epoch's ends came before the scripts' Exiting
         failed = [e for e in training.evals.values() if e.error] if training.evals_on else []
         if failed and len(failed) == len(training.evals):
             # trained, but nothing says how well: not a plain success (the last error says why)
@@ -452,7 +455,10 @@ class Controller:
         """
         admission, training, averaging = self.admission, self.training, self.plane.averaging
         # workers that arrived while these started join at a boundary
-        loop = training.open_loop(admission.training_ranks(), self.resume.seed())
+        ranks = admission.training_ranks()
+        # the longest accumulation of the ranks that start: Sync's rounds are whole accumulations of each
+        accumulate = max((admission.hellos[r].accumulate_grad_batches for r in ranks if r in admission.hellos), default=1)
+        loop = training.open_loop(ranks, self.resume.seed(), accumulate=accumulate)
         if self.resume.meta is not None:
             assert training.schedule is not None  # _conduct began training with it
             self.resume.apply(loop, training.task, training.schedule, training.total_epochs)

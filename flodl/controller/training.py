@@ -1,7 +1,7 @@
 """Training's books: the cadence loop, the windows' reports, each epoch's progress, stats and eval.
 
 ``Training`` owns what the training messages (``TimingMsg``, ``WindowDone``,
-``EvalResult``) record and what the progress and epoch lines print; the
+``EvalResult``, script mode's ``EpochEnd``) record and what the progress and epoch lines print; the
 conductor (core.py) drives the windows and asks it to plan, settle and
 finish epochs.
 """
@@ -20,6 +20,7 @@ from ..plan.schedule import Schedule
 from ..wire import messages as m
 from ..wire.codec import Envelope
 from .console import Console
+from .epoch_ends import EpochEnds
 from .launch import LaunchOptions
 from .phase import RunState
 from .plane import ControlPlane
@@ -68,6 +69,8 @@ class Training:
         self._rates_at = 0.0
         self.data_stats: dict[int, dict[str, int]] = {}  # rank -> staging-tier totals (hits, fetches, bytes held)
         self._printed = 0  # epochs whose line is out
+        # script mode: an epoch's row also waits for each script's end-of-epoch reports (epoch_ends.py)
+        self.epoch_ends = EpochEnds(config.scalar_reduction_map) if launch.script else None
         self._fastest: int | None = None  # the elected eval rank under the Fastest policy
 
     @property
@@ -97,8 +100,9 @@ class Training:
     def begin(self, info: m.RankHello, schedule: Schedule) -> None:
         self.info, self.schedule = info, schedule
 
-    def open_loop(self, ranks: list[int], seed: int) -> CadenceLoop:
-        """The cadence loop that plans every window from here on."""
+    def open_loop(self, ranks: list[int], seed: int, *, accumulate: int = 1) -> CadenceLoop:
+        """The cadence loop that plans every window from here on; ``accumulate``: the ranks'
+        batches per optimizer step (Sync averages at its multiples)."""
         info = self.task
         self.cadence = CadenceLoop(
             self.config,
@@ -111,6 +115,7 @@ class Training:
             schedule=self.schedule,
             span_epochs=self._edges_needed_every(),
             grain=info.grain,
+            accumulate=accumulate,
         )
         return self.cadence
 
@@ -175,6 +180,8 @@ class Training:
 
     def finish_epoch(self, stats: EpochStats, window: int = -1) -> None:
         """An epoch is fully trained and averaged (by ``window``): record it and ask for its eval."""
+        if self.epoch_ends is not None:
+            self.epoch_ends.close(stats)
         self.history.append(stats)
         if self.evals_on and self._eval_due(stats.epoch):
             self.request_eval(stats.epoch, window)
@@ -232,13 +239,18 @@ class Training:
             live &= set(self.cadence.ranks)
         return sorted(live)
 
-    def flush_epoch_lines(self) -> None:
-        """Print each finished epoch once its eval (if any) is in, in order."""
+    def flush_epoch_lines(self, *, over: bool = False) -> None:
+        """Print and record each finished epoch once its eval (if any) and, in script mode, every
+        live script's end of it are in, in order. ``over``: the ranks are gone or going, no
+        ``EpochEnd`` is still to come: rows wait for evals only."""
         if self.info is None:
             return  # nothing trained yet
         metric = self.info.eval_metric if self.evals_on else None
+        live = set(self.ranks())
         while self._printed < len(self.history):
             stats = self.history[self._printed]
+            if self.epoch_ends is not None and not over and not self.epoch_ends.complete(stats, live):
+                return
             if metric is not None and stats.epoch in self.eval_requests:
                 result = self.evals.get(stats.epoch)
                 if result is None:
@@ -314,6 +326,14 @@ class Training:
         if self.cadence is not None:
             self.monitor.window_done(msg, started_s=self.cadence.started.get(msg.window), arrived_s=self.clock())
         self.run.changed()
+
+    def on_epoch_end(self, identity: bytes, env: Envelope, msg: m.EpochEnd) -> None:
+        """Script mode: a rank's script ended an epoch (its reports come with it)."""
+        if self.epoch_ends is None:
+            return  # a Task rank never sends one
+        closed = next((s for s in reversed(self.history) if s.epoch == msg.epoch), None)
+        self.epoch_ends.note(msg, closed)
+        self.flush_epoch_lines()
 
     def on_eval_result(self, identity: bytes, env: Envelope, msg: m.EvalResult) -> None:
         self.evals[msg.epoch] = msg

@@ -53,6 +53,7 @@ class CadenceLoop:
         schedule: Schedule | None = None,
         span_epochs: int = FLOW_MAX_EPOCHS,
         grain: str = "sample",
+        accumulate: int = 1,
     ) -> None:
         elche_cfg = config.elche
         # a Shards dataset ("shard"): a position is a shard and the unit every plan counts (grants,
@@ -78,6 +79,7 @@ class CadenceLoop:
             max_batch_diff=elche_cfg.max_batch_diff,
             epoch_len=self.schedule.epoch_len,
             fixed=config.deterministic,
+            accumulate=accumulate,
         )
         # a window is at most an epoch's batches, or a few epochs' when epochs flow into each other
         # (the dispatcher's ``flows``) and nothing needs every edge (``span_epochs``: evals, checkpoints)
@@ -315,7 +317,7 @@ class CadenceLoop:
         bs = self.dispatcher.batch_size
         if regrouped:
             self.regrouped_out.add(plan.rank)
-            return min(plan.samples, min(regrouped) * bs) if plan.sync_every else 0
+            return min(plan.samples, min(regrouped) * plan.sync_every * bs) if plan.sync_every else 0
         if self.collective and reports and plan.sync_every:
             # Sync: the survivors finished every round of the window with it (none regrouped), and
             # its TimingMsgs go out after each round's average: what they count is in the consensus

@@ -104,6 +104,7 @@ class Dispatcher:
         start_epoch: int = 0,
         epoch_len: Callable[[int], int] | None = None,
         fixed: bool = False,
+        accumulate: int = 1,
     ) -> None:
         if not ranks:
             raise ValueError("no ranks")
@@ -118,6 +119,9 @@ class Dispatcher:
         # ``deterministic``: no probe, and Cadence stops on a batch quota (its counts) instead of the
         # clock, so every plan is a function of batch counts alone (the counts stay fixed: CadenceLoop)
         self.fixed = fixed
+        # batches per optimizer step (the ranks' hellos): Sync averages at its multiples, not per batch,
+        # so a rank never spends a round inside an accumulation (it would wait for it to complete)
+        self.accumulate = max(1, accumulate)
         self.max_batch_diff = max_batch_diff
         self.pools: dict[int, EpochPool] = {}
         self.next_epoch = start_epoch  # the next pool to create
@@ -207,8 +211,10 @@ class Dispatcher:
             plan.grants.append(Grant(pool.epoch, start, size))
 
     def _plan_sync(self, pool: EpochPool, plans: dict[int, WindowPlan]) -> None:
-        """Equal batches per rank, averaged after each; the tail split as evenly as it goes."""
-        per_rank = max(4, self._batches(pool.total) // (len(self.ranks) * 10))
+        """Equal batches per rank, averaged after each optimizer step (every ``accumulate``
+        batches); the tail split as evenly as it goes."""
+        n = self.accumulate
+        per_rank = -(-max(4, self._batches(pool.total) // (len(self.ranks) * 10)) // n) * n  # whole accumulations
         if pool.reserved:
             # non-progressive Sync: each rank's whole partition in one window per epoch,
             # one averaging round per batch; the controller is off the per-batch path
@@ -219,10 +225,10 @@ class Dispatcher:
             split = {r: base + (1 if i < extra else 0) for i, r in enumerate(self.ranks)}
         for r, plan in plans.items():
             self._grant(pool, plan, split[r])
-            plan.sync_every = 1
+            plan.sync_every = n
             plan.quota_batches = self._batches(plan.samples)
         # every rank enters the same number of collectives; one out of batches joins with weight 0
-        rounds = max(p.quota_batches for p in plans.values())
+        rounds = max(-(-p.quota_batches // n) for p in plans.values())
         for plan in plans.values():
             plan.rounds = max(1, rounds)
 

@@ -196,11 +196,6 @@ def aggregate(epoch: int, reports: Iterable[EpochReport], reductions: Mapping[st
         per_rank.setdefault(report.rank, RankEpoch(report.rank)).add(report)
     batches = sum(p.batches for p in per_rank.values())
     loss_sum = sum(p.loss_sum for p in per_rank.values())
-    scalars: dict[str, float] = {}
-    for key in sorted({k for p in per_rank.values() for k in p.scalars}):
-        value = _fold_scalar(key, per_rank, (reductions or {}).get(key, Reduction.MEAN))
-        if value is not None:
-            scalars[key] = value
     return EpochStats(
         epoch=epoch,
         avg_loss=loss_sum / batches if batches else None,
@@ -210,5 +205,30 @@ def aggregate(epoch: int, reports: Iterable[EpochReport], reductions: Mapping[st
         # every rank joins every round of a plan, so one rank's count is the plan's
         syncs=max((p.syncs for p in per_rank.values()), default=0),
         per_rank=per_rank,
-        scalars=scalars,
+        scalars=fold_scalars(per_rank, reductions),
     )
+
+
+def fold_scalars(per_rank: Mapping[int, RankEpoch], reductions: Mapping[str, Reduction] | None = None) -> dict[str, float]:
+    """Every user scalar of an epoch across its ranks (``_fold_scalar``), by key."""
+    scalars: dict[str, float] = {}
+    for key in sorted({k for p in per_rank.values() for k in p.scalars}):
+        value = _fold_scalar(key, per_rank, (reductions or {}).get(key, Reduction.MEAN))
+        if value is not None:
+            scalars[key] = value
+    return scalars
+
+
+def add_scalars(
+    stats: EpochStats, rank: int, scalars: Mapping[str, Sequence[float]], reductions: Mapping[str, Reduction] | None = None
+) -> None:
+    """Fold ``rank``'s ``[sum, count]`` pairs into a closed epoch's row, as if its windows had
+    brought them (script mode's end-of-epoch reports, which come after the epoch closed)."""
+    part = stats.per_rank.get(rank)
+    if part is None:
+        return  # it trained nothing of this epoch: its values have no weight in the row
+    for key, (total, count) in scalars.items():
+        acc = part.scalars.setdefault(key, [0.0, 0.0])
+        acc[0] += total
+        acc[1] += count
+    stats.scalars = fold_scalars(stats.per_rank, reductions)

@@ -235,8 +235,9 @@ class RankRunner(Regrouping, Evaluating):
                     self._settle_background()  # the last average lands: replicas end equal
                 self._save_on_shutdown(cmd)
                 digest = "" if cmd.abort else model_digest(self.model)
+                code = EXIT_RANK_LOST if cmd.abort else self._completed()
                 self.link.send(m.Exiting(rank=self.rank, reason=cmd.reason, digest=digest))
-                return EXIT_RANK_LOST if cmd.abort else EXIT_OK
+                return code
             try:
                 if isinstance(cmd, m.Window):
                     self._train_window(cmd)
@@ -258,6 +259,11 @@ class RankRunner(Regrouping, Evaluating):
                 return self._fail(stage, exc, EXIT_RANK_LOST if stage == "collective" else EXIT_TASK_ERROR)
             except Exception as exc:
                 return self._fail("train", exc, EXIT_TASK_ERROR)
+
+    def _completed(self) -> int:
+        """The run completed (a clean Shutdown, the last average landed): the exit code. Script
+        mode hands the script its last epoch's end here, before this rank says it leaves."""
+        return EXIT_OK
 
     def _emergency_save(self, reason: str, why: str) -> None:
         """No controller to coordinate a consensus bundle: keep this replica (with save_path)."""
@@ -438,6 +444,7 @@ class RankRunner(Regrouping, Evaluating):
             eval_metric=task.eval_metric,
             batch_size=task.batch_size,
             grain="shard" if isinstance(dataset, Shards) else "sample",
+            accumulate_grad_batches=task.accumulate_grad_batches,
         )
 
     def _load_task(self) -> Task:

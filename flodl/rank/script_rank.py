@@ -12,13 +12,18 @@ saves, liveness):
   optimizer's step itself;
 * ``_enter_epoch`` first hands the script the end of the epoch it was in, so
   its code after ``for batch in run.batches()`` (an eval, a report) runs
-  before the next epoch's first batch, watched as a callback is.
+  before the next epoch's first batch, watched as a callback is;
+* ``_train_state`` / ``_resume_optimizer`` keep the objects the script
+  registers (``run.register_state``: its LR schedulers, a GradScaler, its
+  counters) in the bundle's ``.optim`` file beside the optimizer's state, and
+  restore them on resume (script_state.py).
 
 Every handoff goes through the ``Bridge``: one thread runs at a time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
@@ -26,14 +31,17 @@ from typing import Any
 
 import torch
 
+from .. import scalars
+from ..checkpoint.bundle import load_optimizer
 from ..config.env import RankEnv
-from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_TASK_ERROR, PeerLost, TaskError
+from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_TASK_ERROR, PeerLost, TaskError
 from ..task import Task
 from ..wire import messages as m
 from .bridge import BATCH, EPOCH_END, PREPARED, Bridge, Item, ScriptFailed
 from .data import to_device
-from .outcomes import Stop, UserError
+from .outcomes import Stop, UserError, user_traceback
 from .runner import RankRunner
+from .script_state import ScriptState
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +58,16 @@ class Prepared:
     num_workers: int = 0
     prefetch_factor: int | None = None
     pin_memory: bool = False
+    accumulate_grad_batches: int = 1  # the script steps its optimizer once every this many batches
+
+
+@dataclass(frozen=True)
+class Stepped:
+    """What ``run.step`` hands the rank: the batch's loss, and whether the script stepped its
+    optimizer after it (None: unsaid, counted from ``accumulate_grad_batches``)."""
+
+    loss: torch.Tensor
+    optimizer_stepped: bool | None = None
 
 
 def _never(model: torch.nn.Module, batch: Any, device: torch.device) -> torch.Tensor:
@@ -64,6 +82,8 @@ class ScriptRank(RankRunner):
         self.bridge = bridge
         self.prepared: Prepared | None = None
         self.threads = 0  # intra-op threads _build chose for this rank (0: not yet)
+        self.states = ScriptState()  # what run.register_state gave, and what a resumed bundle holds for it
+        self.micro = 0  # batches since the script last stepped its optimizer (inside an accumulation: > 0)
 
     def start(self) -> threading.Thread:
         """Run the rank on a daemon thread (a stuck driver never holds the process); ``bridge.ended`` says how it ended."""
@@ -102,8 +122,15 @@ class ScriptRank(RankRunner):
             raise Stop
 
     def _load_task(self) -> Task:
+        """A ``Task`` of what the script prepared.
+
+        Raises:
+            TaskError: the dataset is empty (the user's error: exit 2, one line, as a Task's).
+        """
         p = self.prepared
         assert p is not None  # _run waited for it
+        if len(p.dataset) == 0:
+            raise TaskError("run.prepare(..., dataset): the dataset is empty (no samples to train)")
         return Task(
             model=lambda: p.model,
             optimizer=lambda model: p.optimizer,  # flattening keeps the Parameter objects: it stays valid
@@ -121,23 +148,73 @@ class ScriptRank(RankRunner):
         # the intra-op thread count is per thread: the one _build chose (the rank's share of the
         # cores) is set on this thread only; prepare() sets it on the script's thread too
         self.threads = torch.get_num_threads()
-        return hello
+        # the script's accumulation, not the Task's (which never accumulates: the script steps)
+        return dataclasses.replace(hello, accumulate_grad_batches=self._accumulate)
 
     def _join(self, welcome: m.RankWelcome) -> None:
         super()._join(welcome)
         self._hand(Item(PREPARED))  # prepare() returns; the script's next call goes on
 
+    def _resume_optimizer(self, stem: str) -> None:
+        """The optimizer's state and the script's registered objects, from the bundle. The loaded
+        groups' LRs stay as saved: the script's own schedulers set them (there is no flodl schedule
+        to re-apply), and the schedulers' restored state steps on from them."""
+        saved = load_optimizer(self.optimizer, stem, fits=[len(o.param_groups) for o in self.optimizers])
+        self.states.resume(saved)
+
+    def _train_state(self) -> dict[str, Any] | None:
+        out = super()._train_state() or {}
+        out.update(self.states.saved())
+        return out
+
     def _enter_epoch(self, epoch: int) -> None:
         if self.current_epoch >= 0 and epoch > self.current_epoch:
-            self.link.doing("callback")  # the script's code between epochs: watched as epoch_fn is
-            self._hand(Item(EPOCH_END, epoch=self.current_epoch))
-            self.link.doing("step")
+            self._end_epoch()
         super()._enter_epoch(epoch)
 
+    def _end_epoch(self) -> None:
+        """Hand the script the end of its current epoch, then send the controller what it reported
+        up to then (``EpochEnd``): that epoch's row waits for it (controller/epoch_ends.py).
+
+        Raises:
+            UserError: the script's code raised.
+        """
+        busy = self.link.busy
+        self.link.doing("callback")  # the script's code between epochs: watched as epoch_fn is
+        self._hand(Item(EPOCH_END, epoch=self.current_epoch))
+        self.link.send(m.EpochEnd(rank=self.rank, epoch=self.current_epoch, scalars=scalars.drain()))
+        self.link.doing(busy)
+
+    def _completed(self) -> int:
+        """The run completed and the last average landed: the script's last epoch ends now, on the
+        consensus, and its reports reach that epoch's row. An error there is the script's own (the
+        run trained every epoch): its traceback here, and the process exits with 4."""
+        if self.current_epoch < 0:
+            return EXIT_OK  # it trained nothing: no epoch to end
+        try:
+            self._end_epoch()
+        except UserError as exc:
+            log.error("rank %d: the script's code after its last epoch raised:\n%s", self.rank, user_traceback(exc.original))
+            return EXIT_TASK_ERROR
+        return EXIT_OK
+
     def _train_batch(self, batch: Any) -> torch.Tensor:
-        loss = self._hand(Item(BATCH, epoch=self.current_epoch, batch=to_device(batch, self.device)))
+        done: Stepped = self._hand(Item(BATCH, epoch=self.current_epoch, batch=to_device(batch, self.device)))
+        self.micro += 1
+        stepped = done.optimizer_stepped
+        if stepped or (stepped is None and self.micro >= self._accumulate):
+            self.micro = 0
         self.faults.reach("batch")  # tests: a death mid-batch (the script's step taken, not yet counted)
-        return loss
+        return done.loss
+
+    @property
+    def _accumulate(self) -> int:
+        return self.prepared.accumulate_grad_batches if self.prepared is not None else 1
+
+    def _accumulating(self) -> bool:
+        """Inside the script's accumulation: the window goes on (no average, no quota stop) until
+        the script steps its optimizer, as for a Task's ``accumulate_grad_batches``."""
+        return self.micro > 0
 
     def _hand(self, item: Item) -> Any:
         try:

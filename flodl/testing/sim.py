@@ -221,6 +221,7 @@ class SimWorker:
                 eval_metric="sim_metric",
                 batch_size=self.batch_size,
                 grain="sample",
+                accumulate_grad_batches=1,
             )
         )
         welcome = await peer.expect(m.RankWelcome, m.Reject, m.Shutdown, m.ShutdownWithSave)

@@ -105,6 +105,8 @@ class RankHello:
     """the task's batch size"""
     grain: str
     """what one dataset position is: "sample" (a map-style dataset) or "shard" (a flodl.Shards: grants, coverage and window quotas count shards; dataset_len is the shard count)"""
+    accumulate_grad_batches: int
+    """batches per optimizer step (the task's accumulate_grad_batches, or a script's prepare()): Sync averages every this many batches (the largest of the starting ranks')"""
 
 
 @dataclass(slots=True)
@@ -525,12 +527,25 @@ class ShutdownWithSave:
     """name part of that save's data files: save_rank writes <save_stem>.<save_tag>.fdl and .optim, new names, so the committed bundle stays whole until the controller's sidecar names the new files"""
 
 
+@dataclass(slots=True)
+class EpochEnd:
+    """Script mode: the script's end-of-epoch code (after its loop over the epoch's batches) has run on this rank; what it reported, for that epoch's row (the controller prints and records a closed epoch once every live rank that trained in it has sent this). (rank -> controller)"""
+
+    KIND: ClassVar[int] = 30
+    rank: int
+    """global rank"""
+    epoch: int
+    """the epoch that ended"""
+    scalars: dict[str, list[float]]
+    """user scalars recorded since the rank's last report and up to the end of that epoch's code, name to [sum, count]"""
+
+
 SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     1: ('WorkerHello', WorkerHello, (('host', 'str'), ('pid', 'int'), ('devices', 'list<str>'), ('versions', 'map<str,str>'),)),
     2: ('WorkerWelcome', WorkerWelcome, (('ranks', 'list<int>'), ('world_size', 'int'), ('task', 'str'), ('heartbeat_timeout_s', 'float'), ('bulk_port', 'int'), ('bulk_relay', 'bool'), ('seed', 'int'),)),
     3: ('Reject', Reject, (('reason', 'str'),)),
     4: ('RankExited', RankExited, (('rank', 'int'), ('pid', 'int'), ('code', 'int'),)),
-    5: ('RankHello', RankHello, (('rank', 'int'), ('host', 'str'), ('pid', 'int'), ('device', 'str'), ('versions', 'map<str,str>'), ('model_signature', 'str'), ('param_count', 'int'), ('shuffle_signature', 'str'), ('dataset_len', 'int'), ('has_eval', 'bool'), ('eval_metric', 'str'), ('batch_size', 'int'), ('grain', 'str'),)),
+    5: ('RankHello', RankHello, (('rank', 'int'), ('host', 'str'), ('pid', 'int'), ('device', 'str'), ('versions', 'map<str,str>'), ('model_signature', 'str'), ('param_count', 'int'), ('shuffle_signature', 'str'), ('dataset_len', 'int'), ('has_eval', 'bool'), ('eval_metric', 'str'), ('batch_size', 'int'), ('grain', 'str'), ('accumulate_grad_batches', 'int'),)),
     6: ('RankWelcome', RankWelcome, (('rank', 'int'), ('world_size', 'int'), ('generation', 'int'), ('store_host', 'str'), ('store_port', 'int'), ('store_prefix', 'str'), ('collective_timeout_s', 'float'), ('config', 'map<str,value>'), ('seed', 'int'), ('bulk_port', 'int'), ('late', 'bool'), ('shm_probe', 'str'), ('shm_nonce', 'str'),)),
     7: ('RankReady', RankReady, (('rank', 'int'), ('generation', 'int'), ('init_ms', 'float'),)),
     9: ('TimingMsg', TimingMsg, (('rank', 'int'), ('epoch', 'int'), ('step', 'int'), ('samples', 'int'), ('loss', 'float'), ('batch_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'),)),
@@ -553,4 +568,5 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     27: ('CheckpointDone', CheckpointDone, (('rank', 'int'), ('version', 'int'), ('model_sha256', 'str'), ('optim_sha256', 'str'), ('elapsed_ms', 'float'), ('error', 'opt<str>'),)),
     28: ('Respawn', Respawn, (('rank', 'int'), ('device', 'str'), ('replaces', 'int'), ('attempt', 'int'), ('delay_s', 'float'),)),
     29: ('ShutdownWithSave', ShutdownWithSave, (('reason', 'str'), ('abort', 'bool'), ('save_stem', 'str'), ('save_rank', 'int'), ('save_tag', 'str'),)),
+    30: ('EpochEnd', EpochEnd, (('rank', 'int'), ('epoch', 'int'), ('scalars', 'map<str,list<float>>'),)),
 }

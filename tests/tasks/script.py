@@ -11,6 +11,13 @@ FLODL_TEST_HANG_AT      "rank:step": that rank's loop blocks for good at that st
 FLODL_TEST_MISUSE       "step": call run.step before any batch (misuse, refused with one clear error)
 FLODL_TEST_NUM_WORKERS  run.prepare(..., num_workers=N) over loaded.py's logged dataset (reads and
                         trained indices logged to FLODL_TEST_LOG_DIR)
+FLODL_TEST_EMPTY        prepare() an empty dataset (refused as the user's error, exit 2)
+FLODL_TEST_ACCUM        "N0,N1,...[:declared|:explicit]": rank R steps its optimizer once every N<R> batches
+                        (declared: it tells prepare(); explicit: each run.step says whether it stepped);
+                        rank<R>.json then counts "accum_breaks", accumulations whose parameters changed
+                        between their micro-batches
+FLODL_TEST_STATE        register a LambdaLR (halves the LR at every epoch's end) and a counter of epoch ends
+                        with run.register_state; rank<R>.json then holds their final "lr" and "counter"
 """
 
 import json
@@ -31,6 +38,19 @@ def _data(n, seed):
     return x, (x.sum(1) > 0).long()
 
 
+class Counter:
+    """A script's own state: how many epochs' end-of-epoch code ran."""
+
+    def __init__(self):
+        self.ends = 0
+
+    def state_dict(self):
+        return {"ends": self.ends}
+
+    def load_state_dict(self, state):
+        self.ends = state["ends"]
+
+
 def main():
     if os.environ.get("FLODL_TEST_NO_INIT"):
         return
@@ -38,16 +58,32 @@ def main():
     torch.manual_seed(run.rank)  # the replicas start unlike: prepare() makes them rank 0's
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x, y = _data(512, 0)
+    x, y = _data(0 if os.environ.get("FLODL_TEST_EMPTY") else 512, 0)
+    accums, _, declared = os.environ.get("FLODL_TEST_ACCUM", "1").partition(":")
+    accum = [int(n) for n in accums.split(",")][run.rank % len(accums.split(","))]
     workers = os.environ.get("FLODL_TEST_NUM_WORKERS")
     dataset = LoggedDataset(512) if workers else torch.utils.data.TensorDataset(x, y)
-    model, optimizer = run.prepare(model, optimizer, dataset, batch_size=16, num_workers=int(workers or 0))
+    model, optimizer = run.prepare(
+        model,
+        optimizer,
+        dataset,
+        batch_size=16,
+        num_workers=int(workers or 0),
+        accumulate_grad_batches=accum if declared == "declared" else 1,
+    )
+    counter, scheduler = Counter(), None
+    if os.environ.get("FLODL_TEST_STATE"):
+        # after prepare: from the scaled LR. LambdaLR sets base x 0.5**steps: a fresh one on a
+        # resumed run would halve the restored LR again from step 0
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: 0.5**e)
+        run.register_state("lr_scheduler", scheduler)
+        run.register_state("counter", counter)
     if os.environ.get("FLODL_TEST_MISUSE") == "step":
         run.step(torch.tensor(0.0))
     fail_at = int(os.environ.get("FLODL_TEST_FAIL_AT", "0") or 0)
     hang_rank, _, hang_step = os.environ.get("FLODL_TEST_HANG_AT", "-1:0").partition(":")
     pause = float(os.environ.get("FLODL_TEST_STEP_SLEEP", "0") or 0)
-    steps, epochs = 0, []
+    steps, epochs, breaks, start = 0, [], 0, None
     for epoch in run.epochs():
         epochs.append(epoch)
         for batch in run.batches():
@@ -61,17 +97,37 @@ def main():
                 threading.Event().wait()
             held = os.environ.get("FLODL_TEST_HOLD_FILE")
             time.sleep(float(os.environ.get("FLODL_TEST_HOLD_SLEEP", "0.1")) if held and not os.path.exists(held) else pause)
+            if accum == 1:
+                loss = F.cross_entropy(model(xb), yb)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                run.step(loss)
+                continue
+            params = [p.detach().clone() for p in model.parameters()]
+            if start is None:
+                start = params  # the accumulation's weights: no average may change them before its step
+            elif any(not torch.equal(a, b) for a, b in zip(start, params, strict=True)):
+                breaks += 1
+                start = params
             loss = F.cross_entropy(model(xb), yb)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            run.step(loss)
-        with torch.no_grad():
-            run.report(accuracy=(model(x).argmax(1) == y).float().mean().item())
+            (loss / accum).backward()
+            stepped = steps % accum == 0
+            if stepped:
+                optimizer.step()
+                optimizer.zero_grad()
+                start = None
+            run.step(loss, optimizer_stepped=stepped if declared == "explicit" else None)
+        with torch.no_grad():  # after the epoch's batches: lands in this epoch's row
+            run.report(accuracy=(model(x).argmax(1) == y).float().mean().item(), epoch_seen=epoch)
+        counter.ends += 1
+        if scheduler is not None:
+            scheduler.step()
     out = os.environ.get("FLODL_TEST_OUT")
     if out:
         names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
         record = {"env": {k: os.environ.get(k) for k in names}, "epochs": epochs, "steps": steps, "world_size": run.world_size}
+        record.update(lr=optimizer.param_groups[0]["lr"], counter=counter.ends, accum_breaks=breaks)
         record["weights"] = float(sum(p.detach().double().sum() for p in model.parameters()))
         with open(os.path.join(out, f"rank{run.rank}.json"), "w") as f:
             json.dump(record, f)
