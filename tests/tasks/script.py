@@ -27,7 +27,11 @@ import time
 
 import torch
 import torch.nn.functional as F
-from loaded import LoggedDataset, log_line
+
+try:  # run as the script (its folder on sys.path), or imported by the tests (tests.tasks.script)
+    from loaded import LoggedDataset, log_line
+except ImportError:
+    from tests.tasks.loaded import LoggedDataset, log_line
 
 import flodl
 
