@@ -287,7 +287,9 @@ class SimWorker:
             per_epoch.setdefault(epoch, EpochCounters()).add_batch(samples, 1.0 / step, ms, 0.0)
             peer.send(m.TimingMsg(rank, epoch, step, samples, 1.0 / step, ms, 0.0, 0.0))
             self.batches_sent += 1
-        if self.trained is not None:
+        if self.trained is not None and outcome is None:
+            # only a reported window's work reaches the window's average: what a rank trained in
+            # the window it died in is lost with its replica (and granted again to the survivors)
             self._record(rank, cmd, sum(s for _, s in trained))
         if outcome == -2:
             await peer.expect(m.Shutdown, m.ShutdownWithSave, timeout_s=3600)  # a hung rank: it hears, never answers
