@@ -1,11 +1,14 @@
 """``python -m flodl.worker``: one per host; spawns and supervises the host's ranks.
 
 The worker says hello with the devices it will use, gets a global rank for
-each, and spawns one ``python -m flodl.rank`` per device. It is the fast path
+each, and spawns one ``python -m flodl.rank`` per device: forked by its zygote
+(``host/zygote.py``), which imports torch while the controller answers the
+hello, else (``FLODL_ZYGOTE=off``, or a zygote that cannot fork) exec'd. It is the fast path
 of failure detection: the moment a rank process ends, the worker reports its
 exit status to the controller (milliseconds, not a heartbeat timeout).
 
-It never leaves an orphan: ranks die with their worker (PDEATHSIG), SIGTERM
+It never leaves an orphan: ranks die with their worker (PDEATHSIG; a forked
+rank with its zygote, which dies with the worker), SIGTERM
 and SIGINT are forwarded to them (SIGTERM, a grace period, SIGKILL), and if
 the controller falls silent for the heartbeat timeout the worker stops its
 ranks and exits.

@@ -16,7 +16,8 @@ what a variable means, its default and what it accepts are written once
   only: ``FLODL_SIMULATE_*``, ``FLODL_INJECT_FAULT``, ``FLODL_STRICT``.
 
 A few variables of other programs are read here too (``CUDA_VISIBLE_DEVICES``,
-``OMP_NUM_THREADS``), one is set for torch (``TORCH_NCCL_ASYNC_ERROR_HANDLING``),
+``OMP_NUM_THREADS``), one is set for torch (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), two for the
+zygote's own imports (``zygote_environ``),
 children's ``PYTHONPATH`` is extended with this process's import roots (``child_environ``),
 and torchrun's four (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) are
 set for a script-mode rank.
@@ -314,7 +315,7 @@ def zygote_enabled() -> bool:
 def zygote_environ() -> None:
     """The zygote's own environment, set before it imports torch: no BLAS thread pool that a fork
     would leave behind (numpy's OpenBLAS starts one at import unless told one thread; a value the
-    user set wins, and then the zygote declines to fork), and no CUDA driver loaded to answer
+    user set wins, and above 1 the zygote then declines to fork), and no CUDA driver loaded to answer
     ``torch.cuda.is_available()`` (a forked child cannot use a driver its parent initialised)."""
     os.environ.setdefault(OPENBLAS_NUM_THREADS, "1")
     os.environ[NVML_BASED_CUDA_CHECK] = "1"

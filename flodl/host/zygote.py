@@ -76,6 +76,7 @@ class Zygote:
         self._replies: collections.deque[asyncio.Future[ForkedChild | None]] = collections.deque()
         self._children: dict[int, ForkedChild] = {}
         self._gone = False
+        self._ready = False  # imported and serving: it reads the socket, so end-of-file ends it
         self._said_why = False
         self._listener = asyncio.get_running_loop().create_task(self._listen())
 
@@ -130,7 +131,9 @@ class Zygote:
         await asyncio.gather(*(self._orphaned(child) for child in self._children.values() if child.returncode is None))
 
     def _on_line(self, msg: dict[str, Any]) -> None:
-        if "exit" in msg:
+        if "ready" in msg:
+            self._ready = True
+        elif "exit" in msg:
             child = self._children.pop(msg["exit"], None)
             if child is not None:
                 child.ended(int(msg["code"]))
@@ -154,9 +157,13 @@ class Zygote:
         child.ended(-signal.SIGKILL)
 
     async def close(self, grace_s: float) -> None:
-        """Close the socket (the zygote exits on end-of-file); SIGKILL it after ``grace_s``."""
+        """Close the socket (a serving zygote exits on end-of-file; one still importing is
+        SIGTERMed: a refused worker must not wait for torch's import); SIGKILL it after ``grace_s``."""
         self._gone = True
         self._writer.close()
+        if not self._ready:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.terminate()
         try:
             async with asyncio.timeout(grace_s):
                 await self.proc.wait()
