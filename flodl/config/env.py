@@ -321,6 +321,11 @@ def zygote_environ() -> None:
     os.environ[NVML_BASED_CUDA_CHECK] = "1"
 
 
+def environ_copy() -> dict[str, str]:
+    """This process's environment, as it stands."""
+    return dict(os.environ)
+
+
 def replace_environ(env: dict[str, str]) -> None:
     """Make ``env`` this process's whole environment (a forked rank takes the one its spawn asked for)."""
     os.environ.clear()

@@ -30,6 +30,8 @@ from ..config.env import PARENT_PID, ZYGOTE_ROOM, child_environ
 
 log = logging.getLogger(__name__)
 
+#: Bytes of the zygote's command line and environment that a forked rank's own may take in /proc.
+TITLE_ROOM, ENVIRON_ROOM = 200, 8192
 #: How long a child the zygote left behind may take to go before its handle completes anyway.
 ORPHAN_WAIT_S = 5.0
 
@@ -91,10 +93,10 @@ class Zygote:
                 "flodl.rank.zygote",
                 "--fd",
                 str(theirs.fileno()),
+                # room where a forked rank writes its command line and environment (host/proctitle.py)
                 "--title-room",
-                " " * 200,  # a forked rank's ps line is written over the zygote's command line
-                # a forked rank's environment is written over the zygote's, in /proc
-                env=child_environ({PARENT_PID: str(os.getpid()), ZYGOTE_ROOM: " " * 8192}),
+                " " * TITLE_ROOM,
+                env=child_environ({PARENT_PID: str(os.getpid()), ZYGOTE_ROOM: " " * ENVIRON_ROOM}),
                 stdin=asyncio.subprocess.DEVNULL if devnull_stdin else None,
                 pass_fds=(theirs.fileno(),),
             )

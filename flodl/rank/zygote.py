@@ -18,7 +18,8 @@ SCRIPT ARGS``): the zygote starts no thread (it checks ``/proc/self/task``
 before each fork and declines with threads), no event loop, no ZeroMQ context,
 and never touches CUDA (it declines if the driver got loaded). The child takes
 the request's environment, working directory, ``sys.argv`` and ``sys.path``,
-default signal handlers, a ``ps`` line naming what it runs, and leaves with
+default signal handlers, its own command line and environment in ``/proc``
+(``host/proctitle.py``), and leaves with
 ``os._exit`` after the interpreter's exit functions, never returning into this
 loop. It dies with the zygote, which dies with its worker (PDEATHSIG at each
 link), so a worker killed outright leaves no rank behind.
@@ -29,7 +30,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import ctypes
 import gc
 import json
 import os
@@ -38,14 +38,13 @@ import select
 import signal
 import socket
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 from ..config import env as flodl_env
+from ..host import proctitle
 from ..host.proc import die_with_parent
-
-#: Characters of ``ps`` line the zygote's own command line keeps free for a child's (``--title-room``).
-TITLE_ROOM = 200
 
 
 def preimport() -> str:
@@ -130,6 +129,8 @@ class Zygote:
             code = 1
             try:
                 code = self.become(request, target)
+            except BaseException:  # noqa: BLE001 - before the entry point ran (a cwd gone): say why
+                traceback.print_exc()
             finally:
                 os._exit(code)  # never back into the zygote's loop
         return {"pid": pid}
@@ -150,7 +151,7 @@ class Zygote:
         flodl_env.replace_environ(request["env"])
         reseed()
         kind, what, args = target
-        set_title(request["argv"], request["env"])
+        proctitle.show(request["argv"], request["env"], INHERITED)
         return run(kind, what, args)
 
 
@@ -185,6 +186,9 @@ def child_sys_path(first: str, pythonpath: str) -> list[str]:
     entries = [str(Path(p or ".").resolve()) for p in pythonpath.split(os.pathsep)] if pythonpath else []
     return [first, *entries, *INTERPRETER_PATH]
 
+
+#: The environment the zygote started with (what ``/proc`` shows of it).
+INHERITED: dict[str, str] = {}
 
 #: ``sys.path`` past the zygote's first entry and its ``PYTHONPATH`` entries: the interpreter's own.
 INTERPRETER_PATH: list[str] = []
@@ -224,33 +228,6 @@ def exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def set_title(argv: list[str], env: dict[str, str]) -> None:
-    """Show the child's own command line and environment in ``/proc`` (``ps``, psutil, anything
-    that matches command lines or reads a rank's ``FLODL_RANK``): overwrite the zygote's argv and
-    environ areas in place, truncated to their size (the worker pads both: ``--title-room``,
-    ``FLODL_ZYGOTE_ROOM``). Safe once ``replace_environ`` ran: libc's environment then lives in
-    copies, nothing points into the old area."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        arg_start, arg_end, env_start, env_end = (int(f) for f in fields[45:49])  # fields 48-51
-    except (OSError, ValueError):
-        return
-    # the kernel reads a command line whose area does not end in NUL up to its first NUL (setproctitle's
-    # convention): one line, arguments joined by spaces
-    room = arg_end - arg_start
-    title = " ".join(argv).encode()[: room - 2] + b"\0"
-    ctypes.memmove(arg_start, title.ljust(room - 1, b"\0") + b" ", room)
-    room = env_end - env_start
-    block = b""
-    for key in sorted(env, key=lambda k: not k.startswith("FLODL_")):  # flodl's first if room runs out
-        item = f"{key}={env[key]}".encode() + b"\0"
-        if len(block) + len(item) < room:
-            block += item
-    ctypes.memmove(env_start, block.ljust(room, b"\0"), room)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flodl.rank.zygote", description="Fork a worker's ranks (started by flodl.worker).")
     p.add_argument("--fd", type=int, required=True, help="the socket to the worker")
@@ -263,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     pythonpath = flodl_env.pythonpath()
     count = len(pythonpath.split(os.pathsep)) if pythonpath else 0
     INTERPRETER_PATH[:] = sys.path[1 + count :]
+    INHERITED.update(flodl_env.environ_copy())
     zygote.unsafe = preimport()
     try:
         return zygote.serve()
