@@ -84,7 +84,10 @@ class Zygote:
 
     @classmethod
     async def start(cls, *, devnull_stdin: bool) -> Zygote | None:
-        """Launch the zygote (None, logged, if it cannot be). Its stdin is what the ranks get."""
+        """Launch the zygote (None, logged, if it cannot be). Its stdin is what the ranks get.
+        Linux only (it counts its threads and rewrites its command line in /proc); None elsewhere."""
+        if not sys.platform.startswith("linux"):
+            return None
         ours, theirs = socket.socketpair()
         try:
             proc = await asyncio.create_subprocess_exec(
