@@ -14,7 +14,7 @@ areas the process started with, so the child writes over them in place:
   worker gave the zygote last: it becomes the variables the child's environment
   adds to or changes from the zygote's, which readers of ``/proc`` take over
   the earlier ones of the same name. The other variables' bytes stay where
-  they are: a library that kept a pointer ``getenv`` gave it still reads them.
+  they are: a library that kept a pointer libc handed it to one still reads it.
 
 Linux only; elsewhere nothing is shown differently.
 """

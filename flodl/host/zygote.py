@@ -31,7 +31,7 @@ from ..config.env import PARENT_PID, ZYGOTE_ROOM, child_environ
 log = logging.getLogger(__name__)
 
 #: Bytes of the zygote's command line and environment that a forked rank's own may take in /proc.
-TITLE_ROOM, ENVIRON_ROOM = 200, 8192
+TITLE_ROOM, ENVIRON_ROOM = 400, 8192
 #: How long a child the zygote left behind may take to go before its handle completes anyway.
 ORPHAN_WAIT_S = 5.0
 
