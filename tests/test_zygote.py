@@ -23,6 +23,9 @@ from flodl.host.zygote import Zygote
 from .conftest import PY, task_spec
 from .helpers.procs import Run, assert_all_gone, is_rank, runs_module
 
+#: Only a cap: close() returns as soon as the zygote has exited, so a slow machine costs no failure.
+CLOSE_GRACE_S = 60.0
+
 #: Writes what a fresh ``python SCRIPT ARGS`` would see, then exits with argv[2] (or waits to be killed).
 PROBE = """
 import json, os, sys, time
@@ -50,7 +53,7 @@ async def _spawn(zygote: Zygote, probe, out, how: str):
 
 async def _seen(out) -> dict:
     """What the probe wrote, once it has (it starts before it writes)."""
-    async with asyncio.timeout(30):
+    async with asyncio.timeout(60):
         while not out.exists() or not out.read_text():
             await asyncio.sleep(0.02)
     return json.loads(out.read_text())
@@ -83,7 +86,7 @@ async def test_a_forked_script_sees_a_fresh_interpreters_world_and_its_exits_are
         with pytest.raises(ProcessLookupError):
             waiting.kill()
     finally:
-        await zygote.close(5.0)
+        await zygote.close(CLOSE_GRACE_S)
     assert zygote.proc.returncode == 0
 
 
@@ -93,13 +96,14 @@ async def test_children_of_a_dead_zygote_are_ended_and_reported_and_later_spawns
     assert zygote is not None
     child = await _spawn(zygote, probe, tmp_path / "c.json", "wait")
     await _seen(tmp_path / "c.json")
+    process = psutil.Process(child.pid)
     zygote.proc.kill()
     with caplog.at_level(logging.WARNING, logger="flodl.host.zygote"):
-        assert await asyncio.wait_for(child.wait(), 20) == -signal.SIGKILL
-        assert not psutil.pid_exists(child.pid) or psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE
+        assert await child.wait() == -signal.SIGKILL  # a plain script has no PDEATHSIG: the worker's side killed it
+        assert_all_gone([process], timeout=60)
         assert await zygote.spawn([PY, str(probe), str(tmp_path / "d.json"), "0"], {}) is None  # the worker execs it
     assert "the zygote cannot fork ranks (the zygote ended, exit code -9): they start by exec" in caplog.text
-    await zygote.close(5.0)
+    await zygote.close(CLOSE_GRACE_S)
 
 
 @pytest.mark.timeout(90)
@@ -114,7 +118,7 @@ async def test_a_zygote_with_threads_declines_to_fork(probe, tmp_path, monkeypat
         assert "threads: a fork would lose all but one" in caplog.text
         assert caplog.text.count("cannot fork") == 1  # said once
     finally:
-        await zygote.close(5.0)
+        await zygote.close(CLOSE_GRACE_S)
 
 
 def _tiny(proc_env, *, epochs: int, **env: str) -> Run:
@@ -137,7 +141,7 @@ def test_ranks_are_the_zygotes_children_and_a_killed_worker_leaves_none_of_them(
     assert sorted(rank.environ()["FLODL_RANK"] for rank in ranks) == ["0", "1"]
     worker.kill()  # SIGKILL: nothing of the worker runs; PDEATHSIG ends the zygote, then its ranks
     assert run.wait(60) == 3, run.output
-    assert_all_gone([zygote, *ranks], timeout=20)
+    assert_all_gone([zygote, *ranks], timeout=60)
 
 
 @pytest.mark.timeout(120)

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 #: Bytes of the zygote's command line and environment that a forked rank's own may take in /proc.
 TITLE_ROOM, ENVIRON_ROOM = 400, 8192
 #: How long a child the zygote left behind may take to go before its handle completes anyway.
-ORPHAN_WAIT_S = 5.0
+ORPHAN_WAIT_S = 30.0
 
 
 class ForkedChild:
