@@ -1,11 +1,14 @@
 """``python -m flodl.worker``: one per host; spawns and supervises the host's ranks.
 
 The worker says hello with the devices it will use, gets a global rank for
-each, and spawns one ``python -m flodl.rank`` per device. It is the fast path
+each, and spawns one ``python -m flodl.rank`` per device: forked by its zygote
+(``host/zygote.py``), which imports torch while the controller answers the
+hello, else (``FLODL_ZYGOTE=off``, or a zygote that cannot fork) exec'd. It is the fast path
 of failure detection: the moment a rank process ends, the worker reports its
 exit status to the controller (milliseconds, not a heartbeat timeout).
 
-It never leaves an orphan: ranks die with their worker (PDEATHSIG), SIGTERM
+It never leaves an orphan: ranks die with their worker (PDEATHSIG; a forked
+rank with its zygote, which dies with the worker), SIGTERM
 and SIGINT are forwarded to them (SIGTERM, a grace period, SIGKILL), and if
 the controller falls silent for the heartbeat timeout the worker stops its
 ranks and exits.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import select
@@ -38,11 +42,21 @@ import zmq
 from . import __version__
 from .config.cli import BriefParser
 from .config.deadlines import Deadlines
-from .config.env import RankEnv, child_environ, parent_pid, parse_run_secret, read_run_credentials, request_encryption, strict
+from .config.env import (
+    RankEnv,
+    child_environ,
+    parent_pid,
+    parse_run_secret,
+    read_run_credentials,
+    request_encryption,
+    strict,
+    zygote_enabled,
+)
 from .config.joinfile import read_join_file
 from .errors import EXIT_CONFIG, EXIT_CONTROLLER_LOST, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, ConfigError
 from .host.devices import choose_devices
-from .host.proc import die_with_parent, nap, terminate_then_kill
+from .host.proc import ChildProcess, die_with_parent, nap, terminate_then_kill
+from .host.zygote import Zygote
 from .scriptspec import rank_command
 from .wire import curve
 from .wire import messages as m
@@ -96,7 +110,8 @@ class Worker:
         self.sender = f"worker.{host_name()}.{os.getpid()}"
         self.heartbeat_timeout_s = join_timeout_s
         self.endpoint: ControlEndpoint | None = None
-        self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.procs: dict[int, ChildProcess] = {}
+        self.zygote: Zygote | None = None  # forks the ranks pre-imported (host/zygote.py); None: exec each
         self.welcome: m.WorkerWelcome | None = None
         self.shutdown: m.Shutdown | m.ShutdownWithSave | None = None
         self.reject: m.Reject | None = None
@@ -176,6 +191,8 @@ class Worker:
             if self.watch_stdin:
                 loop.remove_reader(sys.stdin.fileno())
             await terminate_then_kill(list(self.procs.values()), KILL_GRACE_S)
+            if self.zygote is not None:
+                await self.zygote.close(KILL_GRACE_S)
             if self.relay is not None:
                 self.relay.close()
             # a controller killed outright on this host left its shared-memory segments (so may a
@@ -208,6 +225,8 @@ class Worker:
                 host=host_name(), pid=os.getpid(), devices=self.devices, versions={"flodl": __version__, "protocol": str(PROTOCOL_VERSION)}
             )
         )
+        if zygote_enabled():  # it imports torch while the controller answers
+            self.zygote = await Zygote.start(devnull_stdin=self.watch_stdin)
         deadline = time.monotonic() + self.join_timeout_s
         while self.welcome is None:
             if self.reject or self.shutdown or self._interrupted:
@@ -289,7 +308,7 @@ class Worker:
         log.info("%s spawned ranks %s on %s", self.sender, welcome.ranks, self.devices)
 
     async def _start_rank(self, rank: int, device: str) -> None:
-        """Start one rank process and its reaper."""
+        """Start one rank process (forked by the zygote, else exec'd) and its reaper."""
         welcome = self._welcomed
         env = RankEnv(
             controller=self.controller,
@@ -304,13 +323,18 @@ class Worker:
             relay_addr=self._relay_addr,
             seed=welcome.seed,
         )
-        # with --secret-from-stdin, stdin is the launcher's line: ranks must not hold or read it
-        stdin = asyncio.subprocess.DEVNULL if self.watch_stdin else None
         # python -m flodl.rank, or in script mode the user's script (scriptspec.py)
         argv, extra = rank_command(
             welcome.task, rank=rank, world_size=welcome.world_size, local_rank=self.local_ranks.get(rank, 0), local_world=len(self.devices)
         )
-        proc = await asyncio.create_subprocess_exec(*argv, env=child_environ({**env.to_env(), **extra}), stdin=stdin)
+        proc: ChildProcess | None = None
+        if self.zygote is not None:  # the rank's parent is the zygote: it dies with it, as the zygote with us
+            forked_env = dataclasses.replace(env, parent_pid=self.zygote.pid)
+            proc = await self.zygote.spawn(argv, child_environ({**forked_env.to_env(), **extra}))
+        if proc is None:
+            # with --secret-from-stdin, stdin is the launcher's line: ranks must not hold or read it
+            stdin = asyncio.subprocess.DEVNULL if self.watch_stdin else None
+            proc = await asyncio.create_subprocess_exec(*argv, env=child_environ({**env.to_env(), **extra}), stdin=stdin)
         self.procs[rank] = proc
         if self.relay is not None:
             self.relay.admit(f"rank{rank}.{proc.pid}".encode(), rank)  # the rank's bulk identity, as it will connect
@@ -335,7 +359,7 @@ class Worker:
         self.local_ranks[msg.rank] = self.local_ranks.get(msg.replaces, 0)
         await self._start_rank(msg.rank, msg.device)
 
-    async def _reap(self, rank: int, proc: asyncio.subprocess.Process) -> None:
+    async def _reap(self, rank: int, proc: ChildProcess) -> None:
         code = await proc.wait()
         # the fast path of failure detection: report before anything else happens
         self._send(m.RankExited(rank=rank, pid=proc.pid, code=code))

@@ -10,13 +10,14 @@ what a variable means, its default and what it accepts are written once
   a host).
 * **Switches** a user or a benchmark sets: ``FLODL_ENCRYPT``,
   ``FLODL_BULK_RELAY``, ``FLODL_SHM``, ``FLODL_SHM_DIR``, ``FLODL_VRAM_POOL``,
-  ``FLODL_BULK_SLICE_BYTES``. On/off switches share one vocabulary
+  ``FLODL_BULK_SLICE_BYTES``, ``FLODL_ZYGOTE``. On/off switches share one vocabulary
   (``_switch``).
 * **Simulation, fault injection and strictness** for tests and benchmarks
   only: ``FLODL_SIMULATE_*``, ``FLODL_INJECT_FAULT``, ``FLODL_STRICT``.
 
 A few variables of other programs are read here too (``CUDA_VISIBLE_DEVICES``,
-``OMP_NUM_THREADS``), one is set for torch (``TORCH_NCCL_ASYNC_ERROR_HANDLING``),
+``OMP_NUM_THREADS``), one is set for torch (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), two for the
+zygote's own imports (``zygote_environ``),
 children's ``PYTHONPATH`` is extended with this process's import roots (``child_environ``),
 and torchrun's four (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) are
 set for a script-mode rank.
@@ -46,6 +47,7 @@ PARENT_PID = "FLODL_PARENT_PID"  # a child exits if its parent is no longer this
 # "ADDR PROBE NONCE" of the host relay a rank sends snapshots to ("": the controller). Worker -> rank
 # only. It was spelled FLODL_BULK_RELAY, the name of the user's relay switch below: now one name, one meaning.
 RELAY_ADDR = "FLODL_RELAY_ADDR"
+ZYGOTE_ROOM = "FLODL_ZYGOTE_ROOM"  # worker -> zygote only: blanks that make room for a forked rank's /proc environ
 SEED = "FLODL_SEED"  # deterministic runs: the run seed a rank seeds its RNGs with before building the task
 
 # ---- switches a user (or a benchmark) sets
@@ -55,10 +57,15 @@ SHM = "FLODL_SHM"  # on (default) | off: same-host snapshots through shared memo
 SHM_DIR = "FLODL_SHM_DIR"  # where shared-memory segments live (default /dev/shm)
 VRAM_POOL = "FLODL_VRAM_POOL"  # on (default) | off: kill-switch of the data plane's VRAM pool
 BULK_SLICE_BYTES = "FLODL_BULK_SLICE_BYTES"  # a model travels in slices of at most this many bytes (tuning)
+ZYGOTE = "FLODL_ZYGOTE"  # on (default) | off: a worker forks its ranks from a pre-imported process, else execs each
 
 # ---- other programs' variables
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
+# numpy's OpenBLAS starts its thread pool when numpy is imported; torch asks NVML, not the CUDA
+# driver, whether CUDA is there: the zygote sets both for itself (zygote_environ)
+OPENBLAS_NUM_THREADS = "OPENBLAS_NUM_THREADS"
+NVML_BASED_CUDA_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 TORCH_NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 PYTHONPATH = "PYTHONPATH"  # children get the import roots of their parent (child_environ)
 # torchrun's, set for a script-mode rank (docs/script-mode.md): the values at its spawn, never updated
@@ -217,6 +224,11 @@ def import_path() -> list[str]:
     return _unique(roots)
 
 
+def pythonpath() -> str:
+    """This process's ``PYTHONPATH`` ("" when unset)."""
+    return os.environ.get(PYTHONPATH, "")
+
+
 def _unique(items: list[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
@@ -292,6 +304,32 @@ def bulk_slice_bytes(default: int = 8 << 20) -> int:
     if value <= 0:
         raise ValueError(f"{BULK_SLICE_BYTES}={text!r}: expected a whole number of bytes > 0")
     return value
+
+
+def zygote_enabled() -> bool:
+    """``FLODL_ZYGOTE``: a worker forks its ranks from one pre-imported process (default on);
+    ``off`` starts each rank as a fresh interpreter (host/zygote.py)."""
+    return _switch(ZYGOTE, True)
+
+
+def zygote_environ() -> None:
+    """The zygote's own environment, set before it imports torch: no BLAS thread pool that a fork
+    would leave behind (numpy's OpenBLAS starts one at import unless told one thread; a value the
+    user set wins, and above 1 the zygote then declines to fork), and no CUDA driver loaded to answer
+    ``torch.cuda.is_available()`` (a forked child cannot use a driver its parent initialised)."""
+    os.environ.setdefault(OPENBLAS_NUM_THREADS, "1")
+    os.environ[NVML_BASED_CUDA_CHECK] = "1"
+
+
+def environ_copy() -> dict[str, str]:
+    """This process's environment, as it stands."""
+    return dict(os.environ)
+
+
+def replace_environ(env: dict[str, str]) -> None:
+    """Make ``env`` this process's whole environment (a forked rank takes the one its spawn asked for)."""
+    os.environ.clear()
+    os.environ.update(env)
 
 
 def cuda_visible_devices() -> str | None:

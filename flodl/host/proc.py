@@ -15,7 +15,8 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,20 @@ def pdeathsig_preexec(sig: int = signal.SIGTERM):
     return preexec
 
 
-async def terminate_then_kill(procs: list[asyncio.subprocess.Process], grace_s: float) -> None:
+class ChildProcess(Protocol):
+    """What a supervisor uses of a child process: asyncio's handle, or a rank forked by the
+    zygote (``host/zygote.ForkedChild``)."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def returncode(self) -> int | None: ...
+    async def wait(self) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
+
+
+async def terminate_then_kill(procs: Sequence[ChildProcess], grace_s: float) -> None:
     """SIGTERM every live process, wait up to ``grace_s``, SIGKILL the rest, reap all."""
     live = [p for p in procs if p.returncode is None]
     for p in live:
@@ -76,7 +90,7 @@ async def terminate_then_kill(procs: list[asyncio.subprocess.Process], grace_s: 
             await asyncio.gather(*(p.wait() for p in live))
 
 
-def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:
+def _signal(proc: ChildProcess, sig: int) -> None:
     try:
         proc.send_signal(sig)
     except ProcessLookupError:

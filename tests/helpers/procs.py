@@ -103,7 +103,7 @@ class Run(Proc):
         """Rank processes (python -m flodl.rank) once ``count`` of them exist."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            found = [p for p in self.tree() if runs_module(p, "flodl.rank")]
+            found = [p for p in self.tree() if is_rank(p)]
             if len(found) >= count:
                 return sorted(found, key=lambda p: p.pid)
             time.sleep(0.05)
@@ -115,6 +115,11 @@ def runs_module(proc: psutil.Process, module: str) -> bool:
         return module in " ".join(proc.cmdline())
     except psutil.Error:
         return False
+
+
+def is_rank(proc: psutil.Process) -> bool:
+    """A ``python -m flodl.rank`` (a forked one shows that line too), not the worker's zygote."""
+    return runs_module(proc, "flodl.rank") and not runs_module(proc, "flodl.rank.zygote")
 
 
 def _running(proc: psutil.Process) -> bool:
