@@ -194,10 +194,14 @@ class Regrouping:
         generation that lost a member makes this round's average the survivors' alone, so the
         window's report says so (``regrouped_at``) and the controller counts none of the dead
         rank's batches from this round on as averaged in (cadence.py ``_dead_consumed``)."""
-        peers = self.peers
-        self._maybe_regroup()
-        if not peers <= self.peers:
+        if self._regroup_lost_peer():
             stats.regrouped(round_index)
+
+    def _regroup_lost_peer(self) -> bool:
+        """``_maybe_regroup``; True if the generation it joined left out a member of this rank's group."""
+        generation, peers = self.generation, self.peers
+        self._maybe_regroup()
+        return self.generation != generation and not peers <= self.peers
 
     def _maybe_regroup(self) -> None:
         """Act on a new membership generation the controller announced.

@@ -677,8 +677,7 @@ class RankRunner(Regrouping, Evaluating):
             self.update.window_start(window.global_step)  # "global" schedulers: every rank at the same LR
         self.probing = not (window.quota_batches or window.quota_ms or window.sync_every)
         self.link.doing("step")
-        peers = self.peers
-        self._maybe_regroup()  # a membership change announced between windows (a rank joined, or died)
+        lost_peer = self._regroup_lost_peer()  # a membership change announced between windows (a rank joined, or died)
         self._start_warmer()
         stats = self._run_rounds(
             window.grants,
@@ -689,7 +688,7 @@ class RankRunner(Regrouping, Evaluating):
             measure=window.measure_divergence,
             window=window.window,
         )
-        if not peers <= self.peers:  # a member left before this window's first average: none of it is theirs
+        if lost_peer:  # a member left before this window's first average: none of it is theirs
             stats.regrouped(0)
         last = stats.last_average
         window_scalars, data = scalars.drain(), self._data_stats()
@@ -770,8 +769,11 @@ class RankRunner(Regrouping, Evaluating):
         prefetch = None
         if not source.in_memory:
             # worker reads start here, in the training thread (their processes die with it)
-            loading = isinstance(source, BatchSource) and source.workers is not None
-            produced = source.loaded_batches(grants) if isinstance(source, BatchSource) and loading else source.window_batches(grants)
+            produced: Any  # a batch source's or a shard source's (epoch, picks, batch) stream
+            if isinstance(source, BatchSource) and source.workers is not None:
+                produced = source.loaded_batches(grants)
+            else:
+                produced = source.window_batches(grants)
             prefetch = Prefetcher(produced, depth=PREFETCH_DEPTH, join_timeout_s=READER_JOIN_S)
         try:
             return self._rounds(
