@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -45,6 +46,19 @@ def size_parser(doc: str, quick_help: str, smoke_help: str) -> argparse.Argument
     size.add_argument("--quick", action="store_true", help=quick_help)
     size.add_argument("--smoke", action="store_true", help=smoke_help + ", results in a temporary folder: does the bench still run?")
     return parser
+
+
+def controller_command(task: str, **options: object) -> list[str]:
+    """``python -m flodl.controller --task TASK`` with each option as its kebab-case flag
+    (``summary_json=p`` -> ``--summary-json p``; ``True`` -> the bare flag, ``None``/``False`` -> left out)."""
+    cmd = [sys.executable, "-m", "flodl.controller", "--task", task]
+    for name, value in options.items():
+        if value is None or value is False:
+            continue
+        cmd.append("--" + name.replace("_", "-"))
+        if value is not True:
+            cmd.append(str(value))
+    return cmd
 
 
 def machine() -> str:

@@ -18,8 +18,12 @@ each ratio and mode:
 
 * measured ratio: rank 1's mean step time over rank 0's in that run (sleep
   included), from the summary's per-rank compute;
-* ideal = solo rate x (1 + 1 / measured ratio); of ideal = the run's training
+* ideal, per ratio f and seed: two solo runs started together, the second
+  paced f:1 as a pair's rank 1 is, their training rates added up (the pair's
+  own conditions: each rank beside the other's process, nothing averaged, as
+  ``bench.matrix``'s side-by-side case); of ideal = the run's training
   samples/s (eval pauses excluded: ``train_samples_per_s``) over that ideal;
+  *of ideal, solo alone* = over solo rate x (1 + 1 / measured ratio);
 * train wall (``wall_s - eval_s``, start-up excluded) and command wall (process
   start to exit);
 * syncs per epoch, and the final eval against the same seed's solo run.
@@ -40,6 +44,7 @@ sits near 40%), final eval within 1 point of solo.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -49,9 +54,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Row, report, size_parser, smoke_results  # noqa: E402
+from bench.common import Row, controller_command, report, size_parser, smoke_results  # noqa: E402
 from bench.matrix.report import measured_ratio, of_ideal, step_ms, train_wall  # noqa: E402
-from bench.matrix.suite import RunFailed, timed_run  # noqa: E402
+from bench.matrix.suite import SIDE_BY_SIDE_MARGIN, RunFailed, timed_run, timed_runs  # noqa: E402
 from flodl.config.env import SIMULATE_BASE_MS, SIMULATE_SLOWDOWN  # noqa: E402
 
 TASK = f"{ROOT / 'bench' / 'tasks' / 'mixture.py'}:task"
@@ -59,6 +64,32 @@ MODES = ("nccl-sync", "nccl-cadence", "nccl-async")
 RATIOS = (1, 2, 4)
 GOAL_OF_IDEAL = 0.90
 GOAL_EVAL_POINTS = 1.0
+
+
+def _command(nproc: int, mode: str, epochs: int, samples: int, seed: int, out: Path, factor: float, base_ms: float | None, paced: int):
+    """The controller's command and environment for one run (rank ``paced`` slowed ``factor``-fold)."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FLODL_BENCH_SAMPLES=str(samples), FLODL_BENCH_SEED=str(seed))
+    env.pop(SIMULATE_SLOWDOWN, None)
+    env.pop(SIMULATE_BASE_MS, None)
+    if factor > 1.0:
+        env[SIMULATE_SLOWDOWN] = f"{paced}:{factor:g}"
+        if base_ms:
+            env[SIMULATE_BASE_MS] = f"{paced}:{base_ms:.4f}"
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cmd = controller_command(
+        TASK, nproc_per_node=nproc, mode=mode, epochs=epochs, seed=seed, summary_json=out, no_progress=True, dashboard_port=-1
+    )
+    return cmd, env
+
+
+def _summary(out: Path, what: str) -> dict:
+    if not out.exists():
+        raise RunFailed(f"{what}: no summary written")
+    summary = json.loads(out.read_text())
+    if summary.get("exit_reason") != "completed":
+        raise RunFailed(f"{what}: exit_reason {summary.get('exit_reason')!r}")
+    return summary
 
 
 def run(
@@ -72,52 +103,35 @@ def run(
     base_ms: float | None = None,
     timeout: float = 600.0,
 ) -> dict:
-    """One real run of the controller; its summary plus ``command_s`` (process start to exit)."""
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FLODL_BENCH_SAMPLES=str(samples), FLODL_BENCH_SEED=str(seed))
-    env.pop(SIMULATE_SLOWDOWN, None)
-    env.pop(SIMULATE_BASE_MS, None)
-    if factor > 1.0:
-        env[SIMULATE_SLOWDOWN] = f"1:{factor:g}"
-        if base_ms:
-            env[SIMULATE_BASE_MS] = f"1:{base_ms:.4f}"
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    """One real run of the controller (rank 1 slowed ``factor``-fold); its summary plus ``command_s`` (process start to exit)."""
     with tempfile.TemporaryDirectory(prefix="flodl-hetero-") as td:
         out = Path(td) / "summary.json"
-        cmd = [
-            sys.executable,
-            "-m",
-            "flodl.controller",
-            "--task",
-            TASK,
-            "--nproc-per-node",
-            str(nproc),
-            "--mode",
-            mode,
-            "--epochs",
-            str(epochs),
-            "--seed",
-            str(seed),
-            "--summary-json",
-            str(out),
-            "--no-progress",
-            "--dashboard-port",
-            "-1",
-        ]
+        cmd, env = _command(nproc, mode, epochs, samples, seed, out, factor, base_ms, paced=1)
         command_s, _ = timed_run(cmd, env, Path(td) / "run.log", timeout)
-        if not out.exists():
-            raise RunFailed(f"{mode} x{nproc}: no summary written")
-        summary = json.loads(out.read_text())
-    if summary.get("exit_reason") != "completed":
-        raise RunFailed(f"{mode} x{nproc}: exit_reason {summary.get('exit_reason')!r}")
+        summary = _summary(out, f"{mode} x{nproc}")
     summary["command_s"] = command_s
     return summary
 
 
-def rows(solos: list[dict], pairs: dict[tuple[int, str], list[dict]]) -> list[Row]:
+def side_by_side(epochs: int, samples: int, seed: int, *, factor: float, base_ms: float, timeout: float = 600.0) -> float:
+    """The ideal of an f:1 pair in its own conditions (samples/s): two solo runs started together, the
+    second paced ``factor``:1 as a pair's rank 1 is (on fewer epochs, so that it outlasts the first),
+    their training rates added up (bench/matrix/suite.py's side-by-side case, for this task)."""
+    slow_epochs = max(1, math.ceil(epochs * SIDE_BY_SIDE_MARGIN / factor))
+    with tempfile.TemporaryDirectory(prefix="flodl-hetero-") as td:
+        fast_out, slow_out = Path(td) / "fast.json", Path(td) / "slow.json"
+        fast = _command(1, "nccl-cadence", epochs, samples, seed, fast_out, 1.0, None, paced=0)
+        slow = _command(1, "nccl-cadence", slow_epochs, samples, seed, slow_out, factor, base_ms, paced=0)
+        timed_runs([(*fast, Path(td) / "fast.log"), (*slow, Path(td) / "slow.log")], timeout)
+        return sum(_summary(out, "side by side")["train_samples_per_s"] for out in (fast_out, slow_out))
+
+
+def rows(solos: list[dict], pairs: dict[tuple[int, str], list[dict]], ideals: dict[int, list[float]] | None = None) -> list[Row]:
     """The results rows from each seed's solo run and the pairs' runs (``(ratio, mode) -> [summary per seed]``,
-    in the solos' seed order)."""
+    in the solos' seed order); ``ideals``: ratio -> each seed's side-by-side ideal (samples/s), which
+    *of ideal* divides by where given (else by the solo-alone ideal)."""
     med = statistics.median
+    ideals = ideals or {}
     solo_eval = [s["final_eval"] * 100 for s in solos]
     out = [
         Row("solo", "seeds", float(len(solos)), "runs"),
@@ -127,9 +141,13 @@ def rows(solos: list[dict], pairs: dict[tuple[int, str], list[dict]]) -> list[Ro
         Row("solo", "command wall (median)", med(s["command_s"] for s in solos), "s"),
         Row("solo", "final eval (mean)", statistics.fmean(solo_eval), "%"),
     ]
+    for f, got in ideals.items():
+        out.append(Row(f"{f}:1 side by side", "ideal samples/s (median)", med(got), "samples/s"))
     for (f, mode), runs in pairs.items():
         case = f"{f}:1 {mode}"
-        ideal = [v for v in (of_ideal(p, s) for p, s in zip(runs, solos, strict=False)) if v is not None]
+        alone = [v for v in (of_ideal(p, s) for p, s in zip(runs, solos, strict=False)) if v is not None]
+        sbs = [(p["train_samples_per_s"] / i, i) for p, i in zip(runs, ideals.get(f, []), strict=False) if i]
+        ideal = sbs or alone
         goal = mode != "nccl-sync" and f == 4
         if ideal:
             frac = med(v[0] for v in ideal)
@@ -145,6 +163,8 @@ def rows(solos: list[dict], pairs: dict[tuple[int, str], list[dict]]) -> list[Ro
                     frac >= GOAL_OF_IDEAL if goal else None,
                 ),
             ]
+            if sbs and alone:
+                out.append(Row(case, "of ideal, solo alone (median)", med(v[0] for v in alone), "fraction"))
         evals = [p["final_eval"] * 100 for p in runs]
         delta = statistics.fmean(evals) - statistics.fmean(solo_eval)
         out += [
@@ -169,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [(2, "nccl-cadence")] if args.smoke else [(f, m) for f in RATIOS for m in MODES]
     solos: list[dict] = []
     pairs: dict[tuple[int, str], list[dict]] = {case: [] for case in cases}
+    ideals: dict[int, list[float]] = {f: [] for f in sorted({f for f, _ in cases})}
     for seed in range(seeds):
         solo = run(1, "nccl-cadence", epochs, samples, seed)  # the default mode: the best flodl solo is the ideal
         base = step_ms(solo)[0]
@@ -178,24 +199,29 @@ def main(argv: list[str] | None = None) -> int:
             f"command {solo['command_s']:.1f} s",
             flush=True,
         )
+        for f, got_ideals in ideals.items():
+            got_ideals.append(side_by_side(epochs, samples, seed, factor=f, base_ms=base))
+            print(f"seed {seed}: {f}:1 side by side (the ideal): {got_ideals[-1]:,.0f} samples/s", flush=True)
         for (f, mode), runs in pairs.items():
             s = run(2, mode, epochs, samples, seed, factor=f, base_ms=base)
             runs.append(s)
-            got, ratio = of_ideal(s, solo), measured_ratio(s)
+            ratio, alone = measured_ratio(s), of_ideal(s, solo)
             print(
                 f"seed {seed}: {f}:1 {mode}: measured ratio {ratio or float('nan'):.2f}, of ideal "
-                f"{got[0] if got else float('nan'):.2f}, train wall {train_wall(s):.2f} s, command {s['command_s']:.1f} s",
+                f"{s['train_samples_per_s'] / ideals[f][-1]:.2f} (solo alone: {alone[0] if alone else float('nan'):.2f}), "
+                f"train wall {train_wall(s):.2f} s, command {s['command_s']:.1f} s",
                 flush=True,
             )
     note = (
         f"{samples} samples x {epochs} epochs, {seeds} seed(s), batch 32 per rank, mixture MLP, 2 CPU ranks x 1 thread; "
-        f"rank 1 paced to f x the solo step time (simulated; measured ratio reported); ideal = solo rate x (1 + 1/measured "
-        f"ratio), solo from the same command and threads; timings medians over seeds, evals means; train wall excludes "
+        f"rank 1 paced to f x the solo step time (simulated; measured ratio reported); ideal = two solo runs side by side, "
+        f"the second paced f:1, their rates added up (of ideal, solo alone = over solo rate x (1 + 1/measured ratio)), "
+        f"solo from the same command and threads; timings medians over seeds, evals means; train wall excludes "
         f"start-up, command wall is process start to exit"
     )
     folder = smoke_results() if args.smoke else args.results
     where = {} if folder is None else {"results": folder}  # bench.common.report's results folder
-    report("hetero", rows(solos, pairs), note=note, **where)
+    report("hetero", rows(solos, pairs, ideals), note=note, **where)
     return 0
 
 

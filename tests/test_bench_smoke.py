@@ -4,8 +4,8 @@ Each bench's ``--smoke`` runs its whole path at toy sizes in seconds (the
 control plane: a controller, a simulated worker joining and training one window,
 round trips to it and to the bare pyzmq echoes; the overhead: one plain loop and
 one real flodl run (and once more in script mode, ``--script``); scale: the real controller driving 16 simulated ranks
-through a death and a join, timed at its ``ControllerHooks``; hetero: a solo
-and one 2:1 cadence run through the CLI, about 20 s; cpu_avg: one 1 MB averaging
+through a death and a join, timed at its ``ControllerHooks``; hetero: a solo,
+two solo runs side by side (the ideal) and one 2:1 cadence run through the CLI, about 25 s; cpu_avg: one 1 MB averaging
 round of 2 rank processes against gloo, on each lane, about 15 s; startup: one
 one-epoch run of the README job under flodl and one under torchrun, about 30 s; chaos: one
 kill fault in a 2-epoch run, about 10 s; faults: one kill -9 of a rank, about
@@ -99,6 +99,8 @@ def test_hetero_bench_runs(tmp_path, proc_env):
     out = run_smoke("hetero.py", "hetero", tmp_path, proc_env, timeout_s=110)
     values = {(r["case"], r["metric"]): r["value"] for r in out["rows"]}
     assert values[("solo", "train samples/s (median)")] > 0 and values[("2:1 nccl-cadence", "train samples/s (median)")] > 0
+    # the ideal: two solo runs side by side, the second paced 2:1
+    assert values[("2:1 side by side", "ideal samples/s (median)")] == values[("2:1 nccl-cadence", "ideal samples/s (median)")] > 0
 
 
 @pytest.mark.timeout(180)  # two real one-epoch runs of the README job: flodl's, then torchrun's, every rank importing torch

@@ -119,7 +119,7 @@ def test_plans_name_known_cases():
         for model, (budget, cases) in plan.items():
             assert model in tasks.SPECS and budget.samples > 0 and budget.epochs > 0
             assert set(cases) <= set(CASES)
-    assert len(CASES) == 15 and set(PLANS["quick"]["lenet"][1]) == set(CASES)
+    assert len(CASES) == 16 and set(PLANS["quick"]["lenet"][1]) == set(CASES)
 
 
 def test_ddp_paces_with_flodls_own_rule():
@@ -136,8 +136,10 @@ def test_ddp_paces_with_flodls_own_rule():
 def test_a_4to1_plan_gets_its_solo_calibration():
     from bench.matrix.suite import solo_base_ms, with_calibration
 
-    assert with_calibration(("nccl-cadence-4to1", "torchrun-ddp-4to1"), False) == ("solo", "nccl-cadence-4to1", "torchrun-ddp-4to1")
-    assert with_calibration(("nccl-cadence-4to1",), True) == ("nccl-cadence-4to1",)  # --base-ms given
+    sbs = f"side-by-side-{RATIO}to1"  # the ideal of the flodl 4:1 cases, paced from solo as they are
+    assert with_calibration(("nccl-cadence-4to1", "torchrun-ddp-4to1"), False) == ("solo", sbs, "nccl-cadence-4to1", "torchrun-ddp-4to1")
+    assert with_calibration(("nccl-cadence-4to1",), True) == (sbs, "nccl-cadence-4to1")  # --base-ms given
+    assert with_calibration(("torchrun-ddp-4to1",), False) == ("solo", "torchrun-ddp-4to1")  # no flodl 4:1 case, no ideal
     assert with_calibration(("nccl-cadence", "torchrun-ddp"), False) == ("nccl-cadence", "torchrun-ddp")
     solo = _summary("NcclSync", 4.0, 0.9, ranks=1, case="solo")
     assert solo_base_ms(solo) == pytest.approx(125.0)  # 500 ms over 4 batches
@@ -212,6 +214,8 @@ def fake_results(tmp_path):
         "solo": [_summary("NcclSync", 4.0, 0.90, ranks=1, case="solo")],
         "nccl-cadence": [_summary("NcclCadence", 2.0, 0.89, case="nccl-cadence")],
         "torchrun-ddp": [_summary("TorchrunDDP", 4.0, 0.88, case="torchrun-ddp")],
+        # the ideal in the pair's own conditions: 50 samples/s (below the solo-alone ideal's 62.5)
+        f"side-by-side-{RATIO}to1": [_summary("NcclCadence", 4.0, 0.90, case=f"side-by-side-{RATIO}to1", ratio=RATIO, slow_ms=2000.0)],
         # two seeds: evals 87 and 89 (mean 88), train walls 5 and 7 (median 6); rank 1 steps 4x rank 0
         f"nccl-cadence-{RATIO}to1": [
             _summary("NcclCadence", w, ev, case=f"nccl-cadence-{RATIO}to1", ratio=RATIO, seed=k, slow_ms=2000.0)
@@ -252,10 +256,13 @@ def test_report_rows_and_goals(fake_results):
     assert by[(cad, "final eval (mean)")].value == pytest.approx(88.0)
     assert by[(cad, "final eval (min)")].value == pytest.approx(87.0) and by[(cad, "final eval (max)")].value == pytest.approx(89.0)
     assert by[(cad, "measured ratio (slow/fast step)")].value == pytest.approx(4.0)
-    # ideal = solo rate (50/s) x (1 + 1/4) = 62.5/s; the two seeds ran 40/s and 28.6/s, each against seed 0's solo
-    assert by[(cad, "ideal samples/s (median)")].value == pytest.approx(62.5)
+    # ideal = the side-by-side run's 50/s; the two seeds ran 40/s and 28.6/s, each against seed 0's run
+    assert by[(cad, "ideal samples/s (median)")].value == pytest.approx(50.0)
     frac = by[(cad, "of ideal (median)")]
-    assert frac.value == pytest.approx((40 + 200 / 7) / 2 / 62.5) and frac.goal == ">= 0.90 of ideal" and frac.met is False
+    assert frac.value == pytest.approx((40 + 200 / 7) / 2 / 50.0) and frac.goal == ">= 0.90 of ideal" and frac.met is False
+    # solo alone: solo rate (50/s) x (1 + 1/4) = 62.5/s, reported beside it, no goal
+    alone = by[(cad, "of ideal, solo alone (median)")]
+    assert alone.value == pytest.approx((40 + 200 / 7) / 2 / 62.5) and alone.goal is None
     speed = by[(cad, f"train speed-up vs torchrun DDP {RATIO}:1")]
     assert speed.value == pytest.approx(2.0) and speed.met is True and speed.goal == ">= 1.8x"
     assert by[(cad, f"command speed-up vs torchrun DDP {RATIO}:1")].value == pytest.approx(17.0 / 11.0)
@@ -392,6 +399,15 @@ def test_the_suite_runs_end_to_end(tmp_path, capsys):
     )
     ddp = runs[f"torchrun-ddp-{RATIO}to1"]
     assert ddp["lr_scaling"] == "linear" and ddp["lr_ddp"] == pytest.approx(2 * ddp["lr"])
+    # the flodl 4:1 case brought its ideal along: two solo runs side by side, the second paced 4:1
+    sbs = json.loads((out / report.run_file("logreg", f"side-by-side-{RATIO}to1", 0)).read_text())
+    assert "error" not in sbs["matrix"], sbs["matrix"].get("error")
+    both = sbs["side_by_side"]
+    assert sbs["train_samples_per_s"] == pytest.approx(both["fast_samples_per_s"] + both["paced_samples_per_s"])
+    assert both["paced_samples_per_s"] < both["fast_samples_per_s"] and sbs["matrix"]["measured_ratio"] > 1.0
+    assert " & " in sbs["matrix"]["command"] and f"FLODL_SIMULATE_SLOWDOWN=0:{RATIO}" in sbs["matrix"]["command"]
+    pair = runs[f"nccl-cadence-{RATIO}to1"]
+    assert pair["ideal_samples_per_s"] == pytest.approx(sbs["train_samples_per_s"]) and pair["of_ideal"] > 0
     printed = capsys.readouterr().out
     for metric in (
         "measured ratio (slow/fast step)",

@@ -8,6 +8,7 @@ from flodl.config.env import (
     SIMULATE_BASE_MS,
     SIMULATE_SLOWDOWN,
     paced_step,
+    pacing_late_ms,
     parse_base_ms,
     parse_slowdown,
     simulated_base_ms,
@@ -22,6 +23,21 @@ def test_paced_step_makes_the_period_factor_times_the_base():
     assert paced_step(3.0, 4.0, 2.5) == (7.0, 10.0)  # a slow step after a sleep only shortens the next sleep
     assert paced_step(12.0, 4.0, 2.5) == (0.0, 12.0)  # never a negative sleep; the real time is reported
     assert paced_step(2.0, 1.0, 2.5) == (0.0, 2.0)  # factor 1: untouched
+
+
+def test_a_sleep_that_overshoots_is_taken_off_the_next_one_so_the_mean_period_is_exact():
+    # a VM's sleep overshoots by a steady 0.25 ms: without the carry every paced step would take
+    # 4.25 ms instead of 4.0 (a 4.25:1 pair); with it the overruns cancel out
+    base, factor, compute, overshoot = 1.0, 4.0, 1.0, 0.25
+    late, total = 0.0, 0.0
+    for _ in range(400):
+        sleep, _ = paced_step(compute, factor, base, late)
+        step = compute + sleep + overshoot
+        late = pacing_late_ms(late, step, factor, base)
+        total += step
+    assert total / 400 == pytest.approx(4.0, abs=0.01)
+    assert pacing_late_ms(0.0, 30.0, 4.0, 1.0) == 4.0  # a long stall (an average) is not caught up beyond one period
+    assert pacing_late_ms(0.0, 3.0, 4.0, None) == 0.0 and pacing_late_ms(0.0, 3.0, 1.0, 1.0) == 0.0  # not paced
 
 
 def test_paced_step_without_a_base_keeps_the_old_rule():

@@ -81,7 +81,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.matrix import tasks
-from flodl.config.env import paced_step, parse_base_ms, parse_slowdown
+from flodl.config.env import paced_step, pacing_late_ms, parse_base_ms, parse_slowdown
 
 CURVE_POINTS_PER_EPOCH = 8
 
@@ -170,6 +170,7 @@ def main() -> None:
     seed = tasks.run_seed() if args.seed is None else args.seed
     slow = parse_slowdown(args.slowdown, rank, "--slowdown")
     base_ms = parse_base_ms(args.base_ms, rank, "--base-ms")
+    late_ms = 0.0  # how far behind its paced schedule this rank is (pacing_late_ms)
     x, y = tasks.train_data(spec, args.samples)
     x, y = x.to(device), y.to(device)
     n = len(x) - len(x) % world  # equal shares: DDP needs the same step count on every rank
@@ -236,11 +237,12 @@ def main() -> None:
                 compute = time.perf_counter() - t0 - wait
             sync = wait
             if slow > 1.0 and batches > 0:  # the simulated slower device: flodl's rule (not the first step)
-                pause_ms, _ = paced_step(compute * 1000.0, slow, base_ms)
+                pause_ms, _ = paced_step(compute * 1000.0, slow, base_ms, late_ms)
                 if pause_ms > 0.0:
                     t_sleep = time.perf_counter()
                     time.sleep(pause_ms / 1000.0)
                     compute += time.perf_counter() - t_sleep
+                late_ms = pacing_late_ms(late_ms, compute * 1000.0, slow, base_ms)
             if averager is not None:
                 t_avg = time.perf_counter()
                 before = averager.step

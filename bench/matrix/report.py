@@ -31,9 +31,13 @@ columns mean (every number comes from the kept run summaries):
   mean step time over rank 0's (the 4:1 cases);
 * idle r0 / r1: the share of the train wall a rank was not stepping (waiting
   on the average, on its peer, on the controller, on data);
-* of ideal (4:1 flodl cells): train samples/s over solo rate x (1 + 1 / measured
-  ratio), the solo rate being the same seed's ``solo`` run (same threads, same
-  process launch);
+* of ideal (4:1 flodl cells): train samples/s over the same seed's
+  ``side-by-side-4to1`` rate: two solo runs started together, one paced 4:1,
+  their rates added up (the ideal in the pair's own conditions: each rank with
+  the other's process beside it, nothing averaged, nobody waiting); *of ideal,
+  solo alone*: over solo rate x (1 + 1 / measured ratio), the solo rate being
+  the same seed's ``solo`` run (one rank alone on the machine: stricter on a
+  2-core VM, where a second process slows the first);
 * train / DDP, command / DDP, eval − DDP: against torchrun DDP on the same
   ranks (equal, or 4:1), medians and means over seeds as above.
 """
@@ -59,6 +63,7 @@ from bench.matrix import (
     IMG_DIR,
     MODEL_ORDER,
     RATIO,
+    SIDE_BY_SIDE,
     TARGETS,
     Target,
 )
@@ -163,6 +168,15 @@ def of_ideal(s: dict, solo: dict | None) -> tuple[float, float] | None:
     return s["train_samples_per_s"] / ideal, ideal
 
 
+def of_ideal_side_by_side(s: dict, side_by_side: dict | None) -> tuple[float, float] | None:
+    """``(fraction of ideal, ideal samples/s)`` of a pair's run against the side-by-side run of the
+    same seed (two solo runs started together, one paced: their rates added up); None without it."""
+    if not ok(side_by_side) or not side_by_side.get("train_samples_per_s"):
+        return None
+    ideal = side_by_side["train_samples_per_s"]
+    return s["train_samples_per_s"] / ideal, ideal
+
+
 def fast_step_vs_solo(s: dict, solo: dict | None) -> float | None:
     """Rank 0's (the fast rank's) mean compute per batch in a pair over the solo run's: how much
     slower the same step ran with a second rank and its traffic on the machine (1.0 = as fast as
@@ -202,15 +216,17 @@ class Cell:
 
     runs: list[dict]  # the successful runs, by seed
     errors: list[str] = field(default_factory=list)  # one per failed run
-    solo: list[dict] = field(default_factory=list)  # the model's solo runs (for "of ideal")
+    solo: list[dict] = field(default_factory=list)  # the model's solo runs (for "of ideal, solo alone")
+    side_by_side: list[dict] = field(default_factory=list)  # the model's side-by-side runs (for "of ideal")
 
     @classmethod
-    def of(cls, summaries: list[dict] | None, solo: list[dict] | None = None) -> Cell:
+    def of(cls, summaries: list[dict] | None, solo: list[dict] | None = None, side_by_side: list[dict] | None = None) -> Cell:
         summaries = summaries or []
         return cls(
             [s for s in summaries if ok(s)],
             [str(s.get("matrix", {}).get("error", "no summary")) for s in summaries if not ok(s)],
             [s for s in solo or [] if ok(s)],
+            [s for s in side_by_side or [] if ok(s)],
         )
 
     @property
@@ -258,18 +274,34 @@ class Cell:
 
     def _solo_for(self, s: dict) -> dict | None:
         """The solo run of the same seed (else the first solo run)."""
-        same = [o for o in self.solo if seed_of(o) == seed_of(s)]
-        return (same or self.solo or [None])[0]
+        return _same_seed(self.solo, s)
 
     def fast_step(self) -> float | None:
         """Median over the seeds of ``fast_step_vs_solo`` (each against its seed's solo run)."""
         got = [v for v in (fast_step_vs_solo(s, self._solo_for(s)) for s in self.runs) if v is not None]
         return statistics.median(got) if got else None
 
+    def of_ideal_solo(self) -> tuple[float, float] | None:
+        """Median ``(fraction of ideal, ideal samples/s)`` over the seeds, each against its seed's solo run."""
+        return _medians([of_ideal(s, self._solo_for(s)) for s in self.runs])
+
     def of_ideal(self) -> tuple[float, float] | None:
-        """Median ``(fraction of ideal, ideal samples/s)`` over the seeds (each against its seed's solo run)."""
-        got = [v for v in (of_ideal(s, self._solo_for(s)) for s in self.runs) if v is not None]
-        return (statistics.median(v[0] for v in got), statistics.median(v[1] for v in got)) if got else None
+        """Median ``(fraction of ideal, ideal samples/s)`` over the seeds, each against its seed's
+        side-by-side run (where the results have none, older suites: against the solo run)."""
+        if not self.side_by_side:
+            return self.of_ideal_solo()
+        return _medians([of_ideal_side_by_side(s, _same_seed(self.side_by_side, s)) for s in self.runs])
+
+
+def _same_seed(runs: list[dict], s: dict) -> dict | None:
+    """The run of ``s``'s seed among ``runs`` (else the first of them; None if there are none)."""
+    same = [o for o in runs if seed_of(o) == seed_of(s)]
+    return (same or runs or [None])[0]
+
+
+def _medians(pairs: list[tuple[float, float] | None]) -> tuple[float, float] | None:
+    got = [v for v in pairs if v is not None]
+    return (statistics.median(v[0] for v in got), statistics.median(v[1] for v in got)) if got else None
 
 
 def eval_delta(a: Cell, b: Cell) -> float | None:
@@ -287,7 +319,7 @@ def eval_text(c: Cell) -> str:
 
 def cells(runs: dict[str, dict[str, list[dict]]], model: str) -> dict[str, Cell]:
     cases = runs[model]
-    return {cid: Cell.of(cases[cid], cases.get("solo")) for cid in _ordered(cases)}
+    return {cid: Cell.of(cases[cid], cases.get("solo"), cases.get(SIDE_BY_SIDE.id)) for cid in _ordered(cases)}
 
 
 def _ordered(cases: dict) -> list[str]:
@@ -351,6 +383,9 @@ def rows(runs: dict[str, dict[str, list[dict]]]) -> list[Row]:
                         frac >= GOAL_OF_IDEAL if goal_case else None,
                     )
                 )
+                solo_alone = c.of_ideal_solo() if c.side_by_side else None
+                if solo_alone is not None:
+                    out.append(Row(label, "of ideal, solo alone (median)", solo_alone[0], "fraction"))
                 fast = c.fast_step()
                 if fast is not None:
                     out.append(Row(label, "fast rank's step, pair / solo (median)", fast, "x"))
@@ -404,7 +439,7 @@ def _mark(met: bool) -> str:
 
 
 def model_table(model: str, cases: dict[str, list[dict]]) -> str:
-    by_case = {cid: Cell.of(cases[cid], cases.get("solo")) for cid in _ordered(cases)}
+    by_case = {cid: Cell.of(cases[cid], cases.get("solo"), cases.get(SIDE_BY_SIDE.id)) for cid in _ordered(cases)}
     lines = [
         "| case | seeds | eval (min–max) | final loss | train wall | command | samples/s | syncs | step r0 / r1 | slow/fast "
         "| idle r0 / r1 | train / DDP | command / DDP | eval − DDP | others' CPU |",
@@ -442,10 +477,11 @@ def model_table(model: str, cases: dict[str, list[dict]]) -> str:
 
 def goal_table(runs: dict[str, dict[str, list[dict]]]) -> str:
     lines = [
-        f"| model | flodl case | slow/fast, flodl / DDP | of ideal (goal ≥ {GOAL_OF_IDEAL:.2f}) | fast rank's step, pair / solo | train wall "
+        f"| model | flodl case | slow/fast, flodl / DDP | of ideal (goal ≥ {GOAL_OF_IDEAL:.2f}) | of ideal, solo alone "
+        f"| fast rank's step, pair / solo | train wall "
         f"| torchrun DDP {RATIO}:1 train wall | train speed-up (goal ≥ {GOAL_SPEEDUP:g}×) | command speed-up "
         f"| eval − DDP, means (goal ≥ −{GOAL_EVAL_POINTS:g}) | eval flodl / DDP (min–max) | train speed-up vs post-local |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model in _models(runs):
         by_case = cells(runs, model)
@@ -462,9 +498,11 @@ def goal_table(runs: dict[str, dict[str, list[dict]]]) -> str:
             dtext = "—" if d is None else f"{d:+.2f} {_mark(d >= -GOAL_EVAL_POINTS)}"
             ideal = c.of_ideal()
             itext = "—" if ideal is None else f"{ideal[0]:.2f} {_mark(ideal[0] >= GOAL_OF_IDEAL)}"
+            alone = c.of_ideal_solo() if c.side_by_side else None
             pspeed = _x(post.train_s / c.train_s) if post is not None and post.ok else "—"
             lines.append(
-                f"| {model} | {_label(cid)} | {_f(c.ratio, '.2f')}× / {_f(base.ratio, '.2f')}× | {itext} | {_f(c.fast_step(), '.2f')}× "
+                f"| {model} | {_label(cid)} | {_f(c.ratio, '.2f')}× / {_f(base.ratio, '.2f')}× | {itext} "
+                f"| {_f(None if alone is None else alone[0], '.2f')} | {_f(c.fast_step(), '.2f')}× "
                 f"| {c.train_s:.2f} s | {base.train_s:.2f} s | {sp:.2f}× {_mark(sp >= GOAL_SPEEDUP)} | {_x(cmd)} "
                 f"| {dtext} | {eval_text(c)} / {eval_text(base)} | {pspeed} |"
             )
@@ -495,8 +533,8 @@ def plans_text(target: Target = TARGETS["cpu"]) -> str:
         )
     return (
         f"{head} {len(CASES)} cases: `solo`, the six flodl modes on 2 equal "
-        f"ranks, `torchrun-ddp`, `torchrun-postlocal`, and at {RATIO}:1 `nccl-cadence`, `nccl-async`, `cpu-cadence`, "
-        f"`cpu-async`, `torchrun-ddp`, `torchrun-postlocal`."
+        f"ranks, `torchrun-ddp`, `torchrun-postlocal`, and at {RATIO}:1 `{SIDE_BY_SIDE.id}` (the ideal), `nccl-cadence`, "
+        f"`nccl-async`, `cpu-cadence`, `cpu-async`, `torchrun-ddp`, `torchrun-postlocal`."
     )
 
 
@@ -563,8 +601,13 @@ def protocol_text(manifest: dict, target: Target = TARGETS["cpu"]) -> list[str]:
         "Two times per run: *train wall* = first batch to the end with evals taken out (start-up excluded), and "
         "*command* = the whole command, process start to exit (flodl's controller, or `torchrun`), timed by the "
         "suite around the subprocess. Every speed-up says which of the two it divides. *of ideal* = flodl's train "
-        f"samples/s over solo rate × (1 + 1 / measured ratio), the solo rate being the same seed's `solo` run "
-        f"(goal ≥ {GOAL_OF_IDEAL:.2f} at {RATIO}:1 for Cadence and Async).",
+        f"samples/s over the same seed's `{SIDE_BY_SIDE.id}` run: two solo runs started together, the second paced "
+        f"{RATIO}:1 like a pair's rank 1 (on fewer epochs, so that it outlasts the first), their training rates added "
+        "up — what the two ranks train in the pair's own conditions (each beside the other's process on the same "
+        f"cores) with nothing averaged and nobody waiting (goal ≥ {GOAL_OF_IDEAL:.2f} at {RATIO}:1 for Cadence and "
+        "Async). *of ideal, solo alone* is the stricter figure: over solo rate × (1 + 1 / measured ratio), the solo "
+        "rank alone on the machine, which a rank beside another process cannot match on 2 cores (*fast rank's "
+        "step, pair / solo* shows by how much).",
         "",
         "Columns: eval = final held-out accuracy (per character for the language models), mean (lowest–highest "
         "seed); final loss = last epoch's mean training loss; samples/s = training samples per train-wall second; "

@@ -27,8 +27,11 @@ The protocol (issue 22):
   ``flodl.config.env.paced_step``). A plan with a 4:1 case and no ``solo`` gets ``solo``
   added (it calibrates), unless ``--base-ms`` gives the base. Every 4:1 run
   records its ``measured_ratio`` (rank 1's mean step time over rank 0's) and,
-  for flodl, ``of_ideal``: train samples/s over solo rate x (1 + 1 / measured
-  ratio);
+  for flodl, ``of_ideal``: train samples/s over the same seed's ``side-by-side-4to1``
+  run's (two solo runs started together, one paced 4:1: each rank beside the
+  other's process as in a pair, with no averaging; its rate is the two rates
+  added up; added to any plan with a flodl 4:1 case), and ``of_ideal_solo``:
+  over solo rate x (1 + 1 / measured ratio), the solo rank alone on the machine;
 * torchrun runs with the linear LR scaling rule (``--lr-scaling``; see ddp.py);
 * each case runs once per seed (``--seeds``): evals reported as mean and
   lowest..highest seed, timings as medians (bench/matrix/report.py).
@@ -52,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import resource
@@ -62,8 +66,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import machine, report
-from bench.matrix import CASES, MODEL_ORDER, PLANS, ROOT, TARGETS, Budget, Case, Target
+from bench.common import controller_command, machine, report
+from bench.matrix import CASES, MODEL_ORDER, PLANS, ROOT, SIDE_BY_SIDE, TARGETS, Budget, Case, Target
 from bench.matrix import report as matrix_report
 from bench.matrix.tasks import SAMPLES_ENV, SEED_ENV, SPECS
 from flodl.config.env import SIMULATE_BASE_MS, SIMULATE_SLOWDOWN
@@ -115,19 +119,38 @@ def _children_cpu_s() -> float:
 def timed_run(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -> tuple[float, float | None]:
     """Run one command; returns its wall time and the share of the machine's CPU that
     other processes (not this command's tree) used meanwhile (None where /proc/stat is missing)."""
+    return timed_runs([(cmd, env, log)], timeout)
+
+
+def timed_runs(runs: list[tuple[list[str], dict[str, str], Path]], timeout: float) -> tuple[float, float | None]:
+    """Start every ``(command, environment, log)`` together and wait for all of them: their wall
+    time (until the last exits) and the share of the machine's CPU that other processes used
+    meanwhile. Any that fails, or outlives ``timeout``, fails the whole (the rest are killed)."""
     busy0, ours0 = _cpu_busy_s(), _children_cpu_s()
     start = time.perf_counter()
-    with open(log, "w") as fh:
-        try:
-            code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            raise RunFailed(f"timed out after {timeout:.0f} s; log tail:\n{_tail(log)}") from None
+    procs: list[tuple[subprocess.Popen, Path]] = []
+    try:
+        for cmd, env, log in runs:
+            with open(log, "w") as fh:  # the child keeps its own copy of the descriptor
+                procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT), log))
+        codes = []
+        for proc, log in procs:
+            try:
+                codes.append(proc.wait(timeout=max(0.1, timeout - (time.perf_counter() - start))))
+            except subprocess.TimeoutExpired:
+                raise RunFailed(f"timed out after {timeout:.0f} s; log tail:\n{_tail(log)}") from None
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     took = time.perf_counter() - start
-    # whatever the machine did that this run's process tree did not (other users' jobs on a shared VM)
+    # whatever the machine did that this run's process trees did not (other users' jobs on a shared VM)
     others = (_cpu_busy_s() - busy0) - (_children_cpu_s() - ours0)
     share = max(0.0, others / (took * (os.cpu_count() or 1))) if busy0 else None
-    if code != 0:
-        raise RunFailed(f"exit {code}; log tail:\n{_tail(log)}")
+    for code, (_, log) in zip(codes, procs, strict=True):
+        if code != 0:
+            raise RunFailed(f"exit {code}; log tail:\n{_tail(log)}")
     return took, share
 
 
@@ -156,38 +179,40 @@ def flodl_curve(logdir: Path) -> list[list[float]]:
     return [[(r["ts"] - meta["ts"]) / 1000.0, r["metrics"]["loss"]] for r in ticks]
 
 
+def flodl_command(model: str, nproc: int, mode: str, epochs: int, seed: int, out: Path, target: Target) -> list[str]:
+    """The controller's command line for one flodl run; its summary and record log go under ``out``."""
+    return controller_command(
+        f"bench.matrix.tasks:{model}",
+        nproc_per_node=nproc,
+        mode=mode,
+        epochs=epochs,
+        seed=seed,
+        summary_json=out / "summary.json",
+        no_progress=True,
+        dashboard_port=-1,
+        record_log_dir=out / "logs",
+        reports_per_epoch=REPORTS_PER_EPOCH,
+        devices=target.devices(nproc),
+    )
+
+
+def read_flodl_summary(out: Path) -> dict:
+    """The summary a finished flodl run left under ``out``, with its loss curve; RunFailed if it did not complete."""
+    summary_path = out / "summary.json"
+    if not summary_path.exists():
+        raise RunFailed(f"no summary written; log tail:\n{_tail(out / 'run.log')}")
+    summary = json.loads(summary_path.read_text())
+    if summary.get("exit_reason") != "completed":
+        raise RunFailed(f"exit_reason {summary.get('exit_reason')!r}")
+    summary.setdefault("matrix", {})["curve"] = flodl_curve(out / "logs")
+    return summary
+
+
 def flodl_case(
     model: str, case: Case, budget: Budget, tmp: Path, timeout: float, target: Target, setup: Setup = Setup()
 ) -> tuple[dict, tuple, str]:
     """One flodl run: its summary, ``(process_s, others_cpu)`` and the command line (environment included)."""
-    summary_path, logs = tmp / "summary.json", tmp / "logs"
-    cmd = [
-        sys.executable,
-        "-m",
-        "flodl.controller",
-        "--task",
-        f"bench.matrix.tasks:{model}",
-        "--nproc-per-node",
-        str(case.nproc),
-        "--mode",
-        case.mode,
-        "--epochs",
-        str(budget.epochs),
-        "--seed",
-        str(setup.seed),
-        "--summary-json",
-        str(summary_path),
-        "--no-progress",
-        "--dashboard-port",
-        "-1",
-        "--record-log-dir",
-        str(logs),
-        "--reports-per-epoch",
-        str(REPORTS_PER_EPOCH),
-    ]
-    devices = target.devices(case.nproc)
-    if devices:
-        cmd += ["--devices", devices]
+    cmd = flodl_command(model, case.nproc, case.mode, budget.epochs, setup.seed, tmp, target)
     env = _env(budget.samples, setup.seed)
     prefix = [f"{SEED_ENV}={setup.seed}"]
     if case.ratio > 1:
@@ -197,13 +222,54 @@ def flodl_case(
             env[SIMULATE_BASE_MS] = f"1:{setup.base_ms:.4f}"
             prefix.append(f"{SIMULATE_BASE_MS}={env[SIMULATE_BASE_MS]}")
     took = timed_run(cmd, env, tmp / "run.log", timeout)
-    if not summary_path.exists():
-        raise RunFailed(f"no summary written; log tail:\n{_tail(tmp / 'run.log')}")
-    summary = json.loads(summary_path.read_text())
-    if summary.get("exit_reason") != "completed":
-        raise RunFailed(f"exit_reason {summary.get('exit_reason')!r}")
-    summary.setdefault("matrix", {})["curve"] = flodl_curve(logs)
-    return summary, took, " ".join([*prefix, "python", *cmd[1:]])
+    return read_flodl_summary(tmp), took, " ".join([*prefix, "python", *cmd[1:]])
+
+
+#: the paced run of the side-by-side case trains this much longer than its fast partner (in
+#: wall time), so the fast run has a paced process beside it from its first batch to its last
+SIDE_BY_SIDE_MARGIN = 1.25
+
+
+def side_by_side_case(
+    model: str, case: Case, budget: Budget, tmp: Path, timeout: float, target: Target, setup: Setup = Setup()
+) -> tuple[dict, tuple, str]:
+    """The 4:1 cases' ideal in their own conditions: two solo runs started together, the second
+    paced ``case.ratio``:1 (as rank 1 of a pair is) on fewer epochs so that it outlasts the first.
+    Returns the fast run's summary with ``train_samples_per_s`` = the two runs' rates added up,
+    the paced run's per-epoch records as rank 1's (so step times and the measured ratio read as
+    a pair's), and both rates under ``side_by_side``."""
+    if not setup.base_ms:
+        raise RunFailed("the side-by-side case paces its second run from the solo run's step time; the solo run failed")
+    fast_dir, slow_dir = tmp / "fast", tmp / "slow"
+    fast_dir.mkdir()
+    slow_dir.mkdir()
+    slow_epochs = max(1, math.ceil(budget.epochs * SIDE_BY_SIDE_MARGIN / case.ratio))
+    fast_cmd = flodl_command(model, 1, case.mode, budget.epochs, setup.seed, fast_dir, target)
+    slow_cmd = flodl_command(model, 1, case.mode, slow_epochs, setup.seed, slow_dir, target)
+    slow_env = _env(budget.samples, setup.seed)
+    slow_env[SIMULATE_SLOWDOWN] = f"0:{case.ratio}"
+    slow_env[SIMULATE_BASE_MS] = f"0:{setup.base_ms:.4f}"
+    took = timed_runs(
+        [(fast_cmd, _env(budget.samples, setup.seed), fast_dir / "run.log"), (slow_cmd, slow_env, slow_dir / "run.log")], timeout
+    )
+    fast, slow = read_flodl_summary(fast_dir), read_flodl_summary(slow_dir)
+    fast_rate, slow_rate = fast.get("train_samples_per_s") or 0.0, slow.get("train_samples_per_s") or 0.0
+    summary = dict(fast)
+    summary["train_samples_per_s"] = fast_rate + slow_rate
+    summary["history"] = [
+        *fast.get("history", []),
+        # the paced run's only rank (0) reads as rank 1
+        *({**h, "per_rank": {"1": (h.get("per_rank") or {}).get("0", {})}} for h in slow.get("history", [])),
+    ]
+    summary["side_by_side"] = {
+        "fast_samples_per_s": fast_rate,
+        "paced_samples_per_s": slow_rate,
+        "paced_epochs": slow_epochs,
+        "paced_train_s": matrix_report.train_wall(slow),
+    }
+    seed = f"{SEED_ENV}={setup.seed}"
+    pace = f"{SIMULATE_SLOWDOWN}={slow_env[SIMULATE_SLOWDOWN]} {SIMULATE_BASE_MS}={slow_env[SIMULATE_BASE_MS]}"
+    return summary, took, f"{seed} python {' '.join(fast_cmd[1:])} & {seed} {pace} python {' '.join(slow_cmd[1:])}"
 
 
 def torchrun_case(
@@ -257,10 +323,12 @@ def run_one(
     target: Target = TARGETS["cpu"],
     setup: Setup = Setup(),
     solo: dict | None = None,
+    side_by_side: dict | None = None,
 ) -> dict:
     """One run; its summary with a ``matrix`` block (or only that block, with ``error``, if it failed).
 
-    ``solo``: the same seed's solo run, for the ``of_ideal`` of a flodl 4:1 case.
+    ``solo`` and ``side_by_side``: the same seed's solo and side-by-side runs, for the two
+    ``of_ideal`` figures of a flodl 4:1 case.
     """
     spec = SPECS[model]
     meta = {
@@ -287,7 +355,7 @@ def run_one(
         meta["lr_scaling"] = setup.lr_scaling
     with tempfile.TemporaryDirectory(prefix=f"flodl-matrix-{model}-") as td:
         try:
-            runner = flodl_case if case.kind == "flodl" else torchrun_case
+            runner = {"flodl": flodl_case, "side-by-side": side_by_side_case, "torchrun": torchrun_case}[case.kind]
             summary, (process_s, others), cmd = runner(model, case, budget, Path(td), timeout, target, setup)
         except RunFailed as exc:
             meta["error"] = str(exc)
@@ -299,8 +367,12 @@ def run_one(
         meta.update(lr=summary.get("config", {}).get("lr"), lr_ddp=summary.get("config", {}).get("lr_ddp"))
     if case.nproc > 1:
         meta["measured_ratio"] = matrix_report.measured_ratio(summary)
+    if case.kind == "side-by-side":
+        meta["measured_ratio"] = matrix_report.measured_ratio(summary)
     if case.kind == "flodl" and case.ratio > 1:
         ideal = matrix_report.of_ideal(summary, solo)
+        meta.update(of_ideal_solo=ideal[0] if ideal else None, ideal_solo_samples_per_s=ideal[1] if ideal else None)
+        ideal = matrix_report.of_ideal_side_by_side(summary, side_by_side)
         meta.update(of_ideal=ideal[0] if ideal else None, ideal_samples_per_s=ideal[1] if ideal else None)
     return summary
 
@@ -314,7 +386,10 @@ def solo_base_ms(solo: dict | None) -> float | None:
 
 
 def with_calibration(cases: tuple[str, ...], base_given: bool) -> tuple[str, ...]:
-    """The cases to run: ``solo`` added in front when a 4:1 case needs it to calibrate its pace."""
+    """The cases to run: ``solo`` added in front when a 4:1 case needs it to calibrate its pace,
+    and the side-by-side case when a flodl 4:1 case needs it for its ideal."""
+    if any(CASES[c].kind == "flodl" and CASES[c].ratio > 1 for c in cases) and SIDE_BY_SIDE.id not in cases:
+        cases = (SIDE_BY_SIDE.id, *cases)
     if base_given or "solo" in cases or not any(CASES[c].ratio > 1 for c in cases):
         return cases
     return ("solo", *cases)
@@ -332,7 +407,7 @@ def covers(plan: dict[str, tuple[Budget, tuple[str, ...]]]) -> str:
     parts = []
     for model in [m for m in MODEL_ORDER if m in plan]:
         budget, cases = plan[model]
-        what = "all 15 cases" if set(cases) == set(CASES) else ", ".join(cases)
+        what = f"all {len(CASES)} cases" if set(cases) == set(CASES) else ", ".join(cases)
         parts.append(f"{model} ({budget.samples} samples × {budget.epochs} epochs): {what}")
     return "; ".join(parts) + "."
 
@@ -416,14 +491,17 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     failed = 0
     solos: dict[tuple[str, int], dict] = {}
+    side_by_sides: dict[tuple[str, int], dict] = {}
     for i, (model, seed, case) in enumerate(todo, 1):
         budget = plan[model][0]
         solo = solos.get((model, seed))
         base = args.base_ms if args.base_ms is not None else solo_base_ms(solo)
         setup = Setup(seed=seed, base_ms=base if case.ratio > 1 else None, lr_scaling=args.lr_scaling)
-        result = run_one(model, case, budget, budget_name, timeout, target, setup, solo)
+        result = run_one(model, case, budget, budget_name, timeout, target, setup, solo, side_by_sides.get((model, seed)))
         if case.id == "solo":
             solos[(model, seed)] = result
+        if case.id == SIDE_BY_SIDE.id:
+            side_by_sides[(model, seed)] = result
         (results / matrix_report.run_file(model, case.id, seed)).write_text(json.dumps(result, indent=1) + "\n")
         took = time.perf_counter() - start
         head = f"[{i}/{len(todo)} {took:5.0f} s] {model} {case.id} seed {seed}"
@@ -437,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         if case.ratio > 1:
             extra = f", base {_num(meta.get('base_ms'), '.2f')} ms, measured ratio {_num(meta.get('measured_ratio'), '.2f')}"
             if case.kind == "flodl":
-                extra += f", of ideal {_num(meta.get('of_ideal'), '.2f')}"
+                extra += f", of ideal {_num(meta.get('of_ideal'), '.2f')} (solo alone: {_num(meta.get('of_ideal_solo'), '.2f')})"
         print(
             f"{head}: train wall {meta['train_s']:.2f} s, command {meta['command_s']:.1f} s, "
             f"eval {'-' if ev is None else f'{ev * 100:.2f}%'}, loss {result.get('final_loss') or 0:.4f}, "
@@ -472,7 +550,8 @@ def main(argv: list[str] | None = None) -> int:
         f"batch 32 per rank; train wall = wall_s - eval_s (start-up excluded), command wall = process start to exit; "
         f"medians over seeds, evals mean/min/max; 4:1 = rank 1 paced to 4 x "
         f"{'--base-ms' if args.base_ms else 'the solo run' + chr(39) + 's step time'} (measured ratio reported); "
-        f"of ideal = train samples/s / (solo rate x (1 + 1/measured ratio)); torchrun LR scaling: {args.lr_scaling}. "
+        f"of ideal = train samples/s / the side-by-side case's two rates added up (of ideal, solo alone = over "
+        f"solo rate x (1 + 1/measured ratio)); torchrun LR scaling: {args.lr_scaling}. "
         f"Covers: {manifest['covers']}"
     )
     if results.resolve() == target.results_dir.resolve():

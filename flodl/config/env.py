@@ -443,16 +443,20 @@ def parse_base_ms(text: str, rank: int, source: str = SIMULATE_BASE_MS) -> float
     return table.get(rank, table.get(None))
 
 
-def paced_step(compute_ms: float, factor: float, base_ms: float | None) -> tuple[float, float]:
+def paced_step(compute_ms: float, factor: float, base_ms: float | None, late_ms: float = 0.0) -> tuple[float, float]:
     """How long a rank simulated ``factor`` times slower sleeps after a step, and the step time it reports.
 
     Pure arithmetic, ms in and out: ``(sleep_ms, step_ms)``.
 
     * With ``base_ms`` (the rank's solo step time, measured in the same set-up)
       the rank is *paced*: its step period is ``factor x base_ms``. It sleeps
-      ``max(0, factor x base_ms - compute_ms)`` and reports
+      ``max(0, factor x base_ms - compute_ms - late_ms)`` and reports
       ``max(compute_ms, factor x base_ms)``: a 4:1 pair really steps 4:1,
-      whatever the step right after a sleep costs.
+      whatever the step right after a sleep costs. ``late_ms`` is how far the
+      rank is behind its schedule (``pacing_late_ms``): a sleep
+      overshoots by 0.1-0.3 ms on a VM, which at sub-ms periods made a 4:1 pair
+      step 4.9:1; taking the accumulated overrun off the next sleep keeps the
+      *mean* period exact.
     * Without it, the old rule: sleep ``(factor - 1) x compute_ms`` and report
       ``factor x compute_ms``. It OVERSHOOTS: compute right after a sleep is
       slower (cold caches, a lower clock), and that inflated time is multiplied
@@ -465,4 +469,15 @@ def paced_step(compute_ms: float, factor: float, base_ms: float | None) -> tuple
     if base_ms is None:
         return compute_ms * (factor - 1.0), compute_ms * factor
     period = factor * base_ms
-    return max(0.0, period - compute_ms), max(compute_ms, period)
+    return max(0.0, period - compute_ms - late_ms), max(compute_ms, period)
+
+
+def pacing_late_ms(late_ms: float, step_ms: float, factor: float, base_ms: float | None) -> float:
+    """How far a paced rank is behind its schedule after a step (sleep included) that took
+    ``step_ms``, ``late_ms`` being how far it was behind before it: the next ``paced_step`` takes
+    this off its sleep. Kept within one period either way, so a longer stall (an average, a
+    regroup) is not caught up by steps run back to back. 0 when not paced."""
+    if factor <= 1.0 or base_ms is None:
+        return 0.0
+    period = factor * base_ms
+    return min(period, max(-period, late_ms + step_ms - period))

@@ -34,7 +34,16 @@ from .. import __version__, scalars
 from ..checkpoint.bundle import CheckpointError, load_model, load_optimizer
 from ..config import AverageBackend, DdpRunConfig
 from ..config.deadlines import Deadlines
-from ..config.env import RankEnv, nccl_errors_raise, omp_threads_set, paced_step, simulated_base_ms, simulated_slowdown, vram_pool_disabled
+from ..config.env import (
+    RankEnv,
+    nccl_errors_raise,
+    omp_threads_set,
+    paced_step,
+    pacing_late_ms,
+    simulated_base_ms,
+    simulated_slowdown,
+    vram_pool_disabled,
+)
 from ..errors import (
     EXIT_CONFIG,
     EXIT_CONTROLLER_LOST,
@@ -165,6 +174,7 @@ class RankRunner(Regrouping, Evaluating):
         self.handle = WorkerHandle(self)
         self.slowdown = simulated_slowdown(env.rank)  # SIMULATION only (benchmarks, tests): 1.0 on real hardware
         self.slow_base_ms = simulated_base_ms(env.rank) if self.slowdown > 1.0 else None
+        self.pace_late_ms = 0.0  # how far behind its paced schedule this rank is (env.pacing_late_ms)
         # a simulated slowdown paces every step, so each is measured on its own, even on a GPU
         self.meter = StepMeter(self.device, per_step=True if self.slowdown > 1.0 else None)
         self.norm_layers: list = []  # BatchNorm layers to re-estimate before an eval (none until set up)
@@ -982,10 +992,11 @@ class RankRunner(Regrouping, Evaluating):
             # (from the second step: the first is set-up and warm-up, no device's pace), paced to
             # slowdown x FLODL_SIMULATE_BASE_MS; reported as the time the step really took, sleep
             # included (the meter measures each step on its own when simulating)
-            pause_ms, _ = paced_step(records[-1].compute_ms, self.slowdown, self.slow_base_ms)
+            pause_ms, _ = paced_step(records[-1].compute_ms, self.slowdown, self.slow_base_ms, self.pace_late_ms)
             if pause_ms > 0.0:
                 time.sleep(pause_ms / 1000.0)
                 records[-1] = dataclasses.replace(records[-1], compute_ms=(time.perf_counter() - t0) * 1000.0)
+            self.pace_late_ms = pacing_late_ms(self.pace_late_ms, records[-1].compute_ms, self.slowdown, self.slow_base_ms)
         if self.step_count == 1:
             self._open_vram_pool()
         self.global_step += 1
