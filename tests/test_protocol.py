@@ -22,6 +22,7 @@ from flodl.wire.codec import (
     HEADER,
     MAGIC,
     MAX_DEPTH,
+    REPLAY_WINDOW,
     FrameReader,
     FrameWriter,
     ReplayWindow,
@@ -215,6 +216,53 @@ def test_replay_window():
     assert w.accept(2000)
     assert not w.accept(3) and not w.accept(2000 - 1024)
     assert w.accept(2000 - 1023)
+
+
+def _replay_model(seqs: list[int]) -> list[bool]:
+    """What a replay window must answer: a number is accepted once, unless 1024 or more below the highest accepted."""
+    seen: set[int] = set()
+    top = 0
+    out = []
+    for seq in seqs:
+        ok = seq not in seen and seq > top - REPLAY_WINDOW
+        if ok:
+            seen.add(seq)
+            top = max(top, seq)
+        out.append(ok)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_replay_window_in_order_runs_answer_as_the_bitmap(seed):
+    """In-order numbers only move ``top`` (the bitmap is folded in later): runs short and long
+    (past the window's width), gaps, late and repeated numbers all answer as the model, through
+    ``ReplayWindow.accept`` and through ``FrameReader.read``'s inline path (with ``newest``)."""
+    rng = random.Random(seed)
+    seqs: list[int] = []
+    nxt = rng.randint(1, 5)
+    while len(seqs) < 3000:
+        pick = rng.random()
+        if pick < 0.6:  # a run in order, sometimes longer than the window
+            run = rng.choice([1, 3, 50, REPLAY_WINDOW - 1, REPLAY_WINDOW, REPLAY_WINDOW + 7])
+            seqs += range(nxt, nxt + run)
+            nxt += run
+        elif pick < 0.75:  # a gap
+            nxt += rng.choice([1, 2, 500, REPLAY_WINDOW, 3 * REPLAY_WINDOW])
+        else:  # late or repeated: anywhere from just below the top to past the window's edge
+            seqs.append(max(1, nxt - rng.randint(1, REPLAY_WINDOW + 50)))
+    want = _replay_model(seqs)
+    w = ReplayWindow()
+    assert [w.accept(seq) for seq in seqs] == want
+    frames = {seq: pack_frame(SECRET, m.Ping(nonce=seq, sent_at=1.0), sender="rank0.1", seq=seq, run_id=RUN) for seq in set(seqs)}
+    reader = FrameReader(SECRET, RUN)
+    top = 0
+    for seq, ok in zip(seqs, want, strict=True):
+        env = reader.read(frames[seq], "peer")
+        assert (env is not None) == ok, seq
+        if env is not None:
+            assert env.newest == (seq > top), seq
+            top = max(top, seq)
+    assert reader.drops["replayed"] == want.count(False)
 
 
 def test_reader_counts_every_drop_and_logs_a_peer_at_most_once_per_interval(caplog):

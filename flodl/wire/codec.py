@@ -508,20 +508,39 @@ class ReplayWindow:
     A sliding bitmap over the last ``REPLAY_WINDOW`` numbers (as in IPsec):
     frames may arrive slightly out of order (a rank's heartbeat thread and its
     training thread number frames from one counter) but never twice.
+
+    The bitmap (``mask``, bit ``i``: number ``base - i`` seen) is kept as of
+    ``base``; every number in ``(base, top]`` was seen, one after the other.
+    So the usual frame, the next number in order, only moves ``top``: the
+    1024-bit shift and masks that record it (three big-integer allocations,
+    about a seventh of a frame's read) wait until a frame out of order comes
+    (``settle``).
     """
 
-    __slots__ = ("top", "mask")
+    __slots__ = ("top", "mask", "base")
 
     def __init__(self) -> None:
         self.top = 0
         self.mask = 0
+        self.base = 0
+
+    def settle(self) -> None:
+        """Fold the in-order run ``(base, top]`` into the bitmap."""
+        run = self.top - self.base
+        if run:
+            self.mask = ((self.mask << run) | ((1 << run) - 1)) & _WINDOW_BITS if run < REPLAY_WINDOW else _WINDOW_BITS
+            self.base = self.top
 
     def accept(self, seq: int) -> bool:
         """True the first time ``seq`` is seen within the window (``seq > top`` afterwards: it was the newest)."""
+        if seq == self.top + 1:  # the next in order: the run grows (FrameReader.read inlines this case)
+            self.top = seq
+            return True
+        self.settle()
         if seq > self.top:
             shift = seq - self.top
             self.mask = ((self.mask << shift) | 1) & _WINDOW_BITS if shift < REPLAY_WINDOW else 1
-            self.top = seq
+            self.top = self.base = seq
             return True
         offset = self.top - seq
         if offset >= REPLAY_WINDOW or self.mask >> offset & 1:
@@ -655,12 +674,12 @@ class FrameReader:
                 return None
             window = self._windows[sender] = ReplayWindow()
         top = window.top
-        if seq > top:  # the usual frame, the newest from its sender: ReplayWindow.accept's first case, inline
-            shift = seq - top
-            window.mask = ((window.mask << shift) | 1) & _WINDOW_BITS if shift < REPLAY_WINDOW else 1
+        if seq == top + 1:  # the usual frame, the next from its sender: ReplayWindow.accept's first case, inline
             window.top = seq
             env.newest = True
-        elif not window.accept(seq):
+        elif window.accept(seq):
+            env.newest = seq > top
+        else:
             self._drop("replayed", peer, f"seq {seq} from {sender}")
             return None
         self.accepted += 1
