@@ -130,7 +130,7 @@ class Zygote:
             log.warning("the zygote's socket failed: %s", exc)
         if not self._gone:  # not closed by us: it died
             self._gone = True
-            self._why(f"the zygote ended, exit code {await self.proc.wait()}")
+            self._why(f"the zygote ended, exit code {await self.proc.wait()}", logging.WARNING)
         while self._replies:
             _settle(self._replies.popleft(), None)
         await asyncio.gather(*(self._orphaned(child) for child in self._children.values() if child.returncode is None))
@@ -146,13 +146,15 @@ class Zygote:
             child = self._children[msg["pid"]] = ForkedChild(int(msg["pid"]))
             _settle(self._replies.popleft(), child)
         elif "error" in msg:
-            self._why(msg["error"])
+            # a decline is a fact of the host (CUDA's driver loaded by torch's imports on a GPU
+            # host, a library's thread), not a fault: the exec path is the same rank, only slower to start
+            self._why(msg["error"], logging.INFO)
             _settle(self._replies.popleft(), None)
 
-    def _why(self, reason: str) -> None:
+    def _why(self, reason: str, level: int) -> None:
         if not self._said_why:
             self._said_why = True
-            log.warning("the zygote cannot fork ranks (%s): they start by exec", reason)
+            log.log(level, "the zygote cannot fork ranks (%s): they start by exec", reason)
 
     async def _orphaned(self, child: ForkedChild) -> None:
         """A child whose zygote died: it gets its PDEATHSIG; make sure it goes, and say so once gone."""
