@@ -19,7 +19,9 @@ calls ``flodl.init()`` and trains in its own loop::
 Underneath, the rank (``rank/script_rank.py``) runs on a thread of its own
 and takes turns with the script's main thread (``rank/bridge.py``): the
 rank's windows, averages, regroups and saves happen between the script's
-batches, never during them. docs/script-mode.md says what the loop means
+batches, never during them. Between two averages, ``run.batches()`` runs
+the rank's batch loop on the script's thread (``rank/script_round.py``): no
+thread switch per batch. docs/script-mode.md says what the loop means
 under Local SGD and what the rank's environment holds.
 """
 
@@ -38,9 +40,10 @@ import torch
 from . import scalars, scriptspec
 from .config.env import RankEnv
 from .errors import EXIT_CONFIG, EXIT_TASK_ERROR
-from .rank.bridge import BATCH, END, EPOCH_END, Bridge, Item
+from .rank.bridge import BATCH, END, EPOCH_END, ROUND, Bridge, Item
 from .rank.link import SAVE_GRACE_S
 from .rank.script_rank import Prepared, ScriptRank, Stepped
+from .rank.script_round import InlineRound
 from .shards import Shards
 from .task import loader_problem
 
@@ -92,7 +95,8 @@ class Run:
         signal.signal(signal.SIGTERM, self._rank._on_sigterm)  # only the main thread may trap it
         if self._rank.device.type == "cuda":
             torch.cuda.set_device(self._rank.device)  # the current device is per thread: the script's too
-        self._pending: Item | None = None  # the driver's last item, not yet taken
+        self._pending: Item | None = None  # the next item (a batch, an epoch's end, the end), not yet taken
+        self._round: InlineRound | None = None  # the round of the rank's batch loop this thread runs now
         self._loss: Stepped | None = None  # the last batch's loss (and whether the optimizer stepped), for the driver's next turn
         self._outstanding = False  # a batch was given out and its run.step is due
         self._in_epoch = False
@@ -264,12 +268,30 @@ class Run:
             raise RuntimeError(f"flodl: call run.prepare(model, optimizer, dataset, batch_size=...) before {what}")
 
     def _peek(self) -> Item:
-        """The driver's next item: the one pending, or (the driver's turn) a new one."""
+        """The next item: the one pending, or a new one (from the round, or the driver's turn)."""
         if self._pending is None:
             if self._outstanding:
                 raise RuntimeError("flodl: call run.step(loss) for every batch before taking the next")
-            self._pending, self._loss = self._bridge.call(self._loss), None
+            self._pending = self._next_item()
         return self._pending
+
+    def _next_item(self) -> Item:
+        """The round in progress runs on, here, to its next item; once it ended (or with none),
+        the driver takes its turn and hands the next: a round, an epoch's end, the end."""
+        loss, self._loss = self._loss, None
+        while True:
+            if self._round is not None:
+                item = self._round.next(loss)
+                if item is not None:
+                    return item
+                payload, self._round = self._round.ended(), None
+            else:
+                payload = loss
+            loss = None
+            item = self._bridge.call(payload)
+            if item.kind != ROUND:
+                return item
+            self._round = item.round
 
     @staticmethod
     def _end(item: Item) -> None:

@@ -72,6 +72,9 @@ def test_a_script_trains_on_two_ranks(proc_env, tmp_path, mode):
     assert sum(r["steps"] for r in ranks) == EPOCHS * 512 // 16  # the loops trained every granted batch, once
     if mode == "nccl-cadence":  # the last average lands before the script's loop ends: equal replicas
         assert ranks[0]["weights"] == ranks[1]["weights"]
+        # a window's batches run on the script's thread: the rank's thread takes a turn per round
+        # (and at prepare and the last epoch's end), not per batch
+        assert all(r["driver_turns"] < r["steps"] for r in ranks), ranks
         assert len(set(summary["final_digests"].values())) == 1
 
 

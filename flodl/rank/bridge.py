@@ -6,9 +6,9 @@ coroutines: exactly one of them runs at a time, so torch state (the model, the
 optimizer, the flat buckets) is never touched by both at once. Each side hands
 the other something and waits for its turn to come back:
 
-* the driver ``hand``s the main thread an ``Item`` (a batch, an epoch's end,
-  "prepared") and waits for the main thread's next ``call``, whose payload
-  (the last step's loss) it returns;
+* the driver ``hand``s the main thread an ``Item`` (a round of its batch
+  loop, an epoch's end, "prepared") and waits for the main thread's next
+  ``call``, whose payload (how the round ended) it returns;
 * the main thread ``call``s the driver with a payload and waits for the next
   item.
 
@@ -28,16 +28,19 @@ from typing import Any
 
 #: Item kinds the driver hands the main thread.
 BATCH, EPOCH_END, PREPARED, END = "batch", "epoch_end", "prepared", "end"
+#: The driver hands the main thread a round of its batch loop to run there (script_round.py).
+ROUND = "round"
 
 
 @dataclass(frozen=True)
 class Item:
-    """What the driver hands the main thread: ``kind``, the epoch it belongs to, a batch, an exit code."""
+    """What the main thread gets: ``kind``, the epoch it belongs to, a batch, an exit code, a round."""
 
     kind: str
     epoch: int = -1
     batch: Any = None
     code: int = 0
+    round: Any = None  # ROUND: the ``InlineRound`` the main thread runs
 
 
 class ScriptFailed(Exception):

@@ -25,6 +25,7 @@ import platform
 import signal
 import sys
 import time
+from collections.abc import Generator
 from typing import Any
 
 import torch
@@ -84,6 +85,7 @@ from .norms import norm_layers
 from .outcomes import NonFiniteLoss, Stop, UserError, is_collective_error, user_traceback
 from .prefetch import CacheWarmer, Prefetcher
 from .regroup import Regrouping
+from .round_loop import Due, RoundLoop
 from .saving import checkpoint, emergency_save
 from .shard_source import ShardPicks, ShardSource
 from .staging import RamCache, TieredSamples, VramPool, ram_budget, vram_budget
@@ -815,76 +817,104 @@ class RankRunner(Regrouping, Evaluating):
         window: int | None,
     ) -> RoundStats:
         start = time.perf_counter()
-        averager = self._averaging()
         self.model.train()  # once per window, not per step: it walks every module
-        exhausted = False
-        # a Shards dataset: positions are shards; the window stops, averages (Sync) and counts
-        # coverage only where a shard ends (shard_source.py), and its quota counts shards
-        sharded = isinstance(self._data_source(), ShardSource)
-        whole = True  # no shard is part-trained: the window may stop here
-        target_ms = quota_ms - self.quota_debt_ms if quota_ms else 0.0
+        loop = RoundLoop(
+            stats,
+            batches,
+            averager=self._averaging(),
+            start=start,
+            sync_every=sync_every,
+            quota_batches=quota_batches,
+            # Cadence's time quota less what the last window ran past its own
+            target_ms=quota_ms - self.quota_debt_ms if quota_ms else 0.0,
+            quota_ms=quota_ms,
+            window=window,
+            # a Shards dataset: positions are shards; the window stops, averages (Sync) and counts
+            # coverage only where a shard ends (shard_source.py), and its quota counts shards
+            sharded=isinstance(self._data_source(), ShardSource),
+        )
         self.quota_debt_ms = 0.0
         for round_index in range(rounds):
             self.position = ((window or 0) << 16) | round_index
-            stepped = shards = 0
-            last: m.TimingMsg | None = None
-            while not exhausted and (not sync_every or (shards if sharded else stepped) < sync_every or self._accumulating()):
-                if averager.adopting:
-                    exhausted = True  # a joiner without the consensus yet trains nothing (its grants go back)
-                    break
-                if (
-                    not self._accumulating()
-                    and whole
-                    and (
-                        (quota_batches and (stats.positions if sharded else stats.batches + self.meter.pending) >= quota_batches)
-                        # the quota clock is the window's wall time less its averages: a fast rank's
-                        # per-step work outside compute and data (hundreds of steps' worth) must not
-                        # make it arrive late at the average its slow partner is already waiting in
-                        or (target_ms and self._past_quota(start, stats, target_ms, quota_ms))
-                        or (window is not None and self.link.end_window >= window)
-                    )
-                ):
-                    exhausted = True
-                    break
-                if self.link.must_stop or self.terminated:
-                    raise Stop
-                t0 = time.perf_counter()
-                item = next(batches, None)
-                data_ms = (time.perf_counter() - t0) * 1000.0
-                if item is None:
-                    exhausted = True
-                    break
-                epoch, idx, batch = item
-                if isinstance(idx, ShardPicks):
-                    stats.positions += idx.ends
-                    shards += idx.ends
-                    whole = bool(idx.ends)
-                    if batch is None:  # an empty shard: trained, with nothing to step
-                        continue
-                self._land_background()  # an average that completed meanwhile lands here, between steps
-                if self.link.evals_asked > self.evals_taken:
-                    self._evals_now()
-                # a peer died: join the survivors' new group now (and the report says so: no average
-                # failed, yet the dead peer is out of this round's average, cadence.py _dead_consumed)
-                self._regroup_in_round(stats, round_index)
-                self._enter_epoch(epoch)
-                records = self._step(batch, epoch=epoch, samples=len(idx), data_ms=data_ms)
-                stepped += 1
-                last = self._report(records, stats, last)
+            loop.stepped = loop.shards = 0
+            loop.last = None
+            self._drive_round(self._round_steps(loop, round_index))
             if self.update is not None:  # grants that ended inside an accumulation: its step now, before the average
                 self.update.window_end(self.global_step, flush=self.world_size > 1)
-            last = self._report(self.meter.drain(), stats, last)  # the device catches up: a window's end may wait
+            last = self._report(self.meter.drain(), stats, loop.last)  # the device catches up: a window's end may wait
             # a window's end average (Cadence, Async) runs in the background on either backend:
             # a rank never waits at it for a slower peer; Sync's per-batch rounds block, and so
             # does every average of a deterministic run (a background one lands at whichever
             # batch is running when it completes: a clock's choice)
             block = bool(sync_every) or self.deterministic
-            averaged = self._average(float(stepped), measure=measure, block=block, round_index=round_index, stats=stats)
+            averaged = self._average(float(loop.stepped), measure=measure, block=block, round_index=round_index, stats=stats)
             stats.averaged(averaged)
             if last is not None:
                 self.link.send_lazy(dataclasses.replace(last, sync_ms=averaged.ms))
         stats.finish((time.perf_counter() - start) * 1000.0)
         return stats
+
+    def _drive_round(self, steps: Generator[Due, list[StepRecord], None]) -> None:
+        """Train one round's batches: each ``Due`` the round's loop yields is stepped here and its
+        records sent back. Script mode hands the whole round to the script's thread instead
+        (script_round.py), so the per-batch bookkeeping runs there, between its batches."""
+        due = next(steps, None)
+        while due is not None:
+            self._enter_epoch(due.epoch)
+            records = self._step(due.batch, epoch=due.epoch, samples=due.samples, data_ms=due.data_ms)
+            try:
+                due = steps.send(records)
+            except StopIteration:
+                due = None
+
+    def _round_steps(self, loop: RoundLoop, round_index: int) -> Generator[Due, list[StepRecord], None]:
+        """One round's batch loop: the checks and bookkeeping between batches; yields each batch
+        to train (its epoch not yet entered) and takes back its step records."""
+        stats = loop.stats
+        while not loop.exhausted and (
+            not loop.sync_every or (loop.shards if loop.sharded else loop.stepped) < loop.sync_every or self._accumulating()
+        ):
+            if loop.averager.adopting:
+                loop.exhausted = True  # a joiner without the consensus yet trains nothing (its grants go back)
+                return
+            if (
+                not self._accumulating()
+                and loop.whole
+                and (
+                    (loop.quota_batches and (stats.positions if loop.sharded else stats.batches + self.meter.pending) >= loop.quota_batches)
+                    # the quota clock is the window's wall time less its averages: a fast rank's
+                    # per-step work outside compute and data (hundreds of steps' worth) must not
+                    # make it arrive late at the average its slow partner is already waiting in
+                    or (loop.target_ms and self._past_quota(loop.start, stats, loop.target_ms, loop.quota_ms))
+                    or (loop.window is not None and self.link.end_window >= loop.window)
+                )
+            ):
+                loop.exhausted = True
+                return
+            if self.link.must_stop or self.terminated:
+                raise Stop
+            t0 = time.perf_counter()
+            item = next(loop.batches, None)
+            data_ms = (time.perf_counter() - t0) * 1000.0
+            if item is None:
+                loop.exhausted = True
+                return
+            epoch, idx, batch = item
+            if isinstance(idx, ShardPicks):
+                stats.positions += idx.ends
+                loop.shards += idx.ends
+                loop.whole = bool(idx.ends)
+                if batch is None:  # an empty shard: trained, with nothing to step
+                    continue
+            self._land_background()  # an average that completed meanwhile lands here, between steps
+            if self.link.evals_asked > self.evals_taken:
+                self._evals_now()
+            # a peer died: join the survivors' new group now (and the report says so: no average
+            # failed, yet the dead peer is out of this round's average, cadence.py _dead_consumed)
+            self._regroup_in_round(stats, round_index)
+            records = yield Due(epoch, batch, len(idx), data_ms)
+            loop.stepped += 1
+            loop.last = self._report(records, stats, loop.last)
 
     @property
     def lr_step(self) -> int:
@@ -975,15 +1005,23 @@ class RankRunner(Regrouping, Evaluating):
         """One batch: an optimizer step, or part of one when accumulating (update.py). Returns the
         step records now known (step_meter.py: on a GPU, earlier steps', once the device has run
         them; nothing here waits for it)."""
+        t0 = self._step_begins()
+        # the plain step: nothing else per step (update.py has the rest)
+        loss = self._train_batch(batch) if self.update is None else self.update.batch(batch, self.global_step)
+        return self._step_ended(t0, loss, epoch=epoch, samples=samples, data_ms=data_ms)
+
+    def _step_begins(self) -> float:
+        """A step's start: its clock (returned), and the plain step's LR."""
         t0 = self.meter.begin()
         if self.graphed:
             torch.compiler.cudagraph_mark_step_begin()
-        if self.update is None:  # the plain step: nothing else per step (update.py has the rest)
-            if self.lr is not None:
-                self.lr.apply(self.global_step)
-            loss = self._train_batch(batch)
-        else:
-            loss = self.update.batch(batch, self.global_step)
+        if self.update is None and self.lr is not None:
+            self.lr.apply(self.global_step)
+        return t0
+
+    def _step_ended(self, t0: float, loss: torch.Tensor, *, epoch: int, samples: int, data_ms: float) -> list[StepRecord]:
+        """A step's end (``loss`` computed, the optimizer stepped): count and time it, pace it when
+        simulating, and tell the link it progressed; the step records now known."""
         self.step_count += 1
         records = self.meter.measured(
             t0, loss, epoch=epoch, step=self.step_count, samples=samples, data_ms=data_ms, close=self.step_count == 1 or self.probing

@@ -7,18 +7,20 @@ saves, liveness):
 * ``_load_task`` waits for the script's ``run.prepare(...)`` and makes a
   ``Task`` of what it got (the script's model, optimizer and dataset; its
   ``train_step`` is never called);
-* ``_train_batch`` hands the batch to the script's loop and waits for the
-  loss it gives ``run.step``: the script runs forward, backward and its
-  optimizer's step itself;
-* ``_enter_epoch`` first hands the script the end of the epoch it was in, so
-  its code after ``for batch in run.batches()`` (an eval, a report) runs
-  before the next epoch's first batch, watched as a callback is;
+* ``_drive_round`` hands each round of the batch loop to the script's thread
+  (script_round.py): ``run.batches()`` runs the rank's bookkeeping between
+  the script's batches there, and the script runs forward, backward and its
+  optimizer's step itself, giving ``run.step`` the loss; an epoch that ends
+  in a round hands the script its end, so its code after ``for batch in
+  run.batches()`` (an eval, a report) runs before the next epoch's first
+  batch, watched as a callback is;
 * ``_train_state`` / ``_resume_optimizer`` keep the objects the script
   registers (``run.register_state``: its LR schedulers, a GradScaler, its
   counters) in the bundle's ``.optim`` file beside the optimizer's state, and
   restore them on resume (script_state.py).
 
-Every handoff goes through the ``Bridge``: one thread runs at a time.
+Every handoff goes through the ``Bridge``: one thread runs at a time, and a
+round's batches switch no thread.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,11 +40,13 @@ from ..config.env import RankEnv
 from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_TASK_ERROR, PeerLost, TaskError
 from ..task import Task
 from ..wire import messages as m
-from .bridge import BATCH, EPOCH_END, PREPARED, Bridge, Item, ScriptFailed
-from .data import to_device
+from .bridge import EPOCH_END, PREPARED, ROUND, Bridge, Item, ScriptFailed
 from .outcomes import Stop, UserError, user_traceback
+from .round_loop import Due
 from .runner import RankRunner
+from .script_round import InlineRound, Raised
 from .script_state import ScriptState
+from .step_meter import StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -167,11 +172,6 @@ class ScriptRank(RankRunner):
         out.update(self.states.saved())
         return out
 
-    def _enter_epoch(self, epoch: int) -> None:
-        if self.current_epoch >= 0 and epoch > self.current_epoch:
-            self._end_epoch()
-        super()._enter_epoch(epoch)
-
     def _end_epoch(self) -> None:
         """Hand the script the end of its current epoch, then send the controller what it reported
         up to then (``EpochEnd``): that epoch's row waits for it (controller/epoch_ends.py).
@@ -182,6 +182,11 @@ class ScriptRank(RankRunner):
         busy = self.link.busy
         self.link.doing("callback")  # the script's code between epochs: watched as epoch_fn is
         self._hand(Item(EPOCH_END, epoch=self.current_epoch))
+        self.epoch_ended(busy)
+
+    def epoch_ended(self, busy: str) -> None:
+        """The script's code after its epoch's batches is done: send what it reported (``EpochEnd``),
+        and the link is ``busy`` again."""
         self.link.send(m.EpochEnd(rank=self.rank, epoch=self.current_epoch, scalars=scalars.drain()))
         self.link.doing(busy)
 
@@ -198,8 +203,19 @@ class ScriptRank(RankRunner):
             return EXIT_TASK_ERROR
         return EXIT_OK
 
-    def _train_batch(self, batch: Any) -> torch.Tensor:
-        done: Stepped = self._hand(Item(BATCH, epoch=self.current_epoch, batch=to_device(batch, self.device)))
+    def _drive_round(self, steps: Generator[Due, list[StepRecord], None]) -> None:
+        """The script's thread runs the round (script_round.py): this thread waits until it ends,
+        and raises what the round's loop raised there.
+
+        Raises:
+            UserError: the script's code raised.
+        """
+        outcome = self._hand(Item(ROUND, round=InlineRound(self, steps)))
+        if isinstance(outcome, Raised):
+            raise outcome.error
+
+    def stepped(self, done: Stepped) -> torch.Tensor:
+        """The script trained the batch handed out (``run.step``): its loss; counts the accumulation."""
         self.micro += 1
         stepped = done.optimizer_stepped
         if stepped or (stepped is None and self.micro >= self._accumulate):

@@ -5,7 +5,8 @@ FLODL_TEST_STEP_SLEEP   seconds to sleep in every step (make a run long enough t
 FLODL_TEST_HOLD_FILE    while this file does not exist, steps sleep FLODL_TEST_HOLD_SLEEP instead
 FLODL_TEST_FAIL_AT      raise RuntimeError at this local step (a broken loop)
 FLODL_TEST_OUT          a directory: each rank writes rank<R>.json there at the end (torchrun's
-                        variables, the epochs and batches it trained, its final weights' sum)
+                        variables, the epochs and batches it trained, its final weights' sum, and
+                        "driver_turns": how often the rank's thread took a turn from the loop)
 FLODL_TEST_NO_INIT      never call flodl.init()
 FLODL_TEST_HANG_AT      "rank:step": that rank's loop blocks for good at that step (a script stuck in its own code)
 FLODL_TEST_MISUSE       "step": call run.step before any batch (misuse, refused with one clear error)
@@ -58,6 +59,7 @@ class Counter:
 def main():
     if os.environ.get("FLODL_TEST_NO_INIT"):
         return
+    turns = _count_driver_turns()
     run = flodl.init()
     torch.manual_seed(run.rank)  # the replicas start unlike: prepare() makes them rank 0's
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
@@ -131,10 +133,24 @@ def main():
     if out:
         names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
         record = {"env": {k: os.environ.get(k) for k in names}, "epochs": epochs, "steps": steps, "world_size": run.world_size}
-        record.update(lr=optimizer.param_groups[0]["lr"], counter=counter.ends, accum_breaks=breaks)
+        record.update(lr=optimizer.param_groups[0]["lr"], counter=counter.ends, accum_breaks=breaks, driver_turns=turns[0])
         record["weights"] = float(sum(p.detach().double().sum() for p in model.parameters()))
         with open(os.path.join(out, f"rank{run.rank}.json"), "w") as f:
             json.dump(record, f)
+
+
+def _count_driver_turns() -> list[int]:
+    """Count the rank thread's turns (``Bridge.hand``): a one-element list, counted up as they come."""
+    from flodl.rank.bridge import Bridge
+
+    turns, hand = [0], Bridge.hand
+
+    def counted(self, item):
+        turns[0] += 1
+        return hand(self, item)
+
+    Bridge.hand = counted
+    return turns
 
 
 if __name__ == "__main__":

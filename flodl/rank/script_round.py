@@ -1,0 +1,88 @@
+"""One round of a script rank's batch loop, run on the script's own thread.
+
+The driver thread (``ScriptRank``) runs the rank: commands, windows, averages,
+regroups, saves. A round of its batch loop (the batches between two averages,
+``RankRunner._round_steps``) is handed to the script's thread whole, and
+``run.batches()`` runs it there: the rank's checks and bookkeeping between
+batches (quota, stop, a landed average, a regroup, the step's records) run on
+the script's thread between its batches, so a batch costs no thread switch
+(two switches per batch cost ~10% of a 5 ms CPU step on a loaded host:
+issue 18). The driver waits, blocked, until the round ends, and then gets its
+outcome: None, or the error the loop raised (a stop, a lost peer), which it
+raises where the loop would have raised it. Heartbeats and the stuck-script
+watch stay on the link's own threads, as for every rank.
+
+An epoch that ends inside a round is handed to the script as ``EPOCH_END``:
+its code after ``for batch in run.batches()`` runs (watched as a callback is),
+and the round goes on at the script's next ``run.batches()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any
+
+from .bridge import BATCH, EPOCH_END, Item
+from .data import to_device
+from .round_loop import Due
+from .step_meter import StepRecord
+
+if TYPE_CHECKING:
+    from .script_rank import ScriptRank, Stepped
+
+
+class Raised:
+    """A round that ended raising: the driver raises ``error`` (the loop's own exception)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class InlineRound:
+    """A round of the rank's batch loop, stepped one batch at a time by the script's thread."""
+
+    def __init__(self, rank: ScriptRank, steps: Generator[Due, list[StepRecord], None]) -> None:
+        self.rank = rank
+        self.steps = steps
+        self.due: Due | None = None  # the batch the loop gave, not yet trained
+        self.records: list[StepRecord] | None = None  # the last trained batch's, for the loop
+        self.t0 = 0.0  # the handed-out batch's step clock
+        self.training = False  # a batch is out: the next call carries its step
+        self.busy: str | None = None  # the script runs its code between epochs: the link's state to restore
+        self.outcome: Raised | None = None  # once ended: None, or what the loop raised
+
+    def next(self, stepped: Stepped | None) -> Item | None:
+        """The script's next item (a batch, an epoch's end), running the rank's bookkeeping up to
+        it; ``stepped`` is the last batch's step. None: the round ended (``outcome`` says how)."""
+        rank = self.rank
+        try:
+            if self.training:
+                self.training = False
+                due, self.due = self.due, None
+                assert due is not None and stepped is not None  # run.step is checked before the next batch
+                loss = rank.stepped(stepped)
+                self.records = rank._step_ended(self.t0, loss, epoch=due.epoch, samples=due.samples, data_ms=due.data_ms)
+            if self.due is None:
+                records, self.records = self.records, None
+                self.due = next(self.steps) if records is None else self.steps.send(records)
+            due = self.due
+            if self.busy is not None:  # the script's code between epochs is done: that epoch's reports go
+                rank.epoch_ended(self.busy)
+                self.busy = None
+            elif 0 <= rank.current_epoch < due.epoch:  # the script's epoch ends: its code after the batches runs
+                self.busy = rank.link.busy
+                rank.link.doing("callback")  # watched as epoch_fn is
+                return Item(EPOCH_END, epoch=rank.current_epoch)
+            rank._enter_epoch(due.epoch)
+            self.t0 = rank._step_begins()
+            self.training = True
+            return Item(BATCH, epoch=due.epoch, batch=to_device(due.batch, rank.device))
+        except StopIteration:
+            return None
+        except Exception as exc:  # the loop's (a stop, a lost peer, a failed average): the driver's to raise
+            self.outcome = Raised(exc)
+            return None
+
+    def ended(self) -> Any:
+        """What the driver gets once the round ended."""
+        return self.outcome
