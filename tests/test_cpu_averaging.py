@@ -86,6 +86,30 @@ async def test_timeout_aborts_and_late_snapshot_never_leaks(lane):
 
 
 @LANES
+async def test_a_round_aborted_before_a_rank_sent_it_is_not_waited_for(lane):
+    """A slower rank hears its round was aborted (the gate timed out) before it sends that round's
+    snapshot: sent later, the snapshot is stale at the controller and never answered, so the rank
+    must not wait for it (it did, until its own deadline, then called its collective failed)."""
+    ctl, task = await controller(timeout_s=0.5)
+    models = [torch.nn.Linear(4, 4) for _ in range(2)]
+    avgs = [rank_side(ctl, r, mo, timeout_s=5.0, lane=lane) for r, mo in enumerate(models)]
+    await asyncio.to_thread(avgs[0].average, 1.0)  # rank 1 sends nothing: round 0 is aborted
+    assert ctl.rounds.aborted == 1
+    for _ in range(200):  # rank 1 polls between its steps and hears of the abort first
+        avgs[1].poll()
+        if 0 in avgs[1].aborted_ahead:
+            break
+        await asyncio.sleep(0.01)
+    assert avgs[1].aborted_ahead == {0}
+    kept = models[1].weight.detach().clone()
+    avgs[1].average(1.0, block=False)  # its round 0, sent late: over at once
+    assert 0 not in avgs[1].pending and avgs[1].aborted == 1 and not avgs[1].aborted_ahead
+    await asyncio.wait_for(asyncio.to_thread(avgs[1].settle), 2.0)  # nothing left to wait for
+    assert torch.equal(models[1].weight.detach(), kept)  # its own values kept
+    await stop(ctl, task, avgs)
+
+
+@LANES
 async def test_round_completes_without_a_rank_that_died(lane):
     ctl, task = await controller(timeout_s=30.0)
     models = [torch.nn.Linear(2, 2) for _ in range(3)]

@@ -175,6 +175,10 @@ class CpuAverager:
         self.pending: dict[int, _Pending] = {}
         self.last_drift: tuple[float | None, float, float] | None = None
         self.aborted = 0  # rounds the controller aborted, or whose average was overwritten here
+        # rounds the controller aborted before this rank sent its snapshot of them (a slower peer's
+        # round timed out at the gate while this rank still trained): sent later, they would be
+        # dropped as stale and never answered, so they are not waited for (``_sent``)
+        self.aborted_ahead: set[int] = set()
         self.overruns = 0  # lane updates found overwritten before they were read (never expected)
         self.segment: shm.SnapshotSegment | None = None
         self.live_buckets: set[int] = set()  # buckets whose live values lie in our segment
@@ -207,6 +211,7 @@ class CpuAverager:
         if seg is None or not self._send_on_lane(seg, weight, layout, measure=measure, block=block, overwrite=overwrite):
             self._send_frames(weight, layout, measure=measure, block=block, overwrite=overwrite)
         mine = self.round - 1
+        self._sent(mine)
         if block:
             # adopting waits a whole window for the peers' average; the controller
             # (which it hears from) bounds that round, so no deadline of our own
@@ -214,6 +219,13 @@ class CpuAverager:
         ms = (time.perf_counter() - start) * 1000.0
         d = self.last_drift if measure and self.last_drift else (None, 0.0, 0.0)
         return Averaged(ms, *d) if measure else Averaged(ms)
+
+    def _sent(self, mine: int) -> None:
+        """Round ``mine`` is sent: if the controller already aborted it, it is over here too (local values kept)."""
+        if mine in self.aborted_ahead and self.pending.pop(mine, None) is not None:
+            self.aborted += 1
+            log.info("rank %d: round %d was aborted before this rank sent it; keeping local values", self.rank, mine)
+        self.aborted_ahead = {r for r in self.aborted_ahead if r > mine}
 
     def _take_lane(self) -> None:
         """Create our segment and move the CPU buckets' live values into it (the same-host lane)."""
@@ -364,6 +376,8 @@ class CpuAverager:
     def _apply(self, update: m.Update, piece: torch.Tensor | None) -> None:
         pending = self.pending.get(update.round)
         if pending is None:
+            if update.aborted and update.round >= self.round:
+                self.aborted_ahead.add(update.round)  # not sent yet: remembered for when it is (_sent)
             return  # a round we hold no snapshot for (done, or given up): stale
         if update.aborted or update.ranks == 0:
             del self.pending[update.round]
