@@ -18,7 +18,7 @@ from flodl.wire import messages as m
 from flodl.wire.codec import FrameWriter
 
 from .conftest import PY, ROOT, process_env, task_spec
-from .helpers.procs import PICK_PORT, Run, assert_all_gone, runs_module
+from .helpers.procs import PICK_PORT, Run, assert_all_gone, assert_run_gone, runs_module
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -178,16 +178,19 @@ def test_frozen_controller_is_detected_by_worker_and_ranks(proc_env):
 
 
 def test_task_error_is_reported_once_with_traceback(proc_env):
-    env = {**proc_env, "FLODL_TEST_FAIL_AT": "5"}
+    # the ranks fail seconds after they start: the check for leftovers scans by run id after the exit,
+    # not the tree at a moment a busy machine may have let pass
+    run_id = f"fail-{os.getpid()}-{time.monotonic_ns()}"
+    env = {**proc_env, "FLODL_TEST_FAIL_AT": "5", "FLODL_RUN_SECRET": os.urandom(32).hex(), "FLODL_RUN_ID": run_id}
     run = Run(["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "3"], env)
-    tree_seen = run.ranks(2)
     assert run.wait(60) == 4, run.output
     assert "failed during train: RuntimeError: injected failure at step 5" in run.output
     assert "Traceback" in run.output and "tiny.py" in run.output
     # the user's frames, once: not flodl's runner, not one copy per rank and per log
     assert run.output.count("injected failure at step 5") == 2, run.output  # the traceback's last line, the verdict
     assert run.output.count("Traceback") == 1 and "flodl/rank" not in run.output, run.output
-    assert_all_gone(tree_seen)
+    assert "rank 1 on host" in run.output and f"flodl run {run_id}" in run.output, run.output
+    assert_run_gone(run_id)
 
 
 def test_a_task_spec_naming_nothing_is_refused_before_any_rank_starts(proc_env, tmp_path):

@@ -452,8 +452,10 @@ def test_a_simulated_slow_rank_is_paced_to_factor_times_base(tmp_path, monkeypat
         batch = (torch.randn(16, 8), torch.randint(0, 2, (16,)))
         runner._step(batch, epoch=0, samples=len(batch[0]), data_ms=0.0)  # set-up and warm-up: not paced
         paced = [runner._step(batch, epoch=0, samples=len(batch[0]), data_ms=0.0)[0].compute_ms for _ in range(3)]
-        # each later step takes 4 x 5 ms, the sleep included, and reports the time it really took
-        assert all(20.0 <= ms < 60.0 for ms in paced), paced
+        # each later step takes 4 x 5 ms, the sleep included, and reports the time it really took; a
+        # sleep that overshot is taken back from the next one (the pacing carry), so a single step may
+        # end a little short of 20 ms while the steps together keep the pace
+        assert all(15.0 <= ms < 60.0 for ms in paced) and sum(paced) / len(paced) >= 19.8, paced
     finally:
         runner.link._pipe_out.close(linger=0)
         runner.link._pipe_in.close(linger=0)

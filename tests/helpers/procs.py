@@ -4,6 +4,7 @@ run left no process behind."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import subprocess
@@ -140,3 +141,26 @@ def assert_all_gone(procs: list[psutil.Process], timeout: float = 10) -> None:
     for p in alive:
         p.kill()
     assert not left, f"processes left behind: {left}"
+
+
+def _of_run(proc: psutil.Process, run_id: str) -> bool:
+    try:
+        return proc.environ().get("FLODL_RUN_ID") == run_id
+    except psutil.Error:
+        return False
+
+
+def assert_run_gone(run_id: str, timeout: float = 10) -> None:
+    """No process of the run ``run_id`` (its ``FLODL_RUN_ID``, which a forked rank shows too) is left
+    anywhere on this machine: catches what a scan of the tree at one moment could miss (a rank that
+    failed before the scan, one reparented to init)."""
+    deadline = time.monotonic() + timeout
+    left = [p for p in psutil.process_iter() if _of_run(p, run_id)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = [p for p in left if _running(p)]
+    named = [(p.pid, " ".join(p.cmdline())) for p in left if _running(p)]
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    assert not named, f"processes of run {run_id} left behind: {named}"
