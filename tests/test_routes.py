@@ -236,6 +236,10 @@ async def test_a_stranger_racing_a_reset_connection_takes_nothing(quiet_console,
         victim = next(p for p in peers if p.sender.startswith("rank1."))
         before = ctl.members.ranks[1].identity
         victim.held = []
+        # what ZeroMQ had already queued goes out before the cut: a real reset loses none of it (the
+        # pipe keeps it for the next connection), where ``disconnect`` here would drop it, and a lost
+        # window report would leave the controller waiting on a rank that is alive
+        await asyncio.sleep(0.2)
         victim.endpoint.io.sock.disconnect(addr)  # the reset
         squatter = await _squat_once_free(ctl, addr, victim.sender.encode())
         victim.endpoint.io.sock.connect(addr)  # the rank reconnects
