@@ -183,6 +183,27 @@ def test_cadence_epochs_flow_into_each_other_with_full_windows():
     assert d.take_completed() == [0]
 
 
+def test_async_epochs_flow_with_full_batch_quotas_and_coverage_stays_exact():
+    """Async, max_overshoot auto: the window reaching an epoch's end is a full one (no short tail
+    window, no extra average), its quota the exact counts; every position is trained once."""
+    che = calibrated([2.0, 6.0])  # counts [30, 10]
+    d = Dispatcher(ApplyPolicy.ASYNC, [0, 1], 300, 10, 3)  # 30 batches an epoch: less than one window
+    plans = d.plan(che)
+    assert all(p.kind == "full" and p.quota_ms == 0 for p in plans.values())
+    assert [p.quota_batches for p in plans.values()] == [30, 10]
+    assert [sum(g.size for g in p.grants if g.epoch == 0) for p in plans.values()] == [230, 70]  # the rest, by speed
+    assert [sum(g.size for g in p.grants) // 10 for p in plans.values()] == [30, 10]  # no headroom: the count is exact
+    consume_all(d, plans)
+    done, windows = d.take_completed(), 1
+    while (plans := d.plan(che)) is not None:
+        assert all(p.kind == "full" for p in plans.values()) or d.next_epoch == 3  # a tail only in the run's last epoch
+        consume_all(d, plans)
+        done += d.take_completed()
+        windows += 1
+    assert done == [0, 1, 2] and windows == 3  # 90 batches in windows of 40: the last one a tail
+    assert Dispatcher(ApplyPolicy.ASYNC, [0, 1], 300, 10, 3, max_overshoot=4).flows is False  # explicit: tails stream
+
+
 def test_cadence_flow_ends_at_the_last_epoch_and_an_explicit_zero_keeps_the_barrier():
     che = calibrated([2.0, 6.0])
     last = Dispatcher(ApplyPolicy.CADENCE, [0, 1], 200, 10, 1)

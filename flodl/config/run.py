@@ -127,8 +127,8 @@ class ElCheConfig:
         kind="int",
         default_text="auto",
         help="Max batches a rank may stream past the planned sync point "
-        "(0 = no cross-epoch streaming). Auto: Async streams a few (auto-tuned); "
-        "Cadence lets epochs flow into each other with full windows.",
+        "(0 = no cross-epoch streaming). Auto: Cadence and Async let epochs flow into each "
+        "other with full windows; N: Async tops an epoch's tail window up with at most N batches.",
     )
     divergence_threshold: float | None = _option(
         None,
