@@ -202,6 +202,8 @@ def test_async_epochs_flow_with_full_batch_quotas_and_coverage_stays_exact():
         windows += 1
     assert done == [0, 1, 2] and windows == 3  # 90 batches in windows of 40: the last one a tail
     assert Dispatcher(ApplyPolicy.ASYNC, [0, 1], 300, 10, 3, max_overshoot=4).flows is False  # explicit: tails stream
+    # the auto-tuned overshoot bound is left to Async that cannot flow (fixed partitions)
+    assert not d.overshoot_auto and Dispatcher(ApplyPolicy.ASYNC, [0, 1], 300, 10, 3, progressive=False).overshoot_auto
 
 
 def test_cadence_flow_ends_at_the_last_epoch_and_an_explicit_zero_keeps_the_barrier():

@@ -132,17 +132,18 @@ class Dispatcher:
         self._untrained: dict[int, tuple[EpochPool, int]] = {}
         self.throttled: list[int] = []  # ranks max_batch_diff held back in the last plan (for the timeline)
         total_batches = max(1, dataset_len // batch_size)
-        # Async with max_overshoot auto flows like Cadence (below): the overshoot bound and its
-        # auto-tune only shape tails, which are then left at the run's last epoch alone
-        self.overshoot_auto = max_overshoot is None and policy is ApplyPolicy.ASYNC
-        self.overshoot_initial = min(5, max(2, total_batches // 100))
-        self.overshoot_cap = min(10, max(3, total_batches // 50))
-        self.max_overshoot = self.overshoot_initial if max_overshoot is None else max_overshoot
         # Cadence and Async with max_overshoot auto: epochs flow into each other. A window that
         # reaches an epoch's end is still a full window: each rank's share of the old epoch's rest,
         # topped up from the next epoch (no short tail window, no extra average at every epoch
         # edge: at sub-ms steps Async's tails were a fifth of its windows and cost 0.08 of ideal)
         self.flows = policy in (ApplyPolicy.CADENCE, ApplyPolicy.ASYNC) and max_overshoot is None and progressive
+        # the overshoot bound shapes tails that stream into the next epoch: flowing, the only tail
+        # is the run's last, with nothing after it, so only Async that cannot flow (fixed
+        # partitions) auto-tunes it
+        self.overshoot_auto = max_overshoot is None and policy is ApplyPolicy.ASYNC and not self.flows
+        self.overshoot_initial = min(5, max(2, total_batches // 100))
+        self.overshoot_cap = min(10, max(3, total_batches // 50))
+        self.max_overshoot = self.overshoot_initial if max_overshoot is None else max_overshoot
         if policy is not ApplyPolicy.ASYNC:
             self.max_overshoot = 0  # Sync (and Cadence with an explicit 0) are barrier-paced at epoch edges
 

@@ -4,7 +4,6 @@ run left no process behind."""
 
 from __future__ import annotations
 
-import contextlib
 import re
 import socket
 import subprocess
@@ -154,13 +153,4 @@ def assert_run_gone(run_id: str, timeout: float = 10) -> None:
     """No process of the run ``run_id`` (its ``FLODL_RUN_ID``, which a forked rank shows too) is left
     anywhere on this machine: catches what a scan of the tree at one moment could miss (a rank that
     failed before the scan, one reparented to init)."""
-    deadline = time.monotonic() + timeout
-    left = [p for p in psutil.process_iter() if _of_run(p, run_id)]
-    while left and time.monotonic() < deadline:
-        time.sleep(0.1)
-        left = [p for p in left if _running(p)]
-    named = [(p.pid, " ".join(p.cmdline())) for p in left if _running(p)]
-    for p in left:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    assert not named, f"processes of run {run_id} left behind: {named}"
+    assert_all_gone([p for p in psutil.process_iter() if _of_run(p, run_id)], timeout)
