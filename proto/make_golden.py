@@ -87,6 +87,7 @@ SAMPLES = [
         sync_every=0,
         rounds=1,
         measure_divergence=True,
+        after=6,
     ),
     m.EndWindow(window=7),
     m.Snapshot(
@@ -204,7 +205,7 @@ def invalid_vectors() -> list[dict]:
         ("truncated", good[:-3], "body length says more than arrived"),
         ("oversized", HEADER.pack(MAGIC, PROTOCOL_VERSION, 11, 1 << 21) + b"\0" * 16, "body length over the 1 MiB limit"),
         ("bad_magic", frame(magic=b"\xde\xad"), "wrong magic"),
-        ("unknown_version", frame(version=9), "version 9"),
+        ("unknown_version", frame(version=10), "version 10"),
         ("bad_tag", good[:-1] + bytes([good[-1] ^ 1]), "one bit of the tag flipped"),
         ("bad_tag", good[:12] + bytes([good[12] ^ 1]) + good[13:], "one bit of the body flipped"),
         ("unknown_kind", frame(kind=999), "kind 999"),

@@ -496,7 +496,7 @@ class Controller:
                     return
                 raise RunAborted("the dispatcher stalled with samples left and nothing in flight (a bug)", EXIT_FAILED)
             number = in_flight.pop(0)
-            await self.state.until(lambda: training.reported(number), None, f"window {number}")  # noqa: B023 - awaited in this iteration
+            await training.until_window(number, lambda: training.reported(number), f"window {number}")  # noqa: B023 - awaited in this iteration
             reports, dead_batches = training.take_reports(number)
             t0 = time.perf_counter()
             closed = loop.on_reports(number, reports, self.clock(), dead_batches)

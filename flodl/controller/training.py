@@ -8,6 +8,7 @@ finish epochs.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from ..config import DdpRunConfig
@@ -24,7 +25,10 @@ from .epoch_ends import EpochEnds
 from .launch import LaunchOptions
 from .phase import RunState
 from .plane import ControlPlane
+from .resend import WindowResender
 from .startup import Startup
+
+log = logging.getLogger("flodl.controller")
 
 
 class Training:
@@ -58,6 +62,8 @@ class Training:
         self.cadence: CadenceLoop | None = None
         self.window_reports: dict[int, dict[int, m.WindowDone]] = {}
         self.window_batches: dict[int, int] = {}  # rank -> batches reported in the current window
+        self.resender = WindowResender()  # windows a reset may have lost, sent again to idle ranks
+        self._settled = -1  # the last window whose reports were taken: a late copy of one is dropped
         self._timing_window = False  # a calibration window is being timed: every TimingMsg wakes the conductor
         self.history: list[EpochStats] = []
         self.evals: dict[int, m.EvalResult] = {}
@@ -136,8 +142,39 @@ class Training:
         self._start_epoch_progress(loop.lowest_open_epoch)
         if first_in_flight:
             self.window_batches = {rank: 0 for rank in loop.ranks}
+        now = self.clock()
         for rank, window in windows.items():
+            info = self.members.ranks.get(rank)
+            if info is not None:  # the rank runs its windows in the order sent (a reset may reorder them)
+                window.after, info.last_window = info.last_window, window.window
+            self.resender.sent(rank, window, now)
             self.plane.send_rank(rank, window)
+
+    async def until_window(self, number: int, done: Callable[[], bool], what: str) -> None:
+        """Wait for ``done`` while window ``number`` is out; meanwhile send it again to any rank whose
+        report of it is overdue while the rank sits idle (a frame lost in a connection reset)."""
+        due: list[tuple[int, m.Window]] = []
+
+        def ready() -> bool:
+            if done():
+                return True
+            waiting = set(self.loop.waiting_on(number)) - set(self.window_reports.get(number, {}))
+            due[:] = self.resender.overdue(number, sorted(waiting), self.members.ranks, self.clock())
+            return bool(due)
+
+        while True:
+            await self.run.until(ready, None, what)
+            if not due:
+                return
+            for rank, window in due:
+                log.warning(
+                    "rank %d is idle without having reported window %d: sending the window again (a frame lost to a connection reset?)",
+                    rank,
+                    number,
+                )
+                self.monitor.event("resend", f"window {number} sent again to idle rank {rank}", now_s=self.clock())
+                self.plane.send_rank(rank, window)
+            due.clear()
 
     async def end_when_timed(self, number: int) -> None:
         """Calibration window: end it once every rank has timed a few batches."""
@@ -156,7 +193,7 @@ class Training:
 
         self._timing_window = True  # a flag, not loop.open_ended(): that walks every rank's plan, per frame
         try:
-            await self.run.until(timed, None, f"calibration window {number}")
+            await self.until_window(number, timed, f"calibration window {number}")
         finally:
             self._timing_window = False
         self.plane.broadcast_ranks(m.EndWindow(window=number))
@@ -168,6 +205,8 @@ class Training:
     def take_reports(self, number: int) -> tuple[dict[int, m.WindowDone], dict[int, int]]:
         """Window ``number``'s reports, and the batches each rank that died in it reported."""
         dead_batches = {r: self.window_batches.get(r, 0) for r in self.loop.dead}
+        self._settled = max(self._settled, number)
+        self.resender.settled(number)
         return self.window_reports.pop(number, {}), dead_batches
 
     def _start_epoch_progress(self, epoch: int) -> None:
@@ -318,6 +357,9 @@ class Training:
         return rates
 
     def on_window_done(self, identity: bytes, env: Envelope, msg: m.WindowDone) -> None:
+        if msg.window <= self._settled:
+            return  # a report sent again that crossed its first copy: the window is settled
+        self.resender.reported(msg.rank, msg.window)
         self.window_reports.setdefault(msg.window, {})[msg.rank] = msg
         if msg.data:
             row = self.data_stats.setdefault(msg.rank, {})

@@ -143,6 +143,7 @@ class CadenceLoop:
                 sync_every=plan.sync_every,
                 rounds=plan.rounds,
                 measure_divergence=self.measure,
+                after=-1,  # the conductor names each rank's previous window as it sends (Training.start_window)
             )
             for rank, plan in plans.items()
         }

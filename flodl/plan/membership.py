@@ -57,6 +57,7 @@ class RankInfo:
     death: str | None = None
     progress: Progress = field(default_factory=Progress)  # its training thread, as its last heartbeat said
     averaged: int = -1  # the generation of its last completed average, as its heartbeats say
+    last_window: int = -1  # the last Window sent to it: the next one names it as ``after``
 
     def where(self) -> str:
         """``rank 1 on host h (pid 42)`` — how every message names a rank."""

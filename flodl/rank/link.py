@@ -28,9 +28,11 @@ from typing import Any
 import zmq
 
 from ..errors import EXIT_CONTROLLER_LOST, EXIT_RANK_LOST, DeadlineExceeded, PeerLost
+from ..testing.faults import FaultPlan
 from ..wire.codec import FrameReader, FrameWriter
-from ..wire.messages import EndWindow, Heartbeat, Regroup, RunEval, Shutdown, ShutdownWithSave
+from ..wire.messages import EndWindow, Heartbeat, Regroup, RunEval, Shutdown, ShutdownWithSave, Window, WindowDone
 from ..wire.transport import make_dealer
+from .window_inbox import WindowInbox
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,8 @@ class ControllerLink:
         self.writer = FrameWriter(secret, run_id, sender)
         self.reader = FrameReader(secret, run_id, name=sender, own=sender)  # our own frames reflected back: dropped
         self.commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.windows = WindowInbox()  # windows in the order sent; reports kept to answer a re-sent window
+        self.faults = FaultPlan()  # tests: the runner's plan (a lost Window or WindowDone)
         self._lazy: collections.deque[bytes] = collections.deque()
         self.step = 0  # the training thread's step count (``progressed``), read by heartbeats
         # what the training thread is doing and when it last made progress in it (perf_counter):
@@ -102,6 +106,13 @@ class ControllerLink:
     def send(self, msg: Any) -> None:
         """Sign ``msg`` and hand it to the link thread at once (never blocks)."""
         self._pipe_out.send(self.writer.encode(msg), copy=True)
+
+    def send_report(self, report: WindowDone) -> None:
+        """Send a window's report, and keep it: the controller sends the window again if a reset lost it."""
+        self.windows.reported(report)
+        if self.faults.reach("report") == "drop":
+            return  # tests: lost on the way, as in a connection reset
+        self.send(report)
 
     def send_lazy(self, msg: Any) -> None:
         """Sign ``msg`` and let it ride the link's next flush (at most FLUSH_INTERVAL_S).
@@ -279,6 +290,9 @@ class ControllerLink:
                 # must not wait behind the window it is meant to end
                 self.end_window = max(self.end_window, msg.window)
                 continue
+            if isinstance(msg, Window):
+                self._sort_in(dealer, msg)
+                continue
             if isinstance(msg, (Shutdown, ShutdownWithSave)):
                 self.shutdown = msg
             self.commands.put(msg)
@@ -286,9 +300,25 @@ class ControllerLink:
                 # the training thread looks between batches and scores it at once, not after its window
                 self.evals_asked += 1
 
+    def _sort_in(self, dealer: zmq.Socket, window: Window) -> None:
+        """A window goes to the training thread in the order sent; a copy of one already reported
+        (the controller thinks a reset lost it) is answered with the report again."""
+        if self.faults.reach("window") == "drop":
+            return  # tests: lost on the way, as in a connection reset
+        ready, again = self.windows.arrive(window)
+        if again is not None:
+            log.warning("%s: window %d came again: sending its report again", self.sender, window.window)
+            try:
+                dealer.send(self.writer.encode(again), zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # the controller asks again
+        for each in ready:
+            self.commands.put(each)
+
     def _beat(self, dealer: zmq.Socket) -> None:
         busy = self.busy
-        stalled = 0.0 if busy == "idle" else max(0.0, time.perf_counter() - self.busy_since)
+        # idle too: how long it has waited for a command tells the controller a lost window (resend.py)
+        stalled = max(0.0, time.perf_counter() - self.busy_since)
         beat = Heartbeat(step=self.step, sent_at=time.time(), busy=busy, busy_s=stalled, step_ms=self.step_ms, averaged=self.averaged)
         try:
             dealer.send(self.writer.encode(beat), zmq.NOBLOCK)

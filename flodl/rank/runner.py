@@ -182,6 +182,7 @@ class RankRunner(Regrouping, Evaluating):
         self.norm_layers: list = []  # BatchNorm layers to re-estimate before an eval (none until set up)
         self.norms_stale = False  # an average changed the model since they were last re-estimated
         self.faults = FaultPlan.from_env(env.rank)  # tests and benchmarks only (FLODL_INJECT_FAULT)
+        self.link.faults = self.faults  # a lost Window or WindowDone is the link's to drop
         self.resources = ResourceSampler([env.device])  # gauges for the monitor, summarised per window
         self._data_seen: dict[str, int] = {}  # staging-tier counters already reported
         self.warmer: CacheWarmer | None = None
@@ -706,7 +707,7 @@ class RankRunner(Regrouping, Evaluating):
         window_scalars, data = scalars.drain(), self._data_stats()
         if self.update is not None:
             self.update.report(window_scalars, data)
-        self.link.send(
+        self.link.send_report(
             m.WindowDone(
                 rank=self.rank,
                 window=window.window,

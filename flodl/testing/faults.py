@@ -7,8 +7,9 @@ step), which looks to everyone else exactly like a hung device. Actions:
 ``kill`` (SIGKILL, the default), ``stop`` (SIGSTOP: the whole process
 freezes), ``hang`` (only the training thread blocks for good, as in a
 deadlocked data read or user code that never returns: heartbeats go on),
-``nan`` (at ``batch``: the gradients turn NaN, so the next loss is NaN).
-Points:
+``nan`` (at ``batch``: the gradients turn NaN, so the next loss is NaN),
+``drop`` (at ``window`` and ``report`` only: the frame is lost, as in a
+connection reset). Points:
 
 * ``batch``   mid-batch: gradients computed, step not taken (accumulating: counts optimizer steps)
 * ``average`` mid-averaging: the replica backed up, peers already inside the round
@@ -17,6 +18,8 @@ Points:
               backend): every member has arrived, the group is not yet connected
 * ``save``    the ``n``-th checkpoint's data files are written, the controller not yet
               told (so it has not committed them)
+* ``window``  the ``n``-th ``Window`` frame reaches the rank's link (``drop``: it never arrived)
+* ``report``  the ``n``-th ``WindowDone`` is about to leave (``drop``: it never arrives)
 
 Several faults are comma-separated. Real processes really die, so the elastic
 path under test is the one users get; nothing here is consulted unless the
@@ -32,9 +35,10 @@ from dataclasses import dataclass, field
 
 from ..config.env import INJECT_FAULT, injected_faults
 
-POINTS = ("batch", "average", "epoch", "regroup", "save")
+POINTS = ("batch", "average", "epoch", "regroup", "save", "window", "report")
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
-ACTIONS = (*SIGNALS, "hang", "nan")
+ACTIONS = (*SIGNALS, "hang", "nan", "drop")
+LOSSY = ("window", "report")  # the points where a frame can be lost: the only ones ``drop`` applies to
 
 
 @dataclass
@@ -58,6 +62,8 @@ class FaultPlan:
                 raise ValueError(f"{INJECT_FAULT}: {item!r} is not rank:point:n[:kill|stop]") from None
             if point not in POINTS or action not in ACTIONS or nth < 0 or len(parts) > 4:
                 raise ValueError(f"{INJECT_FAULT}: {item!r}: point must be one of {POINTS}, action one of {ACTIONS}, n >= 0")
+            if (action == "drop") != (point in LOSSY) and action != "kill":
+                raise ValueError(f"{INJECT_FAULT}: {item!r}: drop applies to the points {LOSSY}, and they take only drop or kill")
             if who == rank:
                 plan.armed[point] = (nth, action)
         return plan

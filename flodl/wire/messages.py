@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 @dataclass(slots=True)
@@ -190,7 +190,7 @@ class Heartbeat:
     busy: str
     """what the sender's training thread is doing: build, step, average, eval, callback, save, idle (empty from controllers and workers)"""
     busy_s: float
-    """seconds since that thread last made progress (finished a step, an average, an eval) in this activity"""
+    """seconds since that thread last made progress (finished a step, an average, an eval) in this activity; while idle, how long it has waited for a command"""
     step_ms: float
     """the rank's recent slowest step in milliseconds (0 before its first step); sets its step deadline"""
     averaged: int
@@ -313,6 +313,8 @@ class Window:
     """collective averaging rounds in this window, equal on every rank"""
     measure_divergence: bool
     """report the replica's drift from the average (costs one parameter copy)"""
+    after: int
+    """the window sent to this rank before this one (-1: its first); a rank runs its windows in that order, holding one that overtook the one it names, and answers a window it already reported with that report again (the controller re-sends a window whose report is overdue from an idle rank)"""
 
 
 @dataclass(slots=True)
@@ -557,7 +559,7 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     16: ('RankError', RankError, (('rank', 'int'), ('stage', 'str'), ('error', 'str'), ('detail', 'str'), ('generation', 'int'),)),
     17: ('Ping', Ping, (('nonce', 'int'), ('sent_at', 'float'),)),
     18: ('Pong', Pong, (('nonce', 'int'), ('sent_at', 'float'),)),
-    19: ('Window', Window, (('window', 'int'), ('global_step', 'int'), ('grants', 'list<list<int>>'), ('quota_batches', 'int'), ('quota_ms', 'float'), ('sync_every', 'int'), ('rounds', 'int'), ('measure_divergence', 'bool'),)),
+    19: ('Window', Window, (('window', 'int'), ('global_step', 'int'), ('grants', 'list<list<int>>'), ('quota_batches', 'int'), ('quota_ms', 'float'), ('sync_every', 'int'), ('rounds', 'int'), ('measure_divergence', 'bool'), ('after', 'int'),)),
     20: ('WindowDone', WindowDone, (('rank', 'int'), ('window', 'int'), ('batches', 'int'), ('consumed', 'int'), ('loss_sum', 'float'), ('compute_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'), ('divergence', 'opt<float>'), ('pre_norm', 'opt<float>'), ('post_norm', 'opt<float>'), ('lr', 'opt<float>'), ('epochs', 'list<list<float>>'), ('scalars', 'map<str,list<float>>'), ('regrouped_at', 'int'), ('res', 'map<str,value>'), ('data', 'map<str,value>'),)),
     21: ('EndWindow', EndWindow, (('window', 'int'),)),
     22: ('Snapshot', Snapshot, (('rank', 'int'), ('round', 'int'), ('weight', 'float'), ('groups', 'list<str>'), ('dtypes', 'list<str>'), ('numels', 'list<int>'), ('bucket', 'int'), ('start', 'int'), ('count', 'int'), ('shm', 'str'), ('shm_offset', 'int'), ('ranks', 'int'),)),
