@@ -119,7 +119,9 @@ def test_plans_name_known_cases():
         for model, (budget, cases) in plan.items():
             assert model in tasks.SPECS and budget.samples > 0 and budget.epochs > 0
             assert set(cases) <= set(CASES)
-    assert len(CASES) == 16 and set(PLANS["quick"]["lenet"][1]) == set(CASES)
+    assert len(CASES) == 17 and set(PLANS["quick"]["lenet"][1]) == {c for c in CASES if not CASES[c].script}
+    # script mode (issue 18): at least the MLP and ResNet-20 at 4:1 in the full plan
+    assert all("script-nccl-cadence-4to1" in PLANS["full"][m][1] for m in ("mlp", "resnet20"))
 
 
 def test_ddp_paces_with_flodls_own_rule():
@@ -368,7 +370,7 @@ def test_the_suite_runs_end_to_end(tmp_path, capsys):
             "--models",
             "logreg",
             "--cases",
-            f"nccl-cadence-{RATIO}to1,torchrun-ddp-{RATIO}to1",
+            f"nccl-cadence-{RATIO}to1,script-nccl-cadence-{RATIO}to1,torchrun-ddp-{RATIO}to1",
             "--samples",
             "256",
             "--epochs",
@@ -387,7 +389,7 @@ def test_the_suite_runs_end_to_end(tmp_path, capsys):
     manifest = json.loads((out / report.MANIFEST).read_text())
     assert manifest["seeds"] == 1 and manifest["lr_scaling"] == "linear" and manifest["failed"] == 0
     runs = {}
-    for case in (f"nccl-cadence-{RATIO}to1", f"torchrun-ddp-{RATIO}to1"):
+    for case in (f"nccl-cadence-{RATIO}to1", f"script-nccl-cadence-{RATIO}to1", f"torchrun-ddp-{RATIO}to1"):
         s = json.loads((out / report.run_file("logreg", case, 0)).read_text())
         meta = runs[case] = s["matrix"]
         assert "error" not in meta
@@ -408,6 +410,10 @@ def test_the_suite_runs_end_to_end(tmp_path, capsys):
     assert " & " in sbs["matrix"]["command"] and f"FLODL_SIMULATE_SLOWDOWN=0:{RATIO}" in sbs["matrix"]["command"]
     pair = runs[f"nccl-cadence-{RATIO}to1"]
     assert pair["ideal_samples_per_s"] == pytest.approx(sbs["train_samples_per_s"]) and pair["of_ideal"] > 0
+    # script mode: the same run in the user's own loop, its eval the ranks' reports after the last epoch
+    script = json.loads((out / report.run_file("logreg", f"script-nccl-cadence-{RATIO}to1", 0)).read_text())
+    assert "--script" in script["matrix"]["command"] and script["matrix"]["command"].endswith("-- --model logreg --epochs 1")
+    assert 0 < script["final_eval"] <= 1 and script["matrix"]["of_ideal"] > 0
     printed = capsys.readouterr().out
     for metric in (
         "measured ratio (slow/fast step)",

@@ -63,6 +63,7 @@ from bench.matrix import (
     IMG_DIR,
     MODEL_ORDER,
     RATIO,
+    SCRIPT_4TO1,
     SIDE_BY_SIDE,
     TARGETS,
     Target,
@@ -76,7 +77,7 @@ def markers(name: str) -> tuple[str, str]:
 
 BEGIN, END = markers("matrix")
 MANIFEST = "suite.json"
-GOAL_CASES = tuple(f"{m}-{RATIO}to1" for m in ("nccl-cadence", "nccl-async", "cpu-cadence", "cpu-async"))
+GOAL_CASES = (*(f"{m}-{RATIO}to1" for m in ("nccl-cadence", "nccl-async", "cpu-cadence", "cpu-async")), SCRIPT_4TO1.id)
 
 
 class MissingMatplotlib(SystemExit):
@@ -534,7 +535,9 @@ def plans_text(target: Target = TARGETS["cpu"]) -> str:
     return (
         f"{head} {len(CASES)} cases: `solo`, the six flodl modes on 2 equal "
         f"ranks, `torchrun-ddp`, `torchrun-postlocal`, and at {RATIO}:1 `{SIDE_BY_SIDE.id}` (the ideal), `nccl-cadence`, "
-        f"`nccl-async`, `cpu-cadence`, `cpu-async`, `torchrun-ddp`, `torchrun-postlocal`."
+        f"`nccl-async`, `cpu-cadence`, `cpu-async`, `{SCRIPT_4TO1.id}` (script mode: the same training in the user's own "
+        f"loop, `bench/matrix/script.py`; its eval the ranks' mean of their replicas' after the last epoch), "
+        f"`torchrun-ddp`, `torchrun-postlocal`."
     )
 
 

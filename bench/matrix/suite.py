@@ -73,6 +73,7 @@ from bench.matrix.tasks import SAMPLES_ENV, SEED_ENV, SPECS
 from flodl.config.env import SIMULATE_BASE_MS, SIMULATE_SLOWDOWN
 
 DDP_SCRIPT = ROOT / "bench" / "matrix" / "ddp.py"
+SCRIPT = ROOT / "bench" / "matrix" / "script.py"  # the script-mode cases' training loop
 REPORTS_PER_EPOCH = 8
 
 
@@ -179,9 +180,12 @@ def flodl_curve(logdir: Path) -> list[list[float]]:
     return [[(r["ts"] - meta["ts"]) / 1000.0, r["metrics"]["loss"]] for r in ticks]
 
 
-def flodl_command(model: str, nproc: int, mode: str, epochs: int, seed: int, out: Path, target: Target) -> list[str]:
-    """The controller's command line for one flodl run; its summary and record log go under ``out``."""
-    return controller_command(
+def flodl_command(
+    model: str, nproc: int, mode: str, epochs: int, seed: int, out: Path, target: Target, *, script: bool = False
+) -> list[str]:
+    """The controller's command line for one flodl run; its summary and record log go under ``out``.
+    ``script``: the model in script mode (``SCRIPT``, its arguments after ``--``) instead of its Task."""
+    cmd = controller_command(
         f"bench.matrix.tasks:{model}",
         nproc_per_node=nproc,
         mode=mode,
@@ -194,6 +198,11 @@ def flodl_command(model: str, nproc: int, mode: str, epochs: int, seed: int, out
         reports_per_epoch=REPORTS_PER_EPOCH,
         devices=target.devices(nproc),
     )
+    if script:
+        at = cmd.index("--task")
+        cmd[at : at + 2] = ["--script", str(SCRIPT)]
+        cmd += ["--", "--model", model, "--epochs", str(epochs)]
+    return cmd
 
 
 def read_flodl_summary(out: Path) -> dict:
@@ -205,6 +214,12 @@ def read_flodl_summary(out: Path) -> dict:
     if summary.get("exit_reason") != "completed":
         raise RunFailed(f"exit_reason {summary.get('exit_reason')!r}")
     summary.setdefault("matrix", {})["curve"] = flodl_curve(out / "logs")
+    if summary.get("final_eval") is None and summary.get("history"):
+        # script mode: no controller-driven eval; the ranks report their replicas' after the last epoch
+        scores = summary["history"][-1].get("scalars") or {}
+        metric = next(iter(scores), None)
+        if metric is not None:
+            summary["final_eval"], summary["eval_metric_name"] = scores[metric], metric
     return summary
 
 
@@ -212,7 +227,7 @@ def flodl_case(
     model: str, case: Case, budget: Budget, tmp: Path, timeout: float, target: Target, setup: Setup = Setup()
 ) -> tuple[dict, tuple, str]:
     """One flodl run: its summary, ``(process_s, others_cpu)`` and the command line (environment included)."""
-    cmd = flodl_command(model, case.nproc, case.mode, budget.epochs, setup.seed, tmp, target)
+    cmd = flodl_command(model, case.nproc, case.mode, budget.epochs, setup.seed, tmp, target, script=case.script)
     env = _env(budget.samples, setup.seed)
     prefix = [f"{SEED_ENV}={setup.seed}"]
     if case.ratio > 1:
