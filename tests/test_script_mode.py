@@ -215,29 +215,6 @@ def test_registered_state_is_saved_and_a_resumed_script_ends_as_a_straight_run(p
     assert [(r["counter"], r["lr"]) for r in resumed] == [(s["counter"], s["lr"]) for s in straight]
 
 
-@pytest.mark.timeout(150)
-def test_a_bundle_written_before_an_epochs_end_code_owes_the_resumed_script_that_code(proc_env, tmp_path):
-    """A completed 3-epoch run's final bundle is written before the script's code after its last
-    epoch runs (docs/script-mode.md). Extended to 6 epochs from it, the resumed scripts first get
-    that epoch again with no batches, so the per-epoch scheduler and counter end as a straight run's."""
-    straight_out, out, stem = tmp_path / "straight", tmp_path / "out", tmp_path / "ck" / "run"
-    straight_out.mkdir()
-    out.mkdir()
-    state = {"FLODL_TEST_STATE": "1"}
-    run, _ = start(proc_env, tmp_path, env={**state, "FLODL_TEST_OUT": str(straight_out)}, epochs=6)
-    assert run.wait(60) == 0, run.output
-    run1, _ = start(proc_env, tmp_path, env=state, extra=("--save-path", str(stem)), epochs=3, name="s1.json")
-    assert run1.wait(60) == 0, run1.output
-    run2, _ = start(
-        proc_env, tmp_path, env={**state, "FLODL_TEST_OUT": str(out)}, extra=("--resume-from", str(stem)), epochs=6, name="s2.json"
-    )
-    assert run2.wait(60) == 0, run2.output
-    for r in (0, 1):
-        straight, resumed = (json.loads((d / f"rank{r}.json").read_text()) for d in (straight_out, out))
-        assert resumed["epochs"] == [2, 3, 4, 5]  # epoch 3 (index 2) again, for its end only
-        assert (resumed["counter"], resumed["lr"]) == (straight["counter"], straight["lr"]) == (6, straight["lr"])
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("env", "says"),

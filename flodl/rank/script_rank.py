@@ -50,9 +50,6 @@ from .step_meter import StepRecord
 
 log = logging.getLogger(__name__)
 
-#: where a bundle's train state keeps ``ScriptRank.ends``
-ENDS_KEY = "script_ends"
-
 
 @dataclass(frozen=True)
 class Prepared:
@@ -92,11 +89,6 @@ class ScriptRank(RankRunner):
         self.threads = 0  # intra-op threads _build chose for this rank (0: not yet)
         self.states = ScriptState()  # what run.register_state gave, and what a resumed bundle holds for it
         self.micro = 0  # batches since the script last stepped its optimizer (inside an accumulation: > 0)
-        # epochs whose end-of-epoch code (after ``run.batches()``) the script has run; bundles keep it, so
-        # a resumed run owes the script the end a bundle was written before (``owed_end``)
-        self.ends = 0
-        self.resumed_ends: int | None = None  # a resumed bundle's ``ends``, until the first epoch trained
-        self.replaying = False  # the script runs a saved run's owed epoch end: its reports have no row
 
     def start(self) -> threading.Thread:
         """Run the rank on a daemon thread (a stuck driver never holds the process); ``bridge.ended`` says how it ended."""
@@ -174,23 +166,11 @@ class ScriptRank(RankRunner):
         to re-apply), and the schedulers' restored state steps on from them."""
         saved = load_optimizer(self.optimizer, stem, fits=[len(o.param_groups) for o in self.optimizers])
         self.states.resume(saved)
-        ends = saved.get(ENDS_KEY)
-        self.resumed_ends = ends if isinstance(ends, int) and not isinstance(ends, bool) else None
 
     def _train_state(self) -> dict[str, Any] | None:
         out = super()._train_state() or {}
         out.update(self.states.saved())
-        out[ENDS_KEY] = self.ends  # with the states: the end code they have seen
         return out
-
-    def owed_end(self, first: int) -> int | None:
-        """The first epoch this resumed rank trains is ``first``: the epoch before it, if the saved
-        run wrote its bundle before the script's code after that epoch's batches ran (a scheduler
-        stepped per epoch would be a step behind). Asked once; None: nothing is owed."""
-        ends, self.resumed_ends = self.resumed_ends, None
-        if ends is None or first < 1 or ends >= first:
-            return None
-        return first - 1
 
     def _end_epoch(self) -> None:
         """Hand the script the end of its current epoch, then send the controller what it reported
@@ -207,14 +187,7 @@ class ScriptRank(RankRunner):
     def epoch_ended(self, busy: str) -> None:
         """The script's code after its epoch's batches is done: send what it reported (``EpochEnd``),
         and the link is ``busy`` again."""
-        self.ends = max(self.ends, self.current_epoch + 1)
-        reported = scalars.drain()
-        if self.replaying:  # an epoch of the saved run: its row is gone with that run
-            self.replaying = False
-            if reported:
-                log.info("rank %d: reports after the owed end of epoch %d are not recorded", self.rank, self.current_epoch + 1)
-        else:
-            self.link.send(m.EpochEnd(rank=self.rank, epoch=self.current_epoch, scalars=reported))
+        self.link.send(m.EpochEnd(rank=self.rank, epoch=self.current_epoch, scalars=scalars.drain()))
         self.link.doing(busy)
 
     def _completed(self) -> int:

@@ -73,13 +73,6 @@ class InlineRound:
                 self.busy = rank.link.busy
                 rank.link.doing("callback")  # watched as epoch_fn is
                 return Item(EPOCH_END, epoch=rank.current_epoch)
-            elif rank.current_epoch < 0 and (owed := rank.owed_end(due.epoch)) is not None:
-                # resumed from a bundle written before the script's code after epoch ``owed`` ran:
-                # it runs now, on an epoch of no batches (run.epochs() yields it, run.batches() ends at once)
-                rank.current_epoch, rank.replaying = owed, True
-                self.busy = rank.link.busy
-                rank.link.doing("callback")
-                return Item(EPOCH_END, epoch=owed)
             rank._enter_epoch(due.epoch)
             self.t0 = rank._step_begins()
             self.training = True
