@@ -126,6 +126,7 @@ SAMPLES = [
         compute_ms=30.0,
         data_ms=1.0,
         sync_ms=2.0,
+        wall_ms=36.5,
         divergence=0.03125,
         pre_norm=12.0,
         post_norm=11.5,

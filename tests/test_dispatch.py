@@ -232,3 +232,21 @@ def test_cadence_window_spans_several_short_epochs_and_coverage_stays_exact():
         consume_all(d, plans, 0.5 if windows % 3 == 0 else 1.0)  # now and then a time quota cuts a window short
         done += d.take_completed()
     assert done == list(range(8)) and d.finished
+
+
+@pytest.mark.parametrize("mode", ["nccl-async", "nccl-cadence"])
+def test_a_ranks_own_overhead_between_batches_counts_in_its_pace(mode):
+    """Rank 0 computes a batch in 1 ms but spends 0.25 ms more per batch on its own bookkeeping;
+    rank 1 takes 4 ms. ElChe learns 1.25 ms for rank 0 (its window wall less its averages), so the
+    windows it plans end together; from compute alone it would plan rank 0 a quarter too many."""
+    from flodl.config import DdpRunConfig
+    from flodl.plan.cadence import CadenceLoop
+    from tests.helpers.windows import fold_window
+
+    loop = CadenceLoop(DdpRunConfig().with_mode(mode), [0, 1], dataset_len=40_000, batch_size=10, epochs=4, seed=3)
+    for _ in range(6):
+        number = loop.window
+        assert loop.next_windows(now=float(number)) is not None
+        fold_window(loop, number, {0: 1.0, 1: 4.0}, overhead_ms={0: 0.25})
+    ms = loop.elche.ms_per_batch
+    assert ms[0] == pytest.approx(1.25, rel=0.05) and ms[1] == pytest.approx(4.0, rel=0.05)

@@ -45,6 +45,7 @@ def report(number: int) -> m.WindowDone:
         compute_ms=1.0,
         data_ms=0.0,
         sync_ms=0.0,
+        wall_ms=1.0,
         divergence=None,
         pre_norm=None,
         post_norm=None,

@@ -718,6 +718,7 @@ class RankRunner(Regrouping, Evaluating):
                 compute_ms=stats.compute_ms,
                 data_ms=stats.data_ms,
                 sync_ms=stats.sync_ms,
+                wall_ms=stats.wall_ms,
                 divergence=last.divergence if last else None,
                 pre_norm=last.pre_norm if last else None,
                 post_norm=last.post_norm if last else None,

@@ -306,6 +306,7 @@ class SimWorker:
                 compute_ms=sum(c.compute_ms for c in per_epoch.values()),
                 data_ms=0.0,
                 sync_ms=0.1,
+                wall_ms=sum(c.compute_ms for c in per_epoch.values()) + 0.1,
                 divergence=0.01 if cmd.measure_divergence else None,
                 pre_norm=None,
                 post_norm=None,

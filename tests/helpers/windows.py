@@ -9,12 +9,16 @@ from flodl.wire import messages as m
 
 
 def fold_window(
-    loop: CadenceLoop, number: int, ms_per_batch: dict[int, float], dead_batches: dict[int, int] | None = None
+    loop: CadenceLoop,
+    number: int,
+    ms_per_batch: dict[int, float],
+    dead_batches: dict[int, int] | None = None,
+    overhead_ms: dict[int, float] | None = None,
 ) -> dict[int, int]:
     """Each rank trains its grants up to its batch quota (all of them without one) at its
     ms/batch; the reports are folded in. Returns the batches each rank trained. A rank in
     ``dead_batches`` died in the window: it reports nothing, having sent TimingMsgs for that
-    many batches."""
+    many batches. ``overhead_ms``: a rank's own wall per batch outside its compute (bookkeeping)."""
     reports, bs = {}, loop.dispatcher.batch_size
     for rank, plan in loop.plans[number].items():
         if dead_batches and rank in dead_batches:
@@ -33,6 +37,7 @@ def fold_window(
             compute_ms=batches * ms_per_batch[rank],
             data_ms=0.0,
             sync_ms=1.0,
+            wall_ms=batches * (ms_per_batch[rank] + (overhead_ms or {}).get(rank, 0.0)) + 1.0,  # + the average's 1 ms
             divergence=None,
             pre_norm=None,
             post_norm=None,
