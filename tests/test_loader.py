@@ -247,6 +247,22 @@ def test_two_workers_train_every_sample_once_and_reach_the_in_process_result(pro
     assert loaded["final_digests"] == plain["final_digests"]
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA (run on the device machine)")
+def test_a_gpu_rank_reads_through_pinned_loader_workers_and_trains_every_sample_once(proc_env, tmp_path):
+    """A CUDA rank beside a CPU rank, each with two loader workers and pin_memory: the GPU rank's
+    batches arrive pinned (copied to the device without a host stall), the CPU rank's are left
+    alone, and the ledger still counts every sample once an epoch."""
+    env = {**proc_env, "FLODL_TEST_NUM_WORKERS": "2", "FLODL_TEST_PIN_MEMORY": "1"}
+    run, logs, summary = start(tmp_path, "pinned", env, extra=["--devices", "cuda:0,cpu", "--mode", "cpu-cadence"])
+    finished(run, summary)
+    assert trained_counts(logs) == Counter({i: EPOCHS for i in range(SAMPLES)})
+    pinned = pids_of(logs, "pinned")
+    assert len(pinned) == 1 and pinned <= pids_of(logs, "trained")  # the GPU rank, every batch of it
+    gpu_batches = sum(1 for p in logs.glob("pinned.*") for _ in p.read_text().split())
+    assert gpu_batches > 0
+
+
 @pytest.mark.timeout(150)
 def test_a_rank_killed_mid_epoch_takes_its_loader_workers_with_it(proc_env, tmp_path):
     env = {**proc_env, "FLODL_TEST_NUM_WORKERS": "2", "FLODL_TEST_STEP_SLEEP": "0.03"}

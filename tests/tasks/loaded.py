@@ -7,6 +7,7 @@ FLODL_TEST_LOG_DIR      a directory: every process that runs ``dataset[i]`` appe
 FLODL_TEST_GETITEM_MS   milliseconds of CPU-bound Python (holding the GIL) in every ``dataset[i]``
 FLODL_TEST_STEP_SLEEP   seconds to sleep in every training step (a run long enough to kill)
 FLODL_TEST_SAMPLES      dataset size (default 512)
+FLODL_TEST_PIN_MEMORY   "1": Task.pin_memory; a GPU rank then logs "pinned" for each batch that came pinned
 """
 
 import os
@@ -63,6 +64,8 @@ def make_model():
 def train_step(model, batch, device):
     x, y, idx = batch
     log_line("trained", " ".join(map(str, idx.tolist())))
+    if device.type == "cuda" and x.is_pinned():
+        log_line("pinned", str(len(idx)))
     time.sleep(float(os.environ.get("FLODL_TEST_STEP_SLEEP", "0") or 0))
     return F.cross_entropy(model(x.to(device)), y.to(device))
 
@@ -83,4 +86,5 @@ def task():
         eval_fn=evaluate,
         eval_metric="accuracy",
         num_workers=int(os.environ.get("FLODL_TEST_NUM_WORKERS", "0")),
+        pin_memory=os.environ.get("FLODL_TEST_PIN_MEMORY") == "1",
     )
