@@ -326,7 +326,8 @@ def run_case(label: str, target: float | None, model: str, reps: int, samples: i
             synced.append(plain_run(epochs, sync_every_step=True))
         loads.append(os.getloadavg()[0])
         print(f"{label} pair {i + 1}/{reps}: plain {rate:,.0f}, flodl {f:,.0f} samples/s, {f / rate:.1%} (load {loads[-1]:.2f})")
-    return {"name": name, "step_ms": step_ms, "plain": plain, "flodl": flo, "ratios": ratios, "synced": synced}
+    batch = mlp_batch() if model == "mlp" else solo.task().batch_size
+    return {"name": name, "step_ms": step_ms, "plain": plain, "flodl": flo, "ratios": ratios, "synced": synced, "batch": batch}
 
 
 def case_rows(args: argparse.Namespace, target: float | None, res: dict, reps: int) -> list[Row]:
@@ -353,7 +354,17 @@ def case_rows(args: argparse.Namespace, target: float | None, res: dict, reps: i
         rows.append(Row(case, label, ratio * 100, "%", "≥ 97% (median of ≥ 5, ≥ 4 ms)", met))
     rows.append(Row(case, "flodl / plain (lowest pair)", min(ratios) * 100, "%"))
     rows.append(Row(case, "flodl / plain (highest pair)", max(ratios) * 100, "%"))
+    rows.append(Row(case, "flodl's cost per step, whole run (median of pairs)", step_cost_us(res), "µs"))
     return rows
+
+
+def step_cost_us(res: dict) -> float:
+    """What flodl adds to each step, amortised over its whole run (median over the pairs): a step's
+    time under flodl less the plain loop's, from each pair's rates. It holds the run's fixed costs
+    too (first window, probe, window turnarounds), so it bounds the per-step work from above;
+    at the smallest steps it is most of what the ratio loses."""
+    batch = res["batch"]
+    return statistics.median(batch * (1.0 / f - 1.0 / p) * 1e6 for f, p in zip(res["flodl"], res["plain"], strict=True))
 
 
 def mlp_batch() -> int:
