@@ -144,7 +144,7 @@ def sim_worker(addr: str, bare_addrs: dict[str, str], nranks: int, frames: int, 
         plans = [window_batches(c, 1, 0.0) for c in cmds]
         # sign everything first: the measurement is the controller's, not the signer's
         signed = [
-            [writer.encode(m.TimingMsg(r, e, i + 1, s, 0.5, 1.0, 0.0, 0.0)) for i, (e, s) in enumerate(p)]
+            [writer.encode(m.TimingMsg(r, e, i + 1, s, 0.5, 1.0, 0.0, 0.0, 1)) for i, (e, s) in enumerate(p)]
             for (r, _, writer, _), p in zip(ranks, plans, strict=False)
         ]
         longest = max(len(f) for f in signed)

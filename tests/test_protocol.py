@@ -315,7 +315,7 @@ def test_reader_survives_random_garbage():
     rng = random.Random(7)
     writer = FrameWriter(SECRET, RUN, "rank0.1")
     reader = FrameReader(SECRET, RUN)
-    good = [writer.encode(m.TimingMsg(0, 0, i, 32, 0.5, 1.0, 0.0, 0.0)) for i in range(1, 50)]
+    good = [writer.encode(m.TimingMsg(0, 0, i, 32, 0.5, 1.0, 0.0, 0.0, 1)) for i in range(1, 50)]
     for i in range(5000):
         base = bytearray(rng.choice(good))
         mode = i % 4
@@ -361,7 +361,7 @@ def test_writer_threads_each_pack_their_own_frames():
 
     def work(base: int) -> None:
         for i in range(2000):
-            frames.append(writer.encode(m.TimingMsg(base, 0, i + 1, 32, 0.5, 1.0, 0.0, 0.0)))
+            frames.append(writer.encode(m.TimingMsg(base, 0, i + 1, 32, 0.5, 1.0, 0.0, 0.0, 1)))
 
     threads = [threading.Thread(target=work, args=(b,)) for b in range(4)]
     for t in threads:
@@ -378,7 +378,7 @@ def test_reader_fast_path_drops_for_the_reasons_unpack_frame_gives():
     dropped for the reason the full check order (``unpack_frame``) gives, and good ones pass."""
     rng = random.Random(11)
     writer = FrameWriter(SECRET, RUN, "rank0.1")
-    samples = [m.TimingMsg(0, 0, 1, 32, 0.5, 1.0, 0.0, 0.0), m.Ping(nonce=3, sent_at=2.0), m.Reject(reason="x" * 300)]
+    samples = [m.TimingMsg(0, 0, 1, 32, 0.5, 1.0, 0.0, 0.0, 1), m.Ping(nonce=3, sent_at=2.0), m.Reject(reason="x" * 300)]
     for i in range(3000):
         frame = bytearray(writer.encode(rng.choice(samples)))
         mode = i % 6

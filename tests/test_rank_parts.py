@@ -454,8 +454,9 @@ def test_a_simulated_slow_rank_is_paced_to_factor_times_base(tmp_path, monkeypat
         paced = [runner._step(batch, epoch=0, samples=len(batch[0]), data_ms=0.0)[0].compute_ms for _ in range(3)]
         # each later step takes 4 x 5 ms, the sleep included, and reports the time it really took; a
         # sleep that overshot is taken back from the next one (the pacing carry), so a single step may
-        # end a little short of 20 ms while the steps together keep the pace
-        assert all(15.0 <= ms < 60.0 for ms in paced) and sum(paced) / len(paced) >= 19.8, paced
+        # end a little short of 20 ms while the steps together keep the pace. No upper bound: on a
+        # loaded machine a 5 ms sleep can take 150 (what pacing asks for is paced_step's, unit-tested)
+        assert all(ms >= 15.0 for ms in paced) and sum(paced) / len(paced) >= 19.8, paced
     finally:
         runner.link._pipe_out.close(linger=0)
         runner.link._pipe_in.close(linger=0)
@@ -517,3 +518,23 @@ def test_a_resumed_lr_is_base_times_factor_times_schedule_once():
         assert resumed.current == pytest.approx(0.05)
         resumed.apply(30)
         assert resumed.current == pytest.approx(0.025)
+
+
+def test_step_reports_add_up_the_steps_of_one_epoch_into_one_timing_msg(clock):
+    from flodl.rank.step_meter import StepRecord
+    from flodl.rank.step_reports import REPORT_INTERVAL_S, StepReports
+
+    reports = StepReports(3, clock=clock)
+    assert reports.take() is None and not reports.due()
+    reports.add(StepRecord(1, 5, 32, 0.5, 2.0, 0.125))
+    clock.advance(REPORT_INTERVAL_S / 2)
+    reports.add(StepRecord(1, 6, 16, 1.5, 4.0, 0.25))
+    assert not reports.due()  # the oldest step held is what ages a report
+    clock.advance(REPORT_INTERVAL_S)
+    assert reports.due()
+    assert not reports.fits(StepRecord(2, 7, 32, 1.0, 1.0, 0.0))  # a report holds one epoch's steps
+    msg = reports.take(sync_ms=3.0)
+    assert msg is not None
+    assert (msg.rank, msg.epoch, msg.step, msg.samples, msg.batches) == (3, 1, 6, 48, 2)
+    assert (msg.loss, msg.batch_ms, msg.data_ms, msg.sync_ms) == (1.0, 6.0, 0.375, 3.0)
+    assert reports.take() is None and not reports.due() and reports.fits(StepRecord(2, 7, 32, 1.0, 1.0, 0.0))

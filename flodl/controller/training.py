@@ -322,15 +322,18 @@ class Training:
         if not self.trained:
             self.trained = True
             self.startup.first_batch()
+        batches = max(1, msg.batches)  # a report covers one or more steps (step_reports.py)
         if msg.rank in self.window_batches:
-            self.window_batches[msg.rank] += 1
+            self.window_batches[msg.rank] += batches
             if self._timing_window:
                 self.run.changed()  # the calibration window waits on these
         self.rank_rates[msg.rank] = self.rank_rates.get(msg.rank, 0.0) + msg.samples
         if msg.epoch != self.current_epoch:
             return
         self.epoch_samples += msg.samples
-        self.epoch_loss = msg.loss if self.epoch_loss is None else 0.9 * self.epoch_loss + 0.1 * msg.loss
+        # a moving average of the steps' losses, each step weighing 0.1 as when every step was a report
+        keep = 0.9 if batches == 1 else 0.9**batches
+        self.epoch_loss = msg.loss if self.epoch_loss is None else keep * self.epoch_loss + (1.0 - keep) * msg.loss
         if not self.console.due():
             return  # the hot path: most frames only bump counters
         assert self.schedule is not None  # a frame of the current epoch: its window went out after begin

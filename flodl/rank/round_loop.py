@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..wire import messages as m
 from .averager import Averager
+from .step_meter import StepRecord
 from .window_stats import RoundStats
 
 
@@ -46,4 +46,4 @@ class RoundLoop:
     whole: bool = True  # no shard is part-trained: the window may stop here
     stepped: int = 0  # batches trained in this round
     shards: int = 0  # shards ended in this round
-    last: m.TimingMsg | None = None  # the round's last step report, held back (runner._report)
+    last: StepRecord | None = None  # the round's last step, held back until its average (runner._report)

@@ -90,6 +90,7 @@ from .saving import checkpoint, emergency_save
 from .shard_source import ShardPicks, ShardSource
 from .staging import RamCache, TieredSamples, VramPool, ram_budget, vram_budget
 from .step_meter import StepMeter, StepRecord
+from .step_reports import StepReports
 from .update import Update, build_optimizer, check_precision, needs_update, train_state
 from .window_stats import RoundStats
 
@@ -179,6 +180,7 @@ class RankRunner(Regrouping, Evaluating):
         self.pace_late_ms = 0.0  # how far behind its paced schedule this rank is (env.pacing_late_ms)
         # a simulated slowdown paces every step, so each is measured on its own, even on a GPU
         self.meter = StepMeter(self.device, per_step=True if self.slowdown > 1.0 else None)
+        self.reports = StepReports(self.rank)  # steps trained, not reported yet (step_reports.py)
         self.norm_layers: list = []  # BatchNorm layers to re-estimate before an eval (none until set up)
         self.norms_stale = False  # an average changed the model since they were last re-estimated
         self.faults = FaultPlan.from_env(env.rank)  # tests and benchmarks only (FLODL_INJECT_FAULT)
@@ -851,8 +853,9 @@ class RankRunner(Regrouping, Evaluating):
             block = bool(sync_every) or self.deterministic
             averaged = self._average(float(loop.stepped), measure=measure, block=block, round_index=round_index, stats=stats)
             stats.averaged(averaged)
-            if last is not None:
-                self.link.send_lazy(dataclasses.replace(last, sync_ms=averaged.ms))
+            if last is not None:  # the round's last step, with every step still held: after its average
+                self._hold_report(last)
+                self.link.send_lazy(self.reports.take(sync_ms=averaged.ms))
         stats.finish((time.perf_counter() - start) * 1000.0)
         return stats
 
@@ -967,23 +970,32 @@ class RankRunner(Regrouping, Evaluating):
                 raise UserError("epoch_fn", exc) from exc
             self.link.doing("step")
 
-    def _report(self, records: list[StepRecord], stats: RoundStats, last: m.TimingMsg | None) -> m.TimingMsg | None:
-        """Count steps whose records are known, and queue their reports (each one a step late:
-        the round's last report carries the average's time, set by the caller)."""
+    def _report(self, records: list[StepRecord], stats: RoundStats, last: StepRecord | None) -> StepRecord | None:
+        """Count steps whose records are known, and hold them for the next report (each one a step
+        late: the round's last is held until its average, whose time its report carries)."""
         for rec in records:
             stats.add(rec.epoch, rec.samples, rec.loss, rec.compute_ms, rec.data_ms)
             if last is not None and last.step == 1 and rec.step == 2:
                 # the process's first step carries lazy CUDA/cuDNN set-up, kernel autotuning and
                 # allocator warm-up (hundreds of ms on a GPU): no device's pace. Timed as the step
                 # after it, ElChe and the dispatcher learn the real speed from the first window.
-                stats.retime(last.epoch, last.batch_ms, rec.compute_ms)
-                last = dataclasses.replace(last, batch_ms=rec.compute_ms)
+                stats.retime(last.epoch, last.compute_ms, rec.compute_ms)
+                last = dataclasses.replace(last, compute_ms=rec.compute_ms)
             if last is not None:
-                # lazily (the link's next flush) but in a probe, whose end waits on these counts: a
-                # fast rank through its share would idle for the flush interval, a short epoch's worth
-                (self.link.send if self.probing else self.link.send_lazy)(last)
-            last = m.TimingMsg(self.rank, rec.epoch, rec.step, rec.samples, rec.loss, rec.compute_ms, rec.data_ms, 0.0)
+                self._hold_report(last)
+                if self.probing:  # a probe's end waits on these counts: a fast rank through its
+                    # share would otherwise idle for the flush interval, a short epoch's worth
+                    self.link.send(self.reports.take())
+                elif self.reports.due():
+                    self.link.send_lazy(self.reports.take())  # rides the link's next flush
+            last = rec
         return last
+
+    def _hold_report(self, rec: StepRecord) -> None:
+        """Add ``rec`` to the steps held for the next report; a report holds one epoch's steps."""
+        if not self.reports.fits(rec):
+            self.link.send_lazy(self.reports.take())
+        self.reports.add(rec)
 
     def _forward(self, batch: Any) -> torch.Tensor:
         """The batch's loss: the task's ``train_step``, or ``loss_fn(model(x), y)``."""

@@ -34,7 +34,10 @@ class RoundStats:
         self.loss_sum += loss
         self.compute_ms += compute_ms
         self.data_ms += data_ms
-        self.per_epoch.setdefault(epoch, EpochCounters()).add_batch(samples, loss, compute_ms, data_ms)
+        counters = self.per_epoch.get(epoch)
+        if counters is None:  # not setdefault: it would build a throwaway EpochCounters every step
+            counters = self.per_epoch[epoch] = EpochCounters()
+        counters.add_batch(samples, loss, compute_ms, data_ms)
 
     def retime(self, epoch: int, old_ms: float, new_ms: float) -> None:
         """Count a step already added as taking ``new_ms`` of compute instead of ``old_ms``."""

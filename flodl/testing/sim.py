@@ -285,7 +285,7 @@ class SimWorker:
                 await asyncio.sleep(ms / 1000.0)
             trained.append((epoch, samples))
             per_epoch.setdefault(epoch, EpochCounters()).add_batch(samples, 1.0 / step, ms, 0.0)
-            peer.send(m.TimingMsg(rank, epoch, step, samples, 1.0 / step, ms, 0.0, 0.0))
+            peer.send(m.TimingMsg(rank, epoch, step, samples, 1.0 / step, ms, 0.0, 0.0, 1))
             self.batches_sent += 1
         if self.trained is not None and outcome is None:
             # only a reported window's work reaches the window's average: what a rank trained in

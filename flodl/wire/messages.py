@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 
 @dataclass(slots=True)
@@ -157,25 +157,27 @@ class RankReady:
 
 @dataclass(slots=True)
 class TimingMsg:
-    """A rank's timing report for one optimizer step: timing and loss for the cadence, the monitor and liveness. (rank -> controller)"""
+    """A rank's timing report for its latest optimizer steps (one or more, all of one epoch; sent about every 50 ms, each step when probing, and after each round's average): timing and loss for the cadence, the monitor and liveness. (rank -> controller)"""
 
     KIND: ClassVar[int] = 9
     rank: int
     """global rank"""
     epoch: int
-    """epoch of the batch"""
+    """epoch of the steps"""
     step: int
-    """the rank's local step count after this batch"""
+    """the rank's local step count after the last of them"""
     samples: int
-    """samples in the batch"""
+    """samples in the steps, added up"""
     loss: float
-    """the batch's loss"""
+    """the steps' mean loss"""
     batch_ms: float
-    """compute milliseconds (forward, backward, optimizer)"""
+    """compute milliseconds of the steps, added up (forward, backward, optimizer)"""
     data_ms: float
-    """milliseconds waiting for the batch's data"""
+    """milliseconds waiting for the steps' data, added up"""
     sync_ms: float
-    """milliseconds spent averaging after this batch (0 if none)"""
+    """milliseconds spent averaging after the last of them (0 if none)"""
+    batches: int
+    """optimizer steps (batches) this report covers, at least 1"""
 
 
 @dataclass(slots=True)
@@ -552,7 +554,7 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     5: ('RankHello', RankHello, (('rank', 'int'), ('host', 'str'), ('pid', 'int'), ('device', 'str'), ('versions', 'map<str,str>'), ('model_signature', 'str'), ('param_count', 'int'), ('shuffle_signature', 'str'), ('dataset_len', 'int'), ('has_eval', 'bool'), ('eval_metric', 'str'), ('batch_size', 'int'), ('grain', 'str'), ('accumulate_grad_batches', 'int'),)),
     6: ('RankWelcome', RankWelcome, (('rank', 'int'), ('world_size', 'int'), ('generation', 'int'), ('store_host', 'str'), ('store_port', 'int'), ('store_prefix', 'str'), ('collective_timeout_s', 'float'), ('config', 'map<str,value>'), ('seed', 'int'), ('bulk_port', 'int'), ('late', 'bool'), ('shm_probe', 'str'), ('shm_nonce', 'str'),)),
     7: ('RankReady', RankReady, (('rank', 'int'), ('generation', 'int'), ('init_ms', 'float'),)),
-    9: ('TimingMsg', TimingMsg, (('rank', 'int'), ('epoch', 'int'), ('step', 'int'), ('samples', 'int'), ('loss', 'float'), ('batch_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'),)),
+    9: ('TimingMsg', TimingMsg, (('rank', 'int'), ('epoch', 'int'), ('step', 'int'), ('samples', 'int'), ('loss', 'float'), ('batch_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'), ('batches', 'int'),)),
     11: ('Heartbeat', Heartbeat, (('step', 'int'), ('sent_at', 'float'), ('busy', 'str'), ('busy_s', 'float'), ('step_ms', 'float'), ('averaged', 'int'),)),
     12: ('RunEval', RunEval, (('epoch', 'int'), ('final', 'bool'), ('window', 'int'),)),
     13: ('EvalResult', EvalResult, (('rank', 'int'), ('epoch', 'int'), ('final', 'bool'), ('value', 'opt<float>'), ('elapsed_ms', 'float'), ('error', 'opt<str>'),)),
