@@ -235,9 +235,7 @@ class ControllerLink:
                 if self.lost is None:
                     self._check_alive(now, last_heard)
                 if give_up_at is None and self.must_stop:
-                    # a rank still building its task (the user's factory, torch's import) has nothing to
-                    # keep and would not look for the order before it is done: it goes at once
-                    give_up_at = now + (0.0 if self.busy == "build" else self.exit_grace_s)
+                    give_up_at = now + (0.0 if self._nothing_to_keep() else self.exit_grace_s)
                 if give_up_at is not None and now >= give_up_at and not self._done.is_set() and not self._saving_past(now):
                     self._hard_exit()
             self._flush_lazy(dealer)  # flush what the training thread queued last
@@ -345,10 +343,20 @@ class ControllerLink:
             self._saving_since = now
         return now - self._saving_since < SAVE_GRACE_S
 
+    def _nothing_to_keep(self) -> bool:
+        """At an abort, nothing on this rank is worth the grace period: it is still building its task
+        (the user's factory, torch's import), and would not look for the order before it is done; or
+        it is built but has not trained a step (joining its group, waiting for a peer that failed)
+        and the order saves nothing (a plain ``Shutdown``). It goes at once rather than racing its
+        worker's own grace of the same length."""
+        return self.busy == "build" or (self.step == 0 and isinstance(self.shutdown, Shutdown))
+
     def _hard_exit(self) -> None:
         code = EXIT_CONTROLLER_LOST if self.lost else EXIT_RANK_LOST
         if self.busy == "build":
             log.info("%s: the run stopped while this rank built its task; exiting", self.sender)
+        elif self._nothing_to_keep():
+            log.info("%s: the run stopped before this rank trained; exiting", self.sender)
         else:
             log.error("%s: training thread did not stop within %.1f s; exiting", self.sender, self.exit_grace_s)
         logging.shutdown()
