@@ -340,9 +340,10 @@ def test_each_mode_with_a_3x_slower_rank_covers_every_sample(digits_run, mode):
         assert (fast, slow) == (DIGITS_EPOCHS * 24 * 32, DIGITS_EPOCHS * (DIGITS - 24 * 32)), (fast, slow)
         assert summary["syncs"] == DIGITS_EPOCHS * 24
     else:
+        # over the run the fast rank was planned more (ElChe's last plan alone is one window's
+        # reading: rank 0 runs the evals, and a loaded machine can invert a single window)
         assert fast > 1.5 * slow, (fast, slow)
         assert summary["syncs"] < DIGITS_EPOCHS * 24
-        assert summary["cadence"]["batch_counts"][0] > summary["cadence"]["batch_counts"][1]
     assert summary["final_eval"] > 0.7
 
 
