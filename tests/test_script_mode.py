@@ -154,7 +154,10 @@ def test_a_dead_script_rank_is_restarted_as_a_new_rank_with_torchruns_variables(
 def test_a_script_stuck_in_its_own_code_is_declared_hung_and_fenced(proc_env, tmp_path):
     """Rank 1's loop blocks for good mid-epoch; its link thread keeps beating: the step deadline
     finds it, its worker kills it, rank 0 trains the rest."""
-    run, path = start(proc_env, tmp_path, env={"FLODL_TEST_HANG_AT": "1:10"}, extra=("--heartbeat-timeout-secs", "3"))
+    # steps of 5 ms: at sub-ms steps, on a loaded machine rank 0 could train (nearly) everything
+    # before rank 1 reached its 10th step, and nothing would hang
+    env = {"FLODL_TEST_HANG_AT": "1:10", "FLODL_TEST_STEP_SLEEP": "0.005"}
+    run, path = start(proc_env, tmp_path, env=env, extra=("--heartbeat-timeout-secs", "3"))
     tree = scripts(run)
     summary = finished(run, path)
     [death] = summary["deaths"]
