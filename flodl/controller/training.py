@@ -332,7 +332,7 @@ class Training:
             return
         self.epoch_samples += msg.samples
         # a moving average of the steps' losses, each step weighing 0.1 as when every step was a report
-        keep = 0.9 if batches == 1 else 0.9**batches
+        keep = 0.9**batches
         self.epoch_loss = msg.loss if self.epoch_loss is None else keep * self.epoch_loss + (1.0 - keep) * msg.loss
         if not self.console.due():
             return  # the hot path: most frames only bump counters
