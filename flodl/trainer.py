@@ -20,6 +20,8 @@ from .controller.console import Console
 from .errors import ConfigError
 from .taskspec import spec_of
 
+STORE_WAIT_S = 60.0  # a store still opening when a run ends: torch's import on a loaded machine
+
 
 class TrainerBuilder:
     """Fluent, validated description of one run. Every setter returns the builder."""
@@ -102,7 +104,14 @@ class TrainerBuilder:
         launch, config = self.build()
         secret, run_id = read_run_credentials()  # as the CLI: a launcher's or the user's, else made here
         check_external_credentials(launch, secret, run_id)
-        return run_controller(Controller(launch, config, secret=secret, run_id=run_id, console=Console.for_progress(launch.progress)))
+        try:
+            return run_controller(Controller(launch, config, secret=secret, run_id=run_id, console=Console.for_progress(launch.progress)))
+        finally:
+            # the caller's process lives on and may end at once: not while the store thread is
+            # inside torch's TCPStore constructor (flodl.controller.exit_process says why)
+            from .controller.plane import wait_store_opened
+
+            wait_store_opened(STORE_WAIT_S)
 
 
 class Trainer:

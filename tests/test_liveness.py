@@ -184,18 +184,20 @@ def test_healing_restarts_a_dead_rank_and_the_world_returns_to_full_size(proc_en
 
 
 def test_a_restart_still_starting_when_the_run_ends_is_fenced_not_waited_for(proc_env, tmp_path):
-    """Rank 1 dies late; its restart is still building when training ends. It could not hear the
-    Shutdown before its hello, so its worker would wait out the 30 s grace: the controller drops it."""
+    """Rank 1 dies; its restart (rank 2) is still building when training ends: its build never
+    ends (a stuck import, a download), so no machine load can let it join in time. It could not
+    hear the Shutdown before its hello, so its worker would wait out the 30 s grace: the
+    controller drops it and its worker kills it."""
     run, path = run_tiny(
         proc_env,
         tmp_path,
         "nccl-cadence",
         nproc=2,
-        epochs=6,
-        env={"FLODL_TEST_STEP_SLEEP": "0.02", "FLODL_INJECT_FAULT": "1:batch:75"},
+        epochs=4,
+        env={"FLODL_TEST_STEP_SLEEP": "0.02", "FLODL_INJECT_FAULT": "1:batch:20,2:build:1:hang"},
         extra=["--max-restarts", "1"],
     )
-    summary = finished(run, path, 6)
+    summary = finished(run, path, 4)
     assert [r["replaces"] for r in summary["restarts"]] == [1]
     assert "could not join the run: the run ended before it joined" in run.output, run.output
     assert "still running" not in run.output, run.output  # the worker did not wait for it

@@ -134,3 +134,26 @@ async def test_a_run_says_each_phase_once_in_order_and_sums_it_up(progress):
         assert len(said) == len(_PHASES) and said == sorted(said), lines
         header = next(i for i, line in enumerate(lines) if line.startswith("flodl run"))
         assert said[-2] < header < said[-1]  # the group forms before training begins, its first batch after
+
+
+_EXIT_WHILE_STORE_OPENS = """
+import threading, sys
+import torch.distributed as dist
+from flodl.controller import exit_process
+from flodl.controller.plane import STORE_THREAD
+threading.Thread(target=lambda: dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False),
+                 name=STORE_THREAD, daemon=True).start()
+print("leaving", flush=False)
+exit_process(3)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_run_that_ends_while_its_store_is_still_opening_exits_with_its_own_code():
+    """A run stopped in its first second (a rank lost while the rest build) can leave the store
+    thread inside torch's TCPStore constructor; finalising the interpreter under it aborted the
+    controller (exit -6, "terminate called without an active exception"; every try here aborts
+    without exit_process's care). The run's own exit code and its last output still come out."""
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_STORE_OPENS], capture_output=True, text=True, timeout=60)
+        assert (done.returncode, done.stdout) == (3, "leaving\n"), done.stderr

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..config.env import read_run_credentials, request_encryption, strict
 from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, ConfigError, RunAborted
@@ -103,6 +104,19 @@ def check_external_credentials(launch: LaunchOptions, secret: bytes | None, run_
         "FLODL_RUN_ID for the controller and every worker, or give --join-file PATH and start each worker "
         "with python -m flodl.worker --join-file PATH (docs/multihost.md)",
     )
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the controller's process with ``code``. A run that ended in its first seconds may
+    leave the store thread inside torch's TCPStore constructor, and finalising the interpreter
+    under it aborts the process (exit -6, "terminate called without an active exception"):
+    then the streams are flushed and the process leaves without finalising."""
+    plane = sys.modules.get("flodl.controller.plane")  # loaded once a run started; not for a bad option
+    if plane is not None and plane.store_still_opening():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,5 @@
 """``python -m flodl.controller``."""
 
-import sys
+from . import exit_process, main
 
-from . import main
-
-sys.exit(main())
+exit_process(main())

@@ -108,7 +108,7 @@ class ControlPlane:
         self.endpoint.start()
         if self.config.elche.mode.backend is not AverageBackend.CPU:
             self._opening = concurrent.futures.Future()
-            threading.Thread(target=self._open_store, name="flodl-store", daemon=True).start()
+            threading.Thread(target=self._open_store, name=STORE_THREAD, daemon=True).start()
             log.info("controller listening on tcp://%s:%d (the store opens meanwhile)", self.launch.bind, self.port)
             return
         self.store = _tcp_store(self.launch.bind)
@@ -174,6 +174,22 @@ class ControlPlane:
     def broadcast_ranks(self, msg: Any) -> None:
         """To every live rank."""
         self.send_all(msg, [info.identity for info in self.members.live_ranks()])
+
+
+STORE_THREAD = "flodl-store"
+
+
+def store_still_opening() -> bool:
+    """Whether a store thread is still importing torch or starting the TCPStore: the process
+    must not finalise under it (``flodl.controller.exit_process`` says why)."""
+    return any(t.name == STORE_THREAD and t.is_alive() for t in threading.enumerate())
+
+
+def wait_store_opened(timeout_s: float) -> None:
+    """Wait (bounded) for a store thread still opening; for a process that lives on after its run."""
+    for thread in threading.enumerate():
+        if thread.name == STORE_THREAD:
+            thread.join(timeout_s)
 
 
 def _tcp_store(bind: str) -> Any:

@@ -421,6 +421,7 @@ class RankRunner(Regrouping, Evaluating):
     # ---------------------------------------------------------------- setup
 
     def _build(self) -> m.RankHello:
+        self.faults.reach("build")  # tests: a start-up that is slow or never ends (before the hello)
         if self.env.seed >= 0:  # deterministic: before CUDA, and before the task draws any random number
             use_deterministic_algorithms()
             seed_everything(self.env.seed)

@@ -20,6 +20,8 @@ connection reset). Points:
               told (so it has not committed them)
 * ``window``  the ``n``-th ``Window`` frame reaches the rank's link (``drop``: it never arrived)
 * ``report``  the ``n``-th ``WindowDone`` is about to leave (``drop``: it never arrives)
+* ``build``   the rank about to build its task, before its hello (``hang``: a start-up that
+              never ends, as a stuck import or a dataset download would; n is 1)
 
 Several faults are comma-separated. Real processes really die, so the elastic
 path under test is the one users get; nothing here is consulted unless the
@@ -35,7 +37,7 @@ from dataclasses import dataclass, field
 
 from ..config.env import INJECT_FAULT, injected_faults
 
-POINTS = ("batch", "average", "epoch", "regroup", "save", "window", "report")
+POINTS = ("batch", "average", "epoch", "regroup", "save", "window", "report", "build")
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 ACTIONS = (*SIGNALS, "hang", "nan", "drop")
 LOSSY = ("window", "report")  # the points where a frame can be lost: the only ones ``drop`` applies to
