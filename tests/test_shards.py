@@ -143,9 +143,10 @@ def test_every_shard_is_trained_once_per_epoch(proc_env, tmp_path, shards, mode,
 @pytest.mark.parametrize("mode", ["nccl-cadence", "cpu-cadence"])
 def test_a_rank_killed_mid_epoch_still_covers_every_shard(proc_env, tmp_path, shards, mode):
     sizes, out = shards
-    # rank 1 trains ~37 batches of the run when nothing else runs; its 14th leaves room for a loaded
-    # machine (at its 30th, once, it never got there: no death)
-    env = {**proc_env, "FLODL_INJECT_FAULT": "1:batch:14", "FLODL_TEST_STEP_SLEEP": "0.01"}
+    # rank 1 dies as its 3rd window reaches it (the shards of it, and of the window it may still be
+    # training, in hand): not at its Nth batch, which a loaded machine can keep it from reaching
+    # (beside a CPU hog ElChe once planned it 5 batches of 84, and a fault at its 14th never fired)
+    env = {**proc_env, "FLODL_INJECT_FAULT": "1:window:3", "FLODL_TEST_STEP_SLEEP": "0.01"}
     run, path = _run(tmp_path, env, mode=mode, epochs=4)
     assert run.wait(90) == 0, run.output
     summary = json.loads(path.read_text())
