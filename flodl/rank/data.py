@@ -147,15 +147,16 @@ class BatchSource:
         """A tensor dataset: a batch is one indexing op, nothing to stage or prefetch."""
         return self._tensors is not None
 
-    def batches(self, epoch: int, offset: int, size: int) -> Iterator[tuple[torch.Tensor, Any]]:
+    def batches(self, epoch: int, offset: int, size: int) -> Iterator[tuple[torch.Tensor | int, Any]]:
         """Yield ``(picks, batch)`` for each batch of the slice (last may be partial)."""
         for _, picks, batch in self.window_batches([[epoch, offset, size]]):
             yield picks, batch
 
-    def window_batches(self, grants: list[list[int]]) -> Iterator[tuple[int, torch.Tensor, Any]]:
-        """Yield ``(epoch, indices, batch)`` over ``[epoch, start, size]`` grants in order (``_plan``)."""
+    def window_batches(self, grants: list[list[int]], *, places: bool = True) -> Iterator[tuple[int, torch.Tensor | int, Any]]:
+        """Yield ``(epoch, picks, batch)`` over ``[epoch, start, size]`` grants in order (``_plan``).
+        ``places=False``: picks may be their count alone, where nothing needs the places (``_emit``)."""
         for epoch, pass_index, spans in self._plan(grants):
-            yield (epoch, *self._emit(pass_index, spans))
+            yield (epoch, *self._emit(pass_index, spans, places))
 
     def _plan(self, grants: list[list[int]]) -> Iterator[tuple[int, int, list[tuple[int, int]]]]:
         """``(epoch, pass_index, spans)`` of each batch of the grants, in order.
@@ -268,10 +269,11 @@ class BatchSource:
                 self.tiers.offer(i, sample)
         return read
 
-    def _emit(self, pass_index: int, spans: list[tuple[int, int]]) -> tuple[torch.Tensor, Any]:
+    def _emit(self, pass_index: int, spans: list[tuple[int, int]], places: bool = True) -> tuple[torch.Tensor | int, Any]:
         """``(picks, batch)`` of one batch; picks are places in the pass (beyond the dataset when
-        augmented), on the host, where the ledger keeps them."""
-        picks = _cut(self._perms[pass_index], spans)
+        augmented), on the host. Without ``places``, an in-memory batch that nothing transforms or
+        pins gives their count only (an int): training counts samples and needs no places, and
+        cutting them was a tensor op a step."""
         if self._tensors is not None:
             # in memory: the pass's shuffle as dataset indices sits where the tensors are (on the
             # device after place_on), so a batch's indices are a slice of it (a view) and the batch
@@ -279,9 +281,21 @@ class BatchSource:
             # copy per step
             idx = _cut(self._index_shuffle(pass_index), spans)
             batch: Any = tuple(t[idx] for t in self._tensors)
+            if not places and self.transform is None and not self.pin:
+                return spans[0][1] if len(spans) == 1 else sum(n for _, n in spans), batch
+            picks = _cut(self._perms[pass_index], spans)
         else:
+            picks = _cut(self._perms[pass_index], spans)
             batch = self.fetch(picks % self.length)
         return picks, self._delivered(pass_index, picks, batch)
+
+    def delivers_on(self, device: torch.device) -> bool:
+        """Every batch comes out as the dataset's tensors, already on ``device`` (in memory,
+        nothing transforms or pins them): training need not move them (``to_device`` costs a
+        call per tensor and step even when they stay put)."""
+        if self._tensors is None or self.transform is not None or self.pin:
+            return False
+        return all(t.device == device for t in self._tensors)
 
     def _delivered(self, pass_index: int, picks: torch.Tensor, batch: Any) -> Any:
         """The batch as training gets it: the run's transform applied, pinned when asked."""

@@ -34,6 +34,8 @@ class LrState:
 
     def apply(self, global_step: int) -> None:
         """Set every group's LR for ``global_step`` (skipped when nothing changed)."""
+        if self.schedule is None and self._applied is not None:
+            return  # called every step: with no schedule only restore/set_base/set_schedule change it
         mult = float(self.schedule(global_step)) if self.schedule is not None else 1.0
         key = (mult, self.factor, tuple(self.base))
         if key == self._applied:
@@ -55,11 +57,13 @@ class LrState:
     def set_base(self, base: list[float], global_step: int) -> None:
         """New base LRs, one per group; applied at once for ``global_step``."""
         self.base = base
+        self._applied = None
         self.apply(global_step)
 
     def set_schedule(self, schedule: Callable[[int], float] | None, global_step: int) -> None:
         """A new schedule; applied at once for ``global_step``."""
         self.schedule = schedule
+        self._applied = None
         self.apply(global_step)
 
     @property

@@ -183,6 +183,7 @@ class RankRunner(Regrouping, Evaluating):
         self.reports = StepReports(self.rank)  # steps trained, not reported yet (step_reports.py)
         self.norm_layers: list = []  # BatchNorm layers to re-estimate before an eval (none until set up)
         self.norms_stale = False  # an average changed the model since they were last re-estimated
+        self.batches_resident = False  # this window's batches come out on the device already (_rounds)
         self.faults = FaultPlan.from_env(env.rank)  # tests and benchmarks only (FLODL_INJECT_FAULT)
         self.link.faults = self.faults  # a lost Window or WindowDone is the link's to drop
         self.resources = ResourceSampler([env.device])  # gauges for the monitor, summarised per window
@@ -795,7 +796,8 @@ class RankRunner(Regrouping, Evaluating):
         try:
             return self._rounds(
                 stats,
-                iter(prefetch) if prefetch is not None else source.window_batches(grants),
+                # the loop counts samples: an in-memory batch's places are not cut (BatchSource._emit)
+                iter(prefetch) if prefetch is not None else source.window_batches(grants, places=False),
                 rounds=rounds,
                 sync_every=sync_every,
                 quota_batches=quota_batches,
@@ -823,6 +825,9 @@ class RankRunner(Regrouping, Evaluating):
     ) -> RoundStats:
         start = time.perf_counter()
         self.model.train()  # once per window, not per step: it walks every module
+        # batches already where the model is (in memory, placed after the first step) skip the move
+        source = self._data_source()
+        self.batches_resident = isinstance(source, BatchSource) and source.delivers_on(self.device)
         loop = RoundLoop(
             stats,
             batches,
@@ -866,7 +871,8 @@ class RankRunner(Regrouping, Evaluating):
         (script_round.py), so the per-batch bookkeeping runs there, between its batches."""
         due = next(steps, None)
         while due is not None:
-            self._enter_epoch(due.epoch)
+            if due.epoch > self.current_epoch:
+                self._enter_epoch(due.epoch)
             records = self._step(due.batch, epoch=due.epoch, samples=due.samples, data_ms=due.data_ms)
             try:
                 due = steps.send(records)
@@ -916,9 +922,12 @@ class RankRunner(Regrouping, Evaluating):
             if self.link.evals_asked > self.evals_taken:
                 self._evals_now()
             # a peer died: join the survivors' new group now (and the report says so: no average
-            # failed, yet the dead peer is out of this round's average, cadence.py _dead_consumed)
-            self._regroup_in_round(stats, round_index)
-            records = yield Due(epoch, batch, len(idx), data_ms)
+            # failed, yet the dead peer is out of this round's average, cadence.py _dead_consumed).
+            # Looked at here first: a call chain per step for the rare batch that has one to join
+            announced = self.link.regroup
+            if announced is not None and announced.generation > self.generation:
+                self._regroup_in_round(stats, round_index)
+            records = yield Due(epoch, batch, idx if type(idx) is int else len(idx), data_ms)
             loop.stepped += 1
             loop.last = self._report(records, stats, loop.last)
 
@@ -1004,7 +1013,7 @@ class RankRunner(Regrouping, Evaluating):
         if task.train_step is not None:
             return task.train_step(self.model, batch, self.device)
         assert task.loss_fn is not None  # a Task has exactly one of the two (Task.validate)
-        x, y = to_device(batch, self.device)
+        x, y = batch if self.batches_resident else to_device(batch, self.device)
         return task.loss_fn(self.model(x), y)
 
     def _grads_ready(self) -> None:

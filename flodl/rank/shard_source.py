@@ -71,9 +71,10 @@ class ShardSource:
             if batch is not None:
                 yield picks, batch
 
-    def window_batches(self, grants: list[list[int]]) -> Iterator[tuple[int, ShardPicks, Any]]:
+    def window_batches(self, grants: list[list[int]], *, places: bool = True) -> Iterator[tuple[int, ShardPicks, Any]]:
         """Yield ``(epoch, picks, batch)`` over the shards of ``[epoch, start, size]`` grants, in order;
-        an empty shard yields one item whose batch is None."""
+        an empty shard yields one item whose batch is None (``places``: BatchSource's; a shard's
+        picks are always made)."""
         for epoch, start, size in grants:
             pass_index, at = self.schedule.span(epoch, start, size)
             perm = self._shuffles[pass_index]
