@@ -70,6 +70,7 @@ def main() -> None:
         if args.save:
             state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": args.epochs}
             torch.save({**state, "scheduler": scheduler.state_dict()}, args.save)
+    dist.barrier()  # the ranks leave together (one leaving while rank 0 saves can abort in torch's teardown)
     dist.destroy_process_group()
 
 
