@@ -322,7 +322,8 @@ def test_a_run_converges_over_delayed_lossy_links(net, tmp_path, proc_env):
     # the shaped run trains the same model: its eval is in a band around the clean run's
     assert shaped["final_eval"] >= min(0.9, base["final_eval"] - 0.05), (shaped["final_eval"], base["final_eval"])
     assert shaped["final_loss"] <= max(2 * base["final_loss"], base["final_loss"] + 0.1), (shaped["final_loss"], base["final_loss"])
-    assert shaped["wall_s"] > base["wall_s"], "the delay costs time (or the shaping did not apply)"
+    # no wall-time comparison: the round trips measured before and after the run show the shaping
+    # applied, and a run that hides the latency may take no longer (2.87 s shaped, 2.90 s clean, once)
     assert_no_flodl_left(net, 10)
 
 
