@@ -281,7 +281,7 @@ class BatchSource:
             # copy per step
             idx = _cut(self._index_shuffle(pass_index), spans)
             batch: Any = tuple(t[idx] for t in self._tensors)
-            if not places and self.transform is None and not self.pin:
+            if not places and self._as_stored:
                 return spans[0][1] if len(spans) == 1 else sum(n for _, n in spans), batch
             picks = _cut(self._perms[pass_index], spans)
         else:
@@ -293,9 +293,12 @@ class BatchSource:
         """Every batch comes out as the dataset's tensors, already on ``device`` (in memory,
         nothing transforms or pins them): training need not move them (``to_device`` costs a
         call per tensor and step even when they stay put)."""
-        if self._tensors is None or self.transform is not None or self.pin:
-            return False
-        return all(t.device == device for t in self._tensors)
+        return self._tensors is not None and self._as_stored and all(t.device == device for t in self._tensors)
+
+    @property
+    def _as_stored(self) -> bool:
+        """A batch reaches training as gathered: no transform applies and nothing pins it."""
+        return self.transform is None and not self.pin
 
     def _delivered(self, pass_index: int, picks: torch.Tensor, batch: Any) -> Any:
         """The batch as training gets it: the run's transform applied, pinned when asked."""
