@@ -161,6 +161,9 @@ class SimWorker:
         self.host = host
         self.sender = f"worker.{host}.{os.getpid()}.{id(self)}"
         self.outcomes: dict[int, str] = {}
+        # the global rank of each spec, from the welcome (ranks[i] runs specs[i]): the controller numbers
+        # workers in the order their hellos reach it, which ZeroMQ does not keep across connections
+        self.ranks: list[int] = []
         self.batches_sent = 0
         self.frames_sent = 0  # every frame its ranks sent (batches, windows, hellos, heartbeats ...)
         # rank -> (epoch, start, size) of every position it trained and reported (``record``)
@@ -179,6 +182,7 @@ class SimWorker:
                     await asyncio.sleep(0.05)
                     beat.cancel()
                     return
+                self.ranks = list(welcome.ranks)
                 ranks = [
                     tg.create_task(self._rank(peer, rank, spec, welcome)) for rank, spec in zip(welcome.ranks, self.specs, strict=False)
                 ]
