@@ -2,7 +2,7 @@
 
     python bench/overhead.py [--quick | --smoke] [--device cuda] [--steps-ms 1,5] [--pairs N]
                              [--models resnet20,gpt_nano] [--compile reduce-overhead] [--script]
-                             [--cpus 2-5]
+                             [--cpus 2-5] [--width W]
 
 Same model, data, batch size, optimizer, shuffle and thread count; the plain
 loop is written as one would write it by hand: it indexes the same in-memory
@@ -19,7 +19,11 @@ Each side trains in a fresh process, the plain loop too: on a small VM the
 same loop runs up to ±9% apart from one process to the next.
 
 Cases are sized by the plain loop's steady-state step: the first width whose
-step takes at least ``target`` ms, so every case is at or above 4 ms. Each
+step takes at least ``target`` ms, so every case is at or above 4 ms. On a GPU a
+1 ms step is the host's pace at any width from 256 to ~2048 (launches, not
+kernels, set it), and which width sizing lands on moves with the GPU's clock
+ramp: ``--width`` gives the width instead (256: the host-bound case, where every
+microsecond flodl adds to a step shows; 2048: the GPU has the host's pace). Each
 repetition is a pair run back to back, who goes first alternating (drift hits
 both), and the ratio is taken per pair; the table gives the median over the pairs (9; 7 with
 ``--quick``) and the spread (lowest and highest pair). ``--quick`` runs the
@@ -183,6 +187,15 @@ def step_width(target_ms: float) -> tuple[int, float]:
         return _step_width(target_ms)
 
 
+def given_width_step(width: int) -> float:
+    """The steady plain step (ms) of the MLP at ``width`` (``--width``: the case's width is given, not sized)."""
+    with eager():
+        os.environ["FLODL_BENCH_SAMPLES"] = "2048"
+        os.environ["FLODL_BENCH_WIDTH"] = str(width)
+        plain_loop(1)  # warm-up, as sizing does
+        return plain_loop(2, steady=True)[1]
+
+
 @contextlib.contextmanager
 def eager() -> Iterator[None]:
     """Within: the plain loop runs uncompiled in this process (sizing a case)."""
@@ -233,6 +246,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--steps-ms",
         default=None,
         help="comma-separated step times (ms) to size the cases by, instead of the plan's (e.g. 1 or 1,5; 0: none, with --models)",
+    )
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=None,
+        help="the MLP's hidden width for every --steps-ms case, instead of sizing it (a case is then named by its measured step)",
     )
     parser.add_argument("--pairs", type=int, default=None, help="plain/flodl pairs per case, instead of the plan's")
     parser.add_argument(
@@ -295,11 +314,17 @@ def plan(args: argparse.Namespace) -> tuple[list[tuple[str, float | None, str]],
     return cases, args.pairs or reps, samples, epochs
 
 
-def run_case(label: str, target: float | None, model: str, reps: int, samples: int, epochs: int, loads: list[float]) -> dict:
-    """One case's pairs: the plain and flodl rates, their ratios, and the every-step-sync loop's rate."""
+def run_case(
+    label: str, target: float | None, model: str, reps: int, samples: int, epochs: int, loads: list[float], width: int | None = None
+) -> dict:
+    """One case's pairs: the plain and flodl rates, their ratios, and the every-step-sync loop's rate.
+    ``width``: the MLP's, as given (its step measured), instead of sized to ``target``."""
     os.environ["FLODL_BENCH_MODEL"] = model
     if model == "mlp":
-        width, step_ms = step_width(target) if target else (256, 0.0)
+        if width is not None and target:
+            step_ms = given_width_step(width)
+        else:
+            width, step_ms = step_width(target) if target else (256, 0.0)
         os.environ["FLODL_BENCH_WIDTH"] = str(width)
         if DEVICE == "cuda":
             samples = gpu_samples(step_ms, mlp_batch())
@@ -395,7 +420,7 @@ def main(argv: list[str] | None = None) -> Path:
     name = results_name(args)
     where = smoke_results() if args.smoke else None
     for done, (label, target, model) in enumerate(cases, 1):
-        res = run_case(label, target, model, reps, samples, epochs, loads)
+        res = run_case(label, target, model, reps, samples, epochs, loads, width=args.width)
         rows.extend(case_rows(args, target, res, reps))
         if done < len(cases):  # a run cut short keeps the cases it finished
             write_results(
@@ -431,6 +456,8 @@ def run_note(args: argparse.Namespace, reps: int, samples: int, epochs: int, loa
         note += "; flodl's side in script mode (bench/tasks/solo_script.py: the user's own loop, flodl.init/prepare/batches/step)"
     if args.compile:
         note += f"; torch.compile(mode={args.compile!r}) on both sides"
+    if args.width:
+        note += f"; MLP width {args.width} as given (not sized)"
     if args.cpus:
         note += f"; every process pinned to cores {args.cpus}"
     return note

@@ -32,7 +32,7 @@ BATCH, EPOCH_END, PREPARED, END = "batch", "epoch_end", "prepared", "end"
 ROUND = "round"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one a batch: a frozen dataclass costs several times as much to build
 class Item:
     """What the main thread gets: ``kind``, the epoch it belongs to, a batch, an exit code, a round."""
 

@@ -314,7 +314,10 @@ class BatchSource:
                 self._index_perms.pop(next(iter(self._index_perms)))
             perm = self._perms[pass_index]
             shuffle = perm if self.schedule.pass_len == self.length else perm % self.length
-            if self.device is not None:
+            if self.device is not None and self.device.type == "cuda":
+                # pinned and non-blocking: a plain copy to CUDA waits for the device (the launch queue drains)
+                shuffle = shuffle.pin_memory().to(self.device, non_blocking=True)
+            elif self.device is not None:
                 shuffle = shuffle.to(self.device)
             self._index_perms[pass_index] = shuffle
         return shuffle

@@ -550,6 +550,7 @@ class RankRunner(Regrouping, Evaluating):
         self.world_size = welcome.world_size
         self.max_grad_norm = config.max_grad_norm
         self.source = self._batch_source(config, welcome.seed)
+        self._place_before_training()
         self.norm_layers = norm_layers(self.model) if self.task.bn_recalibration_batches and self.task.train_step is None else []
         self.link.send(m.RankReady(rank=self.rank, generation=welcome.generation, init_ms=(time.perf_counter() - start) * 1000))
 
@@ -664,25 +665,44 @@ class RankRunner(Regrouping, Evaluating):
             self.closing.callback(disk.close)
         return TieredSamples(dataset.__getitem__, vram=None, ram=ram, disk=disk)
 
+    def _place_before_training(self) -> None:
+        """A tensor dataset that is small beside the VRAM budget goes to the device now, during
+        start-up, as a hand-written loop uploads its data before its first step: uploading it
+        after the first step (``_open_vram_pool``) put a copy of the whole dataset (a gigabyte
+        for the 1 ms overhead case) inside the first window. Only at most ``EARLY_PLACE_SHARE``
+        of the budget: what the model's steps will take is not known yet."""
+        budget = self._vram_budget()
+        source = self.source
+        if budget and isinstance(source, BatchSource) and source.in_memory and 0 < source.resident_bytes <= EARLY_PLACE_SHARE * budget:
+            source.place_on(self.device)
+
+    def _vram_budget(self) -> int:
+        """Bytes the VRAM pool may take now (0: no pool: not CUDA, switched off, or not set up)."""
+        config = self.config
+        if config is None or self.device.type != "cuda" or not config.vram_pool:
+            return 0
+        return vram_budget(
+            self.device, max_usage=config.vram_max_usage, gpu_ram_share=config.gpu_ram_share, kill_switch=vram_pool_disabled()
+        )
+
     def _open_vram_pool(self) -> None:
         """After the first step: keep samples in the VRAM left under ``vram_max_usage`` (a tensor
         dataset that fits goes there whole: batches are then gathered on the device)."""
-        source, config = self.source, self.config
-        if source is None or config is None:  # not set up (a bare ``_step``, as tests run one): nothing to pool
+        source = self.source
+        if source is None or self.config is None:  # not set up (a bare ``_step``, as tests run one): nothing to pool
             return
         if not isinstance(source, BatchSource):  # streamed shards: nothing staged
             return
-        if (source.tiers is None and not source.in_memory) or self.device.type != "cuda" or not config.vram_pool:
+        if (source.tiers is None and not source.in_memory) or source.device == self.device:  # nothing to pool, or placed already
             return
-        budget = vram_budget(
-            self.device, max_usage=config.vram_max_usage, gpu_ram_share=config.gpu_ram_share, kill_switch=vram_pool_disabled()
-        )
+        budget = self._vram_budget()
+        if not budget:
+            return
         if source.in_memory:
             if 0 < source.resident_bytes <= budget:  # a tensor dataset that fits: all of it on the device
                 source.place_on(self.device)
             return
-        if budget > 0:
-            source.pool_in_vram(VramPool(self.device, budget))
+        source.pool_in_vram(VramPool(self.device, budget))
 
     # ------------------------------------------------------------- training
 
@@ -1080,6 +1100,10 @@ class RankRunner(Regrouping, Evaluating):
         self.optimizer.step()
         return loss
 
+
+#: A tensor dataset up to this share of the VRAM budget goes to the device before training
+#: (the rest of the budget is left to what the steps take, unknown before the first one).
+EARLY_PLACE_SHARE = 0.5
 
 #: Intra-op threads of a GPU rank: its CPU work is batch gathers and small host ops.
 ACCELERATOR_THREADS = 4

@@ -66,7 +66,7 @@ class Prepared:
     accumulate_grad_batches: int = 1  # the script steps its optimizer once every this many batches
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one a batch (run.step): a frozen dataclass costs several times as much to build
 class Stepped:
     """What ``run.step`` hands the rank: the batch's loss, and whether the script stepped its
     optimizer after it (None: unsaid, counted from ``accumulate_grad_batches``)."""

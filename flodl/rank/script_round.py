@@ -76,7 +76,8 @@ class InlineRound:
             rank._enter_epoch(due.epoch)
             self.t0 = rank._step_begins()
             self.training = True
-            return Item(BATCH, epoch=due.epoch, batch=to_device(due.batch, rank.device))
+            # batches already where the model is (in memory, on the device) are handed as gathered
+            return Item(BATCH, epoch=due.epoch, batch=due.batch if rank.batches_resident else to_device(due.batch, rank.device))
         except StopIteration:
             return None
         except Exception as exc:  # the loop's (a stop, a lost peer, a failed average): the driver's to raise
