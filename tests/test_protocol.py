@@ -352,6 +352,40 @@ def test_writer_makes_the_bytes_pack_frame_makes():
     assert unpack_frame(SECRET, after, run_id=RUN).msg == m.Ping(nonce=1, sent_at=1.0)
 
 
+def test_encoder_makes_the_bytes_encode_makes():
+    """FrameWriter.encoder (the controller's Pong from a Ping's fields) numbers from the writer's count, byte-exact."""
+    writer = FrameWriter(SECRET, RUN, "controller")
+    pong = writer.encoder(m.Pong)
+    frames = [writer.encode(m.Pong(nonce=1, sent_at=0.5)), pong(2, 1.5), writer.encode(m.Ping(nonce=3, sent_at=2.5)), pong(4, 3)]
+    want = [m.Pong(1, 0.5), m.Pong(2, 1.5), m.Ping(3, 2.5), m.Pong(4, 3.0)]  # an int for a float is widened, as encode does
+    for seq, (frame, msg) in enumerate(zip(frames, want, strict=True), start=1):
+        assert frame == pack_frame(SECRET, msg, sender="controller", seq=seq, run_id=RUN)
+    with pytest.raises(ProtocolError) as err:
+        pong("one", 1.0)
+    assert err.value.reason == "schema"
+    assert unpack_frame(SECRET, pong(6, 1.0), run_id=RUN).seq == 6  # the refused value took number 5, as encode's would
+    with pytest.raises(ProtocolError):
+        writer.encoder(object)
+
+
+def test_reader_answers_an_accepted_frame_before_building_it():
+    """FrameReader.answer: called with the peer and the field values of every accepted frame of its message, never
+    for a dropped one (the controller answers a Ping with its Pong before anything else)."""
+    reader = FrameReader(SECRET, RUN)
+    calls = []
+    reader.answer(m.Ping, lambda peer, *values: calls.append((peer, *values)))
+    writer = FrameWriter(SECRET, RUN, "worker.a")
+    ping = writer.encode(m.Ping(nonce=7, sent_at=1.5))
+    env = reader.read(ping, b"route")
+    assert env is not None and env.msg == m.Ping(nonce=7, sent_at=1.5) and env.newest
+    assert calls == [(b"route", 7, 1.5)]
+    assert reader.read(ping, b"route") is None and reader.drops == {"replayed": 1}
+    assert reader.read(FrameWriter(b"x" * 32, RUN, "worker.a").encode(m.Ping(nonce=8, sent_at=1.5)), b"route") is None
+    assert reader.read(writer.encode(m.Pong(nonce=9, sent_at=1.5)), b"route") is not None  # another message: not answered
+    assert calls == [(b"route", 7, 1.5)] and reader.drops == {"replayed": 1, "bad_tag": 1}
+    assert FrameReader(SECRET, RUN).read(ping) is not None  # other readers answer nothing
+
+
 def test_writer_threads_each_pack_their_own_frames():
     """A rank's training and link threads share one writer: every frame stays whole and numbered once."""
     import threading
@@ -371,6 +405,20 @@ def test_writer_threads_each_pack_their_own_frames():
     envs = [unpack_frame(SECRET, f, run_id=RUN) for f in frames]  # stateless: the threads' frames interleave beyond a replay window
     assert sorted(e.seq for e in envs) == list(range(1, 8001))
     assert sorted((e.msg.rank, e.msg.step) for e in envs) == [(b, i + 1) for b in range(4) for i in range(2000)]
+
+
+@pytest.mark.parametrize(
+    "ext", [msgpack.Timestamp(1, 0), msgpack.ExtType(5, b"abc"), msgpack.ExtType(5, b"")], ids=["timestamp", "ext", "empty"]
+)
+def test_msgpack_ext_values_are_malformed_read_or_unpacked(ext):
+    """An ext value in an authenticated frame (msgpack's own timestamp too, which no ext hook sees) is
+    malformed on the reader's fast path, whose small bodies skip most of msgpack's bounds, as in unpack_frame."""
+    frame = _signed(["rank0.1", 1, RUN, 0, 1, 0, "h", 1, "p", 1.0, {"t": ext}])
+    with pytest.raises(ProtocolError) as err:
+        unpack_frame(SECRET, frame, run_id=RUN)
+    assert err.value.reason == "malformed"
+    reader = FrameReader(SECRET, RUN)
+    assert reader.read(frame) is None and reader.drops == {"malformed": 1}
 
 
 def test_reader_fast_path_drops_for_the_reasons_unpack_frame_gives():

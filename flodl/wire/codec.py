@@ -10,6 +10,8 @@ raise into an actor's loop or change its state.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import hmac
 import itertools
@@ -20,7 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -180,9 +182,13 @@ def compile_type(wire_type: str) -> Callable[[Any], Any]:
     raise ValueError(f"unknown wire type {wire_type!r}")
 
 
-@dataclass(slots=True)
-class Envelope:
-    """A decoded, authenticated frame."""
+class Envelope(NamedTuple):
+    """A decoded, authenticated frame.
+
+    A named tuple, not a class with slots: the codec builds one per frame with one C call
+    (``tuple.__new__``), where a dataclass runs its Python ``__init__`` (its cost shows on the
+    round trip, where every step runs right after a wake-up on cold caches).
+    """
 
     version: int
     kind: int
@@ -190,7 +196,7 @@ class Envelope:
     seq: int
     run_id: str
     msg: Any
-    newest: bool = False  # set by FrameReader: the highest seq ever accepted from this sender (a route may follow it)
+    newest: bool = False  # by FrameReader: the highest seq ever accepted from this sender (a route may follow it)
 
 
 #: Headers kept per message kind for bodies shorter than this many bytes (longer ones are packed per frame).
@@ -209,6 +215,39 @@ def _no_ext(code: int, data: bytes) -> Any:
     raise ValueError("msgpack ext types are not allowed")
 
 
+def _verified_body(mac: Any, data: bytes, end: int) -> Any:
+    """The checks of a frame whose header and length are sound, from ``bad_tag`` to ``malformed``: the tag
+    (``mac``: the keyed BLAKE2b state, ``Signer``), nothing after it, the body's msgpack; returns the body.
+
+    The bounds are msgpack's own arguments. A reader's control frame (``_take``, under ``_COPY_BELOW``)
+    leaves out all but ``max_ext_len=0`` (which also refuses msgpack's own timestamps, ext -1, that no
+    hook sees) and the defaults: ``unpackb`` then bounds every length by the body's size (a map's by half
+    of it), which for a body that short is tighter than each of these, so the outcome is the same, the
+    call cheaper.
+    """
+    view = data if len(data) <= _COPY_BELOW else memoryview(data)
+    tag = mac.copy()
+    tag.update(view[:end])
+    if not _compare_digest(tag.digest(), view[end : end + TAG_LEN]):
+        raise ProtocolError("bad_tag")
+    if len(data) > end + TAG_LEN:
+        raise ProtocolError("malformed", f"{len(data) - end - TAG_LEN} bytes after the tag")
+    try:
+        return _unpackb(
+            view[_HEADER_SIZE:end],
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_no_ext,
+            max_str_len=MAX_STR,
+            max_bin_len=MAX_BIN,
+            max_array_len=MAX_ARRAY,
+            max_map_len=MAX_MAP,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types; all mean the same here
+        raise ProtocolError("malformed", f"{type(exc).__name__}: {exc}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class _Spec:
     kind: int
@@ -216,8 +255,9 @@ class _Spec:
     cls: type
     encode: Callable[[Any], list[Any]]  # message object -> validated wire values
     frame: Callable[..., bytes]  # (message, sender, seq, run, pack, mac) -> the signed frame (FrameWriter's path)
-    frame_of: Callable[..., bytes]  # (sender, seq, run, pack, mac, *field values) -> the same frame
+    frame_of: Callable[..., bytes]  # (sender, seqs, run, pack, mac, *field values) -> the same frame, numbered next(seqs)
     open: Callable[..., Envelope]  # (signer, frame, end, version, run id or None) -> Envelope: every check from bad_tag on
+    take: Callable[..., Envelope]  # (reader, frame, end, peer, answer) -> Envelope: ``open``, the replay check (FrameReader.read)
 
 
 # Straight-line code per message: the codec sits on the controller's ingest
@@ -226,7 +266,10 @@ class _Spec:
 # per message checks scalar fields inline (composite types call their
 # closure) and does a frame's whole job in one call: validate, pack and sign
 # (``_frame``); verify, unpack, check and build the message and its envelope
-# (``_open``).
+# (``_open``, and ``_take``: the same for a ``FrameReader``, its replay check
+# included). A decoded message is built as its dataclass ``__init__`` would,
+# one store per field, without calling it (``_generate`` checks that it would
+# do nothing else): a Python frame fewer per frame.
 _INLINE = {
     "int": "if type({v}) is not int or not _INT_MIN <= {v} <= _INT_MAX: raise _Invalid('{f}: expected int')",
     "float": "if type({v}) is not float:\n    if type({v}) is int: {v} = float({v})\n    else: raise _Invalid('{f}: expected float')",
@@ -236,6 +279,21 @@ _INLINE = {
 
 # The signing tail of ``_frame`` (from a message) and ``_frame_of`` (from its field values),
 # written once: generated inline in both, since a call per frame would cost the hot path.
+#: A decoded body's checks, the same in both read paths (``_open``, ``_take``): its shape, envelope fields and values.
+_BODY_CHECKS = """
+    if type(body) is not list or len(body) != {items}:
+        raise ProtocolError("schema", "{name}: expected {items} items")
+    sender, seq, frame_run, {values} = body
+    if type(sender) is not str or not sender or len(sender) > MAX_SENDER:
+        raise ProtocolError("schema", "bad sender")
+    if type(seq) is not int or not 1 <= seq <= _INT_MAX or type(frame_run) is not str:
+        raise ProtocolError("schema", "bad seq or run id")
+    try:
+    {checks_in_try}
+    except _Invalid as exc:
+        raise ProtocolError("schema", "{name}: %s" % exc) from None
+"""
+
 _SIGN = """    body = pack([sender, seq, run, {values}])
     n = len(body)
     unsigned = (_heads.get(n) or _head_for(n)) + body
@@ -259,53 +317,74 @@ def _frame(msg, sender, seq, run, pack, mac):
     + _SIGN
     + """
 
-def _frame_of(sender, seq, run, pack, mac{params}):
-{checks}
+def _frame_of(sender, seqs, run, pack, mac{params}):
+    seq = next(seqs)
+    try:
+    {checks_in_try}
+    except _Invalid as exc:
+        raise ProtocolError("schema", "{name}: %s" % exc) from None
 """
     + _SIGN
     + """
 
 def _open(signer, data, end, version, run_id):
-    view = data if len(data) <= _COPY_BELOW else memoryview(data)
-    mac = signer._mac.copy()
-    mac.update(view[:end])
-    if not _compare_digest(mac.digest(), view[end : end + TAG_LEN]):
-        raise ProtocolError("bad_tag")
-    if len(data) > end + TAG_LEN:
-        raise ProtocolError("malformed", "%d bytes after the tag" % (len(data) - end - TAG_LEN))
-    try:
-        body = _unpackb(view[_HEADER_SIZE:end], raw=False, strict_map_key=True, ext_hook=_no_ext, max_str_len=MAX_STR,
-                        max_bin_len=MAX_BIN, max_array_len=MAX_ARRAY, max_map_len=MAX_MAP, max_ext_len=0)
-    except Exception as exc:  # msgpack raises several unrelated types; all mean the same here
-        raise ProtocolError("malformed", "%s: %s" % (type(exc).__name__, exc)) from None
-    if type(body) is not list or len(body) != {items}:
-        raise ProtocolError("schema", "{name}: expected {items} items")
-    sender, seq, frame_run, {values} = body
-    if type(sender) is not str or not sender or len(sender) > MAX_SENDER:
-        raise ProtocolError("schema", "bad sender")
-    if type(seq) is not int or not 1 <= seq <= _INT_MAX or type(frame_run) is not str:
-        raise ProtocolError("schema", "bad seq or run id")
-    try:
-    {checks_in_try}
-    except _Invalid as exc:
-        raise ProtocolError("schema", "{name}: %s" % exc) from None
-    if run_id is not None and frame_run != run_id:
+    body = _verified_body(signer._mac, data, end)
+"""
+    + _BODY_CHECKS
+    + """    if run_id is not None and frame_run != run_id:
         raise ProtocolError("wrong_run", frame_run[:64])
-    return _Envelope(version, {kind}, sender, seq, frame_run, _cls({values}))
+{build}
+    return _new(_Envelope, (version, {kind}, sender, seq, frame_run, msg, False))
+
+
+def _take(reader, data, end, peer, answer=None):
+    if end < _COPY_BELOW:  # a control frame: ``_verified_body``'s steps inline, the tag then the body
+        mac = reader._mac.copy()
+        mac.update(data[:end])
+        if not _compare_digest(mac.digest(), data[end:]):
+            raise ProtocolError("bad_tag")
+        try:
+            body = _unpackb(data[_HEADER_SIZE:end], ext_hook=_no_ext, max_ext_len=0)
+        except Exception as exc:
+            raise ProtocolError("malformed", "%s: %s" % (type(exc).__name__, exc)) from None
+    else:
+        body = _verified_body(reader._mac, data, end)
+"""
+    + _BODY_CHECKS
+    + """    if frame_run != reader.run_id:
+        raise ProtocolError("wrong_run", frame_run[:64])
+    window = reader._windows.get(sender)
+    if window is not None and seq == window.top + 1:  # the usual frame, the next from its sender (ReplayWindow.accept)
+        window.top = seq
+        newest = True
+    else:
+        newest = reader._admit(sender, seq)
+    reader.accepted += 1
+    if answer is not None:  # accepted: answered before any object is built (FrameReader.answer)
+        answer(peer, {values})
+{build}
+    return _new(_Envelope, (_VERSION, {kind}, sender, seq, frame_run, msg, newest))
 """
 )
 
 
 def _generate(
     kind: int, name: str, cls: type, fields: tuple[tuple[str, str], ...]
-) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
-    """Build ``_enc`` (message -> validated wire values), ``_frame``, ``_frame_of`` and ``_open`` of one message.
+) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """Build ``_enc`` (message -> validated wire values), ``_frame``, ``_frame_of``, ``_open`` and ``_take`` of one message.
 
     ``_frame(msg, sender, seq, run, pack, mac)``: the signed frame, ``mac`` being the keyed
-    BLAKE2b state (``Signer``); ``_frame_of(sender, seq, run, pack, mac,
-    *field values)``: the same frame from the field values, no message object built. ``_open(signer, data, end, version, run_id)``:
+    BLAKE2b state (``Signer``); ``_frame_of(sender, seqs, run, pack, mac,
+    *field values)``: the same frame from the field values, numbered ``next(seqs)``, no message object
+    built (a value that does not validate: ``ProtocolError``). ``_open(signer, data, end, version, run_id)``:
     for a frame of this kind whose header and length are sound (``end``: where the tag starts), the
-    checks of ``DROP_REASONS`` from ``bad_tag`` on, in order, then the envelope."""
+    checks of ``DROP_REASONS`` from ``bad_tag`` on, in order, then the envelope. ``_take(reader, data, end,
+    peer, answer=None)``: the same for a ``FrameReader`` on a frame whose length is exactly its header's,
+    then the reader's replay check (``replayed``, ``reflected``) and its count, then ``answer(peer, *field
+    values)`` if given; the envelope comes with ``newest`` set."""
+    # the decoded message is built field by field (``build`` below): only right if its __init__ does no more
+    if [f.name for f in dataclasses.fields(cls)] != [f for f, _ in fields] or hasattr(cls, "__post_init__"):
+        raise TypeError(f"{name}: not a plain dataclass of its schema's fields")
     heads: dict[int, bytes] = {}  # body length -> the whole header (a frame's body has few sizes)
 
     def head_for(length: int) -> bytes:
@@ -318,6 +397,8 @@ def _generate(
         "_Invalid": _Invalid,
         "ProtocolError": ProtocolError,
         "_Envelope": Envelope,
+        "_new": tuple.__new__,
+        "_blank": object.__new__,
         "_cls": cls,
         "_heads": heads,
         "_head_for": head_for,
@@ -334,6 +415,8 @@ def _generate(
         "_compare_digest": _compare_digest,
         "_unpackb": _unpackb,
         "_no_ext": _no_ext,
+        "_verified_body": _verified_body,
+        "_VERSION": PROTOCOL_VERSION,
     }
     checks = []
     for i, (field_name, wire_type) in enumerate(fields):
@@ -352,9 +435,10 @@ def _generate(
         checks="\n".join("    " + line for line in lines),
         checks_in_try="\n".join("    " + line for line in lines).replace("\n", "\n    "),
         params="".join(f", v{i}" for i in range(len(fields))),
+        build="\n".join(["    msg = _blank(_cls)"] + [f"    msg.{f} = v{i}" for i, (f, _) in enumerate(fields)]),
     )
     exec(code, env)  # noqa: S102 - code built from our own schema only
-    return env["_enc"], env["_frame"], env["_frame_of"], env["_open"]
+    return env["_enc"], env["_frame"], env["_frame_of"], env["_open"], env["_take"]
 
 
 def _spec(kind: int, name: str, cls: type, fields: tuple[tuple[str, str], ...]) -> _Spec:
@@ -363,6 +447,8 @@ def _spec(kind: int, name: str, cls: type, fields: tuple[tuple[str, str], ...]) 
 
 _SPECS: dict[int, _Spec] = {kind: _spec(kind, name, cls, fields) for kind, (name, cls, fields) in SCHEMA.items()}
 _SPEC_BY_CLASS: dict[type, _Spec] = {spec.cls: spec for spec in _SPECS.values()}
+_TAKES: dict[int, Callable[..., Envelope]] = {kind: spec.take for kind, spec in _SPECS.items()}
+_FRAMES: dict[type, Callable[..., bytes]] = {spec.cls: spec.frame for spec in _SPECS.values()}
 
 
 def message_types() -> dict[str, type]:
@@ -533,7 +619,7 @@ class ReplayWindow:
 
     def accept(self, seq: int) -> bool:
         """True the first time ``seq`` is seen within the window (``seq > top`` afterwards: it was the newest)."""
-        if seq == self.top + 1:  # the next in order: the run grows (FrameReader.read inlines this case)
+        if seq == self.top + 1:  # the next in order: the run grows (a reader's ``_take`` inlines this case)
             self.top = seq
             return True
         self.settle()
@@ -560,6 +646,7 @@ class FrameWriter:
 
     def __init__(self, secret: bytes, run_id: str, sender: str) -> None:
         self.signer = Signer(secret)
+        self._mac = self.signer._mac  # the keyed state a frame's tag starts from
         self.run_id = run_id
         self.sender = sender
         self._seq = itertools.count(1)  # next() on a count is atomic under the GIL
@@ -572,45 +659,39 @@ class FrameWriter:
             ProtocolError: ``schema`` if ``msg`` does not validate against the schema (a local bug).
         """
         seq = next(self._seq)
-        spec = _SPEC_BY_CLASS.get(type(msg))
-        if spec is None:
+        frame = _FRAMES.get(type(msg))
+        if frame is None:
             raise ProtocolError("schema", f"{type(msg).__name__} is not a protocol message")
         try:
             pack = self._local.pack
         except AttributeError:
             pack = self._local.pack = msgpack.Packer(use_bin_type=True).pack
-        signer = self.signer
         try:
-            return spec.frame(msg, self.sender, seq, self.run_id, pack, signer._mac)
+            signed: bytes = frame(msg, self.sender, seq, self.run_id, pack, self._mac)
+            return signed
         except _Invalid as exc:
-            raise ProtocolError("schema", f"{spec.name}: {exc}") from None
+            raise ProtocolError("schema", f"{type(msg).__name__}: {exc}") from None
         except BaseException:
             del self._local.pack  # whatever it half wrote stays out of the next frame
             raise
 
-    def encode_fields(self, cls: type, *values: Any) -> bytes:
-        """``encode(cls(*values))`` without building the message: the same bytes (a ``Pong`` answered
-        from a ``Ping``'s fields on the round trip's path).
+    def encoder(self, cls: type) -> Callable[..., bytes]:
+        """``encode(cls(*values))`` as a function of the values, no message built: the same bytes, numbered
+        from the same count (the controller's ``Pong``, answered from a ``Ping``'s fields on the round
+        trip's path). The function is for one thread: it packs with a ``Packer`` of its own (which drops
+        what it half wrote when it raises), so it needs no per-thread lookup.
 
         Raises:
-            ProtocolError: ``schema`` if ``cls`` is no message or a value does not validate (a local bug).
+            ProtocolError: ``schema`` if ``cls`` is no message (here) or a value does not validate (from
+                the function: a local bug).
         """
-        seq = next(self._seq)
         spec = _SPEC_BY_CLASS.get(cls)
         if spec is None:
             raise ProtocolError("schema", f"{getattr(cls, '__name__', cls)} is not a protocol message")
-        try:
-            pack = self._local.pack
-        except AttributeError:
-            pack = self._local.pack = msgpack.Packer(use_bin_type=True).pack
-        signer = self.signer
-        try:
-            return spec.frame_of(self.sender, seq, self.run_id, pack, signer._mac, *values)
-        except _Invalid as exc:
-            raise ProtocolError("schema", f"{spec.name}: {exc}") from None
-        except BaseException:
-            del self._local.pack
-            raise
+        # one C-level call to the generated function per frame: no Python wrapper, no argument tuple rebuilt
+        return functools.partial(
+            spec.frame_of, self.sender, self._seq, self.run_id, msgpack.Packer(use_bin_type=True).pack, self.signer._mac
+        )
 
 
 class FrameReader:
@@ -634,6 +715,7 @@ class FrameReader:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.signer = Signer(secret)
+        self._mac = self.signer._mac  # the keyed state ``_take`` copies per frame
         self.run_id = run_id
         self.max_frame = max_frame
         self.name = name
@@ -643,6 +725,17 @@ class FrameReader:
         self.accepted = 0
         self._windows: dict[str, ReplayWindow] = {}
         self.log = DropLog(clock=clock)
+        self._takes = _TAKES  # kind -> its ``_take``; ``answer`` gives a reader a dict of its own
+
+    def answer(self, cls: type, answer: Callable[..., None]) -> None:
+        """Call ``answer(peer, *field values)`` for every accepted frame of message ``cls``, as soon as it is
+        accepted (authenticated, checked, fresh) and before its message and envelope are built: the
+        controller's ``Pong`` leaves before anything else is done with the ``Ping``. A dropped frame is
+        never answered. What ``answer`` raises leaves ``read`` (a ``ProtocolError`` would count as a drop).
+        """
+        spec = _SPEC_BY_CLASS[cls]
+        take = spec.take
+        self._takes = {**self._takes, spec.kind: lambda reader, data, end, peer: take(reader, data, end, peer, answer)}
 
     def read(self, data: bytes, peer: str | bytes = "?") -> Envelope | None:
         """The envelope of an accepted frame, else None (the drop counted, perhaps logged).
@@ -653,37 +746,42 @@ class FrameReader:
         """
         n = len(data)
         try:
-            head = _unpack_usual(data) if MIN_FRAME <= n <= self.max_frame else None
-            if head is not None and head[0] == _USUAL and n == MIN_FRAME + head[2]:
-                # the usual frame: header and length sound, straight to the tag (the same checks, in the same order)
-                spec = _SPECS.get(head[1])
-                if spec is not None:
-                    env = spec.open(self.signer, data, n - TAG_LEN, PROTOCOL_VERSION, self.run_id)
-                else:
-                    env = _open(self.signer, data, n - TAG_LEN, head[1], PROTOCOL_VERSION, self.run_id)
-            else:
-                env = unpack_frame(self.signer, data, run_id=self.run_id, max_frame=self.max_frame)  # says what is wrong
+            if MIN_FRAME <= n <= self.max_frame:
+                head = _unpack_usual(data)
+                if head[0] == _USUAL and n == MIN_FRAME + head[2]:
+                    # the usual frame: header and length sound, straight to the tag (the same checks, in the same
+                    # order), in one call from there to the envelope, replay check included
+                    take = self._takes.get(head[1])
+                    if take is not None:
+                        env: Envelope = take(self, data, n - TAG_LEN, peer)
+                        return env
+            # anything else is dropped here, for what the full check order says is wrong (a frame it accepted would
+            # have a sound header, a known kind and its header's length: it took the path above)
+            env = unpack_frame(self.signer, data, run_id=self.run_id, max_frame=self.max_frame)
+            env = env._replace(newest=self._admit(env.sender, env.seq))
+            self.accepted += 1
+            return env
         except ProtocolError as exc:
             self._drop(exc.reason, peer, exc.detail)
             return None
-        sender, seq = env.sender, env.seq
+
+    def _admit(self, sender: str, seq: int) -> bool:
+        """The replay check of an authenticated frame, but for the usual case (the next number from a sender
+        seen before, which ``_take`` inlines): whether ``seq`` is the newest ever accepted from ``sender``.
+
+        Raises:
+            ProtocolError: ``reflected`` (our own name, on a sender's first frame: a sender with a window
+                passed this check before, and ``own`` is fixed) or ``replayed``.
+        """
         window = self._windows.get(sender)
-        if window is None:  # a sender's first frame; a sender with a window passed this check before (``own`` is fixed)
+        if window is None:
             if self.own and (sender == self.own or sender.startswith(self._own_sub)):
-                self._drop("reflected", peer, f"seq {seq} signed as {sender}")
-                return None
+                raise ProtocolError("reflected", f"seq {seq} signed as {sender}")
             window = self._windows[sender] = ReplayWindow()
         top = window.top
-        if seq == top + 1:  # the usual frame, the next from its sender: ReplayWindow.accept's first case, inline
-            window.top = seq
-            env.newest = True
-        elif window.accept(seq):
-            env.newest = seq > top
-        else:
-            self._drop("replayed", peer, f"seq {seq} from {sender}")
-            return None
-        self.accepted += 1
-        return env
+        if not window.accept(seq):
+            raise ProtocolError("replayed", f"seq {seq} from {sender}")
+        return seq > top
 
     def forget(self, sender: str) -> None:
         """Drop the replay state of a sender that left (bounded memory)."""

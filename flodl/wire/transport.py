@@ -47,7 +47,6 @@ except (ImportError, AttributeError):  # another backend: the public methods
 _NOBLOCK, _MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 _RCVMORE, _EVENTS, _POLLIN = int(zmq.RCVMORE), int(zmq.EVENTS), int(zmq.POLLIN)
 
-_PING = Ping.KIND
 
 #: Messages handled per loop callback before yielding to other tasks.
 DRAIN_BATCH = 256
@@ -218,10 +217,11 @@ class ControlEndpoint:
     ``on_message(identity, envelope)`` is called for every accepted frame;
     ``identity`` is the ZeroMQ routing id of the sending peer on a ROUTER and
     ``b""`` on a DEALER. With ``answer_pings`` (the controller's ROUTER), an
-    accepted ``Ping`` is answered with its ``Pong`` right here, before
-    ``on_message`` sees it: a round trip waits on no dispatch. Only an accepted
-    one: a frame the reader drops (forged, replayed, malformed, reflected...)
-    is never answered.
+    accepted ``Ping`` is answered with its ``Pong`` right here, from inside the
+    reader the moment it accepted the frame (``FrameReader.answer``), before
+    the Ping and its envelope are built and ``on_message`` sees them: a round
+    trip waits on no object and no dispatch. Only an accepted one: a frame the
+    reader drops (forged, replayed, malformed, reflected...) is never answered.
     """
 
     def __init__(
@@ -241,6 +241,10 @@ class ControlEndpoint:
         self.writer = FrameWriter(secret, run_id, sender)
         self.on_message = on_message
         self.io = AsyncSocket(sock, self._on_parts, name=sender)
+        if answer_pings:
+            # the reader calls it as soon as it accepted a Ping, before the Ping and its envelope are built
+            self._pong = self.writer.encoder(Pong)
+            self.reader.answer(Ping, self._answer_ping)
 
     @property
     def drops(self) -> Counter[str]:
@@ -263,11 +267,16 @@ class ControlEndpoint:
         env = self.reader.read(frame, identity if self.router else "controller")  # the route is named only if a drop is logged
         if env is None:
             return
-        if self.answer_pings and env.kind == _PING:  # accepted: authenticated, checked, fresh
-            ping = env.msg
-            pong = self.writer.encode_fields(Pong, ping.nonce, ping.sent_at)
-            self.io.send([identity, pong] if self.router else [pong])
         self.on_message(identity, env)
+
+    def _answer_ping(self, peer: bytes | str, nonce: int, sent_at: float) -> None:
+        """An accepted Ping's Pong (``peer``: its route on a ROUTER), straight from its fields."""
+        pong = self._pong(nonce, sent_at)
+        if self.router:
+            assert type(peer) is bytes  # the route, as ``_on_parts`` passes it
+            self.io.send([peer, pong])
+        else:
+            self.io.send([pong])
 
     def send(self, msg: Any, identity: bytes = b"") -> bool:
         """Sign and queue one message (to ``identity`` on a ROUTER)."""
