@@ -65,7 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -315,7 +315,15 @@ def plan(args: argparse.Namespace) -> tuple[list[tuple[str, float | None, str]],
 
 
 def run_case(
-    label: str, target: float | None, model: str, reps: int, samples: int, epochs: int, loads: list[float], width: int | None = None
+    label: str,
+    target: float | None,
+    model: str,
+    reps: int,
+    samples: int,
+    epochs: int,
+    loads: list[float],
+    width: int | None = None,
+    after_pair: Callable[[dict, int], None] | None = None,
 ) -> dict:
     """One case's pairs: the plain and flodl rates, their ratios, and the every-step-sync loop's rate.
     ``width``: the MLP's, as given (its step measured), instead of sized to ``target``."""
@@ -351,6 +359,12 @@ def run_case(
             synced.append(plain_run(epochs, sync_every_step=True))
         loads.append(os.getloadavg()[0])
         print(f"{label} pair {i + 1}/{reps}: plain {rate:,.0f}, flodl {f:,.0f} samples/s, {f / rate:.1%} (load {loads[-1]:.2f})")
+        if after_pair is not None and i + 1 < reps:  # a run cut short (a device lease's limit) keeps its pairs
+            after_pair(_case(name, step_ms, plain, flo, ratios, synced, model), i + 1)
+    return _case(name, step_ms, plain, flo, ratios, synced, model)
+
+
+def _case(name: str, step_ms: float, plain: list, flo: list, ratios: list, synced: list, model: str) -> dict:
     batch = mlp_batch() if model == "mlp" else solo.task().batch_size
     return {"name": name, "step_ms": step_ms, "plain": plain, "flodl": flo, "ratios": ratios, "synced": synced, "batch": batch}
 
@@ -420,7 +434,12 @@ def main(argv: list[str] | None = None) -> Path:
     name = results_name(args)
     where = smoke_results() if args.smoke else None
     for done, (label, target, model) in enumerate(cases, 1):
-        res = run_case(label, target, model, reps, samples, epochs, loads, width=args.width)
+
+        def partial(res: dict, pairs: int, done: int = done, target: float | None = target) -> None:
+            note = run_note(args, reps, samples, epochs, loads) + f"; PARTIAL: case {done} of {len(cases)} after {pairs} of {reps} pairs"
+            write_results(name, [*rows, *case_rows(args, target, res, pairs)], note=note, results=where)
+
+        res = run_case(label, target, model, reps, samples, epochs, loads, width=args.width, after_pair=partial)
         rows.extend(case_rows(args, target, res, reps))
         if done < len(cases):  # a run cut short keeps the cases it finished
             write_results(
