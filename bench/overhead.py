@@ -180,20 +180,12 @@ def script_run(epochs: int) -> float:
     return summary["samples"] / summary["wall_s"]
 
 
-def step_width(target_ms: float) -> tuple[int, float]:
+def step_width(target_ms: float, given: int | None = None) -> tuple[int, float]:
     """The first hidden width whose steady plain step takes at least ``target_ms``, and that step's ms
-    (eager: a case is named by its eager step, whether or not both sides then compile)."""
+    (eager: a case is named by its eager step, whether or not both sides then compile); ``given``
+    (``--width``): that width and its step, not sized."""
     with eager():
-        return _step_width(target_ms)
-
-
-def given_width_step(width: int) -> float:
-    """The steady plain step (ms) of the MLP at ``width`` (``--width``: the case's width is given, not sized)."""
-    with eager():
-        os.environ["FLODL_BENCH_SAMPLES"] = "2048"
-        os.environ["FLODL_BENCH_WIDTH"] = str(width)
-        plain_loop(1)  # warm-up, as sizing does
-        return plain_loop(2, steady=True)[1]
+        return _step_width(target_ms, given)
 
 
 @contextlib.contextmanager
@@ -207,13 +199,15 @@ def eager() -> Iterator[None]:
             os.environ["FLODL_BENCH_COMPILE"] = mode
 
 
-def _step_width(target_ms: float) -> tuple[int, float]:
+def _step_width(target_ms: float, given: int | None) -> tuple[int, float]:
     os.environ["FLODL_BENCH_SAMPLES"] = "2048"
     os.environ["FLODL_BENCH_WIDTH"] = "256"
     plain_loop(1)  # warm-up (CUDA context, kernels, allocator): else the first width looks slow and wins
-    widths = (256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048, 2560, 3072)
+    widths: tuple[int, ...] = (256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048, 2560, 3072)
     if DEVICE == "cuda":
         widths = (256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 10240, 12288, 16384, 20480, 24576)
+    if given is not None:
+        widths = (given,)
     for w in widths:
         os.environ["FLODL_BENCH_WIDTH"] = str(w)
         _, ms = plain_loop(2, steady=True)  # the second epoch's steps
@@ -329,10 +323,7 @@ def run_case(
     ``width``: the MLP's, as given (its step measured), instead of sized to ``target``."""
     os.environ["FLODL_BENCH_MODEL"] = model
     if model == "mlp":
-        if width is not None and target:
-            step_ms = given_width_step(width)
-        else:
-            width, step_ms = step_width(target) if target else (256, 0.0)
+        width, step_ms = step_width(target, width) if target else (256, 0.0)
         os.environ["FLODL_BENCH_WIDTH"] = str(width)
         if DEVICE == "cuda":
             samples = gpu_samples(step_ms, mlp_batch())

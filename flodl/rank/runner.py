@@ -671,9 +671,13 @@ class RankRunner(Regrouping, Evaluating):
         after the first step (``_open_vram_pool``) put a copy of the whole dataset (a gigabyte
         for the 1 ms overhead case) inside the first window. Only at most ``EARLY_PLACE_SHARE``
         of the budget: what the model's steps will take is not known yet."""
-        budget = self._vram_budget()
         source = self.source
-        if budget and isinstance(source, BatchSource) and source.in_memory and 0 < source.resident_bytes <= EARLY_PLACE_SHARE * budget:
+        if isinstance(source, BatchSource) and source.in_memory:  # asked first: the budget asks the device
+            self._place_if_fits(source, EARLY_PLACE_SHARE * self._vram_budget())
+
+    def _place_if_fits(self, source: BatchSource, limit: float) -> None:
+        """A tensor dataset of at most ``limit`` bytes goes to the device whole: batches are then gathered there."""
+        if 0 < source.resident_bytes <= limit:
             source.place_on(self.device)
 
     def _vram_budget(self) -> int:
@@ -699,8 +703,7 @@ class RankRunner(Regrouping, Evaluating):
         if not budget:
             return
         if source.in_memory:
-            if 0 < source.resident_bytes <= budget:  # a tensor dataset that fits: all of it on the device
-                source.place_on(self.device)
+            self._place_if_fits(source, budget)
             return
         source.pool_in_vram(VramPool(self.device, budget))
 
