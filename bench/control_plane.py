@@ -21,7 +21,7 @@ answering with a frame of the ``Pong``'s size, both ROUTERs made by flodl's
 baseline, bare pyzmq in a blocking loop on a thread of its own (own context
 and I/O thread); and, to say where flodl's excess goes, the same echo on the
 controller's event loop through flodl's ``AsyncSocket`` (no codec). Taking
-the three in turns (the order rotating) makes the machine's drift hit all
+the three in turns (a fresh random order each turn) makes the machine's drift hit all
 three alike: on a small shared VM the same echo swings between 40 and 200 µs
 from one minute to the next.
 
@@ -36,6 +36,7 @@ import asyncio
 import io
 import multiprocessing as mp
 import os
+import random
 import statistics
 import sys
 import threading
@@ -194,17 +195,19 @@ def _round_trips(
     ctx: zmq.Context, wsock: zmq.Socket, writer: FrameWriter, reader: FrameReader, bare_addrs: dict[str, str], pings: int
 ) -> dict[str, list[float]]:
     """µs of one-at-a-time round trips to the controller and to each bare echo, taken in turns
-    (the order rotating), so the machine's drift hits every series alike; blocking receives, as
-    a rank's link thread. The first ``WARMUP_PINGS`` of each series are dropped."""
+    (in a fresh random order each turn: a fixed cyclic order put flodl always right after the
+    event-loop echo, which biased its series by ~10 µs), so the machine's drift hits every series
+    alike; blocking receives, as a rank's link thread. The first ``WARMUP_PINGS`` of each series
+    are dropped."""
     ping_len, _ = frame_sizes()
     frame = os.urandom(ping_len)
     targets = [("flodl", wsock)] + [(name, make_dealer(ctx, a)) for name, a in bare_addrs.items()]
     rtts: dict[str, list[float]] = {name: [] for name, _ in targets}
     for _, sock in targets:
         sock.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
+    order = random.Random(0)  # seeded: a rerun takes the same turns
     for i in range(WARMUP_PINGS + pings):
-        for k in range(len(targets)):
-            name, sock = targets[(i + k) % len(targets)]
+        for name, sock in order.sample(targets, len(targets)):
             if sock is wsock:
                 t0 = time.perf_counter()
                 sock.send(writer.encode(m.Ping(i, t0)))
