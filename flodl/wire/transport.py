@@ -236,7 +236,6 @@ class ControlEndpoint:
         answer_pings: bool = False,
     ) -> None:
         self.router = sock.type == zmq.ROUTER
-        self.answer_pings = answer_pings
         self.reader = FrameReader(secret, run_id, max_frame=max_frame, name=sender, own=sender)  # our own frames reflected: dropped
         self.writer = FrameWriter(secret, run_id, sender)
         self.on_message = on_message
