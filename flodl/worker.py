@@ -58,6 +58,7 @@ from .host.devices import choose_devices
 from .host.proc import ChildProcess, die_with_parent, nap, terminate_then_kill
 from .host.zygote import Zygote
 from .scriptspec import rank_command
+from .testing.faults import FaultPlan
 from .wire import curve
 from .wire import messages as m
 from .wire.codec import Envelope
@@ -111,6 +112,9 @@ class Worker:
         self.heartbeat_timeout_s = join_timeout_s
         self.endpoint: ControlEndpoint | None = None
         self.procs: dict[int, ChildProcess] = {}
+        # ranks the controller gave up on before their process existed (a Fence that overtook a
+        # slow spawn): they are killed the moment they are started, or not started at all
+        self.fenced: set[int] = set()
         self.zygote: Zygote | None = None  # forks the ranks pre-imported (host/zygote.py); None: exec each
         self.welcome: m.WorkerWelcome | None = None
         self.shutdown: m.Shutdown | m.ShutdownWithSave | None = None
@@ -144,7 +148,10 @@ class Worker:
     def _fence(self, msg: m.Fence) -> None:
         """The controller gave this rank up: SIGKILL it (SIGTERM cannot reach a stopped process)."""
         proc = self.procs.get(msg.rank)
-        if proc is not None and proc.returncode is None:
+        if proc is None:
+            self.fenced.add(msg.rank)  # still being spawned (the zygote forks it): killed on arrival
+            return
+        if proc.returncode is None:
             # after the run's Shutdown the kill is part of the stop, not a death
             log.log(logging.INFO if self.shutdown else logging.WARNING, "%s: killing rank %d: %s", self.sender, msg.rank, msg.reason)
             try:
@@ -304,6 +311,8 @@ class Worker:
         self._relay_addr = self._start_relay(tg) if welcome.bulk_relay and welcome.bulk_port else ""
         for local, (rank, device) in enumerate(zip(welcome.ranks, self.devices, strict=False)):
             self.local_ranks[rank] = local
+            if self.shutdown is not None or self._interrupted or rank in self.fenced:
+                continue  # the run stopped while earlier ranks were forked: this one would only be killed
             await self._start_rank(rank, device)
         log.info("%s spawned ranks %s on %s", self.sender, welcome.ranks, self.devices)
 
@@ -328,6 +337,7 @@ class Worker:
             welcome.task, rank=rank, world_size=welcome.world_size, local_rank=self.local_ranks.get(rank, 0), local_world=len(self.devices)
         )
         proc: ChildProcess | None = None
+        await asyncio.sleep(_spawn_delay_s(rank))  # tests only (FLODL_INJECT_FAULT): a slow fork on a loaded host
         if self.zygote is not None:  # the rank's parent is the zygote: it dies with it, as the zygote with us
             forked_env = dataclasses.replace(env, parent_pid=self.zygote.pid)
             proc = await self.zygote.spawn(argv, child_environ({**forked_env.to_env(), **extra}))
@@ -336,6 +346,8 @@ class Worker:
             stdin = asyncio.subprocess.DEVNULL if self.watch_stdin else None
             proc = await asyncio.create_subprocess_exec(*argv, env=child_environ({**env.to_env(), **extra}), stdin=stdin)
         self.procs[rank] = proc
+        if rank in self.fenced:  # the Fence came while the zygote forked it
+            self._fence(m.Fence(rank=rank, reason="the run stopped before it joined"))
         if self.relay is not None:
             self.relay.admit(f"rank{rank}.{proc.pid}".encode(), rank)  # the rank's bulk identity, as it will connect
         assert self._tg is not None  # _spawn set it; a respawn comes only once it is
@@ -378,6 +390,13 @@ class Worker:
                 log.warning("ranks still running %.0f s after shutdown: terminating", grace_s)
         await terminate_then_kill(list(self.procs.values()), kill_grace_s)
         await asyncio.sleep(0)  # let the reapers report the last exits
+
+
+def _spawn_delay_s(rank: int) -> float:
+    try:
+        return FaultPlan.from_env(rank).spawn_delay_s()
+    except ValueError:
+        return 0.0  # a malformed plan is the rank's to report, once, with the field named
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -226,6 +226,18 @@ def test_an_empty_dataset_is_the_users_error_exit_2_without_a_traceback(proc_env
     assert "still running" not in run.output, run.output  # a rank still building is stopped at once
 
 
+def test_a_rank_whose_start_the_abort_overtook_is_never_left_running(proc_env, tmp_path):
+    """Rank 1's fork is slow (a loaded host): rank 0's error stops the run while rank 1 is not yet
+    a process. The controller's order to kill it reaches the worker first; the worker must not
+    start it afterwards and then wait its grace period for a rank nobody will talk to."""
+    path = tmp_path / "s.json"
+    env = {**proc_env, "FLODL_INJECT_FAULT": "1:spawn:3:delay"}
+    run = Run(["--task", task_spec("tiny.py", "empty_task"), "--nproc-per-node", "2", "--summary-json", str(path)], env)
+    assert run.wait(90) == 2, run.output
+    assert run.output.count("Task.dataset is empty") == 1, run.output
+    assert "still running" not in run.output, run.output
+
+
 @pytest.mark.parametrize(("mode", "restarts"), [("nccl-cadence", 0), ("cpu-cadence", 0), ("nccl-cadence", 1)])
 def test_a_rank_that_dies_while_the_others_start_costs_only_itself(proc_env, tmp_path, mode, restarts):
     """Rank 1 crashes while building its task: the others start without it (the first group

@@ -289,7 +289,8 @@ def test_fault_plan_parses_and_names_bad_items():
     plan = FaultPlan.from_env(1, "1:average:5, 2:batch:3:stop,1:epoch:2:stop,1:regroup:1")
     assert plan.armed == {"average": (5, "kill"), "epoch": (2, "stop"), "regroup": (1, "kill")}
     assert FaultPlan.from_env(3, "1:average:5").armed == {}
-    for bad in ("1:average", "x:batch:1", "1:nowhere:1", "1:batch:1:explode"):
+    assert FaultPlan.from_env(1, "1:spawn:3:delay").spawn_delay_s() == 3.0 and plan.spawn_delay_s() == 0.0
+    for bad in ("1:average", "x:batch:1", "1:nowhere:1", "1:batch:1:explode", "1:spawn:3", "1:batch:2:delay"):
         with pytest.raises(ValueError, match="FLODL_INJECT_FAULT"):
             FaultPlan.from_env(1, bad)
     plan.reach("average")  # 1st of 5: nothing happens

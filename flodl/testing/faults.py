@@ -9,7 +9,7 @@ freezes), ``hang`` (only the training thread blocks for good, as in a
 deadlocked data read or user code that never returns: heartbeats go on),
 ``nan`` (at ``batch``: the gradients turn NaN, so the next loss is NaN),
 ``drop`` (at ``window`` and ``report`` only: the frame is lost, as in a
-connection reset). Points:
+connection reset), ``delay`` (at ``spawn`` only). Points:
 
 * ``batch``   mid-batch: gradients computed, step not taken (accumulating: counts optimizer steps)
 * ``average`` mid-averaging: the replica backed up, peers already inside the round
@@ -22,6 +22,8 @@ connection reset). Points:
 * ``report``  the ``n``-th ``WindowDone`` is about to leave (``drop``: it never arrives)
 * ``build``   the rank about to build its task, before its hello (``hang``: a start-up that
               never ends, as a stuck import or a dataset download would; n is 1)
+* ``spawn``   read by the worker, not the rank: ``delay`` holds the start of this rank's process
+              for n seconds, as a fork on a loaded host can (``1:spawn:3:delay``)
 
 Several faults are comma-separated. Real processes really die, so the elastic
 path under test is the one users get; nothing here is consulted unless the
@@ -37,9 +39,9 @@ from dataclasses import dataclass, field
 
 from ..config.env import INJECT_FAULT, injected_faults
 
-POINTS = ("batch", "average", "epoch", "regroup", "save", "window", "report", "build")
+POINTS = ("batch", "average", "epoch", "regroup", "save", "window", "report", "build", "spawn")
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
-ACTIONS = (*SIGNALS, "hang", "nan", "drop")
+ACTIONS = (*SIGNALS, "hang", "nan", "drop", "delay")
 LOSSY = ("window", "report")  # the points where a frame can be lost: the only ones ``drop`` applies to
 
 
@@ -66,6 +68,8 @@ class FaultPlan:
                 raise ValueError(f"{INJECT_FAULT}: {item!r}: point must be one of {POINTS}, action one of {ACTIONS}, n >= 0")
             if (action == "drop") != (point in LOSSY) and action != "kill":
                 raise ValueError(f"{INJECT_FAULT}: {item!r}: drop applies to the points {LOSSY}, and they take only drop or kill")
+            if (action == "delay") != (point == "spawn"):
+                raise ValueError(f"{INJECT_FAULT}: {item!r}: the spawn point takes only delay, and delay applies only to spawn")
             if who == rank:
                 plan.armed[point] = (nth, action)
         return plan
@@ -87,3 +91,7 @@ class FaultPlan:
         if action in SIGNALS:
             os.kill(os.getpid(), SIGNALS[action])
         return action
+
+    def spawn_delay_s(self) -> float:
+        """Seconds the worker holds this rank's start (the ``spawn`` point), 0 when none is armed."""
+        return float(self.armed["spawn"][0]) if "spawn" in self.armed else 0.0
