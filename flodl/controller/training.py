@@ -26,6 +26,7 @@ from .launch import LaunchOptions
 from .phase import RunState
 from .plane import ControlPlane
 from .resend import WindowResender
+from .shared_evals import SharedEvals
 from .startup import Startup
 
 log = logging.getLogger("flodl.controller")
@@ -68,6 +69,7 @@ class Training:
         self.history: list[EpochStats] = []
         self.evals: dict[int, m.EvalResult] = {}
         self.eval_requests: dict[int, int] = {}  # epoch -> rank asked to score it
+        self.shared_evals = SharedEvals()  # epochs one average closed share its eval
         self.epoch_samples = 0
         self.epoch_loss: float | None = None
         self.current_epoch = -1
@@ -126,11 +128,15 @@ class Training:
         return self.cadence
 
     def _edges_needed_every(self) -> int:
-        """Every how many epochs an average must fall on the edge: evals and checkpoints score and
-        keep the model of an epoch's end (a window may span more epochs than that only in between)."""
+        """Every how many epochs a window must end on the edge: checkpoints keep the model of an
+        epoch's end (a window may span more epochs than that only in between).
+
+        Evals do not cap windows: an eval scores the average that closed its epoch, and a window
+        spans more than one epoch only where ElChe's overhead auto-tune asks for it (epochs too
+        short to average each one within ``overhead_target``); capping it there made every short
+        epoch pay a whole average, the cost the auto-tune exists to avoid. Epochs that one
+        average closes share its eval (``request_eval``)."""
         every = [FLOW_MAX_EPOCHS]
-        if self.evals_on:
-            every.append(self.config.eval_every_epochs or 1)
         if self.config.checkpoint_every:
             every.append(self.config.checkpoint_every)
         return min(every)
@@ -241,13 +247,20 @@ class Training:
         has trained into the next window since (-1: the model once its last average landed)."""
         rank = self.eval_rank()
         self.eval_requests[epoch] = rank
-        self.plane.send_rank(rank, m.RunEval(epoch=epoch, final=epoch == self.total_epochs - 1, window=window))
+        final = epoch == self.total_epochs - 1
+        first = self.shared_evals.ask(epoch, window, final=final)
+        if first is not None:  # one average closed several short epochs: the same model, scored once
+            if first in self.evals:
+                self.evals[epoch] = self.evals[first]
+            return
+        self.plane.send_rank(rank, m.RunEval(epoch=epoch, final=final, window=window))
 
     def reask_evals_of(self, dead: set[int]) -> None:
         """Evals asked of ranks that died and never answered go to the next rank."""
+        sharing = self.shared_evals.sharing()
         for epoch, rank in list(self.eval_requests.items()):
-            if rank in dead and epoch not in self.evals:
-                self.request_eval(epoch)
+            if rank in dead and epoch not in self.evals and epoch not in sharing:
+                self.request_eval(epoch)  # its sharers take its answer, as before
 
     def eval_rank(self) -> int:
         """Who runs eval: ``epoch_callback_policy``'s rank, or the fastest live rank.
@@ -381,7 +394,8 @@ class Training:
         self.flush_epoch_lines()
 
     def on_eval_result(self, identity: bytes, env: Envelope, msg: m.EvalResult) -> None:
-        self.evals[msg.epoch] = msg
+        for epoch in self.shared_evals.answered_by(msg.epoch):
+            self.evals[epoch] = msg
         if self.cadence is not None:
             self.cadence.note_pause(msg.elapsed_ms)
         now = self.clock()
