@@ -43,8 +43,10 @@ from . import __version__
 from .config.cli import BriefParser
 from .config.deadlines import Deadlines
 from .config.env import (
+    PARENT_PID,
     RankEnv,
     child_environ,
+    local_store_request,
     parent_pid,
     parse_run_secret,
     read_run_credentials,
@@ -56,6 +58,7 @@ from .config.joinfile import read_join_file
 from .errors import EXIT_CONFIG, EXIT_CONTROLLER_LOST, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, ConfigError
 from .host.devices import choose_devices
 from .host.proc import ChildProcess, die_with_parent, nap, terminate_then_kill
+from .host.store_server import write_port
 from .host.zygote import Zygote
 from .scriptspec import rank_command
 from .testing.faults import FaultPlan
@@ -115,6 +118,7 @@ class Worker:
         # ranks the controller gave up on before their process existed (a Fence that overtook a
         # slow spawn): they are killed the moment they are started, or not started at all
         self.fenced: set[int] = set()
+        self.store_proc: ChildProcess | None = None  # the run's store, when this worker hosts it (_host_store)
         self.zygote: Zygote | None = None  # forks the ranks pre-imported (host/zygote.py); None: exec each
         self.welcome: m.WorkerWelcome | None = None
         self.shutdown: m.Shutdown | m.ShutdownWithSave | None = None
@@ -198,6 +202,8 @@ class Worker:
             if self.watch_stdin:
                 loop.remove_reader(sys.stdin.fileno())
             await terminate_then_kill(list(self.procs.values()), KILL_GRACE_S)
+            if self.store_proc is not None:  # after the ranks: they may still leave their group through it
+                await terminate_then_kill([self.store_proc], KILL_GRACE_S)
             if self.zygote is not None:
                 await self.zygote.close(KILL_GRACE_S)
             if self.relay is not None:
@@ -234,6 +240,9 @@ class Worker:
         )
         if zygote_enabled():  # it imports torch while the controller answers
             self.zygote = await Zygote.start(devnull_stdin=self.watch_stdin)
+        store = local_store_request()
+        if store is not None:  # before any rank: the zygote forks in the order asked
+            tg.create_task(self._host_store(*store))
         deadline = time.monotonic() + self.join_timeout_s
         while self.welcome is None:
             if self.reject or self.shutdown or self._interrupted:
@@ -315,6 +324,21 @@ class Worker:
                 continue  # the run stopped while earlier ranks were forked: this one would only be killed
             await self._start_rank(rank, device)
         log.info("%s spawned ranks %s on %s", self.sender, welcome.ranks, self.devices)
+
+    async def _host_store(self, path: str, bind: str) -> None:
+        """The embedded controller's request: the run's store in a process forked from the zygote
+        (torch imported there already: the controller need not import it). Without a zygote, or
+        when it cannot fork, the file says 0 and the controller opens the store itself."""
+        child = None
+        if self.zygote is not None:
+            argv = [sys.executable, "-m", "flodl.host.store_server", path, bind]
+            child = await self.zygote.spawn(argv, child_environ({PARENT_PID: str(self.zygote.pid)}))
+        if child is None:
+            write_port(path, 0)
+            return
+        # not awaited here: this task must end for the worker's task group to, and the store
+        # serves until the worker stops it on its way out (after the ranks: run's finally)
+        self.store_proc = child
 
     async def _start_rank(self, rank: int, device: str) -> None:
         """Start one rank process (forked by the zygote, else exec'd) and its reaper."""

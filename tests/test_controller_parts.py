@@ -106,3 +106,19 @@ async def test_the_hooks_see_a_run_with_a_death(quiet_console):
     handled = set(calls["handled"])
     assert {(m.WorkerHello,), (m.RankHello,), (m.RankReady,), (m.TimingMsg,), (m.WindowDone,), (m.EvalResult,)} <= handled
     assert "joiners_admitted" not in calls
+
+
+async def test_the_hosted_stores_port_is_read_once_whole_and_a_silent_worker_falls_back(tmp_path):
+    """plane.py reads the port the embedded worker's store process writes (host/store_server.py);
+    0 (it could not open) and no file within the deadline both mean: open the store here."""
+    from flodl.controller.plane import ControlPlane
+    from flodl.host.store_server import write_port
+
+    path = tmp_path / "port"
+    later = asyncio.get_running_loop().call_later(0.05, write_port, str(path), 41234)
+    assert await ControlPlane._hosted_store_port(path, 30.0) == 41234
+    later.cancel()
+    write_port(str(path), 0)
+    assert await ControlPlane._hosted_store_port(path, 30.0) == 0
+    assert await ControlPlane._hosted_store_port(tmp_path / "never", 0.1) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["port"]  # no temporary file left beside it

@@ -140,9 +140,14 @@ def test_ranks_are_the_zygotes_children_and_a_killed_worker_leaves_none_of_them(
         assert rank.cmdline() == [PY, "-m", "flodl.rank"]
         assert rank.environ()["FLODL_PARENT_PID"] == str(zygote.pid)  # the parent it dies with
     assert sorted(rank.environ()["FLODL_RANK"] for rank in ranks) == ["0", "1"]
+    # the run's store is the zygote's child too (host/store_server.py): the controller opened none,
+    # and so never imported torch (2 s of CPU it used to spend at every start)
+    [store] = [p for p in zygote.children() if runs_module(p, "flodl.host.store_server")]
+    controller = psutil.Process(run.proc.pid)
+    assert not [m.path for m in controller.memory_maps() if "libtorch" in m.path], "the controller loaded torch"
     worker.kill()  # SIGKILL: nothing of the worker runs; PDEATHSIG ends the zygote, then its ranks
     assert run.wait(60) == 3, run.output
-    assert_all_gone([zygote, *ranks], timeout=60)
+    assert_all_gone([zygote, store, *ranks], timeout=60)
 
 
 @pytest.mark.timeout(120)
@@ -151,6 +156,7 @@ def test_with_the_zygote_off_the_worker_execs_its_ranks(proc_env):
     ranks = run.ranks(2)
     tree = run.tree()
     assert not [p for p in tree if runs_module(p, "flodl.rank.zygote")]
+    assert not [p for p in tree if runs_module(p, "flodl.host.store_server")]  # the controller opens the store itself
     assert {runs_module(rank.parent(), "flodl.worker") for rank in ranks} == {True}
     assert all(is_rank(rank) for rank in ranks)
     assert run.wait(90) == 0, run.output

@@ -58,6 +58,10 @@ SHM_DIR = "FLODL_SHM_DIR"  # where shared-memory segments live (default /dev/shm
 VRAM_POOL = "FLODL_VRAM_POOL"  # on (default) | off: kill-switch of the data plane's VRAM pool
 BULK_SLICE_BYTES = "FLODL_BULK_SLICE_BYTES"  # a model travels in slices of at most this many bytes (tuning)
 ZYGOTE = "FLODL_ZYGOTE"  # on (default) | off: a worker forks its ranks from a pre-imported process, else execs each
+# controller -> its embedded worker only: open the run's TCPStore in a process the zygote forks (torch is
+# imported there already, so the controller need not import it) and write its port to this file ("0": could not)
+STORE_FILE = "FLODL_STORE_FILE"
+STORE_BIND = "FLODL_STORE_BIND"  # ... and the address that store listens on (the controller's --bind)
 
 # ---- other programs' variables
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
@@ -231,6 +235,13 @@ def pythonpath() -> str:
 
 def _unique(items: list[str]) -> list[str]:
     return list(dict.fromkeys(items))
+
+
+def local_store_request() -> tuple[str, str] | None:
+    """``(port file, bind address)`` when this worker's controller asked it to host the run's
+    store (``FLODL_STORE_FILE``, ``FLODL_STORE_BIND``), else None."""
+    path = os.environ.get(STORE_FILE, "")
+    return (path, os.environ.get(STORE_BIND, "") or "127.0.0.1") if path else None
 
 
 def parent_pid() -> int:

@@ -4,7 +4,9 @@
 to one peer, to a few ranks or to many peers, a frame signed once for all.
 
 The TCPStore is torch's, and importing torch costs the controller seconds
-on a small machine. Ranks need the store only once they are welcomed,
+on a small machine. With an embedded worker, a process its zygote forks opens
+the store (torch is imported there already: ``host/store_server.py``) and the
+controller reads its port. Otherwise: ranks need the store only once they are welcomed,
 after seconds of importing torch themselves, so on the collective backends
 ``open`` binds the ROUTER at once and opens the store on a thread while the
 worker and its ranks start; the conductor awaits ``store_open`` before the
@@ -18,14 +20,19 @@ import asyncio
 import concurrent.futures
 import gc
 import logging
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from ..config import AverageBackend, DdpRunConfig
 from ..config.deadlines import Deadlines
+from ..config.env import zygote_enabled
 from ..plan.membership import Membership
 from ..wire import curve
 from ..wire.codec import Envelope
@@ -68,6 +75,7 @@ class ControlPlane:
         self.port: int | None = None
         self.store: Any = None  # torch.distributed.TCPStore, once open
         self._opening: concurrent.futures.Future | None = None  # the store, opening on a thread
+        self.store_file: Path | None = None  # where the embedded worker writes its store's port (store_open)
         self.averaging: CpuAveraging | None = None  # the CPU backend's bulk plane, when used
         self.fd_limit = 0  # the soft limit on open files once open lifted it (0: unknown)
 
@@ -107,8 +115,13 @@ class ControlPlane:
         )
         self.endpoint.start()
         if self.config.elche.mode.backend is not AverageBackend.CPU:
-            self._opening = concurrent.futures.Future()
-            threading.Thread(target=self._open_store, name=STORE_THREAD, daemon=True).start()
+            if self.launch.embedded and zygote_enabled():
+                # the embedded worker's zygote imports torch anyway: a process it forks opens the
+                # store (host/store_server.py), and this one never imports torch (about 2 s of CPU)
+                self.store_file = Path(tempfile.mkdtemp(prefix="flodl-store-")) / "port"
+                log.info("controller listening on tcp://%s:%d (the local worker opens the store)", self.launch.bind, self.port)
+                return
+            self._start_store_thread()
             log.info("controller listening on tcp://%s:%d (the store opens meanwhile)", self.launch.bind, self.port)
             return
         self.store = _tcp_store(self.launch.bind)
@@ -127,6 +140,10 @@ class ControlPlane:
         self.averaging.start()
         log.info("controller listening on tcp://%s:%d (store port %d)", self.launch.bind, self.port, self.store.port)
 
+    def _start_store_thread(self) -> None:
+        self._opening = concurrent.futures.Future()
+        threading.Thread(target=self._open_store, name=STORE_THREAD, daemon=True).start()
+
     def _open_store(self) -> None:
         """The store thread: import torch, open the store, hand it over (or what went wrong).
         A daemon: a run that ends meanwhile does not wait for torch's import."""
@@ -137,15 +154,43 @@ class ControlPlane:
             self._opening.set_exception(exc)
 
     async def store_open(self) -> None:
-        """Wait (if need be) for the store opening on its thread."""
-        if self.store is not None or self._opening is None:
+        """Wait (if need be) for the store: the local worker's (its port file), or the one opening
+        on this process's thread (also where the local worker could not open it)."""
+        if self.store is not None:
+            return
+        if self.store_file is not None and self._opening is None:
+            port = await self._hosted_store_port(self.store_file, self.launch.join_timeout_secs)
+            if port:
+                self.store = HostedStore(port)
+                log.info("store open on port %d (in a process of the local worker's)", port)
+                return
+            log.warning("the local worker did not open the run's store: opening it here")
+            self._start_store_thread()
+        if self._opening is None:
             return
         self.store = await asyncio.wrap_future(self._opening)
         # torch's objects live as long as the run: out of the collector's full passes, as the rest (core.py)
         gc.freeze()
         log.info("store open on port %d", self.store.port)
 
+    @staticmethod
+    async def _hosted_store_port(path: Path, timeout_s: float) -> int:
+        """The port the local worker's store wrote to ``path`` (0: it could not open, or said
+        nothing within ``timeout_s``: its zygote imports torch first, as its ranks wait for)."""
+        try:
+            async with asyncio.timeout(timeout_s if timeout_s > 0 else None):
+                while not path.exists():
+                    await asyncio.sleep(HOSTED_STORE_POLL_S)
+        except TimeoutError:
+            return 0
+        try:
+            return int(path.read_text().strip() or 0)
+        except (OSError, ValueError):
+            return 0
+
     def close(self) -> None:
+        if self.store_file is not None:
+            shutil.rmtree(self.store_file.parent, ignore_errors=True)
         if self.endpoint is not None:
             self.endpoint.close()
         if self.averaging is not None:
@@ -177,6 +222,15 @@ class ControlPlane:
 
 
 STORE_THREAD = "flodl-store"
+#: How often the controller looks for the port of the store its local worker opens.
+HOSTED_STORE_POLL_S = 0.02
+
+
+@dataclass(frozen=True)
+class HostedStore:
+    """The run's store as the embedded worker's store process opened it: only its port is ours."""
+
+    port: int
 
 
 def store_still_opening() -> bool:

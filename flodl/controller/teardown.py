@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from ..config.env import PARENT_PID, child_environ, credentials_env
+from ..config.env import PARENT_PID, STORE_BIND, STORE_FILE, child_environ, credentials_env
 from ..errors import EXIT_FAILED, EXIT_RANK_LOST, EXIT_SAVED, RunAborted
 from ..host.proc import terminate_then_kill
 from ..plan.membership import Membership, PeerState, describe_exit
@@ -73,7 +73,10 @@ class Teardown:
             cmd += ["--nproc", str(self.launch.nproc_per_node)]
         if self.launch.devices:
             cmd += ["--devices", self.launch.devices]
-        env = child_environ({**credentials_env(self.secret, self.run_id), PARENT_PID: str(os.getpid())})
+        extra = {**credentials_env(self.secret, self.run_id), PARENT_PID: str(os.getpid())}
+        if self.plane.store_file is not None:  # it hosts the run's store (plane.py)
+            extra.update({STORE_FILE: str(self.plane.store_file), STORE_BIND: self.launch.bind})
+        env = child_environ(extra)
         # its own session: a terminal's Ctrl-C reaches the controller alone, which
         # then stops everyone in order instead of racing the children's deaths
         self.worker_proc = await asyncio.create_subprocess_exec(*cmd, env=env, start_new_session=True)
