@@ -119,6 +119,7 @@ class Worker:
         # slow spawn): they are killed the moment they are started, or not started at all
         self.fenced: set[int] = set()
         self.store_proc: ChildProcess | None = None  # the run's store, when this worker hosts it (_host_store)
+        self.store_task: asyncio.Task[None] | None = None
         self.zygote: Zygote | None = None  # forks the ranks pre-imported (host/zygote.py); None: exec each
         self.welcome: m.WorkerWelcome | None = None
         self.shutdown: m.Shutdown | m.ShutdownWithSave | None = None
@@ -195,6 +196,8 @@ class Worker:
                 beat = tg.create_task(self._heartbeats())
                 code = await self._supervise(tg)
                 beat.cancel()
+                if self.store_task is not None:
+                    self.store_task.cancel()  # a stop before the zygote answered: nothing waits for its store
                 if self.relay_task is not None:
                     self.relay_task.cancel()
             return code
@@ -242,7 +245,7 @@ class Worker:
             self.zygote = await Zygote.start(devnull_stdin=self.watch_stdin)
         store = local_store_request()
         if store is not None:  # before any rank: the zygote forks in the order asked
-            tg.create_task(self._host_store(*store))
+            self.store_task = tg.create_task(self._host_store(*store))
         deadline = time.monotonic() + self.join_timeout_s
         while self.welcome is None:
             if self.reject or self.shutdown or self._interrupted:
