@@ -33,6 +33,7 @@ import zmq
 from ..config import AverageBackend, DdpRunConfig
 from ..config.deadlines import Deadlines
 from ..config.env import zygote_enabled
+from ..host.store_server import open_store
 from ..plan.membership import Membership
 from ..wire import curve
 from ..wire.codec import Envelope
@@ -124,7 +125,7 @@ class ControlPlane:
             self._start_store_thread()
             log.info("controller listening on tcp://%s:%d (the store opens meanwhile)", self.launch.bind, self.port)
             return
-        self.store = _tcp_store(self.launch.bind)
+        self.store = open_store(self.launch.bind)
         from ..averaging.server import CpuAveraging  # the averaging plane: torch, shm, bulk; only the CPU backend needs them
 
         assert self.deadlines.snapshot_s is not None  # the controller's deadlines come from_config: it is set
@@ -149,7 +150,7 @@ class ControlPlane:
         A daemon: a run that ends meanwhile does not wait for torch's import."""
         assert self._opening is not None
         try:
-            self._opening.set_result(_tcp_store(self.launch.bind))
+            self._opening.set_result(open_store(self.launch.bind))
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting conductor, raised there
             self._opening.set_exception(exc)
 
@@ -244,13 +245,6 @@ def wait_store_opened(timeout_s: float) -> None:
     for thread in threading.enumerate():
         if thread.name == STORE_THREAD:
             thread.join(timeout_s)
-
-
-def _tcp_store(bind: str) -> Any:
-    """The ranks' rendezvous; it survives membership generations (each gets a key prefix)."""
-    import torch.distributed as dist
-
-    return dist.TCPStore(bind, 0, is_master=True, wait_for_workers=False)
 
 
 def _lift_fd_limit() -> int:

@@ -15,9 +15,19 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from ..config import env as flodl_env
 from .proc import die_with_parent
+
+
+def open_store(bind: str) -> Any:
+    """The ranks' rendezvous, a torch ``TCPStore`` on ``bind`` (a free port); it survives
+    membership generations (each gets a key prefix). The controller's fallback opens it the
+    same way (``controller/plane.py``)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(bind, 0, is_master=True, wait_for_workers=False)
 
 
 def write_port(path: str, port: int) -> None:
@@ -35,9 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     path, bind = args
     die_with_parent(flodl_env.parent_pid())
     try:
-        import torch.distributed as dist
-
-        store = dist.TCPStore(bind, 0, is_master=True, wait_for_workers=False)
+        store = open_store(bind)
     except Exception as exc:  # noqa: BLE001 - the controller opens its own store then
         print(f"flodl: the worker could not open the run's store on {bind}: {exc}", file=sys.stderr)
         write_port(path, 0)
