@@ -27,6 +27,7 @@ are recorded and resolved as in training (one group per ~50 ms or 64 steps).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -49,12 +50,25 @@ def _dataset(n: int, device: str) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x.to(device), x[:, 0].gt(0).long().to(device))
 
 
-def plain_us(n: int, device: str) -> float:
-    """Microseconds a step of the hand-written loop around a no-op step."""
+def _mlp(width: int, device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The real step's model and optimizer (``--width``): the same initial weights on both sides."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 2)
+    ).to(device)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def plain_us(n: int, device: str, width: int = 0) -> float:
+    """Microseconds a step of the hand-written loop around a no-op step (``width``: a real MLP step)."""
     ds = _dataset(n, device)
     x_all, y_all = ds.tensors
     zero = torch.zeros((), device=device)
     model, loss_fn = torch.nn.Identity(), lambda out, y: zero
+    opt = None
+    if width:
+        model, opt = _mlp(width, device)
+        loss_fn = torch.nn.functional.cross_entropy
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(1)).to(device)
     steps = 0
     if device == "cuda":
@@ -64,6 +78,10 @@ def plain_us(n: int, device: str) -> float:
         idx = perm[i : i + BATCH]
         x, y = x_all[idx], y_all[idx]
         loss = loss_fn(model(x), y)  # the user's step: nothing past the call
+        if opt is not None:  # a real step
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
         steps += 1
         if steps % 100 == 0:
             loss.item()
@@ -71,8 +89,9 @@ def plain_us(n: int, device: str) -> float:
     return (time.perf_counter() - start) / steps * 1e6
 
 
-def flodl_us(n: int, device: str) -> float:
-    """Microseconds a step of the rank's batch loop around a no-op step (one window of ``n`` samples)."""
+def flodl_us(n: int, device: str, width: int = 0) -> float:
+    """Microseconds a step of the rank's batch loop around a no-op step (one window of ``n`` samples;
+    ``width``: around the real MLP step, the rank's own ``_train_batch``)."""
     from flodl.config.env import RankEnv
     from flodl.rank.collective import CollectiveAverager
     from flodl.rank.data import BatchSource
@@ -102,8 +121,12 @@ def flodl_us(n: int, device: str) -> float:
             batch_size=BATCH,
             loss_fn=lambda out, y: zero,
         )
-        runner.model = runner.task.model().to(device)
-        runner.optimizer = runner.task.optimizer(runner.model)
+        if width:
+            runner.model, runner.optimizer = _mlp(width, device)
+            runner.task = dataclasses.replace(runner.task, loss_fn=torch.nn.functional.cross_entropy)
+        else:
+            runner.model = runner.task.model().to(device)
+            runner.optimizer = runner.task.optimizer(runner.model)
         runner.lr = LrState(runner.optimizer, 1.0, None)
         runner.averager = CollectiveAverager(None, None)  # one rank: the average is the identity
         runner.world_size = 1
@@ -112,7 +135,8 @@ def flodl_us(n: int, device: str) -> float:
             source.place_on(runner.device)  # as the VRAM pool does after the first step
         # flodl's part of a step kept (the batch to the model, the hook between backward and the
         # optimizer step); the user's model, loss, backward and optimizer step: nothing
-        runner._train_batch = lambda batch: (runner._forward(batch), runner._grads_ready())[0]  # type: ignore[method-assign]
+        if not width:
+            runner._train_batch = lambda batch: (runner._forward(batch), runner._grads_ready())[0]  # type: ignore[method-assign]
         runner._run_rounds([[0, 0, 2 * BATCH]], rounds=1, sync_every=0)  # warm-up: the first step is timed alone
         start = time.perf_counter()
         stats = runner._run_rounds([[1, 0, n]], rounds=1, sync_every=0)
@@ -133,6 +157,13 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--batches", type=int, default=None, help="batches a repetition (default 20000, --quick 5000)")
     parser.add_argument("--reps", type=int, default=None, help="alternating repetitions of each side (default 7, --quick 5)")
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=0,
+        help="a real step instead of the no-op: an MLP 32-W-W-2 trained by SGD on both sides (flodl's own _train_batch); "
+        "the result is then also flodl / plain throughput in one process",
+    )
     parser.add_argument("--name", default=None, help="results file name (default step_cost, step_cost_gpu on cuda)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -141,22 +172,32 @@ def main(argv: list[str] | None = None) -> Path:
     reps = args.reps or (2 if args.smoke else 5 if args.quick else 7)
     plain, flodl = [], []
     for rep in range(reps):
-        plain.append(plain_us(n, args.device))
-        flodl.append(flodl_us(n, args.device))
+        plain.append(plain_us(n, args.device, args.width))
+        flodl.append(flodl_us(n, args.device, args.width))
         print(f"rep {rep + 1}/{reps}: plain {plain[-1]:.1f} µs/step, flodl {flodl[-1]:.1f} µs/step", flush=True)
     cost = min(flodl) - min(plain)
-    case = f"no-op step, {args.device}, batch {BATCH}, {n // BATCH} batches"
+    step = f"MLP width {args.width} step" if args.width else "no-op step"
+    case = f"{step}, {args.device}, batch {BATCH}, {n // BATCH} batches"
     rows = [
         Row(case, "plain loop, per step (best)", min(plain), "µs"),
         Row(case, "flodl's rank loop, per step (best)", min(flodl), "µs"),
         Row(case, "flodl's own cost per step", cost, "µs", goal=f"< {GOAL_US:g} µs", met=cost < GOAL_US),
         Row(case, "flodl's own cost per step (medians)", sorted(flodl)[reps // 2] - sorted(plain)[reps // 2], "µs"),
     ]
+    if args.width:  # a real step: what that cost is of it
+        ratio = 100.0 * sorted(plain)[reps // 2] / sorted(flodl)[reps // 2]
+        rows.append(Row(case, "flodl / plain throughput (medians)", ratio, "%", goal=">= 97%", met=ratio >= 97.0))
     note = (
-        f"best of {reps} alternating repetitions in one process; the user's step returns a constant loss on both sides; "
-        "flodl: RankRunner._run_rounds, one window, one rank, link not started"
+        f"best of {reps} alternating repetitions in one process; "
+        + (
+            f"a real step on both sides (MLP 32-{args.width}-{args.width}-2, SGD); "
+            if args.width
+            else "the user's step returns a constant loss on both sides; "
+        )
+        + "flodl: RankRunner._run_rounds, one window, one rank, link not started"
     )
-    name = args.name or ("step_cost_gpu" if args.device == "cuda" else "step_cost")
+    name = args.name or ("step_cost_gpu" if args.device == "cuda" else "step_cost") + (f"_w{args.width}" if args.width else "")
+
     return report(name, rows, note=note, results=smoke_results() if args.smoke else None)
 
 

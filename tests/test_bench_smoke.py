@@ -4,7 +4,7 @@ Each bench's ``--smoke`` runs its whole path at toy sizes in seconds (the
 control plane: a controller, a simulated worker joining and training one window,
 round trips to it and to the bare pyzmq echoes; the overhead: one plain loop and
 one real flodl run (and once more in script mode, ``--script``); step_cost: 200 no-op steps
-of the rank's batch loop in process and of a plain loop, twice; scale: the real controller driving 16 simulated ranks
+of the rank's batch loop in process and of a plain loop, twice, and around a real MLP step (``--width``); scale: the real controller driving 16 simulated ranks
 through a death and a join, timed at its ``ControllerHooks``; hetero: a solo,
 two solo runs side by side (the ideal) and one 2:1 cadence run through the CLI, about 25 s; cpu_avg: one 1 MB averaging
 round of 2 rank processes against gloo, on each lane, about 15 s; startup: one
@@ -84,6 +84,13 @@ def test_step_cost_bench_runs(tmp_path, proc_env):
     values = {r["metric"]: r for r in out["rows"]}
     assert values["plain loop, per step (best)"]["value"] > 0 and values["flodl's rank loop, per step (best)"]["value"] > 0
     assert values["flodl's own cost per step"]["goal"] == "< 20 µs"
+
+
+def test_step_cost_bench_runs_around_a_real_step(tmp_path, proc_env):
+    out = run_smoke("step_cost.py", "step_cost_w64", tmp_path, proc_env, extra=("--width", "64"))
+    values = {r["metric"]: r for r in out["rows"]}
+    assert out["rows"][0]["case"].startswith("MLP width 64 step")
+    assert values["flodl / plain throughput (medians)"]["value"] > 0
 
 
 def test_avg_stream_bench_runs(tmp_path, proc_env):

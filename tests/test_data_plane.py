@@ -88,6 +88,42 @@ def test_dispatch_over_split_augmented_epochs_trains_each_sample_exactly_k_times
     assert seen == {i: 2 * 2 for i in range(n)}
 
 
+@pytest.mark.parametrize(
+    ("grants", "augment", "splits"),
+    [
+        ([[0, 0, 100]], 1, 1),  # one grant: runs of CHUNK_BATCHES batches, then a short batch
+        ([[0, 0, 30], [0, 30, 41], [1, 0, 7]], 1, 1),  # a batch cut across grants, then another epoch
+        ([[0, 0, 80], [1, 0, 80], [2, 0, 80], [3, 0, 21]], 2, 3),  # augmented passes split into epochs: a pass edge inside
+    ],
+)
+def test_in_memory_batches_gathered_in_chunks_are_the_per_batch_paths_exactly(grants, augment, splits):
+    """The training loop's in-memory path (``places=False``) gathers runs of batches at once
+    (``_chunked``): every batch, its epoch and its sample count must be those of the per-batch path."""
+    n = 120
+    ds = TensorDataset(torch.randn(n, 5), torch.arange(n))
+    schedule = Schedule(n, augment, splits, 2)
+    source = BatchSource(ds, 4, seed=3, schedule=schedule)
+    per_batch = [(epoch, len(picks), batch) for epoch, picks, batch in source.window_batches(grants)]
+    chunked = list(source.window_batches(grants, places=False))
+    assert [(e, k) for e, k, _ in chunked] == [(e, k) for e, k, _ in per_batch]
+    for (_, _, (x, y)), (_, _, (px, py)) in zip(chunked, per_batch, strict=True):
+        assert torch.equal(x, px) and torch.equal(y, py)
+    # consecutive batches of one grant share one gather (views of one tensor): fewer gathers than batches
+    storages = {x.untyped_storage().data_ptr() for _, _, (x, _) in chunked}
+    assert len(storages) < len(chunked)
+
+
+def test_a_chunk_holds_at_most_chunk_bytes_of_samples(monkeypatch):
+    import flodl.rank.data as data
+
+    monkeypatch.setattr(data, "CHUNK_BYTES", 4 * 4 * 8 * 3)  # three batches of 4 rows of 8 floats (and the 4-byte label)
+    ds = TensorDataset(torch.randn(64, 8), torch.zeros(64, dtype=torch.int32))
+    source = BatchSource(ds, 4, seed=1)
+    assert source._chunk_batches() == 2  # 144 bytes a batch: 384 // 144
+    sizes = Counter(x.untyped_storage().data_ptr() for _, _, (x, _) in source.window_batches([[0, 0, 64]], places=False))
+    assert max(sizes.values()) == 2
+
+
 # ----------------------------------------------------------------- transform
 
 

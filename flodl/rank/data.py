@@ -54,6 +54,10 @@ Transform = Callable[[Any, list[PickKey]], Any]
 
 #: Threads reading one batch's samples in parallel through the staging tiers.
 READERS = 8
+#: In-memory batches gathered by one kernel per tensor (``BatchSource._chunked``) ...
+CHUNK_BATCHES = 16
+#: ... holding at most this many bytes of samples.
+CHUNK_BYTES = 64 << 20
 
 
 class PassShuffles:
@@ -155,8 +159,52 @@ class BatchSource:
     def window_batches(self, grants: list[list[int]], *, places: bool = True) -> Iterator[tuple[int, torch.Tensor | int, Any]]:
         """Yield ``(epoch, picks, batch)`` over ``[epoch, start, size]`` grants in order (``_plan``).
         ``places=False``: picks may be their count alone, where nothing needs the places (``_emit``)."""
+        if self._tensors is not None and not places and self._as_stored:
+            yield from self._chunked(grants)
+            return
         for epoch, pass_index, spans in self._plan(grants):
             yield (epoch, *self._emit(pass_index, spans, places))
+
+    def _chunked(self, grants: list[list[int]]) -> Iterator[tuple[int, int, Any]]:
+        """In-memory batches, each run of consecutive ones gathered at once: ``(epoch, count, batch)``.
+
+        Consecutive batches of one grant are one contiguous span of the pass's shuffle, so up to
+        ``CHUNK_BATCHES`` of them (``CHUNK_BYTES`` at most) are one slice and one gather per
+        tensor, and each batch a view of that (a slice, no kernel). A per-batch gather is a
+        kernel launch per tensor and step, which at ~1 ms host-bound GPU steps is a few percent
+        of the step. The batches and their order are exactly the per-batch path's; a window that
+        ends inside a chunk leaves its rest gathered and untrained (never counted: only what
+        training takes is)."""
+        limit = self._chunk_batches()
+        run: list[tuple[int, int, int]] = []  # (epoch, place in the pass's shuffle, count) of the run's batches
+        run_pass = -1
+        for epoch, pass_index, spans in self._plan(grants):
+            single = len(spans) == 1
+            if run and (not single or pass_index != run_pass or spans[0][0] != run[-1][1] + run[-1][2] or len(run) >= limit):
+                yield from self._gathered(run_pass, run)
+                run = []
+            if not single:  # a batch cut across two grants: gathered on its own
+                yield epoch, sum(n for _, n in spans), self._emit(pass_index, spans, places=False)[1]
+                continue
+            run_pass = pass_index
+            run.append((epoch, *spans[0]))
+        if run:
+            yield from self._gathered(run_pass, run)
+
+    def _gathered(self, pass_index: int, run: list[tuple[int, int, int]]) -> Iterator[tuple[int, int, Any]]:
+        """The batches of one contiguous ``run`` of ``(epoch, at, count)``: one gather, then views."""
+        at, total = run[0][1], sum(n for _, _, n in run)
+        idx = self._index_shuffle(pass_index)[at : at + total]
+        whole = [t[idx] for t in self._tensors or ()]
+        offset = 0
+        for epoch, _, n in run:
+            yield epoch, n, tuple(t[offset : offset + n] for t in whole)
+            offset += n
+
+    def _chunk_batches(self) -> int:
+        """How many batches one gather may take: ``CHUNK_BATCHES``, fewer for big samples."""
+        row = sum(t[0].numel() * t.element_size() for t in self._tensors or ()) if self.length else 0
+        return max(1, min(CHUNK_BATCHES, CHUNK_BYTES // max(1, row * self.batch_size)))
 
     def _plan(self, grants: list[list[int]]) -> Iterator[tuple[int, int, list[tuple[int, int]]]]:
         """``(epoch, pass_index, spans)`` of each batch of the grants, in order.
