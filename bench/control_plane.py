@@ -23,7 +23,10 @@ and I/O thread); and, to say where flodl's excess goes, the same echo on the
 controller's event loop through flodl's ``AsyncSocket`` (no codec). Taking
 the three in turns (a fresh random order each turn) makes the machine's drift hit all
 three alike: on a small shared VM the same echo swings between 40 and 200 µs
-from one minute to the next.
+from one minute to the next. A fourth series splits flodl's excess: the same
+Ping signed before the clock starts (on a connection of its own) and its Pong
+taken unread, as the echoes are, is the controller's share; the rest of the
+round trip is the rank's (signing the Ping, verifying the Pong).
 
 Goals (issues 2, 22): ≥ 50,000 frames/s ingested; round trip p50 ≤ bare pyzmq p50 + 10 µs.
 ``--smoke`` runs the whole path with tiny sizes (seconds) and writes its JSON
@@ -63,6 +66,8 @@ SECRET = bytes.fromhex(os.environ.setdefault("FLODL_BENCH_SECRET", os.urandom(32
 RUN = "bench-run"
 VERSIONS = {"flodl": __version__, "protocol": str(PROTOCOL_VERSION)}
 WORKER = "worker.bench"
+#: The sender of the Pings signed ahead (the controller's share of a round trip, ``_round_trips``).
+PRESIGNED = "bench.presigned"
 #: Round trips dropped at the start of every series (connection set-up, first-call caches).
 WARMUP_PINGS = 50
 #: A bench process never waits longer than this for one reply.
@@ -124,7 +129,7 @@ def sim_worker(addr: str, bare_addrs: dict[str, str], nranks: int, frames: int, 
     wwriter = FrameWriter(SECRET, RUN, WORKER)
     wsock.send(wwriter.encode(m.WorkerHello(host="bench", pid=os.getpid(), devices=["cpu"] * nranks, versions=VERSIONS)))
     welcome = _recv(wsock, reader, m.WorkerWelcome, timeout_ms=wait_ms)
-    rtts = _round_trips(ctx, wsock, wwriter, reader, bare_addrs, pings)  # before any load
+    rtts = _round_trips(ctx, wsock, addr, wwriter, reader, bare_addrs, pings)  # before any load
     ranks = []
     for r in welcome.ranks:
         sock = make_dealer(ctx, addr)
@@ -192,7 +197,7 @@ def sim_worker(addr: str, bare_addrs: dict[str, str], nranks: int, frames: int, 
 
 
 def _round_trips(
-    ctx: zmq.Context, wsock: zmq.Socket, writer: FrameWriter, reader: FrameReader, bare_addrs: dict[str, str], pings: int
+    ctx: zmq.Context, wsock: zmq.Socket, addr: str, writer: FrameWriter, reader: FrameReader, bare_addrs: dict[str, str], pings: int
 ) -> dict[str, list[float]]:
     """µs of one-at-a-time round trips to the controller and to each bare echo, taken in turns
     (in a fresh random order each turn: a fixed cyclic order put flodl always right after the
@@ -201,7 +206,12 @@ def _round_trips(
     are dropped."""
     ping_len, _ = frame_sizes()
     frame = os.urandom(ping_len)
-    targets = [("flodl", wsock)] + [(name, make_dealer(ctx, a)) for name, a in bare_addrs.items()]
+    # the controller's share alone: Pings signed before the clock starts (by a sender of their own,
+    # on a connection of their own) and the Pong taken unread, as the bare echoes are
+    ahead = FrameWriter(SECRET, RUN, PRESIGNED)
+    signed = [ahead.encode(m.Ping(i, 0.0)) for i in range(WARMUP_PINGS + pings)]
+    server = make_dealer(ctx, addr)
+    targets = [("flodl", wsock), ("server", server)] + [(name, make_dealer(ctx, a)) for name, a in bare_addrs.items()]
     rtts: dict[str, list[float]] = {name: [] for name, _ in targets}
     for _, sock in targets:
         sock.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
@@ -215,6 +225,10 @@ def _round_trips(
                     env = reader.read(sock.recv())
                     if env is not None and isinstance(env.msg, m.Pong):
                         break
+            elif sock is server:
+                t0 = time.perf_counter()
+                sock.send(signed[i])
+                sock.recv()
             else:
                 t0 = time.perf_counter()
                 sock.send(frame)
@@ -222,7 +236,7 @@ def _round_trips(
             if i >= WARMUP_PINGS:
                 rtts[name].append((time.perf_counter() - t0) * 1e6)
     wsock.setsockopt(zmq.RCVTIMEO, -1)
-    for _, sock in targets[1:]:
+    for _, sock in targets[1:]:  # all but the worker's own
         sock.close(linger=0)
     return rtts
 
@@ -320,7 +334,7 @@ def main(argv: list[str] | None = None) -> Path:
     else:
         frames, pings, reps, cases, wait_s = 200_000, 5_000, 3, (8, 32, 128), 120.0  # this kind of VM is noisy: report medians
     rows: list[Row] = []
-    rtts: dict[str, list[float]] = {"flodl": [], "bare": [], "loop": []}
+    rtts: dict[str, list[float]] = {"flodl": [], "server": [], "bare": [], "loop": []}
     for n in cases:
         runs = []
         for _ in range(reps):
@@ -340,6 +354,11 @@ def main(argv: list[str] | None = None) -> Path:
     rows.append(Row(case, "p99", _p(flodl_rtts, 0.99), "µs"))
     rows.append(Row(case, "p50 over bare pyzmq", p50 - bare50, "µs", "≤ 10 µs", p50 - bare50 <= 10))
     rows.append(Row(case, "p50 over the event-loop echo", p50 - loop50, "µs"))  # the codec and the dispatch alone
+    # split at the rank: the same round trip with the Ping signed ahead and the Pong unread
+    server50 = _p(rtts["server"], 0.5)
+    rows.append(Row(case, "p50, rank's codec excluded (Ping signed ahead, Pong unread)", server50, "µs"))
+    rows.append(Row(case, "controller's share over the event-loop echo (p50)", server50 - loop50, "µs"))
+    rows.append(Row(case, "rank's share: signing the Ping, verifying the Pong (p50)", p50 - server50, "µs"))
     rows.append(Row("bare pyzmq DEALER→ROUTER echo", "p50", bare50, "µs"))
     rows.append(Row("bare pyzmq DEALER→ROUTER echo", "p99", _p(bare, 0.99), "µs"))
     rows.append(Row("bare echo on the event loop (AsyncSocket)", "p50", loop50, "µs"))
