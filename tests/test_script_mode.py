@@ -68,7 +68,11 @@ def test_a_script_trains_on_two_ranks(proc_env, tmp_path, mode):
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r, record in enumerate(ranks):
         assert record["env"] == {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2"}
-        assert record["epochs"] == list(range(EPOCHS)) and record["world_size"] == 2
+        # run.epochs() yields the epochs this rank trains in, in order: under load a slow rank may be
+        # granted none of a short epoch (32 batches here), which the other then trains whole
+        assert record["epochs"] == sorted(set(record["epochs"])) and set(record["epochs"]) <= set(range(EPOCHS))
+        assert record["world_size"] == 2
+    assert set().union(*(r["epochs"] for r in ranks)) == set(range(EPOCHS))
     assert sum(r["steps"] for r in ranks) == EPOCHS * 512 // 16  # the loops trained every granted batch, once
     if mode == "nccl-cadence":  # the last average lands before the script's loop ends: equal replicas
         assert ranks[0]["weights"] == ranks[1]["weights"]
