@@ -197,7 +197,6 @@ def main(argv: list[str] | None = None) -> Path:
         + "flodl: RankRunner._run_rounds, one window, one rank, link not started"
     )
     name = args.name or ("step_cost_gpu" if args.device == "cuda" else "step_cost") + (f"_w{args.width}" if args.width else "")
-
     return report(name, rows, note=note, results=smoke_results() if args.smoke else None)
 
 

@@ -193,9 +193,7 @@ class BatchSource:
 
     def _gathered(self, pass_index: int, run: list[tuple[int, int, int]]) -> Iterator[tuple[int, int, Any]]:
         """The batches of one contiguous ``run`` of ``(epoch, at, count)``: one gather, then views."""
-        at, total = run[0][1], sum(n for _, _, n in run)
-        idx = self._index_shuffle(pass_index)[at : at + total]
-        whole = [t[idx] for t in self._tensors or ()]
+        _, whole = self._emit(pass_index, [(run[0][1], sum(n for _, _, n in run))], places=False)  # the per-batch gather, once
         offset = 0
         for epoch, _, n in run:
             yield epoch, n, tuple(t[offset : offset + n] for t in whole)
