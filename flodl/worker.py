@@ -53,6 +53,7 @@ from .config.env import (
     request_encryption,
     strict,
     zygote_enabled,
+    zygote_server,
 )
 from .config.joinfile import read_join_file
 from .errors import EXIT_CONFIG, EXIT_CONTROLLER_LOST, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, ConfigError
@@ -241,8 +242,12 @@ class Worker:
                 host=host_name(), pid=os.getpid(), devices=self.devices, versions={"flodl": __version__, "protocol": str(PROTOCOL_VERSION)}
             )
         )
-        if zygote_enabled():  # it imports torch while the controller answers
-            self.zygote = await Zygote.start(devnull_stdin=self.watch_stdin)
+        if zygote_enabled():  # it imports torch while the controller answers (a server's has already)
+            server = zygote_server()
+            if server:
+                self.zygote = await Zygote.connect(server, devnull_stdin=self.watch_stdin)
+            if self.zygote is None:
+                self.zygote = await Zygote.start(devnull_stdin=self.watch_stdin)
         store = local_store_request()
         if store is not None:  # before any rank: the zygote forks in the order asked
             self.store_task = tg.create_task(self._host_store(*store))

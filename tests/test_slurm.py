@@ -50,6 +50,7 @@ def submit(slurm: SlurmCluster, tmp_path: Path, *, epochs: int, hold: Path | Non
         "PYTHON": PY,
         "FLODL_ARGS": flodl_args,
     }
+    env.pop("FLODL_ZYGOTE_SERVER", None)  # a job's processes are Slurm's: each worker its own zygote, as on a cluster
     if hold is not None:  # steps sleep 0.2 s until the file exists: the run outlasts what the test does
         env |= {"FLODL_TEST_HOLD_FILE": str(hold), "FLODL_TEST_HOLD_SLEEP": "0.2"}
     # --gpus-per-node=0 overrides the recipe's GPU request: this node has no GRES

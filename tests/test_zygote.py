@@ -23,6 +23,13 @@ from flodl.host.zygote import Zygote
 from .conftest import PY, task_spec
 from .helpers.procs import Run, assert_all_gone, is_rank, runs_module
 
+
+@pytest.fixture(autouse=True)
+def _own_zygote(monkeypatch):
+    """These tests are about a worker's own zygote: not the suite's shared server (conftest.py)."""
+    monkeypatch.delenv("FLODL_ZYGOTE_SERVER", raising=False)
+
+
 #: Only a cap: close() returns as soon as the zygote has exited, so a slow machine costs no failure.
 CLOSE_GRACE_S = 60.0
 

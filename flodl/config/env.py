@@ -10,7 +10,7 @@ what a variable means, its default and what it accepts are written once
   a host).
 * **Switches** a user or a benchmark sets: ``FLODL_ENCRYPT``,
   ``FLODL_BULK_RELAY``, ``FLODL_SHM``, ``FLODL_SHM_DIR``, ``FLODL_VRAM_POOL``,
-  ``FLODL_BULK_SLICE_BYTES``, ``FLODL_ZYGOTE``. On/off switches share one vocabulary
+  ``FLODL_BULK_SLICE_BYTES``, ``FLODL_ZYGOTE``, ``FLODL_ZYGOTE_SERVER``. On/off switches share one vocabulary
   (``_switch``).
 * **Simulation, fault injection and strictness** for tests and benchmarks
   only: ``FLODL_SIMULATE_*``, ``FLODL_INJECT_FAULT``, ``FLODL_STRICT``.
@@ -58,6 +58,7 @@ SHM_DIR = "FLODL_SHM_DIR"  # where shared-memory segments live (default /dev/shm
 VRAM_POOL = "FLODL_VRAM_POOL"  # on (default) | off: kill-switch of the data plane's VRAM pool
 BULK_SLICE_BYTES = "FLODL_BULK_SLICE_BYTES"  # a model travels in slices of at most this many bytes (tuning)
 ZYGOTE = "FLODL_ZYGOTE"  # on (default) | off: a worker forks its ranks from a pre-imported process, else execs each
+ZYGOTE_SERVER = "FLODL_ZYGOTE_SERVER"  # a Unix socket: a zygote server shared by this host's workers (rank/zygote.py --serve)
 # controller -> its embedded worker only: open the run's TCPStore in a process the zygote forks (torch is
 # imported there already, so the controller need not import it) and write its port to this file ("0": could not)
 STORE_FILE = "FLODL_STORE_FILE"
@@ -321,6 +322,12 @@ def zygote_enabled() -> bool:
     """``FLODL_ZYGOTE``: a worker forks its ranks from one pre-imported process (default on);
     ``off`` starts each rank as a fresh interpreter (host/zygote.py)."""
     return _switch(ZYGOTE, True)
+
+
+def zygote_server() -> str:
+    """``FLODL_ZYGOTE_SERVER``: the socket of a zygote server a worker forks its ranks from instead of
+    starting its own ("" when unset; host/zygote.py ``Zygote.connect``)."""
+    return os.environ.get(ZYGOTE_SERVER, "")
 
 
 def zygote_environ() -> None:

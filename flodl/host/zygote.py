@@ -11,6 +11,12 @@ not one it runs): the worker then starts that rank by exec, as without a zygote.
 
 A zygote that dies with children leaves them to their PDEATHSIG; their handles
 complete once each process is gone (``-SIGKILL``: the status died with the zygote).
+
+``Zygote.connect`` uses a zygote server instead (``FLODL_ZYGOTE_SERVER``, started
+with ``server_command``): one process for every worker of the host, already
+imported, so a worker's ranks start without any import of their own. It hands
+the server its stdio and checks the server's user and namespaces first (a
+worker in another network namespace, a test's separate host, starts its own).
 """
 
 from __future__ import annotations
@@ -26,12 +32,14 @@ import socket
 import sys
 from typing import Any
 
-from ..config.env import PARENT_PID, ZYGOTE_ROOM, child_environ
+from ..config.env import PARENT_PID, ZYGOTE_ROOM, ZYGOTE_SERVER, child_environ, environ_copy
 
 log = logging.getLogger(__name__)
 
 #: Bytes of the zygote's command line and environment that a forked rank's own may take in /proc.
 TITLE_ROOM, ENVIRON_ROOM = 400, 8192
+#: How long a worker waits to reach a zygote server and hear it ready.
+CONNECT_TIMEOUT_S = 10.0
 #: How long a child the zygote left behind may take to go before its handle completes anyway.
 ORPHAN_WAIT_S = 30.0
 
@@ -70,15 +78,17 @@ class ForkedChild:
 class Zygote:
     """One worker's fork server: a process, the socket to it, and the children it reported."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.proc = proc
-        self.pid = proc.pid
+    def __init__(
+        self, proc: asyncio.subprocess.Process | None, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pid: int = 0
+    ) -> None:
+        self.proc = proc  # None: a server's session (``connect``), not a process of ours
+        self.pid = proc.pid if proc is not None else pid
         self._reader = reader
         self._writer = writer
         self._replies: collections.deque[asyncio.Future[ForkedChild | None]] = collections.deque()
         self._children: dict[int, ForkedChild] = {}
         self._gone = False
-        self._ready = False  # imported and serving: it reads the socket, so end-of-file ends it
+        self._ready = proc is None  # imported and serving: it reads the socket, so end-of-file ends it
         self._said_why = False
         self._listener = asyncio.get_running_loop().create_task(self._listen())
 
@@ -112,6 +122,38 @@ class Zygote:
             theirs.close()
         return cls(proc, reader, writer)
 
+    @classmethod
+    async def connect(cls, path: str, *, devnull_stdin: bool) -> Zygote | None:
+        """A session with the zygote server at ``path`` (``FLODL_ZYGOTE_SERVER``): its ranks are
+        forked already imported, with this worker's stdio. None (logged) when there is none to
+        reach, or it would fork ranks into other namespaces or as another user: the worker then
+        starts a zygote of its own."""
+        if not sys.platform.startswith("linux"):
+            return None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        stdin = os.open(os.devnull, os.O_RDONLY) if devnull_stdin else 0
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                await asyncio.get_running_loop().sock_connect(sock, path)
+                socket.send_fds(sock, [b'{"hello": 1}\n'], [stdin, 1, 2])  # a few bytes into an empty buffer
+                reader, writer = await asyncio.open_unix_connection(sock=sock)
+                ready = json.loads(await reader.readline() or b"{}")
+        except (OSError, TimeoutError, ValueError) as exc:
+            sock.close()
+            log.info("zygote server %s not usable (%s): this worker starts its own", path, exc or type(exc).__name__)
+            return None
+        finally:
+            if stdin != 0:
+                os.close(stdin)
+        mismatch = _mismatch(ready)
+        if mismatch:
+            writer.close()
+            log.info("zygote server %s not used (%s): this worker starts its own", path, mismatch)
+            return None
+        log.info("ranks fork from the zygote server %s (pid %d)", path, ready["ready"])
+        return cls(None, reader, writer, pid=int(ready["ready"]))
+
     async def spawn(self, argv: list[str], env: dict[str, str]) -> ForkedChild | None:
         """Fork a rank running ``argv`` with ``env``; None (said once) when the worker must exec it."""
         if self._gone:
@@ -130,7 +172,8 @@ class Zygote:
             log.warning("the zygote's socket failed: %s", exc)
         if not self._gone:  # not closed by us: it died
             self._gone = True
-            self._why(f"the zygote ended, exit code {await self.proc.wait()}", logging.WARNING)
+            ended = f"exit code {await self.proc.wait()}" if self.proc is not None else "the server closed our session"
+            self._why(f"the zygote ended, {ended}", logging.WARNING)
         while self._replies:
             _settle(self._replies.popleft(), None)
         await asyncio.gather(*(self._orphaned(child) for child in self._children.values() if child.returncode is None))
@@ -168,6 +211,13 @@ class Zygote:
         SIGTERMed: a refused worker must not wait for torch's import); SIGKILL it after ``grace_s``."""
         self._gone = True
         self._writer.close()
+        if self.proc is None:  # a server's session: it ends ours (and SIGTERMs what we left) on end-of-file
+            try:
+                async with asyncio.timeout(grace_s):
+                    await asyncio.shield(self._listener)
+            except TimeoutError:
+                self._listener.cancel()
+            return
         if not self._ready:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.terminate()
@@ -179,6 +229,34 @@ class Zygote:
                 self.proc.kill()
             await self.proc.wait()
         await self._listener
+
+
+def _mismatch(ready: dict[str, Any]) -> str:
+    """Why a server's ranks would not be this worker's (another user, other namespaces); "" if they would."""
+    from ..rank.zygote import namespaces, startup_settings  # no torch there at import: preimport() imports it
+
+    if "ready" not in ready:
+        return "no ready line"
+    if ready.get("uid") != os.getuid():
+        return f"it runs as uid {ready.get('uid')}"
+    theirs, ours = ready.get("namespaces", {}), namespaces()
+    different = [kind for kind in ours if theirs.get(kind) != ours[kind]]
+    if different:
+        return f"other {', '.join(different)} namespaces"
+    theirs, ours = ready.get("startup", {}), startup_settings(environ_copy())
+    different = sorted(k for k in {*theirs, *ours} if theirs.get(k) != ours.get(k))
+    return f"other interpreter settings ({', '.join(different)})" if different else ""
+
+
+def server_command(path: str, parent: int = 0) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that start a zygote server at ``path`` (with the padding
+    its forked ranks rewrite their ``/proc`` command line and environment into); ``parent``: a
+    process it must not outlive."""
+    argv = [sys.executable, "-m", "flodl.rank.zygote", "--serve", path, "--title-room", " " * TITLE_ROOM]
+    extra = {ZYGOTE_ROOM: " " * ENVIRON_ROOM, **({PARENT_PID: str(parent)} if parent else {})}
+    env = child_environ(extra)
+    env.pop(ZYGOTE_SERVER, None)
+    return argv, env
 
 
 def _settle(reply: asyncio.Future[ForkedChild | None], child: ForkedChild | None) -> None:

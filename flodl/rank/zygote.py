@@ -13,6 +13,15 @@ by ``{"pid": N}`` or ``{"error": REASON}`` (the worker then starts that rank
 by exec); and ``{"exit": PID, "code": C}`` reports a child's end as asyncio
 would (negative: killed by that signal).
 
+A server (``--serve PATH``, named to workers by ``FLODL_ZYGOTE_SERVER``) is
+the same loop for every worker of the host that connects: it imports once for
+many runs (a test suite, a sweep of short runs). A worker hands it its stdin,
+stdout and stderr with its hello (``SCM_RIGHTS``), so its ranks' output goes
+where a rank of its own zygote's would; the server answers ``{"ready": PID,
+"namespaces": ..., "uid": ...}`` and the worker uses it only from the same
+namespaces and user (host/zygote.py). A session's end (its worker finished
+or was killed) SIGTERMs the children it still has, as their PDEATHSIG would.
+
 What keeps a fork the same as a fresh ``python -m flodl.rank`` (or ``python
 SCRIPT ARGS``): the zygote starts no thread (it checks ``/proc/self/task``
 before each fork and declines with threads), no event loop, no ZeroMQ context,
@@ -31,6 +40,7 @@ import argparse
 import atexit
 import contextlib
 import gc
+import io
 import json
 import os
 import runpy
@@ -38,6 +48,7 @@ import select
 import signal
 import socket
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -64,43 +75,148 @@ def preimport() -> str:
     return ""
 
 
+#: How long a server lets a closed session's children go on SIGTERM before it SIGKILLs them.
+ORPHAN_KILL_S = 10.0
+
+
 def threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-class Zygote:
-    """The fork server's loop: requests in, forks and exit codes out, on one socket."""
+class Session:
+    """One worker's connection: its socket, the bytes not read as a line yet, the stdio it handed
+    over (a server's sessions: the forked ranks write where the worker's output goes), its children."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.wake_r, self.wake_w = os.pipe()
         self.buf = b""
-        self.unsafe = ""
+        self.stdio: list[int] = []  # stdin, stdout, stderr for its children (empty: the zygote's own)
+        self.children: set[int] = set()
 
     def send(self, obj: dict[str, Any]) -> None:
         self.sock.sendall(json.dumps(obj).encode() + b"\n")
 
+    def take_stdio(self, fds: list[int]) -> None:
+        for fd in self.stdio:
+            os.close(fd)
+        self.stdio = list(fds[:3])
+        for fd in fds[3:]:  # more than asked for: not ours to keep
+            os.close(fd)
+
+    def close(self) -> None:
+        self.take_stdio([])
+        self.sock.close()
+
+
+class Zygote:
+    """The fork server's loop: requests in, forks and exit codes out.
+
+    A worker's own zygote (``--fd``) serves the one socket it was started with and
+    exits when that closes: its children then get their PDEATHSIG. A server
+    (``--serve PATH``) accepts any number of workers of this host on a Unix
+    socket, each a session with its own stdio and children; a session that
+    closes (its worker finished or was killed) has its children SIGTERMed, as
+    the PDEATHSIG would, and SIGKILLed ``ORPHAN_KILL_S`` later if still there.
+    """
+
+    def __init__(self, sock: socket.socket | None = None, listener: socket.socket | None = None) -> None:
+        self.listener = listener
+        self.sessions: dict[int, Session] = {}  # socket fd -> session
+        self.owner: dict[int, Session] = {}  # child pid -> the session that asked for it
+        self.doomed: dict[int, float] = {}  # child pid -> when it is SIGKILLed (its session closed)
+        self.wake_r, self.wake_w = os.pipe()
+        self.unsafe = ""
+        self.first: Session | None = None
+        if sock is not None:
+            self.first = self.sessions[sock.fileno()] = Session(sock)
+
     def serve(self) -> int:
-        """Until the worker closes the socket (or dies: the PDEATHSIG ends this process)."""
+        """Until the worker closes the socket (a server: until SIGTERM or its parent's end)."""
         for fd in (self.wake_r, self.wake_w):
             os.set_blocking(fd, False)
         signal.set_wakeup_fd(self.wake_w)  # a SIGCHLD wakes the select below
         signal.signal(signal.SIGCHLD, lambda *_: None)
-        self.send({"ready": os.getpid()})
+        if self.first is not None:
+            self.first.send({"ready": os.getpid()})
         while True:
-            ready, _, _ = select.select([self.sock.fileno(), self.wake_r], [], [])
+            watched = [self.wake_r, *self.sessions]
+            if self.listener is not None:
+                watched.append(self.listener.fileno())
+            ready, _, _ = select.select(watched, [], [], self._until_kill())
             if self.wake_r in ready:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self.wake_r, 4096)
             self.reap()
-            if self.sock.fileno() in ready:
-                data = self.sock.recv(65536)
-                if not data:
-                    return 0  # the worker is done; children still alive get their PDEATHSIG
-                self.buf += data
-                while b"\n" in self.buf:
-                    line, self.buf = self.buf.split(b"\n", 1)
-                    self.send(self.spawn(json.loads(line)))
+            self._kill_overdue()
+            if self.listener is not None and self.listener.fileno() in ready:
+                self._accept()
+            for fd in ready:
+                session = self.sessions.get(fd)
+                if session is not None and not self._read(session):
+                    self._drop(session)
+                    if self.listener is None:
+                        return 0  # the worker is done; children still alive get their PDEATHSIG
+
+    def _accept(self) -> None:
+        assert self.listener is not None
+        try:
+            sock, _ = self.listener.accept()
+        except OSError:
+            return
+        session = self.sessions[sock.fileno()] = Session(sock)
+        try:  # what the worker checks: its ranks would live in this zygote's namespaces and settings, not its own
+            session.send({"ready": os.getpid(), "namespaces": namespaces(), "uid": os.getuid(), "startup": startup_settings(INHERITED)})
+        except OSError:
+            self._drop(session)
+
+    def _read(self, session: Session) -> bool:
+        """Take what ``session`` sent (and the stdio it passed); False at its end."""
+        try:
+            data, fds, _, _ = socket.recv_fds(session.sock, 65536, 3)
+        except OSError:
+            return False
+        if fds:
+            session.take_stdio(fds)
+        if not data:
+            return False
+        session.buf += data
+        while b"\n" in session.buf:
+            line, session.buf = session.buf.split(b"\n", 1)
+            try:
+                request = json.loads(line)
+            except ValueError:
+                return False  # not a worker speaking this protocol: the session ends
+            if "argv" not in request:
+                continue  # a server's hello: it carried the stdio
+            reply = self.spawn(request, session)
+            try:
+                session.send(reply)
+            except OSError:
+                return False
+        return True
+
+    def _drop(self, session: Session) -> None:
+        """A session ended: its socket and stdio closed; a server SIGTERMs its children still alive."""
+        self.sessions.pop(session.sock.fileno(), None)
+        session.close()
+        if self.listener is None:
+            return
+        deadline = time.monotonic() + ORPHAN_KILL_S
+        for pid in session.children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            self.doomed[pid] = deadline
+
+    def _until_kill(self) -> float | None:
+        return max(0.0, min(self.doomed.values()) - time.monotonic()) if self.doomed else None
+
+    def _kill_overdue(self) -> None:
+        now = time.monotonic()
+        for pid, deadline in list(self.doomed.items()):
+            if deadline <= now:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                del self.doomed[pid]
 
     def reap(self) -> None:
         while True:
@@ -110,9 +226,22 @@ class Zygote:
                 return
             if pid == 0:
                 return
-            self.send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+            self.doomed.pop(pid, None)
+            session = self.owner.pop(pid, None)
+            if session is None:
+                continue
+            session.children.discard(pid)
+            if session.sock.fileno() >= 0:
+                with contextlib.suppress(OSError):
+                    session.send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
-    def spawn(self, request: dict[str, Any]) -> dict[str, Any]:
+    def kill_all(self) -> None:
+        """A server stopping: every child it forked goes with it."""
+        for pid in list(self.owner):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def spawn(self, request: dict[str, Any], session: Session) -> dict[str, Any]:
         """Fork one child for ``request``; ``{"pid": N}``, or ``{"error": why}`` when it cannot."""
         try:
             target = entry(request["argv"])
@@ -128,14 +257,16 @@ class Zygote:
         if pid == 0:
             code = 1
             try:
-                code = self.become(request, target)
+                code = self.become(request, target, session)
             except BaseException:  # noqa: BLE001 - before the entry point ran (a cwd gone): say why
                 traceback.print_exc()
             finally:
                 os._exit(code)  # never back into the zygote's loop
+        self.owner[pid] = session
+        session.children.add(pid)
         return {"pid": pid}
 
-    def become(self, request: dict[str, Any], target: tuple[str, str, list[str]]) -> int:
+    def become(self, request: dict[str, Any], target: tuple[str, str, list[str]], session: Session) -> int:
         """In the child: turn into the requested rank, run it, and return its exit code."""
         signal.set_wakeup_fd(-1)
         for sig, handler in (
@@ -144,7 +275,18 @@ class Zygote:
             (signal.SIGTERM, signal.SIG_DFL),
         ):
             signal.signal(sig, handler)
-        self.sock.close()
+        stdio, session.stdio = session.stdio, []
+        for other in self.sessions.values():  # no other worker's socket or output held open by this child
+            other.close()
+        if self.listener is not None:
+            self.listener.close()
+        for target_fd, fd in zip((0, 1, 2), stdio, strict=False):
+            os.dup2(fd, target_fd)
+        for fd in stdio:
+            if fd > 2:
+                os.close(fd)
+        if stdio:
+            reopen_stdio(bool(request["env"].get("PYTHONUNBUFFERED")))
         os.close(self.wake_r)
         os.close(self.wake_w)
         os.chdir(request.get("cwd") or os.getcwd())
@@ -153,6 +295,39 @@ class Zygote:
         kind, what, args = target
         proctitle.show(request["argv"], request["env"], INHERITED)
         return run(kind, what, args)
+
+
+def reopen_stdio(unbuffered: bool) -> None:
+    """``sys.stdout``/``sys.stderr`` anew on the worker's descriptors, buffered as a fresh interpreter
+    with the request's ``PYTHONUNBUFFERED`` would buffer them (the server's were set up for its own)."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        old = getattr(sys, name)
+        raw = io.FileIO(fd, "w", closefd=False)
+        line = fd == 2 or raw.isatty()  # stderr is always line-buffered; stdout when it is a terminal
+        binary = raw if unbuffered else io.BufferedWriter(raw)
+        new = io.TextIOWrapper(binary, encoding=old.encoding, errors=old.errors, line_buffering=line, write_through=unbuffered)
+        setattr(sys, name, new)
+        setattr(sys, f"__{name}__", new)
+
+
+#: Environment a fresh interpreter (and torch's import) reads once, at its start: a server's children
+#: have the server's, so a worker whose own differ does not use it. ``PYTHONUNBUFFERED`` is followed
+#: (``reopen_stdio``); ``PYTHONPATH`` is the child's own (``child_sys_path``).
+STARTUP_NAMES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def startup_settings(env: dict[str, str]) -> dict[str, str]:
+    """The variables of ``env`` that take effect at an interpreter's start (``STARTUP_NAMES``, ``PYTHON*``)."""
+    return {k: v for k, v in env.items() if k in STARTUP_NAMES or (k.startswith("PYTHON") and k not in ("PYTHONPATH", "PYTHONUNBUFFERED"))}
+
+
+def namespaces() -> dict[str, str]:
+    """This process's network, mount and PID namespaces (a forked rank lives in them)."""
+    found = {}
+    for kind in ("net", "mnt", "pid"):
+        with contextlib.suppress(OSError):
+            found[kind] = os.readlink(f"/proc/self/ns/{kind}")
+    return found
 
 
 def entry(argv: list[str]) -> tuple[str, str, list[str]]:
@@ -230,22 +405,56 @@ def exit_code(exc: SystemExit) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flodl.rank.zygote", description="Fork a worker's ranks (started by flodl.worker).")
-    p.add_argument("--fd", type=int, required=True, help="the socket to the worker")
+    how = p.add_mutually_exclusive_group(required=True)
+    how.add_argument("--fd", type=int, help="the socket to the worker")
+    how.add_argument("--serve", metavar="PATH", help="serve the workers of this host on a Unix socket at PATH (FLODL_ZYGOTE_SERVER)")
     p.add_argument("--title-room", default="", help="padding: room in the command line for a child's")
     args = p.parse_args(argv)
-    die_with_parent(flodl_env.parent_pid())
+    if args.fd is not None or flodl_env.parent_pid():  # a server started by hand outlives its shell
+        die_with_parent(flodl_env.parent_pid())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the worker drives the stop
-    sock = socket.socket(fileno=args.fd)
-    zygote = Zygote(sock)
     pythonpath = flodl_env.pythonpath()
     count = len(pythonpath.split(os.pathsep)) if pythonpath else 0
     INTERPRETER_PATH[:] = sys.path[1 + count :]
     INHERITED.update(flodl_env.environ_copy())
-    zygote.unsafe = preimport()
+    if args.fd is not None:
+        zygote = Zygote(socket.socket(fileno=args.fd))
+        zygote.unsafe = preimport()
+        try:
+            return zygote.serve()
+        except (BrokenPipeError, ConnectionResetError):
+            return 0  # the worker went away
+    return serve_at(args.serve)
+
+
+def serve_at(path: str) -> int:
+    """``--serve``: import, then listen at ``path`` (only this user may connect) until SIGTERM."""
+    unsafe = preimport()
+    if unsafe:
+        print(f"flodl zygote: cannot serve: {unsafe}", file=sys.stderr)
+        return 1
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        listener.bind(path)
+    finally:
+        os.umask(old)
+    listener.listen(64)
+    zygote = Zygote(listener=listener)
+
+    def stop(*_: Any) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    print(f"ready {os.getpid()} {path}", flush=True)  # whoever started it waits for this line
     try:
         return zygote.serve()
-    except (BrokenPipeError, ConnectionResetError):
-        return 0  # the worker went away
+    finally:
+        zygote.kill_all()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 if __name__ == "__main__":

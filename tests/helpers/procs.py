@@ -4,6 +4,7 @@ run left no process behind."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import subprocess
@@ -94,10 +95,13 @@ class Run(Proc):
         super().__init__([PY, "-m", "flodl.controller", *args], env, cwd)
 
     def tree(self) -> list[psutil.Process]:
+        """The run's processes: the controller's descendants, and the ranks (and their children)
+        that the test process's zygote server forked for this run's workers."""
         try:
-            return psutil.Process(self.proc.pid).children(recursive=True)
+            own = psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return []
+        return own + served(own)
 
     def ranks(self, count: int, timeout: float = 60) -> list[psutil.Process]:
         """Rank processes (python -m flodl.rank) once ``count`` of them exist."""
@@ -108,6 +112,34 @@ class Run(Proc):
                 return sorted(found, key=lambda p: p.pid)
             time.sleep(0.05)
         raise AssertionError(f"only found {len(found)} ranks; output:\n{self.output}")
+
+
+def served(procs: list[psutil.Process], runs: set[str] | None = None) -> list[psutil.Process]:
+    """The processes the zygote server (tests/conftest.py) forked for the runs of ``procs`` (the
+    server's children with one of their ``FLODL_RUN_ID``s, or one of ``runs``), and their descendants."""
+    from .. import conftest
+
+    if not conftest.ZYGOTE_SERVER_PID:
+        return []
+    runs = (runs or set()) | {run_id for p in procs if (run_id := _run_id(p))}
+    try:
+        forked = psutil.Process(conftest.ZYGOTE_SERVER_PID).children()
+    except psutil.NoSuchProcess:
+        return []
+    found = []
+    for child in forked:
+        if _run_id(child) in runs:
+            found.append(child)
+            with contextlib.suppress(psutil.Error):
+                found.extend(child.children(recursive=True))
+    return found
+
+
+def _run_id(proc: psutil.Process) -> str:
+    try:
+        return proc.environ().get("FLODL_RUN_ID", "")
+    except psutil.Error:
+        return ""
 
 
 def runs_module(proc: psutil.Process, module: str) -> bool:
@@ -143,10 +175,7 @@ def assert_all_gone(procs: list[psutil.Process], timeout: float = 10) -> None:
 
 
 def _of_run(proc: psutil.Process, run_id: str) -> bool:
-    try:
-        return proc.environ().get("FLODL_RUN_ID") == run_id
-    except psutil.Error:
-        return False
+    return _run_id(proc) == run_id
 
 
 def assert_run_gone(run_id: str, timeout: float = 10) -> None:
