@@ -454,7 +454,7 @@ class CadenceLoop:
 
 def _busy_ms(report: m.WindowDone) -> float:
     """What the window cost the rank itself: its wall less the time it spent in (and waiting for)
-    averages. Not compute + data alone: the rank's own work between batches (bookkeeping, landing an
-    average, an eval it ran) is part of its pace; left out, a fast rank at sub-ms steps reads ~10%
+    averages (and, the rank already left out, its pauses: evals, a wait for a late peer; window_stats.py). Not compute + data alone:
+    the rank's own work between batches (bookkeeping, landing an average) is part of its pace; left out, a fast rank at sub-ms steps reads ~10%
     faster than it is, is planned too many batches, and its partner waits for it at every average."""
     return max(report.compute_ms + report.data_ms, report.wall_ms - report.sync_ms)

@@ -105,7 +105,12 @@ class Regrouping:
                 log.warning("rank %d: the survivors completed the failed average; taking their consensus next", self.rank)
                 self.link.doing("step")  # not an average of this generation: the adopting one will be
                 return Averaged(0.0)
-            if not self._previous_landed():
+            t0 = time.perf_counter()
+            landed = self._previous_landed()
+            # waiting here is waiting for a late peer (its eval, a pause), not this rank's pace
+            # (window_stats.py RoundStats.finish)
+            stats.paused_ms += (time.perf_counter() - t0) * 1000.0
+            if not landed:
                 continue  # it was dropped: the survivors' group (above, next turn) repeats it first
             try:
                 averaged = averager.average(weight, measure=measure, block=block, tag=self.position)

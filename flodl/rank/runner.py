@@ -943,7 +943,9 @@ class RankRunner(Regrouping, Evaluating):
                     continue
             self._land_background()  # an average that completed meanwhile lands here, between steps
             if self.link.evals_asked > self.evals_taken:
+                t0 = time.perf_counter()
                 self._evals_now()
+                stats.paused_ms += (time.perf_counter() - t0) * 1000.0
             # a peer died: join the survivors' new group now (and the report says so: no average
             # failed, yet the dead peer is out of this round's average, cadence.py _dead_consumed).
             # Looked at here first: a call chain per step for the rare batch that has one to join

@@ -24,6 +24,7 @@ class RoundStats:
     data_ms: float = 0.0
     sync_ms: float = 0.0
     wall_ms: float = 0.0
+    paused_ms: float = 0.0  # scoring evals, or waiting for a late peer's last average (not in wall_ms)
     last_average: Averaged | None = None
     regrouped_at: int = -1  # the first averaging round done in a generation that lost a member, if any
     per_epoch: dict[int, EpochCounters] = field(default_factory=dict)
@@ -56,5 +57,11 @@ class RoundStats:
         self.regrouped_at = round_index if self.regrouped_at < 0 else min(self.regrouped_at, round_index)
 
     def finish(self, wall_ms: float) -> None:
-        """The window ended after ``wall_ms`` of wall time."""
-        self.wall_ms = wall_ms
+        """The window ended after ``wall_ms`` of wall time, pauses included; ``wall_ms`` keeps the
+        rest. An eval is a once-an-epoch pause of one rank, not its pace, and neither is its peer's
+        wait for that rank's late average: in the wall ElChe reads, the eval rank of a 0.3 s eval in
+        a 0.1 s window looked 40x slower than it is (the next windows planned it a quarter of its
+        batches while its peer trained for both), and the peer, the window after, as much slower.
+        Not counted as averaging either: ElChe's overhead tune would take the wait for the cost of
+        averaging and grow the windows to their cap."""
+        self.wall_ms = max(0.0, wall_ms - self.paused_ms)

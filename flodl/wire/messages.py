@@ -341,7 +341,7 @@ class WindowDone:
     sync_ms: float
     """milliseconds inside averaging rounds, waiting for peers included"""
     wall_ms: float
-    """the window's wall time on the rank, first batch to its last average's launch (sync_ms, evals and the per-batch bookkeeping included): ElChe sizes windows from wall_ms - sync_ms per batch, so a rank's own overheads count in its pace"""
+    """the window's wall time on the rank, first batch to its last average's launch, less its pauses (the evals it scored, its wait for a late peer's previous average; sync_ms and the per-batch bookkeeping included): ElChe sizes windows from wall_ms - sync_ms per batch, so a rank's own overheads count in its pace and a once-an-epoch eval does not"""
     divergence: float | None
     """‖pre − post‖ / ‖post‖ over all parameters at the window's last average"""
     pre_norm: float | None

@@ -8,6 +8,8 @@ FLODL_TEST_FAIL_AT      raise RuntimeError at this local step (a broken user tas
 FLODL_TEST_BUILD_SLEEP  seconds the task factory takes (a task that prepares its data at start)
 FLODL_TEST_BUILD_CRASH  the rank of this number crashes (exit 1) while it builds the task
 FLODL_TEST_EVAL_FAIL    make eval_fn raise
+FLODL_TEST_EVAL_SLEEP   seconds eval_fn takes (a real eval's time, on the eval rank only)
+FLODL_TEST_SAMPLES      training samples (default 512)
 FLODL_TEST_RECORD_SEEN  record_scalar("seen", samples in the batch) every step (a count to declare sum)
 """
 
@@ -53,6 +55,7 @@ def train_step(model, batch, device):
 def evaluate(model, device):
     if os.environ.get("FLODL_TEST_EVAL_FAIL"):
         raise ValueError("injected eval failure")
+    time.sleep(float(os.environ.get("FLODL_TEST_EVAL_SLEEP", "0") or 0))
     x, y = _data(256, 1)
     return (model(x).argmax(1) == y).float().mean().item()
 
@@ -68,7 +71,7 @@ def task():
     crash = os.environ.get("FLODL_TEST_BUILD_CRASH")
     if crash is not None and crash == os.environ.get("FLODL_RANK"):
         os._exit(1)
-    x, y = _data(512, 0)
+    x, y = _data(int(os.environ.get("FLODL_TEST_SAMPLES", "512") or 512), 0)
     return Task(
         model=make_model,
         optimizer=make_optimizer,
@@ -206,7 +209,7 @@ def _bn_batches_seen(model, device):
 def batchnorm_task():
     """A BatchNorm model on the loss_fn path; its 'eval' reports the statistics' batch count.
     FLODL_TEST_BN_BATCHES sets Task.bn_recalibration_batches."""
-    x, y = _data(512, 0)
+    x, y = _data(int(os.environ.get("FLODL_TEST_SAMPLES", "512") or 512), 0)
     return Task(
         model=_bn_model,
         optimizer=make_optimizer,
