@@ -71,6 +71,19 @@ def test_overhead_bench_runs(tmp_path, proc_env):
     out = run_smoke("overhead.py", "overhead", tmp_path, proc_env)
     values = {r["metric"]: r["value"] for r in out["rows"]}
     assert values["plain samples/s"] > 0 and values["flodl samples/s"] > 0
+    # every pair's ratio is kept, not only the median and the extremes
+    assert values["flodl / plain, pair 1 (plain first)"] == values["flodl / plain (median of 1)"]
+
+
+def test_overhead_bench_takes_the_epochs_it_is_given():
+    from bench import overhead
+
+    _, _, _, epochs = overhead.plan(overhead.parse_args(["--steps-ms", "5", "--epochs", "8"]))
+    assert epochs == 8
+    _, _, _, epochs = overhead.plan(overhead.parse_args(["--steps-ms", "5"]))
+    assert epochs == 4  # the plan's own
+    with pytest.raises(SystemExit, match="--epochs 0 must be at least 1"):
+        overhead.plan(overhead.parse_args(["--steps-ms", "5", "--epochs", "0"]))
 
 
 def test_overhead_bench_runs_script_mode(tmp_path, proc_env):
