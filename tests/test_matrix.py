@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -424,3 +425,55 @@ def test_the_suite_runs_end_to_end(tmp_path, capsys):
     ):
         assert metric in printed
     assert not (out / "matrix.json").exists()
+
+
+def _suite(folder, models: dict[str, list[str]], *, when: str, seeds: int = 2, failed: int = 0):
+    """A finished suite's folder: one run file per (model, case), and its manifest."""
+    folder.mkdir()
+    for model, cases in models.items():
+        for case in cases:
+            (folder / report.run_file(model, case, 0)).write_text(json.dumps({"matrix": {"model": model, "case": case, "from": when}}))
+    plan = {m: {"samples": 100, "epochs": 2 if when == "new" else 1, "cases": cs} for m, cs in models.items()}
+    manifest = {"budget": "full", "device": "cpu", "when": when, "elapsed_s": 3.0, "runs": 9, "failed": failed}
+    manifest |= {"seeds": seeds, "lr_scaling": "linear", "base_ms": None, "covers": f"{when} covers", "plan": plan}
+    (folder / report.MANIFEST).write_text(json.dumps(manifest))
+    return folder
+
+
+def test_amend_replaces_the_rerun_models_runs_and_says_so(tmp_path):
+    from bench.matrix import amend
+
+    into = _suite(tmp_path / "suite", {"logreg": ["solo", "cpu-sync"], "lenet": ["solo"]}, when="old")
+    rerun = _suite(tmp_path / "rerun", {"logreg": ["solo", "side-by-side-4to1"]}, when="new")
+    manifest = amend.amend(rerun, into, code="abc123")
+    files = sorted(p.name for p in into.glob("*__*.json"))
+    # logreg's runs are the re-run's (its cpu-sync, not re-run, is gone); lenet's stay
+    assert files == ["lenet__solo__seed0.json", "logreg__side-by-side-4to1__seed0.json", "logreg__solo__seed0.json"]
+    assert json.loads((into / "logreg__solo__seed0.json").read_text())["matrix"]["from"] == "new"
+    assert json.loads((into / "lenet__solo__seed0.json").read_text())["matrix"]["from"] == "old"
+    assert manifest["when"] == "old" and manifest["plan"]["logreg"]["epochs"] == 2 and manifest["plan"]["lenet"]["epochs"] == 1
+    assert manifest["covers"].startswith("logreg (100 samples × 2 epochs): solo, side-by-side-4to1; lenet (100 samples × 1 epochs)")
+    assert manifest["amended"] == [
+        {"when": "new", "commit": "abc123", "models": ["logreg"], "covers": "new covers", "runs": 9, "elapsed_s": 3.0}
+    ]
+    assert json.loads((into / report.MANIFEST).read_text()) == manifest
+    # the report states the re-run beside the suite's own date
+    doc = tmp_path / "bench.md"
+    report.main(["--results", str(into), "--doc", str(doc), "--img", str(tmp_path / "img"), "--no-plots"])
+    assert "Re-run since, replacing those models' runs (`python -m bench.matrix.amend`): new, the code of abc123" in doc.read_text()
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [({"seeds": 1}, "seeds 1 vs 2"), ({"failed": 2}, "2 failed run(s)")],
+)
+def test_amend_refuses_a_rerun_of_another_protocol_or_with_failures(tmp_path, change, says):
+    from bench.matrix import amend
+
+    into = _suite(tmp_path / "suite", {"logreg": ["solo"]}, when="old")
+    rerun = _suite(tmp_path / "rerun", {"logreg": ["solo"]}, when="new", **change)
+    with pytest.raises(SystemExit, match=re.escape(says)):
+        amend.amend(rerun, into, code="x")
+    assert json.loads((into / "logreg__solo__seed0.json").read_text())["matrix"]["from"] == "old"  # nothing moved
+    with pytest.raises(SystemExit, match=r"no suite\.json"):
+        amend.amend(tmp_path, into, code="x")

@@ -640,6 +640,13 @@ def render(manifest: dict, runs: dict[str, dict[str, list[dict]]], *, plots: boo
         f"Machine: {manifest.get('machine', '?')}; torch {manifest.get('torch', '?')}.",
         "",
     ]
+    for amended in manifest.get("amended", []):  # bench/matrix/amend.py: models measured again since
+        out += [
+            f"Re-run since, replacing those models' runs (`python -m bench.matrix.amend`): {amended['when']}, "
+            f"the code of {amended['commit']}, {amended['runs']} runs in {_f(amended.get('elapsed_s'), '.0f')} s: "
+            f"{amended['covers']}",
+            "",
+        ]
     if "seeds" not in manifest:
         out += [
             "**These tables predate the issue-22 protocol** (paced 4:1 with the measured ratio, torchrun with the "

@@ -427,6 +427,24 @@ def covers(plan: dict[str, tuple[Budget, tuple[str, ...]]]) -> str:
     return "; ".join(parts) + "."
 
 
+def suite_note(manifest: dict, target: Target) -> str:
+    """The conditions of a suite's run, for ``bench/results/matrix[_gpu].json`` (and what re-ran since)."""
+    ranks = "2 GPU ranks (NCCL), 1 intra-op thread each" if target.device == "cuda" else "2 CPU ranks x 1 thread"
+    note = (
+        f"{manifest['budget']} budget, {manifest['seeds']} seed(s), {manifest['runs']} runs in {manifest['elapsed_s']:.0f} s "
+        f"({manifest['failed']} failed); {ranks} (solo: 1), "
+        f"batch 32 per rank; train wall = wall_s - eval_s (start-up excluded), command wall = process start to exit; "
+        f"medians over seeds, evals mean/min/max; 4:1 = rank 1 paced to 4 x "
+        f"{'--base-ms' if manifest.get('base_ms') else 'the solo run' + chr(39) + 's step time'} (measured ratio reported); "
+        f"of ideal = train samples/s / the side-by-side case's two rates added up (of ideal, solo alone = over "
+        f"solo rate x (1 + 1/measured ratio)); torchrun LR scaling: {manifest['lr_scaling']}. "
+        f"Covers: {manifest['covers']}"
+    )
+    for amended in manifest.get("amended", []):
+        note += f" Re-run {amended['when']} (code of {amended['commit']}): {amended['covers']}"
+    return note
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the quick plan: lenet in every case, three other models in three (~10 min here)")
@@ -559,18 +577,8 @@ def main(argv: list[str] | None = None) -> int:
     (results / matrix_report.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     _, runs = matrix_report.load(results)
     rows = matrix_report.rows(runs)
-    ranks = "2 GPU ranks (NCCL), 1 intra-op thread each" if target.device == "cuda" else "2 CPU ranks x 1 thread"
-    note = (
-        f"{budget_name} budget, {seeds} seed(s), {len(todo)} runs in {elapsed:.0f} s ({failed} failed); {ranks} (solo: 1), "
-        f"batch 32 per rank; train wall = wall_s - eval_s (start-up excluded), command wall = process start to exit; "
-        f"medians over seeds, evals mean/min/max; 4:1 = rank 1 paced to 4 x "
-        f"{'--base-ms' if args.base_ms else 'the solo run' + chr(39) + 's step time'} (measured ratio reported); "
-        f"of ideal = train samples/s / the side-by-side case's two rates added up (of ideal, solo alone = over "
-        f"solo rate x (1 + 1/measured ratio)); torchrun LR scaling: {args.lr_scaling}. "
-        f"Covers: {manifest['covers']}"
-    )
     if results.resolve() == target.results_dir.resolve():
-        report(target.name, rows, note=note)
+        report(target.name, rows, note=suite_note(manifest, target))
     else:
         for r in rows:
             print(f"{r.case:<34}{r.metric:<40}{r.value:>10.3f} {r.unit:<9} {r.goal or ''} {'' if r.met is None else r.met}")

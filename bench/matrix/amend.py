@@ -1,0 +1,110 @@
+"""Fold a re-run of some models into a matrix's results: their runs replace the old ones.
+
+    python -m bench.matrix --models logreg --cases ... --results /tmp/m   # the re-run, elsewhere
+    python -m bench.matrix.amend /tmp/m                                    # into bench/results/matrix
+    python -m bench.matrix.report                                          # the tables, from both
+
+A full matrix takes about 90 minutes here; a change that moves one model (or a
+budget made longer for one) is measured again for that model alone. Every
+run file of a model the re-run covers is replaced (a case the re-run did not
+run is gone for that model, not left from the older code); the other models'
+runs stay. ``suite.json`` keeps the suite's own record and gains an
+``amended`` entry per re-run (when, the code's commit, what it covered), which
+the report and ``matrix.json`` state beside the suite's date. The re-run must
+match the suite's device, seeds and torchrun LR scaling, and have no failed
+run: otherwise the tables would mix protocols.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+from bench.common import report
+from bench.matrix import ROOT, TARGETS, Budget
+from bench.matrix import report as matrix_report
+from bench.matrix.suite import covers, suite_note
+
+#: What a re-run must share with the suite it joins.
+MUST_MATCH = ("device", "seeds", "lr_scaling", "base_ms")
+
+
+def commit() -> str:
+    """The checkout's short commit (``+`` when it has uncommitted changes), or ``unknown``."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+" if dirty.strip() else "")
+
+
+def amend(source: Path, into: Path, *, code: str) -> dict:
+    """Replace ``into``'s runs of the models ``source`` covers with ``source``'s; the updated manifest.
+
+    Raises:
+        SystemExit: either folder is not a finished suite, the re-run failed a run, or the two differ in protocol.
+    """
+    if source.resolve() == into.resolve():
+        raise SystemExit(f"bench.matrix.amend: {source} is the folder it would amend")
+    theirs = _manifest(source)
+    ours = _manifest(into)
+    if theirs.get("failed"):
+        raise SystemExit(f"bench.matrix.amend: {source} has {theirs['failed']} failed run(s); re-run them first")
+    differ = [f"{key} {theirs.get(key)!r} vs {ours.get(key)!r}" for key in MUST_MATCH if theirs.get(key) != ours.get(key)]
+    if differ:
+        raise SystemExit(f"bench.matrix.amend: {source} does not match {into}'s protocol: {'; '.join(differ)}")
+    models = list(theirs["plan"])
+    for model in models:
+        for old in into.glob(f"{model}__*.json"):
+            old.unlink()
+        for new in sorted(source.glob(f"{model}__*.json")):
+            shutil.copy2(new, into / new.name)
+    ours["plan"].update(theirs["plan"])
+    ours["covers"] = covers({m: (Budget(p["samples"], p["epochs"]), tuple(p["cases"])) for m, p in ours["plan"].items()})
+    ours.setdefault("amended", []).append(
+        {
+            "when": theirs["when"],
+            "commit": code,
+            "models": models,
+            "covers": theirs["covers"],
+            "runs": theirs["runs"],
+            "elapsed_s": theirs["elapsed_s"],
+        }
+    )
+    (into / matrix_report.MANIFEST).write_text(json.dumps(ours, indent=1) + "\n")
+    return ours
+
+
+def _manifest(folder: Path) -> dict:
+    path = folder / matrix_report.MANIFEST
+    if not path.exists():
+        raise SystemExit(f"bench.matrix.amend: {folder} has no {matrix_report.MANIFEST}: not a finished bench.matrix run")
+    manifest: dict = json.loads(path.read_text())
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("source", type=Path, help="the re-run's results folder (a bench.matrix --results run)")
+    ap.add_argument(
+        "--into", type=Path, default=None, help="the suite's folder (default bench/results/matrix, or matrix_gpu with --device cuda)"
+    )
+    ap.add_argument("--device", choices=sorted(TARGETS), default="cpu")
+    args = ap.parse_args(argv)
+    target = TARGETS[args.device]
+    into = args.into or target.results_dir
+    manifest = amend(args.source, into, code=commit())
+    print(f"{into}: {', '.join(manifest['amended'][-1]['models'])} replaced by {args.source}'s runs")
+    if into.resolve() == target.results_dir.resolve():  # the common-format file goes with the default folder
+        _, runs = matrix_report.load(into)
+        report(target.name, matrix_report.rows(runs), note=suite_note(manifest, target))
+    print("now: python -m bench.matrix.report" + (" --device cuda" if target.device == "cuda" else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
