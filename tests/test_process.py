@@ -349,17 +349,20 @@ def test_each_mode_with_a_3x_slower_rank_covers_every_sample(digits_run, mode):
     assert summary["final_eval"] > 0.7
 
 
+def two_rank_summary(tmp_path, env: dict[str, str], task: str, *flags: str) -> dict:
+    """Run ``task`` on two local ranks with ``flags`` to a clean exit (120 s at most); its run summary."""
+    path = tmp_path / "s.json"
+    run = Run(["--task", task, "--nproc-per-node", "2", *flags, "--summary-json", str(path)], env)
+    assert run.wait(120) == 0, run.output
+    summary: dict = json.loads(path.read_text())
+    return summary
+
+
 def test_a_first_step_warm_up_is_not_taken_for_the_rank_pace(proc_env, tmp_path):
     """A first step 40x longer than the rest (a GPU's lazy set-up) is timed as the step after it:
     the compute the ranks report stays far below it, while the wall clock still holds it."""
     env = {**proc_env, "FLODL_TEST_STEP_SLEEP": "0.005", "FLODL_TEST_FIRST_STEP_SLEEP": "0.8", "FLODL_SIMULATE_SLOWDOWN": "1:3"}
-    path = tmp_path / "s.json"
-    run = Run(
-        ["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "2", "--mode", "nccl-cadence", "--summary-json", str(path)],
-        env,
-    )
-    assert run.wait(120) == 0, run.output
-    summary = json.loads(path.read_text())
+    summary = two_rank_summary(tmp_path, env, task_spec("tiny.py"), "--epochs", "2", "--mode", "nccl-cadence")
     compute = {r: sum(h["per_rank"][r]["compute_ms"] for h in summary["history"]) for r in ("0", "1")}
     batches = {r: sum(h["per_rank"][r]["batches"] for h in summary["history"]) for r in ("0", "1")}
     # without the retiming each rank would report >= 800 ms (rank 1, slowed 3x, >= 2400 ms)
@@ -374,43 +377,21 @@ def test_epoch_walls_do_not_overlap_when_windows_are_planned_ahead(proc_env, tmp
     up to at most the run's wall; counted from the plan they overlapped (six epochs of a 1.9 s
     run read 4.0 s in all)."""
     env = {**proc_env, "FLODL_TEST_STEP_SLEEP": "0.002"}
-    path = tmp_path / "s.json"
-    run = Run(
-        ["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "6", "--mode", "nccl-cadence", "--summary-json", str(path)],
-        env,
-    )
-    assert run.wait(120) == 0, run.output
-    summary = json.loads(path.read_text())
+    summary = two_rank_summary(tmp_path, env, task_spec("tiny.py"), "--epochs", "6", "--mode", "nccl-cadence")
     walls = [h["wall_s"] for h in summary["history"]]
     assert len(walls) == 6 and all(w > 0 for w in walls), walls
     assert sum(walls) <= summary["wall_s"] + 0.05, (walls, summary["wall_s"])
 
 
 def test_epoch_fn_and_lr_schedule_follow_the_global_step(proc_env, tmp_path):
-    path = tmp_path / "s.json"
-    run = Run(
-        [
-            "--task",
-            task_spec("tiny.py", "scheduled_task"),
-            "--nproc-per-node",
-            "2",
-            "--epochs",
-            "4",
-            "--mode",
-            "nccl-sync",
-            "--lr-scale-ratio",
-            "0",
-            "--summary-json",
-            str(path),
-        ],
-        proc_env,
+    summary = two_rank_summary(
+        tmp_path, proc_env, task_spec("tiny.py", "scheduled_task"), "--epochs", "4", "--mode", "nccl-sync", "--lr-scale-ratio", "0"
     )
-    assert run.wait(120) == 0, run.output
-    lrs = [h["scalars"]["lr_at_epoch_start"] for h in json.loads(path.read_text())["history"]]
+    lrs = [h["scalars"]["lr_at_epoch_start"] for h in summary["history"]]
     # 16 batches per rank per epoch, 32 global steps per epoch: x0.5 every 2 epochs; from epoch 2, epoch_fn pins 0.001
     assert lrs[0] == pytest.approx(0.1) and lrs[1] == pytest.approx(0.1)
     assert lrs[2] == pytest.approx(0.05) and lrs[3] == pytest.approx(0.001)
-    assert json.loads(path.read_text())["history"][0]["scalars"]["world"] == 2
+    assert summary["history"][0]["scalars"]["world"] == 2
 
 
 @pytest.mark.parametrize("mode", MODES)
