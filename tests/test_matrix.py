@@ -463,6 +463,24 @@ def test_amend_replaces_the_rerun_models_runs_and_says_so(tmp_path):
     assert "Re-run since, replacing those models' runs (`python -m bench.matrix.amend`): new, the code of abc123" in doc.read_text()
 
 
+def test_amend_keeps_the_named_baselines_and_says_so(tmp_path):
+    from bench.matrix import amend
+
+    into = _suite(tmp_path / "suite", {"logreg": ["solo", "cpu-async-4to1", "torchrun-ddp-4to1"]}, when="old")
+    rerun = _suite(tmp_path / "rerun", {"logreg": ["solo", "cpu-async-4to1"]}, when="new")
+    manifest = amend.amend(rerun, into, code="abc123", keep=("torchrun-ddp-4to1",))
+    runs = {p.name.split("__")[1]: json.loads(p.read_text())["matrix"]["from"] for p in into.glob("logreg__*.json")}
+    assert runs == {"solo": "new", "cpu-async-4to1": "new", "torchrun-ddp-4to1": "old"}
+    assert manifest["plan"]["logreg"]["cases"] == ["solo", "cpu-async-4to1", "torchrun-ddp-4to1"]
+    assert manifest["amended"][-1]["kept"] == ["torchrun-ddp-4to1"]
+    doc = tmp_path / "bench.md"
+    report.main(["--results", str(into), "--doc", str(doc), "--img", str(tmp_path / "img"), "--no-plots"])
+    assert "Kept from before it (`--keep`: these cases run no flodl code): torchrun-ddp-4to1." in doc.read_text()
+    # a case the re-run ran cannot also be kept
+    with pytest.raises(SystemExit, match="cannot be kept"):
+        amend.amend(rerun, into, code="abc123", keep=("solo",))
+
+
 @pytest.mark.parametrize(
     ("change", "says"),
     [({"seeds": 1}, "seeds 1 vs 2"), ({"failed": 2}, "2 failed run(s)")],

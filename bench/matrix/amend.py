@@ -7,8 +7,10 @@
 A full matrix takes about 90 minutes here; a change that moves one model (or a
 budget made longer for one) is measured again for that model alone. Every
 run file of a model the re-run covers is replaced (a case the re-run did not
-run is gone for that model, not left from the older code); the other models'
-runs stay. ``suite.json`` keeps the suite's own record and gains an
+run is gone for that model, not left from the older code), except the cases
+named with ``--keep``: baselines the change under test cannot reach (torchrun's
+DDP and post-local SGD run no flodl code), kept from the suite and said so in
+the manifest; the other models' runs stay. ``suite.json`` keeps the suite's own record and gains an
 ``amended`` entry per re-run (when, the code's commit, what it covered), which
 the report and ``matrix.json`` state beside the suite's date. The re-run must
 match the suite's device, seeds and torchrun LR scaling, and have no failed
@@ -42,11 +44,13 @@ def commit() -> str:
     return head + ("+" if dirty.strip() else "")
 
 
-def amend(source: Path, into: Path, *, code: str) -> dict:
-    """Replace ``into``'s runs of the models ``source`` covers with ``source``'s; the updated manifest.
+def amend(source: Path, into: Path, *, code: str, keep: tuple[str, ...] = ()) -> dict:
+    """Replace ``into``'s runs of the models ``source`` covers with ``source``'s (but those of the cases in
+    ``keep``, which stay); the updated manifest.
 
     Raises:
-        SystemExit: either folder is not a finished suite, the re-run failed a run, or the two differ in protocol.
+        SystemExit: either folder is not a finished suite, the re-run failed a run, the two differ in protocol,
+            or a kept case is one the re-run ran too.
     """
     if source.resolve() == into.resolve():
         raise SystemExit(f"bench.matrix.amend: {source} is the folder it would amend")
@@ -58,12 +62,24 @@ def amend(source: Path, into: Path, *, code: str) -> dict:
     if differ:
         raise SystemExit(f"bench.matrix.amend: {source} does not match {into}'s protocol: {'; '.join(differ)}")
     models = list(theirs["plan"])
+    both = sorted({c for model in models for c in theirs["plan"][model]["cases"]} & set(keep))
+    if both:
+        raise SystemExit(f"bench.matrix.amend: {source} ran {', '.join(both)}: a case it ran replaces the suite's, it cannot be kept")
+    kept: dict[str, list[str]] = {}
     for model in models:
+        old_cases = ours["plan"].get(model, {}).get("cases", [])
+        kept[model] = [c for c in old_cases if c in keep]
         for old in into.glob(f"{model}__*.json"):
-            old.unlink()
+            if old.name.split("__")[1] not in kept[model]:
+                old.unlink()
         for new in sorted(source.glob(f"{model}__*.json")):
             shutil.copy2(new, into / new.name)
-    ours["plan"].update(theirs["plan"])
+    for model in models:
+        plan = dict(theirs["plan"][model])
+        plan["cases"] = [c for c in ours["plan"].get(model, {}).get("cases", []) if c in kept[model] or c in plan["cases"]] + [
+            c for c in plan["cases"] if c not in ours["plan"].get(model, {}).get("cases", [])
+        ]
+        ours["plan"][model] = plan
     ours["covers"] = covers({m: (Budget(p["samples"], p["epochs"]), tuple(p["cases"])) for m, p in ours["plan"].items()})
     ours.setdefault("amended", []).append(
         {
@@ -74,6 +90,7 @@ def amend(source: Path, into: Path, *, code: str) -> dict:
             "runs": theirs["runs"],
             "elapsed_s": theirs["elapsed_s"],
         }
+        | ({"kept": sorted({c for cs in kept.values() for c in cs})} if any(kept.values()) else {})
     )
     (into / matrix_report.MANIFEST).write_text(json.dumps(ours, indent=1) + "\n")
     return ours
@@ -94,10 +111,15 @@ def main(argv: list[str] | None = None) -> int:
         "--into", type=Path, default=None, help="the suite's folder (default bench/results/matrix, or matrix_gpu with --device cuda)"
     )
     ap.add_argument("--device", choices=sorted(TARGETS), default="cpu")
+    ap.add_argument(
+        "--keep",
+        default="",
+        help="comma-separated cases whose runs stay from the suite (baselines the change cannot reach, e.g. torchrun-ddp-4to1)",
+    )
     args = ap.parse_args(argv)
     target = TARGETS[args.device]
     into = args.into or target.results_dir
-    manifest = amend(args.source, into, code=commit())
+    manifest = amend(args.source, into, code=commit(), keep=tuple(c for c in args.keep.split(",") if c))
     print(f"{into}: {', '.join(manifest['amended'][-1]['models'])} replaced by {args.source}'s runs")
     if into.resolve() == target.results_dir.resolve():  # the common-format file goes with the default folder
         _, runs = matrix_report.load(into)

@@ -644,7 +644,12 @@ def render(manifest: dict, runs: dict[str, dict[str, list[dict]]], *, plots: boo
         out += [
             f"Re-run since, replacing those models' runs (`python -m bench.matrix.amend`): {amended['when']}, "
             f"the code of {amended['commit']}, {amended['runs']} runs in {_f(amended.get('elapsed_s'), '.0f')} s: "
-            f"{amended['covers']}",
+            f"{amended['covers']}"
+            + (
+                f" Kept from before it (`--keep`: these cases run no flodl code): {', '.join(amended['kept'])}."
+                if amended.get("kept")
+                else ""
+            ),
             "",
         ]
     if "seeds" not in manifest:

@@ -442,6 +442,8 @@ def suite_note(manifest: dict, target: Target) -> str:
     )
     for amended in manifest.get("amended", []):
         note += f" Re-run {amended['when']} (code of {amended['commit']}): {amended['covers']}"
+        if amended.get("kept"):
+            note += f" Kept from before that re-run: {', '.join(amended['kept'])}."
     return note
 
 

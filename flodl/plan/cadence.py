@@ -170,6 +170,7 @@ class CadenceLoop:
         state.update(
             world_size=len(self.ranks),
             ms_per_batch=[state["ms_per_batch"][i] for i in keep],
+            provisional=[state["provisional"][i] for i in keep],
             batch_counts=[state["batch_counts"][i] for i in keep],
             anchor_rank=keep.index(anchor_rank) if anchor_rank in keep else None,  # re-elected from the survivors
         )
@@ -204,6 +205,7 @@ class CadenceLoop:
         state.update(
             world_size=len(self.ranks),
             ms_per_batch=state["ms_per_batch"] + [0.0] * len(joined),
+            provisional=state["provisional"] + [False] * len(joined),
             batch_counts=state["batch_counts"] + [slowest] * len(joined),
         )
         grown.load_state_dict(state)
@@ -390,7 +392,9 @@ class CadenceLoop:
                 # controller's clock as the ranks' mean idle share against the longest training
                 idle = sum(max(0.0, window_ms - w) for w in walls) / len(walls)
                 sync_ms = max(walls) * idle / window_ms
-            self.elche.report_timing(walls, batches, sync_ms)
+            # a probe, or a rank's first timed window (a joiner's), carries its warm-up
+            provisional = [plans[r].kind == "probe" or self.elche.ms_per_batch[i] <= 0 for i, r in enumerate(self.ranks)]
+            self.elche.report_timing(walls, batches, sync_ms, provisional)
         verdict = Verdict.STABLE
         if self.measure:
             drift = max_relative_delta([reports[r].divergence for r in self.ranks])

@@ -37,8 +37,11 @@ EMA_ALPHA_MIN = 0.1
 EMA_ALPHA_MAX = 0.8
 #: Overhead below this fraction of the target lets the anchor shrink by one.
 DECREASE_BAND = 0.5
-#: A planned count only changes when the new target differs by more than this fraction.
-DEAD_ZONE = 0.10
+#: A planned count only changes when the new target differs by more than this fraction (the
+#: reference's 0.7 value; 10% before). Under Async a count is the window's trigger, so whatever
+#: error the dead zone keeps is the fast rank's idle share (or the anchor rank's): 10% cost the
+#: recurrent models' CpuAsync cells 0.88-0.89 of ideal.
+DEAD_ZONE = 0.05
 #: Ranks within this fraction of the slowest are candidates for the anchor role.
 COHORT_BAND = 0.15
 #: A challenger must be this much slower than the current anchor rank to take over.
@@ -176,7 +179,8 @@ class ElChe:
 
     Public attributes are the state (read them, do not assign them): ``anchor``,
     ``batch_counts`` (planned batches per rank per window), ``ms_per_batch``
-    (smoothed, 0 = no reading yet), ``calibrated``, ``phase``,
+    (smoothed, 0 = no reading yet), ``provisional`` (per rank: its speed comes
+    only from readings ``report_timing`` was told carry a warm-up), ``calibrated``, ``phase``,
     ``calibration_count``, ``anchor_rank`` (the elected slow rank),
     ``pending_anchor`` (a staged growth proposal), ``growth_latched_off`` and
     ``stable_streak``.
@@ -223,6 +227,7 @@ class ElChe:
 
         self.batch_counts: list[int] = [self.anchor] * self.world_size
         self.ms_per_batch: list[float] = [0.0] * self.world_size
+        self.provisional: list[bool] = [False] * self.world_size
         self.calibrated = False
         self.phase = Phase.PROBE
         self.calibration_count = 0
@@ -320,20 +325,27 @@ class ElChe:
 
     # -- timing ----------------------------------------------------------------
 
-    def report_timing(self, wall_ms: Sequence[float], batches: Sequence[int], sync_ms: float) -> None:
+    def report_timing(
+        self, wall_ms: Sequence[float], batches: Sequence[int], sync_ms: float, provisional: Sequence[bool] | None = None
+    ) -> None:
         """Learn from one finished window and plan the next.
 
         ``wall_ms[r]`` is rank r's compute wall time over the window and
         ``batches[r]`` the batches it *actually* ran (not the plan: a fast rank
         that over-ran would otherwise look slower than it is). ``sync_ms`` is
         the averaging cost; 0 means "not measured" and disables the anchor
-        auto-tune. A report with no usable reading changes nothing.
+        auto-tune. ``provisional[r]``: rank r's reading carries its warm-up
+        (a cold-start probe, a joiner's first window); it plans the next
+        window, and the rank's next settled reading replaces it rather than
+        blending with it. A report with no usable reading changes nothing.
         """
         if len(wall_ms) != self.world_size or len(batches) != self.world_size:
             raise ValueError(
                 f"report_timing needs one entry per rank ({self.world_size}), got {len(wall_ms)} wall times and {len(batches)} batch counts"
             )
-        self._update_speeds(wall_ms, batches)
+        if provisional is not None and len(provisional) != self.world_size:
+            raise ValueError(f"report_timing needs one provisional flag per rank ({self.world_size}), got {len(provisional)}")
+        self._update_speeds(wall_ms, batches, provisional or [False] * self.world_size)
         if not self._elect():
             return
         anchor_changed = self._solo_anchor() if self._solo else self._auto_tune(max(wall_ms), sync_ms)
@@ -342,19 +354,31 @@ class ElChe:
         self.calibration_count += 1
         self._advance_phase()
 
-    def _update_speeds(self, wall_ms: Sequence[float], batches: Sequence[int]) -> None:
+    def _update_speeds(self, wall_ms: Sequence[float], batches: Sequence[int], provisional: Sequence[bool]) -> None:
         """Error-adaptive EMA of ms/batch per rank; the first reading is taken raw.
 
         The weight of a new reading is its relative error (clamped), so a real
         speed change (thermal throttling) is tracked within a window or two
-        while small jitter barely moves the estimate.
+        while small jitter barely moves the estimate. A rank whose speed so far
+        is provisional takes its first settled reading raw too: a probe's warm-up
+        (a fast CPU rank's read ~30% slow) would otherwise fade over many windows,
+        and under Async the fast rank trains that much less all the while. A
+        provisional reading never moves a settled speed.
         """
         for rank, (wall, n) in enumerate(zip(wall_ms, batches, strict=False)):
             if not (n > 0 and wall > 0 and math.isfinite(wall)):
                 continue
             reading = wall / n
             previous = self.ms_per_batch[rank]
-            if self.calibrated and previous > 0:
+            if provisional[rank]:
+                if previous <= 0 or self.provisional[rank]:
+                    self.ms_per_batch[rank] = reading
+                    self.provisional[rank] = True
+                continue
+            if self.provisional[rank]:
+                self.ms_per_batch[rank] = reading
+                self.provisional[rank] = False
+            elif self.calibrated and previous > 0:
                 alpha = _clamp(abs(reading - previous) / previous, EMA_ALPHA_MIN, EMA_ALPHA_MAX)
                 self.ms_per_batch[rank] = alpha * reading + (1.0 - alpha) * previous
             else:
@@ -453,7 +477,7 @@ class ElChe:
     def _recompute_counts(self, *, force: bool = False) -> None:
         """Re-plan every rank's batches from the smoothed speeds.
 
-        The dead zone keeps a count unless its target moved by more than 10 %,
+        The dead zone keeps a count unless its target moved by more than 5 %,
         so timing jitter does not re-plan every window; ``force`` (the anchor
         itself just changed, a decision rather than noise) bypasses it. Once
         calibrated, ``max_batch_diff`` caps how far one update moves a count.
@@ -624,6 +648,7 @@ class ElChe:
             "anchor": self.anchor,
             "anchor_rank": self.anchor_rank,
             "ms_per_batch": list(self.ms_per_batch),
+            "provisional": list(self.provisional),
             "batch_counts": list(self.batch_counts),
             "phase": self.phase.value,
             "calibration_count": self.calibration_count,
@@ -653,6 +678,10 @@ class ElChe:
         self.anchor = _require_int("anchor", state["anchor"], 1)
         self.anchor_rank = anchor_rank
         self.ms_per_batch = ms
+        provisional = [bool(p) for p in state.get("provisional", [False] * self.world_size)]  # absent in older bundles
+        if len(provisional) != self.world_size:
+            raise ValueError(f"ElChe state has {len(provisional)} provisional flags for a world of {self.world_size} ranks")
+        self.provisional = provisional
         self.batch_counts = [_require_int("batch_counts entry", c, 1) for c in counts]
         self.phase = Phase(state["phase"])
         self.calibration_count = _require_int("calibration_count", state["calibration_count"], 0)
