@@ -741,3 +741,34 @@ def test_load_state_dict_rejects_world_size_change():
     state = ElChe(2).state_dict()
     with pytest.raises(ValueError, match="world"):
         ElChe(3).load_state_dict(state)
+
+
+# ---------------------------------------------------------------------------
+# a window's fixed cost (issue 22): the controller's planning and settling, whatever the model
+# ---------------------------------------------------------------------------
+
+
+def test_a_fixed_cost_over_two_percent_grows_the_anchor_though_averaging_is_cheap():
+    """1 ms of fixed cost against a 20 ms window is 5%: the anchor grows 2.5x (to 2%), though
+    the averaging's 0.4 ms (2%) is under half its 5% target and alone would shrink the anchor."""
+    che = ungated(anchor=10, min_anchor=5)
+    che.report_timing([20.0, 20.0], [10, 10], 0.4, fixed_ms=1.0)
+    assert che.anchor == 25
+    cheap = ungated(anchor=10, min_anchor=5)
+    cheap.report_timing([20.0, 20.0], [10, 10], 0.4)
+    assert cheap.anchor == 9
+
+
+def test_a_fixed_cost_within_two_percent_leaves_the_averaging_overhead_in_charge():
+    che = ungated(anchor=10, overhead_target=0.1)
+    che.report_timing([1000.0, 1000.0], [10, 10], 500.0, fixed_ms=10.0)  # fixed 1%, averaging 50%
+    assert che.anchor == 50  # as test_overhead_fifty_percent_grows_anchor_fivefold
+    small = ungated(anchor=10, min_anchor=5)
+    small.report_timing([1000.0, 1000.0], [10, 10], 5.0, fixed_ms=5.0)  # 0.5% of 5%, 0.5% of 2%: both low
+    assert small.anchor == 9
+
+
+def test_a_fixed_cost_alone_tunes_when_averaging_was_not_measured():
+    che = ungated(anchor=10)
+    che.report_timing([10.0, 10.0], [10, 10], 0.0, fixed_ms=1.0)  # 10% of the window
+    assert che.anchor == 50

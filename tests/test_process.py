@@ -381,6 +381,8 @@ def test_epoch_walls_do_not_overlap_when_windows_are_planned_ahead(proc_env, tmp
     walls = [h["wall_s"] for h in summary["history"]]
     assert len(walls) == 6 and all(w > 0 for w in walls), walls
     assert sum(walls) <= summary["wall_s"] + 0.05, (walls, summary["wall_s"])
+    # the controller timed what its windows cost it (planning, settling) and ElChe read it
+    assert summary["cadence"]["fixed_ms"] > 0, summary["cadence"]
 
 
 def test_epoch_fn_and_lr_schedule_follow_the_global_step(proc_env, tmp_path):

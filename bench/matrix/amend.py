@@ -26,7 +26,7 @@ import subprocess
 from pathlib import Path
 
 from bench.common import report
-from bench.matrix import ROOT, TARGETS, Budget
+from bench.matrix import ALL_CASES, ROOT, TARGETS, Budget
 from bench.matrix import report as matrix_report
 from bench.matrix.suite import covers, suite_note
 
@@ -76,9 +76,8 @@ def amend(source: Path, into: Path, *, code: str, keep: tuple[str, ...] = ()) ->
             shutil.copy2(new, into / new.name)
     for model in models:
         plan = dict(theirs["plan"][model])
-        plan["cases"] = [c for c in ours["plan"].get(model, {}).get("cases", []) if c in kept[model] or c in plan["cases"]] + [
-            c for c in plan["cases"] if c not in ours["plan"].get(model, {}).get("cases", [])
-        ]
+        ran = set(plan["cases"]) | set(kept[model])  # disjoint: a kept case the re-run ran was refused above
+        plan["cases"] = [c.id for c in ALL_CASES if c.id in ran]  # in the suite's order
         ours["plan"][model] = plan
     ours["covers"] = covers({m: (Budget(p["samples"], p["epochs"]), tuple(p["cases"])) for m, p in ours["plan"].items()})
     ours.setdefault("amended", []).append(

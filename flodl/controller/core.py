@@ -473,6 +473,7 @@ class Controller:
         # before its next window does, and scores exactly the average that closed the epoch
         depth = 1 if self.config.elche.mode.policy is ApplyPolicy.SYNC or self.config.deterministic else 2
         in_flight: list[int] = []
+        plan_s = 0.0  # the last window's planning (and sending), in seconds
         while True:
             # a collective joiner on its way: plan one window at a time, so it waits for one boundary, not two
             while len(in_flight) < (1 if averaging is None and admission.joiners else depth):
@@ -485,6 +486,7 @@ class Controller:
                     break
                 self.hooks.planned(number, len(windows), time.perf_counter() - t0)
                 training.start_window(number, windows, first_in_flight=not in_flight)
+                plan_s = time.perf_counter() - t0  # planned and sent: half of a window's fixed cost
                 if loop.dispatcher.throttled:
                     self.monitor.throttled(number, loop.dispatcher.throttled, now_s=self.clock())
                 in_flight.append(number)
@@ -501,11 +503,16 @@ class Controller:
             t0 = time.perf_counter()
             closed = loop.on_reports(number, reports, self.clock(), dead_batches)
             self.hooks.settled(number, time.perf_counter() - t0)
+            t1 = time.perf_counter()
             for stats in closed:
                 self._finish_epoch(stats, number)
+            epochs_s = time.perf_counter() - t1
             self.monitor.window_settled(number, reports, now_s=self.clock())
             self.monitor.event("sync", f"window {number}: {sum(r.consumed for r in reports.values())} samples averaged", now_s=self.clock())
             self.monitor.anchor_changed(loop.elche.anchor, now_s=self.clock(), counts=list(loop.elche.batch_counts))
+            # what this window cost whatever the model (planning one, settling one; an epoch's close
+            # and its checkpoint are the epoch's costs, not the window's): ElChe keeps it small
+            loop.note_fixed((plan_s + time.perf_counter() - t0 - epochs_s) * 1000.0)
             if self.checkpoints.at_epoch_due(loop.dispatcher.next_epoch - 1):
                 await self.saving.checkpoint("checkpoint", call_fn=False)
 

@@ -11,6 +11,8 @@ anchor, and hands back the epochs that just completed, aggregated.
 from __future__ import annotations
 
 import logging
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +25,9 @@ from .metrics import EpochCounters, EpochReport, EpochStats, aggregate
 from .pool import EpochPool
 from .schedule import Schedule
 from .signals import Verdict
+
+#: Windows whose fixed cost (``CadenceLoop.note_fixed``) ElChe reads the median of.
+FIXED_COST_WINDOWS = 9
 
 log = logging.getLogger("flodl.cadence")
 
@@ -104,6 +109,7 @@ class CadenceLoop:
         self.started: dict[int, float] = {}
         self.paused_ms = 0.0  # user callbacks (eval) run inside this window: not averaging overhead
         self.cpu_round_ms: float | None = None  # CPU backend: the last averaging round's own time
+        self.fixed_costs: deque[float] = deque(maxlen=FIXED_COST_WINDOWS)  # the controller's ms per window, latest
         self.epochs: dict[int, _EpochAcc] = {}
         # when the last epoch closed: an epoch's wall starts no earlier (with two windows in
         # flight the next epoch's first window is planned while the previous one still trains)
@@ -257,6 +263,17 @@ class CadenceLoop:
         """CPU backend: an averaging round took ``ms`` (what ElChe weighs against compute)."""
         self.cpu_round_ms = ms
 
+    def note_fixed(self, ms: float) -> None:
+        """The controller spent ``ms`` planning and settling one window: its fixed cost, which ElChe
+        keeps to ``FIXED_COST_TARGET`` of a window (the median of the last few: one GC pause or a
+        slow first plan must not grow every window after it)."""
+        self.fixed_costs.append(max(0.0, ms))
+
+    @property
+    def fixed_ms(self) -> float:
+        """A window's fixed cost as ElChe reads it: the median of the last ``FIXED_COST_WINDOWS`` (0: none yet)."""
+        return statistics.median(self.fixed_costs) if self.fixed_costs else 0.0
+
     def note_pause(self, ms: float) -> None:
         """A rank spent ``ms`` in a user callback (eval) this window; ElChe must not
         read it as averaging cost (the reference's callback time exclusion)."""
@@ -394,7 +411,7 @@ class CadenceLoop:
                 sync_ms = max(walls) * idle / window_ms
             # a probe, or a rank's first timed window (a joiner's), carries its warm-up
             provisional = [plans[r].kind == "probe" or self.elche.ms_per_batch[i] <= 0 for i, r in enumerate(self.ranks)]
-            self.elche.report_timing(walls, batches, sync_ms, provisional)
+            self.elche.report_timing(walls, batches, sync_ms, provisional, fixed_ms=self.fixed_ms if full else 0.0)
         verdict = Verdict.STABLE
         if self.measure:
             drift = max_relative_delta([reports[r].divergence for r in self.ranks])
@@ -473,6 +490,7 @@ class CadenceLoop:
             "phase": str(self.elche.phase.value if hasattr(self.elche.phase, "value") else self.elche.phase),
             "verdicts": dict(self.verdicts),
             "max_divergence": max(self.divergence) if self.divergence else None,
+            "fixed_ms": round(self.fixed_ms, 3),  # a window's fixed cost as ElChe last read it
             "elche_state": self.elche.state_dict(),
         }
 
