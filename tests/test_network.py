@@ -116,7 +116,7 @@ def _attack(
     tmp: Path,
     *,
     phases: str,
-    epochs: int = 16,
+    epochs: int = 32,
     launcher_extra: list[str] = (),
     extra: list[str] = (),
     victim_rank: int = 1,
@@ -131,7 +131,9 @@ def _attack(
     sniffer.start()
     done = tmp / "attack-done"  # slow steps until the intruder is done: the run must outlast it
     # held, a step takes 0.2 s (an epoch about 2 s) until the intruder is done; then 10 ms: the epochs left
-    # only finish the run, whose coverage and counters are what is asserted
+    # only finish the run, whose coverage and counters are what is asserted. 32 epochs hold ~65 s: 16
+    # (~32 s) ran out once under a loaded CI, the intruder slowed by the other tests on both cores
+    # (--encrypt's phases, 51 s in all there; 25 s alone)
     run = launch_on_hosts(
         net, tmp, env, step_sleep="0.01", epochs=epochs, launcher_extra=["--port", str(port), *launcher_extra], extra=list(extra), hold=done
     )
@@ -206,7 +208,7 @@ def _attack(
     }
 
 
-def _assert_untouched(net, a: dict, epochs: int = 16) -> None:
+def _assert_untouched(net, a: dict, epochs: int = 32) -> None:
     """The run finished as if the intruder had not been there."""
     summary, run = a["summary"], a["run"]
     assert a["code"] == 0, run.output
