@@ -182,6 +182,7 @@ def sim_worker(addr: str, bare_addrs: dict[str, str], nranks: int, frames: int, 
                         epochs=_epoch_row(p),
                         scalars={},
                         regrouped_at=-1,
+                        dropped=-1,
                         res={},
                         data={},
                     )

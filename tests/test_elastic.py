@@ -76,6 +76,25 @@ def test_a_rank_dies_at_a_chosen_point_and_the_run_finishes(proc_env, tmp_path, 
     assert summary["final_eval"] > 0.7
 
 
+@pytest.mark.parametrize("mode", ["nccl-cadence", "nccl-async", "cpu-cadence"])
+def test_a_rank_that_dies_right_after_its_report_costs_no_sample(proc_env, tmp_path, mode):
+    """Rank 1 SIGKILLs itself the moment its 5th window's report has left, that window's average
+    still in flight. Its report counts the window; the survivors' next reports say whether any of
+    them completed that average (then the dead rank's work is in the consensus) or all gave it up
+    (then its samples are trained again). Either way every epoch holds its samples once."""
+    proc_env = {**proc_env, "FLODL_INJECT_FAULT": "1:reported:5"}
+    run, path = start(proc_env, tmp_path, mode)
+    summary = finish(run, path)
+    assert [d["rank"] for d in summary["deaths"]] == [1]
+    if mode.startswith("nccl-"):
+        assert summary["final_digests"]["0"] == summary["final_digests"]["2"]
+        gave_up = [r for r in (0, 2) if f"rank {r}: a background average failed" in run.output]
+        # the controller gives the dead rank's window back exactly when every survivor gave its average up
+        assert ("no survivor kept it" in run.output) == (gave_up == [0, 2]), run.output
+    else:  # the CPU backend: no background collective to give up
+        assert summary["late_samples"] == 0
+
+
 def test_a_survivor_lost_while_the_group_is_rebuilt_costs_only_itself(proc_env, tmp_path):
     """Rank 3 dies averaging; rank 1 dies after the survivors gathered for the new group but
     before it connected. Ranks 0 and 2, waiting in torch's rendezvous, leave it when the next

@@ -53,6 +53,7 @@ def report(number: int) -> m.WindowDone:
         epochs=[],
         scalars={},
         regrouped_at=-1,
+        dropped=-1,
         res={},
         data={},
     )

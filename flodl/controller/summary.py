@@ -109,6 +109,9 @@ def summarize(
         "joins": admission.joins,
         "checkpoints": checkpoints.written,
         "regranted_samples": cadence.regranted if cadence else 0,
+        # a dead rank's last window whose average no survivor kept, found after its epoch had closed:
+        # trained again (within regranted_samples), but that epoch's eval went without them
+        "late_samples": cadence.late if cadence else 0,
         "coverage": _coverage(task_info, cadence),
         "data": {str(r): row for r, row in sorted(training.data_stats.items())},
         "resumed_from": config.resume_from and str(config.resume_from),

@@ -104,6 +104,13 @@ class CadenceLoop:
         # it died after its window's last average, before saying how many shards that held
         self.maybe_repeated = 0
         self.regrouped_out: set[int] = set()  # dead ranks a regroup already left out of the consensus
+        # collective, averaged once at a window's end, in the background: each rank's last settled
+        # window (number, plan, samples counted, the window's ranks) until the next window's reports
+        # say whether its average landed (``_land``): a rank that dies with it in flight
+        self.landing: dict[int, tuple[int, WindowPlan, int, frozenset[int]]] = {}
+        # samples a dead rank's window counted as trained, whose average every survivor gave up after
+        # their epoch had closed: trained again then, but that epoch's eval and checkpoint went without them
+        self.late = 0
         self.collective = elche_cfg.mode.backend is AverageBackend.NCCL
         self.plans: dict[int, dict[int, WindowPlan]] = {}  # window -> rank -> plan, while outstanding
         self.started: dict[int, float] = {}
@@ -141,7 +148,8 @@ class CadenceLoop:
         self.round_base += max(p.rounds for p in plans.values())
         for plan in plans.values():
             for grant in plan.grants:
-                self.epochs.setdefault(grant.epoch, _EpochAcc(started=now))
+                if grant.epoch not in self.dispatcher.reopened:  # a closed epoch's positions trained again: closed once
+                    self.epochs.setdefault(grant.epoch, _EpochAcc(started=now))
         windows = {
             rank: m.Window(
                 window=self.window,
@@ -313,9 +321,11 @@ class CadenceLoop:
         plans = self.plans.pop(window)
         rounds = max(p.rounds for p in plans.values())
         self.syncs += rounds
+        self._land(window, reports)
+        members = frozenset(plans)
         for rank in sorted(plans):
             plan = plans[rank]
-            if plan.dead:
+            if plan.dead and not self._reported_in(plan, reports):
                 consumed = self._dead_consumed(plan, reports, (dead_batches or {}).get(rank, 0))
                 self.regranted += plan.samples - consumed  # back to the pool, for the survivors
                 self.dispatcher.settle(plan, consumed)
@@ -324,6 +334,8 @@ class CadenceLoop:
             report = reports[rank]
             self.dispatcher.settle(plan, report.consumed)
             self._account(rank, report, rounds, plan)
+            if self._in_background(plan):
+                self.landing[rank] = (window, plan, report.consumed, members)
         for rank in self.dead - {r for ps in self.plans.values() for r in ps}:
             self.dispatcher.reclaim(rank)  # a dead rank's reserved partitions go to the survivors
         self.global_step += sum(r.batches for r in reports.values())
@@ -334,6 +346,58 @@ class CadenceLoop:
             self._tune(window, plans, live, (now - started) * 1000.0 - self.paused_ms)
         self.paused_ms = 0.0
         return self._close_all(self.dispatcher.take_completed(), now)
+
+    def _in_background(self, plan: WindowPlan) -> bool:
+        """Is ``plan``'s window averaged once at its end, in the background, on the collective backend?
+        Its rank reports it right after launching that average, which lands during the next window."""
+        return self.collective and not plan.sync_every and not self.deterministic
+
+    def _reported_in(self, plan: WindowPlan, reports: dict[int, m.WindowDone]) -> bool:
+        """A rank that died in this window had reported it first, and its average was launched
+        in the group it trained with (no survivor regrouped before averaging): its report counts
+        as any other, and the next window's reports say whether that average landed (``_land``)."""
+        if plan.rank not in reports or not self._in_background(plan):
+            return False
+        return all(r.regrouped_at < 0 for q, r in reports.items() if q != plan.rank)
+
+    def _land(self, window: int, reports: dict[int, m.WindowDone]) -> None:
+        """Dead ranks' last windows whose average was in flight when they died: settled when their
+        reports came in, they are in the consensus unless every survivor of that window gave its
+        average up (``WindowDone.dropped``; a survivor that completed it holds the dead rank's
+        work, and the others take the consensus from it: rank/regroup.py). Given up everywhere,
+        the dead rank's samples go back to the pool, for the survivors to train again."""
+        for rank, (number, plan, consumed, members) in list(self.landing.items()):
+            if number >= window:
+                continue
+            if rank not in self.dead:
+                if rank in reports:  # it reported a later window: its average of ``number`` landed before
+                    del self.landing[rank]
+                continue
+            survivors = [r for q, r in reports.items() if q in members and q not in self.dead]
+            if not survivors:
+                continue  # none of its window's survivors reported this one yet: ask the next
+            del self.landing[rank]
+            if all(r.dropped == number for r in survivors):
+                self._unland(rank, number, plan, consumed)
+
+    def _unland(self, rank: int, number: int, plan: WindowPlan, consumed: int) -> None:
+        """``rank``'s window ``number`` counted ``consumed`` samples that no replica holds: back to their
+        epochs' pools, to be trained again. An open epoch's row loses them (the survivors' reports
+        add them back); a closed epoch's row keeps them, its positions trained again unreported."""
+        given, late = self.dispatcher.unsettle(plan, consumed)
+        for grant, used in plan.consumed_per_grant(consumed):
+            row = self.epochs[grant.epoch].rows.get(rank) if grant.epoch in self.epochs else None
+            if used and row is not None:
+                row.samples -= used
+        self.regranted += given
+        self.late += late
+        log.warning(
+            "rank %d died with window %d's average in flight and no survivor kept it: its %d samples are trained again%s",
+            rank,
+            number,
+            given,
+            f" ({late} of them in an epoch that had closed: its eval went without them)" if late else "",
+        )
 
     def _dead_consumed(self, plan: WindowPlan, reports: dict[int, m.WindowDone], last_batches: int) -> int:
         regrouped = [r.regrouped_at for r in reports.values() if r.regrouped_at >= 0]
@@ -359,6 +423,8 @@ class CadenceLoop:
         """Per-epoch rows: a window that straddles epochs splits by what each got."""
         touched = []
         for epoch, counters in map(EpochCounters.from_row, report.epochs):
+            if epoch not in self.epochs:  # a closed epoch's positions trained again (``_unland``): its row is out
+                continue
             touched.append(epoch)
             self.epochs[epoch].rows.setdefault(rank, EpochCounters()).add(counters)
         if touched:

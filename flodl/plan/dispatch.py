@@ -127,6 +127,7 @@ class Dispatcher:
         self.pools: dict[int, EpochPool] = {}
         self.next_epoch = start_epoch  # the next pool to create
         self.completed: list[int] = []  # epochs fully trained, in order
+        self.reopened: set[int] = set()  # closed epochs holding positions to train again (``unsettle``)
         # epoch -> (its pool, positions not yet trained): settling a window is then O(ranks),
         # where asking each pool ``done`` (a sum over its trained ranges) after every rank's settle was O(ranks²)
         self._untrained: dict[int, tuple[EpochPool, int]] = {}
@@ -362,6 +363,29 @@ class Dispatcher:
             self._untrained[pool.epoch] = (pool, left - pool.settle(plan.rank, [(grant.start, grant.size)], used))
         self._close_done()
 
+    def unsettle(self, plan: WindowPlan, consumed: int) -> tuple[int, int]:
+        """The first ``consumed`` samples of ``plan``, settled as trained, are in no replica after all
+        (its rank died with the window's average in flight, and every survivor gave that average
+        up): back to their epochs' pools, for the survivors to train again. An epoch that closed
+        meanwhile is reopened for those positions alone (``reopened``: its close is not reported
+        twice). Returns (given back, of which in epochs that had closed)."""
+        given = late = 0
+        for grant, used in plan.consumed_per_grant(consumed):
+            if not used:
+                continue
+            pool = self.pools.get(grant.epoch)
+            if pool is None:  # closed: a pool of these positions alone, trained before any later epoch closes
+                total = self.epoch_len(grant.epoch)
+                pool = self.pools[grant.epoch] = EpochPool(grant.epoch, total, trained=[(0, total)])
+                self.reopened.add(grant.epoch)
+                late += used
+            left = self._untrained_in(pool)
+            pool.untrain(grant.start, used)
+            pool.share_free(self.ranks, self.batch_size)  # partitioned: to the survivors' partitions
+            self._untrained[pool.epoch] = (pool, left + used)
+            given += used
+        return given, late
+
     def _untrained_in(self, pool: EpochPool) -> int:
         """Positions of ``pool`` not yet trained (``pool.done`` is this being 0), kept up to date by ``settle``."""
         cached = self._untrained.get(pool.epoch)
@@ -378,6 +402,9 @@ class Dispatcher:
             pool.check()
             del self.pools[epoch]
             self._untrained.pop(epoch, None)
+            if epoch in self.reopened:  # its close was reported when it first closed
+                self.reopened.discard(epoch)
+                continue
             self.completed.append(epoch)
 
     def take_completed(self) -> list[int]:

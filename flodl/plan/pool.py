@@ -198,6 +198,23 @@ class EpochPool:
             self._give_back(rank, start + used, size - used)
         return newly
 
+    def untrain(self, start: int, size: int) -> None:
+        """``[start, start+size)``, marked trained, is in no replica after all: free again.
+
+        Raises:
+            LedgerError: the range is not trained.
+        """
+        if size <= 0:
+            return
+        for i, (s, z) in enumerate(self.trained):
+            if s <= start and start + size <= s + z:
+                del self.trained[i]
+                _merge_into(self.trained, s, start - s)
+                _merge_into(self.trained, start + size, s + z - start - size)
+                _merge_into(self.free, start, size)
+                return
+        raise LedgerError(f"epoch {self.epoch}: [{start}, {start + size}) is not trained")
+
     def reclaim(self, rank: int) -> int:
         """Give back everything granted to ``rank`` (it died); returns how many positions."""
         ranges = self.granted.pop(rank, [])

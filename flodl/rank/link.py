@@ -94,6 +94,7 @@ class ControllerLink:
         self._pipe_out.setsockopt(zmq.SNDHWM, 0)
         self._pipe_out.connect(pipe)
         self._beat_due = False
+        self._queued = self._forwarded = 0  # frames sent through the pipe, and forwarded to the socket (``drain``)
         self._stop = threading.Event()
         self._done = threading.Event()  # the training thread finished its wind-down
         self._thread = threading.Thread(target=self._run, name="flodl-link", daemon=True)
@@ -106,6 +107,15 @@ class ControllerLink:
     def send(self, msg: Any) -> None:
         """Sign ``msg`` and hand it to the link thread at once (never blocks)."""
         self._pipe_out.send(self.writer.encode(msg), copy=True)
+        self._queued += 1
+
+    def drain(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until the link thread has handed every frame sent so far to
+        the socket, and a moment for ZeroMQ to write them (tests: a rank that dies right after a report)."""
+        deadline = time.monotonic() + timeout_s
+        while self._forwarded < self._queued and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(min(0.003, max(0.0, deadline - time.monotonic())))
 
     def send_report(self, report: WindowDone) -> None:
         """Send a window's report, and keep it: the controller sends the window again if a reset lost it."""
@@ -254,6 +264,7 @@ class ControllerLink:
                 dealer.send(frame, zmq.NOBLOCK)
             except zmq.Again:
                 log.warning("controller link full: dropped a frame")
+            self._forwarded += 1
 
     def _flush_lazy(self, dealer: zmq.Socket) -> None:
         while self._lazy:

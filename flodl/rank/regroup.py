@@ -69,6 +69,7 @@ class Regrouping:
     redoing: bool
     skip_redo: bool
     bg_redo: bool
+    dropped_window: int
     peers: frozenset[int]
     norms_stale: bool
 
@@ -189,6 +190,9 @@ class Regrouping:
         # every member must do the same number of averages in the new group: this one is repeated
         # there, unless a survivor already has it behind it (``_enter`` compares positions)
         self.bg_redo = True
+        # the window that launched it (an average's tag is its position: window << 16 | round): the
+        # next report names it, so the controller knows whether a dead peer's last window landed anywhere
+        self.dropped_window = max(self.dropped_window, self.averager.dropped_tag >> 16)
         log.warning("rank %d: a background average failed (%s); keeping this replica's values", self.rank, exc)
         announced = self.link.regroup
         if announced is None or announced.generation <= self.generation:

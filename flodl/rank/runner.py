@@ -160,6 +160,9 @@ class RankRunner(Regrouping, Evaluating):
         self.redoing = False  # an average failed and is to be redone in the next generation
         self.skip_redo = False  # ... unless the other survivors completed it (regroup.py)
         self.bg_redo = False  # a background average was dropped: the survivors' group repeats it (regroup.py)
+        # the window whose background average was dropped since the last report (-1: none): the next
+        # report says so, and the controller learns whether a dead peer's last window is in a replica
+        self.dropped_window = -1
         self.peers: frozenset[int] = frozenset()  # the ranks of this rank's process group (regroup.py: did one leave?)
         self.deferred: collections.deque = collections.deque()  # commands taken early that wait their turn
         self.evals_taken = 0  # RunEvals scored (compared with the link's count between batches)
@@ -753,10 +756,14 @@ class RankRunner(Regrouping, Evaluating):
                 epochs=epoch_rows(stats.per_epoch),
                 scalars=window_scalars,
                 regrouped_at=stats.regrouped_at,
+                dropped=self.dropped_window,
                 res=self.resources.summary(),
                 data=data,
             )
         )
+        self.dropped_window = -1
+        # tests: die with this window's average in flight, its report out (the ledger must hold either way)
+        self.faults.reach("reported", before=lambda: self.link.drain(1.0))
 
     def _start_warmer(self) -> None:
         """Once the first window trained: read the rest of the dataset into the tiers in the background.

@@ -20,6 +20,8 @@ connection reset), ``delay`` (at ``spawn`` only). Points:
               told (so it has not committed them)
 * ``window``  the ``n``-th ``Window`` frame reaches the rank's link (``drop``: it never arrived)
 * ``report``  the ``n``-th ``WindowDone`` is about to leave (``drop``: it never arrives)
+* ``reported`` the ``n``-th ``WindowDone`` has left, the window's end average launched and still in
+              flight (Cadence, Async): the rank dies with it in flight
 * ``build``   the rank about to build its task, before its hello (``hang``: a start-up that
               never ends, as a stuck import or a dataset download would; n is 1)
 * ``spawn``   read by the worker, not the rank: ``delay`` holds the start of this rank's process
@@ -35,11 +37,12 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..config.env import INJECT_FAULT, injected_faults
 
-POINTS = ("batch", "average", "epoch", "regroup", "save", "window", "report", "build", "spawn")
+POINTS = ("batch", "average", "epoch", "regroup", "save", "window", "report", "reported", "build", "spawn")
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 ACTIONS = (*SIGNALS, "hang", "nan", "drop", "delay")
 LOSSY = ("window", "report")  # the points where a frame can be lost: the only ones ``drop`` applies to
@@ -74,8 +77,9 @@ class FaultPlan:
                 plan.armed[point] = (nth, action)
         return plan
 
-    def reach(self, point: str, index: int | None = None) -> str | None:
-        """Called at ``point``; fires when its count (or the given index) equals the armed n.
+    def reach(self, point: str, index: int | None = None, before: Callable[[], None] | None = None) -> str | None:
+        """Called at ``point``; fires when its count (or the given index) equals the armed n,
+        after calling ``before`` (``reported``: the report is flushed first).
 
         Returns the action the caller must carry out itself (``nan``), else None.
         """
@@ -86,6 +90,8 @@ class FaultPlan:
         if (index if index is not None else count) != nth:
             return None
         del self.armed[point]  # once: a stopped process that is resumed carries on
+        if before is not None:
+            before()
         if action == "hang":
             threading.Event().wait()  # this thread never returns; the rest of the process lives on
         if action in SIGNALS:

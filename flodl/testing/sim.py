@@ -318,6 +318,7 @@ class SimWorker:
                 epochs=epoch_rows(per_epoch),
                 scalars={},
                 regrouped_at=-1,
+                dropped=-1,
                 res={},
                 data={},
             )

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 
 @dataclass(slots=True)
@@ -356,6 +356,8 @@ class WindowDone:
     """user scalars recorded during the window, name to [sum, count]"""
     regrouped_at: int
     """the window's averaging round that was redone in a new generation because a peer died (-1: none); the dead rank's batches before it are in the consensus"""
+    dropped: int
+    """a window whose end-of-window background average this rank gave up while training this one, because a peer died mid-average (-1: none); when every survivor gave it up, the dead rank's work of that window is in no replica and its samples are granted again"""
     res: dict[str, Any]
     """the rank's machine gauges over the window (gpu_util, gpu_util_max, vram_alloc, vram_alloc_max, vram_total, cpu_util, rss_bytes; present ones only)"""
     data: dict[str, Any]
@@ -564,7 +566,7 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     17: ('Ping', Ping, (('nonce', 'int'), ('sent_at', 'float'),)),
     18: ('Pong', Pong, (('nonce', 'int'), ('sent_at', 'float'),)),
     19: ('Window', Window, (('window', 'int'), ('global_step', 'int'), ('grants', 'list<list<int>>'), ('quota_batches', 'int'), ('quota_ms', 'float'), ('sync_every', 'int'), ('rounds', 'int'), ('measure_divergence', 'bool'), ('after', 'int'),)),
-    20: ('WindowDone', WindowDone, (('rank', 'int'), ('window', 'int'), ('batches', 'int'), ('consumed', 'int'), ('loss_sum', 'float'), ('compute_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'), ('wall_ms', 'float'), ('divergence', 'opt<float>'), ('pre_norm', 'opt<float>'), ('post_norm', 'opt<float>'), ('lr', 'opt<float>'), ('epochs', 'list<list<float>>'), ('scalars', 'map<str,list<float>>'), ('regrouped_at', 'int'), ('res', 'map<str,value>'), ('data', 'map<str,value>'),)),
+    20: ('WindowDone', WindowDone, (('rank', 'int'), ('window', 'int'), ('batches', 'int'), ('consumed', 'int'), ('loss_sum', 'float'), ('compute_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'), ('wall_ms', 'float'), ('divergence', 'opt<float>'), ('pre_norm', 'opt<float>'), ('post_norm', 'opt<float>'), ('lr', 'opt<float>'), ('epochs', 'list<list<float>>'), ('scalars', 'map<str,list<float>>'), ('regrouped_at', 'int'), ('dropped', 'int'), ('res', 'map<str,value>'), ('data', 'map<str,value>'),)),
     21: ('EndWindow', EndWindow, (('window', 'int'),)),
     22: ('Snapshot', Snapshot, (('rank', 'int'), ('round', 'int'), ('weight', 'float'), ('groups', 'list<str>'), ('dtypes', 'list<str>'), ('numels', 'list<int>'), ('bucket', 'int'), ('start', 'int'), ('count', 'int'), ('shm', 'str'), ('shm_offset', 'int'), ('ranks', 'int'),)),
     23: ('Update', Update, (('round', 'int'), ('aborted', 'bool'), ('ranks', 'int'), ('groups', 'list<str>'), ('dtypes', 'list<str>'), ('numels', 'list<int>'), ('bucket', 'int'), ('start', 'int'), ('count', 'int'), ('shm', 'str'), ('shm_offset', 'int'),)),
