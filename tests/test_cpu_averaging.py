@@ -68,6 +68,7 @@ async def test_timeout_aborts_and_late_snapshot_never_leaks(lane):
     await asyncio.gather(*(asyncio.to_thread(a.average, 1.0) for a in avgs[:2]))
     assert ctl.rounds.aborted == 1
     assert all(torch.equal(mo.weight.detach(), k) for mo, k in zip(models[:2], kept, strict=False))
+    assert not any(ctl.landed(0, r) for r in range(3))  # aborted: nobody's snapshot is in an average
     # rank 2's round-0 snapshot arrives now: stale. Round 1 averages all three.
     with torch.no_grad():
         models[2].weight.fill_(1000.0)
@@ -125,6 +126,9 @@ async def test_round_completes_without_a_rank_that_died(lane):
     await asyncio.gather(die_later(), *(asyncio.to_thread(a.average, 1.0) for a in avgs[:2]))
     assert ctl.rounds.rounds_done == 1 and ctl.rounds.aborted == 0
     assert torch.allclose(models[0].weight.detach(), want, atol=1e-6)
+    # what the ledger asks of a dead rank's last window: the round went on without its snapshot
+    assert [ctl.landed(0, r) for r in (0, 1, 2)] == [True, True, False]
+    assert ctl.landed(1, 0) is None  # round 1 has not happened: not known yet
     await stop(ctl, task, avgs)
 
 

@@ -99,7 +99,7 @@ def test_a_rank_that_reported_then_died_is_counted_unless_no_survivor_kept_its_a
     before = loop.regranted
     fold_window(loop, n, {0: 1.0, 1: 2.0})
     assert loop.regranted == before  # counted by its report: not granted again yet
-    assert loop.landing[1][0] == n
+    assert loop.landing[1].window == n
     # window n + 1 (planned without it): rank 0's report says whether its average of n landed
     _plan_and_fold(loop, {0: 1.0}, dropped={} if kept else {0: n})
     assert 1 not in loop.landing
@@ -115,7 +115,7 @@ def test_a_settled_window_whose_average_every_survivor_gave_up_goes_back(mode):
     m1 = loop.window
     assert loop.next_windows(now=float(m1)) is not None
     granted = loop.plans[m1][1].samples
-    _, _, consumed, _ = loop.landing[1]
+    consumed = loop.landing[1].consumed
     loop.remove_ranks({1})  # it dies in window n + 1, while n's average runs: rank 0's fails
     before = loop.regranted
     fold_window(loop, m1, {0: 1.0}, dead_batches={1: 2}, dropped={0: n})
@@ -130,8 +130,9 @@ def test_a_give_up_found_after_the_epoch_closed_reopens_it_for_those_samples():
     loop, closed = _closing_loop("nccl-cadence")
     while True:  # a window that closes an epoch with some of rank 1's samples of it
         n = _plan_and_fold(loop, {0: 1.0, 1: 2.0})
-        number, plan, consumed, _ = loop.landing[1]
-        assert number == n
+        landing = loop.landing[1]
+        plan, consumed = landing.plan, landing.consumed
+        assert landing.window == n
         late = sum(used for g, used in plan.consumed_per_grant(consumed) if g.epoch not in loop.dispatcher.pools)
         if late:
             break
@@ -146,3 +147,55 @@ def test_a_give_up_found_after_the_epoch_closed_reopens_it_for_those_samples():
     assert loop.dispatcher.pools[reopened].remaining == late  # only those positions are open again
     _finish(loop, closed)  # each epoch closed once, every position trained
     assert reopened not in loop.dispatcher.reopened
+
+
+# ------------------------------------------------------------- the CPU backend: the server knows
+
+
+class _Server:
+    """The averaging server's record of rounds (averaging/server.py ``landed``), as a test sets it."""
+
+    def __init__(self, relayed: set[int] | None = None) -> None:
+        self.relayed = relayed or set()
+        self.rounds: dict[int, set[int]] = {}  # round -> ranks whose snapshot it folded whole
+
+    def folds_directly(self, rank: int) -> bool:
+        return rank not in self.relayed
+
+    def landed(self, number: int, rank: int) -> bool | None:
+        done = self.rounds.get(number)
+        return None if done is None or rank in self.relayed else rank in done
+
+
+@pytest.mark.parametrize("folded", [True, False], ids=["its-snapshot-folded", "the-round-went-on-without-it"])
+def test_cpu_a_rank_that_reported_then_died_is_settled_by_the_servers_round(folded):
+    loop, closed = _closing_loop("cpu-cadence")
+    server = loop.snapshots = _Server()
+    n = loop.window
+    assert loop.next_windows(now=float(n)) is not None
+    round_n = loop.end_round[n]
+    loop.remove_ranks({1})
+    before = loop.regranted
+    fold_window(loop, n, {0: 1.0, 1: 2.0})  # its report is in: counted for now
+    assert loop.regranted == before and loop.landing[1].round == round_n
+    _plan_and_fold(loop, {0: 1.0})  # the round is still open: not known yet
+    assert 1 in loop.landing
+    server.rounds[round_n] = {0, 1} if folded else {0}
+    _plan_and_fold(loop, {0: 1.0})
+    assert 1 not in loop.landing
+    assert (loop.regranted > before) is not folded
+    _finish(loop, closed)
+
+
+def test_cpu_a_relayed_rank_that_died_is_granted_again_as_before():
+    """The server cannot tell a relayed rank's snapshot from its host's: its unsettled window goes back."""
+    loop, closed = _closing_loop("cpu-cadence")
+    loop.snapshots = _Server(relayed={1})
+    n = loop.window
+    assert loop.next_windows(now=float(n)) is not None
+    held = loop.plans[n][1].samples
+    loop.remove_ranks({1})
+    before = loop.regranted
+    fold_window(loop, n, {0: 1.0, 1: 2.0})
+    assert loop.regranted - before == held and 1 not in loop.landing
+    _finish(loop, closed)

@@ -49,6 +49,10 @@ from ..wire.bulk import DTYPES, slices
 
 log = logging.getLogger("flodl.averaging")
 
+#: Rounds whose folded sources are remembered (``Rounds.landed``): a dead rank's last window is
+#: settled within a window or two of its round.
+LANDED_KEPT = 64
+
 
 @dataclass
 class Round:
@@ -235,6 +239,9 @@ class Rounds:
         self.rounds_done = 0
         self.aborted = 0
         self.round_ms: list[float] = []
+        # round -> the sources whose snapshot it folded whole (none: aborted), for the last few rounds:
+        # the controller's ledger asks whether a rank that died had its last window's snapshot in
+        self.landed: dict[int, set[int]] = {}
 
     async def take(self, source: int, msg: m.Snapshot, piece: torch.Tensor) -> None:
         """Fold one slice into its round, or hold it for a later round, or drop it as stale.
@@ -308,6 +315,7 @@ class Rounds:
         ms = (self.clock() - rnd.started) * 1000.0
         self.round_ms.append(ms)
         self.rounds_done += 1
+        self._remember(rnd.number, rnd.complete())
         self._next(rnd.number)
         self.on_round(rnd.number, ms)
 
@@ -321,8 +329,14 @@ class Rounds:
             return False
         self.endpoint.broadcast(empty_update(layout, number, aborted=aborted), [])
         self.aborted += aborted
+        self._remember(number, set())
         self._next(number)
         return True
+
+    def _remember(self, number: int, sources: set[int]) -> None:
+        self.landed[number] = sources
+        if len(self.landed) > LANDED_KEPT:
+            del self.landed[min(self.landed)]
 
     # ------------------------------------------------------------------ internals
 

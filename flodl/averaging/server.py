@@ -142,6 +142,19 @@ class CpuAveraging:
         self.ranks[identity + b"/bulk"] = source
         self.members[source] = set(ranks)
 
+    def folds_directly(self, rank: int) -> bool:
+        """Does ``rank`` send its snapshots here itself (not pre-averaged by a host relay)?"""
+        return rank not in self.relayed
+
+    def landed(self, number: int, rank: int) -> bool | None:
+        """Was ``rank``'s snapshot folded whole into round ``number``'s average (False: the round went
+        on without it, or was aborted)? None while the round is open, or when nobody here can tell
+        (a relayed rank, a round too old)."""
+        done = self.rounds.landed.get(number)
+        if done is None or not self.folds_directly(rank):
+            return None
+        return rank in done
+
     def expected(self, number: int) -> set[int]:
         """The sources round ``number`` waits for: admitted by then, and carrying a live rank."""
         live = self.live()

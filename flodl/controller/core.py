@@ -469,6 +469,7 @@ class Controller:
                 self.liveness.cpu_round_done(number, ms)
 
             averaging.on_round = on_round
+            loop.snapshots = averaging  # whose snapshot each round folded: a dead rank's last window (cadence.py _land)
         # deterministic: one window at a time too, so an epoch's RunEval reaches the eval rank
         # before its next window does, and scores exactly the average that closed the epoch
         depth = 1 if self.config.elche.mode.policy is ApplyPolicy.SYNC or self.config.deterministic else 2

@@ -14,7 +14,7 @@ import logging
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 from ..config import ApplyPolicy, AverageBackend, DdpRunConfig
 from ..wire import messages as m
@@ -40,6 +40,24 @@ class _EpochAcc:
     rows: dict[int, EpochCounters] = field(default_factory=dict)  # rank -> its totals
     syncs: int = 0
     scalars: dict[int, dict[str, list[float]]] = field(default_factory=dict)
+
+
+class Landing(NamedTuple):
+    """A rank's last settled window whose end average lands later (``CadenceLoop.landing``)."""
+
+    window: int
+    plan: WindowPlan
+    consumed: int  # samples its report counted
+    members: frozenset[int]  # the ranks of that window (whose next reports tell, collective)
+    round: int  # the averaging round that ends it (CPU backend)
+
+
+class SnapshotRecord(Protocol):
+    """What the CPU backend's averaging server knows of a round (averaging/server.py)."""
+
+    def folds_directly(self, rank: int) -> bool: ...
+
+    def landed(self, number: int, rank: int) -> bool | None: ...
 
 
 class CadenceLoop:
@@ -104,10 +122,12 @@ class CadenceLoop:
         # it died after its window's last average, before saying how many shards that held
         self.maybe_repeated = 0
         self.regrouped_out: set[int] = set()  # dead ranks a regroup already left out of the consensus
-        # collective, averaged once at a window's end, in the background: each rank's last settled
-        # window (number, plan, samples counted, the window's ranks) until the next window's reports
-        # say whether its average landed (``_land``): a rank that dies with it in flight
-        self.landing: dict[int, tuple[int, WindowPlan, int, frozenset[int]]] = {}
+        # a window averaged once at its end, in the background: each rank's last settled window until
+        # it is known whether that average landed with it (``_land``): a rank that dies with it in flight
+        self.landing: dict[int, Landing] = {}
+        self.end_round: dict[int, int] = {}  # window -> the averaging round that ends it (CPU backend's numbering)
+        # CPU backend: the averaging server, which knows whose snapshot each round folded (``SnapshotRecord``)
+        self.snapshots: SnapshotRecord | None = None
         # samples a dead rank's window counted as trained, whose average every survivor gave up after
         # their epoch had closed: trained again then, but that epoch's eval and checkpoint went without them
         self.late = 0
@@ -146,6 +166,7 @@ class CadenceLoop:
         self.plans[self.window] = plans
         self.started[self.window] = now
         self.round_base += max(p.rounds for p in plans.values())
+        self.end_round[self.window] = self.round_base - 1
         for plan in plans.values():
             for grant in plan.grants:
                 if grant.epoch not in self.dispatcher.reopened:  # a closed epoch's positions trained again: closed once
@@ -319,6 +340,7 @@ class CadenceLoop:
         part (all of its grants go back to the survivors).
         """
         plans = self.plans.pop(window)
+        end_round = self.end_round.pop(window, -1)
         rounds = max(p.rounds for p in plans.values())
         self.syncs += rounds
         self._land(window, reports)
@@ -335,7 +357,7 @@ class CadenceLoop:
             self.dispatcher.settle(plan, report.consumed)
             self._account(rank, report, rounds, plan)
             if self._in_background(plan):
-                self.landing[rank] = (window, plan, report.consumed, members)
+                self.landing[rank] = Landing(window, plan, report.consumed, members, end_round)
         for rank in self.dead - {r for ps in self.plans.values() for r in ps}:
             self.dispatcher.reclaim(rank)  # a dead rank's reserved partitions go to the survivors
         self.global_step += sum(r.batches for r in reports.values())
@@ -348,37 +370,52 @@ class CadenceLoop:
         return self._close_all(self.dispatcher.take_completed(), now)
 
     def _in_background(self, plan: WindowPlan) -> bool:
-        """Is ``plan``'s window averaged once at its end, in the background, on the collective backend?
-        Its rank reports it right after launching that average, which lands during the next window."""
-        return self.collective and not plan.sync_every and not self.deterministic
+        """Is ``plan``'s window averaged once at its end, in the background? Its rank reports it right
+        after launching that average (a collective, or its snapshot sent), which lands later."""
+        return not plan.sync_every and not self.deterministic
 
     def _reported_in(self, plan: WindowPlan, reports: dict[int, m.WindowDone]) -> bool:
-        """A rank that died in this window had reported it first, and its average was launched
-        in the group it trained with (no survivor regrouped before averaging): its report counts
-        as any other, and the next window's reports say whether that average landed (``_land``)."""
+        """A rank that died in this window had reported it first, its average launched with the ranks
+        it trained with: its report counts as any other, and whether that average landed with it is
+        settled later (``_land``). Collective: unless a survivor regrouped before averaging (then it
+        was not in their average). CPU: when the averaging server can tell (not through a relay)."""
         if plan.rank not in reports or not self._in_background(plan):
             return False
+        if not self.collective:
+            return self.snapshots is not None and self.snapshots.folds_directly(plan.rank)
         return all(r.regrouped_at < 0 for q, r in reports.items() if q != plan.rank)
 
     def _land(self, window: int, reports: dict[int, m.WindowDone]) -> None:
         """Dead ranks' last windows whose average was in flight when they died: settled when their
-        reports came in, they are in the consensus unless every survivor of that window gave its
-        average up (``WindowDone.dropped``; a survivor that completed it holds the dead rank's
-        work, and the others take the consensus from it: rank/regroup.py). Given up everywhere,
-        the dead rank's samples go back to the pool, for the survivors to train again."""
-        for rank, (number, plan, consumed, members) in list(self.landing.items()):
-            if number >= window:
+        reports came in, they are in the consensus unless that average went on without them.
+        Collective: unless every survivor of that window gave it up (``WindowDone.dropped`` in
+        their next reports; a survivor that completed it holds the dead rank's work, and the
+        others take the consensus from it: rank/regroup.py). CPU: unless the averaging server's
+        round folded no whole snapshot of it. Then its samples go back to the pool."""
+        for rank, landing in list(self.landing.items()):
+            if landing.window >= window:
                 continue
             if rank not in self.dead:
                 if rank in reports:  # it reported a later window: its average of ``number`` landed before
                     del self.landing[rank]
                 continue
-            survivors = [r for q, r in reports.items() if q in members and q not in self.dead]
-            if not survivors:
-                continue  # none of its window's survivors reported this one yet: ask the next
+            landed = self._landed(landing, reports)
+            if landed is None:
+                continue  # not known yet: ask at the next settle
             del self.landing[rank]
-            if all(r.dropped == number for r in survivors):
-                self._unland(rank, number, plan, consumed)
+            if not landed:
+                self._unland(rank, landing.window, landing.plan, landing.consumed)
+
+    def _landed(self, landing: Landing, reports: dict[int, m.WindowDone]) -> bool | None:
+        """Did the dead rank's average of ``landing``'s window land with it (None: not known yet)?"""
+        if not self.collective:
+            if self.snapshots is None or not self.snapshots.folds_directly(landing.plan.rank):
+                return True  # nobody can tell (a relay pre-averaged it): counted, as its report said
+            return self.snapshots.landed(landing.round, landing.plan.rank)
+        survivors = [r for q, r in reports.items() if q in landing.members and q not in self.dead]
+        if not survivors:
+            return None  # none of its window's survivors reported this one yet
+        return not all(r.dropped == landing.window for r in survivors)
 
     def _unland(self, rank: int, number: int, plan: WindowPlan, consumed: int) -> None:
         """``rank``'s window ``number`` counted ``consumed`` samples that no replica holds: back to their
@@ -392,7 +429,7 @@ class CadenceLoop:
         self.regranted += given
         self.late += late
         log.warning(
-            "rank %d died with window %d's average in flight and no survivor kept it: its %d samples are trained again%s",
+            "rank %d died with window %d's average in flight, which went on without it: its %d samples are trained again%s",
             rank,
             number,
             given,
