@@ -25,7 +25,7 @@ kernels, set it), and which width sizing lands on moves with the GPU's clock
 ramp: ``--width`` gives the width instead (256: the host-bound case, where every
 microsecond flodl adds to a step shows; 2048: the GPU has the host's pace). Each
 repetition is a pair run back to back, who goes first alternating (drift hits
-both), and the ratio is taken per pair; the table gives the median over the pairs (9; 7 with
+both), and the ratio is taken per pair; the table gives the median over the pairs (9; 11 with
 ``--quick``), the spread (lowest and highest pair) and every pair's ratio.
 ``--epochs N`` runs every MLP case N epochs long instead of the plan's (a run's
 fixed costs, its first window and last report, weigh less against more steps). ``--quick`` runs the
@@ -234,7 +234,7 @@ def gpu_samples(step_ms: float, batch: int) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = size_parser(__doc__, "the ~5 ms case only, 7 pairs (under two minutes)", "one tiny pair")
+    parser = size_parser(__doc__, "the ~5 ms case only, 11 pairs (under two minutes)", "one tiny pair")
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="where both sides train (cuda: results in overhead_gpu.json)"
     )
@@ -303,7 +303,7 @@ def plan(args: argparse.Namespace) -> tuple[list[tuple[str, float | None, str]],
         models = () if args.quick else ("resnet20", "gpt_nano")
         reps, samples, epochs = (3 if args.quick else 5), 0, 3  # samples: sized per case
     elif args.quick:
-        targets, models, reps, samples, epochs = (5.0,), (), 7, 12288, 2
+        targets, models, reps, samples, epochs = (5.0,), (), 11, 12288, 2
     else:
         targets, models, reps, samples, epochs = (5.0, 20.0), (), 9, 16384, 4
     if args.steps_ms:
