@@ -54,8 +54,8 @@ def test_in_sync_the_rounds_a_dead_rank_finished_with_the_survivors_stay_trained
 # samples of that window are in no replica and go back to the pool.
 
 
-def _closing_loop(mode: str) -> tuple[CadenceLoop, list]:
-    """Two ranks, three windows timed; every epoch the loop closes is collected."""
+def _closing_loop(mode: str, timed: int = 3) -> tuple[CadenceLoop, list]:
+    """Two ranks, ``timed`` windows trained; every epoch the loop closes is collected."""
     loop = CadenceLoop(DdpRunConfig().with_mode(mode), [0, 1], dataset_len=4000, batch_size=10, epochs=3, seed=3)
     closed: list = []
     settle = loop.on_reports
@@ -66,7 +66,7 @@ def _closing_loop(mode: str) -> tuple[CadenceLoop, list]:
         return out
 
     loop.on_reports = collecting  # type: ignore[method-assign]
-    for _ in range(3):
+    for _ in range(timed):
         _plan_and_fold(loop, {0: 1.0, 1: 2.0})
     return loop, closed
 
@@ -199,3 +199,27 @@ def test_cpu_a_relayed_rank_that_died_is_granted_again_as_before():
     fold_window(loop, n, {0: 1.0, 1: 2.0})
     assert loop.regranted - before == held and 1 not in loop.landing
     _finish(loop, closed)
+
+
+def test_a_reopened_epoch_stays_closed_once_across_a_resume():
+    """A checkpoint taken while an epoch is reopened for a dead rank's positions: the resumed run
+    trains those positions and every later epoch, and reports no epoch it had closed again."""
+    loop, closed = _closing_loop("nccl-cadence")
+    while True:  # as above: a window that closed an epoch with some of rank 1's samples of it
+        n = _plan_and_fold(loop, {0: 1.0, 1: 2.0})
+        landing = loop.landing[1]
+        if any(g.epoch not in loop.dispatcher.pools and used for g, used in landing.plan.consumed_per_grant(landing.consumed)):
+            break
+    m1 = loop.window
+    assert loop.next_windows(now=float(m1)) is not None
+    loop.remove_ranks({1})
+    fold_window(loop, m1, {0: 1.0}, dead_batches={1: 0}, dropped={0: n})
+    assert loop.dispatcher.reopened
+    meta = {"coverage": loop.coverage(), "global_step": loop.global_step}
+    done = [s.epoch for s in closed]
+    resumed, after = _closing_loop("nccl-cadence", timed=0)  # a fresh loop, as a resumed run builds it
+    resumed.restore(meta)
+    assert resumed.dispatcher.reopened == loop.dispatcher.reopened
+    while not resumed.finished:
+        _plan_and_fold(resumed, {0: 1.0, 1: 1.0})
+    assert sorted(done + [s.epoch for s in after]) == [0, 1, 2]  # each epoch closed once over both runs

@@ -263,6 +263,8 @@ class CadenceLoop:
             "epoch_splits": self.schedule.epoch_splits,
             "next_epoch": d.next_epoch,
             "open": [{"epoch": e, "total": p.total, "uncovered": [list(r) for r in p.uncovered()]} for e, p in sorted(d.pools.items())],
+            # closed epochs reopened for a dead rank's positions (``_unland``): closed once, resumed or not
+            "reopened": sorted(d.reopened),
         }
 
     def restore(self, meta: dict[str, Any]) -> None:
@@ -277,6 +279,7 @@ class CadenceLoop:
                 continue
             pool = EpochPool.from_uncovered(int(item["epoch"]), int(item["total"]), uncovered)
             d.pools[pool.epoch] = pool
+        d.reopened = {int(e) for e in cov.get("reopened", [])} & set(d.pools)  # sidecars before it have none
         self.global_step = int(meta["global_step"])
         self.syncs = int(meta.get("sync_round", 0))
         state = meta.get("elche_state")
