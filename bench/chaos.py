@@ -4,8 +4,8 @@
 
 Every run is ``python -m flodl.controller --task tests/tasks/tiny.py:task``
 with 3 local ranks and ``--heartbeat-timeout-secs 3``. Fault kinds (run ``i``
-gets kind ``i mod 5`` and mode ``i mod 6``, so 30 runs cover every pair; the
-order is shuffled with the seed):
+gets kind ``i mod 6`` and mode ``(i + i div 6) mod 6``, so 36 runs cover every
+pair; the order is shuffled with the seed):
 
 * ``kill``        SIGKILL of a random non-zero rank from outside, at a random moment of training;
                   every other kill run has healing on (``--max-restarts 1``): the killed rank is
@@ -13,6 +13,9 @@ order is shuffled with the seed):
 * ``stop``        SIGSTOP of a random non-zero rank from outside (a hang: found by heartbeat)
 * ``stuck``       ``FLODL_INJECT_FAULT=<rank>:batch:<random n>:hang`` (the training thread
                   blocks for good, heartbeats go on)
+* ``reported``    ``FLODL_INJECT_FAULT=<rank>:reported:<random n>``: the rank SIGKILLs itself the
+                  moment its n-th window report has left, that window's average still in flight
+                  (the ledger must then count the window only if some replica holds it)
 * ``slow-build``  ``FLODL_TEST_BUILD_SLEEP`` > heartbeat timeout: the run must simply start and finish
 * ``ctl-kill``    SIGKILL of the controller at a random moment after the first checkpoint
                   (``--save-path`` + ``--checkpoint-every 1``); a loadable bundle must be left
@@ -25,7 +28,8 @@ failing any check is *lost*. From the summary: detection (the recovery's
 ``unix_time`` minus our kill/stop time; for a stuck thread the stall the death
 reason names, which starts mid-batch at the fault) and ``training_again_s``
 (seconds from the recovery until every survivor completed an average in the
-new membership). Goals (issue: faults at any moment): 0 runs lost, 0 samples
+new membership; a ``reported`` rank kills itself, so its detection has no outside
+clock and only the averaging again is timed). Goals (issue: faults at any moment): 0 runs lost, 0 samples
 lost or repeated, detection <= 1 s for exits and <= heartbeat + 1 s for hangs
 and stuck threads, all survivors averaging again <= 3 s after detection at p99
 (max <= 5 s), a loadable bundle after every controller kill. Full mode also
@@ -50,7 +54,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import psutil
@@ -66,7 +70,7 @@ HEARTBEAT_S = 3
 DATASET = 512  # tiny.py's samples per epoch
 BATCHES_PER_RANK_EPOCH = DATASET // 16 // NPROC  # about 10 batches of 16 per rank per epoch
 MODES = ("nccl-sync", "nccl-cadence", "nccl-async", "cpu-sync", "cpu-cadence", "cpu-async")
-KINDS = ("kill", "stop", "stuck", "slow-build", "ctl-kill")
+KINDS = ("kill", "stop", "stuck", "reported", "slow-build", "ctl-kill")
 SHM = Path(os.environ.get("FLODL_SHM_DIR", "/dev/shm"))
 RUN_TIMEOUT_S = 240
 EVAL_MIN = 0.7
@@ -88,7 +92,7 @@ class Plan:
     mode: str
     victim: int  # the rank hit (non-zero); unused by slow-build and ctl-kill
     at: float  # fraction of the nominal training time at which the fault fires
-    batch: int  # stuck: the victim's batch that hangs
+    batch: int  # stuck: the victim's batch that hangs; reported: its window report after which it dies
     heal: bool = False  # kill: run with --max-restarts 1 and check the restarted rank rejoins
 
 
@@ -148,13 +152,14 @@ def rows_for(results: list[Result]) -> list[Row]:
         else:
             unloadable = [r for r in mine if any(f.startswith("bundle") for f in r.failures)]
             rows.append(Row(kind, "no loadable bundle", len(unloadable), "runs", "0 (bundle after every kill)", not unloadable))
-        if kind in DETECT_GOAL:
-            limit, text = DETECT_GOAL[kind]
-            detect = [r.detect_s for r in mine if r.detect_s is not None]
+        if kind in DETECT_GOAL or kind == "reported":  # reported: it kills itself, no outside clock to detect against
             again = [r.again_s for r in mine if r.again_s is not None]
-            for name, q in (("p50", 50), ("p99", 99), ("max", 100)):
-                v = percentile(detect, q)
-                rows.append(Row(kind, f"detection {name}", v, "s", text, _under(v, limit)))
+            if kind in DETECT_GOAL:
+                limit, text = DETECT_GOAL[kind]
+                detect = [r.detect_s for r in mine if r.detect_s is not None]
+                for name, q in (("p50", 50), ("p99", 99), ("max", 100)):
+                    v = percentile(detect, q)
+                    rows.append(Row(kind, f"detection {name}", v, "s", text, _under(v, limit)))
             for name, q in (("p50", 50), ("p99", 99), ("max", 100)):
                 v = percentile(again, q)
                 goal = {"p99": (f"<= {AGAIN_P99_S:g} s", AGAIN_P99_S), "max": (f"<= {AGAIN_MAX_S:g} s", AGAIN_MAX_S)}.get(name)
@@ -176,16 +181,18 @@ def rows_for(results: list[Result]) -> list[Row]:
 
 
 def make_plans(count: int, seed: int, epochs: int) -> list[Plan]:
-    """Run i: kind i mod 5, mode i mod 6 (every pair in 30 runs); moments drawn uniformly; order shuffled."""
+    """Run i: kind i mod 6, mode (i + i div 6) mod 6 (every pair in 36 runs); moments drawn uniformly;
+    order shuffled."""
     rng = random.Random(seed)
     plans = []
     last_batch = max(2, int(0.8 * BATCHES_PER_RANK_EPOCH * epochs))
     for i in range(count):
         kind = KINDS[i % len(KINDS)]
-        heal = kind == "kill" and (i // len(KINDS)) % 2 == 1  # every other kill run heals
-        plans.append(
-            Plan(i, kind, MODES[i % len(MODES)], rng.randrange(1, NPROC), rng.uniform(0.05, 0.8), rng.randint(2, last_batch), heal)
-        )
+        mode = MODES[(i + i // len(KINDS)) % len(MODES)]
+        heal = kind == "kill" and (i // len(KINDS)) % 2 == 0  # every other kill run heals (the quick set's one)
+        # reported: a window every mode reaches (Sync has one an epoch); stuck: a batch
+        nth = rng.randint(2, epochs) if kind == "reported" else rng.randint(2, last_batch)
+        plans.append(Plan(i, kind, mode, rng.randrange(1, NPROC), rng.uniform(0.05, 0.8), nth, heal))
     rng.shuffle(plans)
     return plans
 
@@ -345,6 +352,8 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
         args += ["--max-restarts", "1"]
     if plan.kind == "stuck":
         extra["FLODL_INJECT_FAULT"] = f"{plan.victim}:batch:{plan.batch}:hang"
+    elif plan.kind == "reported":
+        extra["FLODL_INJECT_FAULT"] = f"{plan.victim}:reported:{plan.batch}"
     elif plan.kind == "slow-build":
         extra["FLODL_TEST_BUILD_SLEEP"] = str(HEARTBEAT_S + 2)
     elif plan.kind == "ctl-kill":
@@ -445,14 +454,17 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
     if plan.kind == "stuck" and not deaths and res.exit_code == 0:
         res.landed = False  # the victim never reached that batch (a hung thread cannot finish a run)
         res.note = f"rank {plan.victim} never reached batch {plan.batch}"
+    if plan.kind == "reported" and not deaths and res.exit_code == 0:
+        res.landed = False
+        res.note = f"rank {plan.victim} never reported window {plan.batch}"
     if not res.landed:
         if deaths:
             res.failures.append(f"deaths without a fault: {deaths}")
         return res
     if len(deaths) != 1:
         res.failures.append(f"{len(deaths)} deaths, want 1: {deaths}")
-    if plan.kind == "stuck" and deaths and deaths[0]["rank"] != plan.victim:
-        res.failures.append(f"rank {deaths[0]['rank']} died, rank {plan.victim} was stuck")
+    if plan.kind in ("stuck", "reported") and deaths and deaths[0]["rank"] != plan.victim:
+        res.failures.append(f"rank {deaths[0]['rank']} died, rank {plan.victim} was the victim")
     if not recoveries:
         res.failures.append("no recovery")
         return res
@@ -463,6 +475,8 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
     elif hit_at is not None:
         res.detect_s = rec["unix_time"] - hit_at
     res.again_s = rec.get("training_again_s")
+    if plan.kind == "reported":  # what the ledger did with the window whose average was in flight
+        res.note = f"{s.get('regranted_samples', 0)} samples granted again, {s.get('late_samples', 0)} late"
     if plan.heal:
         _check_heal(res, s, rec)
     return res
@@ -508,7 +522,7 @@ def torchrun_rows(runs: int, tmp: Path) -> list[Row]:
 
 def main() -> None:
     parser = size_parser(__doc__, "6 faults, shorter runs (under two minutes)", "one kill fault in a 2-epoch run")
-    parser.add_argument("--faults", type=int, default=None, help="faults (runs) to inject (default 100; quick 6)")
+    parser.add_argument("--faults", type=int, default=None, help="faults (runs) to inject (default 120: 20 of each kind; quick 6)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the fault plan")
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time (default 2)")
     parser.add_argument(
@@ -519,13 +533,15 @@ def main() -> None:
         "--name", default=None, help="results file name (bench/results/<name>.json; default chaos, or chaos_quick with --quick)"
     )
     a = parser.parse_args()
-    count = a.faults or (1 if a.smoke else 6 if a.quick else 100)
+    count = a.faults or (1 if a.smoke else 6 if a.quick else 120)
     if a.torchrun is None:
         a.torchrun = 0 if a.quick or a.smoke else 1
     epochs, step_s = (2, 0.05) if a.smoke else (4, 0.05) if a.quick else (8, 0.05)
     out_dir = smoke_results() if a.smoke else None
     tmp = Path(tempfile.mkdtemp(prefix="flodl-chaos-", dir=out_dir))  # a smoke's logs go with its results
     plans = make_plans(count, a.seed, epochs)
+    if a.smoke:  # the smoke's one kill stays a plain one (no restart to wait for)
+        plans = [replace(p, heal=False) for p in plans]
     print(
         f"{count} faults, seed {a.seed}, {epochs} epochs x {DATASET} samples, {step_s * 1000:.0f} ms/step, "
         f"{a.parallel} at a time; logs in {tmp}",
