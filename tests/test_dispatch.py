@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flodl.config import ApplyPolicy
-from flodl.plan.dispatch import Dispatcher
+from flodl.plan.dispatch import Dispatcher, Grant, WindowPlan
 from flodl.plan.elche import ElChe
 
 pytestmark = pytest.mark.timeout(30)
@@ -250,3 +250,13 @@ def test_a_ranks_own_overhead_between_batches_counts_in_its_pace(mode):
         fold_window(loop, number, {0: 1.0, 1: 4.0}, overhead_ms={0: 0.25})
     ms = loop.elche.ms_per_batch
     assert ms[0] == pytest.approx(1.25, rel=0.05) and ms[1] == pytest.approx(4.0, rel=0.05)
+
+
+def test_unsettle_reopens_a_closed_epoch_and_counts_every_grant_of_it_late():
+    """A dead rank's window held two grants of an epoch that has closed since: both go back, both late."""
+    d = Dispatcher(ApplyPolicy.CADENCE, [0, 1], dataset_len=100, batch_size=10, epochs=2)
+    d.next_epoch = 1  # epoch 0 opened and closed (no pool left)
+    plan = WindowPlan(rank=1, grants=[Grant(0, 0, 10), Grant(0, 40, 10), Grant(1, 0, 10)])
+    given, late = d.unsettle(plan, 20)  # the first 20 samples: both grants of epoch 0
+    assert (given, late) == (20, 20)
+    assert d.reopened == {0} and d.pools[0].remaining == 20

@@ -378,6 +378,7 @@ class Dispatcher:
                 total = self.epoch_len(grant.epoch)
                 pool = self.pools[grant.epoch] = EpochPool(grant.epoch, total, trained=[(0, total)])
                 self.reopened.add(grant.epoch)
+            if grant.epoch in self.reopened:  # every grant of it, not only the one that reopened it
                 late += used
             left = self._untrained_in(pool)
             pool.untrain(grant.start, used)
