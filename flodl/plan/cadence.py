@@ -395,12 +395,11 @@ class CadenceLoop:
         their next reports; a survivor that completed it holds the dead rank's work, and the
         others take the consensus from it: rank/regroup.py). CPU: unless the averaging server's
         round folded no whole snapshot of it. Then its samples go back to the pool."""
-        for rank, landing in list(self.landing.items()):
+        # only the dead: a live rank's entry is replaced by each window it settles (``on_reports``),
+        # so walking every rank here, every window, was O(ranks) for nothing
+        for rank in [r for r in self.landing if r in self.dead]:
+            landing = self.landing[rank]
             if landing.window >= window:
-                continue
-            if rank not in self.dead:
-                if rank in reports:  # it reported a later window: its average of ``number`` landed before
-                    del self.landing[rank]
                 continue
             landed = self._landed(landing, reports)
             if landed is None:
