@@ -214,6 +214,7 @@ def _round_trips(
     server = make_dealer(ctx, addr)
     targets = [("flodl", wsock), ("server", server)] + [(name, make_dealer(ctx, a)) for name, a in bare_addrs.items()]
     rtts: dict[str, list[float]] = {name: [] for name, _ in targets}
+    rtts["sign"], rtts["verify"] = [], []
     for _, sock in targets:
         sock.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
     order = random.Random(0)  # seeded: a rerun takes the same turns
@@ -221,11 +222,19 @@ def _round_trips(
         for name, sock in order.sample(targets, len(targets)):
             if sock is wsock:
                 t0 = time.perf_counter()
-                sock.send(writer.encode(m.Ping(i, t0)))
+                frame_out = writer.encode(m.Ping(i, t0))
+                t1 = time.perf_counter()
+                sock.send(frame_out)
                 while True:
-                    env = reader.read(sock.recv())
+                    data = sock.recv()
+                    t2 = time.perf_counter()
+                    env = reader.read(data)
+                    t3 = time.perf_counter()
                     if env is not None and isinstance(env.msg, m.Pong):
                         break
+                if i >= WARMUP_PINGS:
+                    rtts["sign"].append((t1 - t0) * 1e6)
+                    rtts["verify"].append((t3 - t2) * 1e6)
             elif sock is server:
                 t0 = time.perf_counter()
                 sock.send(signed[i])
@@ -335,7 +344,7 @@ def main(argv: list[str] | None = None) -> Path:
     else:
         frames, pings, reps, cases, wait_s = 200_000, 5_000, 3, (8, 32, 128), 120.0  # this kind of VM is noisy: report medians
     rows: list[Row] = []
-    rtts: dict[str, list[float]] = {"flodl": [], "server": [], "bare": [], "loop": []}
+    rtts: dict[str, list[float]] = {"flodl": [], "server": [], "bare": [], "loop": [], "sign": [], "verify": []}
     for n in cases:
         runs = []
         for _ in range(reps):
@@ -360,6 +369,8 @@ def main(argv: list[str] | None = None) -> Path:
     rows.append(Row(case, "p50, rank's codec excluded (Ping signed ahead, Pong unread)", server50, "µs"))
     rows.append(Row(case, "controller's share over the event-loop echo (p50)", server50 - loop50, "µs"))
     rows.append(Row(case, "rank's share: signing the Ping, verifying the Pong (p50)", p50 - server50, "µs"))
+    rows.append(Row(case, "rank signing the Ping, in the round trip (p50)", _p(rtts["sign"], 0.5), "µs"))
+    rows.append(Row(case, "rank reading the Pong, in the round trip (p50)", _p(rtts["verify"], 0.5), "µs"))
     rows.append(Row("bare pyzmq DEALER→ROUTER echo", "p50", bare50, "µs"))
     rows.append(Row("bare pyzmq DEALER→ROUTER echo", "p99", _p(bare, 0.99), "µs"))
     rows.append(Row("bare echo on the event loop (AsyncSocket)", "p50", loop50, "µs"))

@@ -103,6 +103,7 @@ SAMPLES = [
         shm="",
         shm_offset=0,
         ranks=1,
+        folded=[],
     ),
     m.Update(
         round=12,

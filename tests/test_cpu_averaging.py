@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from flodl.errors import ProtocolError
-from flodl.wire import messages as m
-from flodl.wire.bulk import unpack_slice
+from flodl.wire.bulk import SLICE_BYTES, unpack_slice
 
-from .helpers.cpu_plane import Big, controller, rank_side, send_raw, snapshot_header, stop, values
+from .helpers.cpu_plane import Big, controller, dies_after_first_slice, rank_side, send_raw, snapshot_header, stop, values
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -132,6 +131,36 @@ async def test_round_completes_without_a_rank_that_died(lane):
     await stop(ctl, task, avgs)
 
 
+async def test_a_rank_that_dies_halfway_through_its_snapshot_shrinks_no_slice():
+    """Rank 2 sends its first slice and dies after every weight is known: the slices it never sent are
+    the average of the two that did (not their sum over all three's weight), and the round is not
+    counted as holding rank 2's snapshot."""
+    ctl, task = await controller(timeout_s=30.0)
+    models = [Big(r) for r in range(3)]
+    before = [values(mo) for mo in models]
+    avgs = [rank_side(ctl, r, mo) for r, mo in enumerate(models)]
+    live = {0, 1, 2}
+    ctl.live = lambda: set(live)
+    dies_after_first_slice(avgs[2])
+    await asyncio.to_thread(avgs[2].average, 2.0, block=False)
+    both = asyncio.gather(*(asyncio.to_thread(avgs[r].average, 1.0) for r in (0, 1)))
+    for _ in range(500):  # the survivors' whole snapshots are in while rank 2 is still expected: then it dies
+        rnd = ctl.rounds.current
+        if rnd is not None and rnd.received[0] == rnd.received[1] == rnd.total:
+            break
+        await asyncio.sleep(0.01)
+    live.discard(2)
+    await both
+    first = SLICE_BYTES // 4
+    for mo in models[:2]:
+        got = values(mo)
+        assert torch.allclose(got[0][:first], (before[0][0][:first] + before[1][0][:first] + 2 * before[2][0][:first]) / 4, atol=1e-5)
+        assert torch.allclose(got[0][first:], (before[0][0][first:] + before[1][0][first:]) / 2, atol=1e-5)
+        assert torch.allclose(got[2], (before[0][2] + before[1][2]) / 2, atol=1e-5)
+    assert [ctl.landed(0, r) for r in range(3)] == [True, True, False] and ctl.rounds.aborted == 0
+    await stop(ctl, task, avgs)
+
+
 @pytest.mark.parametrize(
     "bad, reason",
     [
@@ -160,9 +189,7 @@ async def test_bad_slices_are_rejected_with_a_clear_error(bad, reason, caplog):
 async def test_snapshot_from_the_wrong_socket_is_unauthorized():
     ctl, task = await controller()
     ctl.admit(b"rank0.x", 0)
-    header = m.Snapshot(
-        rank=0, round=0, weight=1.0, groups=["p"], dtypes=["float32"], numels=[4], bucket=0, start=0, count=4, shm="", shm_offset=0, ranks=1
-    )
+    header = snapshot_header()
     send_raw(ctl.port, b"rank1.impostor/bulk", header, b"\0" * 16)
     for _ in range(100):
         if ctl.drops["unauthorized"]:

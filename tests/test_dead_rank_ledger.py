@@ -155,16 +155,12 @@ def test_a_give_up_found_after_the_epoch_closed_reopens_it_for_those_samples():
 class _Server:
     """The averaging server's record of rounds (averaging/server.py ``landed``), as a test sets it."""
 
-    def __init__(self, relayed: set[int] | None = None) -> None:
-        self.relayed = relayed or set()
+    def __init__(self) -> None:
         self.rounds: dict[int, set[int]] = {}  # round -> ranks whose snapshot it folded whole
-
-    def folds_directly(self, rank: int) -> bool:
-        return rank not in self.relayed
 
     def landed(self, number: int, rank: int) -> bool | None:
         done = self.rounds.get(number)
-        return None if done is None or rank in self.relayed else rank in done
+        return None if done is None else rank in done
 
 
 @pytest.mark.parametrize("folded", [True, False], ids=["its-snapshot-folded", "the-round-went-on-without-it"])
@@ -184,20 +180,6 @@ def test_cpu_a_rank_that_reported_then_died_is_settled_by_the_servers_round(fold
     _plan_and_fold(loop, {0: 1.0})
     assert 1 not in loop.landing
     assert (loop.regranted > before) is not folded
-    _finish(loop, closed)
-
-
-def test_cpu_a_relayed_rank_that_died_is_granted_again_as_before():
-    """The server cannot tell a relayed rank's snapshot from its host's: its unsettled window goes back."""
-    loop, closed = _closing_loop("cpu-cadence")
-    loop.snapshots = _Server(relayed={1})
-    n = loop.window
-    assert loop.next_windows(now=float(n)) is not None
-    held = loop.plans[n][1].samples
-    loop.remove_ranks({1})
-    before = loop.regranted
-    fold_window(loop, n, {0: 1.0, 1: 2.0})
-    assert loop.regranted - before == held and 1 not in loop.landing
     _finish(loop, closed)
 
 

@@ -76,13 +76,15 @@ def test_a_rank_dies_at_a_chosen_point_and_the_run_finishes(proc_env, tmp_path, 
     assert summary["final_eval"] > 0.7
 
 
-@pytest.mark.parametrize("mode", ["nccl-cadence", "nccl-async", "cpu-cadence"])
+@pytest.mark.parametrize("mode", ["nccl-cadence", "nccl-async", "cpu-cadence", "cpu-cadence-relay"])
 def test_a_rank_that_dies_right_after_its_report_costs_no_sample(proc_env, tmp_path, mode):
     """Rank 1 SIGKILLs itself the moment its 5th window's report has left, that window's average
     still in flight. Its report counts the window; the survivors' next reports say whether any of
     them completed that average (then the dead rank's work is in the consensus) or all gave it up
     (then its samples are trained again). Either way every epoch holds its samples once."""
     proc_env = {**proc_env, "FLODL_INJECT_FAULT": "1:reported:5"}
+    if mode == "cpu-cadence-relay":  # the host's ranks behind a relay, as on a host other than the controller's
+        proc_env, mode = {**proc_env, "FLODL_BULK_RELAY": "always"}, "cpu-cadence"
     run, path = start(proc_env, tmp_path, mode)
     summary = finish(run, path)
     assert [d["rank"] for d in summary["deaths"]] == [1]

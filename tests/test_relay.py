@@ -14,7 +14,7 @@ import torch
 from flodl.averaging.relay import HostRelay
 from flodl.wire.bulk import SLICE_BYTES
 
-from .helpers.cpu_plane import RUN, SECRET, Big, controller, rank_side, stop, values
+from .helpers.cpu_plane import RUN, SECRET, Big, controller, dies_after_first_slice, rank_side, send_raw, snapshot_header, stop, values
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -137,15 +137,9 @@ def test_relaying_loads_no_controller_code():
 
 
 async def test_a_relay_claiming_more_ranks_than_it_carries_is_dropped(caplog):
-    from flodl.wire import messages as m
-
-    from .helpers.cpu_plane import send_raw
-
     ctl, task = await controller()
     ctl.admit_relay(b"worker.a", [0, 1])
-    header = m.Snapshot(
-        rank=0, round=0, weight=1.0, groups=["p"], dtypes=["float32"], numels=[4], bucket=0, start=0, count=4, shm="", shm_offset=0, ranks=3
-    )
+    header = snapshot_header(ranks=3)
     send_raw(ctl.port, b"worker.a/bulk", header, b"\0" * 16)
     for _ in range(100):
         if ctl.drops["bulk"]:
@@ -153,4 +147,67 @@ async def test_a_relay_claiming_more_ranks_than_it_carries_is_dropped(caplog):
         await asyncio.sleep(0.02)
     assert ctl.drops["bulk"] == 1 and ctl.rounds.current is None and "claims 3 ranks, it carries 2" in caplog.text
     assert SLICE_BYTES > 0
+    await stop(ctl, task)
+
+
+async def test_a_local_rank_that_dies_halfway_through_its_snapshot():
+    """Rank 1 sends the first slice of its snapshot and dies: every slice is still a true weighted
+    average of what it holds, the relay's weight upstream stays one number through the round, and
+    the controller's ledger knows rank 1's snapshot is not in the consensus (``Snapshot.folded``)."""
+    ctl, task = await controller()
+    models = {r: Big(r) for r in range(3)}
+    before = {r: values(mo) for r, mo in models.items()}
+    a = relay_for(ctl, "worker.a", [0, 1])
+    avgs = {**ranks_under(a, {0: models[0], 1: models[1]}, lane=False)}
+    avgs[2] = rank_side(ctl, 2, models[2])
+    sent = dies_after_first_slice(avgs[1])
+    await asyncio.to_thread(avgs[1].average, 1.0, block=False)
+    weights = {0: 3.0, 1: 1.0, 2: 2.0}
+    both = asyncio.gather(*[asyncio.to_thread(avgs[r].average, weights[r]) for r in (0, 2)])
+    for _ in range(500):  # rank 0's whole snapshot is in while rank 1 is still expected: then it dies
+        rnd = a.rounds.current
+        if rnd is not None and rnd.received[0] == rnd.total:
+            break
+        await asyncio.sleep(0.01)
+    a.rank_ended(1)
+    await both
+    first = SLICE_BYTES // 4  # the slice rank 1 sent: the first of the parameter bucket
+    total = sum(weights.values())
+    want_first = sum(weights[r] * before[r][0][:first] for r in range(3)) / total
+    rest = weights[0] + weights[1]  # the host's weight upstream, as its first slice said
+    want_rest = (rest * before[0][0][first:] + weights[2] * before[2][0][first:]) / (rest + weights[2])
+    want_v = (rest * before[0][1] + weights[2] * before[2][1]) / (rest + weights[2])
+    want_b = (2 * before[0][2] + before[2][2]) / 3  # buffers: the host counts two ranks that trained
+    for r in (0, 2):
+        got = values(models[r])
+        assert torch.allclose(got[0][:first], want_first, atol=1e-5)
+        assert torch.allclose(got[0][first:], want_rest, atol=1e-5)  # not shrunk by rank 1's missing share
+        assert torch.allclose(got[1], want_v, atol=1e-5) and torch.allclose(got[2], want_b, atol=1e-5)
+    assert ctl.rounds.aborted == 0 and not ctl.drops and a.rounds.aborted == 0
+    assert [ctl.landed(0, r) for r in (0, 1, 2)] == [True, False, True]
+    assert len(sent) > 1  # it had more slices to send
+    await close([a], ctl, task, avgs.values())
+
+
+async def test_the_ledger_reads_a_relayed_rank_from_its_relays_snapshot():
+    ctl, task = await controller()
+    models = {r: Big(r) for r in range(3)}
+    a = relay_for(ctl, "worker.a", [0, 1])
+    avgs = {**ranks_under(a, {0: models[0], 1: models[1]}, lane=True)}
+    avgs[2] = rank_side(ctl, 2, models[2])
+    await asyncio.gather(*[asyncio.to_thread(avgs[r].average, 1.0) for r in range(3)])
+    assert [ctl.landed(0, r) for r in range(3)] == [True, True, True]
+    assert ctl.landed(1, 1) is None  # not happened yet
+    await close([a], ctl, task, avgs.values())
+
+
+async def test_a_relay_naming_a_rank_it_does_not_carry_is_dropped(caplog):
+    ctl, task = await controller()
+    ctl.admit_relay(b"worker.a", [0, 1])
+    send_raw(ctl.port, b"worker.a/bulk", snapshot_header(ranks=2, folded=[0, 5]), b"\0" * 16)
+    for _ in range(100):
+        if ctl.drops["bulk"]:
+            break
+        await asyncio.sleep(0.02)
+    assert ctl.drops["bulk"] == 1 and ctl.rounds.current is None and "names ranks [0, 5] it does not carry" in caplog.text
     await stop(ctl, task)

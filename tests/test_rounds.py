@@ -41,12 +41,14 @@ class Egress:
         self.overdue: list[int] = []
 
     async def slice_ready(self, rnd: Round, bucket: int, start: int, count: int) -> None:
-        weight, trained = rnd.sums(rnd.expected & set(rnd.weights))
-        out, _ = rnd.averaged(bucket, start, count, weight, trained)
+        out, _ = rnd.averaged(bucket, start, count)
         self.averages[(bucket, start)] = out.clone()
         rnd.streamed.add((bucket, start))
 
     async def round_ready(self, rnd: Round) -> bool:
+        for bucket, start, count in rnd.slices():  # what was not streamed goes out now, as SendBack's
+            if (bucket, start) not in rnd.streamed:
+                await self.slice_ready(rnd, bucket, start, count)
         return self.done
 
     def round_overdue(self, rnd: Round) -> None:
@@ -59,6 +61,7 @@ def snapshot(source: int, weight: float, bucket: int) -> m.Snapshot:
         round=0,
         weight=weight,
         ranks=1,
+        folded=[],
         groups=["p", "b"],
         dtypes=["float32", "float32"],
         numels=NUMELS,
@@ -107,3 +110,22 @@ async def test_a_handed_over_round_waits_for_its_egress_and_is_given_up_after_th
     assert egress.overdue == [0]
     assert rounds.close(0, rnd, aborted=True) and endpoint.sent[-1].aborted and rounds.aborted == 1 and rounds.next_round == 1
     assert not rounds.close(0, rnd, aborted=True)  # a round already passed: nothing waits on it
+
+
+async def test_a_source_that_dies_mid_snapshot_leaves_every_slice_a_true_average():
+    # three sources, every weight known before the second bucket's folds (so they are pre-normalised
+    # by the three's total); source 2 sends its first bucket, then dies: the second bucket must be
+    # the average of the two that sent it, not that sum over the three's total (shrunk by a third)
+    rounds, endpoint, egress, _ = core(done=True)
+    live = {0, 1, 2}
+    endpoint.live = lambda: set(live)
+    endpoint.expected = lambda number: {0, 1, 2}  # type: ignore[method-assign]
+    for source in (0, 1, 2):
+        await rounds.take(source, snapshot(source, 1.0, 0), torch.full((4,), float(source + 1)))
+    for source in (0, 1):
+        await rounds.take(source, snapshot(source, 1.0, 1), torch.full((2,), float(source + 1)))
+    live.discard(2)
+    await rounds.check()
+    assert rounds.rounds_done == 1
+    assert torch.allclose(egress.averages[(0, 0)], torch.full((4,), 2.0))  # streamed with all three
+    assert torch.allclose(egress.averages[(1, 0)], torch.full((2,), 1.5))  # the two that sent it

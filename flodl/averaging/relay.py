@@ -96,18 +96,22 @@ class HostRelay:
     # ------------------------------------------- egress: the local side's averages
 
     async def slice_ready(self, rnd: Round, bucket: int, start: int, count: int) -> None:
-        """Send this host's weighted average of one slice upstream (weight 0 when no local rank trained)."""
+        """Send this host's weighted average of one slice upstream (weight 0 when no local rank trained),
+        naming the local ranks folded into it (``Snapshot.folded``: the controller's ledger asks)."""
         if (bucket, start) in rnd.streamed:
             return
-        weight, trained = rnd.sums(rnd.expected & set(rnd.weights))
-        out, acc = rnd.averaged(bucket, start, count, weight, trained)
+        if rnd.sent_weight is None:
+            params, buffers = rnd.sums(rnd.expected & set(rnd.weights))
+            rnd.sent_weight = (params, int(buffers))
+        weight, trained = rnd.sent_weight
+        out, acc = rnd.averaged(bucket, start, count)
         if out is acc:
             out = acc.clone()  # the controller's average will land in this slot: send a copy of ours
         header = m.Snapshot(
             rank=self.source,
             round=rnd.number,
             weight=float(weight),
-            ranks=int(trained),
+            ranks=trained,
             groups=rnd.groups,
             dtypes=rnd.dtypes,
             numels=rnd.numels,
@@ -116,6 +120,7 @@ class HostRelay:
             count=count,
             shm="",
             shm_offset=0,
+            folded=sorted(rnd.sources.get((bucket, start), ())),
         )
         if not self.up.send([self.up_writer.encode(header), as_frame(out)], copy=False):
             self.drops["upstream"] += 1

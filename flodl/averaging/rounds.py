@@ -70,7 +70,17 @@ class Round:
     counts: dict[int, int] = field(default_factory=dict)  # source -> ranks that trained in it (weighs buffers)
     folded: Counter = field(default_factory=Counter)  # (bucket, start) -> ranks folded into it
     streamed: set = field(default_factory=set)  # (bucket, start) of slices already sent on
-    first: dict = field(default_factory=dict)  # (bucket, start) -> folded pre-normalised?
+    # (bucket, start) -> the divisor its folds were scaled by (1.0: not pre-normalised, divided when it goes out)
+    norm: dict = field(default_factory=dict)
+    # (bucket, start) -> the summed raw scale (weight, or ranks for buffers) of the sources folded into it
+    mass: dict = field(default_factory=dict)
+    # (bucket, start) -> the sources folded into it (a relay names them upstream, ``Snapshot.folded``)
+    sources: dict = field(default_factory=dict)
+    # source -> the ranks folded into every slice of its so far (a relay's ``Snapshot.folded``; a rank: itself)
+    members: dict = field(default_factory=dict)
+    # (weight, ranks trained) a relay sent upstream with the round's first slice: every later slice says the
+    # same (the controller rejects a source whose weight changes within a round), even after a local rank died
+    sent_weight: tuple[float, int] | None = None
     handed_over: bool = False  # every slice is in and sent on; the average comes from elsewhere (a relay's upstream)
 
     @property
@@ -102,40 +112,47 @@ class Round:
         """``(bucket, start, count)`` of every slice of the round's model."""
         return slices(self.numels, [DTYPES[d].itemsize for d in self.dtypes])
 
-    def fold(self, msg: m.Snapshot, piece: torch.Tensor) -> None:
+    def fold(self, source: int, msg: m.Snapshot, piece: torch.Tensor) -> None:
         """acc[slice] (+)= scale · piece, one pass over memory.
 
         The first contribution to a slice writes it (the accumulator starts
         uninitialised: no zero-fill pass). When every expected source's weight is
         already known (their first slices came first, as they do), each
         contribution is scaled by weight / total at once, so the slice needs no
-        division pass before it goes out.
+        division pass before it goes out. Every fold of a slice uses the divisor
+        its first fold chose, and the slice keeps the summed raw scale of what
+        was folded into it (``mass``): a source that dies halfway through its
+        snapshot is in some slices and not others, and each slice is still
+        divided by exactly what it holds (``averaged``).
         """
         key = (msg.bucket, msg.start)
         seg = self.acc[msg.bucket][msg.start : msg.start + msg.count]
-        if key not in self.first:
-            self.first[key] = self.scale_known()
+        norm = self.norm.get(key)
+        if norm is None:
+            norm = self.norm[key] = self.total_for(msg.bucket) if self.scale_known() else 1.0
         w = float(msg.weight)
-        scale = w if self.groups[msg.bucket] == "p" else (float(msg.ranks) if w > 0 else 0.0)
-        if self.first[key]:
-            scale /= self.total_for(msg.bucket)
+        raw = w if self.groups[msg.bucket] == "p" else (float(msg.ranks) if w > 0 else 0.0)
+        scale = raw / norm
         if self.folded[key] == 0:
             torch.mul(piece, scale, out=seg)
         elif scale:
             seg.add_(piece, alpha=scale)
+        self.mass[key] = self.mass.get(key, 0.0) + raw
+        self.sources.setdefault(key, set()).add(source)
 
-    def averaged(self, bucket: int, start: int, count: int, weight: float, trained: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def averaged(self, bucket: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(average, accumulator slice)`` of one slice: normalised in place, in its bucket's dtype.
 
-        ``weight`` and ``trained`` are the sums over the sources that sent it
-        (parameters divide by the first, floating buffers by the second); a
-        slice folded pre-normalised needs no division. The average is the
-        accumulator slice itself for float32.
+        The divisor is the summed raw scale of the sources folded into this
+        slice (parameters: batches trained; floating buffers: ranks that
+        trained); a slice folded pre-normalised by exactly that needs no
+        division. The average is the accumulator slice itself for float32.
         """
-        total = 1.0 if self.first.get((bucket, start)) else (weight if self.groups[bucket] == "p" else trained)
+        key = (bucket, start)
+        norm, mass = self.norm.get(key, 1.0), self.mass.get(key, 0.0)
         acc = self.acc[bucket][start : start + count]
-        if total > 0 and total != 1.0:
-            acc.div_(total)
+        if mass > 0 and abs(mass - norm) > 1e-9 * norm:  # what it holds is not what it was scaled for
+            acc.div_(mass / norm)
         dtype = DTYPES[self.dtypes[bucket]]
         return (acc if dtype is torch.float32 else acc.to(dtype)), acc
 
@@ -239,9 +256,10 @@ class Rounds:
         self.rounds_done = 0
         self.aborted = 0
         self.round_ms: list[float] = []
-        # round -> the sources whose snapshot it folded whole (none: aborted), for the last few rounds:
-        # the controller's ledger asks whether a rank that died had its last window's snapshot in
-        self.landed: dict[int, set[int]] = {}
+        # round -> {source whose snapshot it folded whole: the ranks in every slice of it} (empty: aborted),
+        # for the last few rounds: the controller's ledger asks whether a rank that died had its last
+        # window's snapshot in
+        self.landed: dict[int, dict[int, set[int]]] = {}
 
     async def take(self, source: int, msg: m.Snapshot, piece: torch.Tensor) -> None:
         """Fold one slice into its round, or hold it for a later round, or drop it as stale.
@@ -279,7 +297,9 @@ class Rounds:
             raise ProtocolError("bulk", f"rank {source} sent more than one snapshot for round {rnd.number}")
         # inline, not in a worker thread: a fold is well under a millisecond per slice,
         # while handing it to a thread costs up to the GIL switch interval (5 ms) twice
-        rnd.fold(msg, piece)
+        folded = set(msg.folded) if msg.folded else {source}
+        rnd.members[source] = rnd.members[source] & folded if source in rnd.members else folded
+        rnd.fold(source, msg, piece)
         rnd.received[source] += msg.count
         key = (msg.bucket, msg.start)
         rnd.folded[key] += 1  # after the fold: it reads the count to know the first contribution
@@ -315,7 +335,7 @@ class Rounds:
         ms = (self.clock() - rnd.started) * 1000.0
         self.round_ms.append(ms)
         self.rounds_done += 1
-        self._remember(rnd.number, rnd.complete())
+        self._remember(rnd.number, {s: rnd.members.get(s, {s}) for s in rnd.complete()})
         self._next(rnd.number)
         self.on_round(rnd.number, ms)
 
@@ -329,11 +349,11 @@ class Rounds:
             return False
         self.endpoint.broadcast(empty_update(layout, number, aborted=aborted), [])
         self.aborted += aborted
-        self._remember(number, set())
+        self._remember(number, {})
         self._next(number)
         return True
 
-    def _remember(self, number: int, sources: set[int]) -> None:
+    def _remember(self, number: int, sources: dict[int, set[int]]) -> None:
         self.landed[number] = sources
         if len(self.landed) > LANDED_KEPT:
             del self.landed[min(self.landed)]

@@ -142,18 +142,14 @@ class CpuAveraging:
         self.ranks[identity + b"/bulk"] = source
         self.members[source] = set(ranks)
 
-    def folds_directly(self, rank: int) -> bool:
-        """Does ``rank`` send its snapshots here itself (not pre-averaged by a host relay)?"""
-        return rank not in self.relayed
-
     def landed(self, number: int, rank: int) -> bool | None:
         """Was ``rank``'s snapshot folded whole into round ``number``'s average (False: the round went
-        on without it, or was aborted)? None while the round is open, or when nobody here can tell
-        (a relayed rank, a round too old)."""
+        on without it, or was aborted)? A relayed rank: its relay's snapshot was, with the rank in
+        every slice of it (``Snapshot.folded``). None while the round is open, or for a round too old."""
         done = self.rounds.landed.get(number)
-        if done is None or not self.folds_directly(rank):
+        if done is None:
             return None
-        return rank in done
+        return rank in done.get(self.relayed.get(rank, rank), ())
 
     def expected(self, number: int) -> set[int]:
         """The sources round ``number`` waits for: admitted by then, and carrying a live rank."""
@@ -188,6 +184,10 @@ class CpuAveraging:
             self.drops["unauthorized"] += 1
             return
         self._route(env, route)
+        if not set(msg.folded) <= self.members.get(rank, set()):
+            self.drops["bulk"] += 1
+            log.error("rejected a snapshot slice from source %d: it names ranks %s it does not carry", rank, sorted(set(msg.folded)))
+            return
         if not 0 <= msg.ranks <= len(self.members.get(rank, ())):
             self.drops["bulk"] += 1
             log.error(
@@ -337,7 +337,7 @@ class SendBack:
         param_weight, buffer_weight = rnd.sums(rnd.expected & set(rnd.weights))
         if param_weight <= 0:
             return  # nobody trained: the empty update goes out when the round is done
-        out, acc = rnd.averaged(bucket, start, count, param_weight, buffer_weight)
+        out, acc = rnd.averaged(bucket, start, count)
         fields: dict[str, Any] = dict(
             round=rnd.number,
             aborted=False,

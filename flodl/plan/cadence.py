@@ -55,8 +55,6 @@ class Landing(NamedTuple):
 class SnapshotRecord(Protocol):
     """What the CPU backend's averaging server knows of a round (averaging/server.py)."""
 
-    def folds_directly(self, rank: int) -> bool: ...
-
     def landed(self, number: int, rank: int) -> bool | None: ...
 
 
@@ -381,11 +379,12 @@ class CadenceLoop:
         """A rank that died in this window had reported it first, its average launched with the ranks
         it trained with: its report counts as any other, and whether that average landed with it is
         settled later (``_land``). Collective: unless a survivor regrouped before averaging (then it
-        was not in their average). CPU: when the averaging server can tell (not through a relay)."""
+        was not in their average). CPU: when the averaging server is there to tell (a relayed rank too:
+        its relay names the ranks folded into each slice)."""
         if plan.rank not in reports or not self._in_background(plan):
             return False
         if not self.collective:
-            return self.snapshots is not None and self.snapshots.folds_directly(plan.rank)
+            return self.snapshots is not None
         return all(r.regrouped_at < 0 for q, r in reports.items() if q != plan.rank)
 
     def _land(self, window: int, reports: dict[int, m.WindowDone]) -> None:
@@ -394,7 +393,8 @@ class CadenceLoop:
         Collective: unless every survivor of that window gave it up (``WindowDone.dropped`` in
         their next reports; a survivor that completed it holds the dead rank's work, and the
         others take the consensus from it: rank/regroup.py). CPU: unless the averaging server's
-        round folded no whole snapshot of it. Then its samples go back to the pool."""
+        round folded no whole snapshot of it (a relayed rank: unless its relay's snapshot landed
+        with the rank in every slice). Then its samples go back to the pool."""
         # only the dead: a live rank's entry is replaced by each window it settles (``on_reports``),
         # so walking every rank here, every window, was O(ranks) for nothing
         for rank in [r for r in self.landing if r in self.dead]:
@@ -411,8 +411,8 @@ class CadenceLoop:
     def _landed(self, landing: Landing, reports: dict[int, m.WindowDone]) -> bool | None:
         """Did the dead rank's average of ``landing``'s window land with it (None: not known yet)?"""
         if not self.collective:
-            if self.snapshots is None or not self.snapshots.folds_directly(landing.plan.rank):
-                return True  # nobody can tell (a relay pre-averaged it): counted, as its report said
+            if self.snapshots is None:
+                return True  # nobody can tell: counted, as its report said
             return self.snapshots.landed(landing.round, landing.plan.rank)
         survivors = [r for q, r in reports.items() if q in landing.members and q not in self.dead]
         if not survivors:

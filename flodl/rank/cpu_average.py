@@ -300,6 +300,7 @@ class CpuAverager:
                         shm=str(seg.path),
                         shm_offset=offset,
                         ranks=1,
+                        folded=[],
                         **layout,
                     )
                 )
@@ -335,6 +336,7 @@ class CpuAverager:
                 shm="",
                 shm_offset=0,
                 ranks=1,
+                folded=[],
                 **layout,
             )
             self.bulk.send(header, host[bucket][first : first + count])

@@ -60,7 +60,19 @@ def announcement(rank: int) -> Any:
     from .messages import Snapshot
 
     return Snapshot(
-        rank=rank, round=-1, weight=0.0, groups=[], dtypes=[], numels=[], bucket=-1, start=0, count=0, shm="", shm_offset=0, ranks=0
+        rank=rank,
+        round=-1,
+        weight=0.0,
+        groups=[],
+        dtypes=[],
+        numels=[],
+        bucket=-1,
+        start=0,
+        count=0,
+        shm="",
+        shm_offset=0,
+        ranks=0,
+        folded=[],
     )
 
 

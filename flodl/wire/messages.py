@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 
 
 @dataclass(slots=True)
@@ -402,6 +402,8 @@ class Snapshot:
     """byte offset of the slice in that segment (0 when shm is empty)"""
     ranks: int
     """how many ranks' snapshots this one averages: 1 from a rank; from a host relay, its ranks that trained (floating buffers are weighted by it)"""
+    folded: list[int]
+    """from a host relay: its ranks whose snapshot slice this one folds (a rank that died halfway through its snapshot is in some slices only); empty from a rank. The controller's ledger counts a relayed rank's window as averaged only if it is in every slice of its round"""
 
 
 @dataclass(slots=True)
@@ -568,7 +570,7 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     19: ('Window', Window, (('window', 'int'), ('global_step', 'int'), ('grants', 'list<list<int>>'), ('quota_batches', 'int'), ('quota_ms', 'float'), ('sync_every', 'int'), ('rounds', 'int'), ('measure_divergence', 'bool'), ('after', 'int'),)),
     20: ('WindowDone', WindowDone, (('rank', 'int'), ('window', 'int'), ('batches', 'int'), ('consumed', 'int'), ('loss_sum', 'float'), ('compute_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'), ('wall_ms', 'float'), ('divergence', 'opt<float>'), ('pre_norm', 'opt<float>'), ('post_norm', 'opt<float>'), ('lr', 'opt<float>'), ('epochs', 'list<list<float>>'), ('scalars', 'map<str,list<float>>'), ('regrouped_at', 'int'), ('dropped', 'int'), ('res', 'map<str,value>'), ('data', 'map<str,value>'),)),
     21: ('EndWindow', EndWindow, (('window', 'int'),)),
-    22: ('Snapshot', Snapshot, (('rank', 'int'), ('round', 'int'), ('weight', 'float'), ('groups', 'list<str>'), ('dtypes', 'list<str>'), ('numels', 'list<int>'), ('bucket', 'int'), ('start', 'int'), ('count', 'int'), ('shm', 'str'), ('shm_offset', 'int'), ('ranks', 'int'),)),
+    22: ('Snapshot', Snapshot, (('rank', 'int'), ('round', 'int'), ('weight', 'float'), ('groups', 'list<str>'), ('dtypes', 'list<str>'), ('numels', 'list<int>'), ('bucket', 'int'), ('start', 'int'), ('count', 'int'), ('shm', 'str'), ('shm_offset', 'int'), ('ranks', 'int'), ('folded', 'list<int>'),)),
     23: ('Update', Update, (('round', 'int'), ('aborted', 'bool'), ('ranks', 'int'), ('groups', 'list<str>'), ('dtypes', 'list<str>'), ('numels', 'list<int>'), ('bucket', 'int'), ('start', 'int'), ('count', 'int'), ('shm', 'str'), ('shm_offset', 'int'),)),
     24: ('Regroup', Regroup, (('generation', 'int'), ('members', 'list<int>'), ('store_prefix', 'str'), ('reason', 'str'), ('sync_from', 'int'), ('first_round', 'int'),)),
     25: ('Fence', Fence, (('rank', 'int'), ('reason', 'str'),)),

@@ -45,6 +45,21 @@ def rank_side(ctl: CpuAveraging, rank: int, model: torch.nn.Module, *, timeout_s
     return CpuAverager(FlatModel(model), bulk, rank=rank, timeout_s=timeout_s, must_stop=lambda: False)
 
 
+def dies_after_first_slice(averager: CpuAverager) -> list[int]:
+    """Make a rank on the wire send only the first slice of its snapshots, as one killed right after it;
+    returns the buckets of every slice it was asked to send."""
+    sent: list[int] = []
+    whole = averager.bulk.send
+
+    def first_slice_only(header: m.Snapshot, piece: torch.Tensor) -> None:
+        if not sent:
+            whole(header, piece)
+        sent.append(header.bucket)
+
+    averager.bulk.send = first_slice_only  # type: ignore[method-assign]
+    return sent
+
+
 async def controller(timeout_s: float = 5.0) -> tuple[CpuAveraging, asyncio.Task]:
     ctl = CpuAveraging(secret=SECRET, run_id=RUN, bind="127.0.0.1", timeout_s=timeout_s)
     ctl.start()
@@ -83,6 +98,7 @@ def snapshot_header(**over) -> m.Snapshot:
             shm="",
             shm_offset=0,
             ranks=1,
+            folded=[],
         )
         | over
     )
