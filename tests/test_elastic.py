@@ -98,6 +98,22 @@ def test_a_rank_that_dies_right_after_its_report_costs_no_sample(proc_env, tmp_p
         assert not given_back and summary["late_samples"] == 0, run.output
 
 
+@pytest.mark.parametrize("mode", ["cpu-cadence", "cpu-async", "cpu-sync", "cpu-cadence-relay"])
+def test_a_rank_that_dies_halfway_through_its_snapshot_shrinks_no_parameter(proc_env, tmp_path, mode):
+    """Rank 1 SIGKILLs itself once the first 8 MiB slice of its 5th snapshot has left, the rest of it
+    never sent. The model carries a parameter of ones that nothing trains: every average of it must
+    stay exactly ones (the eval reads its mean). Before each slice was divided by exactly what was
+    folded into it, the slices rank 1 never sent went out scaled by the survivors' share."""
+    proc_env = {**proc_env, "FLODL_INJECT_FAULT": "1:slice:5", "FLODL_TEST_BIG_MODEL": "1"}
+    if mode == "cpu-cadence-relay":
+        proc_env, mode = {**proc_env, "FLODL_BULK_RELAY": "always"}, "cpu-cadence"
+    run, path = start(proc_env, tmp_path, mode)
+    summary = finish(run, path)
+    assert [d["rank"] for d in summary["deaths"]] == [1], run.output
+    assert summary["averaging"]["aborted"] == 0, summary["averaging"]
+    assert summary["final_eval"] == pytest.approx(1.0, abs=1e-6), run.output
+
+
 def test_a_survivor_lost_while_the_group_is_rebuilt_costs_only_itself(proc_env, tmp_path):
     """Rank 3 dies averaging; rank 1 dies after the survivors gathered for the new group but
     before it connected. Ranks 0 and 2, waiting in torch's rendezvous, leave it when the next

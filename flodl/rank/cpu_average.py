@@ -168,6 +168,9 @@ class CpuAverager:
         self.alpha = alpha
         self.timeout_s = timeout_s
         self.must_stop = must_stop
+        # tests: called once a snapshot's first slice has gone (the ``slice`` fault point: a rank that
+        # dies halfway through its snapshot); None in a real run
+        self.first_slice_out: Callable[[], object] | None = None
         self.round = 0
         # a rank that joined a running job holds no consensus yet: it trains nothing
         # and takes the next real average as its parameters (weight 0, overwrite)
@@ -304,6 +307,8 @@ class CpuAverager:
                         **layout,
                     )
                 )
+                if self.first_slice_out is not None and bucket == 0 and first == 0:
+                    self.first_slice_out()
         self.poll()
         return True
 
@@ -340,6 +345,8 @@ class CpuAverager:
                 **layout,
             )
             self.bulk.send(header, host[bucket][first : first + count])
+            if self.first_slice_out is not None and bucket == 0 and first == 0:
+                self.first_slice_out()
             self.poll()  # updates may arrive meanwhile: keep the receive side moving too
 
     def _overrun(self, update: m.Update) -> None:

@@ -517,6 +517,9 @@ class RankRunner(Regrouping, Evaluating):
                 adopting=welcome.late,
             )
             self.closing.callback(cpu.close)  # its shared-memory segment's name
+            if "slice" in self.faults.armed:  # tests: a death halfway through a snapshot
+                # ZeroMQ sends from its own I/O thread and has no flush: the slice is given a moment to leave
+                cpu.first_slice_out = lambda: self.faults.reach("slice", before=lambda: time.sleep(0.2))
         else:
             group = self._first_group(welcome) if flat is not None and not welcome.late else None  # a joiner's comes with its Regroup
             collective = self.averager = CollectiveAverager(

@@ -22,6 +22,8 @@ connection reset), ``delay`` (at ``spawn`` only). Points:
 * ``report``  the ``n``-th ``WindowDone`` is about to leave (``drop``: it never arrives)
 * ``reported`` the ``n``-th ``WindowDone`` has left, the window's end average launched and still in
               flight (Cadence, Async): the rank dies with it in flight
+* ``slice``   the first slice of the rank's ``n``-th snapshot has left (CPU backend), the rest not sent:
+              the rank dies halfway through its snapshot (a model of more than one 8 MiB slice)
 * ``build``   the rank about to build its task, before its hello (``hang``: a start-up that
               never ends, as a stuck import or a dataset download would; n is 1)
 * ``spawn``   read by the worker, not the rank: ``delay`` holds the start of this rank's process
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 
 from ..config.env import INJECT_FAULT, injected_faults
 
-POINTS = ("batch", "average", "epoch", "regroup", "save", "window", "report", "reported", "build", "spawn")
+POINTS = ("batch", "average", "epoch", "regroup", "save", "window", "report", "reported", "slice", "build", "spawn")
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 ACTIONS = (*SIGNALS, "hang", "nan", "drop", "delay")
 LOSSY = ("window", "report")  # the points where a frame can be lost: the only ones ``drop`` applies to

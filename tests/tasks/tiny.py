@@ -11,6 +11,8 @@ FLODL_TEST_EVAL_FAIL    make eval_fn raise
 FLODL_TEST_EVAL_SLEEP   seconds eval_fn takes (a real eval's time, on the eval rank only)
 FLODL_TEST_SAMPLES      training samples (default 512)
 FLODL_TEST_RECORD_SEEN  record_scalar("seen", samples in the batch) every step (a count to declare sum)
+FLODL_TEST_BIG_MODEL    add a parameter of ones, never trained, large enough that a snapshot takes two
+                        8 MiB slices; the eval is then its mean (1.0 unless an average shrank it)
 """
 
 import os
@@ -24,8 +26,15 @@ from flodl import Task
 _STEP = {"n": 0}
 
 
+#: Elements of FLODL_TEST_BIG_MODEL's untrained parameter: more than one 8 MiB slice of float32.
+BIG = (8 << 20) // 4 + 100_000
+
+
 def make_model():
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    if os.environ.get("FLODL_TEST_BIG_MODEL"):
+        model.register_parameter("ballast", torch.nn.Parameter(torch.ones(BIG)))  # not in the forward: no gradient
+    return model
 
 
 def make_optimizer(model):
@@ -56,6 +65,9 @@ def evaluate(model, device):
     if os.environ.get("FLODL_TEST_EVAL_FAIL"):
         raise ValueError("injected eval failure")
     time.sleep(float(os.environ.get("FLODL_TEST_EVAL_SLEEP", "0") or 0))
+    ballast = getattr(model, "ballast", None)
+    if ballast is not None:
+        return ballast.detach().double().mean().item()
     x, y = _data(256, 1)
     return (model(x).argmax(1) == y).float().mean().item()
 
