@@ -4,8 +4,9 @@
 
 Every run is ``python -m flodl.controller --task tests/tasks/tiny.py:task``
 with 3 local ranks and ``--heartbeat-timeout-secs 3``. Fault kinds (run ``i``
-gets kind ``i mod 6`` and mode ``(i + i div 6) mod 6``, so 36 runs cover every
-pair; the order is shuffled with the seed):
+gets kind ``k = i mod 7`` and mode ``(k + i div 7) mod 6``, so 42 runs cover every
+pair; ``slice`` takes the CPU modes only, ``(k + i div 7) mod 3`` of them; the
+order is shuffled with the seed):
 
 * ``kill``        SIGKILL of a random non-zero rank from outside, at a random moment of training;
                   every other kill run has healing on (``--max-restarts 1``): the killed rank is
@@ -16,6 +17,10 @@ pair; the order is shuffled with the seed):
 * ``reported``    ``FLODL_INJECT_FAULT=<rank>:reported:<random n>``: the rank SIGKILLs itself the
                   moment its n-th window report has left, that window's average still in flight
                   (the ledger must then count the window only if some replica holds it)
+* ``slice``       ``FLODL_INJECT_FAULT=<rank>:slice:<random n>`` with ``FLODL_TEST_BIG_MODEL``: the
+                  rank SIGKILLs itself once the first 8 MiB slice of its n-th snapshot has left, the
+                  rest never sent (CPU modes). The model carries a parameter of ones nothing trains,
+                  and the eval is its mean: it must end exactly 1 (no average shrank it)
 * ``slow-build``  ``FLODL_TEST_BUILD_SLEEP`` > heartbeat timeout: the run must simply start and finish
 * ``ctl-kill``    SIGKILL of the controller at a random moment after the first checkpoint
                   (``--save-path`` + ``--checkpoint-every 1``); a loadable bundle must be left
@@ -70,7 +75,9 @@ HEARTBEAT_S = 3
 DATASET = 512  # tiny.py's samples per epoch
 BATCHES_PER_RANK_EPOCH = DATASET // 16 // NPROC  # about 10 batches of 16 per rank per epoch
 MODES = ("nccl-sync", "nccl-cadence", "nccl-async", "cpu-sync", "cpu-cadence", "cpu-async")
-KINDS = ("kill", "stop", "stuck", "reported", "slow-build", "ctl-kill")
+KINDS = ("kill", "stop", "stuck", "reported", "slice", "slow-build", "ctl-kill")
+CPU_MODES = tuple(m for m in MODES if m.startswith("cpu-"))
+SELF_KILLS = ("reported", "slice")  # the rank kills itself: no outside clock to time detection by
 SHM = Path(os.environ.get("FLODL_SHM_DIR", "/dev/shm"))
 RUN_TIMEOUT_S = 240
 EVAL_MIN = 0.7
@@ -92,7 +99,7 @@ class Plan:
     mode: str
     victim: int  # the rank hit (non-zero); unused by slow-build and ctl-kill
     at: float  # fraction of the nominal training time at which the fault fires
-    batch: int  # stuck: the victim's batch that hangs; reported: its window report after which it dies
+    batch: int  # stuck: the victim's batch that hangs; reported: its window report after which it dies; slice: its snapshot
     heal: bool = False  # kill: run with --max-restarts 1 and check the restarted rank rejoins
 
 
@@ -152,7 +159,7 @@ def rows_for(results: list[Result]) -> list[Row]:
         else:
             unloadable = [r for r in mine if any(f.startswith("bundle") for f in r.failures)]
             rows.append(Row(kind, "no loadable bundle", len(unloadable), "runs", "0 (bundle after every kill)", not unloadable))
-        if kind in DETECT_GOAL or kind == "reported":  # reported: it kills itself, no outside clock to detect against
+        if kind in DETECT_GOAL or kind in SELF_KILLS:  # a rank that kills itself has no outside clock to detect against
             again = [r.again_s for r in mine if r.again_s is not None]
             if kind in DETECT_GOAL:
                 limit, text = DETECT_GOAL[kind]
@@ -181,17 +188,18 @@ def rows_for(results: list[Result]) -> list[Row]:
 
 
 def make_plans(count: int, seed: int, epochs: int) -> list[Plan]:
-    """Run i: kind i mod 6, mode (i + i div 6) mod 6 (every pair in 36 runs); moments drawn uniformly;
-    order shuffled."""
+    """Run i: kind k = i mod 7, mode (k + i div 7) mod 6 (every pair in 42 runs; ``slice``: the CPU
+    modes, (k + i div 7) mod 3); moments drawn uniformly; order shuffled."""
     rng = random.Random(seed)
     plans = []
     last_batch = max(2, int(0.8 * BATCHES_PER_RANK_EPOCH * epochs))
     for i in range(count):
         kind = KINDS[i % len(KINDS)]
-        mode = MODES[(i + i // len(KINDS)) % len(MODES)]
+        modes = CPU_MODES if kind == "slice" else MODES
+        mode = modes[(i % len(KINDS) + i // len(KINDS)) % len(modes)]
         heal = kind == "kill" and (i // len(KINDS)) % 2 == 0  # every other kill run heals (the quick set's one)
-        # reported: a window every mode reaches (Sync has one an epoch); stuck: a batch
-        nth = rng.randint(2, epochs) if kind == "reported" else rng.randint(2, last_batch)
+        # reported, slice: a window (a snapshot) every mode reaches (Sync has one window an epoch); stuck: a batch
+        nth = rng.randint(2, epochs) if kind in SELF_KILLS else rng.randint(2, last_batch)
         plans.append(Plan(i, kind, mode, rng.randrange(1, NPROC), rng.uniform(0.05, 0.8), nth, heal))
     rng.shuffle(plans)
     return plans
@@ -352,8 +360,10 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
         args += ["--max-restarts", "1"]
     if plan.kind == "stuck":
         extra["FLODL_INJECT_FAULT"] = f"{plan.victim}:batch:{plan.batch}:hang"
-    elif plan.kind == "reported":
-        extra["FLODL_INJECT_FAULT"] = f"{plan.victim}:reported:{plan.batch}"
+    elif plan.kind in SELF_KILLS:
+        extra["FLODL_INJECT_FAULT"] = f"{plan.victim}:{plan.kind}:{plan.batch}"
+        if plan.kind == "slice":
+            extra["FLODL_TEST_BIG_MODEL"] = "1"
     elif plan.kind == "slow-build":
         extra["FLODL_TEST_BUILD_SLEEP"] = str(HEARTBEAT_S + 2)
     elif plan.kind == "ctl-kill":
@@ -441,7 +451,10 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
     samples = [h["samples"] for h in s["history"]]
     if samples != [DATASET] * epochs:
         res.failures.append(f"samples per epoch {samples}, want {DATASET} x {epochs}")
-    if s.get("final_eval") is None or s["final_eval"] <= EVAL_MIN:
+    if plan.kind == "slice":  # the eval is the mean of a parameter nothing trains: exactly 1 unless an average shrank it
+        if s.get("final_eval") is None or abs(s["final_eval"] - 1.0) > 1e-6:
+            res.failures.append(f"untrained parameter's mean {s.get('final_eval')}, want 1")
+    elif s.get("final_eval") is None or s["final_eval"] <= EVAL_MIN:
         res.failures.append(f"final eval {s.get('final_eval')}")
     deaths, recoveries = s["deaths"], s["recoveries"]
     if plan.kind == "slow-build":
@@ -454,16 +467,16 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
     if plan.kind == "stuck" and not deaths and res.exit_code == 0:
         res.landed = False  # the victim never reached that batch (a hung thread cannot finish a run)
         res.note = f"rank {plan.victim} never reached batch {plan.batch}"
-    if plan.kind == "reported" and not deaths and res.exit_code == 0:
+    if plan.kind in SELF_KILLS and not deaths and res.exit_code == 0:
         res.landed = False
-        res.note = f"rank {plan.victim} never reported window {plan.batch}"
+        res.note = f"rank {plan.victim} never reached {'window' if plan.kind == 'reported' else 'snapshot'} {plan.batch}"
     if not res.landed:
         if deaths:
             res.failures.append(f"deaths without a fault: {deaths}")
         return res
     if len(deaths) != 1:
         res.failures.append(f"{len(deaths)} deaths, want 1: {deaths}")
-    if plan.kind in ("stuck", "reported") and deaths and deaths[0]["rank"] != plan.victim:
+    if plan.kind in ("stuck", *SELF_KILLS) and deaths and deaths[0]["rank"] != plan.victim:
         res.failures.append(f"rank {deaths[0]['rank']} died, rank {plan.victim} was the victim")
     if not recoveries:
         res.failures.append("no recovery")
@@ -475,7 +488,7 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
     elif hit_at is not None:
         res.detect_s = rec["unix_time"] - hit_at
     res.again_s = rec.get("training_again_s")
-    if plan.kind == "reported":  # what the ledger did with the window whose average was in flight
+    if plan.kind in SELF_KILLS:  # what the ledger did with the window whose average was in flight
         res.note = f"{s.get('regranted_samples', 0)} samples granted again, {s.get('late_samples', 0)} late"
     if plan.heal:
         _check_heal(res, s, rec)
@@ -521,8 +534,8 @@ def torchrun_rows(runs: int, tmp: Path) -> list[Row]:
 
 
 def main() -> None:
-    parser = size_parser(__doc__, "6 faults, shorter runs (under two minutes)", "one kill fault in a 2-epoch run")
-    parser.add_argument("--faults", type=int, default=None, help="faults (runs) to inject (default 120: 20 of each kind; quick 6)")
+    parser = size_parser(__doc__, "7 faults, shorter runs (under two minutes)", "one kill fault in a 2-epoch run")
+    parser.add_argument("--faults", type=int, default=None, help="faults (runs) to inject (default 140: 20 of each kind; quick 7)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the fault plan")
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time (default 2)")
     parser.add_argument(
@@ -533,7 +546,7 @@ def main() -> None:
         "--name", default=None, help="results file name (bench/results/<name>.json; default chaos, or chaos_quick with --quick)"
     )
     a = parser.parse_args()
-    count = a.faults or (1 if a.smoke else 6 if a.quick else 120)
+    count = a.faults or (1 if a.smoke else len(KINDS) if a.quick else 20 * len(KINDS))
     if a.torchrun is None:
         a.torchrun = 0 if a.quick or a.smoke else 1
     epochs, step_s = (2, 0.05) if a.smoke else (4, 0.05) if a.quick else (8, 0.05)

@@ -1,6 +1,6 @@
 """Control-plane benchmark: how many frames the controller ingests, and how fast it answers.
 
-    python bench/control_plane.py [--quick | --smoke]
+    python bench/control_plane.py [--quick | --smoke] [--pin]
 
 The real ``Controller`` runs in this process on uvloop. A second (spawned)
 process plays one worker with N simulated ranks over real ZeroMQ sockets made
@@ -26,7 +26,11 @@ three alike: on a small shared VM the same echo swings between 40 and 200 µs
 from one minute to the next. A fourth series splits flodl's excess: the same
 Ping signed before the clock starts (on a connection of its own) and its Pong
 taken unread, as the echoes are, is the controller's share; the rest of the
-round trip is the rank's (signing the Ping, verifying the Pong).
+round trip is the rank's (signing the Ping, verifying the Pong); those two
+calls are also timed in place, inside the round trip. ``--pin`` (diagnosis)
+runs the controller's process on CPU 0 and the worker's on CPU 1 and writes
+``control_plane_pinned.json``: how much of the excess is two processes taking
+turns on one core.
 
 Goals (issues 2, 22): ≥ 50,000 frames/s ingested; round trip p50 ≤ bare pyzmq p50 + 10 µs.
 ``--smoke`` runs the whole path with tiny sizes (seconds) and writes its JSON
@@ -121,8 +125,13 @@ def _epoch_row(batches: list[tuple[int, int]]) -> list[list[float]]:
     return epoch_rows(rows)
 
 
-def sim_worker(addr: str, bare_addrs: dict[str, str], nranks: int, frames: int, pings: int, wait_ms: int, out: mp.Queue) -> None:
-    """The load process: one worker, ``nranks`` ranks, blocking sockets; gives up after ``wait_ms`` without an expected reply."""
+def sim_worker(
+    addr: str, bare_addrs: dict[str, str], nranks: int, frames: int, pings: int, wait_ms: int, out: mp.Queue, cpu: int | None = None
+) -> None:
+    """The load process: one worker, ``nranks`` ranks, blocking sockets; gives up after ``wait_ms`` without an expected reply.
+    ``cpu``: run on that CPU alone (``--pin``), its ZeroMQ I/O thread too (made after)."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
     ctx = zmq.Context()
     reader = FrameReader(SECRET, RUN)
     wsock = make_dealer(ctx, addr)
@@ -289,7 +298,7 @@ def loop_echo(ctx: zmq.Context) -> tuple[AsyncSocket, int]:
     return io_, port
 
 
-def measure(nranks: int, frames: int, pings: int, wait_s: float = 120.0) -> dict:
+def measure(nranks: int, frames: int, pings: int, wait_s: float = 120.0, worker_cpu: int | None = None) -> dict:
     launch = LaunchOptions(task="bench:task", epochs=1, workers=1, progress=False, join_timeout_secs=wait_s)
     ingest = IngestCount()
     ctl = Controller(launch, bench_config(), secret=SECRET, run_id=RUN, console=Console(out=io.StringIO(), live=False), hooks=ingest)
@@ -302,7 +311,9 @@ def measure(nranks: int, frames: int, pings: int, wait_s: float = 120.0) -> dict
         await ctl.ready.wait()
         echo, port = loop_echo(zmq.Context.instance())
         addrs = {"bare": f"tcp://127.0.0.1:{bare.port}", "loop": f"tcp://127.0.0.1:{port}"}
-        proc = spawn.Process(target=sim_worker, args=(f"tcp://127.0.0.1:{ctl.port}", addrs, nranks, frames, pings, int(wait_s * 1000), out))
+        proc = spawn.Process(
+            target=sim_worker, args=(f"tcp://127.0.0.1:{ctl.port}", addrs, nranks, frames, pings, int(wait_s * 1000), out, worker_cpu)
+        )
         proc.start()
         try:
             return await task
@@ -336,7 +347,16 @@ def _p(values: list[float], q: float) -> float:
 
 def main(argv: list[str] | None = None) -> Path:
     parser = size_parser(__doc__, "fewer frames, pings and repetitions (under a minute)", "tiny sizes")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="diagnosis: the controller's process on CPU 0, the worker's on CPU 1 (is the excess two processes sharing a core?)",
+    )
     args = parser.parse_args(argv)
+    worker_cpu = None
+    if args.pin:
+        os.sched_setaffinity(0, {0})  # before any context: ZeroMQ's I/O threads inherit it
+        worker_cpu = 1
     if args.smoke:
         frames, pings, reps, cases, wait_s = 2_000, 100, 1, (4,), 20.0  # a broken protocol fails in seconds, not minutes
     elif args.quick:
@@ -348,7 +368,7 @@ def main(argv: list[str] | None = None) -> Path:
     for n in cases:
         runs = []
         for _ in range(reps):
-            res = measure(n, frames, pings, wait_s)
+            res = measure(n, frames, pings, wait_s, worker_cpu)
             assert res["completed"] == "completed" and res["count"] == res["sent"] == frames, res
             runs.append(res)
             for name, values in res["rtts"].items():
@@ -381,7 +401,10 @@ def main(argv: list[str] | None = None) -> Path:
         f"pooled over all runs, taken in turns with as many to each bare echo ({ping_len} B out, {pong_len} B back, same socket options); "
         f"load average {os.getloadavg()[0]:.2f}"
     )
-    return report("control_plane", rows, note=note, results=smoke_results() if args.smoke else None)
+    if args.pin:
+        note += "; pinned: the controller's process on CPU 0, the worker's on CPU 1"
+    name = "control_plane_pinned" if args.pin else "control_plane"  # a diagnosis never replaces the plain run
+    return report(name, rows, note=note, results=smoke_results() if args.smoke else None)
 
 
 if __name__ == "__main__":
