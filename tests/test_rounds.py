@@ -129,3 +129,19 @@ async def test_a_source_that_dies_mid_snapshot_leaves_every_slice_a_true_average
     assert rounds.rounds_done == 1
     assert torch.allclose(egress.averages[(0, 0)], torch.full((4,), 2.0))  # streamed with all three
     assert torch.allclose(egress.averages[(1, 0)], torch.full((2,), 1.5))  # the two that sent it
+
+
+async def test_a_slice_goes_out_only_once_every_expected_source_folded_it():
+    # source 2 is not expected in the round (it died after sending this round's snapshot ahead, its
+    # slices held at the round's gate): its folds must not stand in for an expected source's, or a
+    # slice would go out before rank 1's part of it is in (and rank 1's part would be lost)
+    rounds, endpoint, egress, _ = core(done=True)
+    order = [(2, 0), (0, 0), (1, 0), (2, 1), (0, 1)]
+    for source, bucket in order:
+        await rounds.take(source, snapshot(source, 1.0, bucket), torch.full((NUMELS[bucket],), float(source + 1)))
+    assert (1, 0) not in egress.averages  # rank 1's part of bucket 1 is not in yet
+    await rounds.take(1, snapshot(1, 1.0, 1), torch.full((2,), 2.0))
+    assert rounds.rounds_done == 1
+    # every slice is the average of what it holds: source 2's complete snapshot included
+    assert torch.allclose(egress.averages[(0, 0)], torch.full((4,), 2.0))
+    assert torch.allclose(egress.averages[(1, 0)], torch.full((2,), 2.0))

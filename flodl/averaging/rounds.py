@@ -303,9 +303,11 @@ class Rounds:
         rnd.received[source] += msg.count
         key = (msg.bucket, msg.start)
         rnd.folded[key] += 1  # after the fold: it reads the count to know the first contribution
-        if rnd.folded[key] == len(rnd.expected) and rnd.expected <= set(rnd.weights):
-            # streaming: this slice is in from every source, send its average now while
-            # the rest still arrives (receiving and sending overlap)
+        if rnd.expected and rnd.expected <= rnd.sources[key]:
+            # streaming: this slice is in from every expected source, send its average now while
+            # the rest still arrives (receiving and sending overlap). By who, not how many: a source
+            # the round does not expect (one that died after sending this round ahead, its slices
+            # held at the gate; a joiner's early empty snapshot) must not stand in for one it does
             await self.egress.slice_ready(rnd, msg.bucket, msg.start, msg.count)
         if rnd.expected and rnd.complete() >= rnd.expected:
             await self._finish(rnd)
