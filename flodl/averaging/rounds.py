@@ -68,13 +68,13 @@ class Round:
     received: Counter = field(default_factory=Counter)  # source -> elements folded
     weights: dict[int, float] = field(default_factory=dict)  # source -> batches trained (summed over a relay's ranks)
     counts: dict[int, int] = field(default_factory=dict)  # source -> ranks that trained in it (weighs buffers)
-    folded: Counter = field(default_factory=Counter)  # (bucket, start) -> ranks folded into it
     streamed: set = field(default_factory=set)  # (bucket, start) of slices already sent on
     # (bucket, start) -> the divisor its folds were scaled by (1.0: not pre-normalised, divided when it goes out)
     norm: dict = field(default_factory=dict)
     # (bucket, start) -> the summed raw scale (weight, or ranks for buffers) of the sources folded into it
     mass: dict = field(default_factory=dict)
-    # (bucket, start) -> the sources folded into it (a relay names them upstream, ``Snapshot.folded``)
+    # (bucket, start) -> the sources folded into it: the first writes it, it streams once every expected
+    # source is in, and a relay names them upstream (``Snapshot.folded``)
     sources: dict = field(default_factory=dict)
     # source -> the ranks folded into every slice of its so far (a relay's ``Snapshot.folded``; a rank: itself)
     members: dict = field(default_factory=dict)
@@ -133,7 +133,7 @@ class Round:
         w = float(msg.weight)
         raw = w if self.groups[msg.bucket] == "p" else (float(msg.ranks) if w > 0 else 0.0)
         scale = raw / norm
-        if self.folded[key] == 0:
+        if key not in self.sources:  # the first contribution writes the slice
             torch.mul(piece, scale, out=seg)
         elif scale:
             seg.add_(piece, alpha=scale)
@@ -302,7 +302,6 @@ class Rounds:
         rnd.fold(source, msg, piece)
         rnd.received[source] += msg.count
         key = (msg.bucket, msg.start)
-        rnd.folded[key] += 1  # after the fold: it reads the count to know the first contribution
         if rnd.expected and rnd.expected <= rnd.sources[key]:
             # streaming: this slice is in from every expected source, send its average now while
             # the rest still arrives (receiving and sending overlap). By who, not how many: a source
