@@ -38,6 +38,14 @@ def ranks_under(relay: HostRelay, models: dict[int, torch.nn.Module], *, lane: b
     return out
 
 
+def relay_and_lone_rank(ctl, models: dict[int, torch.nn.Module], *, lane: bool) -> tuple[HostRelay, dict]:
+    """Two hosts: ranks 0 and 1 behind a relay (``lane``: on its same-host lane), rank 2 alone, sending to the controller."""
+    relay = relay_for(ctl, "worker.a", [0, 1])
+    avgs = ranks_under(relay, {0: models[0], 1: models[1]}, lane=lane)
+    avgs[2] = rank_side(ctl, 2, models[2])
+    return relay, avgs
+
+
 async def close(relays, ctl, task, avgs):
     for a in avgs:
         a.close()
@@ -78,9 +86,7 @@ async def test_a_local_rank_that_dies_is_not_waited_for():
     ctl, task = await controller()
     models = {r: Big(r) for r in range(3)}
     before = {r: values(mo) for r, mo in models.items()}
-    a = relay_for(ctl, "worker.a", [0, 1])
-    avgs = {**ranks_under(a, {0: models[0], 1: models[1]}, lane=True)}
-    avgs[2] = rank_side(ctl, 2, models[2])
+    a, avgs = relay_and_lone_rank(ctl, models, lane=True)
     a.rank_ended(1)  # its process is gone (the worker reaps it)
     await asyncio.gather(*[asyncio.to_thread(avgs[r].average, 1.0) for r in (0, 2)])
     want = (before[0][0] + before[2][0]) / 2
@@ -92,9 +98,7 @@ async def test_a_local_rank_that_dies_is_not_waited_for():
 async def test_rounds_keep_streaming_through_the_relay_over_many_rounds():
     ctl, task = await controller()
     models = {r: Big(r) for r in range(3)}
-    a = relay_for(ctl, "worker.a", [0, 1])
-    avgs = {**ranks_under(a, {0: models[0], 1: models[1]}, lane=True)}
-    avgs[2] = rank_side(ctl, 2, models[2])
+    a, avgs = relay_and_lone_rank(ctl, models, lane=True)
     for n in range(4):  # Cadence-like: nobody waits, each rank reads the last average before sending the next
         await asyncio.gather(*[asyncio.to_thread(avgs[r].average, 1.0 + n, block=False) for r in range(3)])
     await asyncio.gather(*[asyncio.to_thread(avgs[r].settle) for r in range(3)])
@@ -157,9 +161,7 @@ async def test_a_local_rank_that_dies_halfway_through_its_snapshot():
     ctl, task = await controller()
     models = {r: Big(r) for r in range(3)}
     before = {r: values(mo) for r, mo in models.items()}
-    a = relay_for(ctl, "worker.a", [0, 1])
-    avgs = {**ranks_under(a, {0: models[0], 1: models[1]}, lane=False)}
-    avgs[2] = rank_side(ctl, 2, models[2])
+    a, avgs = relay_and_lone_rank(ctl, models, lane=False)
     sent = dies_after_first_slice(avgs[1])
     await asyncio.to_thread(avgs[1].average, 1.0, block=False)
     weights = {0: 3.0, 1: 1.0, 2: 2.0}
@@ -192,9 +194,7 @@ async def test_a_local_rank_that_dies_halfway_through_its_snapshot():
 async def test_the_ledger_reads_a_relayed_rank_from_its_relays_snapshot():
     ctl, task = await controller()
     models = {r: Big(r) for r in range(3)}
-    a = relay_for(ctl, "worker.a", [0, 1])
-    avgs = {**ranks_under(a, {0: models[0], 1: models[1]}, lane=True)}
-    avgs[2] = rank_side(ctl, 2, models[2])
+    a, avgs = relay_and_lone_rank(ctl, models, lane=True)
     await asyncio.gather(*[asyncio.to_thread(avgs[r].average, 1.0) for r in range(3)])
     assert [ctl.landed(0, r) for r in range(3)] == [True, True, True]
     assert ctl.landed(1, 1) is None  # not happened yet
