@@ -1,11 +1,11 @@
 """Chaos: one fault per real run, at a uniformly random moment, across the six modes.
 
-    python bench/chaos.py [--quick | --smoke] [--faults N] [--seed S] [--parallel P]
+    python bench/chaos.py [--quick | --smoke] [--faults N] [--seed S] [--parallel P] [--kinds K,...]
 
 Every run is ``python -m flodl.controller --task tests/tasks/tiny.py:task``
 with 3 local ranks and ``--heartbeat-timeout-secs 3``. Fault kinds (run ``i``
-gets kind ``k = i mod 7`` and mode ``(k + i div 7) mod 6``, so 42 runs cover every
-pair; ``slice`` takes the CPU modes only, ``(k + i div 7) mod 3`` of them; the
+gets kind ``k = i mod 8`` and mode ``(k + i div 8) mod 6``, so 48 runs cover every
+pair; ``slice`` takes the CPU modes only, ``(k + i div 8) mod 3`` of them; the
 order is shuffled with the seed):
 
 * ``kill``        SIGKILL of a random non-zero rank from outside, at a random moment of training;
@@ -21,10 +21,17 @@ order is shuffled with the seed):
                   rank SIGKILLs itself once the first 8 MiB slice of its n-th snapshot has left, the
                   rest never sent (CPU modes). The model carries a parameter of ones nothing trains,
                   and the eval is its mean: it must end exactly 1 (no average shrank it)
+* ``host``        a whole host lost: the run has two workers started by hand (``--workers 2``
+                  ``--join-file``; one with two ranks, one with one) and one of them goes at a random
+                  moment, either every process of that host SIGKILLed at once (a host powered off) or
+                  the worker alone (its ranks must die with it); found by silence, the other
+                  host's ranks finish the run
 * ``slow-build``  ``FLODL_TEST_BUILD_SLEEP`` > heartbeat timeout: the run must simply start and finish
 * ``ctl-kill``    SIGKILL of the controller at a random moment after the first checkpoint
                   (``--save-path`` + ``--checkpoint-every 1``); a loadable bundle must be left
-                  (``read_meta`` + ``load_model`` into the task's model; an earlier epoch's is fine)
+                  (``read_meta`` + ``load_model`` into the task's model; an earlier epoch's is fine),
+                  and a run resumed from it (``--resume-from``) must finish, training exactly what
+                  the bundle had not, with a good eval
 
 Every run is checked: exit code 0 (ctl-kill: none), every epoch's samples ==
 the dataset length, final eval > 0.7, exactly the expected death, the whole
@@ -75,7 +82,7 @@ HEARTBEAT_S = 3
 DATASET = 512  # tiny.py's samples per epoch
 BATCHES_PER_RANK_EPOCH = DATASET // 16 // NPROC  # about 10 batches of 16 per rank per epoch
 MODES = ("nccl-sync", "nccl-cadence", "nccl-async", "cpu-sync", "cpu-cadence", "cpu-async")
-KINDS = ("kill", "stop", "stuck", "reported", "slice", "slow-build", "ctl-kill")
+KINDS = ("kill", "stop", "stuck", "reported", "slice", "host", "slow-build", "ctl-kill")
 CPU_MODES = tuple(m for m in MODES if m.startswith("cpu-"))
 SELF_KILLS = ("reported", "slice")  # the rank kills itself: no outside clock to time detection by
 SHM = Path(os.environ.get("FLODL_SHM_DIR", "/dev/shm"))
@@ -87,6 +94,7 @@ DETECT_GOAL = {
     "kill": (1.0, "<= 1 s"),
     "stop": (HEARTBEAT_S + 1.0, f"<= heartbeat {HEARTBEAT_S} s + 1 s"),
     "stuck": (HEARTBEAT_S + 1.0, f"<= heartbeat {HEARTBEAT_S} s + 1 s"),
+    "host": (HEARTBEAT_S + 1.0, f"<= heartbeat {HEARTBEAT_S} s + 1 s"),  # a host that is gone says nothing: silence
 }
 AGAIN_P99_S = 3.0
 AGAIN_MAX_S = 5.0
@@ -97,10 +105,11 @@ class Plan:
     index: int
     kind: str
     mode: str
-    victim: int  # the rank hit (non-zero); unused by slow-build and ctl-kill
+    victim: int  # the rank hit (non-zero; host: the host's rank count); unused by slow-build and ctl-kill
     at: float  # fraction of the nominal training time at which the fault fires
     batch: int  # stuck: the victim's batch that hangs; reported: its window report after which it dies; slice: its snapshot
     heal: bool = False  # kill: run with --max-restarts 1 and check the restarted rank rejoins
+    whole: bool = False  # host: every process of the host SIGKILLed at once (else the worker alone)
 
 
 @dataclass
@@ -188,8 +197,8 @@ def rows_for(results: list[Result]) -> list[Row]:
 
 
 def make_plans(count: int, seed: int, epochs: int) -> list[Plan]:
-    """Run i: kind k = i mod 7, mode (k + i div 7) mod 6 (every pair in 42 runs; ``slice``: the CPU
-    modes, (k + i div 7) mod 3); moments drawn uniformly; order shuffled."""
+    """Run i: kind k = i mod 8, mode (k + i div 8) mod 6 (every pair in 48 runs; ``slice``: the CPU
+    modes, (k + i div 8) mod 3); moments drawn uniformly; order shuffled."""
     rng = random.Random(seed)
     plans = []
     last_batch = max(2, int(0.8 * BATCHES_PER_RANK_EPOCH * epochs))
@@ -198,9 +207,10 @@ def make_plans(count: int, seed: int, epochs: int) -> list[Plan]:
         modes = CPU_MODES if kind == "slice" else MODES
         mode = modes[(i % len(KINDS) + i // len(KINDS)) % len(modes)]
         heal = kind == "kill" and (i // len(KINDS)) % 2 == 0  # every other kill run heals (the quick set's one)
+        whole = kind == "host" and (i // len(KINDS)) % 2 == 0  # every other host run loses every process at once
         # reported, slice: a window (a snapshot) every mode reaches (Sync has one window an epoch); stuck: a batch
         nth = rng.randint(2, epochs) if kind in SELF_KILLS else rng.randint(2, last_batch)
-        plans.append(Plan(i, kind, mode, rng.randrange(1, NPROC), rng.uniform(0.05, 0.8), nth, heal))
+        plans.append(Plan(i, kind, mode, rng.randrange(1, NPROC), rng.uniform(0.05, 0.8), nth, heal, whole))
     rng.shuffle(plans)
     return plans
 
@@ -219,14 +229,23 @@ def _env(extra: dict) -> dict:
 
 
 class Tree:
-    """Every process of the controller's tree seen while the run lasted (ranks start late)."""
+    """Every process of the run's trees seen while the run lasted (ranks start late): the
+    controller's, and those of workers started by hand (``add``)."""
 
     def __init__(self, pid: int) -> None:
-        self.root = psutil.Process(pid)
-        self.seen: dict[int, psutil.Process] = {pid: self.root}
+        self.roots = [psutil.Process(pid)]
+        self.seen: dict[int, psutil.Process] = {pid: self.roots[0]}
+        self.under: dict[int, set[int]] = {pid: set()}  # root -> every pid seen below it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
+
+    def add(self, pid: int) -> None:
+        """Watch the tree of a process the run did not start itself (a worker started by hand)."""
+        root = psutil.Process(pid)
+        self.under[pid] = set()
+        self.seen.setdefault(pid, root)
+        self.roots.append(root)
 
     def _watch(self) -> None:
         while not self._stop.is_set():
@@ -234,15 +253,20 @@ class Tree:
             time.sleep(0.1)
 
     def poll(self) -> None:
-        try:
-            for p in self.root.children(recursive=True):
-                self.seen.setdefault(p.pid, p)
-        except psutil.Error:
-            pass
+        for root in list(self.roots):
+            try:
+                for p in root.children(recursive=True):
+                    self.seen.setdefault(p.pid, p)
+                    self.under[root.pid].add(p.pid)
+            except psutil.Error:
+                pass
 
-    def ranks(self) -> list[psutil.Process]:
+    def ranks(self, under: int | None = None) -> list[psutil.Process]:
+        """The ranks running now (only those below the root ``under``, if given)."""
         out = []
-        for p in list(self.seen.values()):
+        for pid, p in list(self.seen.items()):
+            if under is not None and pid not in self.under.get(under, ()):
+                continue
             try:
                 if "flodl.rank" in " ".join(p.cmdline()) and _running(p):
                     out.append(p)
@@ -334,6 +358,74 @@ def stray_files(stem: Path) -> list[str]:
     return sorted(p.name for p in stem.parent.iterdir() if pattern.match(p.name) and p.name not in named)
 
 
+def start_hosts(join_file: Path, proc: subprocess.Popen, env: dict, tmp: Path, tag: str) -> list[subprocess.Popen]:
+    """The ``host`` kind's two workers, started by hand through the controller's join file: two
+    ranks on one, one on the other (each in a session of its own, like a process of another host)."""
+    deadline = time.monotonic() + 60
+    while not join_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if not join_file.exists():
+        return []
+    hosts = []
+    for n, devices in enumerate(("cpu,cpu", "cpu")):
+        with open(tmp / f"{tag}.host{n}.log", "w") as log:
+            argv = [sys.executable, "-m", "flodl.worker", "--join-file", str(join_file), "--devices", devices]
+            hosts.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True))
+    return hosts
+
+
+def lose_host(worker: subprocess.Popen, tree: Tree, whole: bool) -> None:
+    """A host gone: every process of it SIGKILLed at once (``whole``: powered off), or its worker alone."""
+    victims = [worker.pid]
+    if whole:
+        tree.poll()
+        victims += sorted(tree.under.get(worker.pid, ()))
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def resume_check(plan: Plan, stem: Path, epochs: int, step_s: float, tmp: Path, tag: str) -> list[str]:
+    """Resume the killed run from its bundle: it must finish, training exactly what the bundle
+    had not (the uncovered part of its open epochs and every later epoch), with a good eval."""
+    from flodl.checkpoint import read_meta
+
+    meta = read_meta(stem)
+    path = tmp / f"{tag}.resumed.json"
+    args = ["--task", TASK, "--nproc-per-node", str(NPROC), "--epochs", str(epochs), "--mode", plan.mode]
+    args += ["--heartbeat-timeout-secs", str(HEARTBEAT_S), "--summary-json", str(path), "--no-progress", "--resume-from", str(stem)]
+    with open(tmp / f"{tag}.resumed.log", "w") as log:
+        try:
+            code = subprocess.run(
+                [sys.executable, "-m", "flodl.controller", *args],
+                env=_env({"FLODL_TEST_STEP_SLEEP": str(step_s)}),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                timeout=RUN_TIMEOUT_S,
+            ).returncode
+        except subprocess.TimeoutExpired:
+            return [f"the resumed run still running after {RUN_TIMEOUT_S} s"]
+    if code != 0 or not path.exists():
+        return [f"the resumed run's exit code {code}"]
+    s = json.loads(path.read_text())
+    failures = []
+    covered_open = sum(item["total"] - sum(size for _, size in item["uncovered"]) for item in meta["coverage"].get("open", []))
+    trained = sum(h["samples"] for h in s["history"])
+    if covered_open + trained != (epochs - meta["epoch"]) * DATASET:
+        failures.append(
+            f"resumed from epoch {meta['epoch']}: {covered_open} samples in the bundle's open epochs + {trained} trained, "
+            f"want {(epochs - meta['epoch']) * DATASET}"
+        )
+    if s["history"] and s["history"][0]["epoch"] != meta["epoch"]:
+        failures.append(f"the resumed run began at epoch {s['history'][0]['epoch']}, the bundle at {meta['epoch']}")
+    if s.get("final_eval") is None or s["final_eval"] <= EVAL_MIN:
+        failures.append(f"the resumed run's final eval {s.get('final_eval')}")
+    return failures
+
+
 def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
     """Start a run, inject the plan's fault at its moment, wait, and check everything."""
     res = Result(plan)
@@ -368,6 +460,10 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
         extra["FLODL_TEST_BUILD_SLEEP"] = str(HEARTBEAT_S + 2)
     elif plan.kind == "ctl-kill":
         args += ["--save-path", str(stem), "--checkpoint-every", "1"]
+    join_file = tmp / f"{tag}.join.json"
+    if plan.kind == "host":  # two hosts' workers started by hand instead of the local one
+        at = args.index("--nproc-per-node")
+        args[at : at + 2] = ["--workers", "2", "--join-file", str(join_file)]
     shm_before = _shm_names()
     started = time.monotonic()
     with open(log_path, "w") as log:
@@ -380,6 +476,10 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
             start_new_session=True,
         )
     tree = Tree(proc.pid)
+    hosts = start_hosts(join_file, proc, _env(extra), tmp, tag) if plan.kind == "host" else []
+    for host in hosts:
+        tree.add(host.pid)
+    lost_ranks: list[int] = []  # host: the ranks of the host lost
     hit_at: float | None = None
     nominal = epochs * BATCHES_PER_RANK_EPOCH * step_s  # a lower bound of the training time
     try:
@@ -394,6 +494,18 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
                 if proc.poll() is None and victim is not None:
                     hit_at = time.time()
                     os.kill(victim.pid, signal.SIGKILL if plan.kind == "kill" else signal.SIGSTOP)
+                else:
+                    res.landed = False
+        elif plan.kind == "host":
+            if res.start_s is not None:
+                time.sleep(plan.at * nominal)
+                tree.poll()
+                carried = {h.pid: sorted(r for p in tree.ranks(under=h.pid) if (r := _rank_of(p)) is not None) for h in hosts}
+                victim = next((h for h in hosts if len(carried[h.pid]) == plan.victim), None)
+                if proc.poll() is None and victim is not None:
+                    lost_ranks = carried[victim.pid]
+                    hit_at = time.time()
+                    lose_host(victim, tree, plan.whole)
                 else:
                     res.landed = False
         elif plan.kind == "ctl-kill":
@@ -418,6 +530,12 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
             os.killpg(proc.pid, signal.SIGKILL)
             res.exit_code = proc.wait(10)
     finally:
+        for host in hosts:  # the surviving host's worker leaves when the run ends
+            try:
+                host.wait(max(1.0, RUN_TIMEOUT_S - (time.monotonic() - started)))
+            except subprocess.TimeoutExpired:
+                res.failures.append(f"worker {host.pid} still running after the run")
+                os.killpg(host.pid, signal.SIGKILL)
         tree.stop()
     res.wall_s = time.monotonic() - started
     left = tree.leftovers(20 if plan.kind == "ctl-kill" else 10)
@@ -441,6 +559,8 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
             res.note = f"left unreferenced by the sidecar: {', '.join(stray)}"
         if why is not None and (hit_at is not None or res.exit_code == 0):
             res.failures.append(f"bundle not loadable: {why}")
+        elif why is None and hit_at is not None:  # nothing lost: the run resumed from it finishes the rest exactly
+            res.failures += resume_check(plan, stem, epochs, step_s, tmp, tag)
         return res
     if res.exit_code != 0:
         res.failures.append(f"exit code {res.exit_code}")
@@ -461,7 +581,7 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
         if deaths:
             res.failures.append(f"deaths in a slow build: {deaths}")
         return res
-    if plan.kind in ("kill", "stop") and hit_at is None:
+    if plan.kind in ("kill", "stop", "host") and hit_at is None:
         res.landed = False
         res.note = "the run ended before the fault"
     if plan.kind == "stuck" and not deaths and res.exit_code == 0:
@@ -474,7 +594,11 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
         if deaths:
             res.failures.append(f"deaths without a fault: {deaths}")
         return res
-    if len(deaths) != 1:
+    if plan.kind == "host":  # every rank of the host lost, and only those
+        if sorted(d["rank"] for d in deaths) != lost_ranks:
+            res.failures.append(f"deaths {[d['rank'] for d in deaths]}, want the lost host's ranks {lost_ranks}")
+        res.note = f"{'host powered off' if plan.whole else 'worker killed'}: ranks {lost_ranks} lost"
+    elif len(deaths) != 1:
         res.failures.append(f"{len(deaths)} deaths, want 1: {deaths}")
     if plan.kind in ("stuck", *SELF_KILLS) and deaths and deaths[0]["rank"] != plan.victim:
         res.failures.append(f"rank {deaths[0]['rank']} died, rank {plan.victim} was the victim")
@@ -487,7 +611,7 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
         res.detect_s = float(m.group(1)) if m else None
     elif hit_at is not None:
         res.detect_s = rec["unix_time"] - hit_at
-    res.again_s = rec.get("training_again_s")
+    res.again_s = recoveries[-1].get("training_again_s")  # a host's ranks may fall silent a beat apart: the last recovery
     if plan.kind in SELF_KILLS:  # what the ledger did with the window whose average was in flight
         res.note = f"{s.get('regranted_samples', 0)} samples granted again, {s.get('late_samples', 0)} late"
     if plan.heal:
@@ -537,22 +661,34 @@ def main() -> None:
     parser = size_parser(__doc__, "7 faults, shorter runs (under two minutes)", "one kill fault in a 2-epoch run")
     parser.add_argument("--faults", type=int, default=None, help="faults (runs) to inject (default 140: 20 of each kind; quick 7)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the fault plan")
+    parser.add_argument(
+        "--kinds", default=None, help=f"comma-separated fault kinds to run, the others' runs left out of the plan (of {', '.join(KINDS)})"
+    )
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time (default 2)")
     parser.add_argument(
         "--torchrun", type=int, default=None, help="torchrun elastic-restart runs on the same SIGKILL, side by side (default 1; quick 0)"
     )
     parser.add_argument("--max-minutes", type=float, default=None, help="start no new run after this many minutes; report the runs done")
     parser.add_argument(
-        "--name", default=None, help="results file name (bench/results/<name>.json; default chaos, or chaos_quick with --quick)"
+        "--name",
+        default=None,
+        help="results file name (bench/results/<name>.json; default chaos, chaos_<kinds> with --kinds, + _quick with --quick)",
     )
     a = parser.parse_args()
-    count = a.faults or (1 if a.smoke else len(KINDS) if a.quick else 20 * len(KINDS))
+    kinds = KINDS if a.kinds is None else tuple(k for k in a.kinds.split(",") if k)
+    if unknown := sorted(set(kinds) - set(KINDS)):
+        parser.error(f"--kinds: no fault kind {', '.join(unknown)} (the kinds: {', '.join(KINDS)})")
+    per_kind = 1 if a.smoke or a.quick else 20
+    count = a.faults or (1 if a.smoke else per_kind * len(kinds))
     if a.torchrun is None:
         a.torchrun = 0 if a.quick or a.smoke else 1
     epochs, step_s = (2, 0.05) if a.smoke else (4, 0.05) if a.quick else (8, 0.05)
     out_dir = smoke_results() if a.smoke else None
     tmp = Path(tempfile.mkdtemp(prefix="flodl-chaos-", dir=out_dir))  # a smoke's logs go with its results
-    plans = make_plans(count, a.seed, epochs)
+    # the whole plan, then only the kinds asked for: a kind's runs are the same with or without --kinds
+    whole = count if kinds == KINDS else max(count, per_kind) * len(KINDS)
+    plans = [p for p in make_plans(whole, a.seed, epochs) if p.kind in kinds][:count]
+    count = len(plans)
     if a.smoke:  # the smoke's one kill stays a plain one (no restart to wait for)
         plans = [replace(p, heal=False) for p in plans]
     print(
@@ -605,8 +741,9 @@ def main() -> None:
     )
     if lost:
         note += "\nlost runs:\n" + "\n".join(lost)
-    # a quick check never replaces the committed full run
-    report(a.name or ("chaos_quick" if a.quick else "chaos"), rows, note=note, results=out_dir)
+    # a quick check or a few kinds never replaces the committed full run
+    name = "chaos" + ("" if kinds == KINDS else "_" + "_".join(k.replace("-", "_") for k in kinds)) + ("_quick" if a.quick else "")
+    report(a.name or name, rows, note=note, results=out_dir)
     print(f"logs in {tmp}")
 
 

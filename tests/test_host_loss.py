@@ -1,0 +1,102 @@
+"""A whole host lost mid-run, with real processes: two workers started by hand (one with two
+ranks, one with one), then one of them is SIGKILLed, alone (its ranks must die with it) or with
+every process of its host at once (a host powered off). The controller finds the host's ranks
+by their silence, and the other host's ranks finish the run with every sample trained once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import psutil
+import pytest
+
+from .conftest import PY, ROOT, task_spec
+from .helpers.procs import PICK_PORT, Run, assert_all_gone, is_rank
+
+pytestmark = pytest.mark.timeout(180)
+
+EPOCHS = 8
+DATASET = 512  # tiny.py's samples per epoch
+
+
+def _rank_of(proc: psutil.Process) -> int | None:
+    try:
+        return int(proc.environ().get("FLODL_RANK", ""))
+    except (psutil.Error, ValueError):
+        return None
+
+
+class TwoHosts:
+    """A controller run with ``--workers 2`` and the two workers started for it, each in a
+    session of its own like a process of another host. The suite's shared zygote server is
+    left out: each worker forks its ranks from its own zygote, as on a real host."""
+
+    def __init__(self, proc_env: dict, tmp_path, mode: str) -> None:
+        self.env = {k: v for k, v in proc_env.items() if k != "FLODL_ZYGOTE_SERVER"}
+        self.env |= {"FLODL_RUN_SECRET": os.urandom(32).hex(), "FLODL_RUN_ID": "host-loss", "FLODL_TEST_STEP_SLEEP": "0.03"}
+        self.summary_path = tmp_path / "s.json"
+        args = ["--task", task_spec("tiny.py"), "--workers", "2", *PICK_PORT, "--epochs", str(EPOCHS), "--mode", mode]
+        args += ["--heartbeat-timeout-secs", "2", "--summary-json", str(self.summary_path), "--dashboard-port", "-1"]
+        self.run = Run(args, self.env)
+        self.workers: list[subprocess.Popen] = []
+        try:
+            port = self.run.control_port()
+            for devices in ("cpu,cpu", "cpu"):
+                argv = [PY, "-m", "flodl.worker", "--controller", f"tcp://127.0.0.1:{port}", "--devices", devices]
+                self.workers.append(
+                    subprocess.Popen(
+                        argv, env=self.env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+                    )
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    def host(self, ranks: int) -> tuple[subprocess.Popen, list[psutil.Process], list[int]]:
+        """The worker carrying ``ranks`` ranks, every process below it, and its ranks' numbers."""
+        for worker in self.workers:
+            tree = psutil.Process(worker.pid).children(recursive=True)
+            numbers = sorted(n for p in tree if is_rank(p) and (n := _rank_of(p)) is not None)
+            if len(numbers) == ranks:
+                return worker, tree, numbers
+        raise AssertionError(f"no worker with {ranks} ranks running; output:\n{self.run.output}")
+
+    def close(self) -> None:
+        for worker in self.workers:
+            if worker.poll() is None:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait(10)
+        self.run.kill()
+
+
+@pytest.mark.parametrize(
+    ("mode", "ranks", "whole"),
+    [
+        ("nccl-cadence", 2, True),  # the host with two ranks powered off: one rank trains on alone
+        ("cpu-async", 1, False),  # the other host's worker alone: its rank dies with it
+        ("nccl-sync", 1, True),
+        ("cpu-cadence", 2, False),
+    ],
+)
+def test_a_lost_host_costs_only_its_ranks_and_the_other_host_finishes(proc_env, tmp_path, mode, ranks, whole):
+    hosts = TwoHosts(proc_env, tmp_path, mode)
+    try:
+        hosts.run.wait_for_line(f"epoch 2/{EPOCHS}", timeout=120)
+        victim, tree, lost = hosts.host(ranks)
+        survivor = next(w for w in hosts.workers if w is not victim)
+        for pid in [victim.pid] + ([p.pid for p in tree] if whole else []):
+            os.kill(pid, signal.SIGKILL)
+        victim.wait(10)
+        assert_all_gone(tree, 10)  # its ranks (and zygote) never outlive their worker
+        assert hosts.run.wait(150) == 0, hosts.run.output
+        assert survivor.wait(30) == 0, survivor.stderr.read()
+        summary = json.loads(hosts.summary_path.read_text())
+    finally:
+        hosts.close()
+    assert [h["samples"] for h in summary["history"]] == [DATASET] * EPOCHS
+    assert sorted(d["rank"] for d in summary["deaths"]) == lost
+    assert all("sent nothing" in d["reason"] for d in summary["deaths"]), summary["deaths"]  # a lost host says nothing
+    assert summary["recoveries"] and summary["final_eval"] > 0.7
