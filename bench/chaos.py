@@ -35,7 +35,9 @@ order is shuffled with the seed):
 
 Every run is checked: exit code 0 (ctl-kill: none), every epoch's samples ==
 the dataset length, final eval > 0.7, exactly the expected death, the whole
-process tree gone, no ``flodl`` segment of the run left in /dev/shm. A run
+process tree gone, no ``flodl`` segment of the run left in /dev/shm, no Python
+traceback in any of its processes' output (a survivor that crashed while the run
+still ended 0 is a lost run too). A run
 failing any check is *lost*. From the summary: detection (the recovery's
 ``unix_time`` minus our kill/stop time; for a stuck thread the stall the death
 reason names, which starts mid-batch at the fault) and ``training_again_s``
@@ -215,6 +217,13 @@ def make_plans(count: int, seed: int, epochs: int) -> list[Plan]:
     return plans
 
 
+def plans_for(kinds: tuple[str, ...], count: int, per_kind: int, seed: int, epochs: int) -> list[Plan]:
+    """``count`` plans of ``kinds`` only: the whole plan's, filtered, so a kind's runs are the same
+    with or without ``--kinds``."""
+    whole = count if kinds == KINDS else max(count, per_kind) * len(KINDS)
+    return [p for p in make_plans(whole, seed, epochs) if p.kind in kinds][:count]
+
+
 # ---------------------------------------------------------------- one run
 
 
@@ -330,6 +339,15 @@ def _wait_for(log: Path, needle: str, proc: subprocess.Popen, timeout: float) ->
             return False
         time.sleep(0.02)
     return False
+
+
+def traceback_in(log: Path) -> str | None:
+    """The exception line of the first Python traceback in ``log``, or None."""
+    lines = log.read_text(errors="replace").splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback (most recent call last)"):
+            return next((x.strip() for x in lines[i + 1 :] if x and not x.startswith((" ", "\t"))), "Traceback")[:300]
+    return None
 
 
 def bundle_check(stem: Path) -> str | None:
@@ -538,6 +556,9 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
                 os.killpg(host.pid, signal.SIGKILL)
         tree.stop()
     res.wall_s = time.monotonic() - started
+    for log in [log_path, *(tmp / f"{tag}.host{n}.log" for n in range(len(hosts)))]:
+        if crash := traceback_in(log):  # a process of the run crashed, whatever the exit code says
+            res.failures.append(f"a traceback in {log.name}: {crash}")
     left = tree.leftovers(20 if plan.kind == "ctl-kill" else 10)
     if left:
         res.failures.append(f"processes left: {left}")
@@ -679,15 +700,12 @@ def main() -> None:
     if unknown := sorted(set(kinds) - set(KINDS)):
         parser.error(f"--kinds: no fault kind {', '.join(unknown)} (the kinds: {', '.join(KINDS)})")
     per_kind = 1 if a.smoke or a.quick else 20
-    count = a.faults or (1 if a.smoke else per_kind * len(kinds))
     if a.torchrun is None:
         a.torchrun = 0 if a.quick or a.smoke else 1
     epochs, step_s = (2, 0.05) if a.smoke else (4, 0.05) if a.quick else (8, 0.05)
     out_dir = smoke_results() if a.smoke else None
     tmp = Path(tempfile.mkdtemp(prefix="flodl-chaos-", dir=out_dir))  # a smoke's logs go with its results
-    # the whole plan, then only the kinds asked for: a kind's runs are the same with or without --kinds
-    whole = count if kinds == KINDS else max(count, per_kind) * len(KINDS)
-    plans = [p for p in make_plans(whole, a.seed, epochs) if p.kind in kinds][:count]
+    plans = plans_for(kinds, a.faults or (1 if a.smoke else per_kind * len(kinds)), per_kind, a.seed, epochs)
     count = len(plans)
     if a.smoke:  # the smoke's one kill stays a plain one (no restart to wait for)
         plans = [replace(p, heal=False) for p in plans]

@@ -2,7 +2,7 @@
 
     python bench/overhead.py [--quick | --smoke] [--device cuda] [--steps-ms 1,5] [--pairs N]
                              [--models resnet20,gpt_nano] [--compile reduce-overhead] [--script]
-                             [--cpus 2-5] [--width W]
+                             [--cpus 2-5] [--width W] [--concurrent] [--null]
 
 Same model, data, batch size, optimizer, shuffle and thread count; the plain
 loop is written as one would write it by hand: it indexes the same in-memory
@@ -51,6 +51,22 @@ flodl.controller --script``, its rate from the run summary's training wall as
 for a ``Task``; the plain side is unchanged. Results in ``overhead_script.json``
 (``overhead_gpu_script.json`` with ``--device cuda``); eager only (no ``--compile``).
 
+``--concurrent`` (CPU, two cores) runs each pair's two sides at the same time
+instead of back to back: flodl's whole run (controller, worker, rank) pinned to
+one core, the plain loop streaming on the other from before flodl's training
+starts until after it ends, its rate taken over exactly flodl's training span
+(the summary's ``trained_unix``); the cores swap every pair. On a VM whose
+speed wanders by ±20% within seconds (this one's, with nothing else running),
+back-to-back pairs measure the wander as much as flodl; side by side, both
+sides live through the same seconds. It is the stricter test: flodl's
+controller and worker share the rank's core instead of idling on the other.
+Results in ``overhead[_script]_concurrent.json``.
+
+``--null`` is an A/A run: flodl's side is replaced by a second plain loop (a
+fresh process, pinned like flodl's with ``--concurrent``), so the ratios show
+how far the design alone moves a pair; no goal. Results in
+``overhead_null[_concurrent].json``.
+
 ``--smoke`` runs one small pair without sizing (seconds) and writes its JSON
 under ``$FLODL_BENCH_RESULTS`` or a temporary folder, never ``bench/results``.
 """
@@ -58,10 +74,12 @@ under ``$FLODL_BENCH_RESULTS`` or a temporary folder, never ``bench/results``.
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import io
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -91,6 +109,10 @@ MIN_STEP_MS = 4.0
 DEVICE = "cpu"
 #: ``--script``: flodl's side runs ``SCRIPT`` in script mode instead of ``TASK``.
 SCRIPT_MODE = False
+#: ``--null``: flodl's side replaced by a second plain loop (an A/A run: the design's own noise).
+NULL = False
+#: ``--concurrent``: the two cores (flodl's, the plain loop's) of a pair's first order; empty: pairs run back to back.
+CONCURRENT: tuple[int, ...] = ()
 
 
 def plain_loop(epochs: int, *, steady: bool = False, sync_every_step: bool = False) -> tuple[float, float]:
@@ -100,16 +122,8 @@ def plain_loop(epochs: int, *, steady: bool = False, sync_every_step: bool = Fal
     shuffle goes up once per epoch, and the loss is read back every ``loss_every()``
     steps, so the host launches ahead of the kernels (``sync_every_step``: every step,
     the variant that waits for the device each time)."""
-    task = solo.task()
-    ds = task.dataset
-    x_all, y_all = (t.to(DEVICE) for t in ds.tensors)
-    model = task.model().to(DEVICE)
-    opt = task.optimizer(model)
-    mode = solo.compile_mode()
-    if mode:  # as flodl does it (Task.compile): the module's forward, the loss outside
-        model.compile(mode=mode)
-    graphed = mode in ("reduce-overhead", "max-autotune") and DEVICE == "cuda"
-    n, bs = len(ds), task.batch_size
+    task, x_all, y_all, model, opt, graphed = _plain_parts()
+    n, bs = len(x_all), task.batch_size
     steps = 0
     losses = []
     if DEVICE == "cuda":
@@ -134,6 +148,100 @@ def plain_loop(epochs: int, *, steady: bool = False, sync_every_step: bool = Fal
     wall = time.perf_counter() - start
     counted = epochs - 1 if steady and epochs > 1 else epochs
     return n * counted / wall, wall / steps * 1000
+
+
+def _plain_parts() -> tuple:
+    """The plain loop's task, data (on the device), model, optimizer, and whether steps are graphed."""
+    task = solo.task()
+    x_all, y_all = (t.to(DEVICE) for t in task.dataset.tensors)
+    model = task.model().to(DEVICE)
+    opt = task.optimizer(model)
+    mode = solo.compile_mode()
+    if mode:  # as flodl does it (Task.compile): the module's forward, the loss outside
+        model.compile(mode=mode)
+    graphed = mode in ("reduce-overhead", "max-autotune") and DEVICE == "cuda"
+    return task, x_all, y_all, model, opt, graphed
+
+
+def plain_stream(core: int) -> list[tuple[float, int]]:
+    """``--concurrent``'s plain side: the plain loop (CPU) on ``core``, epoch after epoch until
+    SIGTERM, with (Unix time, samples trained so far) after every step. Says ``ready`` once built."""
+    os.sched_setaffinity(0, {core})
+    stop: list[int] = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    task, x_all, y_all, model, opt, _ = _plain_parts()
+    n, bs = len(x_all), task.batch_size
+    print("ready", flush=True)
+    stamps, samples, steps, epoch = [(time.time(), 0)], 0, 0, 0
+    while not stop:
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(42 + epoch))
+        for i in range(0, n, bs):
+            idx = perm[i : i + bs]
+            loss = task.loss_fn(model(x_all[idx]), y_all[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            steps += 1
+            samples += len(idx)
+            if steps % loss_every() == 0:
+                loss.item()
+            stamps.append((time.time(), samples))
+            if stop:
+                break
+        epoch += 1
+    return stamps
+
+
+def rate_between(stamps: list[tuple[float, int]], start: float, end: float) -> float:
+    """Samples/s the stream trained from ``start`` to ``end`` (Unix times), interpolated between steps.
+
+    Raises:
+        ValueError: the stream did not run over the whole span.
+    """
+    times = [t for t, _ in stamps]
+    if not times[0] <= start < end <= times[-1]:
+        raise ValueError(f"the plain loop ran {times[0]:.2f}-{times[-1]:.2f}, not over flodl's training {start:.2f}-{end:.2f}")
+
+    def at(t: float) -> float:
+        k = max(1, bisect.bisect_left(times, t))
+        (t0, s0), (t1, s1) = stamps[k - 1], stamps[k]
+        return s0 + (s1 - s0) * (t - t0) / (t1 - t0) if t1 > t0 else s1
+
+    return (at(end) - at(start)) / (end - start)
+
+
+def concurrent_pair(epochs: int, cores: tuple[int, int]) -> tuple[float, float]:
+    """(plain, flodl) samples/s trained side by side over the same seconds: flodl's run (controller,
+    worker and rank) pinned to ``cores[0]``, the plain loop streaming on ``cores[1]`` from before
+    flodl's training starts until after it ends; the plain rate is taken over exactly flodl's
+    training span (the summary's ``trained_unix``). Whatever the host does to the machine's speed
+    in those seconds, it does to both sides."""
+    code = (
+        "import sys, json; sys.path.insert(0, sys.argv[1]); import bench.overhead as o; print(json.dumps(o.plain_stream(int(sys.argv[2]))))"
+    )
+    plain = subprocess.Popen([sys.executable, "-c", code, str(ROOT), str(cores[1])], stdout=subprocess.PIPE, text=True)
+    try:
+        assert plain.stdout is not None and plain.stdout.readline().strip() == "ready", "the plain loop did not start"
+        summary = plain_span(epochs, cores[0]) if NULL else flodl_cli_run(epochs, core=cores[0])
+    finally:
+        plain.send_signal(signal.SIGTERM)
+        out, _ = plain.communicate(timeout=60)
+    start, end = summary["trained_unix"]
+    return rate_between(json.loads(out.strip().splitlines()[-1]), start, end), summary["samples"] / summary["wall_s"]
+
+
+def plain_span(epochs: int, core: int) -> dict:
+    """``--null``'s stand-in for flodl's side: the plain loop in a fresh process on ``core``, its
+    rate and its span as a run summary gives them (``samples``, ``wall_s``, ``trained_unix``)."""
+    code = (
+        "import sys, json, time; sys.path.insert(0, sys.argv[1]); import os; os.sched_setaffinity(0, {int(sys.argv[3])}); "
+        "import torch; torch.set_num_threads(1); import bench.overhead as o; "
+        "rate, _ = o.plain_loop(int(sys.argv[2])); end = time.time(); print(json.dumps([rate, end]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(ROOT), str(epochs), str(core)], capture_output=True, text=True, check=True)
+    rate, end = json.loads(out.stdout.strip().splitlines()[-1])
+    samples = int(os.environ.get("FLODL_BENCH_SAMPLES", "16384")) * epochs
+    return {"samples": samples, "wall_s": samples / rate, "trained_unix": [end - samples / rate, end]}
 
 
 def loss_every() -> int:
@@ -172,14 +280,23 @@ def flodl_run(epochs: int) -> float:
 
 def script_run(epochs: int) -> float:
     """Samples/s of one script-mode run (``SCRIPT`` through the controller's CLI) over its training wall."""
+    summary = flodl_cli_run(epochs)
+    return summary["samples"] / summary["wall_s"]
+
+
+def flodl_cli_run(epochs: int, core: int | None = None) -> dict:
+    """The summary of one run through the controller's CLI (``SCRIPT`` in script mode, else ``TASK``),
+    every process of it on ``core`` if given (children inherit the mask)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "summary.json"
         where = ["--devices", "cuda:0"] if DEVICE == "cuda" else ["--nproc-per-node", "1"]
-        cmd = [sys.executable, "-m", "flodl.controller", "--script", str(SCRIPT), *where, "--epochs", str(epochs)]
-        subprocess.run([*cmd, "--summary-json", str(path)], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        what = ["--script", str(SCRIPT)] if SCRIPT_MODE else ["--task", TASK]
+        cmd = [sys.executable, "-m", "flodl.controller", *what, *where, "--epochs", str(epochs), "--no-progress"]
+        pin = None if core is None else (lambda: os.sched_setaffinity(0, {core}))
+        subprocess.run([*cmd, "--summary-json", str(path)], cwd=ROOT, check=True, stdout=subprocess.DEVNULL, preexec_fn=pin)
         summary = json.loads(path.read_text())
     assert summary["exit_reason"] == "completed", summary["exit_reason"]
-    return summary["samples"] / summary["wall_s"]
+    return summary
 
 
 def step_width(target_ms: float, given: int | None = None) -> tuple[int, float]:
@@ -272,6 +389,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--name", default=None, help="results file name (default: overhead, overhead_gpu, + the compile mode)")
     parser.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="CPU: run each pair's two sides at the same time on two cores (swapped every pair), the plain rate taken over "
+        "flodl's training span, instead of back to back; results in <name>_concurrent.json",
+    )
+    parser.add_argument(
+        "--null",
+        action="store_true",
+        help="an A/A run: flodl's side is a second plain loop, so the ratios show the design's own noise "
+        "(no goal); results in overhead_null[_concurrent].json",
+    )
+    parser.add_argument(
         "--cpus",
         default=None,
         help="pin the bench and every process it starts (both sides) to these cores, e.g. 2-5 or 2,3 "
@@ -349,12 +478,14 @@ def run_case(
         name = f"{label} ({step_ms:.1f} ms)"
     plain, flo, ratios, synced = [], [], [], []
     for i in range(reps):  # pairs back to back (who goes first alternates), so drift in the machine hits both sides
-        if i % 2:
-            f = flodl_run(epochs)
+        if CONCURRENT:  # side by side instead, the two cores swapped from one pair to the next
+            rate, f = concurrent_pair(epochs, CONCURRENT if i % 2 == 0 else CONCURRENT[::-1])
+        elif i % 2:
+            f = plain_run(epochs) if NULL else flodl_run(epochs)
             rate = plain_run(epochs)
         else:
             rate = plain_run(epochs)
-            f = flodl_run(epochs)
+            f = plain_run(epochs) if NULL else flodl_run(epochs)
         plain.append(rate)
         flo.append(f)
         ratios.append(f / rate)
@@ -391,13 +522,16 @@ def case_rows(args: argparse.Namespace, target: float | None, res: dict, reps: i
         goal = (0.95 if step < 5.0 else 0.99) if args.compile == "reduce-overhead" else (0.97 if step < 5.0 else 0.99)
         text = f"≥ {goal:.0%} (median of ≥ 3)"
         rows.append(Row(case, label, ratio * 100, "%", text, ratio >= goal and reps >= 3))
+    elif NULL:  # plain against plain: the design's resolution, not a result of flodl's
+        rows.append(Row(case, label, ratio * 100, "%"))
     else:
         met = ratio >= 0.97 and reps >= 5 and res["step_ms"] >= MIN_STEP_MS
         rows.append(Row(case, label, ratio * 100, "%", "≥ 97% (median of ≥ 5, ≥ 4 ms)", met))
     rows.append(Row(case, "flodl / plain (lowest pair)", min(ratios) * 100, "%"))
     rows.append(Row(case, "flodl / plain (highest pair)", max(ratios) * 100, "%"))
     for k, r in enumerate(ratios, 1):  # every pair, so a reader sees the spread the median hides
-        rows.append(Row(case, f"flodl / plain, pair {k} ({'flodl' if k % 2 == 0 else 'plain'} first)", r * 100, "%"))
+        order = f"flodl on core {CONCURRENT[(k - 1) % 2]}" if CONCURRENT else f"{'flodl' if k % 2 == 0 else 'plain'} first"
+        rows.append(Row(case, f"flodl / plain, pair {k} ({order})", r * 100, "%"))
     rows.append(Row(case, "flodl's cost per step, whole run (median of pairs)", step_cost_us(res), "µs"))
     return rows
 
@@ -418,9 +552,11 @@ def mlp_batch() -> int:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    global DEVICE, SCRIPT_MODE
+    global DEVICE, SCRIPT_MODE, CONCURRENT, NULL
     args = parse_args(argv)
-    DEVICE, SCRIPT_MODE = args.device, args.script
+    DEVICE, SCRIPT_MODE, NULL = args.device, args.script, args.null
+    if args.null and (args.device == "cuda" or args.script or args.compile):
+        raise SystemExit("overhead.py: --null compares the CPU plain loop with itself (no --device cuda, --script or --compile)")
     if args.script and args.compile:
         raise SystemExit("overhead.py: --script runs eager (the script does not compile); drop --compile")
     # one intra-op thread on both sides: on a small shared machine a second
@@ -432,6 +568,13 @@ def main(argv: list[str] | None = None) -> Path:
     if args.cpus:
         # children inherit the mask: the plain loop's process and flodl's controller, worker and rank alike
         os.sched_setaffinity(0, parse_cpus(args.cpus))
+    if args.concurrent:
+        if DEVICE == "cuda":
+            raise SystemExit("overhead.py: --concurrent runs the two sides on two CPU cores (no --device cuda)")
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < 2:
+            raise SystemExit(f"overhead.py: --concurrent needs two cores, this process may use {cores}")
+        CONCURRENT = (cores[0], cores[1])
     cases, reps, samples, epochs = plan(args)
     rows: list[Row] = []
     sys.stdout = io.TextIOWrapper(sys.stdout.buffer, line_buffering=True)
@@ -457,16 +600,21 @@ def results_name(args: argparse.Namespace) -> str:
     """The results file's name: ``--name``, or overhead[_gpu] + the compile mode + _script."""
     if args.name:
         return args.name
-    name = "overhead_gpu" if DEVICE == "cuda" else "overhead"
+    name = "overhead_gpu" if DEVICE == "cuda" else "overhead_null" if args.null else "overhead"
     if args.compile:
         name += "_compiled" + ("" if args.compile == "default" else "_" + args.compile.replace("-", "_"))
-    return name + ("_script" if args.script else "")
+    return name + ("_script" if args.script else "") + ("_concurrent" if args.concurrent else "")
 
 
 def run_note(args: argparse.Namespace, reps: int, samples: int, epochs: int, loads: list[float]) -> str:
     """The conditions of the run, for the results file and the table's foot."""
+    how = (
+        f"side by side on cores {CONCURRENT[0]} and {CONCURRENT[1]} (swapped every pair), the plain rate over flodl's training span"
+        if CONCURRENT
+        else "whole training timed on both sides"
+    )
     note = (
-        f"{reps} plain/flodl pairs per case, whole training timed on both sides; "
+        f"{reps} plain/flodl pairs per case, {how}; "
         f"plain reads its loss every {loss_every()} steps; load average {min(loads):.2f}-{max(loads):.2f} during the run"
     )
     if DEVICE == "cuda":
@@ -486,6 +634,8 @@ def run_note(args: argparse.Namespace, reps: int, samples: int, epochs: int, loa
         note += f"; {args.epochs} epochs per MLP run as given"
     if args.cpus:
         note += f"; every process pinned to cores {args.cpus}"
+    if args.null:
+        note += "; A/A: the 'flodl' side is a second plain loop in a fresh process (the design's own noise, no goal)"
     return note
 
 

@@ -3,7 +3,7 @@
 Each bench's ``--smoke`` runs its whole path at toy sizes in seconds (the
 control plane: a controller, a simulated worker joining and training one window,
 round trips to it and to the bare pyzmq echoes; the overhead: one plain loop and
-one real flodl run (and once more in script mode, ``--script``); step_cost: 200 no-op steps
+one real flodl run (and once more in script mode, ``--script``, and side by side, ``--concurrent``); step_cost: 200 no-op steps
 of the rank's batch loop in process and of a plain loop, twice, and around a real MLP step (``--width``); scale: the real controller driving 16 simulated ranks
 through a death and a join, timed at its ``ControllerHooks``; hetero: a solo,
 two solo runs side by side (the ideal) and one 2:1 cadence run through the CLI, about 25 s; cpu_avg: one 1 MB averaging
@@ -90,6 +90,25 @@ def test_overhead_bench_runs_script_mode(tmp_path, proc_env):
     out = run_smoke("overhead.py", "overhead_script", tmp_path, proc_env, extra=("--script",))
     values = {r["metric"]: r["value"] for r in out["rows"]}
     assert values["plain samples/s"] > 0 and values["flodl samples/s"] > 0
+
+
+def test_overhead_bench_runs_side_by_side(tmp_path, proc_env):
+    out = run_smoke("overhead.py", "overhead_concurrent", tmp_path, proc_env, extra=("--concurrent",))
+    values = {r["metric"]: r["value"] for r in out["rows"]}
+    assert values["plain samples/s"] > 0 and values["flodl samples/s"] > 0
+    assert "flodl / plain, pair 1 (flodl on core 0)" in values
+
+
+def test_the_side_by_side_plain_rate_is_taken_over_flodls_span_only():
+    from bench.overhead import rate_between
+
+    stamps = [(10.0, 0), (11.0, 100), (12.0, 300), (13.0, 400)]  # 100, then 200, then 100 samples/s
+    assert rate_between(stamps, 11.0, 12.0) == pytest.approx(200.0)
+    assert rate_between(stamps, 10.5, 12.5) == pytest.approx((350 - 50) / 2.0)  # between steps: interpolated
+    with pytest.raises(ValueError, match="not over flodl's training"):
+        rate_between(stamps, 9.0, 12.0)  # the plain loop had not started
+    with pytest.raises(ValueError, match="not over flodl's training"):
+        rate_between(stamps, 11.0, 13.5)
 
 
 def test_step_cost_bench_runs(tmp_path, proc_env):

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.chaos import CPU_MODES, KINDS, MODES, Plan, Result, make_plans, percentile, rows_for  # noqa: E402
+from bench.chaos import CPU_MODES, KINDS, MODES, Plan, Result, make_plans, percentile, plans_for, rows_for, traceback_in  # noqa: E402
 
 
 def test_percentile_interpolates_like_numpy():
@@ -26,7 +26,7 @@ def test_percentile_interpolates_like_numpy():
     assert math.isnan(percentile([], 50))
 
 
-def test_forty_two_plans_cover_every_kind_and_mode_pair_and_repeat_with_the_seed():
+def test_one_plan_per_kind_and_mode_covers_every_pair_and_repeats_with_the_seed():
     plans = make_plans(len(KINDS) * len(MODES), seed=4, epochs=6)
     # a death halfway through a snapshot is the CPU backend's: a collective has no snapshot slices
     assert {(p.kind, p.mode) for p in plans} == {(k, m) for k in KINDS for m in (CPU_MODES if k == "slice" else MODES)}
@@ -80,12 +80,23 @@ def test_rows_check_each_goal():
 
 
 def test_every_other_kill_heals_and_the_quick_set_has_one():
-    plans = make_plans(36, seed=4, epochs=6)
+    plans = make_plans(6 * len(KINDS), seed=4, epochs=6)
     kills = sorted((p for p in plans if p.kind == "kill"), key=lambda p: p.index)
     assert [p.heal for p in kills] == [True, False] * 3
     assert not [p for p in plans if p.heal and p.kind != "kill"]
+    hosts = sorted((p for p in plans if p.kind == "host"), key=lambda p: p.index)
+    assert [p.whole for p in hosts] == [True, False] * 3  # every other lost host loses every process at once
+    assert {p.victim for p in hosts} <= {1, 2} and not [p for p in plans if p.whole and p.kind != "host"]
     assert [p for p in make_plans(len(KINDS), seed=0, epochs=4) if p.heal]
     assert sorted(p.kind for p in make_plans(len(KINDS), seed=0, epochs=4)) == sorted(KINDS)  # --quick: one of each kind
+
+
+def test_kinds_pick_their_runs_of_the_whole_plan():
+    whole = make_plans(20 * len(KINDS), seed=1, epochs=8)
+    hosts = plans_for(("host",), 20, 20, seed=1, epochs=8)
+    assert hosts == [p for p in whole if p.kind == "host"] and len(hosts) == 20
+    assert plans_for(("host", "kill"), 5, 20, seed=1, epochs=8) == [p for p in whole if p.kind in ("host", "kill")][:5]
+    assert plans_for(KINDS, 3, 20, seed=1, epochs=8) == make_plans(3, seed=1, epochs=8)
 
 
 def test_heal_rows_count_only_runs_back_at_full_size():
@@ -95,3 +106,13 @@ def test_heal_rows_count_only_runs_back_at_full_size():
     assert _row(rows, "kill", "healing runs").value == 2
     assert _row(rows, "kill", "healed (world back to full size)").value == 1
     assert _row(rows, "kill", "back to full size max").value == 4.5
+
+
+def test_a_traceback_in_a_log_is_found_with_its_exception_line(tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text(
+        'epoch 8/8  loss 0.08\nTraceback (most recent call last):\n  File "x.py", line 1, in <module>\n    f()\nRuntimeError: boom\ndone in 4.8 s\n'
+    )
+    assert traceback_in(log) == "RuntimeError: boom"
+    log.write_text("epoch 8/8  loss 0.08\ndone in 4.8 s\n")
+    assert traceback_in(log) is None

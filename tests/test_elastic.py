@@ -98,6 +98,19 @@ def test_a_rank_that_dies_right_after_its_report_costs_no_sample(proc_env, tmp_p
         assert not given_back and summary["late_samples"] == 0, run.output
 
 
+def test_a_rank_that_dies_after_its_last_report_leaves_no_survivor_waiting_for_a_group(proc_env, tmp_path):
+    """Rank 1 SIGKILLs itself the moment its last window's report has left (Sync trains one window an
+    epoch, so its 12th is the run's last). The controller then announces the survivors' group and
+    ends the run at once: a survivor that reads the Shutdown first leaves, so one that read the
+    Regroup first must not wait for it to build the group (it waited 22 s, then crashed)."""
+    run, path = start({**proc_env, "FLODL_INJECT_FAULT": f"1:reported:{EPOCHS}"}, tmp_path, "nccl-sync")
+    summary = finish(run, path)
+    # its exit may also come after the run ended, when an exit is no longer a death
+    assert [d["rank"] for d in summary["deaths"]] in ([], [1]), run.output
+    assert "never arrived" not in run.output and "Traceback" not in run.output, run.output
+    assert {"0", "2"} <= set(summary["final_digests"]), run.output  # both survivors left cleanly
+
+
 @pytest.mark.parametrize("mode", ["cpu-cadence", "cpu-async", "cpu-sync", "cpu-cadence-relay"])
 def test_a_rank_that_dies_halfway_through_its_snapshot_shrinks_no_parameter(proc_env, tmp_path, mode):
     """Rank 1 SIGKILLs itself once the first 8 MiB slice of its 5th snapshot has left, the rest of it

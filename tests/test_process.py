@@ -78,6 +78,8 @@ def test_digits_trains_on_two_ranks(digits_run):
     ):
         assert key in summary
     assert summary["world_size"] == 2 and summary["epochs"] == DIGITS_EPOCHS and summary["mode"] == "NcclCadence"
+    start, end = summary["trained_unix"]  # the span wall_s measures, after the process started
+    assert end - start == pytest.approx(summary["wall_s"]) and summary["startup"]["started_unix"] < start < end < time.time()
     assert summary["exit_reason"] == "completed" and summary["deaths"] == []
     assert summary["final_eval"] > 0.85, run.output
     assert summary["final_loss"] < summary["history"][0]["loss"]

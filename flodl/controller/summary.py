@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import time
+
 from ..config import DdpRunConfig
 from ..plan.cadence import CadenceLoop
 from ..plan.membership import Membership, PeerState
@@ -53,6 +55,8 @@ def summarize(
 ) -> dict:
     """One dict that says what the run did (``now``: the end, if the run has not marked one)."""
     wall = max(0.0, (run.finished_at or now) - run.started_at)
+    unix_now = time.time()  # the run's clock is monotonic: its marks in Unix time, for other processes' logs
+    trained_from = unix_now - (now - run.started_at)
     history = training.history
     samples = sum(s.samples for s in history)
     per_rank: dict[int, dict] = {}
@@ -86,6 +90,8 @@ def summarize(
         "epochs": training.total_epochs,
         "epochs_completed": len(history),
         "wall_s": wall,
+        # the span wall_s measures, in Unix time (to line up with other processes' logs or metrics)
+        "trained_unix": [trained_from, trained_from + wall],
         # from the process start (the CLI) or the controller's construction to the first batch trained
         "startup_s": startup.startup_s,
         "startup": startup.summary(),

@@ -249,14 +249,7 @@ class RankRunner(Regrouping, Evaluating):
             except Stop:
                 return self._stopped()
             if isinstance(cmd, (m.Shutdown, m.ShutdownWithSave)):
-                if not cmd.abort:
-                    self._finish_accumulation()
-                    self._settle_background()  # the last average lands: replicas end equal
-                self._save_on_shutdown(cmd)
-                digest = "" if cmd.abort else model_digest(self.model)
-                code = EXIT_RANK_LOST if cmd.abort else self._completed()
-                self.link.send(m.Exiting(rank=self.rank, reason=cmd.reason, digest=digest))
-                return code
+                return self._shut_down(cmd)
             try:
                 if isinstance(cmd, m.Window):
                     self._train_window(cmd)
@@ -278,6 +271,25 @@ class RankRunner(Regrouping, Evaluating):
                 return self._fail(stage, exc, EXIT_RANK_LOST if stage == "collective" else EXIT_TASK_ERROR)
             except Exception as exc:
                 return self._fail("train", exc, EXIT_TASK_ERROR)
+
+    def _completed_while_regrouping(self) -> bool:
+        """A clean Shutdown is what stopped this rank, and it is still one of the run's members."""
+        stop, regroup = self.link.shutdown, self.link.regroup
+        if stop is None or stop.abort or self.terminated or self.link.lost is not None:
+            return False
+        return regroup is None or self.rank in regroup.members
+
+    def _shut_down(self, cmd: m.Shutdown | m.ShutdownWithSave) -> int:
+        """The controller's Shutdown: the last average lands (a clean end), the elected rank
+        saves, and this rank says it leaves, with its parameters' digest."""
+        if not cmd.abort:
+            self._finish_accumulation()
+            self._settle_background()  # the last average lands: replicas end equal
+        self._save_on_shutdown(cmd)
+        digest = "" if cmd.abort else model_digest(self.model)
+        code = EXIT_RANK_LOST if cmd.abort else self._completed()
+        self.link.send(m.Exiting(rank=self.rank, reason=cmd.reason, digest=digest))
+        return code
 
     def _completed(self) -> int:
         """The run completed (a clean Shutdown, the last average landed): the exit code. Script
@@ -303,6 +315,11 @@ class RankRunner(Regrouping, Evaluating):
         )
 
     def _stopped(self) -> int:
+        if self._completed_while_regrouping():
+            # the run completed while this rank waited on a new group (Regroup and Shutdown
+            # crossed: a peer that read the Shutdown first never comes): end as the Shutdown says
+            assert self.link.shutdown is not None
+            return self._shut_down(self.link.shutdown)
         if self.terminated:
             # SIGTERM from our worker (its controller died, or a scheduler preempts the job)
             self._emergency_save("controller_lost" if self.link.lost else "interrupted", "terminated by SIGTERM")
@@ -394,9 +411,10 @@ class RankRunner(Regrouping, Evaluating):
         while True:
             if self.terminated:
                 raise Stop
-            if self.welcome is not None and self._announced_after(self.generation):
+            if self.welcome is not None and self.link.shutdown is None and self._announced_after(self.generation):
                 # join a new group while waiting, not at the next window: a survivor that lost the
                 # failed average waits for this one in the new group, and the next window waits for it
+                # (not once the run is over: a peer that read the Shutdown first would never come)
                 self._maybe_regroup()
                 self.link.doing("idle")
             wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
