@@ -47,6 +47,19 @@ def test_max_failure_reason_names_the_limit():
     assert decision.why == "1 of 3 ranks lost reaches max_failure 1 (limit 1)"
 
 
+def test_a_world_left_with_only_unseeded_joiners_stops_without_saving():
+    # rank 2 joined and has not taken the consensus yet: nothing it holds is the run's
+    decision = after_deaths(NCCL, started=True, world_size=3, dead_total=2, survivors=1, can_save=True, unseeded=(2,))
+    assert (decision.outcome, decision.code) == (Outcome.STOP, EXIT_RANK_LOST)
+    assert "rank(s) 2 joined and had not received them" in decision.why and "--resume-from" in decision.why
+    # one survivor holds them: the joiner takes them from it, and the run goes on
+    decision = after_deaths(NCCL, started=True, world_size=4, dead_total=2, survivors=2, can_save=True, unseeded=(3,))
+    assert decision.outcome is Outcome.RECOVER
+    # past max_failure with a holder left: it saves, from the holder
+    decision = after_deaths(LIMIT_1, started=True, world_size=3, dead_total=1, survivors=2, can_save=True, unseeded=(2,))
+    assert decision.outcome is Outcome.SAVE_AND_STOP
+
+
 @pytest.mark.parametrize(
     ("reported", "current", "pending", "outcome"),
     [

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 
@@ -110,3 +111,78 @@ def test_a_lost_host_costs_only_its_ranks_and_the_other_host_finishes(proc_env, 
         assert summary["averaging"]["relays"] == 1 and summary["final_eval"] == pytest.approx(1.0, abs=1e-6)
     else:
         assert summary["final_eval"] > 0.7
+
+
+class LocalAndJoiner:
+    """The embedded default's local worker (ranks 0 and 1, CPU backend) and a second host's worker
+    that joins it once training began (rank 2); steps held slow (``hold_sleep``) until released."""
+
+    def __init__(self, proc_env: dict, tmp_path, epochs: int, hold_sleep: str) -> None:
+        self.hold = tmp_path / "released"
+        self.epochs, self.path = epochs, tmp_path / "s.json"
+        env = {**proc_env, "FLODL_RUN_SECRET": os.urandom(32).hex(), "FLODL_RUN_ID": "local-lost", "FLODL_TEST_STEP_SLEEP": "0.01"}
+        env |= {"FLODL_TEST_HOLD_FILE": str(self.hold), "FLODL_TEST_HOLD_SLEEP": hold_sleep}
+        args = ["--task", task_spec("tiny.py"), "--nproc-per-node", "2", *PICK_PORT, "--epochs", str(epochs), "--mode", "cpu-cadence"]
+        self.run = Run([*args, "--heartbeat-timeout-secs", "3", "--summary-json", str(self.path), "--dashboard-port", "-1"], env)
+        self.remote: subprocess.Popen | None = None
+        try:
+            port = self.run.control_port()
+            self.run.wait_for_line("first batch trained", timeout=120)  # the local worker's ranks are the run's first
+            argv = [PY, "-m", "flodl.worker", "--controller", f"tcp://127.0.0.1:{port}", "--devices", "cpu"]
+            self.remote = subprocess.Popen(
+                argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+            )
+            self.run.wait_for_line("training with 3 rank(s)", timeout=120)
+        except BaseException:
+            self.close()
+            raise
+
+    def lose_local_worker(self) -> None:
+        [local] = [p for p in self.run.tree() if "flodl.worker" in " ".join(p.cmdline())]
+        local.kill()
+        self.hold.touch()
+
+    def close(self) -> None:
+        if self.remote is not None and self.remote.poll() is None:
+            os.killpg(self.remote.pid, signal.SIGKILL)
+            self.remote.wait(10)
+        self.run.kill()
+
+
+def test_the_controllers_own_worker_lost_leaves_the_other_hosts_rank_training(proc_env, tmp_path):
+    """The embedded default's local worker (ranks 0 and 1) is SIGKILLed once a second host's worker
+    has joined. On the CPU backend the run's store and averaging are the controller's own, so
+    nothing needs that worker: its ranks die with it and the other host's rank finishes the run.
+    (A collective run started here keeps its store in that worker's zygote, and still stops.)"""
+    hosts = LocalAndJoiner(proc_env, tmp_path, epochs=20, hold_sleep="0.1")
+    try:
+        # the joiner holds the run's parameters only once its first round has come back (it
+        # trains nothing until then): two epochs on
+        seen = max([int(m.group(1)) for m in re.finditer(r"epoch (\d+)/", hosts.run.output)] or [0])
+        hosts.run.wait_for_line(f"epoch {seen + 2}/{hosts.epochs}", timeout=120)
+        hosts.lose_local_worker()
+        assert hosts.run.wait(150) == 0, hosts.run.output
+        assert hosts.remote is not None and hosts.remote.wait(30) == 0, hosts.remote.stderr
+    finally:
+        hosts.close()
+    summary = json.loads(hosts.path.read_text())
+    assert [h["samples"] for h in summary["history"]] == [DATASET] * hosts.epochs
+    assert sorted(d["rank"] for d in summary["deaths"]) == [0, 1], summary["deaths"]
+    assert all("went with its worker" in d["reason"] for d in summary["deaths"]), summary["deaths"]
+    assert summary["final_eval"] > 0.7
+
+
+def test_a_joiner_left_alone_before_it_took_the_parameters_stops_the_run(proc_env, tmp_path):
+    """The same, but the local worker goes the moment the joiner is in: the joiner trains nothing
+    in its first window (held long here) and takes the run's parameters from that window's
+    average, so no rank left holds them. The run stops and says so (it hung: the joiner waited
+    for an average from a world of one), instead of training on from the task's initial weights."""
+    hosts = LocalAndJoiner(proc_env, tmp_path, epochs=EPOCHS, hold_sleep="0.5")
+    try:
+        hosts.lose_local_worker()
+        assert hosts.run.wait(60) == 3, hosts.run.output
+        assert "No rank left holds the run's parameters: rank(s) 2 joined" in hosts.run.output
+        assert hosts.remote is not None
+        hosts.remote.wait(30)  # the other host's worker is told the run is over, and goes (else: TimeoutExpired)
+    finally:
+        hosts.close()

@@ -215,6 +215,7 @@ class Liveness:
             # before the first window there is no consensus nor coverage to write: the run stops
             # and says so, rather than writing a bundle that would resume nothing
             can_save=bool(self.checkpoints.stem) and self.training.cadence is not None,
+            unseeded=tuple(r for r in survivors if not self._holds_parameters(r)),
         )
         if decision.outcome is Outcome.SAVE_AND_STOP:
             self.saving.save_and_stop(f"{reason}. {decision.why}", decision.save_reason)
@@ -240,6 +241,13 @@ class Liveness:
             self._heal(rank)
         self.training.reask_evals_of(dead)  # their evals died with them: ask the next rank
         self.run.changed()
+
+    def _holds_parameters(self, rank: int) -> bool:
+        """Does ``rank`` hold the run's parameters? The first ranks do from the start; a rank
+        admitted later (grown or restarted) once it completed an average in the generation that
+        admitted it or a later one (its first average is where it takes the consensus)."""
+        admitted = [j["generation"] for j in self.admission.joins if rank in j["ranks"]]
+        return not admitted or self.members.ranks[rank].averaged >= admitted[-1]
 
     def _heal(self, rank: int) -> None:
         """Healing: have the dead rank's worker start a new rank in its place (``max_restarts``

@@ -81,11 +81,28 @@ class Teardown:
         # then stops everyone in order instead of racing the children's deaths
         self.worker_proc = await asyncio.create_subprocess_exec(*cmd, env=env, start_new_session=True)
         code = await self.worker_proc.wait()
-        if not self.run.ended:
-            self.run.fail(
-                f"the local worker (pid {self.worker_proc.pid}) {describe_exit(code)} before the run finished",
-                EXIT_RANK_LOST if code else EXIT_FAILED,
-            )
+        if self.run.ended:
+            return
+        pid = self.worker_proc.pid
+        if self._goes_on_without_local_worker(pid, f"went with its worker (pid {pid}), which {describe_exit(code)}"):
+            return
+        self.run.fail(
+            f"the local worker (pid {pid}) {describe_exit(code)} before the run finished", EXIT_RANK_LOST if code else EXIT_FAILED
+        )
+
+    def _goes_on_without_local_worker(self, pid: int, why: str) -> bool:
+        """The local worker is gone, like any lost host: when other hosts' ranks still train, its
+        ranks die ``why`` and the run goes on with the others. Not when the run's store lives in
+        that worker's zygote (a collective run started here): no group could form again."""
+        local = next((w for w in self.members.workers.values() if w.pid == pid and not w.exited), None)
+        if local is None or self.plane.store_file is not None:
+            return False
+        if not [r for r in self.members.live_ranks() if r.rank not in local.ranks]:
+            return False
+        lost = self.members.worker_lost(local.sender, why)
+        log.warning("the local worker (pid %d) is gone; ranks %s with it, the other hosts' ranks go on", pid, lost)
+        self.run.changed()
+        return True
 
     async def stop_worker(self) -> None:
         """The local worker, if it outlived the run, is stopped (terminate, then kill)."""

@@ -42,16 +42,36 @@ class Decision:
     save_reason: str = ""  # with SAVE_AND_STOP: the sidecar's save_reason
 
 
-def after_deaths(config: DdpRunConfig, *, started: bool, world_size: int, dead_total: int, survivors: int, can_save: bool) -> Decision:
+def after_deaths(
+    config: DdpRunConfig,
+    *,
+    started: bool,
+    world_size: int,
+    dead_total: int,
+    survivors: int,
+    can_save: bool,
+    unseeded: tuple[int, ...] = (),
+) -> Decision:
     """Ranks were declared dead (joiners already set aside): recover, or stop (saving if it can).
 
     ``started``: the first ranks were numbered and started (before, no rank can
     die; from then on a death, even while the others still start, is recovered);
     ``dead_total``: every rank dead so far, these included; ``can_save``:
-    ``save_path`` is set and a survivor can write.
+    ``save_path`` is set and a survivor can write; ``unseeded``: survivors that
+    joined while the run trained and have not received its parameters yet (a
+    joiner takes them from its first average). When those are all that is left,
+    no rank holds what the run trained: going on would train from the task's
+    initial weights, and saving would write those, so the run stops.
     """
     if not started:
         return Decision(Outcome.STOP, EXIT_RANK_LOST, "The run stopped before training began.")
+    if survivors and len(unseeded) >= survivors:
+        ranks = ", ".join(str(r) for r in unseeded)
+        why = (
+            f"No rank left holds the run's parameters: rank(s) {ranks} joined and had not received them yet. "
+            "Resume from the last checkpoint (--resume-from) if the run saved one."
+        )
+        return Decision(Outcome.STOP, EXIT_RANK_LOST, why)
     problem = unrecoverable(config, world_size, dead_total, survivors)
     if problem is None:
         return Decision(Outcome.RECOVER)

@@ -228,6 +228,22 @@ class Membership:
         if worker is not None:
             worker.exited = True
 
+    def worker_lost(self, sender: str, why: str) -> list[int]:
+        """The worker's process is known gone (the controller's own child exited): its live
+        ranks die with it, for ``why``, and nothing more is sent to it. Returns those ranks;
+        ``assess`` declares them dead."""
+        worker = self.workers.get(sender)
+        if worker is None:
+            return []
+        worker.exited = True
+        lost = []
+        for rank in worker.ranks:
+            info = self.ranks.get(rank)
+            if info is not None and info.state not in (PeerState.EXITED, PeerState.DEAD) and info.death is None:
+                info.death = why
+                lost.append(rank)
+        return lost
+
     def forget_rank(self, rank: int) -> RankInfo | None:
         """Take a rank that never joined (a dropped joiner) off the books; returns what was known of it."""
         info = self.ranks.pop(rank, None)
