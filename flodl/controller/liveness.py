@@ -246,6 +246,8 @@ class Liveness:
         """Does ``rank`` hold the run's parameters? The first ranks do from the start; a rank
         admitted later (grown or restarted) once it completed an average in the generation that
         admitted it or a later one (its first average is where it takes the consensus)."""
+        if rank in self.admission.joiners:  # not admitted yet: it holds nothing of the run's
+            return False
         admitted = [j["generation"] for j in self.admission.joins if rank in j["ranks"]]
         return not admitted or self.members.ranks[rank].averaged >= admitted[-1]
 

@@ -97,8 +97,8 @@ class Teardown:
         local = next((w for w in self.members.workers.values() if w.pid == pid and not w.exited), None)
         if local is None or self.plane.store_file is not None:
             return False
-        if not [r for r in self.members.live_ranks() if r.rank not in local.ranks]:
-            return False
+        if not [r for r in self.members.live_ranks() if r.rank not in local.ranks and r.rank not in self.admission.joiners]:
+            return False  # nothing else trains (a joiner still starting holds nothing of the run's)
         lost = self.members.worker_lost(local.sender, why)
         log.warning("the local worker (pid %d) is gone; ranks %s with it, the other hosts' ranks go on", pid, lost)
         self.run.changed()
