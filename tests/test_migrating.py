@@ -45,9 +45,18 @@ def port_diff() -> tuple[int, int]:
     return sum(j2 - j1 for *_, j1, j2 in ops), sum(i2 - i1 for _, i1, i2, _, _ in ops)
 
 
+#: torch 2.13's gloo can abort a DDP process as it exits, after the script's last line and its
+#: ``destroy_process_group`` (seen once in CI: the run printed every epoch, then a rank died of
+#: SIGABRT). The baseline's own crash at exit is retried once; any other failure stands.
+TORCH_EXIT_ABORT = "terminate called without an active exception"
+
+
 def torchrun(*args: str) -> str:
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(ORIGINAL), *args]
-    done = subprocess.run(cmd, env=process_env(), cwd=ROOT, capture_output=True, text=True, timeout=100)
+    for attempt in (1, 2):
+        done = subprocess.run(cmd, env=process_env(), cwd=ROOT, capture_output=True, text=True, timeout=100)
+        if done.returncode == 0 or TORCH_EXIT_ABORT not in done.stderr or attempt == 2:
+            break
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
