@@ -690,8 +690,12 @@ def torchrun_rows(runs: int, tmp: Path) -> list[Row]:
 
 
 def main() -> None:
-    parser = size_parser(__doc__, "7 faults, shorter runs (under two minutes)", "one kill fault in a 2-epoch run")
-    parser.add_argument("--faults", type=int, default=None, help="faults (runs) to inject (default 140: 20 of each kind; quick 7)")
+    parser = size_parser(
+        __doc__, f"{len(KINDS)} faults, one of each kind, shorter runs (under two minutes)", "one kill fault in a 2-epoch run"
+    )
+    parser.add_argument(
+        "--faults", type=int, default=None, help=f"faults (runs) to inject (default {20 * len(KINDS)}: 20 of each kind; quick {len(KINDS)})"
+    )
     parser.add_argument("--seed", type=int, default=1, help="seed of the fault plan")
     parser.add_argument(
         "--kinds", default=None, help=f"comma-separated fault kinds to run, the others' runs left out of the plan (of {', '.join(KINDS)})"

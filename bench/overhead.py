@@ -115,15 +115,16 @@ NULL = False
 CONCURRENT: tuple[int, ...] = ()
 
 
-def plain_loop(epochs: int, *, steady: bool = False, sync_every_step: bool = False) -> tuple[float, float]:
+def plain_loop(epochs: int, *, steady: bool = False, sync_every_step: bool = False, span: list[float] | None = None) -> tuple[float, float]:
     """(samples/s, mean step ms) of the plain loop over all its epochs (``steady``: after its first).
 
     On a GPU it is the loop a good engineer writes: the data sits on the device, the
     shuffle goes up once per epoch, and the loss is read back every ``loss_every()``
     steps, so the host launches ahead of the kernels (``sync_every_step``: every step,
-    the variant that waits for the device each time)."""
-    task, x_all, y_all, model, opt, graphed = _plain_parts()
-    n, bs = len(x_all), task.batch_size
+    the variant that waits for the device each time). ``span``, if given, receives the
+    timed stretch's first and last moment in Unix time (``--null``'s stand-in for flodl's
+    ``trained_unix``)."""
+    n, bs, step = _plain_parts()
     steps = 0
     losses = []
     if DEVICE == "cuda":
@@ -134,24 +135,22 @@ def plain_loop(epochs: int, *, steady: bool = False, sync_every_step: bool = Fal
             steps, start = 0, time.perf_counter()
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(42 + epoch)).to(DEVICE)
         for i in range(0, n, bs):
-            idx = perm[i : i + bs]
-            if graphed:
-                torch.compiler.cudagraph_mark_step_begin()
-            loss = task.loss_fn(model(x_all[idx]), y_all[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            loss = step(perm[i : i + bs])
             steps += 1
             if sync_every_step or steps % loss_every() == 0:
                 losses.append(loss.item())
     losses.append(loss.item())  # the last one, as a training script prints it (and the device is done)
     wall = time.perf_counter() - start
+    if span is not None:
+        end = time.time()
+        span[:] = [end - wall, end]
     counted = epochs - 1 if steady and epochs > 1 else epochs
     return n * counted / wall, wall / steps * 1000
 
 
-def _plain_parts() -> tuple:
-    """The plain loop's task, data (on the device), model, optimizer, and whether steps are graphed."""
+def _plain_parts() -> tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]:
+    """The plain loop's dataset length, batch size, and one training step on a batch's indices
+    (the data, model and optimizer built once, on the device), returning the step's loss."""
     task = solo.task()
     x_all, y_all = (t.to(DEVICE) for t in task.dataset.tensors)
     model = task.model().to(DEVICE)
@@ -160,7 +159,17 @@ def _plain_parts() -> tuple:
     if mode:  # as flodl does it (Task.compile): the module's forward, the loss outside
         model.compile(mode=mode)
     graphed = mode in ("reduce-overhead", "max-autotune") and DEVICE == "cuda"
-    return task, x_all, y_all, model, opt, graphed
+
+    def step(idx: torch.Tensor) -> torch.Tensor:
+        if graphed:
+            torch.compiler.cudagraph_mark_step_begin()
+        loss = task.loss_fn(model(x_all[idx]), y_all[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return len(x_all), task.batch_size, step
 
 
 def plain_stream(core: int) -> list[tuple[float, int]]:
@@ -169,18 +178,14 @@ def plain_stream(core: int) -> list[tuple[float, int]]:
     os.sched_setaffinity(0, {core})
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    task, x_all, y_all, model, opt, _ = _plain_parts()
-    n, bs = len(x_all), task.batch_size
+    n, bs, step = _plain_parts()
     print("ready", flush=True)
     stamps, samples, steps, epoch = [(time.time(), 0)], 0, 0, 0
     while not stop:
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(42 + epoch))
         for i in range(0, n, bs):
             idx = perm[i : i + bs]
-            loss = task.loss_fn(model(x_all[idx]), y_all[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            loss = step(idx)
             steps += 1
             samples += len(idx)
             if steps % loss_every() == 0:
@@ -234,14 +239,13 @@ def plain_span(epochs: int, core: int) -> dict:
     """``--null``'s stand-in for flodl's side: the plain loop in a fresh process on ``core``, its
     rate and its span as a run summary gives them (``samples``, ``wall_s``, ``trained_unix``)."""
     code = (
-        "import sys, json, time; sys.path.insert(0, sys.argv[1]); import os; os.sched_setaffinity(0, {int(sys.argv[3])}); "
+        "import sys, json; sys.path.insert(0, sys.argv[1]); import os; os.sched_setaffinity(0, {int(sys.argv[3])}); "
         "import torch; torch.set_num_threads(1); import bench.overhead as o; "
-        "rate, _ = o.plain_loop(int(sys.argv[2])); end = time.time(); print(json.dumps([rate, end]))"
+        "span = []; rate, _ = o.plain_loop(int(sys.argv[2]), span=span); print(json.dumps([rate, *span]))"
     )
     out = subprocess.run([sys.executable, "-c", code, str(ROOT), str(epochs), str(core)], capture_output=True, text=True, check=True)
-    rate, end = json.loads(out.stdout.strip().splitlines()[-1])
-    samples = int(os.environ.get("FLODL_BENCH_SAMPLES", "16384")) * epochs
-    return {"samples": samples, "wall_s": samples / rate, "trained_unix": [end - samples / rate, end]}
+    rate, start, end = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"samples": rate * (end - start), "wall_s": end - start, "trained_unix": [start, end]}
 
 
 def loss_every() -> int:

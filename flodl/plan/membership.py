@@ -235,7 +235,7 @@ class Membership:
         worker = self.workers.get(sender)
         if worker is None:
             return []
-        worker.exited = True
+        self.worker_gone(sender)
         lost = []
         for rank in worker.ranks:
             info = self.ranks.get(rank)

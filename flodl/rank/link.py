@@ -212,6 +212,12 @@ class ControllerLink:
         """True once the controller is gone or ordered an abort: stop at the next batch."""
         return self.lost is not None or (self.shutdown is not None and self.shutdown.abort)
 
+    @property
+    def ending(self) -> bool:
+        """True once the controller is gone or sent a Shutdown of any kind: no new group is worth
+        building (a peer that read the Shutdown first leaves instead of coming)."""
+        return self.lost is not None or self.shutdown is not None
+
     def close(self, flush_s: float = 2.0) -> None:
         """Flush queued frames (bounded), stop the thread, close the sockets."""
         self._done.set()

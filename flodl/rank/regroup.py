@@ -261,7 +261,7 @@ class Regrouping:
                 self._enter(msg)
                 return
             except Superseded:
-                if self.link.must_stop or self.terminated or self.link.shutdown is not None:
+                if self.link.ending or self.terminated:
                     raise Stop from None  # the run stops or is over: no group to build (runner._stopped)
                 msg = self._newest()  # the world changed again while we gathered: join the newer one
             except RuntimeError as exc:
@@ -358,10 +358,7 @@ class Regrouping:
             device=self.device,
             timeout_s=self.deadlines.collective_timeout_s,
             gather_s=self.deadlines.group_gather_s,
-            # a Shutdown of any kind too: a peer that read it first leaves instead of coming
-            give_up=lambda: (
-                self.link.must_stop or self.terminated or self.link.shutdown is not None or self._announced_after(msg.generation)
-            ),
+            give_up=lambda: self.link.ending or self.terminated or self._announced_after(msg.generation),
             on_gathered=lambda: self.faults.reach("regroup"),
         )
 
@@ -371,7 +368,7 @@ class Regrouping:
         after = self.generation if after is None else after
         deadline = time.monotonic() + self.deadlines.regroup_wait_s
         while not self._announced_after(after):
-            if self.link.must_stop or self.terminated or self.link.shutdown is not None:
+            if self.link.ending or self.terminated:
                 raise Stop  # the run stops or is over: no new group will come (runner._stopped)
             if time.monotonic() > deadline:
                 raise DeadlineExceeded("a collective failed and no new membership generation came")
