@@ -10,7 +10,7 @@ what a variable means, its default and what it accepts are written once
   a host).
 * **Switches** a user or a benchmark sets: ``FLODL_ENCRYPT``,
   ``FLODL_BULK_RELAY``, ``FLODL_SHM``, ``FLODL_SHM_DIR``, ``FLODL_VRAM_POOL``,
-  ``FLODL_BULK_SLICE_BYTES``, ``FLODL_ZYGOTE``, ``FLODL_ZYGOTE_SERVER``. On/off switches share one vocabulary
+  ``FLODL_BULK_SLICE_BYTES``, ``FLODL_ZYGOTE``, ``FLODL_ZYGOTE_SERVER``, ``FLODL_PURE_CODEC``. On/off switches share one vocabulary
   (``_switch``).
 * **Simulation, fault injection and strictness** for tests and benchmarks
   only: ``FLODL_SIMULATE_*``, ``FLODL_INJECT_FAULT``, ``FLODL_STRICT``.
@@ -58,6 +58,7 @@ SHM_DIR = "FLODL_SHM_DIR"  # where shared-memory segments live (default /dev/shm
 VRAM_POOL = "FLODL_VRAM_POOL"  # on (default) | off: kill-switch of the data plane's VRAM pool
 BULK_SLICE_BYTES = "FLODL_BULK_SLICE_BYTES"  # a model travels in slices of at most this many bytes (tuning)
 ZYGOTE = "FLODL_ZYGOTE"  # on (default) | off: a worker forks its ranks from a pre-imported process, else execs each
+PURE_CODEC = "FLODL_PURE_CODEC"  # on | off (default): frames by the pure-Python codec even where the compiled one is built
 ZYGOTE_SERVER = "FLODL_ZYGOTE_SERVER"  # a Unix socket: a zygote server shared by this host's workers (rank/zygote.py --serve)
 # controller -> its embedded worker only: open the run's TCPStore in a process the zygote forks (torch is
 # imported there already, so the controller need not import it) and write its port to this file ("0": could not)
@@ -283,6 +284,12 @@ def bulk_relay_setting() -> str:
     if os.environ.get(BULK_RELAY, "").strip().lower() == "always":
         return "always"
     return "on" if _switch(BULK_RELAY, True) else "off"
+
+
+def pure_codec_requested() -> bool:
+    """``FLODL_PURE_CODEC`` keeps this process on the pure-Python frame codec (default off: the compiled
+    one where it is built; the two write the same bytes, so peers may differ)."""
+    return _switch(PURE_CODEC, False)
 
 
 def shm_lane_allowed() -> bool:

@@ -6,6 +6,12 @@ Pure functions and two small stateful helpers; no sockets. ``pack_frame`` /
 receiving actor holds: it turns bytes into an ``Envelope`` or drops the frame,
 counting the reason and logging it once per peer, so a bad frame can never
 raise into an actor's loop or change its state.
+
+Where ``_framec.c`` is built (``NATIVE``), a writer's frame and a reader's sound
+frame each take one call into it; everything it does not take comes through the
+Python path here, which remains the reference: ``pack_frame`` and
+``unpack_frame`` never use the compiled half, and the tests hold the two to each
+other (``tests/test_native_codec.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
+from ..config.env import pure_codec_requested
 from ..errors import ProtocolError
 from .messages import PROTOCOL_VERSION, SCHEMA
 
@@ -199,6 +206,32 @@ class Envelope(NamedTuple):
     newest: bool = False  # by FrameReader: the highest seq ever accepted from this sender (a route may follow it)
 
 
+#: What the compiled codec is built with and must agree on (``_load_native``).
+_NATIVE_BOUNDS = ("PROTOCOL_VERSION", "MAX_STR", "MAX_BIN", "MAX_ARRAY", "MAX_MAP", "MAX_SENDER", "REPLAY_WINDOW")
+
+
+def _load_native() -> Any:
+    """The compiled half of the codec (``_framec.c``), or None: not built (no C compiler where flodl was
+    installed), built for another protocol or bounds (a stale build: warned), or ``FLODL_PURE_CODEC=1``.
+    Both halves write and accept the same frames; the compiled one signs and opens a frame in one call
+    each, which is most of what a round trip costs in the codec."""
+    if pure_codec_requested():
+        return None
+    try:
+        from . import _framec  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    built = tuple(getattr(_framec, name, None) for name in _NATIVE_BOUNDS)
+    if built != tuple(globals()[name] for name in _NATIVE_BOUNDS):
+        log.warning("flodl.wire._framec was built for another protocol (%s); using the pure-Python codec: reinstall flodl", built)
+        return None
+    return _framec
+
+
+_native = _load_native()
+#: Whether frames are sealed and opened by the compiled codec (``_framec.c``) in this process.
+NATIVE = _native is not None
+
 #: Headers kept per message kind for bodies shorter than this many bytes (longer ones are packed per frame).
 _HEADS_CACHED = 4096
 
@@ -294,6 +327,22 @@ _BODY_CHECKS = """
         raise ProtocolError("schema", "{name}: %s" % exc) from None
 """
 
+#: ``_take``'s replay check: the usual frame (the next from its sender) inline, as ``ReplayWindow.accept`` takes it.
+_REPLAY = """    window = reader._windows.get(sender)
+    if window is not None and seq == window.top + 1:  # the usual frame, the next from its sender (ReplayWindow.accept)
+        window.top = seq
+        newest = True
+    else:
+        newest = reader._admit(sender, seq)
+"""
+#: The same with the compiled codec's windows (their ``top`` is theirs to move): the frames ``_framec.take`` left.
+_REPLAY_NATIVE = """    newest = reader._admit(sender, seq)
+"""
+
+_RUN_CHECK = """    if frame_run != reader.run_id:
+        raise ProtocolError("wrong_run", frame_run[:64])
+"""
+
 _SIGN = """    body = pack([sender, seq, run, {values}])
     n = len(body)
     unsigned = (_heads.get(n) or _head_for(n)) + body
@@ -302,43 +351,12 @@ _SIGN = """    body = pack([sender, seq, run, {values}])
     return unsigned + mac.digest()
 """
 
-_TEMPLATE = (
-    """
-def _enc(msg):
-{loads}
-{checks}
-    return [{values}]
-
-
-def _frame(msg, sender, seq, run, pack, mac):
-{loads}
-{checks}
+#: The compiled codec's signing tail (``_framec.seal``): validated values in, the signed frame out, one call.
+_SIGN_NATIVE = """    return _seal(mac, {kind}, sender, seq, run, {values})
 """
-    + _SIGN
-    + """
 
-def _frame_of(sender, seqs, run, pack, mac{params}):
-    seq = next(seqs)
-    try:
-    {checks_in_try}
-    except _Invalid as exc:
-        raise ProtocolError("schema", "{name}: %s" % exc) from None
-"""
-    + _SIGN
-    + """
-
-def _open(signer, data, end, version, run_id):
-    body = _verified_body(signer._mac, data, end)
-"""
-    + _BODY_CHECKS
-    + """    if run_id is not None and frame_run != run_id:
-        raise ProtocolError("wrong_run", frame_run[:64])
-{build}
-    return _new(_Envelope, (version, {kind}, sender, seq, frame_run, msg, False))
-
-
-def _take(reader, data, end, peer, answer=None):
-    if end < _COPY_BELOW:  # a control frame: ``_verified_body``'s steps inline, the tag then the body
+#: How ``_take`` gets a frame's body: the tag, then the msgpack.
+_TAKE_BODY = """    if end < _COPY_BELOW:  # a control frame: ``_verified_body``'s steps inline, the tag then the body
         mac = reader._mac.copy()
         mac.update(data[:end])
         if not _compare_digest(mac.digest(), data[end:]):
@@ -350,22 +368,62 @@ def _take(reader, data, end, peer, answer=None):
     else:
         body = _verified_body(reader._mac, data, end)
 """
-    + _BODY_CHECKS
-    + """    if frame_run != reader.run_id:
+
+
+def _template(native: bool) -> str:
+    """The source of a message's five functions (``_generate``); ``native``: ``_frame`` and ``_frame_of`` sign
+    with the compiled codec (the reading functions are the Python path either way: the compiled one is
+    ``_framec.take``, before them)."""
+    sign = _SIGN_NATIVE if native else _SIGN
+    replay = _REPLAY_NATIVE if native else _REPLAY
+    return (
+        """
+def _enc(msg):
+{loads}
+{checks}
+    return [{values}]
+
+
+def _frame(msg, sender, seq, run, pack, mac):
+{loads}
+{checks}
+"""
+        + sign
+        + """
+
+def _frame_of(sender, seqs, run, pack, mac{params}):
+    seq = next(seqs)
+    try:
+    {checks_in_try}
+    except _Invalid as exc:
+        raise ProtocolError("schema", "{name}: %s" % exc) from None
+"""
+        + sign
+        + """
+
+def _open(signer, data, end, version, run_id):
+    body = _verified_body(signer._mac, data, end)
+"""
+        + _BODY_CHECKS
+        + """    if run_id is not None and frame_run != run_id:
         raise ProtocolError("wrong_run", frame_run[:64])
-    window = reader._windows.get(sender)
-    if window is not None and seq == window.top + 1:  # the usual frame, the next from its sender (ReplayWindow.accept)
-        window.top = seq
-        newest = True
-    else:
-        newest = reader._admit(sender, seq)
-    reader.accepted += 1
+{build}
+    return _new(_Envelope, (version, {kind}, sender, seq, frame_run, msg, False))
+
+
+def _take(reader, data, end, peer, answer=None):
+"""
+        + _TAKE_BODY
+        + _BODY_CHECKS
+        + _RUN_CHECK
+        + replay
+        + """    reader.accepted += 1
     if answer is not None:  # accepted: answered before any object is built (FrameReader.answer)
         answer(peer, {values})
 {build}
     return _new(_Envelope, (_VERSION, {kind}, sender, seq, frame_run, msg, newest))
 """
-)
+    )
 
 
 def _generate(
@@ -417,6 +475,7 @@ def _generate(
         "_no_ext": _no_ext,
         "_verified_body": _verified_body,
         "_VERSION": PROTOCOL_VERSION,
+        "_seal": _native and _native.seal,
     }
     checks = []
     for i, (field_name, wire_type) in enumerate(fields):
@@ -426,7 +485,7 @@ def _generate(
             env[f"_c{i}"] = compile_type(wire_type)
             checks.append(f"v{i} = _c{i}(v{i})")
     lines = "\n".join(checks).splitlines() or ["pass"]
-    code = _TEMPLATE.format(
+    code = _template(_native is not None).format(
         kind=kind,
         name=name,
         items=3 + len(fields),
@@ -450,6 +509,31 @@ _SPEC_BY_CLASS: dict[type, _Spec] = {spec.cls: spec for spec in _SPECS.values()}
 _TAKES: dict[int, Callable[..., Envelope]] = {kind: spec.take for kind, spec in _SPECS.items()}
 _FRAMES: dict[type, Callable[..., bytes]] = {spec.cls: spec.frame for spec in _SPECS.values()}
 
+#: A field's check ``_framec.take`` does itself (its letter), by wire type; it calls the validator of any other.
+_NATIVE_CODES = {"int": "i", "float": "f", "bool": "b", "str": "s"}
+
+
+def _native_entry(spec: _Spec, answer: Callable[..., None] | None = None) -> tuple[Any, ...]:
+    """A kind's entry in a reader's ``_native_table`` (what ``_framec.take`` reads a frame of it with)."""
+    fields = SCHEMA[spec.kind][2]
+    return (
+        spec.cls,
+        "".join(_NATIVE_CODES.get(wire_type, "*") for _, wire_type in fields),
+        tuple(name for name, _ in fields),
+        tuple(None if wire_type in _NATIVE_CODES else compile_type(wire_type) for _, wire_type in fields),
+        answer,
+        Envelope,
+    )
+
+
+_NATIVE_TABLE: dict[int, tuple[Any, ...]] | None = (
+    {kind: _native_entry(spec) for kind, spec in _SPECS.items()} if _native is not None else None
+)
+#: Class -> (kind, codes, names, validators): what ``_framec.encode`` writes a message of it with.
+_NATIVE_WRITES: dict[type, tuple[Any, ...]] = (
+    {spec.cls: (kind, *_native_entry(spec)[1:4]) for kind, spec in _SPECS.items()} if _native is not None else {}
+)
+
 
 def message_types() -> dict[str, type]:
     """Name → class of every message in the schema."""
@@ -472,11 +556,12 @@ class Signer:
     32 bytes first.
     """
 
-    __slots__ = ("_mac",)
+    __slots__ = ("_cmac", "_mac")
 
     def __init__(self, secret: bytes) -> None:
         key = secret if len(secret) <= 64 else hashlib.blake2b(secret, digest_size=32).digest()
         self._mac = hashlib.blake2b(key=key, digest_size=TAG_LEN)
+        self._cmac = _native.Mac(key) if _native is not None else None  # the same keyed state, for the compiled codec
 
     def tag(self, data: bytes | memoryview) -> bytes:
         """The frame tag: keyed BLAKE2b-128 of ``data``."""
@@ -635,6 +720,10 @@ class ReplayWindow:
         return True
 
 
+#: A sender's replay window, as readers make them: compiled where the codec is (``_framec.take`` checks it in place).
+_Window: Any = _native.Window if _native is not None else ReplayWindow
+
+
 class FrameWriter:
     """Signs and numbers the frames of one sender. Thread-safe numbering.
 
@@ -646,7 +735,8 @@ class FrameWriter:
 
     def __init__(self, secret: bytes, run_id: str, sender: str) -> None:
         self.signer = Signer(secret)
-        self._mac = self.signer._mac  # the keyed state a frame's tag starts from
+        # the keyed state a frame's tag starts from, as the generated ``_frame`` signs: compiled or hashlib's
+        self._mac = self.signer._cmac if _native is not None else self.signer._mac
         self.run_id = run_id
         self.sender = sender
         self._seq = itertools.count(1)  # next() on a count is atomic under the GIL
@@ -658,16 +748,26 @@ class FrameWriter:
         Raises:
             ProtocolError: ``schema`` if ``msg`` does not validate against the schema (a local bug).
         """
-        seq = next(self._seq)
+        if _native is not None:  # the compiled codec: checked, numbered, packed and signed in one call
+            signed: bytes | None = _native.encode(self, msg, _NATIVE_WRITES)
+            if signed is not None:
+                return signed
+        seq = next(self._seq)  # here a field that does not check raises the schema error, or a class that is no message
         frame = _FRAMES.get(type(msg))
         if frame is None:
             raise ProtocolError("schema", f"{type(msg).__name__} is not a protocol message")
+        if _native is not None:  # the compiled codec packs in the call, no Packer (nor its per-thread lookup)
+            try:
+                signed = frame(msg, self.sender, seq, self.run_id, None, self._mac)
+                return signed
+            except _Invalid as exc:
+                raise ProtocolError("schema", f"{type(msg).__name__}: {exc}") from None
         try:
             pack = self._local.pack
         except AttributeError:
             pack = self._local.pack = msgpack.Packer(use_bin_type=True).pack
         try:
-            signed: bytes = frame(msg, self.sender, seq, self.run_id, pack, self._mac)
+            signed = frame(msg, self.sender, seq, self.run_id, pack, self._mac)
             return signed
         except _Invalid as exc:
             raise ProtocolError("schema", f"{type(msg).__name__}: {exc}") from None
@@ -689,9 +789,7 @@ class FrameWriter:
         if spec is None:
             raise ProtocolError("schema", f"{getattr(cls, '__name__', cls)} is not a protocol message")
         # one C-level call to the generated function per frame: no Python wrapper, no argument tuple rebuilt
-        return functools.partial(
-            spec.frame_of, self.sender, self._seq, self.run_id, msgpack.Packer(use_bin_type=True).pack, self.signer._mac
-        )
+        return functools.partial(spec.frame_of, self.sender, self._seq, self.run_id, msgpack.Packer(use_bin_type=True).pack, self._mac)
 
 
 class FrameReader:
@@ -715,7 +813,8 @@ class FrameReader:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.signer = Signer(secret)
-        self._mac = self.signer._mac  # the keyed state ``_take`` copies per frame
+        self._mac = self.signer._mac  # the keyed state ``_take`` copies per frame (the Python path)
+        self._cmac = self.signer._cmac  # the same for the compiled codec's ``take``, None without it
         self.run_id = run_id
         self.max_frame = max_frame
         self.name = name
@@ -723,9 +822,10 @@ class FrameReader:
         self._own_sub = own + "/"  # own sub-names (controller/bulk) are own frames too
         self.drops: Counter[str] = Counter()
         self.accepted = 0
-        self._windows: dict[str, ReplayWindow] = {}
+        self._windows: dict[str, Any] = {}  # sender -> its ``_Window`` (compiled, or ``ReplayWindow``)
         self.log = DropLog(clock=clock)
         self._takes = _TAKES  # kind -> its ``_take``; ``answer`` gives a reader a dict of its own
+        self._native_table = _NATIVE_TABLE  # the same for ``_framec.take`` (None: no compiled codec)
 
     def answer(self, cls: type, answer: Callable[..., None]) -> None:
         """Call ``answer(peer, *field values)`` for every accepted frame of message ``cls``, as soon as it is
@@ -736,6 +836,8 @@ class FrameReader:
         spec = _SPEC_BY_CLASS[cls]
         take = spec.take
         self._takes = {**self._takes, spec.kind: lambda reader, data, end, peer: take(reader, data, end, peer, answer)}
+        if self._native_table is not None:
+            self._native_table = {**self._native_table, spec.kind: _native_entry(spec, answer)}
 
     def read(self, data: bytes, peer: str | bytes = "?") -> Envelope | None:
         """The envelope of an accepted frame, else None (the drop counted, perhaps logged).
@@ -744,8 +846,12 @@ class FrameReader:
         the ROUTER routing id it came on (named only if a line is written: most
         frames are never dropped, and naming costs on the ingest path).
         """
-        n = len(data)
         try:
+            if self._native_table is not None:  # the compiled codec takes a sound frame whole, in one call
+                taken: Envelope | None = _native.take(self, data, peer)
+                if taken is not None:
+                    return taken
+            n = len(data)
             if MIN_FRAME <= n <= self.max_frame:
                 head = _unpack_usual(data)
                 if head[0] == _USUAL and n == MIN_FRAME + head[2]:
@@ -777,8 +883,8 @@ class FrameReader:
         if window is None:
             if self.own and (sender == self.own or sender.startswith(self._own_sub)):
                 raise ProtocolError("reflected", f"seq {seq} signed as {sender}")
-            window = self._windows[sender] = ReplayWindow()
-        top = window.top
+            window = self._windows[sender] = _Window()
+        top: int = window.top
         if not window.accept(seq):
             raise ProtocolError("replayed", f"seq {seq} from {sender}")
         return seq > top
