@@ -30,7 +30,8 @@ round trip is the rank's (signing the Ping, verifying the Pong); those two
 calls are also timed in place, inside the round trip. ``--pin`` (diagnosis)
 runs the controller's process on CPU 0 and the worker's on CPU 1 and writes
 ``control_plane_pinned.json``: how much of the excess is two processes taking
-turns on one core.
+turns on one core. With ``FLODL_PURE_CODEC=1`` (or where the compiled codec is not built) the
+run measures the pure-Python codec and writes ``control_plane_pure.json`` (``_pinned_pure``).
 
 Goals (issues 2, 22): ≥ 50,000 frames/s ingested; round trip p50 ≤ bare pyzmq p50 + 10 µs.
 ``--smoke`` runs the whole path with tiny sizes (seconds) and writes its JSON
@@ -62,7 +63,7 @@ from flodl.controller.console import Console
 from flodl.plan.metrics import EpochCounters, epoch_rows
 from flodl.testing.sim import window_batches
 from flodl.wire import messages as m
-from flodl.wire.codec import FrameReader, FrameWriter
+from flodl.wire.codec import NATIVE, FrameReader, FrameWriter
 from flodl.wire.messages import PROTOCOL_VERSION
 from flodl.wire.transport import AsyncSocket, make_dealer, make_router
 
@@ -403,7 +404,9 @@ def main(argv: list[str] | None = None) -> Path:
     )
     if args.pin:
         note += "; pinned: the controller's process on CPU 0, the worker's on CPU 1"
-    name = "control_plane_pinned" if args.pin else "control_plane"  # a diagnosis never replaces the plain run
+    note += "; codec: " + ("compiled (flodl/wire/_framec.c)" if NATIVE else "pure Python (FLODL_PURE_CODEC=1, or the extension not built)")
+    # a diagnosis never replaces the plain run: pinned, or the pure-Python codec where the compiled one is the product's
+    name = ("control_plane_pinned" if args.pin else "control_plane") + ("" if NATIVE else "_pure")
     return report(name, rows, note=note, results=smoke_results() if args.smoke else None)
 
 

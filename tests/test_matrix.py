@@ -427,14 +427,14 @@ def test_the_suite_runs_end_to_end(tmp_path, capsys):
     assert not (out / "matrix.json").exists()
 
 
-def _suite(folder, models: dict[str, list[str]], *, when: str, seeds: int = 2, failed: int = 0):
+def _suite(folder, models: dict[str, list[str]], *, when: str, seeds: int = 2, failed: int = 0, machine: str = "box A"):
     """A finished suite's folder: one run file per (model, case), and its manifest."""
     folder.mkdir()
     for model, cases in models.items():
         for case in cases:
             (folder / report.run_file(model, case, 0)).write_text(json.dumps({"matrix": {"model": model, "case": case, "from": when}}))
     plan = {m: {"samples": 100, "epochs": 2 if when == "new" else 1, "cases": cs} for m, cs in models.items()}
-    manifest = {"budget": "full", "device": "cpu", "when": when, "elapsed_s": 3.0, "runs": 9, "failed": failed}
+    manifest = {"budget": "full", "device": "cpu", "when": when, "elapsed_s": 3.0, "runs": 9, "failed": failed, "machine": machine}
     manifest |= {"seeds": seeds, "lr_scaling": "linear", "base_ms": None, "covers": f"{when} covers", "plan": plan}
     (folder / report.MANIFEST).write_text(json.dumps(manifest))
     return folder
@@ -444,7 +444,7 @@ def test_amend_replaces_the_rerun_models_runs_and_says_so(tmp_path):
     from bench.matrix import amend
 
     into = _suite(tmp_path / "suite", {"logreg": ["solo", "cpu-sync"], "lenet": ["solo"]}, when="old")
-    rerun = _suite(tmp_path / "rerun", {"logreg": ["solo", "side-by-side-4to1"]}, when="new")
+    rerun = _suite(tmp_path / "rerun", {"logreg": ["solo", "side-by-side-4to1"]}, when="new", machine="box B")
     manifest = amend.amend(rerun, into, code="abc123")
     files = sorted(p.name for p in into.glob("*__*.json"))
     # logreg's runs are the re-run's (its cpu-sync, not re-run, is gone); lenet's stay
@@ -454,13 +454,15 @@ def test_amend_replaces_the_rerun_models_runs_and_says_so(tmp_path):
     assert manifest["when"] == "old" and manifest["plan"]["logreg"]["epochs"] == 2 and manifest["plan"]["lenet"]["epochs"] == 1
     assert manifest["covers"].startswith("logreg (100 samples × 2 epochs): solo, side-by-side-4to1; lenet (100 samples × 1 epochs)")
     assert manifest["amended"] == [
-        {"when": "new", "commit": "abc123", "models": ["logreg"], "covers": "new covers", "runs": 9, "elapsed_s": 3.0}
+        {"when": "new", "commit": "abc123", "models": ["logreg"], "covers": "new covers", "runs": 9, "elapsed_s": 3.0, "machine": "box B"}
     ]
     assert json.loads((into / report.MANIFEST).read_text()) == manifest
     # the report states the re-run beside the suite's own date
     doc = tmp_path / "bench.md"
     report.main(["--results", str(into), "--doc", str(doc), "--img", str(tmp_path / "img"), "--no-plots"])
-    assert "Re-run since, replacing those models' runs (`python -m bench.matrix.amend`): new, the code of abc123" in doc.read_text()
+    text = doc.read_text()
+    assert "Re-run since, replacing those models' runs (`python -m bench.matrix.amend`): new, the code of abc123" in text
+    assert "on another machine: box B" in text  # its cells compare with each other, not with the suite's
 
 
 def test_amend_keeps_the_named_baselines_and_says_so(tmp_path):

@@ -88,6 +88,7 @@ def amend(source: Path, into: Path, *, code: str, keep: tuple[str, ...] = ()) ->
             "covers": theirs["covers"],
             "runs": theirs["runs"],
             "elapsed_s": theirs["elapsed_s"],
+            "machine": theirs.get("machine", "?"),  # the report names it where it is not the suite's
         }
         | ({"kept": sorted({c for cs in kept.values() for c in cs})} if any(kept.values()) else {})
     )

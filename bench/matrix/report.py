@@ -643,8 +643,13 @@ def render(manifest: dict, runs: dict[str, dict[str, list[dict]]], *, plots: boo
     for amended in manifest.get("amended", []):  # bench/matrix/amend.py: models measured again since
         out += [
             f"Re-run since, replacing those models' runs (`python -m bench.matrix.amend`): {amended['when']}, "
-            f"the code of {amended['commit']}, {amended['runs']} runs in {_f(amended.get('elapsed_s'), '.0f')} s: "
-            f"{amended['covers']}"
+            f"the code of {amended['commit']}, {amended['runs']} runs in {_f(amended.get('elapsed_s'), '.0f')} s"
+            + (
+                f", on another machine: {amended['machine']} (compare these models' cells with each other, not with the rest)"
+                if amended.get("machine", manifest.get("machine")) != manifest.get("machine")
+                else ""
+            )
+            + f": {amended['covers']}"
             + (
                 f" Kept from before it (`--keep`: these cases run no flodl code): {', '.join(amended['kept'])}."
                 if amended.get("kept")
