@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -69,8 +70,12 @@ def _zygote_server(tmp_path_factory):
     server = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
     line = server.stdout.readline() if server.stdout else ""  # after its imports: a few seconds, or its death
     if not line.startswith("ready"):
+        # a host where it cannot serve (a GPU host whose imports initialise CUDA: forking then is unsafe,
+        # and the server says so on stderr) runs the suite as users' workers would there: without it
         server.kill()
-        raise RuntimeError(f"the zygote server did not start (exit {server.wait(10)})")
+        warnings.warn(f"the zygote server did not start (exit {server.wait(10)}): tests run without it", stacklevel=1)
+        yield
+        return
     os.environ["FLODL_ZYGOTE_SERVER"] = path
     ZYGOTE_SERVER_PID = server.pid
     try:
