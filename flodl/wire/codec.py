@@ -310,8 +310,6 @@ _INLINE = {
     "str": "if type({v}) is not str or len({v}) > MAX_STR: raise _Invalid('{f}: expected str of at most %d chars' % MAX_STR)",
 }
 
-# The signing tail of ``_frame`` (from a message) and ``_frame_of`` (from its field values),
-# written once: generated inline in both, since a call per frame would cost the hot path.
 #: A decoded body's checks, the same in both read paths (``_open``, ``_take``): its shape, envelope fields and values.
 _BODY_CHECKS = """
     if type(body) is not list or len(body) != {items}:
@@ -339,10 +337,13 @@ _REPLAY = """    window = reader._windows.get(sender)
 _REPLAY_NATIVE = """    newest = reader._admit(sender, seq)
 """
 
+#: ``_take``'s run check: a frame of another run is dropped as ``wrong_run``.
 _RUN_CHECK = """    if frame_run != reader.run_id:
         raise ProtocolError("wrong_run", frame_run[:64])
 """
 
+# The signing tail of ``_frame`` (from a message) and ``_frame_of`` (from its field values),
+# written once: generated inline in both, since a call per frame would cost the hot path.
 _SIGN = """    body = pack([sender, seq, run, {values}])
     n = len(body)
     unsigned = (_heads.get(n) or _head_for(n)) + body
