@@ -558,62 +558,13 @@ static PyObject *decode(Cursor *c, int depth) {
     return NULL; /* ext types (refused by the codec) and the unused byte 0xc1 */
 }
 
-/* Whether body = [sender, seq, run, *values] is a sound envelope for `run` and each value is of its
-   field's code (codec.py's _NATIVE_CODES): 'i' int, 'f' float (an int becomes one, as the Python check
-   widens it), 'b' bool, 's' str, '*' anything (the Python caller checks it). Mirrors the Python checks
-   of _BODY_CHECKS and _INLINE; a value they would refuse is refused here, and the Python path names it. */
-static int envelope_sound(PyObject *body, PyObject *run, const char *codes, Py_ssize_t ncodes) {
-    if (PyList_GET_SIZE(body) != 3 + ncodes) return 0;
-    PyObject *sender = PyList_GET_ITEM(body, 0), *seq = PyList_GET_ITEM(body, 1), *frame_run = PyList_GET_ITEM(body, 2);
-    if (!PyUnicode_CheckExact(sender) || PyUnicode_GET_LENGTH(sender) < 1 || PyUnicode_GET_LENGTH(sender) > MAX_SENDER) return 0;
-    /* a decoded int is within msgpack's range, [-2^63, 2^64-1]: only its sign is left to check */
-    if (!PyLong_CheckExact(seq)) return 0;
-    int overflow = 0;
-    long long number = PyLong_AsLongLongAndOverflow(seq, &overflow);
-    if (overflow < 0 || (overflow == 0 && number < 1)) return 0;
-    if (!PyUnicode_CheckExact(frame_run) || PyUnicode_Compare(frame_run, run) != 0) return 0;
-    for (Py_ssize_t i = 0; i < ncodes; i++) {
-        PyObject *v = PyList_GET_ITEM(body, 3 + i);
-        switch (codes[i]) {
-        case 'i':
-            if (!PyLong_CheckExact(v)) return 0;
-            break;
-        case 'f':
-            if (PyLong_CheckExact(v)) {
-                double d = PyLong_AsDouble(v);
-                if (d == -1.0 && PyErr_Occurred()) return -1;
-                PyObject *f = PyFloat_FromDouble(d);
-                if (f == NULL) return -1;
-                PyList_SET_ITEM(body, 3 + i, f);
-                Py_DECREF(v);
-            } else if (!PyFloat_CheckExact(v))
-                return 0;
-            break;
-        case 'b':
-            if (!PyBool_Check(v)) return 0;
-            break;
-        case 's':
-            if (!PyUnicode_CheckExact(v) || PyUnicode_GET_LENGTH(v) > MAX_STR) return 0;
-            break;
-        case '*':
-            break;
-        default:
-            PyErr_Format(PyExc_ValueError, "unknown field code %c", codes[i]);
-            return -1;
-        }
-    }
-    return 1;
-}
+/* ---------------------------------------------------------------- fields */
 
-/* ---------------------------------------------------------------- encode */
-
-/* attribute names of FrameWriter and FrameReader (interned once), the empty tuple, 1 */
-static PyObject *S_sender, *S_seq, *S_mac, *S_cmac, *S_max_frame, *S_run_id, *S_native_table, *S_windows, *S_accepted, *S_admit, *EMPTY,
-    *ONE;
-
-/* A field value as the Python `_frame` checks it (codec.py's _INLINE, or the field's validator for '*'):
-   a new reference to the value to pack; NULL without an error set: refused (the Python path raises the
-   schema error), NULL with one: a real error. */
+/* A field value as the Python codec checks it, writing or reading, by its code (codec.py's _NATIVE_CODES):
+   'i' int in [-2^63, 2^64-1], 'f' float (an int becomes one, as the Python check widens it), 'b' bool,
+   's' str of at most MAX_STR, '*' whatever the field's Python validator makes of it (codec.py's _INLINE
+   and compile_type). A new reference to the value to use; NULL without an error set: refused (the
+   Python path raises or drops with the schema error), NULL with one: a real error. */
 static PyObject *checked_field(char code, PyObject *v, PyObject *validator) {
     switch (code) {
     case 'i': {
@@ -647,15 +598,51 @@ static PyObject *checked_field(char code, PyObject *v, PyObject *validator) {
     case 's':
         if (!PyUnicode_CheckExact(v) || PyUnicode_GET_LENGTH(v) > MAX_STR) return NULL;
         break;
-    default: {
+    case '*': {
         PyObject *checked = PyObject_CallOneArg(validator, v);
         if (checked == NULL) PyErr_Clear(); /* _Invalid: the Python path names it */
         return checked;
     }
+    default:
+        PyErr_Format(PyExc_ValueError, "unknown field code %c", code);
+        return NULL;
     }
     Py_INCREF(v);
     return v;
 }
+
+/* Whether body = [sender, seq, run, *values] is a sound envelope for `run` (codec.py's _BODY_CHECKS and
+   _RUN_CHECK), each value replaced by what checked_field makes of it (`validators`: one a field, None
+   for the scalar codes): 1 sound, 0 refused (the Python path names why), -1 a real error. */
+static int envelope_sound(PyObject *body, PyObject *run, const char *codes, Py_ssize_t ncodes, PyObject *validators) {
+    if (!PyTuple_Check(validators) || PyTuple_GET_SIZE(validators) != ncodes) {
+        PyErr_SetString(PyExc_TypeError, "one code and one validator (or None) a field");
+        return -1;
+    }
+    if (PyList_GET_SIZE(body) != 3 + ncodes) return 0;
+    PyObject *sender = PyList_GET_ITEM(body, 0), *seq = PyList_GET_ITEM(body, 1), *frame_run = PyList_GET_ITEM(body, 2);
+    if (!PyUnicode_CheckExact(sender) || PyUnicode_GET_LENGTH(sender) < 1 || PyUnicode_GET_LENGTH(sender) > MAX_SENDER) return 0;
+    /* a decoded int is within msgpack's range, [-2^63, 2^64-1]: only its sign is left to check */
+    if (!PyLong_CheckExact(seq)) return 0;
+    int overflow = 0;
+    long long number = PyLong_AsLongLongAndOverflow(seq, &overflow);
+    if (overflow < 0 || (overflow == 0 && number < 1)) return 0;
+    if (!PyUnicode_CheckExact(frame_run) || PyUnicode_Compare(frame_run, run) != 0) return 0;
+    for (Py_ssize_t i = 0; i < ncodes; i++) {
+        PyObject *v = PyList_GET_ITEM(body, 3 + i);
+        PyObject *checked = checked_field(codes[i], v, PyTuple_GET_ITEM(validators, i));
+        if (checked == NULL) return PyErr_Occurred() ? -1 : 0;
+        PyList_SET_ITEM(body, 3 + i, checked);
+        Py_DECREF(v);
+    }
+    return 1;
+}
+
+/* ---------------------------------------------------------------- encode */
+
+/* attribute names of FrameWriter and FrameReader (interned once), the empty tuple, 1 */
+static PyObject *S_sender, *S_seq, *S_mac, *S_cmac, *S_max_frame, *S_run_id, *S_native_table, *S_windows, *S_accepted, *S_admit, *EMPTY,
+    *ONE;
 
 /* encode(writer, msg, table) -> the signed frame, numbered next(writer._seq); None: not a message this path
    encodes (its class is not in `table`, or a field does not pass its check: the Python path raises the
@@ -724,8 +711,9 @@ done:
 
 
 /* The body [sender, seq, run, *values] of a frame of n bytes whose header is sound, if its tag, msgpack,
-   envelope and scalar fields are; NULL without an error set: not one this path takes. */
-static PyObject *open_checked(PyObject *mac, const uint8_t *data, Py_ssize_t n, PyObject *run, PyObject *codes) {
+   envelope and fields are (each as checked_field makes it); NULL without an error set: not one this path
+   takes. */
+static PyObject *open_checked(PyObject *mac, const uint8_t *data, Py_ssize_t n, PyObject *run, PyObject *codes, PyObject *validators) {
     Py_ssize_t end = n - TAG_LEN, ncodes;
     const char *code = PyUnicode_AsUTF8AndSize(codes, &ncodes);
     if (code == NULL) return NULL;
@@ -743,7 +731,7 @@ static PyObject *open_checked(PyObject *mac, const uint8_t *data, Py_ssize_t n, 
     else return NULL; /* a body that is not one array: the schema's error, the Python path's to name */
     PyObject *body = decode_array(&c, items, 0);
     if (body == NULL) return NULL;
-    int sound = c.p == c.end ? envelope_sound(body, run, code, ncodes) : 0; /* nothing after the array */
+    int sound = c.p == c.end ? envelope_sound(body, run, code, ncodes, validators) : 0; /* nothing after the array */
     if (sound <= 0) {
         Py_DECREF(body);
         return NULL;
@@ -791,7 +779,7 @@ static int admit(PyObject *reader, PyObject *sender, PyObject *seq) {
    order: the header, the tag, the body, the envelope, every field's check, the replay check (which may
    raise ProtocolError: replayed, reflected), the count, the reader's answer to the kind (if any), the
    message and its envelope. Nothing is changed before the replay check, so None leaves the reader as it
-   was. `reader._native_table` maps a kind to (class, codes, field names, validators, answer, version):
+   was. `reader._native_table` maps a kind to (class, codes, field names, validators, answer, Envelope):
    a validator per field whose code is '*' (None for the others), `answer(peer, *values)` or None, and
    the Envelope class. */
 static PyObject *f_take(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -835,25 +823,17 @@ static PyObject *f_take(PyObject *module, PyObject *const *args, Py_ssize_t narg
     }
     PyObject *cls = PyTuple_GET_ITEM(spec, 0), *codes = PyTuple_GET_ITEM(spec, 1), *names = PyTuple_GET_ITEM(spec, 2);
     PyObject *validators = PyTuple_GET_ITEM(spec, 3), *answer = PyTuple_GET_ITEM(spec, 4), *envelope = PyTuple_GET_ITEM(spec, 5);
-    body = open_checked(mac, data, n, run, codes);
+    Py_ssize_t fields = PyTuple_GET_SIZE(names);
+    if (!PyTuple_Check(validators) || PyTuple_GET_SIZE(validators) != fields) {
+        Py_DECREF(kind);
+        PyErr_SetString(PyExc_TypeError, "take: one validator (or None) a field");
+        goto done;
+    }
+    body = open_checked(mac, data, n, run, codes, validators);
     if (body == NULL) {
         Py_DECREF(kind);
         if (PyErr_Occurred()) goto done;
         goto not_here;
-    }
-    Py_ssize_t fields = PyTuple_GET_SIZE(names);
-    for (Py_ssize_t i = 0; i < fields; i++) { /* the composite fields' Python validators */
-        PyObject *check = PyTuple_GET_ITEM(validators, i);
-        if (check == Py_None) continue;
-        PyObject *v = PyObject_CallOneArg(check, PyList_GET_ITEM(body, 3 + i));
-        if (v == NULL) { /* refused: the Python path names the reason */
-            Py_DECREF(kind);
-            PyErr_Clear();
-            goto not_here;
-        }
-        PyObject *old = PyList_GET_ITEM(body, 3 + i);
-        PyList_SET_ITEM(body, 3 + i, v);
-        Py_DECREF(old);
     }
     PyObject *sender = PyList_GET_ITEM(body, 0), *seq = PyList_GET_ITEM(body, 1);
     int newest = admit(reader, sender, seq);

@@ -514,15 +514,17 @@ _FRAMES: dict[type, Callable[..., bytes]] = {spec.cls: spec.frame for spec in _S
 _NATIVE_CODES = {"int": "i", "float": "f", "bool": "b", "str": "s"}
 
 
-def _native_entry(spec: _Spec, answer: Callable[..., None] | None = None) -> tuple[Any, ...]:
-    """A kind's entry in a reader's ``_native_table`` (what ``_framec.take`` reads a frame of it with)."""
+def _native_entry(spec: _Spec) -> tuple[Any, ...]:
+    """A kind's entry in a reader's ``_native_table`` (what ``_framec.take`` reads a frame of it with):
+    class, codes, field names, validators (None for a field of a code), answer (None: ``FrameReader.answer``
+    sets one), ``Envelope``."""
     fields = SCHEMA[spec.kind][2]
     return (
         spec.cls,
         "".join(_NATIVE_CODES.get(wire_type, "*") for _, wire_type in fields),
         tuple(name for name, _ in fields),
         tuple(None if wire_type in _NATIVE_CODES else compile_type(wire_type) for _, wire_type in fields),
-        answer,
+        None,
         Envelope,
     )
 
@@ -530,10 +532,8 @@ def _native_entry(spec: _Spec, answer: Callable[..., None] | None = None) -> tup
 _NATIVE_TABLE: dict[int, tuple[Any, ...]] | None = (
     {kind: _native_entry(spec) for kind, spec in _SPECS.items()} if _native is not None else None
 )
-#: Class -> (kind, codes, names, validators): what ``_framec.encode`` writes a message of it with.
-_NATIVE_WRITES: dict[type, tuple[Any, ...]] = (
-    {spec.cls: (kind, *_native_entry(spec)[1:4]) for kind, spec in _SPECS.items()} if _native is not None else {}
-)
+#: Class -> (kind, codes, names, validators): what ``_framec.encode`` writes a message of it with (the readers' entries).
+_NATIVE_WRITES: dict[type, tuple[Any, ...]] = {entry[0]: (kind, *entry[1:4]) for kind, entry in (_NATIVE_TABLE or {}).items()}
 
 
 def message_types() -> dict[str, type]:
@@ -757,23 +757,20 @@ class FrameWriter:
         frame = _FRAMES.get(type(msg))
         if frame is None:
             raise ProtocolError("schema", f"{type(msg).__name__} is not a protocol message")
-        if _native is not None:  # the compiled codec packs in the call, no Packer (nor its per-thread lookup)
+        pack = None  # the compiled codec's ``_frame`` packs in its call: no Packer, nor its per-thread lookup
+        if _native is None:
             try:
-                signed = frame(msg, self.sender, seq, self.run_id, None, self._mac)
-                return signed
-            except _Invalid as exc:
-                raise ProtocolError("schema", f"{type(msg).__name__}: {exc}") from None
-        try:
-            pack = self._local.pack
-        except AttributeError:
-            pack = self._local.pack = msgpack.Packer(use_bin_type=True).pack
+                pack = self._local.pack
+            except AttributeError:
+                pack = self._local.pack = msgpack.Packer(use_bin_type=True).pack
         try:
             signed = frame(msg, self.sender, seq, self.run_id, pack, self._mac)
             return signed
         except _Invalid as exc:
             raise ProtocolError("schema", f"{type(msg).__name__}: {exc}") from None
         except BaseException:
-            del self._local.pack  # whatever it half wrote stays out of the next frame
+            if pack is not None:
+                del self._local.pack  # whatever it half wrote stays out of the next frame
             raise
 
     def encoder(self, cls: type) -> Callable[..., bytes]:
@@ -838,7 +835,8 @@ class FrameReader:
         take = spec.take
         self._takes = {**self._takes, spec.kind: lambda reader, data, end, peer: take(reader, data, end, peer, answer)}
         if self._native_table is not None:
-            self._native_table = {**self._native_table, spec.kind: _native_entry(spec, answer)}
+            entry = self._native_table[spec.kind]
+            self._native_table = {**self._native_table, spec.kind: (*entry[:4], answer, *entry[5:])}
 
     def read(self, data: bytes, peer: str | bytes = "?") -> Envelope | None:
         """The envelope of an accepted frame, else None (the drop counted, perhaps logged).
