@@ -398,8 +398,12 @@ def test_the_suite_runs_end_to_end(tmp_path, capsys):
         assert meta["base_ms"] == 2.0 and meta["measured_ratio"] > 1.0 and meta["seed"] == 0
         assert "python -m " in meta["command"]
     assert runs[f"nccl-cadence-{RATIO}to1"]["command"].startswith(  # the command as one would type it
-        f"FLODL_MATRIX_SEED=0 FLODL_SIMULATE_SLOWDOWN=1:{RATIO} FLODL_SIMULATE_BASE_MS=1:2.0000 python -m flodl.controller "
+        f"FLODL_MATRIX_SEED=0 FLODL_SIMULATE_SLOWDOWN=1:{RATIO} FLODL_SIMULATE_BASE_MS=1:2.0000 FLODL_SIMULATE_PACE_FILE=/"
     )
+    assert " python -m flodl.controller " in runs[f"nccl-cadence-{RATIO}to1"]["command"]
+    # the live pace: each paced case's board in its own run folder, flodl's and torchrun's alike
+    assert all(meta["pace"] == "live" for meta in runs.values())
+    assert "--pace-file /" in runs[f"torchrun-ddp-{RATIO}to1"]["command"]
     ddp = runs[f"torchrun-ddp-{RATIO}to1"]
     assert ddp["lr_scaling"] == "linear" and ddp["lr_ddp"] == pytest.approx(2 * ddp["lr"])
     # the flodl 4:1 case brought its ideal along: two solo runs side by side, the second paced 4:1
@@ -409,6 +413,9 @@ def test_the_suite_runs_end_to_end(tmp_path, capsys):
     assert sbs["train_samples_per_s"] == pytest.approx(both["fast_samples_per_s"] + both["paced_samples_per_s"])
     assert both["paced_samples_per_s"] < both["fast_samples_per_s"] and sbs["matrix"]["measured_ratio"] > 1.0
     assert " & " in sbs["matrix"]["command"] and f"FLODL_SIMULATE_SLOWDOWN=0:{RATIO}" in sbs["matrix"]["command"]
+    fast_cmd, paced_cmd = sbs["matrix"]["command"].split(" & ")
+    board = fast_cmd.split("FLODL_SIMULATE_PACE_FILE=")[1].split()[0]
+    assert f"FLODL_SIMULATE_PACE_FILE={board} " in paced_cmd  # the paced run follows the fast run's step
     pair = runs[f"nccl-cadence-{RATIO}to1"]
     assert pair["ideal_samples_per_s"] == pytest.approx(sbs["train_samples_per_s"]) and pair["of_ideal"] > 0
     # script mode: the same run in the user's own loop, its eval the ranks' reports after the last epoch
@@ -427,7 +434,9 @@ def test_the_suite_runs_end_to_end(tmp_path, capsys):
     assert not (out / "matrix.json").exists()
 
 
-def _suite(folder, models: dict[str, list[str]], *, when: str, seeds: int = 2, failed: int = 0, machine: str = "box A"):
+def _suite(
+    folder, models: dict[str, list[str]], *, when: str, seeds: int = 2, failed: int = 0, machine: str = "box A", pace: str | None = None
+):
     """A finished suite's folder: one run file per (model, case), and its manifest."""
     folder.mkdir()
     for model, cases in models.items():
@@ -436,6 +445,8 @@ def _suite(folder, models: dict[str, list[str]], *, when: str, seeds: int = 2, f
     plan = {m: {"samples": 100, "epochs": 2 if when == "new" else 1, "cases": cs} for m, cs in models.items()}
     manifest = {"budget": "full", "device": "cpu", "when": when, "elapsed_s": 3.0, "runs": 9, "failed": failed, "machine": machine}
     manifest |= {"seeds": seeds, "lr_scaling": "linear", "base_ms": None, "covers": f"{when} covers", "plan": plan}
+    if pace:  # suites from before the live pace have no such key (they read as "fixed")
+        manifest["pace"] = pace
     (folder / report.MANIFEST).write_text(json.dumps(manifest))
     return folder
 
@@ -454,7 +465,16 @@ def test_amend_replaces_the_rerun_models_runs_and_says_so(tmp_path):
     assert manifest["when"] == "old" and manifest["plan"]["logreg"]["epochs"] == 2 and manifest["plan"]["lenet"]["epochs"] == 1
     assert manifest["covers"].startswith("logreg (100 samples × 2 epochs): solo, side-by-side-4to1; lenet (100 samples × 1 epochs)")
     assert manifest["amended"] == [
-        {"when": "new", "commit": "abc123", "models": ["logreg"], "covers": "new covers", "runs": 9, "elapsed_s": 3.0, "machine": "box B"}
+        {
+            "when": "new",
+            "commit": "abc123",
+            "models": ["logreg"],
+            "covers": "new covers",
+            "runs": 9,
+            "elapsed_s": 3.0,
+            "machine": "box B",
+            "pace": "fixed",
+        }
     ]
     assert json.loads((into / report.MANIFEST).read_text()) == manifest
     # the report states the re-run beside the suite's own date
@@ -481,6 +501,19 @@ def test_amend_keeps_the_named_baselines_and_says_so(tmp_path):
     # a case the re-run ran cannot also be kept
     with pytest.raises(SystemExit, match="cannot be kept"):
         amend.amend(rerun, into, code="abc123", keep=("solo",))
+
+
+def test_amend_mixes_paces_only_where_nothing_is_paced(tmp_path):
+    from bench.matrix import amend
+
+    into = _suite(tmp_path / "suite", {"logreg": ["solo", "cpu-async-4to1"], "mlp": ["solo"]}, when="old", pace="live")
+    paced = _suite(tmp_path / "paced", {"logreg": ["solo", "cpu-async-4to1"]}, when="new")  # fixed: older
+    with pytest.raises(SystemExit, match=re.escape("pace 'fixed' vs 'live'")):
+        amend.amend(paced, into, code="x")
+    equal = _suite(tmp_path / "equal", {"mlp": ["solo", "cpu-sync"]}, when="new")  # no 4:1 case: no pace to match
+    manifest = amend.amend(equal, into, code="x")
+    assert manifest["pace"] == "live" and manifest["amended"][-1]["pace"] == "fixed"
+    assert json.loads((into / "mlp__cpu-sync__seed0.json").read_text())["matrix"]["from"] == "new"
 
 
 @pytest.mark.parametrize(

@@ -463,6 +463,42 @@ def test_a_simulated_slow_rank_is_paced_to_factor_times_base(tmp_path, monkeypat
         runner.link._pipe_in.close(linger=0)
 
 
+def test_a_slow_rank_paces_against_the_live_base_and_a_full_speed_rank_posts_it(tmp_path, monkeypatch):
+    from flodl.testing.pace_board import PaceBoard
+
+    board = tmp_path / "pace.board"
+    monkeypatch.setenv("FLODL_SIMULATE_PACE_FILE", str(board))
+    batch = (torch.randn(16, 8), torch.randint(0, 2, (16,)))
+
+    def steps(runner, n):
+        runner.task = load_task(task_spec("tiny.py"))
+        runner.model = runner.task.model()
+        runner.optimizer = torch.optim.SGD(runner.model.parameters(), lr=0.01)
+        return [runner._step(batch, epoch=0, samples=len(batch[0]), data_ms=0.0)[0].compute_ms for _ in range(n)]
+
+    fast = _runner(tmp_path)  # no slowdown: it posts its own step time, from its second step
+    try:
+        took = steps(fast, 4)
+        posted = PaceBoard(str(board)).base_ms()
+        assert posted is not None and min(took[1:]) <= posted <= max(took[1:])
+    finally:
+        fast.link._pipe_out.close(linger=0)
+        fast.link._pipe_in.close(linger=0)
+    PaceBoard(str(board)).publish(6.0)  # the partner's pace, as posted: 6 ms a step
+    monkeypatch.setenv("FLODL_SIMULATE_SLOWDOWN", "0:4")
+    monkeypatch.setenv("FLODL_SIMULATE_BASE_MS", "0:1")  # the solo base, which the live one overrides
+    slow = _runner(tmp_path)
+    try:
+        paced = steps(slow, 4)[1:]  # the first step is set-up and warm-up: not paced
+        # 4 x 6 ms a step, not 4 x 1 ms (no upper bound: a loaded machine may oversleep; the pacing
+        # carry takes an overshoot off the next sleep, so the mean is what holds)
+        assert sum(paced) / len(paced) >= 23.8, paced
+        assert PaceBoard(str(board)).base_ms() == 6.0  # a paced rank only reads the board
+    finally:
+        slow.link._pipe_out.close(linger=0)
+        slow.link._pipe_in.close(linger=0)
+
+
 @pytest.mark.parametrize(
     "mine,redo,adopting,top,top_redo,expected",
     [

@@ -1,4 +1,5 @@
-"""The simulated slow rank of benchmarks and tests: FLODL_SIMULATE_SLOWDOWN paced by FLODL_SIMULATE_BASE_MS."""
+"""The simulated slow rank of benchmarks and tests: FLODL_SIMULATE_SLOWDOWN paced by FLODL_SIMULATE_BASE_MS,
+or live by the step time full-speed ranks post on FLODL_SIMULATE_PACE_FILE's board."""
 
 from __future__ import annotations
 
@@ -6,14 +7,17 @@ import pytest
 
 from flodl.config.env import (
     SIMULATE_BASE_MS,
+    SIMULATE_PACE_FILE,
     SIMULATE_SLOWDOWN,
     paced_step,
     pacing_late_ms,
     parse_base_ms,
     parse_slowdown,
     simulated_base_ms,
+    simulated_pace_file,
     simulated_slowdown,
 )
+from flodl.testing.pace_board import PaceBoard
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -72,3 +76,31 @@ def test_the_variables_are_read(monkeypatch):
     monkeypatch.setenv(SIMULATE_BASE_MS, "1:zero")
     with pytest.raises(ValueError, match=SIMULATE_BASE_MS):
         simulated_base_ms(1)
+
+
+def test_the_pace_board_carries_a_running_mean_from_its_publisher_to_its_readers(tmp_path):
+    path = str(tmp_path / "pace.board")
+    reader = PaceBoard(path)  # a paced rank may open the board before anyone posts
+    assert reader.base_ms() is None
+    writer = PaceBoard(path)
+    writer.publish(2.0)
+    assert reader.base_ms() == 2.0  # the first step is the mean
+    for _ in range(400):
+        writer.publish(4.0)
+    assert reader.base_ms() == pytest.approx(4.0, rel=1e-4)  # it follows the publisher's pace
+    writer.publish(400.0)  # one long step (a GC pause, an average landing) moves it by 1/32 of the gap
+    assert 4.0 < reader.base_ms() < 20.0
+    writer.publish(0.0)  # a step with no time is no reading
+    writer.publish(float("nan"))
+    assert 4.0 < reader.base_ms() < 20.0
+    again = PaceBoard(path)  # a late opener sees what is posted, and does not reset it
+    assert again.base_ms() == reader.base_ms()
+    for board in (reader, writer, again):
+        board.close()
+
+
+def test_the_pace_file_variable_is_read(monkeypatch):
+    monkeypatch.delenv(SIMULATE_PACE_FILE, raising=False)
+    assert simulated_pace_file() is None
+    monkeypatch.setenv(SIMULATE_PACE_FILE, "/tmp/x.board")
+    assert simulated_pace_file() == "/tmp/x.board"

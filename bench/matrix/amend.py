@@ -13,8 +13,9 @@ DDP and post-local SGD run no flodl code), kept from the suite and said so in
 the manifest; the other models' runs stay. ``suite.json`` keeps the suite's own record and gains an
 ``amended`` entry per re-run (when, the code's commit, what it covered), which
 the report and ``matrix.json`` state beside the suite's date. The re-run must
-match the suite's device, seeds and torchrun LR scaling, and have no failed
-run: otherwise the tables would mix protocols.
+match the suite's device, seeds and torchrun LR scaling (and, if it ran a 4:1
+case, its pace: live or fixed), and have no failed run: otherwise the tables
+would mix protocols.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import subprocess
 from pathlib import Path
 
 from bench.common import report
-from bench.matrix import ALL_CASES, ROOT, TARGETS, Budget
+from bench.matrix import ALL_CASES, CASES, ROOT, TARGETS, Budget
 from bench.matrix import report as matrix_report
 from bench.matrix.suite import covers, suite_note
 
@@ -59,6 +60,9 @@ def amend(source: Path, into: Path, *, code: str, keep: tuple[str, ...] = ()) ->
     if theirs.get("failed"):
         raise SystemExit(f"bench.matrix.amend: {source} has {theirs['failed']} failed run(s); re-run them first")
     differ = [f"{key} {theirs.get(key)!r} vs {ours.get(key)!r}" for key in MUST_MATCH if theirs.get(key) != ours.get(key)]
+    paced = any(CASES[c].ratio > 1 for p in theirs["plan"].values() for c in p["cases"] if c in CASES)
+    if paced and _pace(theirs) != _pace(ours):  # equal-rank cases pace nothing: those may join either suite
+        differ.append(f"pace {_pace(theirs)!r} vs {_pace(ours)!r}")
     if differ:
         raise SystemExit(f"bench.matrix.amend: {source} does not match {into}'s protocol: {'; '.join(differ)}")
     models = list(theirs["plan"])
@@ -89,11 +93,17 @@ def amend(source: Path, into: Path, *, code: str, keep: tuple[str, ...] = ()) ->
             "runs": theirs["runs"],
             "elapsed_s": theirs["elapsed_s"],
             "machine": theirs.get("machine", "?"),  # the report names it where it is not the suite's
+            "pace": _pace(theirs),
         }
         | ({"kept": sorted({c for cs in kept.values() for c in cs})} if any(kept.values()) else {})
     )
     (into / matrix_report.MANIFEST).write_text(json.dumps(ours, indent=1) + "\n")
     return ours
+
+
+def _pace(manifest: dict) -> str:
+    """How a suite paced its 4:1 cases: ``live`` or ``fixed`` (suites from before the live pace)."""
+    return str(manifest.get("pace", "fixed"))
 
 
 def _manifest(folder: Path) -> dict:

@@ -39,7 +39,11 @@ flodl/rank/runner.py ``_step``), from the second step on (the first is set-up
 and warm-up). ``--base-ms`` (``ms`` or ``R:ms``, the syntax of
 ``FLODL_SIMULATE_BASE_MS``; the suite passes the solo case's step time) paces
 it: the rank sleeps ``max(0, F x base - compute)`` after the step, so its step
-period is F x base. Without ``--base-ms`` it sleeps (F - 1) x its compute,
+period is F x base. ``--pace-file PATH`` (``FLODL_SIMULATE_PACE_FILE``'s board,
+``flodl.testing.pace_board``, the suite passes a fresh one per run) makes the
+base live: the ranks at full speed post their step time there and the slowed
+rank paces against it, so the pair steps F:1 as it runs beside each other;
+``--base-ms`` stands until the first post. Without ``--base-ms`` it sleeps (F - 1) x its compute,
 which overshoots (compute right after a sleep is slower). The step time a rank
 reports is its compute plus the time it really slept. flodl times forward +
 backward + optimizer step, with no communication inside; here the backward also
@@ -82,6 +86,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.matrix import tasks
 from flodl.config.env import paced_step, pacing_late_ms, parse_base_ms, parse_slowdown
+from flodl.testing.pace_board import PaceBoard
 
 CURVE_POINTS_PER_EPOCH = 8
 
@@ -145,6 +150,9 @@ def main() -> None:
         "--base-ms", default="", help="ms or R:ms: the step time a slowed rank is paced against (FLODL_SIMULATE_BASE_MS's syntax)"
     )
     ap.add_argument(
+        "--pace-file", default="", help="the live base: full-speed ranks post their step time here, a slowed rank paces against it"
+    )
+    ap.add_argument(
         "--lr-scaling",
         choices=("linear", "none"),
         default="linear",
@@ -171,6 +179,7 @@ def main() -> None:
     slow = parse_slowdown(args.slowdown, rank, "--slowdown")
     base_ms = parse_base_ms(args.base_ms, rank, "--base-ms")
     late_ms = 0.0  # how far behind its paced schedule this rank is (pacing_late_ms)
+    board = PaceBoard(args.pace_file) if args.pace_file else None
     x, y = tasks.train_data(spec, args.samples)
     x, y = x.to(device), y.to(device)
     n = len(x) - len(x) % world  # equal shares: DDP needs the same step count on every rank
@@ -237,12 +246,15 @@ def main() -> None:
                 compute = time.perf_counter() - t0 - wait
             sync = wait
             if slow > 1.0 and batches > 0:  # the simulated slower device: flodl's rule (not the first step)
-                pause_ms, _ = paced_step(compute * 1000.0, slow, base_ms, late_ms)
+                live_ms = (board.base_ms() if board else None) or base_ms
+                pause_ms, _ = paced_step(compute * 1000.0, slow, live_ms, late_ms)
                 if pause_ms > 0.0:
                     t_sleep = time.perf_counter()
                     time.sleep(pause_ms / 1000.0)
                     compute += time.perf_counter() - t_sleep
-                late_ms = pacing_late_ms(late_ms, compute * 1000.0, slow, base_ms)
+                late_ms = pacing_late_ms(late_ms, compute * 1000.0, slow, live_ms)
+            elif board is not None and batches > 0:  # a full-speed rank posts the pace the slowed one follows
+                board.publish(compute * 1000.0)
             if averager is not None:
                 t_avg = time.perf_counter()
                 before = averager.step

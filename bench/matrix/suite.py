@@ -24,7 +24,12 @@ The protocol (issue 22):
 * the 4:1 cases are *paced*: rank 1's step period is 4 x the base step time,
   the mean step time of the same seed's ``solo`` run (``FLODL_SIMULATE_BASE_MS``
   for flodl, ``--base-ms`` for the DDP script: the same rule,
-  ``flodl.config.env.paced_step``). A plan with a 4:1 case and no ``solo`` gets ``solo``
+  ``flodl.config.env.paced_step``) until the fast rank has stepped, and then
+  *live*: its running mean step time, posted on a board in the run's directory
+  (``FLODL_SIMULATE_PACE_FILE``, ``--pace-file``; flodl.testing.pace_board).
+  Beside its partner a rank steps slower than alone (the sub-ms MLP's fast rank
+  12-21% on 2 cores), so a pace against the solo time alone made the pair step
+  3.3-3.5:1; ``--fixed-pace`` keeps that older protocol. A plan with a 4:1 case and no ``solo`` gets ``solo``
   added (it calibrates), unless ``--base-ms`` gives the base. Every 4:1 run
   records its ``measured_ratio`` (rank 1's mean step time over rank 0's) and,
   for flodl, ``of_ideal``: train samples/s over the same seed's ``side-by-side-4to1``
@@ -70,7 +75,7 @@ from bench.common import controller_command, machine, report
 from bench.matrix import CASES, MODEL_ORDER, PLANS, ROOT, SIDE_BY_SIDE, TARGETS, Budget, Case, Target
 from bench.matrix import report as matrix_report
 from bench.matrix.tasks import SAMPLES_ENV, SEED_ENV, SPECS
-from flodl.config.env import SIMULATE_BASE_MS, SIMULATE_SLOWDOWN
+from flodl.config.env import SIMULATE_BASE_MS, SIMULATE_PACE_FILE, SIMULATE_SLOWDOWN
 
 DDP_SCRIPT = ROOT / "bench" / "matrix" / "ddp.py"
 SCRIPT = ROOT / "bench" / "matrix" / "script.py"  # the script-mode cases' training loop
@@ -88,6 +93,7 @@ class Setup:
     seed: int = 0
     base_ms: float | None = None  # the 4:1 cases' base step time (None: the old, overshooting rule)
     lr_scaling: str = "linear"  # torchrun's LR rule
+    live_pace: bool = True  # the 4:1 cases' base follows the fast rank's step as it runs (--fixed-pace: False)
 
 
 def _env(samples: int, seed: int = 0) -> dict[str, str]:
@@ -99,7 +105,13 @@ def _env(samples: int, seed: int = 0) -> dict[str, str]:
     env[SEED_ENV] = str(seed)
     env.pop(SIMULATE_SLOWDOWN, None)
     env.pop(SIMULATE_BASE_MS, None)
+    env.pop(SIMULATE_PACE_FILE, None)
     return env
+
+
+def pace_board(tmp: Path, setup: Setup) -> str | None:
+    """The live base's board for one run (a fresh file in its directory), or None (``--fixed-pace``)."""
+    return str(tmp / "pace.board") if setup.live_pace else None
 
 
 def _cpu_busy_s() -> float:
@@ -236,6 +248,10 @@ def flodl_case(
         if setup.base_ms:
             env[SIMULATE_BASE_MS] = f"1:{setup.base_ms:.4f}"
             prefix.append(f"{SIMULATE_BASE_MS}={env[SIMULATE_BASE_MS]}")
+        board = pace_board(tmp, setup)
+        if board:
+            env[SIMULATE_PACE_FILE] = board
+            prefix.append(f"{SIMULATE_PACE_FILE}={board}")
     took = timed_run(cmd, env, tmp / "run.log", timeout)
     return read_flodl_summary(tmp), took, " ".join([*prefix, "python", *cmd[1:]])
 
@@ -264,9 +280,11 @@ def side_by_side_case(
     slow_env = _env(budget.samples, setup.seed)
     slow_env[SIMULATE_SLOWDOWN] = f"0:{case.ratio}"
     slow_env[SIMULATE_BASE_MS] = f"0:{setup.base_ms:.4f}"
-    took = timed_runs(
-        [(fast_cmd, _env(budget.samples, setup.seed), fast_dir / "run.log"), (slow_cmd, slow_env, slow_dir / "run.log")], timeout
-    )
+    fast_env = _env(budget.samples, setup.seed)
+    board = pace_board(tmp, setup)
+    if board:  # the paced run follows the fast run's step, as rank 1 of a pair follows rank 0's
+        fast_env[SIMULATE_PACE_FILE] = slow_env[SIMULATE_PACE_FILE] = board
+    took = timed_runs([(fast_cmd, fast_env, fast_dir / "run.log"), (slow_cmd, slow_env, slow_dir / "run.log")], timeout)
     fast, slow = read_flodl_summary(fast_dir), read_flodl_summary(slow_dir)
     fast_rate, slow_rate = fast.get("train_samples_per_s") or 0.0, slow.get("train_samples_per_s") or 0.0
     summary = dict(fast)
@@ -284,6 +302,8 @@ def side_by_side_case(
     }
     seed = f"{SEED_ENV}={setup.seed}"
     pace = f"{SIMULATE_SLOWDOWN}={slow_env[SIMULATE_SLOWDOWN]} {SIMULATE_BASE_MS}={slow_env[SIMULATE_BASE_MS]}"
+    if board:  # both runs read it
+        seed += f" {SIMULATE_PACE_FILE}={board}"
     return summary, took, f"{seed} python {' '.join(fast_cmd[1:])} & {seed} {pace} python {' '.join(slow_cmd[1:])}"
 
 
@@ -321,6 +341,9 @@ def torchrun_case(
         cmd += ["--slowdown", f"1:{case.ratio}"]
         if setup.base_ms:
             cmd += ["--base-ms", f"1:{setup.base_ms:.4f}"]
+        board = pace_board(tmp, setup)
+        if board:
+            cmd += ["--pace-file", board]
     took = timed_run(cmd, _env(budget.samples, setup.seed), tmp / "run.log", timeout)
     if not out.exists():
         raise RunFailed(f"no summary written; log tail:\n{_tail(tmp / 'run.log')}")
@@ -366,6 +389,7 @@ def run_one(
     }
     if case.ratio > 1:
         meta["base_ms"] = setup.base_ms  # None: uncalibrated (the old rule, which overshoots)
+        meta["pace"] = "live" if setup.live_pace else "fixed"  # live: the base follows the fast rank's step
     if case.kind == "torchrun":
         meta["lr_scaling"] = setup.lr_scaling
     with tempfile.TemporaryDirectory(prefix=f"flodl-matrix-{model}-") as td:
@@ -435,7 +459,9 @@ def suite_note(manifest: dict, target: Target) -> str:
         f"({manifest['failed']} failed); {ranks} (solo: 1), "
         f"batch 32 per rank; train wall = wall_s - eval_s (start-up excluded), command wall = process start to exit; "
         f"medians over seeds, evals mean/min/max; 4:1 = rank 1 paced to 4 x "
-        f"{'--base-ms' if manifest.get('base_ms') else 'the solo run' + chr(39) + 's step time'} (measured ratio reported); "
+        f"{'--base-ms' if manifest.get('base_ms') else 'the solo run' + chr(39) + 's step time'}"
+        f"{'' if manifest.get('pace') == 'fixed' else ', then live: 4 x the fast rank' + chr(39) + 's running mean step'}"
+        f" (measured ratio reported); "
         f"of ideal = train samples/s / the side-by-side case's two rates added up (of ideal, solo alone = over "
         f"solo rate x (1 + 1/measured ratio)); torchrun LR scaling: {manifest['lr_scaling']}. "
         f"Covers: {manifest['covers']}"
@@ -468,6 +494,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--base-ms", type=float, default=None, help="the 4:1 cases' base step time in ms (default: each seed's solo run's mean step time)"
+    )
+    ap.add_argument(
+        "--fixed-pace",
+        action="store_true",
+        help="pace the 4:1 cases against the base alone (the older protocol), not live against the fast rank's step",
     )
     ap.add_argument("--samples", type=int, default=None, help="override every model's sample budget (smoke tests)")
     ap.add_argument("--epochs", type=int, default=None, help="override every model's epochs (smoke tests)")
@@ -531,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         budget = plan[model][0]
         solo = solos.get((model, seed))
         base = args.base_ms if args.base_ms is not None else solo_base_ms(solo)
-        setup = Setup(seed=seed, base_ms=base if case.ratio > 1 else None, lr_scaling=args.lr_scaling)
+        setup = Setup(seed=seed, base_ms=base if case.ratio > 1 else None, lr_scaling=args.lr_scaling, live_pace=not args.fixed_pace)
         result = run_one(model, case, budget, budget_name, timeout, target, setup, solo, side_by_sides.get((model, seed)))
         if case.id == "solo":
             solos[(model, seed)] = result
@@ -573,6 +604,7 @@ def main(argv: list[str] | None = None) -> int:
         "seeds": seeds,
         "lr_scaling": args.lr_scaling,
         "base_ms": args.base_ms,
+        "pace": "fixed" if args.fixed_pace else "live",
         "covers": covers(plan),
         "plan": {m: {"samples": b.samples, "epochs": b.epochs, "cases": list(c)} for m, (b, c) in plan.items()},
     }

@@ -376,6 +376,7 @@ def nccl_errors_raise() -> None:
 # ---- simulation and fault injection: tests and benchmarks only
 SIMULATE_SLOWDOWN = "FLODL_SIMULATE_SLOWDOWN"  # "1:3.0,2:1.5": rank -> compute multiplier
 SIMULATE_BASE_MS = "FLODL_SIMULATE_BASE_MS"  # "1:2.5" rank -> base step ms, or "2.5" for every rank
+SIMULATE_PACE_FILE = "FLODL_SIMULATE_PACE_FILE"  # a path: the live base (testing/pace_board.py)
 INJECT_FAULT = "FLODL_INJECT_FAULT"  # "rank:point:n[:action],...": faults.FaultPlan parses it
 STRICT = "FLODL_STRICT"  # on: a flodl bug the run would survive (a message handler raising) fails it
 
@@ -419,6 +420,12 @@ def simulated_base_ms(rank: int) -> float | None:
         ValueError: the variable is not ``ms`` or ``rank:ms[,rank:ms...]`` with finite times > 0.
     """
     return parse_base_ms(os.environ.get(SIMULATE_BASE_MS, ""), rank)
+
+
+def simulated_pace_file() -> str | None:
+    """``FLODL_SIMULATE_PACE_FILE``: where ranks at full speed publish their step time and paced
+    ranks read it as their base, live (``flodl.testing.pace_board``); None when unset."""
+    return os.environ.get(SIMULATE_PACE_FILE) or None
 
 
 def parse_slowdown(text: str, rank: int, source: str = SIMULATE_SLOWDOWN) -> float:

@@ -42,6 +42,7 @@ from ..config.env import (
     paced_step,
     pacing_late_ms,
     simulated_base_ms,
+    simulated_pace_file,
     simulated_slowdown,
     vram_pool_disabled,
 )
@@ -65,6 +66,7 @@ from ..task import Task
 from ..taskspec import load_task
 from ..taskspec import resolve as resolve_spec
 from ..testing.faults import FaultPlan
+from ..testing.pace_board import PaceBoard
 from ..wire import curve
 from ..wire import messages as m
 from ..wire.messages import PROTOCOL_VERSION
@@ -181,6 +183,8 @@ class RankRunner(Regrouping, Evaluating):
         self.slowdown = simulated_slowdown(env.rank)  # SIMULATION only (benchmarks, tests): 1.0 on real hardware
         self.slow_base_ms = simulated_base_ms(env.rank) if self.slowdown > 1.0 else None
         self.pace_late_ms = 0.0  # how far behind its paced schedule this rank is (env.pacing_late_ms)
+        pace_file = simulated_pace_file()  # SIMULATION: the base published live by full-speed ranks
+        self.pace_board = PaceBoard(pace_file) if pace_file else None
         # a simulated slowdown paces every step, so each is measured on its own, even on a GPU
         self.meter = StepMeter(self.device, per_step=True if self.slowdown > 1.0 else None)
         self.reports = StepReports(self.rank)  # steps trained, not reported yet (step_reports.py)
@@ -1107,11 +1111,16 @@ class RankRunner(Regrouping, Evaluating):
             # (from the second step: the first is set-up and warm-up, no device's pace), paced to
             # slowdown x FLODL_SIMULATE_BASE_MS; reported as the time the step really took, sleep
             # included (the meter measures each step on its own when simulating)
-            pause_ms, _ = paced_step(records[-1].compute_ms, self.slowdown, self.slow_base_ms, self.pace_late_ms)
+            base_ms = (self.pace_board.base_ms() if self.pace_board else None) or self.slow_base_ms
+            pause_ms, _ = paced_step(records[-1].compute_ms, self.slowdown, base_ms, self.pace_late_ms)
             if pause_ms > 0.0:
                 time.sleep(pause_ms / 1000.0)
                 records[-1] = dataclasses.replace(records[-1], compute_ms=(time.perf_counter() - t0) * 1000.0)
-            self.pace_late_ms = pacing_late_ms(self.pace_late_ms, records[-1].compute_ms, self.slowdown, self.slow_base_ms)
+            self.pace_late_ms = pacing_late_ms(self.pace_late_ms, records[-1].compute_ms, self.slowdown, base_ms)
+        elif self.pace_board is not None:  # SIMULATION: a full-speed rank posts the pace paced ranks follow
+            for rec in records:
+                if rec.step > 1:
+                    self.pace_board.publish(rec.compute_ms)
         if self.step_count == 1:
             self._open_vram_pool()
         self.global_step += 1
