@@ -6,11 +6,7 @@ Two CPU ranks (one intra-op thread each) train the same task (the Gaussian
 mixture MLP of ``bench/tasks/mixture.py``) and sample budget; rank 1 is made
 1x, 2x or 4x slower with flodl's SIMULATED slowdown, *paced*
 (``FLODL_SIMULATE_SLOWDOWN=1:f`` with ``FLODL_SIMULATE_BASE_MS``: its step
-period is f x the base step time; ``flodl.config.env.paced_step``), and then
-*live*: f x the fast rank's running mean step time as it runs, which it posts on
-a board in the run's folder (``FLODL_SIMULATE_PACE_FILE``; beside a partner a
-rank steps slower than alone, so the solo base alone left pairs short of f:1).
-Every run is the
+period is f x the base step time; ``flodl.config.env.paced_step``). Every run is the
 real command, ``python -m flodl.controller ... --summary-json``, timed around
 the subprocess.
 
@@ -61,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import Row, controller_command, report, size_parser, smoke_results  # noqa: E402
 from bench.matrix.report import measured_ratio, of_ideal, step_ms, train_wall  # noqa: E402
 from bench.matrix.suite import SIDE_BY_SIDE_MARGIN, RunFailed, timed_run, timed_runs  # noqa: E402
-from flodl.config.env import SIMULATE_BASE_MS, SIMULATE_PACE_FILE, SIMULATE_SLOWDOWN  # noqa: E402
+from flodl.config.env import SIMULATE_BASE_MS, SIMULATE_SLOWDOWN  # noqa: E402
 
 TASK = f"{ROOT / 'bench' / 'tasks' / 'mixture.py'}:task"
 MODES = ("nccl-sync", "nccl-cadence", "nccl-async")
@@ -71,13 +67,11 @@ GOAL_EVAL_POINTS = 1.0
 
 
 def _command(nproc: int, mode: str, epochs: int, samples: int, seed: int, out: Path, factor: float, base_ms: float | None, paced: int):
-    """The controller's command and environment for one run (rank ``paced`` slowed ``factor``-fold; the
-    live base's board beside ``out``, which the side-by-side runs share)."""
+    """The controller's command and environment for one run (rank ``paced`` slowed ``factor``-fold)."""
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FLODL_BENCH_SAMPLES=str(samples), FLODL_BENCH_SEED=str(seed))
     env.pop(SIMULATE_SLOWDOWN, None)
     env.pop(SIMULATE_BASE_MS, None)
-    env[SIMULATE_PACE_FILE] = str(out.parent / "pace.board")
     if factor > 1.0:
         env[SIMULATE_SLOWDOWN] = f"{paced}:{factor:g}"
         if base_ms:

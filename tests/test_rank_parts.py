@@ -486,11 +486,11 @@ def test_a_slow_rank_paces_against_the_live_base_and_a_full_speed_rank_posts_it(
         fast.link._pipe_in.close(linger=0)
     PaceBoard(str(board)).publish(6.0)  # the partner's pace, as posted: 6 ms a step
     monkeypatch.setenv("FLODL_SIMULATE_SLOWDOWN", "0:4")
-    monkeypatch.setenv("FLODL_SIMULATE_BASE_MS", "0:1")  # the solo base, which the live one overrides
+    monkeypatch.setenv("FLODL_SIMULATE_BASE_MS", "0:5")  # the solo base, which the live one overrides
     slow = _runner(tmp_path)
     try:
         paced = steps(slow, 4)[1:]  # the first step is set-up and warm-up: not paced
-        # 4 x 6 ms a step, not 4 x 1 ms (no upper bound: a loaded machine may oversleep; the pacing
+        # 4 x 6 ms a step, not 4 x 5 ms (no upper bound: a loaded machine may oversleep; the pacing
         # carry takes an overshoot off the next sleep, so the mean is what holds)
         assert sum(paced) / len(paced) >= 23.8, paced
         assert PaceBoard(str(board)).base_ms() == 6.0  # a paced rank only reads the board

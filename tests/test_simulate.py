@@ -9,6 +9,7 @@ from flodl.config.env import (
     SIMULATE_BASE_MS,
     SIMULATE_PACE_FILE,
     SIMULATE_SLOWDOWN,
+    live_base_ms,
     paced_step,
     pacing_late_ms,
     parse_base_ms,
@@ -104,3 +105,10 @@ def test_the_pace_file_variable_is_read(monkeypatch):
     assert simulated_pace_file() is None
     monkeypatch.setenv(SIMULATE_PACE_FILE, "/tmp/x.board")
     assert simulated_pace_file() == "/tmp/x.board"
+
+
+def test_a_live_base_stays_within_its_band_of_the_fixed_one():
+    assert live_base_ms(None, 2.0) == 2.0 and live_base_ms(None, None) is None  # nothing posted: the fixed base
+    assert live_base_ms(2.4, 2.0) == 2.4 and live_base_ms(3.0, None) == 3.0  # the partner's pace, as posted
+    # a fast step that holds a wait for the paced rank would feed back into the pace: it is capped
+    assert live_base_ms(80.0, 2.0) == pytest.approx(3.0) and live_base_ms(0.1, 2.0) == pytest.approx(2.0 / 1.5)

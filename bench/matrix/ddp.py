@@ -42,8 +42,11 @@ it: the rank sleeps ``max(0, F x base - compute)`` after the step, so its step
 period is F x base. ``--pace-file PATH`` (``FLODL_SIMULATE_PACE_FILE``'s board,
 ``flodl.testing.pace_board``, the suite passes a fresh one per run) makes the
 base live: the ranks at full speed post their step time there and the slowed
-rank paces against it, so the pair steps F:1 as it runs beside each other;
-``--base-ms`` stands until the first post. Without ``--base-ms`` it sleeps (F - 1) x its compute,
+rank paces against it (within 1.5x of ``--base-ms``: flodl.config.env.live_base_ms);
+``--base-ms`` stands until the first post. The suite passes it only with
+``--live-pace``: DDP's fast step holds DDP's own overhead and, with BatchNorm,
+a wait for the slow rank (the buffer broadcast), so a live base would make
+torchrun's slow device slower than flodl's. Without ``--base-ms`` it sleeps (F - 1) x its compute,
 which overshoots (compute right after a sleep is slower). The step time a rank
 reports is its compute plus the time it really slept. flodl times forward +
 backward + optimizer step, with no communication inside; here the backward also
@@ -85,7 +88,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.matrix import tasks
-from flodl.config.env import paced_step, pacing_late_ms, parse_base_ms, parse_slowdown
+from flodl.config.env import live_base_ms, paced_step, pacing_late_ms, parse_base_ms, parse_slowdown
 from flodl.testing.pace_board import PaceBoard
 
 CURVE_POINTS_PER_EPOCH = 8
@@ -246,7 +249,7 @@ def main() -> None:
                 compute = time.perf_counter() - t0 - wait
             sync = wait
             if slow > 1.0 and batches > 0:  # the simulated slower device: flodl's rule (not the first step)
-                live_ms = (board.base_ms() if board else None) or base_ms
+                live_ms = live_base_ms(board.base_ms() if board else None, base_ms)
                 pause_ms, _ = paced_step(compute * 1000.0, slow, live_ms, late_ms)
                 if pause_ms > 0.0:
                     t_sleep = time.perf_counter()

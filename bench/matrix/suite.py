@@ -24,12 +24,14 @@ The protocol (issue 22):
 * the 4:1 cases are *paced*: rank 1's step period is 4 x the base step time,
   the mean step time of the same seed's ``solo`` run (``FLODL_SIMULATE_BASE_MS``
   for flodl, ``--base-ms`` for the DDP script: the same rule,
-  ``flodl.config.env.paced_step``) until the fast rank has stepped, and then
-  *live*: its running mean step time, posted on a board in the run's directory
-  (``FLODL_SIMULATE_PACE_FILE``, ``--pace-file``; flodl.testing.pace_board).
-  Beside its partner a rank steps slower than alone (the sub-ms MLP's fast rank
-  12-21% on 2 cores), so a pace against the solo time alone made the pair step
-  3.3-3.5:1; ``--fixed-pace`` keeps that older protocol. A plan with a 4:1 case and no ``solo`` gets ``solo``
+  ``flodl.config.env.paced_step``): one base, the model's step alone, for
+  every system, so the slow "device" is the same in flodl's pairs and
+  torchrun's. ``--live-pace`` paces against the fast rank's running mean step
+  in the pair instead (``FLODL_SIMULATE_PACE_FILE``, ``--pace-file``;
+  flodl.testing.pace_board), within 1.5x of the base either way. Not the
+  default: a fast rank's step that holds DDP's own overhead (or a wait for its
+  peer: DDP's buffer broadcast) would make torchrun's slow device slower than
+  flodl's. A plan with a 4:1 case and no ``solo`` gets ``solo``
   added (it calibrates), unless ``--base-ms`` gives the base. Every 4:1 run
   records its ``measured_ratio`` (rank 1's mean step time over rank 0's) and,
   for flodl, ``of_ideal``: train samples/s over the same seed's ``side-by-side-4to1``
@@ -93,7 +95,7 @@ class Setup:
     seed: int = 0
     base_ms: float | None = None  # the 4:1 cases' base step time (None: the old, overshooting rule)
     lr_scaling: str = "linear"  # torchrun's LR rule
-    live_pace: bool = True  # the 4:1 cases' base follows the fast rank's step as it runs (--fixed-pace: False)
+    live_pace: bool = False  # --live-pace: the 4:1 cases' base follows the fast rank's step as it runs
 
 
 def _env(samples: int, seed: int = 0) -> dict[str, str]:
@@ -110,7 +112,7 @@ def _env(samples: int, seed: int = 0) -> dict[str, str]:
 
 
 def pace_board(tmp: Path, setup: Setup) -> str | None:
-    """The live base's board for one run (a fresh file in its directory), or None (``--fixed-pace``)."""
+    """The live base's board for one run (a fresh file in its directory), or None (the default: a fixed base)."""
     return str(tmp / "pace.board") if setup.live_pace else None
 
 
@@ -460,7 +462,7 @@ def suite_note(manifest: dict, target: Target) -> str:
         f"batch 32 per rank; train wall = wall_s - eval_s (start-up excluded), command wall = process start to exit; "
         f"medians over seeds, evals mean/min/max; 4:1 = rank 1 paced to 4 x "
         f"{'--base-ms' if manifest.get('base_ms') else 'the solo run' + chr(39) + 's step time'}"
-        f"{'' if manifest.get('pace') == 'fixed' else ', then live: 4 x the fast rank' + chr(39) + 's running mean step'}"
+        f"{', then live: 4 x the fast rank' + chr(39) + 's running mean step' if manifest.get('pace') == 'live' else ''}"
         f" (measured ratio reported); "
         f"of ideal = train samples/s / the side-by-side case's two rates added up (of ideal, solo alone = over "
         f"solo rate x (1 + 1/measured ratio)); torchrun LR scaling: {manifest['lr_scaling']}. "
@@ -496,9 +498,10 @@ def main(argv: list[str] | None = None) -> int:
         "--base-ms", type=float, default=None, help="the 4:1 cases' base step time in ms (default: each seed's solo run's mean step time)"
     )
     ap.add_argument(
-        "--fixed-pace",
+        "--live-pace",
         action="store_true",
-        help="pace the 4:1 cases against the base alone (the older protocol), not live against the fast rank's step",
+        help="pace the 4:1 cases live, against the fast rank's running mean step in the pair (within 1.5x of the base), "
+        "not against the base alone",
     )
     ap.add_argument("--samples", type=int, default=None, help="override every model's sample budget (smoke tests)")
     ap.add_argument("--epochs", type=int, default=None, help="override every model's epochs (smoke tests)")
@@ -562,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         budget = plan[model][0]
         solo = solos.get((model, seed))
         base = args.base_ms if args.base_ms is not None else solo_base_ms(solo)
-        setup = Setup(seed=seed, base_ms=base if case.ratio > 1 else None, lr_scaling=args.lr_scaling, live_pace=not args.fixed_pace)
+        setup = Setup(seed=seed, base_ms=base if case.ratio > 1 else None, lr_scaling=args.lr_scaling, live_pace=args.live_pace)
         result = run_one(model, case, budget, budget_name, timeout, target, setup, solo, side_by_sides.get((model, seed)))
         if case.id == "solo":
             solos[(model, seed)] = result
@@ -604,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
         "seeds": seeds,
         "lr_scaling": args.lr_scaling,
         "base_ms": args.base_ms,
-        "pace": "fixed" if args.fixed_pace else "live",
+        "pace": "live" if args.live_pace else "fixed",
         "covers": covers(plan),
         "plan": {m: {"samples": b.samples, "epochs": b.epochs, "cases": list(c)} for m, (b, c) in plan.items()},
     }

@@ -428,6 +428,25 @@ def simulated_pace_file() -> str | None:
     return os.environ.get(SIMULATE_PACE_FILE) or None
 
 
+#: how far a live base (FLODL_SIMULATE_PACE_FILE) may stray from the fixed one, either way
+LIVE_BASE_BAND = 1.5
+
+
+def live_base_ms(posted_ms: float | None, base_ms: float | None) -> float | None:
+    """The base a paced rank steps against: the live base ``posted_ms`` (None: nothing posted),
+    kept within ``LIVE_BASE_BAND`` of the fixed ``base_ms`` when there is one, else ``base_ms``.
+
+    Why the band: a full-speed rank whose step holds a wait for the paced one (a lockstep
+    collective inside the step: DDP's buffer broadcast, a Sync all-reduce) posts that wait as its
+    pace, the paced rank sleeps 4x as long, the wait grows, and the pace runs away (DDP's
+    ResNet-20 pair once slept minutes a step)."""
+    if posted_ms is None:
+        return base_ms
+    if base_ms is None:
+        return posted_ms
+    return min(base_ms * LIVE_BASE_BAND, max(base_ms / LIVE_BASE_BAND, posted_ms))
+
+
 def parse_slowdown(text: str, rank: int, source: str = SIMULATE_SLOWDOWN) -> float:
     """``rank``'s factor in ``rank:factor[,rank:factor...]`` (1.0 if absent); ``source`` names the text in errors.
 

@@ -37,6 +37,7 @@ from ..config import AverageBackend, DdpRunConfig
 from ..config.deadlines import Deadlines
 from ..config.env import (
     RankEnv,
+    live_base_ms,
     nccl_errors_raise,
     omp_threads_set,
     paced_step,
@@ -1111,7 +1112,7 @@ class RankRunner(Regrouping, Evaluating):
             # (from the second step: the first is set-up and warm-up, no device's pace), paced to
             # slowdown x FLODL_SIMULATE_BASE_MS; reported as the time the step really took, sleep
             # included (the meter measures each step on its own when simulating)
-            base_ms = (self.pace_board.base_ms() if self.pace_board else None) or self.slow_base_ms
+            base_ms = live_base_ms(self.pace_board.base_ms() if self.pace_board else None, self.slow_base_ms)
             pause_ms, _ = paced_step(records[-1].compute_ms, self.slowdown, base_ms, self.pace_late_ms)
             if pause_ms > 0.0:
                 time.sleep(pause_ms / 1000.0)
