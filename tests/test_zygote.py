@@ -180,3 +180,31 @@ def test_the_zygote_runs_what_python_would_and_leaves_the_rest_to_exec():
     # as a fresh interpreter: the first entry, PYTHONPATH's (an empty one is the working directory), its own
     path = child_sys_path("/first", os.pathsep.join(["/a", "", "rel"]))
     assert path == ["/first", "/a", os.getcwd(), os.path.join(os.getcwd(), "rel"), *INTERPRETER_PATH]
+
+
+#: In a fresh interpreter: the preimport's verdict, then the driver's state before and after torch starts CUDA.
+DRIVER_PROBE = """
+import json, sys, torch
+from flodl.rank import zygote
+verdict = zygote.preimport()
+before = zygote.cuda_driver_initialised()
+after = None
+if torch.cuda.is_available():
+    torch.zeros(1, device="cuda")  # torch starts the driver: a fork would be unsafe from here on
+    after = zygote.cuda_driver_initialised()
+print(json.dumps({"verdict": verdict, "before": before, "after": after}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_cuda_build_importing_torch_leaves_the_zygote_free_to_fork(proc_env):
+    # a CUDA build maps libcuda.so while importing and starts nothing; the zygote used to read the
+    # mapping as a start and refused every GPU host. Here (no GPU) it checks the verdict only; on
+    # the GPU machine it also checks that a real start of the driver is still seen.
+    import subprocess
+
+    res = subprocess.run([PY, "-c", DRIVER_PROBE], env=proc_env, capture_output=True, text=True, timeout=110)
+    assert res.returncode == 0, res.stderr[-2000:]
+    seen = json.loads(res.stdout.strip().splitlines()[-1])
+    assert seen["verdict"] == "" and seen["before"] is False
+    assert seen["after"] in (None, True)

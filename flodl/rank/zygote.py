@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import ctypes
 import gc
 import io
 import json
@@ -70,9 +71,30 @@ def preimport() -> str:
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     gc.collect()
     gc.freeze()  # what is imported now stays shared with the children (no refcount-driven copies by gc)
-    if torch.cuda.is_initialized() or "libcuda.so" in Path("/proc/self/maps").read_text():
+    if torch.cuda.is_initialized() or cuda_driver_initialised():
         return "CUDA was initialised while importing"
     return ""
+
+
+#: what the CUDA driver answers a call that needs ``cuInit`` before it was made
+CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+def cuda_driver_initialised() -> bool:
+    """Whether this process has started the CUDA driver (``cuInit``): a fork after it is unsafe.
+
+    Having the driver library mapped is not that: a CUDA build of torch loads ``libcuda.so`` while
+    importing (``torch._preload_cuda_deps``) without starting it, and the zygote refused every GPU
+    host when it took the mapping for a start. ``cuCtxGetCurrent`` answers
+    ``CUDA_ERROR_NOT_INITIALIZED`` until ``cuInit`` ran, and starts nothing itself."""
+    if "libcuda.so" not in Path("/proc/self/maps").read_text():
+        return False
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")  # mapped already: this only looks it up
+    except OSError:
+        return True  # mapped under a name we cannot open: assume the worst, fork nothing
+    context = ctypes.c_void_p()
+    return int(driver.cuCtxGetCurrent(ctypes.byref(context))) != CUDA_ERROR_NOT_INITIALIZED
 
 
 #: How long a server lets a closed session's children go on SIGTERM before it SIGKILLs them.
