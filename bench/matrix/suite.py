@@ -302,11 +302,9 @@ def side_by_side_case(
         "paced_epochs": slow_epochs,
         "paced_train_s": matrix_report.train_wall(slow),
     }
-    seed = f"{SEED_ENV}={setup.seed}"
+    shared = f"{SEED_ENV}={setup.seed}" + (f" {SIMULATE_PACE_FILE}={board}" if board else "")  # both runs' variables
     pace = f"{SIMULATE_SLOWDOWN}={slow_env[SIMULATE_SLOWDOWN]} {SIMULATE_BASE_MS}={slow_env[SIMULATE_BASE_MS]}"
-    if board:  # both runs read it
-        seed += f" {SIMULATE_PACE_FILE}={board}"
-    return summary, took, f"{seed} python {' '.join(fast_cmd[1:])} & {seed} {pace} python {' '.join(slow_cmd[1:])}"
+    return summary, took, f"{shared} python {' '.join(fast_cmd[1:])} & {shared} {pace} python {' '.join(slow_cmd[1:])}"
 
 
 def torchrun_case(

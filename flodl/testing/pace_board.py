@@ -1,14 +1,17 @@
 """SIMULATION only: the live base a simulated slow rank is paced against.
 
 ``FLODL_SIMULATE_BASE_MS`` paces a slow rank against a fixed base, the solo
-step time measured before the run. Beside a partner, a rank at full speed
-steps slower than alone (on a 2-core machine the sub-ms MLP's fast rank stepped
-12-21% slower in a pair), so a 4:1 pace against the solo time made the pair
-step 3.3-3.5:1. With ``FLODL_SIMULATE_PACE_FILE`` set, every rank at full
-speed publishes a running mean of its step time in that file, and every paced
-rank reads it before each step as its base: the pair steps ``factor``:1 in the
-conditions it really runs in. The fixed base (or the old rule) stands until
-the first value is published.
+step time measured before the run. With ``FLODL_SIMULATE_PACE_FILE`` set,
+every rank at full speed publishes a running mean of its step time in that
+file, and every paced rank reads it before each step as its base
+(``flodl.config.env.live_base_ms`` keeps it within 1.5x of the fixed base):
+the pair steps ``factor``:1 against the partner's step as it runs beside it,
+not as it ran alone. The fixed base (or the old rule) stands until the first
+value is published. The benchmarks pace against the fixed base unless asked
+(``bench.matrix --live-pace``): a baseline's fast step may hold its own
+overhead or a wait for its peer, which a live base would pass on to its slow
+rank. (The MLP pairs that once stepped 3.3:1 against a fixed base were slowed
+by subnormal floats, not by their partner: bench/matrix/tasks.py.)
 
 The board is one float64 in a shared memory map: publishing and reading cost a
 store and a load, no system call. Several publishers (two fast ranks) write
