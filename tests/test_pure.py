@@ -297,6 +297,17 @@ def test_fault_plan_parses_and_names_bad_items():
     assert plan.seen["average"] == 1 and "average" in plan.armed
 
 
+def test_an_epoch_fault_fires_at_the_first_epoch_at_or_past_its_own():
+    from flodl.testing.faults import FaultPlan
+
+    plan = FaultPlan.from_env(2, "2:epoch:3:kill")
+    plan.armed["epoch"] = (3, "nan")  # an action the caller carries out, so nothing is signalled in this test
+    assert plan.reach("epoch", index=1) is None and plan.reach("epoch", index=2) is None
+    # this rank's share skipped epoch 3 (windows flow across epoch edges): the fault is not lost
+    assert plan.reach("epoch", index=4) == "nan" and "epoch" not in plan.armed
+    assert plan.reach("epoch", index=5) is None  # once
+
+
 def test_console_progress_summarises_many_ranks(clock):
     out = io.StringIO()
     con = Console(out=out, live=False, clock=clock)

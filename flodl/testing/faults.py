@@ -13,7 +13,8 @@ connection reset), ``delay`` (at ``spawn`` only). Points:
 
 * ``batch``   mid-batch: gradients computed, step not taken (accumulating: counts optimizer steps)
 * ``average`` mid-averaging: the replica backed up, peers already inside the round
-* ``epoch``   at an epoch edge: the first batch of epoch ``n`` (0-based) about to run
+* ``epoch``   at an epoch edge: the first batch of epoch ``n`` (0-based) about to run (or of the
+              first later epoch the rank trains, if its share skips epoch ``n``)
 * ``regroup`` rebuilding the process group of the ``n``-th new generation (collective
               backend): every member has arrived, the group is not yet connected
 * ``save``    the ``n``-th checkpoint's data files are written, the controller not yet
@@ -89,7 +90,10 @@ class FaultPlan:
             return None
         count = self.seen[point] = self.seen.get(point, 0) + 1
         nth, action = self.armed[point]
-        if (index if index is not None else count) != nth:
+        # an indexed point (the epoch) fires at the first index at or past n: a rank whose share of
+        # the data skips epoch n (windows flow across epoch edges, and with 3 ranks on a loaded
+        # machine one trained no batch of epoch 3) would otherwise never reach its fault
+        if (index < nth) if index is not None else (count != nth):
             return None
         del self.armed[point]  # once: a stopped process that is resumed carries on
         if before is not None:
