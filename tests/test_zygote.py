@@ -130,7 +130,8 @@ async def test_a_zygote_with_threads_declines_to_fork(probe, tmp_path, monkeypat
 
 
 def _tiny(proc_env, *, epochs: int, **env: str) -> Run:
-    args = ["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", str(epochs), "--heartbeat-timeout-secs", "5"]
+    # CPU ranks named: on a one-GPU host two ranks would otherwise ask for NCCL on one GPU
+    args = ["--task", task_spec("tiny.py"), "--devices", "cpu,cpu", "--epochs", str(epochs), "--heartbeat-timeout-secs", "5"]
     return Run(args, {**proc_env, **env})
 
 

@@ -120,7 +120,8 @@ async def test_without_a_server_there_is_no_session(tmp_path, caplog):
 @pytest.mark.timeout(120)
 def test_a_run_forks_its_ranks_from_the_server_and_a_killed_worker_leaves_none(server, proc_env):
     path, proc = server
-    args = ["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "200", "--heartbeat-timeout-secs", "5"]
+    # CPU ranks named: on a one-GPU host two ranks would otherwise ask for NCCL on one GPU
+    args = ["--task", task_spec("tiny.py"), "--devices", "cpu,cpu", "--epochs", "200", "--heartbeat-timeout-secs", "5"]
     run = Run(args, {**proc_env, "FLODL_ZYGOTE_SERVER": path, "FLODL_TEST_STEP_SLEEP": "0.02"})
     run.wait_for_line("epoch 1/200")
     ranks = [p for p in psutil.Process(proc.pid).children() if is_rank(p)]
