@@ -279,6 +279,41 @@ def test_report_rows_and_goals(fake_results):
     assert report.idle_shares(runs["lenet"]["nccl-cadence"][0]) == [pytest.approx(0.75), pytest.approx(0.75)]
 
 
+def test_report_names_the_runs_a_slowed_machine_ran(fake_results, tmp_path):
+    """Each run's pace probe: the spread goes into the rows and the text, and a run that read
+    over 1.15x the median is named (its ratio was taken on a slower machine)."""
+    _, runs = report.load(fake_results)
+    assert report.probe_text(runs) == ""  # runs from before the probe: nothing claimed
+    probed = sorted(fake_results.glob("lenet__*seed*.json"))
+    for i, path in enumerate(probed):
+        s = json.loads(path.read_text())
+        s["matrix"]["pace_probe_ms"] = 0.60 if "cpu-async" in path.name else 0.30 + 0.01 * (i % 2)
+        path.write_text(json.dumps(s))
+    _, runs = report.load(fake_results)
+    text = report.probe_text(runs)
+    assert f"each of the {len(probed)} runs" in text and "0.600" in text
+    assert f"1 run(s) read more than 1.15× the median, on a slowed machine: lenet CpuAsync {RATIO}:1 seed 0 (0.600 ms)" in text
+    by = {(r.case, r.metric): r.value for r in report.rows(runs)}
+    median = by[("machine", "pace probe, median")]
+    assert 0.30 <= median <= 0.31 and by[("machine", "pace probe, slowest / median")] == pytest.approx(0.60 / median)
+    assert by[("machine", "runs probed > 1.15x median")] == 1
+    doc = tmp_path / "bench.md"
+    report.main(["--results", str(fake_results), "--doc", str(doc), "--no-plots"])
+    assert text in doc.read_text()
+
+
+def test_the_pace_probe_times_a_step_and_leaves_the_thread_count_alone():
+    import torch
+
+    from bench import pace_probe
+
+    before = torch.get_num_threads()
+    ms = pace_probe.probe_ms(steps=20, repeats=2)
+    assert 0 < ms < 1000 and torch.get_num_threads() == before
+    assert pace_probe.spread([]) is None
+    assert pace_probe.spread([1.0, 1.1, 1.0, 2.0]) == {"min": 1.0, "median": 1.05, "max": 2.0, "slow": 1}
+
+
 def test_report_writes_only_between_markers(fake_results, tmp_path):
     doc = tmp_path / "bench.md"
     doc.write_text("# Benchmarks\n\nhand-written text\n")
@@ -389,6 +424,9 @@ def test_the_suite_runs_end_to_end(tmp_path, capsys):
     assert code == 0, capsys.readouterr().out[-3000:]
     manifest = json.loads((out / report.MANIFEST).read_text())
     assert manifest["seeds"] == 1 and manifest["lr_scaling"] == "linear" and manifest["failed"] == 0
+    # the machine's pace, probed before each of the 4 runs (calibrating side-by-side included)
+    probe = manifest["pace_probe_ms"]
+    assert 0 < probe["min"] <= probe["median"] <= probe["max"] and 0 <= probe["slow"] <= 4
     runs = {}
     for case in (f"nccl-cadence-{RATIO}to1", f"script-nccl-cadence-{RATIO}to1", f"torchrun-ddp-{RATIO}to1"):
         s = json.loads((out / report.run_file("logreg", case, 0)).read_text())
@@ -397,6 +435,7 @@ def test_the_suite_runs_end_to_end(tmp_path, capsys):
         assert 0 < meta["train_s"] < meta["command_s"]  # both times: training alone, and the whole command
         assert meta["base_ms"] == 2.0 and meta["measured_ratio"] > 1.0 and meta["seed"] == 0
         assert "python -m " in meta["command"]
+        assert probe["min"] <= meta["pace_probe_ms"] <= probe["max"]
     assert runs[f"nccl-cadence-{RATIO}to1"]["command"].startswith(  # the command as one would type it
         f"FLODL_MATRIX_SEED=0 FLODL_SIMULATE_SLOWDOWN=1:{RATIO} FLODL_SIMULATE_BASE_MS=1:2.0000 python -m flodl.controller "
     )

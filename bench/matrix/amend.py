@@ -95,6 +95,7 @@ def amend(source: Path, into: Path, *, code: str, keep: tuple[str, ...] = ()) ->
             "machine": theirs.get("machine", "?"),  # the report names it where it is not the suite's
             "pace": _pace(theirs),
         }
+        | ({"pace_probe_ms": theirs["pace_probe_ms"]} if theirs.get("pace_probe_ms") else {})  # its machine's pace
         | ({"kept": sorted({c for cs in kept.values() for c in cs})} if any(kept.values()) else {})
     )
     (into / matrix_report.MANIFEST).write_text(json.dumps(ours, indent=1) + "\n")

@@ -51,6 +51,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import pace_probe
 from bench.common import Row
 from bench.matrix import (
     BASELINE,
@@ -339,9 +340,44 @@ def _label(cid: str) -> str:
 # ------------------------------------------------------------------- rows
 
 
+def probes(runs: dict[str, dict[str, list[dict]]]) -> list[tuple[float, str]]:
+    """Every run's machine-pace probe (bench/pace_probe.py, taken just before it) with the run's
+    name, in the suite's order; runs from before the probe have none."""
+    return [
+        (s["matrix"]["pace_probe_ms"], f"{model} {_label(cid)} seed {seed_of(s)}")
+        for model in _models(runs)
+        for cid in _ordered(runs[model])
+        for s in runs[model][cid]
+        if s.get("matrix", {}).get("pace_probe_ms")
+    ]
+
+
+def probe_text(runs: dict[str, dict[str, list[dict]]]) -> str:
+    """How steady the machine was: the probes' spread and the runs that read slow (empty without probes)."""
+    taken = probes(runs)
+    spread = pace_probe.spread([ms for ms, _ in taken])
+    if spread is None:
+        return ""
+    slow = [f"{name} ({ms:.3f} ms)" for ms, name in taken if ms > pace_probe.SLOW_FACTOR * spread["median"]]
+    return (
+        f"Machine pace: a 1-thread MLP step (`python -m bench.pace_probe`) timed just before each of the "
+        f"{len(taken)} runs read {spread['median']:.3f} ms median ({spread['min']:.3f}–{spread['max']:.3f}); "
+        + (
+            f"{len(slow)} run(s) read more than {pace_probe.SLOW_FACTOR:g}× the median, on a slowed machine: {', '.join(slow)}."
+            if slow
+            else f"none read more than {pace_probe.SLOW_FACTOR:g}× the median."
+        )
+    )
+
+
 def rows(runs: dict[str, dict[str, list[dict]]]) -> list[Row]:
     """The common results rows (``bench/results/matrix.json``): per model x case, then the comparisons and goals."""
     out: list[Row] = []
+    spread = pace_probe.spread([ms for ms, _ in probes(runs)])
+    if spread is not None:  # the machine's own pace over the suite: a ratio is only as good as this
+        out.append(Row("machine", "pace probe, median", spread["median"], "ms"))
+        out.append(Row("machine", "pace probe, slowest / median", spread["max"] / spread["median"], "x"))
+        out.append(Row("machine", f"runs probed > {pace_probe.SLOW_FACTOR:g}x median", float(spread["slow"]), "runs"))
     for model in _models(runs):
         by_case = cells(runs, model)
         for cid, c in by_case.items():
@@ -640,6 +676,9 @@ def render(manifest: dict, runs: dict[str, dict[str, list[dict]]], *, plots: boo
         f"Machine: {manifest.get('machine', '?')}; torch {manifest.get('torch', '?')}.",
         "",
     ]
+    steady = probe_text(runs)
+    if steady:
+        out += [steady, ""]
     for amended in manifest.get("amended", []):  # bench/matrix/amend.py: models measured again since
         out += [
             f"Re-run since, replacing those models' runs (`python -m bench.matrix.amend`): {amended['when']}, "

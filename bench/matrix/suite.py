@@ -41,7 +41,11 @@ The protocol (issue 22):
   over solo rate x (1 + 1 / measured ratio), the solo rank alone on the machine;
 * torchrun runs with the linear LR scaling rule (``--lr-scaling``; see ddp.py);
 * each case runs once per seed (``--seeds``): evals reported as mean and
-  lowest..highest seed, timings as medians (bench/matrix/report.py).
+  lowest..highest seed, timings as medians (bench/matrix/report.py);
+* before every run the machine's pace is probed (bench/pace_probe.py, about
+  0.5 s): each run records ``pace_probe_ms`` and the report states the spread
+  and names the runs that read slow (a shared VM's speed drifts, and a ratio
+  taken across a drift is wrong).
 
 Options:
 
@@ -73,6 +77,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import pace_probe
 from bench.common import controller_command, machine, report
 from bench.matrix import CASES, MODEL_ORDER, PLANS, ROOT, SIDE_BY_SIDE, TARGETS, Budget, Case, Target
 from bench.matrix import report as matrix_report
@@ -466,8 +471,16 @@ def suite_note(manifest: dict, target: Target) -> str:
         f"solo rate x (1 + 1/measured ratio)); torchrun LR scaling: {manifest['lr_scaling']}. "
         f"Covers: {manifest['covers']}"
     )
+    probe = manifest.get("pace_probe_ms")
+    if probe:  # bench/pace_probe.py before every run: how steady the machine was
+        note += (
+            f" Machine pace probe (1-thread MLP step) before each run: {probe['median']:.3f} ms median "
+            f"({probe['min']:.3f}-{probe['max']:.3f}), {probe['slow']} run(s) over {pace_probe.SLOW_FACTOR:g}x the median."
+        )
     for amended in manifest.get("amended", []):
         note += f" Re-run {amended['when']} (code of {amended['commit']}): {amended['covers']}"
+        if amended.get("pace_probe_ms"):
+            note += f" Its pace probe: {amended['pace_probe_ms']['median']:.3f} ms median, {amended['pace_probe_ms']['slow']} run(s) slow."
         if amended.get("kept"):
             note += f" Kept from before that re-run: {', '.join(amended['kept'])}."
     return note
@@ -559,19 +572,23 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     solos: dict[tuple[str, int], dict] = {}
     side_by_sides: dict[tuple[str, int], dict] = {}
+    probes: list[float] = []
     for i, (model, seed, case) in enumerate(todo, 1):
         budget = plan[model][0]
         solo = solos.get((model, seed))
         base = args.base_ms if args.base_ms is not None else solo_base_ms(solo)
         setup = Setup(seed=seed, base_ms=base if case.ratio > 1 else None, lr_scaling=args.lr_scaling, live_pace=args.live_pace)
+        probe = pace_probe.probe_ms()  # the machine's pace just before: a drift between runs shows in the report
         result = run_one(model, case, budget, budget_name, timeout, target, setup, solo, side_by_sides.get((model, seed)))
+        result["matrix"]["pace_probe_ms"] = probe
+        probes.append(probe)
         if case.id == "solo":
             solos[(model, seed)] = result
         if case.id == SIDE_BY_SIDE.id:
             side_by_sides[(model, seed)] = result
         (results / matrix_report.run_file(model, case.id, seed)).write_text(json.dumps(result, indent=1) + "\n")
         took = time.perf_counter() - start
-        head = f"[{i}/{len(todo)} {took:5.0f} s] {model} {case.id} seed {seed}"
+        head = f"[{i}/{len(todo)} {took:5.0f} s] {model} {case.id} seed {seed} (probe {probe:.3f} ms)"
         meta = result["matrix"]
         if "error" in meta:
             failed += 1
@@ -606,6 +623,7 @@ def main(argv: list[str] | None = None) -> int:
         "lr_scaling": args.lr_scaling,
         "base_ms": args.base_ms,
         "pace": "live" if args.live_pace else "fixed",
+        "pace_probe_ms": pace_probe.spread(probes),  # bench/pace_probe.py, before every run
         "covers": covers(plan),
         "plan": {m: {"samples": b.samples, "epochs": b.epochs, "cases": list(c)} for m, (b, c) in plan.items()},
     }
