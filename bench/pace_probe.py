@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 STEPS = 300  # per repeat: about 0.1 s on a healthy core
 REPEATS = 3
@@ -70,6 +71,31 @@ def spread(values: list[float]) -> dict | None:
         "max": max(values),
         "slow": sum(v > SLOW_FACTOR * median for v in values),
     }
+
+
+def wait_for_pace(
+    limit_ms: float,
+    patience_s: float,
+    *,
+    probe: Callable[[], float] = probe_ms,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+    say: Callable[[str], None] = print,
+    every_s: float = 20.0,
+) -> tuple[float, float]:
+    """Probe until the machine reads at or under ``limit_ms``, or ``patience_s`` has passed (then
+    the caller goes on at the pace there is, and the probe says so): ``(last probe, seconds waited)``.
+    A long bench calls it before each run, so that it pauses through a slow patch of a shared VM
+    instead of taking its ratios there."""
+    start = clock()
+    ms = probe()
+    while ms > limit_ms and clock() - start < patience_s:
+        say(
+            f"  machine slow: probe {ms:.3f} ms > {limit_ms:.3f}; probing again in {every_s:.0f} s ({clock() - start:.0f}/{patience_s:.0f} s waited)"
+        )
+        sleep(every_s)
+        ms = probe()
+    return ms, clock() - start
 
 
 def main() -> int:

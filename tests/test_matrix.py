@@ -314,6 +314,27 @@ def test_the_pace_probe_times_a_step_and_leaves_the_thread_count_alone():
     assert pace_probe.spread([1.0, 1.1, 1.0, 2.0]) == {"min": 1.0, "median": 1.05, "max": 2.0, "slow": 1}
 
 
+def test_a_slow_patch_is_waited_out_until_the_probe_reads_steady_or_patience_ends():
+    from bench import pace_probe
+
+    now = [0.0]
+    said: list[str] = []
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    def run(readings: list[float], patience: float) -> tuple[float, float]:
+        it = iter(readings)
+        return pace_probe.wait_for_pace(0.36, patience, probe=lambda: next(it), sleep=sleep, clock=lambda: now[0], say=said.append)
+
+    assert run([0.30], 600) == (0.30, 0.0) and not said  # steady at once: no wait, nothing said
+    now[0] = 0.0
+    assert run([0.52, 0.61, 0.33], 600) == (0.33, 40.0)  # two slow probes, 20 s apart, then steady
+    assert len(said) == 2 and "probe 0.520 ms > 0.360" in said[0]
+    now[0] = 0.0
+    assert run([0.52] * 10, 50) == (0.52, 60.0)  # patience spent: goes on at the pace there is
+
+
 def test_report_writes_only_between_markers(fake_results, tmp_path):
     doc = tmp_path / "bench.md"
     doc.write_text("# Benchmarks\n\nhand-written text\n")
@@ -435,7 +456,8 @@ def test_the_suite_runs_end_to_end(tmp_path, capsys):
         assert 0 < meta["train_s"] < meta["command_s"]  # both times: training alone, and the whole command
         assert meta["base_ms"] == 2.0 and meta["measured_ratio"] > 1.0 and meta["seed"] == 0
         assert "python -m " in meta["command"]
-        assert probe["min"] <= meta["pace_probe_ms"] <= probe["max"]
+        assert probe["min"] <= max(meta["pace_probe_ms"], meta["pace_probe_after_ms"]) <= probe["max"]
+        assert meta["pace_waited_s"] == 0.0  # no --steady-ms: probed, not waited for
     assert runs[f"nccl-cadence-{RATIO}to1"]["command"].startswith(  # the command as one would type it
         f"FLODL_MATRIX_SEED=0 FLODL_SIMULATE_SLOWDOWN=1:{RATIO} FLODL_SIMULATE_BASE_MS=1:2.0000 python -m flodl.controller "
     )

@@ -341,10 +341,10 @@ def _label(cid: str) -> str:
 
 
 def probes(runs: dict[str, dict[str, list[dict]]]) -> list[tuple[float, str]]:
-    """Every run's machine-pace probe (bench/pace_probe.py, taken just before it) with the run's
-    name, in the suite's order; runs from before the probe have none."""
+    """Every run's machine-pace probe (bench/pace_probe.py: the slower of the one just before it
+    and the one just after) with the run's name, in the suite's order; runs from before the probe have none."""
     return [
-        (s["matrix"]["pace_probe_ms"], f"{model} {_label(cid)} seed {seed_of(s)}")
+        (max(s["matrix"]["pace_probe_ms"], s["matrix"].get("pace_probe_after_ms") or 0.0), f"{model} {_label(cid)} seed {seed_of(s)}")
         for model in _models(runs)
         for cid in _ordered(runs[model])
         for s in runs[model][cid]
@@ -360,8 +360,8 @@ def probe_text(runs: dict[str, dict[str, list[dict]]]) -> str:
         return ""
     slow = [f"{name} ({ms:.3f} ms)" for ms, name in taken if ms > pace_probe.SLOW_FACTOR * spread["median"]]
     return (
-        f"Machine pace: a 1-thread MLP step (`python -m bench.pace_probe`) timed just before each of the "
-        f"{len(taken)} runs read {spread['median']:.3f} ms median ({spread['min']:.3f}–{spread['max']:.3f}); "
+        f"Machine pace: a 1-thread MLP step (`python -m bench.pace_probe`) timed before and after each of the "
+        f"{len(taken)} runs (the slower of the two) read {spread['median']:.3f} ms median ({spread['min']:.3f}–{spread['max']:.3f}); "
         + (
             f"{len(slow)} run(s) read more than {pace_probe.SLOW_FACTOR:g}× the median, on a slowed machine: {', '.join(slow)}."
             if slow
@@ -678,6 +678,11 @@ def render(manifest: dict, runs: dict[str, dict[str, list[dict]]], *, plots: boo
     ]
     steady = probe_text(runs)
     if steady:
+        if manifest.get("steady_ms"):
+            steady += (
+                f" The suite waited before each run until the probe read at most {manifest['steady_ms']:.3f} ms "
+                f"(`--steady-ms`), so slow patches of the machine were waited out rather than measured."
+            )
         out += [steady, ""]
     for amended in manifest.get("amended", []):  # bench/matrix/amend.py: models measured again since
         out += [

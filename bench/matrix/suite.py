@@ -42,10 +42,12 @@ The protocol (issue 22):
 * torchrun runs with the linear LR scaling rule (``--lr-scaling``; see ddp.py);
 * each case runs once per seed (``--seeds``): evals reported as mean and
   lowest..highest seed, timings as medians (bench/matrix/report.py);
-* before every run the machine's pace is probed (bench/pace_probe.py, about
-  0.5 s): each run records ``pace_probe_ms`` and the report states the spread
-  and names the runs that read slow (a shared VM's speed drifts, and a ratio
-  taken across a drift is wrong).
+* before and after every run the machine's pace is probed (bench/pace_probe.py,
+  about 0.5 s): each run records ``pace_probe_ms`` and ``pace_probe_after_ms``,
+  and the report states the spread and names the runs that read slow (a
+  shared VM's speed drifts, and a ratio taken across a drift is wrong);
+  ``--steady-ms MS`` waits before each run (up to ``--steady-wait-s``) until
+  the probe reads at most MS, so a slow patch is waited out, not measured.
 
 Options:
 
@@ -60,6 +62,7 @@ Options:
 --base-ms MS        the 4:1 base step time in ms for every model (default: measured by each seed's solo run)
 --samples N, --epochs N    override every model's budget (smoke tests)
 --timeout S         seconds per run (default 240 quick, 1200 full)
+--steady-ms MS      wait before each run until the pace probe reads at most MS (--steady-wait-s S, default 1800)
 """
 
 from __future__ import annotations
@@ -514,6 +517,16 @@ def main(argv: list[str] | None = None) -> int:
         help="pace the 4:1 cases live, against the fast rank's running mean step in the pair (within 1.5x of the base), "
         "not against the base alone",
     )
+    ap.add_argument(
+        "--steady-ms",
+        type=float,
+        default=None,
+        help="before each run, wait until the machine's pace probe (python -m bench.pace_probe) reads at most MS "
+        "(a shared VM's slow patches waited out, not measured; default: no wait, the probe only recorded)",
+    )
+    ap.add_argument(
+        "--steady-wait-s", type=float, default=1800.0, help="the longest wait for --steady-ms before a run goes on anyway (default 1800)"
+    )
     ap.add_argument("--samples", type=int, default=None, help="override every model's sample budget (smoke tests)")
     ap.add_argument("--epochs", type=int, default=None, help="override every model's epochs (smoke tests)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per run (default 240 quick, 1200 full)")
@@ -578,17 +591,22 @@ def main(argv: list[str] | None = None) -> int:
         solo = solos.get((model, seed))
         base = args.base_ms if args.base_ms is not None else solo_base_ms(solo)
         setup = Setup(seed=seed, base_ms=base if case.ratio > 1 else None, lr_scaling=args.lr_scaling, live_pace=args.live_pace)
-        probe = pace_probe.probe_ms()  # the machine's pace just before: a drift between runs shows in the report
+        # the machine's pace just before and just after: a drift shows in the report (bench/pace_probe.py)
+        if args.steady_ms:  # and with --steady-ms, a slow patch is waited out rather than measured
+            probe, waited = pace_probe.wait_for_pace(args.steady_ms, args.steady_wait_s)
+        else:
+            probe, waited = pace_probe.probe_ms(), 0.0
         result = run_one(model, case, budget, budget_name, timeout, target, setup, solo, side_by_sides.get((model, seed)))
-        result["matrix"]["pace_probe_ms"] = probe
-        probes.append(probe)
+        after = pace_probe.probe_ms()
+        result["matrix"].update(pace_probe_ms=probe, pace_probe_after_ms=after, pace_waited_s=waited)
+        probes.append(max(probe, after))
         if case.id == "solo":
             solos[(model, seed)] = result
         if case.id == SIDE_BY_SIDE.id:
             side_by_sides[(model, seed)] = result
         (results / matrix_report.run_file(model, case.id, seed)).write_text(json.dumps(result, indent=1) + "\n")
         took = time.perf_counter() - start
-        head = f"[{i}/{len(todo)} {took:5.0f} s] {model} {case.id} seed {seed} (probe {probe:.3f} ms)"
+        head = f"[{i}/{len(todo)} {took:5.0f} s] {model} {case.id} seed {seed} (probe {probe:.3f}/{after:.3f} ms)"
         meta = result["matrix"]
         if "error" in meta:
             failed += 1
@@ -623,7 +641,8 @@ def main(argv: list[str] | None = None) -> int:
         "lr_scaling": args.lr_scaling,
         "base_ms": args.base_ms,
         "pace": "live" if args.live_pace else "fixed",
-        "pace_probe_ms": pace_probe.spread(probes),  # bench/pace_probe.py, before every run
+        "pace_probe_ms": pace_probe.spread(probes),  # bench/pace_probe.py, around every run (the slower of the two)
+        "steady_ms": args.steady_ms,
         "covers": covers(plan),
         "plan": {m: {"samples": b.samples, "epochs": b.epochs, "cases": list(c)} for m, (b, c) in plan.items()},
     }
