@@ -475,9 +475,9 @@ def suite_note(manifest: dict, target: Target) -> str:
         f"Covers: {manifest['covers']}"
     )
     probe = manifest.get("pace_probe_ms")
-    if probe:  # bench/pace_probe.py before every run: how steady the machine was
+    if probe:  # bench/pace_probe.py around every run: how steady the machine was
         note += (
-            f" Machine pace probe (1-thread MLP step) before each run: {probe['median']:.3f} ms median "
+            f" Machine pace probe (1-thread MLP step) around each run, the slower of before and after: {probe['median']:.3f} ms median "
             f"({probe['min']:.3f}-{probe['max']:.3f}), {probe['slow']} run(s) over {pace_probe.SLOW_FACTOR:g}x the median."
         )
     for amended in manifest.get("amended", []):
@@ -534,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     target = TARGETS[args.device]
     results = args.results or target.results_dir
     seeds = args.seeds if args.seeds is not None else (1 if args.quick else 3)
+    if args.steady_ms is not None and args.steady_ms <= 0:
+        ap.error(f"--steady-ms must be a positive pace in ms (python -m bench.pace_probe reads one), not {args.steady_ms}")
     if seeds < 1:
         ap.error("--seeds must be at least 1")
     if args.base_ms is not None and not args.base_ms > 0:
