@@ -7,9 +7,11 @@ Real sockets and a real controller bulk server; each "host" is a
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
+import zmq
 
 from flodl.averaging.relay import HostRelay
 from flodl.wire.bulk import SLICE_BYTES
@@ -92,6 +94,37 @@ async def test_a_local_rank_that_dies_is_not_waited_for():
     want = (before[0][0] + before[2][0]) / 2
     assert torch.allclose(models[0].w.double(), want, atol=1e-5) and torch.allclose(models[2].w.double(), want, atol=1e-5)
     assert ctl.rounds.aborted == 0 and a.rounds.aborted == 0
+    await close([a], ctl, task, avgs.values())
+
+
+async def test_a_snapshot_that_reached_the_relay_before_its_ranks_death_is_folded():
+    """Rank 1's snapshot is in the relay's socket, unread, when the worker reports its process gone
+    (it died right after sending it, its window's report out). The relay takes what the rank sent
+    before it stops waiting for it: rank 1's work is in the average, and the controller's ledger
+    says so. It used to stop waiting at once, and a check before its reader ran ended the round
+    without a snapshot that had arrived (the window was then given back and trained again)."""
+    ctl, task = await controller()
+    models = {r: Big(r) for r in range(3)}
+    before = {r: values(mo) for r, mo in models.items()}
+    a, avgs = relay_and_lone_rank(ctl, models, lane=True)
+    first = asyncio.ensure_future(asyncio.to_thread(avgs[0].average, 1.0))
+    for _ in range(500):  # rank 0's whole snapshot is in: the relay's round waits for rank 1
+        rnd = a.rounds.current
+        if rnd is not None and rnd.received[0] == rnd.total:
+            break
+        await asyncio.sleep(0.01)
+    # from here the loop holds still: rank 1 sends, and its death is reported before a byte of it is read
+    avgs[1].average(1.0, block=False)
+    sock, deadline = a.local.io.sock, time.monotonic() + 10
+    while not sock.get(zmq.EVENTS) & zmq.POLLIN and time.monotonic() < deadline:
+        time.sleep(0.001)
+    a.rank_ended(1)
+    await a.rounds.check()  # the relay's periodic check, come before its reader: rank 1 still counts
+    await asyncio.gather(first, asyncio.to_thread(avgs[2].average, 1.0))
+    want = sum(before[r][0] for r in range(3)) / 3
+    assert torch.allclose(models[0].w.double(), want, atol=1e-5) and torch.allclose(models[2].w.double(), want, atol=1e-5)
+    assert [ctl.landed(0, r) for r in range(3)] == [True, True, True]
+    assert ctl.rounds.aborted == 0 and a.rounds.aborted == 0 and not a.drops
     await close([a], ctl, task, avgs.values())
 
 

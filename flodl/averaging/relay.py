@@ -17,7 +17,8 @@ update segment and go to the local ranks as lane headers (or frames).
 
 The controller stays in charge of rounds: it times them out and aborts them,
 and the relay passes aborts on. The relay only stops waiting for a local rank
-whose process has ended (the worker tells it at once), and, as a safety net,
+whose process has ended (the worker tells it at once; what that rank sent
+before it died is read and taken first), and, as a safety net,
 gives a round up when nothing comes back for several snapshot timeouts.
 
 It imports nothing of ``flodl.controller``: a relaying worker loads only
@@ -90,8 +91,9 @@ class HostRelay:
         self.local.admit(identity, rank)
 
     def rank_ended(self, rank: int) -> None:
-        """A local rank's process is gone: rounds stop waiting for it."""
-        self.local_live.discard(rank)
+        """A local rank's process is gone: rounds stop waiting for it, once what it sent before it
+        went has been taken (a snapshot that left just before the rank died still counts)."""
+        self.local.end_after_pending(rank, self.local_live.discard)
 
     # ------------------------------------------- egress: the local side's averages
 

@@ -142,6 +142,14 @@ class CpuAveraging:
         self.ranks[identity + b"/bulk"] = source
         self.members[source] = set(ranks)
 
+    def end_after_pending(self, rank: int, ended: Callable[[int], None]) -> None:
+        """``rank``'s process is gone: read what the socket already holds, and call ``ended(rank)``
+        once the actor has taken every slice queued before it. A snapshot that left the rank before
+        it died is then folded, not raced by the news of its death (its window would be given
+        back and trained again for nothing)."""
+        self.io.read_pending()
+        self.rounds.queue.put_nowait((rank, None, ended))
+
     def landed(self, number: int, rank: int) -> bool | None:
         """Was ``rank``'s snapshot folded whole into round ``number``'s average (False: the round went
         on without it, or was aborted)? A relayed rank: its relay's snapshot was, with the rank in
@@ -250,6 +258,10 @@ class CpuAveraging:
                 async with asyncio.timeout(0.1):
                     rank, msg, piece = await rounds.queue.get()
             except TimeoutError:
+                await rounds.check()
+                continue
+            if msg is None:  # a rank's end, queued behind what it sent before it (end_after_pending)
+                piece(rank)
                 await rounds.check()
                 continue
             try:

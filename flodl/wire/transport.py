@@ -130,6 +130,11 @@ class AsyncSocket:
             assert self.loop is not None  # start() came first
             self.loop.call_soon(self._drain)
 
+    def read_pending(self) -> None:
+        """Hand every message the socket holds to the handler now, not at the loop's next turn
+        (an actor that must see what arrived before an event it is about to act on)."""
+        self._drain()
+
     def resume(self) -> None:
         """Read again after ``paused`` (what arrived meanwhile waits in the socket)."""
         self.paused = False
