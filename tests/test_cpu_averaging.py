@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
+import zmq
 
 from flodl.errors import ProtocolError
 from flodl.wire.bulk import SLICE_BYTES, unpack_slice
@@ -128,6 +130,44 @@ async def test_round_completes_without_a_rank_that_died(lane):
     # what the ledger asks of a dead rank's last window: the round went on without its snapshot
     assert [ctl.landed(0, r) for r in (0, 1, 2)] == [True, True, False]
     assert ctl.landed(1, 0) is None  # round 1 has not happened: not known yet
+    await stop(ctl, task, avgs)
+
+
+@LANES
+async def test_a_snapshot_in_the_socket_when_its_ranks_death_is_reported_is_folded(lane):
+    """Rank 1 sends its whole snapshot and dies; the news of its death (the controller's
+    ``rank_ended``) comes before the server has read a byte of it, and a check runs at once.
+    The server takes what the socket held first: rank 1's work is in the average and the ledger
+    says so. Before, its death ended its part in the round at once, the round finished without
+    a snapshot that had arrived, and its window was given back and trained again. On the wire
+    the snapshot is several slices, more than the read-ahead takes in one go."""
+    ctl, task = await controller(timeout_s=30.0)
+    models = [Big(r) for r in range(3)]
+    before = [values(mo) for mo in models]
+    avgs = [rank_side(ctl, r, mo, lane=lane) for r, mo in enumerate(models)]
+    live = {0, 1, 2}
+    ctl.live = lambda: set(live)
+    both = asyncio.gather(*(asyncio.to_thread(avgs[r].average, 1.0) for r in (0, 2)))
+    for _ in range(500):  # the survivors' whole snapshots are in: the round waits for rank 1
+        rnd = ctl.rounds.current
+        if rnd is not None and rnd.received[0] == rnd.received[2] == rnd.total:
+            break
+        await asyncio.sleep(0.01)
+    # from here the loop holds still: rank 1 sends all of it, and its death is reported before a byte is read
+    avgs[1].average(1.0, block=False)  # on this thread: the loop reads nothing meanwhile
+    sock, deadline = ctl.io.sock, time.monotonic() + 10
+    while not sock.get(zmq.EVENTS) & zmq.POLLIN and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(0.2)  # the rest of its slices reach the socket too
+    live.discard(1)
+    ctl.rank_ended(1)
+    await ctl.rounds.check()  # the server's periodic check, come before its reader: rank 1 still counts
+    await both
+    want = sum(b[0] for b in before) / 3
+    for mo in (models[0], models[2]):
+        assert torch.allclose(values(mo)[0], want, atol=1e-5)
+    assert [ctl.landed(0, r) for r in range(3)] == [True, True, True]
+    assert ctl.rounds.aborted == 0 and not ctl.drops and not ctl.ending
     await stop(ctl, task, avgs)
 
 

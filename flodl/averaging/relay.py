@@ -93,7 +93,8 @@ class HostRelay:
     def rank_ended(self, rank: int) -> None:
         """A local rank's process is gone: rounds stop waiting for it, once what it sent before it
         went has been taken (a snapshot that left just before the rank died still counts)."""
-        self.local.end_after_pending(rank, self.local_live.discard)
+        self.local_live.discard(rank)
+        self.local.rank_ended(rank)
 
     # ------------------------------------------- egress: the local side's averages
 

@@ -177,8 +177,9 @@ def empty_update(layout: Any, number: int, *, aborted: bool) -> m.Update:
 class Endpoint(Protocol):
     """What the round core needs of the socket its sources send to (``server.CpuAveraging``)."""
 
-    #: The ranks alive now; a round stops waiting for a source that is not.
-    live: Callable[[], set[int]]
+    def counted(self) -> set[int]:
+        """The ranks a round still waits for (alive, or dead with slices still to take); it stops waiting for the rest."""
+        ...
 
     def expected(self, number: int) -> set[int]:
         """The sources round ``number`` waits for."""
@@ -322,7 +323,7 @@ class Rounds:
             if self.clock() - rnd.started > self.timeout_s:
                 self.egress.round_overdue(rnd)
             return
-        rnd.expected &= self.endpoint.live()  # a rank that left is not waited for
+        rnd.expected &= self.endpoint.counted()  # a rank that left is not waited for
         if rnd.expected and rnd.complete() >= rnd.expected:
             await self._finish(rnd)
             return

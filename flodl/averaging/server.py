@@ -85,6 +85,7 @@ class CpuAveraging:
         self.relayed: dict[int, int] = {}  # rank -> the relay source that carries it
         self.first_round: dict[int, int] = {}  # source -> the first round it takes part in (joiners start later)
         self.live: Callable[[], set[int]] = lambda: set().union(*self.members.values())  # the controller plugs in its membership
+        self.ending: set[int] = set()  # dead ranks still counted until what they sent before is taken (rank_ended)
         self.drops: Counter[str] = Counter()
         self.on_round: Callable[[int, float], None] = lambda number, ms: None
         # the core calls on_round through a lambda: the controller plugs its hook in after construction
@@ -142,13 +143,24 @@ class CpuAveraging:
         self.ranks[identity + b"/bulk"] = source
         self.members[source] = set(ranks)
 
-    def end_after_pending(self, rank: int, ended: Callable[[int], None]) -> None:
-        """``rank``'s process is gone: read what the socket already holds, and call ``ended(rank)``
-        once the actor has taken every slice queued before it. A snapshot that left the rank before
-        it died is then folded, not raced by the news of its death (its window would be given
-        back and trained again for nothing)."""
+    def rank_ended(self, rank: int) -> None:
+        """``rank``'s process is gone: rounds stop waiting for it once the actor has taken every
+        slice the socket held when the death was reported. A snapshot that left the rank before it
+        died is then folded, not raced by the news of its death (its window would be given back and
+        trained again for nothing)."""
+        self.ending.add(rank)
+        self._queue_end(rank)
+
+    def _queue_end(self, rank: int) -> None:
+        """Read what the socket holds, and queue ``rank``'s end behind it. With reads paused (the
+        read-ahead is full) the socket may hold more of what the rank sent: the end says so, and
+        ``run`` queues it again behind that once it comes to it."""
         self.io.read_pending()
-        self.rounds.queue.put_nowait((rank, None, ended))
+        self.rounds.queue.put_nowait((rank, None, self.io.paused))
+
+    def counted(self) -> set[int]:
+        """The ranks rounds wait for: the live ones, and the dead whose last slices are still queued."""
+        return self.live() | self.ending
 
     def landed(self, number: int, rank: int) -> bool | None:
         """Was ``rank``'s snapshot folded whole into round ``number``'s average (False: the round went
@@ -161,7 +173,7 @@ class CpuAveraging:
 
     def expected(self, number: int) -> set[int]:
         """The sources round ``number`` waits for: admitted by then, and carrying a live rank."""
-        live = self.live()
+        live = self.counted()
         return {s for s, ranks in self.members.items() if ranks & live and self.first_round.get(s, number + 1) <= number}
 
     def start(self) -> None:
@@ -260,8 +272,13 @@ class CpuAveraging:
             except TimeoutError:
                 await rounds.check()
                 continue
-            if msg is None:  # a rank's end, queued behind what it sent before it (end_after_pending)
-                piece(rank)
+            if msg is None:  # a rank's end, queued behind what it sent before it (rank_ended)
+                if self.io.paused and rounds.queue.qsize() < READ_AHEAD:
+                    self.io.resume()
+                if piece:  # reads were paused behind it: what the rank sent may still be in the socket
+                    self._queue_end(rank)
+                    continue
+                self.ending.discard(rank)
                 await rounds.check()
                 continue
             try:

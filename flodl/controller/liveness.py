@@ -224,6 +224,9 @@ class Liveness:
             self.run.fail(f"{reason}. {decision.why}", decision.code)
             return
         self._fence(dead, reason)
+        if self.plane.averaging is not None:
+            for rank in sorted(dead):  # rounds stop waiting for them once what they sent before is taken
+                self.plane.averaging.rank_ended(rank)
         for lost in [s for r in dead for s in self.checkpoints.rank_died(r)]:
             self.console.line(f"rank {lost.rank} died before writing checkpoint {lost.version}; asking another rank")
             self.saving.checkpoint_now(lost.reason, call_fn=False, files=bool(lost.stem))
@@ -317,7 +320,7 @@ class Liveness:
         # batch says nothing: a survivor can train alone while its peers sit in a stalled collective)
         self._back = (self.clock(), set(survivors))
         if self.plane.averaging is not None:
-            return  # the CPU backend has no group: rounds simply stop waiting for the dead
+            return  # the CPU backend has no group: rounds stop waiting for the dead (rank_ended above)
         # while the run starts, the first group may never have formed (nor rank 0's parameters
         # reached everyone): the survivors then all take the lowest one's
         sync_from = survivors[0] if self.run.phase is Phase.JOINING and survivors else -1
