@@ -22,6 +22,9 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 STEPS = 300  # per repeat: about 0.1 s on a healthy core
 REPEATS = 3
@@ -96,6 +99,43 @@ def wait_for_pace(
         sleep(every_s)
         ms = probe()
     return ms, clock() - start
+
+
+def steady_run(
+    run: Callable[[], T],
+    limit_ms: float | None,
+    patience_s: float,
+    *,
+    reruns: int = 2,
+    probe: Callable[[], float] = probe_ms,
+    wait: Callable[..., tuple[float, float]] = wait_for_pace,
+    say: Callable[[str], None] = print,
+) -> tuple[T, dict]:
+    """``run()`` between two probes: ``(its result, {pace_probe_ms, pace_probe_after_ms,
+    pace_waited_s, pace_reruns})``. With ``limit_ms``, the machine's pace is waited for before
+    (``wait_for_pace``), and a run whose probe after reads over the limit is run again, up to
+    ``reruns`` times (the last one is kept, its probes saying how slow it was): a slow patch
+    that began during a run took part of its timing, and the probe before could not see it."""
+    waited_total, rerun = 0.0, 0
+    while True:
+        if limit_ms:
+            before, waited = wait(limit_ms, patience_s, probe=probe, say=say)
+            waited_total += waited
+        else:
+            before = probe()
+        result = run()
+        after = probe()
+        if not limit_ms or after <= limit_ms or rerun >= reruns:
+            return result, {
+                "pace_probe_ms": before,
+                "pace_probe_after_ms": after,
+                "pace_waited_s": waited_total,
+                "pace_reruns": rerun,
+            }
+        rerun += 1
+        say(
+            f"  machine slowed during the run: probe {before:.3f} ms before, {after:.3f} after > {limit_ms:.3f}; running it again ({rerun}/{reruns})"
+        )
 
 
 def main() -> int:

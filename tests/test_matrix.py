@@ -299,7 +299,15 @@ def test_report_names_the_runs_a_slowed_machine_ran(fake_results, tmp_path):
     assert by[("machine", "runs probed > 1.15x median")] == 1
     doc = tmp_path / "bench.md"
     report.main(["--results", str(fake_results), "--doc", str(doc), "--no-plots"])
-    assert text in doc.read_text()
+    assert text in doc.read_text() and "--steady-ms" not in doc.read_text()
+    # a suite that waited for its pace, and ran one case again
+    manifest = json.loads((fake_results / report.MANIFEST).read_text())
+    (fake_results / report.MANIFEST).write_text(json.dumps({**manifest, "steady_ms": 0.5, "steady_reruns": 2}))
+    s = json.loads(probed[0].read_text())
+    s["matrix"]["pace_reruns"] = 1
+    probed[0].write_text(json.dumps(s))
+    report.main(["--results", str(fake_results), "--doc", str(doc), "--no-plots"])
+    assert "at most 0.500 ms (`--steady-ms`)" in doc.read_text() and "(up to 2 times): 1 rerun(s)." in doc.read_text()
 
 
 def test_the_pace_probe_times_a_step_and_leaves_the_thread_count_alone():
@@ -333,6 +341,35 @@ def test_a_slow_patch_is_waited_out_until_the_probe_reads_steady_or_patience_end
     assert len(said) == 2 and "probe 0.520 ms > 0.360" in said[0]
     now[0] = 0.0
     assert run([0.52] * 10, 50) == (0.52, 60.0)  # patience spent: goes on at the pace there is
+
+
+def test_a_run_that_a_slow_patch_overtook_is_run_again():
+    """``steady_run``: the probe after a run reading over the limit means a slow patch took part of
+    its timing: it is run again, up to ``reruns`` times, and the last is kept with its probes."""
+    from bench import pace_probe
+
+    def steady(readings: list[float], limit: float | None, reruns: int = 2) -> tuple[int, dict, list[str]]:
+        it, runs, said = iter(readings), [0], []
+
+        def run() -> int:
+            runs[0] += 1
+            return runs[0]
+
+        def wait(limit_ms: float, patience_s: float, *, probe, say) -> tuple[float, float]:
+            return probe(), 5.0  # each wait took 5 s
+
+        result, pace = pace_probe.steady_run(run, limit, 600, reruns=reruns, probe=lambda: next(it), wait=wait, say=said.append)
+        return result, pace, said
+
+    result, pace, said = steady([0.30, 0.33], 0.36)  # steady before and after: one run
+    assert result == 1 and pace == {"pace_probe_ms": 0.30, "pace_probe_after_ms": 0.33, "pace_waited_s": 5.0, "pace_reruns": 0} and not said
+    result, pace, said = steady([0.30, 0.52, 0.31, 0.34], 0.36)  # slowed during the first run: run again
+    assert result == 2 and pace == {"pace_probe_ms": 0.31, "pace_probe_after_ms": 0.34, "pace_waited_s": 10.0, "pace_reruns": 1}
+    assert len(said) == 1 and "0.520 after > 0.360" in said[0]
+    result, pace, said = steady([0.30, 0.50] * 3, 0.36)  # slow after every run: two reruns, the last kept
+    assert result == 3 and pace["pace_reruns"] == 2 and pace["pace_probe_after_ms"] == 0.50 and len(said) == 2
+    result, pace, said = steady([0.30, 0.90], None)  # no limit: probes recorded, never run again
+    assert result == 1 and pace == {"pace_probe_ms": 0.30, "pace_probe_after_ms": 0.90, "pace_waited_s": 0.0, "pace_reruns": 0}
 
 
 def test_report_writes_only_between_markers(fake_results, tmp_path):

@@ -681,7 +681,16 @@ def render(manifest: dict, runs: dict[str, dict[str, list[dict]]], *, plots: boo
         if manifest.get("steady_ms"):
             steady += (
                 f" The suite waited before each run until the probe read at most {manifest['steady_ms']:.3f} ms "
-                f"(`--steady-ms`), so slow patches of the machine were waited out rather than measured."
+                f"(`--steady-ms`), so slow patches of the machine were waited out rather than measured"
+            )
+            reruns = sum(
+                s["matrix"].get("pace_reruns", 0) for cases in runs.values() for seeds in cases.values() for s in seeds if "matrix" in s
+            )
+            steady += (
+                f", and ran a case again when the probe after it read over that (up to {manifest['steady_reruns']} times): "
+                f"{reruns} rerun(s)."
+                if manifest.get("steady_reruns")
+                else "."
             )
         out += [steady, ""]
     for amended in manifest.get("amended", []):  # bench/matrix/amend.py: models measured again since

@@ -47,7 +47,9 @@ The protocol (issue 22):
   and the report states the spread and names the runs that read slow (a
   shared VM's speed drifts, and a ratio taken across a drift is wrong);
   ``--steady-ms MS`` waits before each run (up to ``--steady-wait-s``) until
-  the probe reads at most MS, so a slow patch is waited out, not measured.
+  the probe reads at most MS, so a slow patch is waited out, not measured, and
+  runs a case again (up to ``--steady-reruns``) when the probe after it reads
+  over MS: a patch that began during the run took part of its timing.
 
 Options:
 
@@ -62,12 +64,14 @@ Options:
 --base-ms MS        the 4:1 base step time in ms for every model (default: measured by each seed's solo run)
 --samples N, --epochs N    override every model's budget (smoke tests)
 --timeout S         seconds per run (default 240 quick, 1200 full)
---steady-ms MS      wait before each run until the pace probe reads at most MS (--steady-wait-s S, default 1800)
+--steady-ms MS      wait before each run until the pace probe reads at most MS (--steady-wait-s S, default 1800),
+                    and run a case again when the probe after it reads over MS (--steady-reruns N, default 2)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -525,7 +529,16 @@ def main(argv: list[str] | None = None) -> int:
         "(a shared VM's slow patches waited out, not measured; default: no wait, the probe only recorded)",
     )
     ap.add_argument(
-        "--steady-wait-s", type=float, default=1800.0, help="the longest wait for --steady-ms before a run goes on anyway (default 1800)"
+        "--steady-wait-s",
+        type=float,
+        default=1800.0,
+        help="the longest wait for --steady-ms before a run goes on anyway (default 1800)",
+    )
+    ap.add_argument(
+        "--steady-reruns",
+        type=int,
+        default=2,
+        help="with --steady-ms: run a case again when the probe after it reads over MS, up to N times (default 2)",
     )
     ap.add_argument("--samples", type=int, default=None, help="override every model's sample budget (smoke tests)")
     ap.add_argument("--epochs", type=int, default=None, help="override every model's epochs (smoke tests)")
@@ -536,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     seeds = args.seeds if args.seeds is not None else (1 if args.quick else 3)
     if args.steady_ms is not None and args.steady_ms <= 0:
         ap.error(f"--steady-ms must be a positive pace in ms (python -m bench.pace_probe reads one), not {args.steady_ms}")
+    if args.steady_reruns < 0:
+        ap.error(f"--steady-reruns must be 0 or more, not {args.steady_reruns}")
     if seeds < 1:
         ap.error("--seeds must be at least 1")
     if args.base_ms is not None and not args.base_ms > 0:
@@ -593,14 +608,16 @@ def main(argv: list[str] | None = None) -> int:
         solo = solos.get((model, seed))
         base = args.base_ms if args.base_ms is not None else solo_base_ms(solo)
         setup = Setup(seed=seed, base_ms=base if case.ratio > 1 else None, lr_scaling=args.lr_scaling, live_pace=args.live_pace)
-        # the machine's pace just before and just after: a drift shows in the report (bench/pace_probe.py)
-        if args.steady_ms:  # and with --steady-ms, a slow patch is waited out rather than measured
-            probe, waited = pace_probe.wait_for_pace(args.steady_ms, args.steady_wait_s)
-        else:
-            probe, waited = pace_probe.probe_ms(), 0.0
-        result = run_one(model, case, budget, budget_name, timeout, target, setup, solo, side_by_sides.get((model, seed)))
-        after = pace_probe.probe_ms()
-        result["matrix"].update(pace_probe_ms=probe, pace_probe_after_ms=after, pace_waited_s=waited)
+        # the machine's pace just before and just after: a drift shows in the report (bench/pace_probe.py);
+        # with --steady-ms a slow patch is waited out, and a run it overtook is run again, rather than measured
+        result, pace = pace_probe.steady_run(
+            functools.partial(run_one, model, case, budget, budget_name, timeout, target, setup, solo, side_by_sides.get((model, seed))),
+            args.steady_ms,
+            args.steady_wait_s,
+            reruns=args.steady_reruns,
+        )
+        result["matrix"].update(pace)
+        probe, after = pace["pace_probe_ms"], pace["pace_probe_after_ms"]
         probes.append(max(probe, after))
         if case.id == "solo":
             solos[(model, seed)] = result
@@ -645,6 +662,7 @@ def main(argv: list[str] | None = None) -> int:
         "pace": "live" if args.live_pace else "fixed",
         "pace_probe_ms": pace_probe.spread(probes),  # bench/pace_probe.py, around every run (the slower of the two)
         "steady_ms": args.steady_ms,
+        "steady_reruns": args.steady_reruns if args.steady_ms else 0,
         "covers": covers(plan),
         "plan": {m: {"samples": b.samples, "epochs": b.epochs, "cases": list(c)} for m, (b, c) in plan.items()},
     }
