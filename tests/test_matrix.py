@@ -579,6 +579,22 @@ def test_amend_replaces_the_rerun_models_runs_and_says_so(tmp_path):
     assert "on another machine: box B" in text  # its cells compare with each other, not with the suite's
 
 
+def test_amend_names_the_code_that_ran_and_the_models_it_added(tmp_path):
+    """A re-run's manifest records its checkout's commit: the amend names that, not the checkout
+    folding it in; a model the suite never ran is said to be added, not re-run."""
+    from bench.matrix import amend
+
+    into = _suite(tmp_path / "suite", {"lenet": ["solo"]}, when="old")
+    rerun = _suite(tmp_path / "rerun", {"logreg": ["solo"]}, when="new")
+    (rerun / report.MANIFEST).write_text(json.dumps({**json.loads((rerun / report.MANIFEST).read_text()), "commit": "ran1234"}))
+    manifest = amend.amend(rerun, into, code="folding+")
+    assert manifest["amended"][-1]["commit"] == "ran1234" and manifest["amended"][-1]["added"] == ["logreg"]
+    doc = tmp_path / "bench.md"
+    report.main(["--results", str(into), "--doc", str(doc), "--img", str(tmp_path / "img"), "--no-plots"])
+    assert "Run since, adding those models (`python -m bench.matrix.amend`): new, the code of ran1234" in doc.read_text()
+    assert amend.commit() != "unknown"  # this checkout is a git repository: suites record where they ran
+
+
 def test_amend_keeps_the_named_baselines_and_says_so(tmp_path):
     from bench.matrix import amend
 

@@ -11,7 +11,8 @@ run is gone for that model, not left from the older code), except the cases
 named with ``--keep``: baselines the change under test cannot reach (torchrun's
 DDP and post-local SGD run no flodl code), kept from the suite and said so in
 the manifest; the other models' runs stay. ``suite.json`` keeps the suite's own record and gains an
-``amended`` entry per re-run (when, the code's commit, what it covered), which
+``amended`` entry per re-run (when, the code's commit: the re-run's own where its
+manifest has one, else this checkout's; what it covered, which models it added), which
 the report and ``matrix.json`` state beside the suite's date. The re-run must
 match the suite's device, seeds and torchrun LR scaling (and, if it ran a 4:1
 case, its pace: live or fixed), and have no failed run: otherwise the tables
@@ -23,26 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 from bench.common import report
-from bench.matrix import ALL_CASES, CASES, ROOT, TARGETS, Budget
+from bench.matrix import ALL_CASES, CASES, TARGETS, Budget
 from bench.matrix import report as matrix_report
-from bench.matrix.suite import covers, suite_note
+from bench.matrix.suite import commit, covers, suite_note
 
 #: What a re-run must share with the suite it joins.
 MUST_MATCH = ("device", "seeds", "lr_scaling", "base_ms")
-
-
-def commit() -> str:
-    """The checkout's short commit (``+`` when it has uncommitted changes), or ``unknown``."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+" if dirty.strip() else "")
 
 
 def amend(source: Path, into: Path, *, code: str, keep: tuple[str, ...] = ()) -> dict:
@@ -66,6 +56,7 @@ def amend(source: Path, into: Path, *, code: str, keep: tuple[str, ...] = ()) ->
     if differ:
         raise SystemExit(f"bench.matrix.amend: {source} does not match {into}'s protocol: {'; '.join(differ)}")
     models = list(theirs["plan"])
+    added = [m for m in models if m not in ours["plan"]]  # models the suite had not run: added, not replaced
     both = sorted({c for model in models for c in theirs["plan"][model]["cases"]} & set(keep))
     if both:
         raise SystemExit(f"bench.matrix.amend: {source} ran {', '.join(both)}: a case it ran replaces the suite's, it cannot be kept")
@@ -87,7 +78,7 @@ def amend(source: Path, into: Path, *, code: str, keep: tuple[str, ...] = ()) ->
     ours.setdefault("amended", []).append(
         {
             "when": theirs["when"],
-            "commit": code,
+            "commit": theirs.get("commit") or code,  # the re-run's own checkout, where it recorded one
             "models": models,
             "covers": theirs["covers"],
             "runs": theirs["runs"],
@@ -97,6 +88,7 @@ def amend(source: Path, into: Path, *, code: str, keep: tuple[str, ...] = ()) ->
         }
         | ({"pace_probe_ms": theirs["pace_probe_ms"]} if theirs.get("pace_probe_ms") else {})  # its machine's pace
         | ({"kept": sorted({c for cs in kept.values() for c in cs})} if any(kept.values()) else {})
+        | ({"added": added} if added else {})
     )
     (into / matrix_report.MANIFEST).write_text(json.dumps(ours, indent=1) + "\n")
     return ours

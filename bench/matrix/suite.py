@@ -463,6 +463,17 @@ def covers(plan: dict[str, tuple[Budget, tuple[str, ...]]]) -> str:
     return "; ".join(parts) + "."
 
 
+def commit() -> str:
+    """The checkout's short commit (``+`` when it has uncommitted changes): recorded in a suite's manifest, so
+    an amend names the code that ran, not the code that folded it in, or ``unknown``."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+" if dirty.strip() else "")
+
+
 def suite_note(manifest: dict, target: Target) -> str:
     """The conditions of a suite's run, for ``bench/results/matrix[_gpu].json`` (and what re-ran since)."""
     ranks = "2 GPU ranks (NCCL), 1 intra-op thread each" if target.device == "cuda" else "2 CPU ranks x 1 thread"
@@ -485,7 +496,7 @@ def suite_note(manifest: dict, target: Target) -> str:
             f"({probe['min']:.3f}-{probe['max']:.3f}), {probe['slow']} run(s) over {pace_probe.SLOW_FACTOR:g}x the median."
         )
     for amended in manifest.get("amended", []):
-        note += f" Re-run {amended['when']} (code of {amended['commit']}): {amended['covers']}"
+        note += f" {'Added' if amended.get('added') else 'Re-run'} {amended['when']} (code of {amended['commit']}): {amended['covers']}"
         if amended.get("pace_probe_ms"):
             note += f" Its pace probe: {amended['pace_probe_ms']['median']:.3f} ms median, {amended['pace_probe_ms']['slow']} run(s) slow."
         if amended.get("kept"):
@@ -653,6 +664,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "commit": commit(),
         "elapsed_s": elapsed,
         "runs": len(todo),
         "failed": failed,
