@@ -273,8 +273,7 @@ class CpuAveraging:
                 await rounds.check()
                 continue
             if msg is None:  # a rank's end, queued behind what it sent before it (rank_ended)
-                if self.io.paused and rounds.queue.qsize() < READ_AHEAD:
-                    self.io.resume()
+                self._read_on()
                 if piece:  # reads were paused behind it: what the rank sent may still be in the socket
                     self._queue_end(rank)
                     continue
@@ -288,9 +287,13 @@ class CpuAveraging:
                 log.error("rejected a snapshot slice from rank %d: %s", rank, exc.detail)
             finally:
                 del piece  # release the ZeroMQ buffer before reading more
-                if self.io.paused and rounds.queue.qsize() < READ_AHEAD:
-                    self.io.resume()
+                self._read_on()
             await rounds.check()
+
+    def _read_on(self) -> None:
+        """Resume reads paused by a full read-ahead, once the actor has taken it below READ_AHEAD."""
+        if self.io.paused and self.rounds.queue.qsize() < READ_AHEAD:
+            self.io.resume()
 
     # ------------------------------------------------- what the round core asks
 
