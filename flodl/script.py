@@ -40,7 +40,7 @@ import torch
 from . import scalars, scriptspec
 from .config.env import RankEnv
 from .errors import EXIT_CONFIG, EXIT_TASK_ERROR
-from .rank.bridge import BATCH, END, EPOCH_END, ROUND, Bridge, Item
+from .rank.bridge import BATCH, END, EPOCH, EPOCH_END, ROUND, Bridge, Item
 from .rank.link import SAVE_GRACE_S
 from .rank.script_rank import Prepared, ScriptRank, Stepped
 from .rank.script_round import InlineRound
@@ -175,7 +175,8 @@ class Run:
         return model, optimizer
 
     def epochs(self) -> Iterator[int]:
-        """The epochs this rank trains in, in order; ends when the run does.
+        """Every epoch of the run, in order (0-based), on every rank, one it trains no batch of
+        included (its ``run.batches()`` is then empty); ends when the run does, after the last.
 
         Raises:
             SystemExit: the run ended abnormally (this rank lost, an abort, a NaN loss), once this
@@ -191,6 +192,8 @@ class Run:
                 raise RuntimeError("flodl: each epoch runs `for batch in run.batches()` to its end (every granted batch is trained once)")
             self._in_epoch = True
             self.epoch = item.epoch
+            if item.kind == EPOCH:
+                self._pending = None  # an epoch this rank trains no batch of: its end comes next
             yield item.epoch
 
     def batches(self) -> Iterator[Any]:

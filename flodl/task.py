@@ -118,10 +118,12 @@ class Task:
         lr_schedule: ``lr_schedule(global_step) -> multiplier`` of every
             group's base learning rate, where ``global_step`` counts the batches
             of all ranks (so a schedule written for one process keeps its shape).
-        epoch_fn: ``epoch_fn(epoch, worker)`` called on every rank when it
-            starts training an epoch (``epoch`` is the 0-based index: the
-            console's epoch ``epoch + 1``); ``worker`` can read and change the
-            LR, swap the schedule, and reach the model and optimizer.
+        epoch_fn: ``epoch_fn(epoch, worker)`` called once for every epoch of
+            the run on every rank, in order, as it begins the epoch (one in
+            which the rank trains no batch included; the epochs after its last
+            batch, once the run completes), ``epoch`` being the 0-based index
+            (the console's epoch ``epoch + 1``); ``worker`` can read and change
+            the LR, swap the schedule, and reach the model and optimizer.
         checkpoint_fn: ``checkpoint_fn(version, worker)`` called on one rank
             (``epoch_callback_policy``) every ``checkpoint_every`` epochs, with
             ``worker.model`` holding the consensus parameters. Exceptions are

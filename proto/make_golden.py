@@ -63,6 +63,8 @@ SAMPLES = [
         late=False,
         shm_probe="",
         shm_nonce="",
+        first_epoch=0,
+        epochs=5,
     ),
     m.RankReady(rank=1, generation=0, init_ms=12.5),
     m.TimingMsg(rank=1, epoch=3, step=97, samples=96, loss=0.25, batch_ms=16.5, data_ms=0.375, sync_ms=0.75, batches=3),

@@ -60,6 +60,29 @@ async def test_progress_after_the_snapshot_is_kept(lane):
 
 
 @LANES
+async def test_an_eval_scores_exactly_the_average_it_asks_for_whatever_was_trained_since(lane):
+    """``CpuAverager.scoring``: the eval of an epoch scores the average that closed it, not that
+    average plus what this rank trained since, and gives the live values back."""
+    ctl, task = await controller()
+    models = [torch.nn.Linear(3, 2) for _ in range(2)]
+    avgs = [rank_side(ctl, r, mo, lane=lane) for r, mo in enumerate(models)]
+    for a in avgs:
+        a.average(1.0, block=False, tag=7 << 16)  # window 7's end average
+    mean = (models[0].weight.detach() + models[1].weight.detach()) / 2
+    with torch.no_grad():
+        models[0].weight.add_(10.0)  # the next window trains on meanwhile
+    await asyncio.gather(*(asyncio.to_thread(a.settle) for a in avgs))
+    live = models[0].weight.detach().clone()
+    assert torch.allclose(live, mean + 10.0, atol=1e-6)
+    with avgs[0].scoring(7 << 16) as held:
+        assert held and torch.allclose(models[0].weight.detach(), mean, atol=1e-6)
+    assert torch.equal(models[0].weight.detach(), live)  # training's values back, exactly
+    with avgs[0].scoring(6 << 16) as held:  # an average no longer kept: nothing changes
+        assert not held and torch.equal(models[0].weight.detach(), live)
+    await stop(ctl, task, avgs)
+
+
+@LANES
 async def test_timeout_aborts_and_late_snapshot_never_leaks(lane):
     ctl, task = await controller(timeout_s=0.5)
     models = [torch.nn.Linear(4, 4) for _ in range(3)]

@@ -18,6 +18,7 @@ from flodl.plan.schedule import PickKey, Schedule
 from flodl.rank.data import BatchSource
 
 from .conftest import task_spec
+from .helpers.history import epoch_samples
 from .helpers.procs import Run
 from .tasks.tiny import jitter
 
@@ -211,7 +212,7 @@ def test_a_run_with_augment_splits_and_a_transform_covers_every_pick(proc_env, t
     assert run.wait(90) == 0, run.output
     summary = json.loads(path.read_text())
     assert summary["epochs"] == 6 and summary["epochs_completed"] == 6
-    assert [h["samples"] for h in summary["history"]] == [341, 341, 342, 341, 341, 342]  # 2 x 512 picks per pass, 3 epochs each
+    assert epoch_samples(summary["history"]) == [341, 341, 342, 341, 341, 342]  # 2 x 512 picks per pass, 3 epochs each
     assert "2 pass(es) of 1024 picks (each sample x2), 3 epoch(s) per pass" in run.output
     assert summary["final_eval"] > 0.7
 

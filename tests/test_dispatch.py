@@ -170,40 +170,95 @@ def test_non_progressive_dead_rank_partition_goes_to_the_survivors(policy):
     assert trained[0] == trained[2]  # the orphaned partition was split evenly
 
 
-def test_cadence_epochs_flow_into_each_other_with_full_windows():
+@pytest.mark.parametrize("policy", [ApplyPolicy.CADENCE, ApplyPolicy.ASYNC])
+def test_a_flowing_window_that_reaches_an_epochs_end_ends_on_its_edge(policy):
+    """Epochs flowing (max_overshoot auto): the window that reaches an epoch's end takes its rest,
+    split by speed, and stops on the edge (the next epoch, 30 batches, is more than twice what the
+    window has left), with batch quotas only: no time quota, no headroom. Its average closes the
+    epoch exactly; the eval of that epoch scores nothing of the next."""
     che = calibrated([2.0, 6.0])  # counts [30, 10]
-    d = Dispatcher(ApplyPolicy.CADENCE, [0, 1], 300, 10, 3)  # 30 batches an epoch: less than one window
+    d = Dispatcher(policy, [0, 1], 300, 10, 3)  # 30 batches an epoch: less than 1.5 windows
     plans = d.plan(che)
-    assert all(p.quota_ms > 0 and p.kind == "full" for p in plans.values())  # a time-quota window, not a tail
-    first = {r: [g for g in p.grants if g.epoch == 0] for r, p in plans.items()}
-    assert [sum(g.size for g in first[r]) for r in (0, 1)] == [230, 70]  # the old epoch's rest, split by speed
-    # topped up from the next epoch to the full counts (30, 10), plus headroom
-    assert [sum(g.size for g in p.grants if g.epoch == 1) // 10 for p in plans.values()] == [7 + 8, 3 + 3]
+    assert all(p.kind == "full" and p.quota_ms == 0 for p in plans.values())
+    assert [[g.epoch for g in p.grants] for p in plans.values()] == [[0], [0]]
+    assert [sum(g.size for g in p.grants) for p in plans.values()] == [230, 70]  # the rest, by speed
+    assert [p.quota_batches for p in plans.values()] == [23, 7]  # exactly the batches granted
+    consume_all(d, plans)
+    done, windows = d.take_completed(), 1
+    while (plans := d.plan(che)) is not None:
+        assert {g.epoch for p in plans.values() for g in p.grants} == {d.next_epoch - 1}
+        consume_all(d, plans)
+        done += d.take_completed()
+        windows += 1
+    assert done == [0, 1, 2] and windows == 3  # one average per epoch, each closing it on its edge
+    assert Dispatcher(ApplyPolicy.ASYNC, [0, 1], 300, 10, 3, max_overshoot=4).flows is False  # explicit: tails stream
+    # the auto-tuned overshoot bound is left to Async that cannot flow (fixed partitions)
+    assert not d.overshoot_auto and Dispatcher(ApplyPolicy.ASYNC, [0, 1], 300, 10, 3, progressive=False).overshoot_auto
+
+
+def test_the_window_before_an_edge_stretches_to_take_what_would_be_a_short_tail():
+    che = calibrated([2.0, 6.0])  # 40 batches a window
+    d = Dispatcher(ApplyPolicy.CADENCE, [0, 1], 1000, 10, 2)  # 100-batch epochs
+    plans = d.plan(che)  # 100 left: a full window (40 batches and 11 of headroom), leaving 49
+    assert all(p.quota_ms > 0 for p in plans.values())
+    consume_all(d, plans)
+    plans = d.plan(che)  # 49 batches left, under 1.5 windows: this one takes them all and ends on the edge
+    assert all(p.quota_ms == 0 for p in plans.values())
+    assert sum(p.samples for p in plans.values()) == 490 and {g.epoch for p in plans.values() for g in p.grants} == {0}
     consume_all(d, plans)
     assert d.take_completed() == [0]
 
 
-def test_async_epochs_flow_with_full_batch_quotas_and_coverage_stays_exact():
-    """Async, max_overshoot auto: the window reaching an epoch's end is a full one (no short tail
-    window, no extra average), its quota the exact counts; every position is trained once."""
-    che = calibrated([2.0, 6.0])  # counts [30, 10]
-    d = Dispatcher(ApplyPolicy.ASYNC, [0, 1], 300, 10, 3)  # 30 batches an epoch: less than one window
+def test_a_window_ending_on_an_edge_waits_for_the_windows_in_flight_in_its_epoch():
+    """What a window in flight leaves untrained goes back to its epoch: the window that closes the
+    epoch is planned only once those settled, so it takes that too and the epoch closes on its edge."""
+    che = calibrated([2.0, 6.0])  # 40 batches a window, 51 granted with headroom
+    d = Dispatcher(ApplyPolicy.CADENCE, [0, 1], 1500, 10, 2)
+    first = d.plan(che)
+    assert not d.must_settle_first(che)  # the next window (99 left) is not the edge's: plan ahead
+    second = d.plan(che)
+    assert d.must_settle_first(che)  # 48 left, the first two in flight: the edge window waits for them
+    consume_all(d, first, 0.9)  # a time quota cut the first window short: its rest goes back
+    assert d.must_settle_first(che)
+    consume_all(d, second, 0.95)
+    assert not d.must_settle_first(che)
+    last = d.plan(che)
+    assert all(p.quota_ms == 0 for p in last.values())
+    consume_all(d, last)
+    assert d.take_completed() == [0]  # every position the first two gave back is in the edge window
+
+
+def test_a_flowing_window_spans_several_short_epochs_whole_and_coverage_stays_exact():
+    che = calibrated([2.0, 6.0])  # counts [30, 10]: 40 batches a window
+    d = Dispatcher(ApplyPolicy.CADENCE, [0, 1], 100, 10, 8)  # 10-batch epochs
     plans = d.plan(che)
-    assert all(p.kind == "full" and p.quota_ms == 0 for p in plans.values())
-    assert [p.quota_batches for p in plans.values()] == [30, 10]
-    assert [sum(g.size for g in p.grants if g.epoch == 0) for p in plans.values()] == [230, 70]  # the rest, by speed
-    assert [sum(g.size for g in p.grants) // 10 for p in plans.values()] == [30, 10]  # no headroom: the count is exact
+    assert {g.epoch for p in plans.values() for g in p.grants} == {0, 1, 2, 3}  # four whole epochs: 40 batches
+    assert sum(p.samples for p in plans.values()) == 400 and all(p.quota_ms == 0 for p in plans.values())
+    assert [p.quota_batches for p in plans.values()] == [d.batches_of(p.grants) for p in plans.values()]
     consume_all(d, plans)
-    done, windows = d.take_completed(), 1
+    done = d.take_completed()
+    assert done == [0, 1, 2, 3]
+    windows = 0
     while (plans := d.plan(che)) is not None:
-        assert all(p.kind == "full" for p in plans.values()) or d.next_epoch == 3  # a tail only in the run's last epoch
-        consume_all(d, plans)
-        done += d.take_completed()
         windows += 1
-    assert done == [0, 1, 2] and windows == 3  # 90 batches in windows of 40: the last one a tail
-    assert Dispatcher(ApplyPolicy.ASYNC, [0, 1], 300, 10, 3, max_overshoot=4).flows is False  # explicit: tails stream
-    # the auto-tuned overshoot bound is left to Async that cannot flow (fixed partitions)
-    assert not d.overshoot_auto and Dispatcher(ApplyPolicy.ASYNC, [0, 1], 300, 10, 3, progressive=False).overshoot_auto
+        assert windows < 1000
+        consume_all(d, plans, 0.5 if windows % 3 == 0 else 1.0)  # now and then a rank dies mid-window
+        done += d.take_completed()
+    assert done == list(range(8)) and d.finished
+
+
+def test_a_hard_edge_stops_a_flowing_window():
+    che = calibrated([2.0, 6.0])
+    d = Dispatcher(ApplyPolicy.CADENCE, [0, 1], 100, 10, 8, hard_edge=lambda epoch: epoch % 2 == 1)
+    plans = d.plan(che)
+    assert {g.epoch for p in plans.values() for g in p.grants} == {0, 1}  # a checkpoint keeps epoch 1's end
+
+
+def test_batches_of_grants_are_cut_at_every_epoch_edge():
+    d = Dispatcher(ApplyPolicy.CADENCE, [0, 1], 100, 10, 8)
+    # 5 + 18 samples of epoch 0 make 3 batches (a batch spans two grants of one epoch), then 4 of epoch 1 one
+    assert d.batches_of([Grant(0, 0, 5), Grant(0, 40, 18), Grant(1, 0, 4)]) == 4
+    assert d.batches_of([]) == 0
 
 
 def test_cadence_flow_ends_at_the_last_epoch_and_an_explicit_zero_keeps_the_barrier():
@@ -214,24 +269,6 @@ def test_cadence_flow_ends_at_the_last_epoch_and_an_explicit_zero_keeps_the_barr
     plans = barrier.plan(che)
     assert {g.epoch for p in plans.values() for g in p.grants} == {0}
     assert [p.quota_batches for p in plans.values()] == [15, 5]
-
-
-def test_cadence_window_spans_several_short_epochs_and_coverage_stays_exact():
-    che = calibrated([2.0, 6.0])  # counts [30, 10]: 40 batches a window
-    d = Dispatcher(ApplyPolicy.CADENCE, [0, 1], 100, 10, 8)  # 10-batch epochs
-    plans = d.plan(che)
-    assert {g.epoch for p in plans.values() for g in p.grants} >= {0, 1, 2, 3}
-    assert all(p.quota_ms > 0 for p in plans.values())
-    consume_all(d, plans)
-    done = d.take_completed()
-    assert done[:3] == [0, 1, 2]
-    windows = 0
-    while (plans := d.plan(che)) is not None:
-        windows += 1
-        assert windows < 1000
-        consume_all(d, plans, 0.5 if windows % 3 == 0 else 1.0)  # now and then a time quota cuts a window short
-        done += d.take_completed()
-    assert done == list(range(8)) and d.finished
 
 
 @pytest.mark.parametrize("mode", ["nccl-async", "nccl-cadence"])
@@ -260,3 +297,25 @@ def test_unsettle_reopens_a_closed_epoch_and_counts_every_grant_of_it_late():
     given, late = d.unsettle(plan, 20)  # the first 20 samples: both grants of epoch 0
     assert (given, late) == (20, 20)
     assert d.reopened == {0} and d.pools[0].remaining == 20
+
+
+def test_one_average_that_closes_several_epochs_closes_them_as_one_row():
+    """A row per average that closes epochs: one for a group (``first_epoch`` to ``epoch``), its
+    wall the span since the last close (never split by samples: no figure copied between epochs),
+    each epoch's own loss kept; rows cover every epoch once, in order, and nothing trained ahead."""
+    from flodl.config import DdpRunConfig
+    from flodl.plan.cadence import CadenceLoop
+    from tests.helpers.windows import fold_window
+
+    loop = CadenceLoop(DdpRunConfig().with_mode("nccl-cadence"), [0, 1], dataset_len=100, batch_size=10, epochs=12, seed=3)
+    rows: list = []
+    while loop.next_windows(now=float(number := loop.window)) is not None:
+        before = len(rows)
+        fold_window(loop, number, {0: 1.0, 1: 2.0}, closed=rows)
+        assert len(rows) - before <= 1  # at most one row per settle
+    assert [e for row in rows for e in row.epochs] == list(range(12))
+    groups = [row for row in rows if row.first_epoch < row.epoch]
+    assert groups, "no average closed several 5-batch epochs: the test tests nothing"
+    for row in rows:
+        assert sorted(row.epoch_losses) == list(row.epochs) and row.ahead_samples == 0
+        assert row.samples == 100 * len(row.epochs) and row.wall_ms > 0

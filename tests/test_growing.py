@@ -13,6 +13,7 @@ from flodl.config import DdpRunConfig
 from flodl.plan.cadence import CadenceLoop
 
 from .conftest import PY, ROOT, task_spec
+from .helpers.history import epoch_samples
 from .helpers.procs import PICK_PORT, Run
 from .helpers.windows import fold_window
 
@@ -157,7 +158,7 @@ def test_relayed_hosts_train_and_a_relayed_joiner_takes_the_consensus(proc_env, 
     cluster.worker("cpu", "cpu")
     cluster.release_after("training with 4 rank(s)")
     summary = cluster.finish()
-    assert [h["samples"] for h in summary["history"]] == [512] * EPOCHS
+    assert epoch_samples(summary["history"]) == [512] * EPOCHS
     assert [j["ranks"] for j in summary["joins"]] == [[2, 3]]
     per_rank = {row["rank"]: row for row in summary["per_rank"]}
     assert per_rank[2]["samples"] > 0 and per_rank[3]["samples"] > 0
@@ -178,7 +179,7 @@ def test_a_late_worker_joins_and_trains(proc_env, tmp_path, mode):
     summary = cluster.finish()
     out = cluster.run.output
     assert "worker on host" in out and "joins: starting rank(s) [2]" in out
-    assert [h["samples"] for h in summary["history"]] == [512] * EPOCHS  # coverage exact through the change
+    assert epoch_samples(summary["history"]) == [512] * EPOCHS  # coverage exact through the change
     assert [j["ranks"] for j in summary["joins"]] == [[2]]
     assert summary["joins"][0]["world"] == 3
     per_rank = {row["rank"]: row for row in summary["per_rank"]}
@@ -201,7 +202,7 @@ def test_a_member_lost_while_a_joiner_is_admitted_leaves_the_joiner_training(pro
     cluster.worker("cpu")
     cluster.release_after("training with 3 rank(s)")
     summary = cluster.finish()
-    assert [h["samples"] for h in summary["history"]] == [512] * EPOCHS
+    assert epoch_samples(summary["history"]) == [512] * EPOCHS
     assert [j["ranks"] for j in summary["joins"]] == [[2]]
     assert [d["rank"] for d in summary["deaths"]] == [1]
     per_rank = {row["rank"]: row for row in summary["per_rank"]}
@@ -229,7 +230,7 @@ def test_a_late_worker_with_another_model_is_refused_and_the_run_goes_on(proc_en
     summary = cluster.finish()
     assert "could not join the run: its model signature" in cluster.run.output
     assert summary["joins"] == [] and summary["deaths"] == []
-    assert [h["samples"] for h in summary["history"]] == [512] * EPOCHS
+    assert epoch_samples(summary["history"]) == [512] * EPOCHS
 
 
 # ------------------------------------------------------------------ loopback

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from .conftest import PY, ROOT, task_spec
+from .helpers.history import epoch_samples
 from .helpers.procs import PICK_PORT, Run, assert_all_gone, is_rank
 
 pytestmark = pytest.mark.timeout(180)
@@ -102,7 +103,7 @@ def test_a_lost_host_costs_only_its_ranks_and_the_other_host_finishes(proc_env, 
         summary = json.loads(hosts.summary_path.read_text())
     finally:
         hosts.close()
-    assert [h["samples"] for h in summary["history"]] == [DATASET] * EPOCHS
+    assert epoch_samples(summary["history"]) == [DATASET] * EPOCHS
     assert sorted(d["rank"] for d in summary["deaths"]) == lost
     assert all("sent nothing" in d["reason"] for d in summary["deaths"]), summary["deaths"]  # a lost host says nothing
     assert summary["recoveries"]
@@ -166,7 +167,7 @@ def test_the_controllers_own_worker_lost_leaves_the_other_hosts_rank_training(pr
     finally:
         hosts.close()
     summary = json.loads(hosts.path.read_text())
-    assert [h["samples"] for h in summary["history"]] == [DATASET] * hosts.epochs
+    assert epoch_samples(summary["history"]) == [DATASET] * hosts.epochs
     assert sorted(d["rank"] for d in summary["deaths"]) == [0, 1], summary["deaths"]
     assert all("went with its worker" in d["reason"] for d in summary["deaths"]), summary["deaths"]
     assert summary["final_eval"] > 0.7

@@ -17,6 +17,7 @@ import pytest
 from flodl.errors import EXIT_RANK_LOST
 
 from .conftest import process_env, task_spec
+from .helpers.history import epoch_samples
 from .helpers.procs import Run, assert_all_gone
 
 pytestmark = pytest.mark.timeout(180)
@@ -49,7 +50,7 @@ def run_tiny(proc_env, tmp_path, mode, *, nproc=3, epochs=10, heartbeat=3, env=(
 def finished(run, path, epochs):
     assert run.wait(150) == 0, run.output
     summary = json.loads(path.read_text())
-    assert [h["samples"] for h in summary["history"]] == [512] * epochs  # no sample lost, none twice
+    assert epoch_samples(summary["history"]) == [512] * epochs  # no sample lost, none twice
     return summary
 
 
@@ -151,7 +152,7 @@ def test_a_run_whose_every_eval_failed_is_not_a_plain_success(proc_env, tmp_path
     assert run.wait(120) == 9, run.output
     summary = json.loads(path.read_text())
     assert summary["exit_reason"] == "completed, every eval failed" and summary["exit_code"] == 9
-    assert [h["samples"] for h in summary["history"]] == [512, 512]
+    assert epoch_samples(summary["history"]) == [512, 512]
     assert "every eval failed (2 of 2; the last: ValueError: injected eval failure)" in run.output
 
 

@@ -22,6 +22,7 @@ from flodl.rank.loader import WorkerReads
 from flodl.rank.staging import RamCache, TieredSamples
 
 from .conftest import TASKS, task_spec
+from .helpers.history import epoch_samples
 from .helpers.procs import Run, assert_all_gone
 
 EPOCHS = 3
@@ -224,7 +225,7 @@ def trained_counts(logs: Path) -> Counter:
 def finished(run: Run, summary: Path, epochs: int = EPOCHS) -> dict:
     assert run.wait(120) == 0, run.output
     out = json.loads(summary.read_text())
-    assert [h["samples"] for h in out["history"]] == [SAMPLES] * epochs  # the ledger: every sample once an epoch
+    assert epoch_samples(out["history"]) == [SAMPLES] * epochs  # the ledger: every sample once an epoch
     return out
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import PY, ROOT, process_env
+from .helpers.history import epoch_samples
 
 pytest.importorskip("sklearn", reason="the digits data needs scikit-learn (pip install 'flodl[examples]')")
 
@@ -96,7 +97,7 @@ def test_the_port_changes_no_more_lines_than_the_doc_says():
 def test_the_original_and_the_port_reach_the_same_eval(trained):
     ddp, port, summary = accuracy(trained["ddp"]), accuracy(trained["port"]), trained["summary"]
     assert summary["exit_reason"] == "completed" and summary["world_size"] == 2 and summary["deaths"] == []
-    assert [h["samples"] for h in summary["history"]] == [1500] * EPOCHS  # DDP's epochs: every sample once
+    assert epoch_samples(summary["history"]) == [1500] * EPOCHS  # DDP's epochs: every sample once
     assert ddp > 0.9, trained["ddp"]  # both converged, so a gap means something
     assert abs(ddp - port) <= TOLERANCE + 1e-9, (ddp, port)
 
@@ -123,5 +124,5 @@ def test_the_task_version_trains(tmp_path):
     done = subprocess.run(cmd, env=process_env(), cwd=ROOT, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads(summary_path.read_text())
-    assert summary["exit_reason"] == "completed" and [h["samples"] for h in summary["history"]] == [1500] * 3
+    assert summary["exit_reason"] == "completed" and epoch_samples(summary["history"]) == [1500] * 3
     assert summary["final_eval"] > 0.8, summary["history"]

@@ -27,6 +27,7 @@ from flodl.launcher import check_controller_args, split_argv
 from flodl.worker import read_stdin_credentials
 
 from .conftest import PY, task_spec
+from .helpers.history import epoch_samples
 from .helpers.hosts import assert_no_flodl_left, launch_on_hosts, parent_pid, wait_until
 from .helpers.procs import Proc, is_rank, served
 from .netns import NsHost, Unavailable, ssh_cluster
@@ -282,7 +283,7 @@ def test_a_run_across_three_hosts_trains_and_finishes(cluster, three_host_run):
     assert code == 0, run.output
     assert summary["exit_reason"] == "completed" and summary["world_size"] == 3
     assert sorted(r["host"] for r in summary["per_rank"]) == ["flodl-h1", "flodl-h2", "flodl-h3"]
-    assert [h["samples"] for h in summary["history"]] == [512] * 3  # exact coverage, every epoch
+    assert epoch_samples(summary["history"]) == [512] * 3  # exact coverage, every epoch
     for prefix in (
         "[controller] epoch 3/3",
         "[10.77.0.11]",
@@ -345,7 +346,7 @@ def test_a_cut_link_is_a_dead_rank_and_the_survivors_finish(cluster, tmp_path, p
         summary = json.loads((tmp_path / "summary.json").read_text())
         assert [d["host"] for d in summary["deaths"]] == [cut.name], summary["deaths"]
         assert summary["exit_reason"] == "completed"
-        assert [h["samples"] for h in summary["history"]] == [512] * 10  # the dead rank's samples went to the survivors
+        assert epoch_samples(summary["history"]) == [512] * 10  # the dead rank's samples went to the survivors
         # cut off, the host's worker hears nothing from the controller and stops its ranks on its own
         assert_no_flodl_left(cluster, 40)
     finally:

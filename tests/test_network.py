@@ -40,6 +40,7 @@ from flodl.checkpoint import read_meta
 from flodl.wire.codec import DROP_REASONS, unpack_frame
 
 from .conftest import PY, ROOT
+from .helpers.history import epoch_samples
 from .helpers.hosts import assert_no_flodl_left, launch_on_hosts, parent_pid
 from .helpers.procs import reserved_port
 from .intruder import FORGED_LINE
@@ -216,7 +217,7 @@ def _assert_untouched(net, a: dict, epochs: int = 32) -> None:
     assert summary["exit_reason"] == "completed" and summary["world_size"] == 3
     assert sorted(r["host"] for r in summary["per_rank"]) == [h.name for h in HOSTS]
     assert summary["joins"] == [] and summary["deaths"] == [] and summary["recoveries"] == [] and summary["generation"] == 0
-    assert [h["samples"] for h in summary["history"]] == [SAMPLES] * epochs  # every sample once, every epoch
+    assert epoch_samples(summary["history"]) == [SAMPLES] * epochs  # every sample once, every epoch
     assert a["report"]["replies"] == 0, a["report"]  # no Pong, no Reject, no Welcome: nothing it sent was answered
     assert "refused a worker" not in run.output and "lost rank" not in run.output
     assert_no_flodl_left(net, 10)
@@ -320,7 +321,7 @@ def test_a_run_converges_over_delayed_lossy_links(net, tmp_path, proc_env):
         f"shaped eval {shaped['final_eval']:.3f} loss {shaped['final_loss']:.3f} wall {shaped['wall_s']:.1f} s"
     )
     assert shaped["exit_reason"] == "completed" and shaped["world_size"] == 3 and shaped["deaths"] == []
-    assert [h["samples"] for h in shaped["history"]] == [SAMPLES] * 4  # exact coverage, every epoch
+    assert epoch_samples(shaped["history"]) == [SAMPLES] * 4  # exact coverage, every epoch
     # the shaped run trains the same model: its eval is in a band around the clean run's
     assert shaped["final_eval"] >= min(0.9, base["final_eval"] - 0.05), (shaped["final_eval"], base["final_eval"])
     assert shaped["final_loss"] <= max(2 * base["final_loss"], base["final_loss"] + 0.1), (shaped["final_loss"], base["final_loss"])
@@ -423,7 +424,7 @@ def test_each_host_relays_its_ranks_as_one_snapshot(net, tmp_path, proc_env):
     on, off = runs["on"]["averaging"], runs["off"]["averaging"]
     print(f"relay on: {on}\nrelay off: {off}")
     for summary in runs.values():
-        assert summary["world_size"] == 4 and [h["samples"] for h in summary["history"]] == [SAMPLES] * 3
+        assert summary["world_size"] == 4 and epoch_samples(summary["history"]) == [SAMPLES] * 3
         assert sorted({r["host"] for r in summary["per_rank"]}) == [h.name for h in HOSTS[:2]]
         assert summary["averaging"]["aborted"] == 0 and summary["averaging"]["lane_mb"] == 0  # separate hosts: no lane here
     assert on["relays"] == 2 and off["relays"] == 0

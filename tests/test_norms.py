@@ -81,6 +81,8 @@ def test_evals_after_averages_score_re_estimated_statistics(proc_env, tmp_path, 
                 mode,
                 "--summary-json",
                 str(path),
+                "--eval-every-epochs",  # each epoch scored on its own (no window runs past its end)
+                "1",
             ],
             env,
         )

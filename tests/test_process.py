@@ -18,6 +18,7 @@ from flodl.wire import messages as m
 from flodl.wire.codec import FrameWriter
 
 from .conftest import PY, ROOT, process_env, task_spec
+from .helpers.history import epoch_samples, epochs
 from .helpers.procs import PICK_PORT, Run, assert_all_gone, assert_run_gone, runs_module
 
 pytestmark = pytest.mark.timeout(120)
@@ -335,7 +336,7 @@ def test_trainer_api_runs_like_the_cli(tmp_path):
 def test_each_mode_with_a_3x_slower_rank_covers_every_sample(digits_run, mode):
     """A real 2-process run per mode, rank 1 made 3x slower (simulated): exact coverage, fast rank does more."""
     summary = digits_run(mode).summary
-    assert [h["samples"] for h in summary["history"]] == [DIGITS] * DIGITS_EPOCHS  # the ledger closed every epoch exactly
+    assert epoch_samples(summary["history"]) == [DIGITS] * DIGITS_EPOCHS  # the ledger closed every epoch exactly
     fast, slow = (r["samples"] for r in summary["per_rank"])
     if mode.endswith("sync") and not mode.endswith("async"):
         # lockstep: each epoch's even split of its 47 batches (24 and 23), whatever the speeds
@@ -381,7 +382,7 @@ def test_epoch_walls_do_not_overlap_when_windows_are_planned_ahead(proc_env, tmp
     env = {**proc_env, "FLODL_TEST_STEP_SLEEP": "0.002"}
     summary = two_rank_summary(tmp_path, env, task_spec("tiny.py"), "--epochs", "6", "--mode", "nccl-cadence")
     walls = [h["wall_s"] for h in summary["history"]]
-    assert len(walls) == 6 and all(w > 0 for w in walls), walls
+    assert epochs(summary["history"]) == list(range(6)) and all(w > 0 for w in walls), walls
     assert sum(walls) <= summary["wall_s"] + 0.05, (walls, summary["wall_s"])
     # the controller timed what its windows cost it (planning, settling) and ElChe read it
     assert summary["cadence"]["fixed_ms"] > 0, summary["cadence"]
@@ -403,7 +404,7 @@ def test_all_six_modes_train_digits_to_the_same_band(digits_run, mode):
     """Every mode trains digits into one accuracy band, with rank 1 3x slower at that (the shared run)."""
     summary = digits_run(mode).summary
     assert summary["mode"].lower() == mode.replace("-", "")
-    assert [h["samples"] for h in summary["history"]] == [DIGITS] * DIGITS_EPOCHS
+    assert epoch_samples(summary["history"]) == [DIGITS] * DIGITS_EPOCHS
     assert summary["final_eval"] >= 0.88, (mode, summary["final_eval"])
     if mode.startswith("cpu"):
         assert summary["averaging"]["rounds"] >= summary["syncs"] and summary["averaging"]["aborted"] == 0

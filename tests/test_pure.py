@@ -364,15 +364,3 @@ def test_epoch_counters_keep_the_wire_row_format():
     assert back == EpochCounters(3, 56, 1.75, 25.0, 3.0, 4.0)
     with pytest.raises(ValueError):
         EpochCounters.from_row([1.0, 2.0, 3.0])  # a row of another width is refused, not misread
-
-
-def test_epochs_one_average_closed_share_its_eval_but_the_last_is_scored_alone():
-    from flodl.controller.shared_evals import SharedEvals
-
-    evals = SharedEvals()
-    assert evals.ask(0, 3, final=False) is None  # window 3 closed epoch 0: asked
-    assert evals.ask(1, 3, final=False) == 0 and evals.ask(2, 3, final=False) == 0  # the same average
-    assert evals.ask(3, 4, final=False) is None  # another window, another eval
-    assert evals.ask(4, 4, final=True) is None  # the run's result: scored on its own
-    assert evals.ask(5, -1, final=False) is None and evals.ask(6, -1, final=False) is None  # the model as it stands: each
-    assert evals.answered_by(0) == [0, 1, 2] and evals.answered_by(3) == [3] and evals.sharing() == {1, 2}

@@ -13,6 +13,8 @@ from flodl.config import DdpRunConfig
 from flodl.controller import Controller, LaunchOptions
 from flodl.testing.sim import SimRankSpec, SimWorker
 
+from .helpers.history import epoch_samples
+
 pytestmark = pytest.mark.timeout(120)
 
 SECRET = b"s" * 32
@@ -70,7 +72,7 @@ async def test_sixty_ranks_random_speeds_deaths_and_a_join_cover_every_sample_on
     await asyncio.wait(tasks, timeout=10)
 
     assert summary["exit_reason"] == "completed" and summary["epochs_completed"] == EPOCHS
-    assert [h["samples"] for h in summary["history"]] == [DATASET] * EPOCHS  # the ledger: every sample once per epoch
+    assert epoch_samples(summary["history"]) == [DATASET] * EPOCHS  # the ledger: every sample once per epoch
     assert positions_trained(workers) == (0, 0)  # and the ranks' own record agrees
     # the controller numbers the workers in the order their hellos reach it, and ZeroMQ keeps no order
     # across connections (under load worker 5's hello once overtook worker 4's: spec 29 ran as rank 35):

@@ -18,6 +18,7 @@ from flodl.rank.shard_source import ShardSource
 from flodl.task import Task
 
 from .conftest import ROOT, TASKS, task_spec
+from .helpers.history import epoch_samples, epochs
 from .helpers.procs import Run
 from .tasks.shards import write_shards
 
@@ -119,7 +120,7 @@ def _all_samples(sizes: list[int]) -> set[tuple[str, str]]:
 def _exactly_once(summary: dict, sizes: list[int], epochs: int) -> None:
     assert summary["exit_reason"] == "completed", summary["exit_reason"]
     assert summary["coverage"] == {"grain": "shard", "positions_per_epoch": COUNT, "guarantee": "exactly-once", "maybe_repeated": 0}
-    assert [h["samples"] for h in summary["history"]] == [sum(sizes)] * epochs
+    assert epoch_samples(summary["history"]) == [sum(sizes)] * epochs
 
 
 @pytest.mark.timeout(120)
@@ -151,7 +152,7 @@ def test_a_rank_killed_mid_epoch_still_covers_every_shard(proc_env, tmp_path, sh
     assert run.wait(90) == 0, run.output
     summary = json.loads(path.read_text())
     assert [d["rank"] for d in summary["deaths"]] == [1] and summary["exit_reason"] == "completed", summary["per_rank"]
-    assert len(summary["history"]) == 4  # the ledger closed every epoch: each shard trained (granted, settled) once
+    assert epochs(summary["history"]) == [0, 1, 2, 3]  # the ledger closed every epoch: each shard trained (granted, settled) once
     cov = summary["coverage"]
     assert cov["grain"] == "shard" and (cov["guarantee"] == "exactly-once") == (cov["maybe_repeated"] == 0)
     seen = _seen(out)
@@ -174,7 +175,7 @@ def _samples_of_positions(sizes: list[int], seed: int, epoch: int, ranges: list[
 def test_a_resume_after_a_stop_trains_the_rest_exactly_once(proc_env, tmp_path, shards):
     sizes, _ = shards
     stem = tmp_path / "ck" / "run"
-    env = {**proc_env, "FLODL_TEST_STEP_SLEEP": "0.01", "FLODL_INJECT_FAULT": "1:average:4"}
+    env = {**proc_env, "FLODL_TEST_STEP_SLEEP": "0.01", "FLODL_INJECT_FAULT": "1:average:2"}
     run, path = _run(tmp_path, env, "--max-failure", "1", "--save-path", str(stem), epochs=6)
     assert run.wait(90) == 6, run.output  # a death past max_failure: the bundle is saved, the run stops
     meta = read_meta(stem)
@@ -190,8 +191,8 @@ def test_a_resume_after_a_stop_trains_the_rest_exactly_once(proc_env, tmp_path, 
     later = (6 - cov["next_epoch"]) * sum(sizes)
     assert sum(h["samples"] for h in second["history"]) == left + later  # exactly the shards not yet trained
     # the first run's closed epochs are whole; with its open epochs' trained part and the rest, every sample once
-    assert [h["samples"] for h in first["history"]] == [sum(sizes)] * len(first["history"])
-    assert len(first["history"]) + len(cov["open"]) + 6 - cov["next_epoch"] == 6
+    assert epoch_samples(first["history"]) == [sum(sizes)] * len(epochs(first["history"]))
+    assert len(epochs(first["history"])) + len(cov["open"]) + 6 - cov["next_epoch"] == 6
 
 
 @pytest.mark.timeout(60)
@@ -226,6 +227,6 @@ def test_the_shipped_example_runs_as_documented(proc_env, tmp_path):
     assert len(list((tmp_path / "data").glob("train-*.pt"))) == 16 and not list((tmp_path / "data").glob(".*"))
     assert summary["coverage"]["guarantee"] == "exactly-once" and summary["coverage"]["positions_per_epoch"] == 16
     per_epoch = sum(len(torch.load(p)["y"]) for p in (tmp_path / "data").glob("train-*.pt"))
-    assert [h["samples"] for h in summary["history"]] == [per_epoch] * 2
+    assert epoch_samples(summary["history"]) == [per_epoch] * 2
     assert summary["final_eval"] > 0.8
     assert (ROOT / "examples" / "shards.py").read_text().count("flodl.controller --task examples/shards.py:task") == 1

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from .conftest import PY, ROOT, process_env, task_spec
+from .helpers.history import epoch_samples
 from .helpers.hosts import wait_until
 from .helpers.procs import reserved_port
 from .slurm import SlurmCluster, Unavailable, missing
@@ -101,7 +102,7 @@ def test_the_recipe_trains_with_a_worker_per_task(slurm, tmp_path):
     s = summary(tmp_path, job)
     assert s["exit_reason"] == "completed" and s["world_size"] == 2 and s["epochs_completed"] == 2
     assert s["deaths"] == [] and s["joins"] == []  # both workers there from the start: none joined late
-    assert [h["samples"] for h in s["history"]] == [512, 512]
+    assert epoch_samples(s["history"]) == [512, 512]
     assert {r["host"] for r in s["per_rank"]} == {slurm.node}
     assert job_procs(job) == []
 

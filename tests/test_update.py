@@ -19,6 +19,7 @@ from flodl.rank.step_meter import StepMeter
 from flodl.rank.update import Update, build_optimizer, check_precision, train_state
 
 from .conftest import task_spec
+from .helpers.history import epoch_samples, epochs
 from .tasks import features
 
 pytestmark = pytest.mark.timeout(120)
@@ -329,7 +330,7 @@ def _train_state(stem):
 
 def test_a_solo_run_with_accumulation_ends_where_a_hand_loop_does(tmp_path):
     summary, model = _run("accumulate_task", tmp_path, epochs=6)
-    assert [h["samples"] for h in summary["history"]] == [64] * 6  # every batch counted
+    assert epoch_samples(summary["history"]) == [64] * 6  # every batch counted
     assert _close(_params(model), _params(_hand(features.sgd, 6)))
 
 
@@ -344,7 +345,7 @@ def test_scheduler_adam_and_scaler_states_survive_a_resume(tmp_path):
     assert meta["global_step"] == 12 and state["optimizers"] == [1]
     assert state["schedulers"]["states"][0]["last_epoch"] <= 3
     summary, resumed = _run("scheduled_task", tmp_path, epochs=6, name="second", resume="first")
-    assert [h["epoch"] for h in summary["history"]] == [3, 4, 5]
+    assert epochs(summary["history"]) == [3, 4, 5]
     assert _close(_params(resumed), _params(hand), tol=1e-5)
     state, _ = _train_state(tmp_path / "second")
     assert state["schedulers"]["lrs"][0] == pytest.approx(0.05 * 0.5 ** (state["schedulers"]["at"] // 2))
@@ -365,7 +366,7 @@ def test_two_ranks_accumulate_schedule_and_cover_every_sample(tmp_path, mode):
     """Two ranks, 2 batches a step, StepLR on the global step, two optimizers: every sample once
     per epoch in each policy, and the saved scheduler stands at a global step the run reached."""
     summary, _ = _run("unplain_task", tmp_path, epochs=3, nproc=2, config=DdpRunConfig().with_mode(mode))
-    assert [h["samples"] for h in summary["history"]] == [512] * 3
+    assert epoch_samples(summary["history"]) == [512] * 3
     state, meta = _train_state(tmp_path / "run")
     assert 0 < state["schedulers"]["at"] <= meta["global_step"] // 2
     assert state["optimizers"] == [1, 1]
@@ -387,4 +388,4 @@ def test_a_rank_killed_inside_an_accumulation_leaves_exact_coverage(tmp_path, mo
     monkeypatch.setenv("FLODL_INJECT_FAULT", "1:batch:5")
     summary, _ = _run("unplain_task", tmp_path, epochs=3, nproc=3)
     assert [d["rank"] for d in summary["deaths"]] == [1]
-    assert [h["samples"] for h in summary["history"]] == [512] * 3
+    assert epoch_samples(summary["history"]) == [512] * 3

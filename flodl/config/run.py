@@ -304,8 +304,9 @@ class DdpRunConfig:
         None,
         check=_count(0),
         kind="int",
-        default_text="every epoch",
-        help="Run the eval function every N epochs, and after the last (0: no evals at all, not even the final one).",
+        default_text="each average that closes epochs",
+        help="Score every N-th epoch on its own, and the last (no window runs past their end); unset: the average that "
+        "closes each epoch, one eval for epochs one average closes; 0: no evals at all, not even the final one.",
     )
     reports_per_epoch: int | None = _option(
         None, check=_count(1, zero_is_none=True), kind="int", default_text="off", help="Sub-epoch monitor reports per epoch (0 = off)."

@@ -203,6 +203,10 @@ class Admission:
             late=late,
             shm_probe=averaging.probe_path if averaging is not None else "",
             shm_nonce=averaging.probe_nonce if averaging is not None else "",
+            # every rank enters every epoch in order (docs/script-mode.md): from the run's first, or a
+            # joiner from its first batch's, to the run's last
+            first_epoch=-1 if late else self.resume.first_epoch(),
+            epochs=self.launch.epochs * self.config.epoch_splits,
         )
 
     def on_worker_hello(self, identity: bytes, env: Envelope, msg: m.WorkerHello) -> None:

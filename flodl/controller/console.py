@@ -78,11 +78,27 @@ class Console:
             self._dirty = True
 
     def header(
-        self, *, run_id: str, mode: str, task: str, ranks: list[str], dataset_len: int, batch_size: int, epochs: int, grain: str = "sample"
+        self,
+        *,
+        run_id: str,
+        mode: str,
+        task: str,
+        ranks: list[str],
+        dataset_len: int,
+        batch_size: int,
+        epochs: int,
+        grain: str = "sample",
+        lr_factor: float = 1.0,
+        lr_scale_ratio: float = 0.0,
     ) -> None:
         self._write(f"flodl run {run_id} | mode {mode} | task {task}")
         self._write(f"  {len(ranks)} rank(s): {', '.join(ranks)}")
         self._write(f"  {dataset_len} {grain}s, batch {batch_size} per rank, {epochs} epoch(s)")
+        if lr_factor != 1.0:  # flodl changes the user's learning rate: never silently (docs/cadence.md)
+            self._write(
+                f"  learning rate x{lr_factor:g} on every rank: your optimizer's rate times 1 + ({len(ranks)} - 1) x "
+                f"--lr-scale-ratio {lr_scale_ratio:g} (--lr-scale-ratio 0 keeps it as written)"
+            )
         self._last = self.clock()  # the first progress line comes one interval in
 
     def due(self) -> bool:
@@ -112,10 +128,19 @@ class Console:
         elif done < total or not total:
             self._write(text)
 
-    def epoch(self, stats: EpochStats, epochs: int, metric: str | None) -> None:
+    def epoch(self, stats: EpochStats, epochs: int, metric: str | None, *, next_len: int = 0) -> None:
+        """An epoch's line, or one line for the epochs one average closed ("epochs 3-5/5"): their
+        loss, the eval of that average (after the last of them), their samples/s and seconds.
+        ``next_len``: the next epoch's size, to say how much of it the scored model had trained too
+        (``stats.ahead_samples``: none when the closing window ended on the edge)."""
         loss = f"loss {stats.avg_loss:.4f}" if stats.avg_loss is not None else "loss -"
-        ev = f"  {metric} {stats.eval_value:.4f}" if metric and stats.eval_value is not None else ""
-        self._write(f"epoch {stats.epoch + 1}/{epochs}  {loss}{ev}  {_fmt_rate(stats.samples_per_s)}  {stats.wall_ms / 1000:.1f} s")
+        ev = ""
+        if metric and stats.eval_value is not None:
+            ev = f"  {metric} {stats.eval_value:.4f}"
+            if stats.first_epoch != stats.epoch or stats.ahead_samples:
+                ev += f" (after epoch {stats.epoch + 1}{_ahead(stats.ahead_samples, next_len, stats.epoch + 2)})"
+        which = f"epoch {stats.epoch + 1}" if stats.first_epoch == stats.epoch else f"epochs {stats.first_epoch + 1}-{stats.epoch + 1}"
+        self._write(f"{which}/{epochs}  {loss}{ev}  {_fmt_rate(stats.samples_per_s)}  {stats.wall_ms / 1000:.1f} s")
 
     def done(self, summary: dict) -> None:
         startup = f" (start-up {summary['startup_s']:.1f} s)" if summary.get("startup_s") is not None else ""
@@ -129,3 +154,11 @@ class Console:
 
     def failed(self, message: str) -> None:
         self._write(f"flodl: run stopped: {message}")
+
+
+def _ahead(samples: int, next_len: int, next_epoch: int) -> str:
+    """ " + N% of epoch E": what the scored model trained of the next epoch too ("" when nothing)."""
+    if samples <= 0:
+        return ""
+    share = f"{100.0 * samples / next_len:.0f}%" if next_len > 0 else f"{samples} samples"
+    return f" + {share} of epoch {next_epoch}"

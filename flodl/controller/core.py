@@ -375,19 +375,18 @@ class Controller:
         schedule = self._schedule(info)
         training.begin(info, schedule)
         total_epochs = training.total_epochs
+        ranks = [r for r in sorted(self.members.ranks.values(), key=lambda r: r.rank) if r.rank not in admission.joiners]
         self.console.header(
             run_id=self.run_id,
             mode=str(self.config.elche.mode.name),
             task=self.launch.label,
-            ranks=[
-                f"rank{r.rank} {r.device}@{r.host}"
-                for r in sorted(self.members.ranks.values(), key=lambda r: r.rank)
-                if r.rank not in admission.joiners
-            ],
+            ranks=[f"rank{r.rank} {r.device}@{r.host}" for r in ranks],
             dataset_len=info.dataset_len,
             batch_size=info.batch_size,
             epochs=total_epochs,
             grain=info.grain,
+            lr_factor=self.config.lr_factor(len(ranks)),  # the factor each first rank applies (RankWelcome.world_size)
+            lr_scale_ratio=self.config.lr_scale_ratio,
         )
         if self.config.augment > 1 or self.config.epoch_splits > 1:
             self.console.line(
@@ -480,6 +479,8 @@ class Controller:
             while len(in_flight) < (1 if averaging is None and admission.joiners else depth):
                 if admission.admit_joiners(loop, in_flight):
                     break  # ready joiners wait for an empty pipeline
+                if in_flight and loop.dispatcher.must_settle_first(loop.elche):
+                    break  # the window that closes an epoch waits for what those in flight give back to it
                 number = loop.window
                 t0 = time.perf_counter()
                 windows = loop.next_windows(self.clock())

@@ -42,11 +42,14 @@ class EpochEnds:
             acc[1] += count
 
     def close(self, stats: EpochStats) -> None:
-        """The epoch closed: the values its scripts reported before that go into its row."""
-        for rank, scalars in self.pending.pop(stats.epoch, {}).items():
-            add_scalars(stats, rank, scalars, self.reductions)
+        """The row closed (an epoch, or a group one average closed): the values its scripts
+        reported before that go into it."""
+        for epoch in stats.epochs:
+            for rank, scalars in self.pending.pop(epoch, {}).items():
+                add_scalars(stats, rank, scalars, self.reductions)
 
     def complete(self, stats: EpochStats, live: Collection[int]) -> bool:
-        """Has every live rank that trained in the epoch ended it? (A dead one never will.)"""
+        """Has every live rank that trained in the row ended its last epoch? (A dead one never
+        will; a rank ends its epochs in order, so the last one's end says the others' came.)"""
         trained = {rank for rank, part in stats.per_rank.items() if part.batches > 0 and rank in live}
         return trained <= self.ended.get(stats.epoch, set())

@@ -49,6 +49,14 @@ class Resume:
         """A resumed run keeps the saved run's shuffle, whatever --seed says."""
         return int(self.meta["coverage"]["seed"]) if self.meta is not None else self.launch.seed
 
+    def first_epoch(self) -> int:
+        """The epoch the run trains first: 0, or the bundle's lowest epoch with positions left."""
+        if self.meta is None:
+            return 0
+        cov = self.meta["coverage"]
+        open_epochs = [int(item["epoch"]) for item in cov["open"] if item["uncovered"]]
+        return min(open_epochs, default=int(cov["next_epoch"]))
+
     def apply(self, loop: CadenceLoop, info: m.RankHello, schedule: Schedule, total_epochs: int) -> None:
         """Continue the bundle's trajectory: only what it had not trained is planned.
 

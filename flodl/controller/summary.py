@@ -88,7 +88,7 @@ def summarize(
         "mode": config.elche.mode.name,
         "world_size": members.world_size,
         "epochs": training.total_epochs,
-        "epochs_completed": len(history),
+        "epochs_completed": sum(len(s.epochs) for s in history),
         "wall_s": wall,
         # the span wall_s measures, in Unix time (to line up with other processes' logs or metrics)
         "trained_unix": [trained_from, trained_from + wall],
@@ -103,7 +103,8 @@ def summarize(
         "per_rank": list(per_rank.values()),
         # a window that straddles two epochs counts in both epochs' rows, once here
         "syncs": cadence.syncs if cadence else 0,
-        "final_loss": last.avg_loss if last else None,
+        # the last epoch's own loss (a row that groups epochs one average closed keeps each one's)
+        "final_loss": last.epoch_losses.get(last.epoch, last.avg_loss) if last else None,
         "final_eval": final_eval.value if final_eval else None,
         "eval_metric_name": task_info.eval_metric if training.evals_on and task_info is not None else None,
         "history": [s.to_dict() for s in history],

@@ -26,7 +26,6 @@ from .launch import LaunchOptions
 from .phase import RunState
 from .plane import ControlPlane
 from .resend import WindowResender
-from .shared_evals import SharedEvals
 from .startup import Startup
 
 log = logging.getLogger("flodl.controller")
@@ -69,7 +68,6 @@ class Training:
         self.history: list[EpochStats] = []
         self.evals: dict[int, m.EvalResult] = {}
         self.eval_requests: dict[int, int] = {}  # epoch -> rank asked to score it
-        self.shared_evals = SharedEvals()  # epochs one average closed share its eval
         self.epoch_samples = 0
         self.epoch_loss: float | None = None
         self.current_epoch = -1
@@ -135,7 +133,7 @@ class Training:
         spans more than one epoch only where ElChe's overhead auto-tune asks for it (epochs too
         short to average each one within ``overhead_target``); capping it there made every short
         epoch pay a whole average, the cost the auto-tune exists to avoid. Epochs that one
-        average closes share its eval (``request_eval``)."""
+        average closes are one row with one eval (``finish_epoch``)."""
         every = [FLOW_MAX_EPOCHS]
         if self.config.checkpoint_every:
             every.append(self.config.checkpoint_every)
@@ -224,11 +222,13 @@ class Training:
     # ============================================================ epochs, evals
 
     def finish_epoch(self, stats: EpochStats, window: int = -1) -> None:
-        """An epoch is fully trained and averaged (by ``window``): record it and ask for its eval."""
+        """An epoch, or a group of epochs one average closed, is fully trained and averaged (by
+        ``window``): record its row and ask for its eval, which scores that average: after the
+        row's last epoch (one eval for a group: its epochs' models are that one model)."""
         if self.epoch_ends is not None:
             self.epoch_ends.close(stats)
         self.history.append(stats)
-        if self.evals_on and self._eval_due(stats.epoch):
+        if self.evals_on and any(self._eval_due(e) for e in stats.epochs):
             self.request_eval(stats.epoch, window)
 
     @property
@@ -248,19 +248,13 @@ class Training:
         rank = self.eval_rank()
         self.eval_requests[epoch] = rank
         final = epoch == self.total_epochs - 1
-        first = self.shared_evals.ask(epoch, window, final=final)
-        if first is not None:  # one average closed several short epochs: the same model, scored once
-            if first in self.evals:
-                self.evals[epoch] = self.evals[first]
-            return
         self.plane.send_rank(rank, m.RunEval(epoch=epoch, final=final, window=window))
 
     def reask_evals_of(self, dead: set[int]) -> None:
         """Evals asked of ranks that died and never answered go to the next rank."""
-        sharing = self.shared_evals.sharing()
         for epoch, rank in list(self.eval_requests.items()):
-            if rank in dead and epoch not in self.evals and epoch not in sharing:
-                self.request_eval(epoch)  # its sharers take its answer, as before
+            if rank in dead and epoch not in self.evals:
+                self.request_eval(epoch)
 
     def eval_rank(self) -> int:
         """Who runs eval: ``epoch_callback_policy``'s rank, or the fastest live rank.
@@ -310,7 +304,9 @@ class Training:
                 stats.eval_value = result.value
                 if result.error:
                     self.console.line(f"epoch {stats.epoch + 1}: eval failed on rank {result.rank}: {result.error}")
-            self.console.epoch(stats, self.total_epochs, metric)
+            following = stats.epoch + 1
+            next_len = self.schedule.epoch_len(following) if self.schedule is not None and following < self.total_epochs else 0
+            self.console.epoch(stats, self.total_epochs, metric, next_len=next_len if self.task.grain == "sample" else 0)
             self.monitor.epoch_done(stats, alive=set(self.ranks()), now_s=self.clock())
             self._printed += 1
 
@@ -389,13 +385,12 @@ class Training:
         """Script mode: a rank's script ended an epoch (its reports come with it)."""
         if self.epoch_ends is None:
             return  # a Task rank never sends one
-        closed = next((s for s in reversed(self.history) if s.epoch == msg.epoch), None)
+        closed = next((s for s in reversed(self.history) if msg.epoch in s.epochs), None)
         self.epoch_ends.note(msg, closed)
         self.flush_epoch_lines()
 
     def on_eval_result(self, identity: bytes, env: Envelope, msg: m.EvalResult) -> None:
-        for epoch in self.shared_evals.answered_by(msg.epoch):
-            self.evals[epoch] = msg
+        self.evals[msg.epoch] = msg
         if self.cadence is not None:
             self.cadence.note_pause(msg.elapsed_ms)
         now = self.clock()

@@ -397,6 +397,8 @@ def epoch_records(
     records = tree_records(leaves, reductions)
     if records:
         _inject_root(records[0]["metrics"], stats)
+        if stats.first_epoch != stats.epoch:  # one average closed several epochs: one boundary for them all
+            records[0]["first_epoch"] = stats.first_epoch
     return records
 
 

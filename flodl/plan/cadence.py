@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from ..config import ApplyPolicy, AverageBackend, DdpRunConfig
 from ..wire import messages as m
-from .dispatch import FLOW_MAX_EPOCHS, Dispatcher, WindowPlan
+from .dispatch import CADENCE_HEADROOM, FLOW_MAX_EPOCHS, Dispatcher, WindowPlan
 from .elche import ElChe
 from .guard import MetaController, make_guard, max_relative_delta
 from .metrics import EpochCounters, EpochReport, EpochStats, aggregate
@@ -38,7 +39,7 @@ class _EpochAcc:
 
     started: float
     rows: dict[int, EpochCounters] = field(default_factory=dict)  # rank -> its totals
-    syncs: int = 0
+    rounds: dict[int, int] = field(default_factory=dict)  # window -> its averaging rounds, for each window that trained this epoch
     scalars: dict[int, dict[str, list[float]]] = field(default_factory=dict)
 
 
@@ -101,6 +102,7 @@ class CadenceLoop:
             epoch_len=self.schedule.epoch_len,
             fixed=config.deterministic,
             accumulate=accumulate,
+            hard_edge=_hard_edges(config),
         )
         # a window is at most an epoch's batches, or a few epochs' when epochs flow into each other
         # (the dispatcher's ``flows``) and nothing needs every edge (``span_epochs``: evals, checkpoints)
@@ -161,6 +163,11 @@ class CadenceLoop:
         plans = self.dispatcher.plan(self.elche)
         if plans is None:
             return None
+        # the global step this window starts at: the settled count, and what the windows still in
+        # flight will have trained by then (exactly, where their quotas are batch counts): a
+        # schedule on the global step (Task.lr_schedule, a "global" scheduler) then sees every
+        # batch before this window's, where the settled count alone lagged a window behind
+        start_step = self.global_step + sum(self._expected_batches(p) for ps in self.plans.values() for p in ps.values() if not p.dead)
         self.plans[self.window] = plans
         self.started[self.window] = now
         self.round_base += max(p.rounds for p in plans.values())
@@ -172,7 +179,7 @@ class CadenceLoop:
         windows = {
             rank: m.Window(
                 window=self.window,
-                global_step=self.global_step,
+                global_step=start_step,
                 grants=[[g.epoch, g.start, g.size] for g in plan.grants],
                 quota_batches=plan.quota_batches,
                 quota_ms=plan.quota_ms,
@@ -185,6 +192,14 @@ class CadenceLoop:
         }
         self.window += 1
         return windows
+
+    def _expected_batches(self, plan: WindowPlan) -> int:
+        """The batches ``plan``'s rank will train: its batch quota where that is the stop rule, else
+        (Cadence's time quota) its grants less the headroom added to them."""
+        granted = self.dispatcher.batches_of(plan.grants)
+        if plan.quota_batches and not plan.quota_ms:
+            return min(plan.quota_batches, granted)
+        return int(granted / CADENCE_HEADROOM)
 
     def remove_ranks(self, dead: set[int]) -> None:
         """Ranks died: plan without them from now on, shrink ElChe to the survivors.
@@ -356,7 +371,7 @@ class CadenceLoop:
                 continue
             report = reports[rank]
             self.dispatcher.settle(plan, report.consumed)
-            self._account(rank, report, rounds, plan)
+            self._account(rank, report, window, rounds, plan)
             if self._in_background(plan):
                 self.landing[rank] = Landing(window, plan, report.consumed, members, end_round)
         for rank in self.dead - {r for ps in self.plans.values() for r in ps}:
@@ -458,7 +473,7 @@ class CadenceLoop:
         # Its survivors cannot say otherwise: they may learn of the death after their own report.
         return 0
 
-    def _account(self, rank: int, report: m.WindowDone, rounds: int, plan: WindowPlan) -> None:
+    def _account(self, rank: int, report: m.WindowDone, window: int, rounds: int, plan: WindowPlan) -> None:
         """Per-epoch rows: a window that straddles epochs splits by what each got."""
         touched = []
         for epoch, counters in map(EpochCounters.from_row, report.epochs):
@@ -474,8 +489,8 @@ class CadenceLoop:
                 pair[0] += total
                 pair[1] += count
         for epoch in {g.epoch for g in plan.grants}:
-            if self.ranks and rank == self.ranks[0] and epoch in self.epochs:
-                self.epochs[epoch].syncs += rounds
+            if epoch in self.epochs:
+                self.epochs[epoch].rounds[window] = rounds
 
     def _account_dead(self, rank: int, plan: WindowPlan, consumed: int) -> None:
         """The samples a dead rank trained into the consensus count in its epochs' rows
@@ -546,30 +561,40 @@ class CadenceLoop:
         )
 
     def _close_all(self, epochs: list[int], now: float) -> list[EpochStats]:
-        """The rows of the epochs that completed at ``now``, in order.
+        """The row of the epochs that completed at ``now``: one row for them all (empty: none).
 
-        An epoch's wall runs from its first window's plan or the previous epoch's close, whichever
-        is later, to its own close: epochs never overlap, so their walls add up to the run's
-        training time. Planned ahead, the next epoch's first window is planned while the previous
-        epoch still trains; counted from that plan, an epoch's wall took in its predecessor's last
-        window (six 0.15 s epochs read 0.4-0.6 s each in a 1.9 s run). Epochs that complete in
-        one settle (several small epochs in one window) share its span by their samples.
+        One average that closes several epochs closes them as a group: they share that average's
+        eval and the span of time they took, so they are one row (``first_epoch`` to ``epoch``),
+        never a row each with copied figures. Each epoch's own loss is kept
+        (``epoch_losses``). The group's wall runs from its first window's plan or the previous
+        close, whichever is later, to its own close: rows never overlap, so their walls add up to
+        the run's training time (counted from the plan, with the next epoch's first window planned
+        while the previous one still trains, a row's wall took in its predecessor's last window).
+        ``ahead_samples``: positions of later epochs already settled when the group closed, which
+        the closing average holds too (none when windows end on the group's edge, ``_plan_to_edge``).
         """
         if not epochs:
             return []
         since = max(self.epochs[epochs[0]].started, self.closed_at)
         self.closed_at = now
-        samples = [sum(c.samples for c in self.epochs[e].rows.values()) for e in epochs]
-        total = sum(samples)
-        span_ms = max(0.0, now - since) * 1000.0
-        return [self._close(e, span_ms * (n / total if total else 1.0 / len(epochs))) for e, n in zip(epochs, samples, strict=True)]
-
-    def _close(self, epoch: int, wall_ms: float) -> EpochStats:
-        acc = self.epochs.pop(epoch)
+        accs = [(e, self.epochs.pop(e)) for e in epochs]
+        rows: dict[int, EpochCounters] = {}
+        scalars: dict[int, dict[str, list[float]]] = {}
+        for _, acc in accs:
+            for rank, counters in acc.rows.items():
+                rows.setdefault(rank, EpochCounters()).add(counters)
+            for rank, pairs in acc.scalars.items():
+                mine = scalars.setdefault(rank, {})
+                for key, (total, count) in pairs.items():
+                    pair = mine.setdefault(key, [0.0, 0.0])
+                    pair[0] += total
+                    pair[1] += count
+        wall_ms = max(0.0, now - since) * 1000.0
+        syncs = sum({w: n for _, acc in accs for w, n in acc.rounds.items()}.values())  # a window counted once
         reports = [
             EpochReport(
                 rank=rank,
-                epoch=epoch,
+                epoch=epochs[-1],
                 batches=c.batches,
                 samples=c.samples,
                 loss_sum=c.loss_sum,
@@ -577,12 +602,17 @@ class CadenceLoop:
                 compute_ms=c.compute_ms,
                 data_ms=c.data_ms,
                 sync_ms=c.sync_ms,
-                syncs=acc.syncs,
-                scalars=acc.scalars.get(rank, {}),
+                syncs=syncs,
+                scalars=scalars.get(rank, {}),
             )
-            for rank, c in sorted(acc.rows.items())
+            for rank, c in sorted(rows.items())
         ]
-        return aggregate(epoch, reports, self.config.scalar_reduction_map)
+        stats = aggregate(epochs[-1], reports, self.config.scalar_reduction_map)
+        stats.first_epoch = epochs[0]
+        stats.epoch_losses = {e: _mean_loss(acc) for e, acc in accs}
+        stats.epoch_samples = {e: sum(c.samples for c in acc.rows.values()) for e, acc in accs}
+        stats.ahead_samples = sum(c.samples for e, acc in self.epochs.items() if e > epochs[-1] for c in acc.rows.values())
+        return [stats]
 
     def telemetry(self) -> dict[str, Any]:
         """ElChe and guard numbers for the run summary."""
@@ -598,6 +628,22 @@ class CadenceLoop:
             "fixed_ms": round(self.fixed_ms, 3),  # a window's fixed cost as ElChe last read it
             "elche_state": self.elche.state_dict(),
         }
+
+
+def _hard_edges(config: DdpRunConfig) -> Callable[[int], bool] | None:
+    """Epoch ends no window may run past: a checkpoint's (``checkpoint_every``: it keeps the model of
+    its epoch's end) and an eval's asked for by number (``eval_every_epochs`` set: its epoch is scored
+    on its own). Unset, evals score whatever epochs one average closes, as one row."""
+    every = [n for n in (config.checkpoint_every, config.eval_every_epochs) if n]
+    if not every:
+        return None
+    return lambda epoch: any((epoch + 1) % n == 0 for n in every)
+
+
+def _mean_loss(acc: _EpochAcc) -> float | None:
+    """One epoch's batch-weighted mean loss across its ranks (None: no batch reported a loss)."""
+    batches = sum(c.batches for c in acc.rows.values())
+    return sum(c.loss_sum for c in acc.rows.values()) / batches if batches else None
 
 
 def _busy_ms(report: m.WindowDone) -> float:

@@ -11,7 +11,9 @@ from the epoch's ``EpochPool``), and when to stop:
   ``anchor`` batches' worth of time has passed (``ElChe.anchor_wall_ms``), so
   a fast rank does proportionally more batches instead of waiting. With
   ``max_overshoot`` auto, epochs flow into each other: the window that reaches
-  an epoch's end finishes it and goes on into the next (no short tail window).
+  an epoch's end finishes it and takes the following epochs whole while its
+  size allows, ending on an edge (no short tail window, and every epoch
+  closes exactly at an average: ``_plan_to_edge``).
 * **Async** — a batch quota per rank (ElChe's counts). With ``max_overshoot``
   auto, epochs flow as in Cadence; with an explicit value, at an epoch's tail
   a rank may stream into the next epoch, at most ``max_overshoot`` batches.
@@ -49,6 +51,11 @@ OVERSHOOT_CEILING = 15
 #: Cadence with epochs flowing: a window may span up to this many epochs' batches
 #: (short epochs: otherwise every window pays an average per epoch, whatever its length).
 FLOW_MAX_EPOCHS = 4
+#: Epochs flowing: a window whose epoch has less than this many windows' worth left ends on the
+#: epoch's edge (it takes the rest, and the following epochs whole while its size allows), so an
+#: epoch closes exactly at an average: its eval scores the model of its close, nothing of the next.
+#: 1.5: the window before the edge stretches to take what would be a short tail.
+EDGE_STRETCH = 1.5
 
 
 @dataclass(frozen=True)
@@ -106,9 +113,12 @@ class Dispatcher:
         epoch_len: Callable[[int], int] | None = None,
         fixed: bool = False,
         accumulate: int = 1,
+        hard_edge: Callable[[int], bool] | None = None,
     ) -> None:
         if not ranks:
             raise ValueError("no ranks")
+        # epochs no window may continue past (a checkpoint keeps the model of their end)
+        self.hard_edge: Callable[[int], bool] = hard_edge or (lambda epoch: False)
         self.policy = policy
         self.ranks = sorted(ranks)
         self.dataset_len = dataset_len
@@ -134,9 +144,10 @@ class Dispatcher:
         self.throttled: list[int] = []  # ranks max_batch_diff held back in the last plan (for the timeline)
         total_batches = max(1, dataset_len // batch_size)
         # Cadence and Async with max_overshoot auto: epochs flow into each other. A window that
-        # reaches an epoch's end is still a full window: each rank's share of the old epoch's rest,
-        # topped up from the next epoch (no short tail window, no extra average at every epoch
-        # edge: at sub-ms steps Async's tails were a fifth of its windows and cost 0.08 of ideal)
+        # reaches an epoch's end is still about a full window: each rank's share of the old epoch's
+        # rest, then whole following epochs while the window's size allows, ending on an edge (no
+        # short tail window, no extra average at every short epoch's edge: at sub-ms steps Async's
+        # tails were a fifth of its windows and cost 0.08 of ideal)
         self.flows = policy in (ApplyPolicy.CADENCE, ApplyPolicy.ASYNC) and max_overshoot is None and progressive
         # the overshoot bound shapes tails that stream into the next epoch: flowing, the only tail
         # is the run's last, with nothing after it, so only Async that cannot flow (fixed
@@ -249,23 +260,44 @@ class Dispatcher:
             plan.open_ended = True
             plan.kind = "probe"
 
-    def _plan_cadence_or_async(self, pool: EpochPool, plans: dict[int, WindowPlan], elche: ElChe, shares: dict[int, float]) -> None:
+    def _counts(self, shares: dict[int, float]) -> tuple[dict[int, int], int | None]:
+        """Each rank's batches for a full window (ElChe's counts, throttled by ``max_batch_diff``), and the throttle's cap."""
         counts = {r: max(1, int(shares[r])) for r in self.ranks}
-        cap = None
-        if self.max_batch_diff is not None:
-            cap = min(counts.values()) + self.max_batch_diff  # the throttle: nobody leads by more
-            self.throttled = [r for r, c in counts.items() if c > cap]
-            counts = {r: min(c, cap) for r, c in counts.items()}
+        if self.max_batch_diff is None:
+            return counts, None
+        cap = min(counts.values()) + self.max_batch_diff  # the throttle: nobody leads by more
+        return {r: min(c, cap) for r, c in counts.items()}, cap
+
+    def _reaches_edge(self, pool: EpochPool, counts: dict[int, int]) -> bool:
+        """Flowing: does the next window reach ``pool``'s end (then it ends on the edge: ``_plan_to_edge``)?"""
+        return self.flows and not pool.reserved and self._batches(pool.remaining) < EDGE_STRETCH * sum(counts.values())
+
+    def must_settle_first(self, elche: ElChe) -> bool:
+        """Is the next window one that ends on an epoch's edge while windows in flight hold positions of
+        that epoch? It must then wait for them to settle: what they leave untrained goes back to the
+        epoch, and the window that closes the epoch must take it too (else that average would close
+        the epoch with positions still to train, and a later one, trained into the next epoch, close it)."""
+        if not self.flows or (not elche.calibrated and not self.fixed):
+            return False
+        pool = next((self.pools[e] for e in sorted(self.pools) if self.pools[e].remaining), None)
+        if pool is None or not pool.outstanding:
+            return False
+        counts, _ = self._counts(self._shares(elche))
+        return self._reaches_edge(pool, counts)
+
+    def _plan_cadence_or_async(self, pool: EpochPool, plans: dict[int, WindowPlan], elche: ElChe, shares: dict[int, float]) -> None:
+        counts, cap = self._counts(shares)
+        if cap is not None:
+            self.throttled = [r for r in self.ranks if int(shares[r]) > cap]
+        if self._reaches_edge(pool, counts):
+            self._plan_to_edge(pool, plans, counts)
+            return
         if pool.reserved:
             tail = any(counts[r] > self._batches(pool.remaining_for(r)) for r in self.ranks)
         else:
             tail = sum(counts.values()) > self._batches(pool.remaining)
         if tail:
-            nxt = self._next_pool(pool, counts) if self.flows and not pool.reserved else None
-            if nxt is None:
-                self._plan_tail(pool, plans, counts)
-                return
-            self._plan_across_edge(pool, nxt, plans, elche, counts, cap)
+            self._plan_tail(pool, plans, counts)
             return
         for r, plan in plans.items():
             plan.kind = "full"
@@ -280,12 +312,45 @@ class Dispatcher:
             for r, plan in plans.items():
                 self._grant(pool, plan, int(counts[r] * (CADENCE_HEADROOM - 1.0)) + 1)
 
-    def _next_pool(self, pool: EpochPool, counts: dict[int, int]) -> EpochPool | None:
-        """The epoch after ``pool``'s (opened now if need be), or None at the run's last epoch."""
-        nxt = self.pools.get(pool.epoch + 1)
-        if nxt is None and self.next_epoch == pool.epoch + 1:
-            nxt = self._open_next({r: float(c) for r, c in counts.items()})
-        return nxt
+    def _plan_to_edge(self, pool: EpochPool, plans: dict[int, WindowPlan], counts: dict[int, int]) -> None:
+        """Epochs flowing, a window that reaches ``pool``'s end: it takes the rest of the epoch and then
+        the following epochs whole while the window's size allows (each at least half taken by it,
+        at most ``FLOW_MAX_EPOCHS`` in all, never past a hard edge), each epoch's part split in
+        proportion to speed, and stops on the last one's edge. Its quotas are the batches its grants
+        make: no time quota and no headroom, so it trains every position granted and its average
+        closes those epochs exactly where they end."""
+        budget = sum(counts.values()) - self._batches(pool.remaining)
+        parts = [pool]
+        while len(parts) < FLOW_MAX_EPOCHS and not self.hard_edge(parts[-1].epoch):
+            after = parts[-1].epoch + 1
+            nxt = self.pools.get(after)
+            if nxt is None and (self.next_epoch != after or after >= self.epochs):
+                break  # the run's last epoch
+            left = nxt.remaining if nxt is not None else self.epoch_len(after)
+            if (nxt is not None and nxt.outstanding) or 2 * budget < self._batches(left) or not left:
+                break
+            nxt = nxt or self._open_next({r: float(c) for r, c in counts.items()})
+            assert nxt is not None  # next_epoch == after < epochs
+            parts.append(nxt)
+            budget -= self._batches(left)
+        for part in parts:
+            split = self._split_by_speed(self._batches(part.remaining), counts)
+            for r, plan in plans.items():
+                self._grant(part, plan, split[r])
+        for plan in plans.values():
+            plan.kind = "full"
+            plan.quota_batches = self.batches_of(plan.grants)
+
+    def batches_of(self, grants: list[Grant]) -> int:
+        """The batches a rank makes of ``grants``: a batch may span two grants of one epoch, never
+        two epochs (rank/data.py ``_plan``), so each run of one epoch's grants is cut on its own."""
+        total, run, epoch = 0, 0, None
+        for grant in grants:
+            if grant.epoch != epoch:
+                total += self._batches(run)
+                run, epoch = 0, grant.epoch
+            run += grant.size
+        return total + self._batches(run)
 
     def _split_by_speed(self, batches: int, counts: dict[int, int]) -> dict[int, int]:
         """``batches`` shared in proportion to ``counts``; what rounding leaves goes to the fastest."""
@@ -294,43 +359,6 @@ class Dispatcher:
         for r in sorted(self.ranks, key=lambda r: -counts[r])[: batches - sum(split.values())]:
             split[r] += 1
         return split
-
-    def _plan_across_edge(
-        self, pool: EpochPool, nxt: EpochPool, plans: dict[int, WindowPlan], elche: ElChe, counts: dict[int, int], cap: int | None
-    ) -> None:
-        """Cadence or Async, epochs flowing: a full window that finishes ``pool`` and goes on into ``nxt`` (and on).
-
-        Each rank's grants start with its speed-proportional share of the old
-        epoch's rest (so the old epoch completes in this window when speeds hold),
-        then the following epochs' positions up to its full count (a window may
-        span several short epochs), then Cadence's usual headroom. The quota is
-        the usual one (Cadence's time, Async's batch count); whatever is not
-        consumed goes back to its own epoch's pool.
-        """
-        old = self._split_by_speed(self._batches(pool.remaining), counts)
-        cadence = self.policy is ApplyPolicy.CADENCE
-        for r, plan in plans.items():
-            plan.kind = "full"
-            self._grant(pool, plan, old[r])
-            if cadence:
-                plan.quota_ms = 0.0 if self.fixed else elche.anchor_wall_ms()
-                plan.quota_batches = counts[r] if self.fixed else (cap or 0)
-            else:  # Async: the batch quota, as in any full window
-                plan.quota_batches = counts[r]
-        for r, plan in plans.items():
-            self._grant_flowing(nxt, plan, max(0, counts[r] - old[r]), counts)
-        if cadence:  # headroom for the time quota; Async's count is exact
-            for r, plan in plans.items():
-                self._grant_flowing(nxt, plan, int(counts[r] * (CADENCE_HEADROOM - 1.0)) + 1, counts)
-
-    def _grant_flowing(self, pool: EpochPool | None, plan: WindowPlan, batches: int, counts: dict[int, int]) -> None:
-        """Grant ``batches`` from ``pool``, going on into the epochs after it while they run out."""
-        while batches > 0 and pool is not None:
-            before = plan.samples
-            self._grant(pool, plan, batches)
-            batches -= self._batches(plan.samples - before)
-            if batches > 0:
-                pool = self._next_pool(pool, counts)
 
     def _plan_tail(self, pool: EpochPool, plans: dict[int, WindowPlan], counts: dict[int, int]) -> None:
         """Less than a window left: split it by speed so everyone finishes together."""

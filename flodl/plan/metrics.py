@@ -136,6 +136,22 @@ class EpochStats:
     per_rank: dict[int, RankEpoch]
     scalars: dict[str, float]
     eval_value: float | None = None
+    # one average that closed several epochs closes them as one row: ``first_epoch`` to ``epoch``
+    # (plan/cadence.py ``_close_all``), each one's own loss in ``epoch_losses``
+    first_epoch: int = -1
+    epoch_losses: dict[int, float | None] = field(default_factory=dict)
+    epoch_samples: dict[int, int] = field(default_factory=dict)  # each epoch's own samples (coverage)
+    # positions of later epochs that the average closing this row holds too (0: it closed on the edge)
+    ahead_samples: int = 0
+
+    def __post_init__(self) -> None:
+        if self.first_epoch < 0:
+            self.first_epoch = self.epoch
+
+    @property
+    def epochs(self) -> range:
+        """The epochs this row covers (one, or the group one average closed)."""
+        return range(self.first_epoch, self.epoch + 1)
 
     @cached_property  # read once per rank (to_dict, the monitor's epoch records): recomputing it each time was O(ranks²)
     def batch_share(self) -> dict[int, float]:
@@ -149,6 +165,10 @@ class EpochStats:
     def to_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,
+            "first_epoch": self.first_epoch,
+            "epoch_losses": {str(e): loss for e, loss in sorted(self.epoch_losses.items())},
+            "epoch_samples": {str(e): n for e, n in sorted(self.epoch_samples.items())} or {str(self.epoch): self.samples},
+            "ahead_samples": self.ahead_samples,
             "loss": self.avg_loss,
             "eval": self.eval_value,
             "samples": self.samples,

@@ -28,6 +28,9 @@ from typing import Any
 
 #: Item kinds the driver hands the main thread.
 BATCH, EPOCH_END, PREPARED, END = "batch", "epoch_end", "prepared", "end"
+#: An epoch begins in which this rank trains no batch (its end follows at once): every rank
+#: sees every epoch. An epoch with batches begins with its first ``BATCH``.
+EPOCH = "epoch"
 #: The driver hands the main thread a round of its batch loop to run there (script_round.py).
 ROUND = "round"
 

@@ -26,9 +26,10 @@ same number of averages per window), so round ``n`` of one rank meets round
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,6 +147,7 @@ class _Pending:
     left: int  # elements of the average not yet applied
     measure: bool
     sq: list[float]  # running ‖pre‖², ‖post‖², ‖pre − post‖² over parameter slices
+    tag: int = -1  # the caller's name for this average (the rank's window << 16 | round)
 
 
 class CpuAverager:
@@ -185,6 +187,11 @@ class CpuAverager:
         self.overruns = 0  # lane updates found overwritten before they were read (never expected)
         self.segment: shm.SnapshotSegment | None = None
         self.live_buckets: set[int] = set()  # buckets whose live values lie in our segment
+        # the last blended (background) average, as it came, and its tag: an eval asked for that
+        # average scores exactly it, whatever this rank trained since (``scoring``); ``kept_tag`` is
+        # -1 while a newer one is being written over it
+        self._kept: list[torch.Tensor] | None = None
+        self.kept_tag = -1
         if bulk.lane:
             self._take_lane()
 
@@ -214,6 +221,8 @@ class CpuAverager:
         if seg is None or not self._send_on_lane(seg, weight, layout, measure=measure, block=block, overwrite=overwrite):
             self._send_frames(weight, layout, measure=measure, block=block, overwrite=overwrite)
         mine = self.round - 1
+        if mine in self.pending:
+            self.pending[mine].tag = tag
         self._sent(mine)
         if block:
             # adopting waits a whole window for the peers' average; the controller
@@ -356,6 +365,45 @@ class CpuAverager:
         self.aborted += 1
         del self.pending[update.round]
 
+    def _keep(self, bucket: int, seg: slice, avg: torch.Tensor, *, first: bool) -> None:
+        """Keep a blended round's slice of the average as it came (``scoring`` puts it back)."""
+        if first:
+            self.kept_tag = -1  # being written over: no longer the last round's whole average
+        if self._kept is None:
+            self._kept = [torch.empty_like(b.values) for b in self.flat.buckets]
+        self._kept[bucket][seg].copy_(avg)
+
+    def wait_for_tag(self, tag: int) -> None:
+        """Wait (bounded) for the average named ``tag`` to land, if it is still in flight."""
+        for round_, pending in sorted(self.pending.items()):
+            if pending.tag == tag:
+                self._wait_for(round_)
+
+    @contextlib.contextmanager
+    def scoring(self, tag: int) -> Iterator[bool]:
+        """Hold the average ``tag`` (a blended round's, as it came) in the model while the block runs,
+        then put the live values back: an eval scores the model exactly as that average made it,
+        whatever this rank trained since. Yields False (and changes nothing) when that average is
+        no longer kept (a later one landed, or it never came)."""
+        if self._kept is None or tag < 0 or self.kept_tag != tag:
+            yield False
+            return
+        buckets = self.flat.buckets
+        live = []
+        with torch.no_grad():
+            for bucket, kept in zip(buckets, self._kept, strict=True):
+                bucket.copy_in()
+                live.append(bucket.values.clone())
+                bucket.values.copy_(kept)
+                bucket.copy_out()
+        try:
+            yield True
+        finally:
+            with torch.no_grad():
+                for bucket, values in zip(buckets, live, strict=True):
+                    bucket.values.copy_(values)
+                    bucket.copy_out()
+
     def close(self) -> None:
         """Drop our segment's name (the controller normally already has)."""
         if self.segment is not None:
@@ -406,6 +454,7 @@ class CpuAverager:
             if pending.snap is None:
                 values.copy_(avg)
             else:
+                self._keep(update.bucket, seg, avg, first=pending.left == sum(b.numel for b in self.flat.buckets))
                 s = pending.snap[update.bucket][seg]
                 if pending.measure and bucket.group == PARAMS:
                     pending.sq[0] += float(s.norm()) ** 2
@@ -421,6 +470,8 @@ class CpuAverager:
         pending.left -= update.count
         if pending.left <= 0:
             del self.pending[update.round]
+            if pending.snap is not None:
+                self.kept_tag = pending.tag  # every slice of it is kept
             if pending.snap is None:
                 self.adopting = False  # a whole average landed: this replica holds the consensus
             pre_sq, post_sq, diff_sq = pending.sq

@@ -4,8 +4,8 @@ A mixin of ``RankRunner`` (runner.py), which holds the state these methods
 read and write. The runner takes a ``RunEval`` between two batches, not
 after its window. On the collective backend the eval scores exactly the
 average of the window that closed the epoch (``_scored_model``), even when
-this rank has trained on since; on the CPU backend the averages already sent
-are landed first (all of them before the final score). BatchNorm statistics
+this rank has trained on since; on the CPU backend likewise once it landed
+(``CpuAverager.scoring``; all averages sent are landed before the final score). BatchNorm statistics
 that averages left stale are re-estimated (norms.py); the user's ``eval_fn``
 failing is reported, never fatal.
 """
@@ -113,7 +113,11 @@ class Evaluating:
         closed the epoch), exactly, even when this rank has trained into the next window since;
         if that average is no longer held (rare: a later one already launched), the model as it
         is. Without a window: the model after its last average landed."""
-        if not isinstance(self.averager, CollectiveAverager):  # the CPU backend, or not set up
+        if isinstance(self.averager, CpuAverager):
+            with self._scored_cpu_average(self.averager, window):
+                yield
+            return
+        if not isinstance(self.averager, CollectiveAverager):  # not set up
             yield
             return
         tag = self.averager.pending_tag()
@@ -126,6 +130,28 @@ class Evaluating:
             yield
             return
         with self.averager.scoring(landed):
+            yield
+
+    @contextlib.contextmanager
+    def _scored_cpu_average(self, averager: CpuAverager, window: int) -> Iterator[None]:
+        """CPU backend: the average of ``window``'s last round, as it came, once it landed here (a
+        blended one: this rank keeps it, ``CpuAverager.scoring``); the model as it is without a
+        window, when that average is gone (a later one landed), or when it was a blocking round
+        (the model then is that average plus nothing trained since, unless a later window trained)."""
+        if window < 0:
+            yield
+            return
+        tag = max((p.tag for p in averager.pending.values() if p.tag >> 16 == window), default=-1)
+        if tag >= 0:
+            try:
+                averager.wait_for_tag(tag)  # the controller heard every rank's report: it is on its way
+            except DeadlineExceeded as exc:
+                log.warning("rank %d: scoring without window %d's average: %s", self.rank, window, exc)
+        tag = averager.kept_tag
+        if tag < 0 or tag >> 16 != window:
+            yield
+            return
+        with averager.scoring(tag):
             yield
 
     def _refresh_norms(self, epoch: int) -> None:

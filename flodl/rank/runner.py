@@ -156,6 +156,11 @@ class RankRunner(Regrouping, Evaluating):
         self.world_size = 1
         self.global_step = 0
         self.current_epoch = -1
+        # every epoch of the run is an event this rank sees, in order, even one it trains no batch
+        # of (docs/script-mode.md): from ``first_epoch`` (-1: its first batch's, a joiner) to the
+        # run's last, ``epochs - 1`` (set at the welcome)
+        self.first_epoch = -1
+        self.epochs = 0
         self.config: DdpRunConfig | None = None
         self.deterministic = False  # the run's ``deterministic`` option (set at join)
         self._saved_on_shutdown = False
@@ -297,8 +302,15 @@ class RankRunner(Regrouping, Evaluating):
         return code
 
     def _completed(self) -> int:
-        """The run completed (a clean Shutdown, the last average landed): the exit code. Script
-        mode hands the script its last epoch's end here, before this rank says it leaves."""
+        """The run completed (a clean Shutdown, the last average landed): the exit code. The
+        epochs this rank trained no batch of after its last one begin here (their ``epoch_fn``
+        runs), so every rank reaches the run's last epoch; script mode also hands the script each
+        remaining epoch's end, before this rank says it leaves."""
+        try:
+            self._enter_epoch(self.epochs - 1)
+        except UserError as exc:
+            log.error("rank %d: epoch_fn raised after the last batch:\n%s", self.rank, user_traceback(exc.original))
+            return EXIT_TASK_ERROR
         return EXIT_OK
 
     def _emergency_save(self, reason: str, why: str) -> None:
@@ -577,6 +589,7 @@ class RankRunner(Regrouping, Evaluating):
         if config.resume_from and not welcome.late and not config.resume_weights_only:
             self._resume_optimizer(config.resume_from)
         self.world_size = welcome.world_size
+        self.first_epoch, self.epochs = welcome.first_epoch, welcome.epochs
         self.max_grad_norm = config.max_grad_norm
         self.source = self._batch_source(config, welcome.seed)
         self._place_before_training()
@@ -1023,20 +1036,33 @@ class RankRunner(Regrouping, Evaluating):
         self.link.doing(busy)
 
     def _enter_epoch(self, epoch: int) -> None:
-        """Fire the user's epoch_fn the first time this rank trains ``epoch``."""
-        if epoch <= self.current_epoch:
-            return
+        """Begin ``epoch`` and, first, every epoch before it this rank has not begun (one it
+        trained no batch of: windows flow across epoch edges and a rank's share of an epoch can
+        be nothing), in order: the user's epoch_fn runs once for each."""
+        while (empty := self.epoch_before(epoch)) is not None:
+            self._begin_epoch(empty)
+        if epoch > self.current_epoch:
+            self._begin_epoch(epoch)
+
+    def epoch_before(self, epoch: int) -> int | None:
+        """The first epoch this rank has not begun, if it comes before ``epoch`` (one it trains no batch of), else None."""
+        nxt = self.current_epoch + 1 if self.current_epoch >= 0 else (self.first_epoch if self.first_epoch >= 0 else epoch)
+        return nxt if nxt < epoch else None
+
+    def _begin_epoch(self, epoch: int) -> None:
+        """``epoch`` begins on this rank: its fault point and the user's epoch_fn."""
         self.current_epoch = epoch
         self.faults.reach("epoch", index=epoch)
         if self.task.epoch_fn is not None:
             assert self.lr is not None  # _join set it up: epochs are trained in windows
             self.lr.apply(self.lr_step)  # so the handle shows the LR of the step about to run
+            busy = self.link.busy
             self.link.doing("callback")
             try:
                 self.task.epoch_fn(epoch, self.handle)
             except Exception as exc:
                 raise UserError("epoch_fn", exc) from exc
-            self.link.doing("step")
+            self.link.doing(busy)
 
     def _report(self, records: list[StepRecord], stats: RoundStats, last: StepRecord | None) -> StepRecord | None:
         """Count steps whose records are known, and hold them for the next report (each one a step

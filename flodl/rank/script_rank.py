@@ -40,7 +40,7 @@ from ..config.env import RankEnv
 from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_TASK_ERROR, PeerLost, TaskError
 from ..task import Task
 from ..wire import messages as m
-from .bridge import EPOCH_END, PREPARED, ROUND, Bridge, Item, ScriptFailed
+from .bridge import EPOCH, EPOCH_END, PREPARED, ROUND, Bridge, Item, ScriptFailed
 from .outcomes import Stop, UserError, user_traceback
 from .round_loop import Due
 from .runner import RankRunner
@@ -191,15 +191,20 @@ class ScriptRank(RankRunner):
         self.link.doing(busy)
 
     def _completed(self) -> int:
-        """The run completed and the last average landed: the script's last epoch ends now, on the
-        consensus, and its reports reach that epoch's row. An error there is the script's own (the
-        run trained every epoch): its traceback here, and the process exits with 4."""
-        if self.current_epoch < 0:
-            return EXIT_OK  # it trained nothing: no epoch to end
+        """The run completed and the last average landed: the script's current epoch ends now, on
+        the consensus, then every epoch after it that this rank trained no batch of begins and
+        ends, up to the run's last (every rank's ``run.epochs()`` yields every epoch), and their
+        reports reach their rows. An error there is the script's own (the run trained every
+        epoch): its traceback here, and the process exits with 4."""
         try:
-            self._end_epoch()
+            if self.current_epoch >= 0:
+                self._end_epoch()
+            while (empty := self.epoch_before(self.epochs)) is not None:
+                self._enter_epoch(empty)
+                self._hand(Item(EPOCH, epoch=empty))  # the script's run.epochs() yields it; its run.batches() is empty
+                self._end_epoch()
         except UserError as exc:
-            log.error("rank %d: the script's code after its last epoch raised:\n%s", self.rank, user_traceback(exc.original))
+            log.error("rank %d: the script's code after its last batch raised:\n%s", self.rank, user_traceback(exc.original))
             return EXIT_TASK_ERROR
         return EXIT_OK
 

@@ -14,7 +14,9 @@ watch stay on the link's own threads, as for every rank.
 
 An epoch that ends inside a round is handed to the script as ``EPOCH_END``:
 its code after ``for batch in run.batches()`` runs (watched as a callback is),
-and the round goes on at the script's next ``run.batches()``.
+and the round goes on at the script's next ``run.batches()``. An epoch this
+rank trains no batch of (its share of it was nothing) still begins (``EPOCH``)
+and ends, in order, before the next batch's epoch.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
-from .bridge import BATCH, EPOCH_END, Item
+from .bridge import BATCH, EPOCH, EPOCH_END, Item
 from .data import to_device
 from .round_loop import Due
 from .step_meter import StepRecord
@@ -73,6 +75,10 @@ class InlineRound:
                 self.busy = rank.link.busy
                 rank.link.doing("callback")  # watched as epoch_fn is
                 return Item(EPOCH_END, epoch=rank.current_epoch)
+            empty = rank.epoch_before(due.epoch)
+            if empty is not None:  # an epoch this rank trains no batch of: it begins, and ends at the next call
+                rank._enter_epoch(empty)
+                return Item(EPOCH, epoch=empty)
             rank._enter_epoch(due.epoch)
             self.t0 = rank._step_begins()
             self.training = True

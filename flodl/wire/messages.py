@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 
 @dataclass(slots=True)
@@ -140,6 +140,10 @@ class RankWelcome:
     """path of the controller's shared-memory probe (CPU averaging backend), empty when the same-host lane is off"""
     shm_nonce: str
     """what the probe holds: a rank that reads exactly this from it shares the controller's host and user and may use the same-host lane"""
+    first_epoch: int
+    """the epoch the run trains first (0, or a resumed run's first open epoch): a rank enters every epoch from there in order, an epoch it trains no batch of included; -1: from the epoch of its first batch (a rank joining a running job)"""
+    epochs: int
+    """epochs the run trains in all (--epochs x epoch_splits): a completed run ends every rank's last epoch, the run's last one"""
 
 
 @dataclass(slots=True)
@@ -556,7 +560,7 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     3: ('Reject', Reject, (('reason', 'str'),)),
     4: ('RankExited', RankExited, (('rank', 'int'), ('pid', 'int'), ('code', 'int'),)),
     5: ('RankHello', RankHello, (('rank', 'int'), ('host', 'str'), ('pid', 'int'), ('device', 'str'), ('versions', 'map<str,str>'), ('model_signature', 'str'), ('param_count', 'int'), ('shuffle_signature', 'str'), ('dataset_len', 'int'), ('has_eval', 'bool'), ('eval_metric', 'str'), ('batch_size', 'int'), ('grain', 'str'), ('accumulate_grad_batches', 'int'),)),
-    6: ('RankWelcome', RankWelcome, (('rank', 'int'), ('world_size', 'int'), ('generation', 'int'), ('store_host', 'str'), ('store_port', 'int'), ('store_prefix', 'str'), ('collective_timeout_s', 'float'), ('config', 'map<str,value>'), ('seed', 'int'), ('bulk_port', 'int'), ('late', 'bool'), ('shm_probe', 'str'), ('shm_nonce', 'str'),)),
+    6: ('RankWelcome', RankWelcome, (('rank', 'int'), ('world_size', 'int'), ('generation', 'int'), ('store_host', 'str'), ('store_port', 'int'), ('store_prefix', 'str'), ('collective_timeout_s', 'float'), ('config', 'map<str,value>'), ('seed', 'int'), ('bulk_port', 'int'), ('late', 'bool'), ('shm_probe', 'str'), ('shm_nonce', 'str'), ('first_epoch', 'int'), ('epochs', 'int'),)),
     7: ('RankReady', RankReady, (('rank', 'int'), ('generation', 'int'), ('init_ms', 'float'),)),
     9: ('TimingMsg', TimingMsg, (('rank', 'int'), ('epoch', 'int'), ('step', 'int'), ('samples', 'int'), ('loss', 'float'), ('batch_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'), ('batches', 'int'),)),
     11: ('Heartbeat', Heartbeat, (('step', 'int'), ('sent_at', 'float'), ('busy', 'str'), ('busy_s', 'float'), ('step_ms', 'float'), ('averaged', 'int'),)),

@@ -61,11 +61,19 @@ class Proc:
         return "\n".join(self.lines)
 
     def wait_for_line(self, needle: str, timeout: float = 60) -> None:
+        """Wait for a line holding ``needle``. An epoch's line, ``"epoch N/"`` (or ``"epoch N/E"``), is
+        waited for as the run having closed epoch N: its own line, or a group's that covers it or a
+        later epoch ("epochs 3-5/8": one average closed them, docs/cadence.md)."""
         deadline = time.monotonic() + timeout
-        while not any(needle in line for line in self.lines):
+        epoch = _EPOCH_NEEDLE.fullmatch(needle)
+        while not (any(needle in line for line in self.lines) or (epoch is not None and self._closed(int(epoch.group(1))))):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"never saw {needle!r}; output:\n{self.output}")
             time.sleep(0.05)
+
+    def _closed(self, epoch: int) -> bool:
+        """Has the run printed the line of epoch ``epoch`` (1-based), or of a later one?"""
+        return any(int(m.group(2) or m.group(1)) >= epoch for line in self.lines if (m := _EPOCH_LINE.search(line)))
 
     def control_port(self, timeout: float = 60) -> int:
         """The port a controller started with ``PICK_PORT`` bound, once it listens."""
@@ -86,6 +94,12 @@ class Proc:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+#: An epoch's line, or a group's: "epoch 4/8  loss ..." or "epochs 3-5/8  loss ...".
+_EPOCH_LINE = re.compile(r"(?:^|\] )epochs? (\d+)(?:-(\d+))?/\d+ ")  # a launcher prefixes "[controller] "
+#: A needle that asks for an epoch's line: "epoch 4/" or "epoch 4/8".
+_EPOCH_NEEDLE = re.compile(r"epoch (\d+)/\d*")
 
 
 class Run(Proc):

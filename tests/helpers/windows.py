@@ -15,12 +15,14 @@ def fold_window(
     dead_batches: dict[int, int] | None = None,
     overhead_ms: dict[int, float] | None = None,
     dropped: dict[int, int] | None = None,
+    closed: list | None = None,
 ) -> dict[int, int]:
     """Each rank trains its grants up to its batch quota (all of them without one) at its
     ms/batch; the reports are folded in. Returns the batches each rank trained. A rank in
     ``dead_batches`` died in the window: it reports nothing, having sent TimingMsgs for that
     many batches. ``overhead_ms``: a rank's own wall per batch outside its compute (bookkeeping).
-    ``dropped``: the earlier window whose background average a rank reports it gave up."""
+    ``dropped``: the earlier window whose background average a rank reports it gave up.
+    ``closed``: the rows of the epochs the window closed are appended to it."""
     reports, bs = {}, loop.dispatcher.batch_size
     for rank, plan in loop.plans[number].items():
         if dead_batches and rank in dead_batches:
@@ -50,7 +52,9 @@ def fold_window(
             res={},
             data={},
         )
-    loop.on_reports(number, reports, now=float(number + 1), dead_batches=dead_batches)
+    rows = loop.on_reports(number, reports, now=float(number + 1), dead_batches=dead_batches)
+    if closed is not None:
+        closed.extend(rows)
     return {rank: r.batches for rank, r in reports.items()}
 
 

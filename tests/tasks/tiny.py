@@ -11,6 +11,7 @@ FLODL_TEST_EVAL_FAIL    make eval_fn raise
 FLODL_TEST_EVAL_SLEEP   seconds eval_fn takes (a real eval's time, on the eval rank only)
 FLODL_TEST_SAMPLES      training samples (default 512)
 FLODL_TEST_RECORD_SEEN  record_scalar("seen", samples in the batch) every step (a count to declare sum)
+FLODL_TEST_EPOCH_LOG    a directory: epoch_fn appends each epoch a rank begins to rank<R>.epochs there
 FLODL_TEST_BIG_MODEL    add a parameter of ones, never trained, large enough that a snapshot takes two
                         8 MiB slices; the eval is then its mean (1.0 unless an average shrank it)
 """
@@ -93,6 +94,19 @@ def task():
         eval_fn=evaluate,
         eval_metric="accuracy",
     )
+
+
+def log_epoch(epoch, worker):
+    """epoch_fn: append the epoch this rank begins to FLODL_TEST_EPOCH_LOG/rank<R>.epochs."""
+    with open(os.path.join(os.environ["FLODL_TEST_EPOCH_LOG"], f"rank{worker.rank}.epochs"), "a") as f:
+        f.write(f"{epoch}\n")
+
+
+def epoch_logging_task():
+    """The tiny task, with an epoch_fn that logs every epoch each rank begins."""
+    t = task()
+    t.epoch_fn = log_epoch
+    return t
 
 
 def empty_task():
