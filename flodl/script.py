@@ -44,6 +44,7 @@ from .rank.bridge import BATCH, END, EPOCH, EPOCH_END, ROUND, Bridge, Item
 from .rank.link import SAVE_GRACE_S
 from .rank.script_rank import Prepared, ScriptRank, Stepped
 from .rank.script_round import InlineRound
+from .rank.shard_source import ShardSource
 from .shards import Shards
 from .task import loader_problem
 
@@ -60,6 +61,12 @@ def init() -> Run:
     if _run is None:
         _run = Run(_rank_env())
     return _run
+
+
+def initialised() -> bool:
+    """Has this process called ``flodl.init()``? (Before, a script's failure is reported by
+    ``rank/script_start.py``; after, by its ``Run``.)"""
+    return _run is not None
 
 
 def _rank_env() -> RankEnv:
@@ -196,20 +203,30 @@ class Run:
                 self._pending = None  # an epoch this rank trains no batch of: its end comes next
             yield item.epoch
 
-    def batches(self) -> Iterator[Any]:
-        """This rank's granted batches of the current epoch, their tensors on ``run.device``.
+    def batches(self) -> Batches:
+        """This rank's granted batches of the current epoch, their tensors on ``run.device``: iterate
+        it (a ``Batches``), and ``len()`` it for this rank's expected share of an epoch.
+
+        A batch taken and not stepped (a peek, ``next(iter(run.batches()))``) is handed again
+        by the next iteration: it is still trained once, when ``run.step`` is called for it.
 
         Raises:
             SystemExit: as ``epochs()``.
         """
+        return Batches(self)
+
+    def _batches(self) -> Iterator[Any]:
+        """An iteration of ``run.batches()``."""
         self._need_prepared("run.batches()")
         if not self._in_epoch:
             raise RuntimeError("flodl: iterate run.batches() inside `for epoch in run.epochs()`")
         while True:
             item = self._peek()
             if item.kind == BATCH:
-                self._pending, self._outstanding = None, True
+                self._outstanding = True  # and the item stays pending until its run.step
                 yield item.batch
+                if self._outstanding:  # this loop came back for the next batch without run.step
+                    raise RuntimeError("flodl: call run.step(loss) for every batch before taking the next")
                 continue
             self._in_epoch = False
             if item.kind == EPOCH_END:
@@ -236,7 +253,7 @@ class Run:
             raise TypeError(f"flodl: run.step(loss) takes the batch's loss, a one-element tensor; got {type(loss).__name__}")
         if optimizer_stepped is not None and not isinstance(optimizer_stepped, bool):
             raise TypeError(f"flodl: run.step(loss, optimizer_stepped=...) takes a bool, got {type(optimizer_stepped).__name__}")
-        self._loss, self._outstanding = Stepped(loss.detach(), optimizer_stepped), False
+        self._loss, self._outstanding, self._pending = Stepped(loss.detach(), optimizer_stepped), False, None
 
     def register_state(self, name: str, obj: Any) -> None:
         """Keep ``obj``'s state (``state_dict`` / ``load_state_dict``: an LR scheduler, a GradScaler,
@@ -271,12 +288,26 @@ class Run:
             raise RuntimeError(f"flodl: call run.prepare(model, optimizer, dataset, batch_size=...) before {what}")
 
     def _peek(self) -> Item:
-        """The next item: the one pending, or a new one (from the round, or the driver's turn)."""
+        """The next item: the one pending (a batch given out and not stepped yet is), or a new one
+        (from the round, or the driver's turn)."""
         if self._pending is None:
-            if self._outstanding:
-                raise RuntimeError("flodl: call run.step(loss) for every batch before taking the next")
             self._pending = self._next_item()
         return self._pending
+
+    def _expected_batches(self) -> int:
+        """``len(run.batches())``: DistributedSampler's share of an epoch, for the live world.
+
+        Raises:
+            RuntimeError: before ``prepare()``.
+            TypeError: a ``flodl.Shards`` dataset (a shard holds any number of samples).
+        """
+        self._need_prepared("len(run.batches())")
+        source = self._rank.source
+        if source is None or isinstance(source, ShardSource):
+            raise TypeError("flodl: len(run.batches()) is not known for a flodl.Shards dataset (a shard holds any number of samples)")
+        samples = source.schedule.epoch_len(max(self.epoch, 0))
+        share = -(-samples // max(self._rank.world_size, 1))  # ceil, as DistributedSampler's num_samples
+        return -(-share // source.batch_size)  # and DataLoader's len (drop_last=False)
 
     def _next_item(self) -> Item:
         """The round in progress runs on, here, to its next item; once it ended (or with none),
@@ -323,6 +354,27 @@ class Run:
         self._bridge.fail(reason)
         ended = self._bridge.wait_ended(self._rank.deadlines.verdict_wait_s + SAVE_GRACE_S)
         exit_now(ended.code if ended is not None and ended.code else EXIT_TASK_ERROR)
+
+
+class Batches:
+    """What ``run.batches()`` returns: iterable (this rank's batches of the epoch), and sized.
+
+    ``len()`` is what ``len(loader)`` is under torchrun with a ``DistributedSampler``: the
+    epoch's samples divided among the ranks training now (rounded up), in batches (rounded up).
+    It is an estimate of this rank's share: progressive dispatch grants a faster rank more of
+    each epoch, so the batches this rank actually trains may be more or fewer.
+    """
+
+    __slots__ = ("_run",)
+
+    def __init__(self, run: Run) -> None:
+        self._run = run
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._run._batches()
+
+    def __len__(self) -> int:
+        return self._run._expected_batches()
 
 
 def _check_prepare(model: Any, optimizer: Any, dataset: Any, batch_size: Any, accumulate: Any) -> None:

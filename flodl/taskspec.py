@@ -12,6 +12,7 @@ import ast
 import importlib
 import importlib.util
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -103,11 +104,12 @@ def check_spec(spec: str) -> None:
     shows (an empty dataset, a raising factory) is the ranks' to find.
 
     Modules this process already imported (``Trainer.builder(task)``) are looked at directly; others
-    are read as source (``ast``), never executed: a module that imports torch costs nothing here.
+    are compiled, never executed: a module that imports torch costs nothing here, and one that does
+    not compile (a syntax error) is refused with Python's own report of it (file, line, caret).
 
     Raises:
-        TaskError: the spec is malformed, the file or module is not found, or it does not define
-            the attribute.
+        TaskError: the spec is malformed, the file or module is not found, does not compile, or
+            does not define the attribute.
     """
     module_text, attr = _split(spec)
     head = attr.split(".")[0]
@@ -122,8 +124,28 @@ def check_spec(spec: str) -> None:
         return
     else:
         source = _module_source(module_text)
-    if source is not None and head not in _top_level_names(source):
+    if source is None:
+        return
+    problem = compile_problem(source)
+    if problem is not None:
+        raise TaskError(f"task spec {spec!r}: {problem}")
+    if head not in _top_level_names(source):
         raise TaskError(f"task spec {spec!r}: {module_text} defines no {head!r} at top level")
+
+
+def compile_problem(path: Path) -> str | None:
+    """Why the Python file ``path`` does not compile (``SyntaxError`` as Python prints it: the
+    file, the line, a caret under the fault), or None when it compiles or cannot be read (whoever
+    runs it reports that). Compiled only: nothing in it runs."""
+    try:
+        compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        return f"{path} does not compile:\n" + "".join(traceback.format_exception_only(exc)).rstrip()
+    except ValueError as exc:  # a null byte (a binary file)
+        return f"{path} does not compile: {exc}"
+    except OSError:
+        return None
+    return None
 
 
 def _module_source(module_text: str) -> Path | None:

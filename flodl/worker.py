@@ -32,8 +32,10 @@ import dataclasses
 import logging
 import os
 import select
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +63,7 @@ from .host.devices import choose_devices
 from .host.proc import ChildProcess, die_with_parent, nap, terminate_then_kill
 from .host.store_server import write_port
 from .host.zygote import Zygote
-from .scriptspec import rank_command
+from .scriptspec import BEFORE_INIT, decode, rank_command, take_report
 from .testing.faults import FaultPlan
 from .wire import curve
 from .wire import messages as m
@@ -122,6 +124,7 @@ class Worker:
         self.store_proc: ChildProcess | None = None  # the run's store, when this worker hosts it (_host_store)
         self.store_task: asyncio.Task[None] | None = None
         self.zygote: Zygote | None = None  # forks the ranks pre-imported (host/zygote.py); None: exec each
+        self.reports: str | None = None  # a folder of ours where script ranks leave a failure before flodl.init()
         self.welcome: m.WorkerWelcome | None = None
         self.shutdown: m.Shutdown | m.ShutdownWithSave | None = None
         self.reject: m.Reject | None = None
@@ -212,6 +215,8 @@ class Worker:
                 await self.zygote.close(KILL_GRACE_S)
             if self.relay is not None:
                 self.relay.close()
+            if self.reports is not None:
+                shutil.rmtree(self.reports, ignore_errors=True)
             # a controller killed outright on this host left its shared-memory segments (so may a
             # rank): its ranks are gone now, so sweep what no live process owns
             sweep_stale()
@@ -365,8 +370,14 @@ class Worker:
             seed=welcome.seed,
         )
         # python -m flodl.rank, or in script mode the user's script (scriptspec.py)
+        report = self._report_path(rank) if decode(welcome.task) is not None else ""
         argv, extra = rank_command(
-            welcome.task, rank=rank, world_size=welcome.world_size, local_rank=self.local_ranks.get(rank, 0), local_world=len(self.devices)
+            welcome.task,
+            rank=rank,
+            world_size=welcome.world_size,
+            local_rank=self.local_ranks.get(rank, 0),
+            local_world=len(self.devices),
+            report=report,
         )
         proc: ChildProcess | None = None
         await asyncio.sleep(_spawn_delay_s(rank))  # tests only (FLODL_INJECT_FAULT): a slow fork on a loaded host
@@ -383,7 +394,13 @@ class Worker:
         if self.relay is not None:
             self.relay.admit(f"rank{rank}.{proc.pid}".encode(), rank)  # the rank's bulk identity, as it will connect
         assert self._tg is not None  # _spawn set it; a respawn comes only once it is
-        self._tg.create_task(self._reap(rank, proc))
+        self._tg.create_task(self._reap(rank, proc, report))
+
+    def _report_path(self, rank: int) -> str:
+        """Where script rank ``rank`` leaves a failure before ``flodl.init()`` (scriptspec.py): in a folder of this worker's."""
+        if self.reports is None:
+            self.reports = tempfile.mkdtemp(prefix="flodl-worker-")
+        return os.path.join(self.reports, f"rank{rank}.json")
 
     async def _respawn(self, msg: m.Respawn) -> None:
         """Healing: once the dead rank's process is surely gone (its device free), wait the
@@ -403,8 +420,13 @@ class Worker:
         self.local_ranks[msg.rank] = self.local_ranks.get(msg.replaces, 0)
         await self._start_rank(msg.rank, msg.device)
 
-    async def _reap(self, rank: int, proc: ChildProcess) -> None:
+    async def _reap(self, rank: int, proc: ChildProcess, report: str) -> None:
         code = await proc.wait()
+        # a script that failed before flodl.init() left its error here: said first, so the
+        # controller reads the exit that follows as the script's error, not as a lost rank
+        failed = take_report(report) if report else None
+        if failed is not None:
+            self._send(m.RankError(rank=rank, stage=BEFORE_INIT, error=failed[0], detail=failed[1], generation=0))
         # the fast path of failure detection: report before anything else happens
         self._send(m.RankExited(rank=rank, pid=proc.pid, code=code))
         if self.relay is not None:

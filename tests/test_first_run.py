@@ -65,6 +65,7 @@ def test_a_task_spec_is_checked_by_reading_the_module_not_running_it(tmp_path, m
 
     (tmp_path / "loud.py").write_text("raise SystemExit('executed')\n\ndef task():\n    pass\n")
     (tmp_path / "star.py").write_text("from os.path import *\n")
+    (tmp_path / "broken.py").write_text("def task(:\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     check_spec(f"{tmp_path / 'loud.py'}:task")
     check_spec("loud:task")
@@ -79,6 +80,7 @@ def test_a_task_spec_is_checked_by_reading_the_module_not_running_it(tmp_path, m
         ("loud:tsak", "defines no 'tsak'"),
         ("no_such_module_here:task", "add that directory to PYTHONPATH"),
         ("os.path:nope", "has no attribute 'nope'"),
+        (f"{tmp_path / 'broken.py'}:task", r"broken.py does not compile:\n  File .*, line 1\n    def task\(:\n.*\^\nSyntaxError"),
     ):
         with pytest.raises(TaskError, match=said):
             check_spec(spec)

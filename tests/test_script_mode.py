@@ -13,6 +13,7 @@ import torch
 from flodl import scriptspec
 from flodl.checkpoint.bundle import read_meta
 from flodl.checkpoint.files import CheckpointError
+from flodl.controller.before_init import BeforeInit
 from flodl.controller.epoch_ends import EpochEnds
 from flodl.errors import EXIT_CONFIG, EXIT_RANK_LOST, EXIT_TASK_ERROR
 from flodl.plan.metrics import EpochReport, aggregate
@@ -235,6 +236,11 @@ def test_registered_state_is_saved_and_a_resumed_script_ends_as_a_straight_run(p
         ({"FLODL_TEST_FAIL_AT": "5"}, ["failed during train: RuntimeError: injected failure at step 5", f'File "{SCRIPT}", line']),
         # misuse of the API: one clear error, the same way
         ({"FLODL_TEST_MISUSE": "step"}, ["run.step(loss) is called once per batch, inside `for batch in run.batches()`"]),
+        # a loop that never steps: refused at its second batch, the traceback at that loop's line
+        (
+            {"FLODL_TEST_MISUSE": "skip"},
+            ["call run.step(loss) for every batch before taking the next", "for _ in run.batches():  # never steps"],
+        ),
     ],
 )
 def test_an_error_in_the_script_stops_the_run_as_a_task_error(proc_env, tmp_path, env, says):
@@ -252,6 +258,80 @@ def test_an_empty_dataset_is_the_users_error_exit_2_in_one_line(proc_env, tmp_pa
     assert run.wait(45) == EXIT_CONFIG, run.output
     assert run.output.count("run.prepare(..., dataset): the dataset is empty") == 1, run.output
     assert "Traceback" not in run.output and "--- traceback" not in run.output, run.output
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("early", "zygote"),
+    [("missing", "on"), ("missing", "off"), ("argparse", "on")],  # off: the rank is exec'd, not forked
+)
+def test_a_script_that_fails_before_init_stops_the_run_as_the_users_error_told_once(proc_env, tmp_path, early, zygote):
+    """A data file that is not there, an argument argparse requires: every rank fails before
+    flodl.init(). Not two lost ranks: one traceback of the user's own frames, naming every rank, exit 2."""
+    run, _ = start(proc_env, tmp_path, env={"FLODL_TEST_EARLY": early, "FLODL_ZYGOTE": zygote})
+    assert run.wait(45) == EXIT_CONFIG, run.output
+    out = run.output
+    assert "lost rank" not in out and "continuing with" not in out and not re.search(r"\(pid \d+\) exited with code", out), out
+    assert "run stopped: the script failed before flodl.init() on every rank (0, 1): " in out, out
+    if early == "missing":
+        assert out.count("Traceback (most recent call last)") == 1, out
+        [frames] = re.findall(r"Traceback \(most recent call last\):\n(.*?)\nFileNotFoundError: ", out, re.S)
+        assert set(re.findall(r'File "([^"]+)"', frames)) == {SCRIPT}, frames  # no flodl frame (zygote, script_start), no runpy
+        assert "no-such-data.csv" in out
+    else:  # argparse said why, on each rank's stderr, as under torchrun; the run says the rest once
+        assert "Traceback" not in out and "error: the following arguments are required: --data" in out, out
+        assert "it exited with code 2 (its own message is above)" in out
+
+
+@pytest.mark.timeout(60)
+def test_a_script_that_fails_before_init_on_one_rank_names_it(proc_env, tmp_path):
+    """Rank 1 alone fails before flodl.init(); rank 0 joins and waits: the run stops all the same
+    (the same script fails on a rank's host: the user's to fix), naming rank 1, exit 2."""
+    run, _ = start(proc_env, tmp_path, env={"FLODL_TEST_EARLY": "1:missing"})
+    assert run.wait(45) == EXIT_CONFIG, run.output
+    assert re.search(r"run stopped: the script failed before flodl.init\(\) on rank 1 on host \S+: FileNotFoundError", run.output)
+    assert "lost rank" not in run.output and run.output.count("Traceback (most recent call last)") == 1, run.output
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flag", ["--task", "--script"])
+def test_a_file_that_does_not_compile_is_refused_at_the_door(proc_env, tmp_path, flag):
+    """Compiled by the controller, never run: Python's report of the syntax error (file, line,
+    caret), exit 2, before any worker or rank starts."""
+    bad = tmp_path / "train.py"
+    bad.write_text("import torch\n\ndef task(:\n    return None\n")
+    argv = [PY, "-m", "flodl.controller", flag, f"{bad}:task" if flag == "--task" else str(bad), "--nproc-per-node", "2"]
+    t0 = time.monotonic()
+    done = subprocess.run(argv, env=proc_env, cwd=ROOT, capture_output=True, text=True, timeout=50)
+    took = time.monotonic() - t0
+    assert done.returncode == EXIT_CONFIG, done.stdout + done.stderr
+    said = done.stderr
+    assert f'File "{bad}", line 3\n    def task(:\n             ^\nSyntaxError: invalid syntax' in said, said
+    assert "start-up" not in done.stdout + said and took < 20, (took, done.stdout)  # nothing started
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["nccl-cadence", "nccl-sync", "cpu-async"])
+def test_a_torchrun_scripts_idioms_work(proc_env, tmp_path, mode):
+    """The DDP tutorial's idioms: each epoch peeks at a batch (len(next(iter(loader))[0])) before
+    its loop, and reads len(loader); a leftover init_process_group(). The peeked batch is the loop's
+    first and is trained once; len() is DistributedSampler's share; torch.distributed has no
+    default group (docs/script-mode.md says why), and init_process_group() says so."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run, path = start(proc_env, tmp_path, mode=mode, env={"FLODL_TEST_IDIOMS": "1", "FLODL_TEST_OUT": str(out)})
+    finished(run, path)  # every sample of every epoch trained once
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert sum(r["steps"] for r in ranks) == EPOCHS * 512 // 16  # a peeked batch is trained by the loop, once
+    for record in ranks:
+        idioms = record["idioms"]
+        assert idioms["len"] == 16 and idioms["lens"] == [16] * len(record["epochs"])  # ceil(ceil(512 / 2) / 16)
+        peeked = [n for n in idioms["peeked"] if n is not None]
+        assert peeked and all(1 <= n <= 16 for n in peeked), idioms
+        assert idioms["first_is_peeked"] == [True] * len(peeked), idioms
+        seen = idioms["dist"]
+        assert seen["initialized"] is False and seen["master"] == [None, None] and seen["sync_bn"] == [4, 2], seen
+        assert seen["init_error"].startswith("RuntimeError: flodl: a --script does not call torch.distributed.init_process_group()")
 
 
 @pytest.mark.timeout(60)
@@ -295,7 +375,7 @@ def test_the_script_and_its_args_travel_in_the_task_field():
     assert scriptspec.decode(spec) == ["train.py", "--lr", "0.1", "a b"]
     assert scriptspec.decode("examples/digits.py:task") is None
     argv, env = scriptspec.rank_command(spec, rank=3, world_size=2, local_rank=1, local_world=2)
-    assert argv[1:] == ["train.py", "--lr", "0.1", "a b"]
+    assert argv[1:] == ["-m", "flodl.rank.script_start", "train.py", "--lr", "0.1", "a b"]  # runs it as python train.py would
     # a restarted rank's number is new: WORLD_SIZE counts the ranks numbered so far
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("3", "4", "1", "2")
     assert scriptspec.rank_command("m:f", rank=0, world_size=1, local_rank=0, local_world=1) == ([PY, "-m", "flodl.rank"], {})
@@ -387,3 +467,25 @@ def test_an_epochs_row_waits_for_every_live_script_that_trained_in_it():
     assert stats.scalars == {"acc": pytest.approx((0.9 * 30 + 0.5 * 10) / 40)}
     assert ends.complete(stats, live={0, 1, 2})  # rank 2 trained nothing of it; rank 3 is dead
     assert not ends.complete(stats, live={0, 1, 3})
+
+
+def test_failures_before_init_wait_a_moment_for_the_other_ranks_and_are_told_once_each():
+    """BeforeInit, without processes: the first report waits for the others (not once none may
+    still come); each distinct traceback is printed once with the ranks it came from."""
+    early = BeforeInit(grace_s=1.0)
+    assert not early.due(5.0, waiting=False)  # nothing reported
+    early.note(0, "OSError: no data", "Traceback: A\n", now=10.0)
+    assert not early.due(10.5, waiting=True) and early.due(11.0, waiting=True) and early.due(10.1, waiting=False)
+    early.note(2, "OSError: no data", "Traceback: A\n", now=10.2)
+    early.note(1, "it exited with code 2 (its own message is above)", "", now=10.3)
+    printed, message = early.told([0, 1, 2], lambda r: f"rank {r} on host h")
+    assert printed == "--- the script before flodl.init(), on ranks 0, 2 ---\nTraceback: A\n"  # none for argparse's exit
+    assert message == "the script failed before flodl.init() on ranks 0, 2: OSError: no data (and 1 other failure(s), above)"
+    assert not early.due(20.0, waiting=False)  # told once: the run stops
+    every = BeforeInit()
+    for rank in (0, 1):
+        every.note(rank, "E: x", "T\n", now=0.0)
+    assert every.told([0, 1], str)[1] == "the script failed before flodl.init() on every rank (0, 1): E: x"
+    one = BeforeInit()
+    one.note(1, "E: x", "T\n", now=0.0)
+    assert one.told([0, 1], lambda r: f"rank {r} on host h")[1] == "the script failed before flodl.init() on rank 1 on host h: E: x"

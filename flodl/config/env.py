@@ -49,6 +49,9 @@ PARENT_PID = "FLODL_PARENT_PID"  # a child exits if its parent is no longer this
 RELAY_ADDR = "FLODL_RELAY_ADDR"
 ZYGOTE_ROOM = "FLODL_ZYGOTE_ROOM"  # worker -> zygote only: blanks that make room for a forked rank's /proc environ
 SEED = "FLODL_SEED"  # deterministic runs: the run seed a rank seeds its RNGs with before building the task
+# worker -> script rank only: the file where a script that fails before flodl.init() leaves its error
+# for the worker to report (scriptspec.py), instead of printing a traceback of its own
+SCRIPT_REPORT = "FLODL_SCRIPT_REPORT"
 
 # ---- switches a user (or a benchmark) sets
 ENCRYPT = "FLODL_ENCRYPT"  # 1|on|yes|true: CURVE-encrypt every plane (as --encrypt); children inherit it
@@ -77,6 +80,9 @@ PYTHONPATH = "PYTHONPATH"  # children get the import roots of their parent (chil
 # torchrun's, set for a script-mode rank (docs/script-mode.md): the values at its spawn, never updated
 TORCHRUN_RANK, TORCHRUN_WORLD_SIZE = "RANK", "WORLD_SIZE"
 TORCHRUN_LOCAL_RANK, TORCHRUN_LOCAL_WORLD_SIZE = "LOCAL_RANK", "LOCAL_WORLD_SIZE"
+# torchrun's too, and torch's env:// rendezvous: a script-mode rank has no default group to rendezvous
+# for, so it is never set (docs/script-mode.md#torchdistributed-in-a-script)
+TORCHRUN_MASTER_ADDR = "MASTER_ADDR"
 
 _ON = ("1", "on", "yes", "true")
 _OFF = ("0", "off", "no", "false")
@@ -194,6 +200,16 @@ def torchrun_env(*, rank: int, world_size: int, local_rank: int, local_world_siz
         TORCHRUN_LOCAL_RANK: str(local_rank),
         TORCHRUN_LOCAL_WORLD_SIZE: str(local_world_size),
     }
+
+
+def script_report() -> str:
+    """Where this script rank leaves a failure before ``flodl.init()`` ("": nowhere, fail as any process)."""
+    return os.environ.get(SCRIPT_REPORT, "")
+
+
+def has_master_addr() -> bool:
+    """Is ``MASTER_ADDR`` set (a script's own rendezvous address for torch's ``env://``)?"""
+    return TORCHRUN_MASTER_ADDR in os.environ
 
 
 def pythonpath_with(directory: str) -> str:

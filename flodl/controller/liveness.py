@@ -17,14 +17,16 @@ import time
 from collections.abc import Callable
 
 from ..config import DdpRunConfig
-from ..errors import EXIT_NONFINITE
+from ..errors import EXIT_CONFIG, EXIT_NONFINITE
 from ..monitor.hub import Monitor
 from ..plan.decisions import Outcome, after_collective_error, after_deaths, after_rank_error, unexplained_collective_error
 from ..plan.membership import Membership, PeerState, restart_delay
 from ..plan.progress import ProgressLimits
+from ..scriptspec import BEFORE_INIT
 from ..wire import messages as m
 from ..wire.codec import Envelope
 from .admission import Admission
+from .before_init import BeforeInit
 from .checkpoints import Checkpointer
 from .console import Console
 from .hooks import ControllerHooks
@@ -86,6 +88,7 @@ class Liveness:
         self._restarts_used: dict[int, int] = {}  # original rank -> restarts so far
         self._back: tuple[float, set[int]] | None = None  # a recovery waiting for every survivor's first average in it
         self._drops_seen = 0  # dropped control frames already alerted
+        self.before_init = BeforeInit()  # script ranks that failed before flodl.init(): the run stops, once told
 
     async def watch(self) -> None:
         """Beat to every peer every second; judge silence and deaths several times a second."""
@@ -121,6 +124,11 @@ class Liveness:
         if self.run.ended:
             return
         now = self.clock()
+        if self.before_init.since is not None and self.before_init.due(now, waiting=self._may_fail_before_init()):
+            printed, message = self.before_init.told(sorted(self.members.ranks), lambda r: self.members.ranks[r].where())
+            sys.stderr.write(printed)
+            self.run.fail(message, EXIT_CONFIG)
+            return
         self.members.excuse_silence_before_hello(now)
         verdict = self.members.assess(now, self.limits)  # the limits: a training thread stuck in user code is hung
         self.members.apply(verdict)
@@ -158,6 +166,9 @@ class Liveness:
         self._note_averaging_again(info.rank, msg.averaged)
 
     def on_rank_error(self, identity: bytes, env: Envelope, msg: m.RankError) -> None:
+        if msg.stage == BEFORE_INIT:
+            self._failed_before_init(env, msg)
+            return
         info = self.members.ranks[msg.rank]
         decision = after_rank_error(msg.stage, joiner=msg.rank in self.admission.joiners)
         if decision.outcome is Outcome.IGNORE:
@@ -175,6 +186,27 @@ class Liveness:
             if self.run.failure is None and decision.why == "traceback":  # a bad bundle or option needs none
                 sys.stderr.write(f"--- traceback from {info.where()} ---\n{msg.detail}\n")
             self.run.fail(f"{info.where()} failed during {msg.stage}: {msg.error}", decision.code)
+
+    def _failed_before_init(self, env: Envelope, msg: m.RankError) -> None:
+        """A script rank's worker says its script failed before ``flodl.init()`` (its exit comes
+        next): the user's error of the whole run (before_init.py), not a rank to go on without. A
+        joiner's (a restart, a late worker's) only drops the joiner, as any failure of a joiner does."""
+        worker = self.members.workers.get(env.sender)
+        if worker is None or msg.rank not in worker.ranks:
+            self.plane.live_endpoint.drops["unauthorized"] += 1  # only the rank's own worker speaks for a rank that never joined
+            return
+        if msg.rank in self.admission.joiners:
+            self.admission.drop_joiner(msg.rank, f"the script failed before flodl.init(): {msg.error}")
+            return
+        self.members.rank_left(msg.rank)  # its exit is the script's error, not a death
+        self.before_init.note(msg.rank, msg.error, msg.detail, self.clock())
+        self.judge()
+
+    def _may_fail_before_init(self) -> bool:
+        """Might another rank still report a failure before ``flodl.init()``? One that is starting
+        (alive, no hello yet) may."""
+        joiners = self.admission.joiners
+        return any(not r.identity and r.rank not in joiners for r in self.members.live_ranks())
 
     def on_rank_exited(self, identity: bytes, env: Envelope, msg: m.RankExited) -> None:
         worker = self.members.workers.get(env.sender)

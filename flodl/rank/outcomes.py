@@ -40,15 +40,16 @@ class NonFiniteLoss(ArithmeticError):
 
 
 def user_traceback(exc: BaseException) -> str:
-    """The traceback of ``exc`` (and of its chained causes) without flodl's own frames: the user
-    sees where their code raised, not the runner that called it. Where no frame is the user's (a
-    flodl bug), the whole traceback."""
+    """The traceback of ``exc`` (and of its chained causes) without flodl's own frames, nor
+    Python's frozen machinery (``runpy`` running a script, ``importlib`` importing a task): the
+    user sees where their code raised, not the runner that called it. Where no frame is the
+    user's (a flodl bug), the whole traceback."""
     report = traceback.TracebackException.from_exception(exc)
     seen: set[int] = set()
     te: traceback.TracebackException | None = report
     while te is not None and id(te) not in seen:
         seen.add(id(te))
-        theirs = [frame for frame in te.stack if not (frame.filename or "").startswith(_FLODL_DIR)]
+        theirs = [frame for frame in te.stack if not (frame.filename or "").startswith((_FLODL_DIR, "<frozen "))]
         if theirs:
             te.stack[:] = theirs
         te = te.__cause__ or te.__context__

@@ -9,7 +9,8 @@ FLODL_TEST_OUT          a directory: each rank writes rank<R>.json there at the 
                         "driver_turns": how often the rank's thread took a turn from the loop)
 FLODL_TEST_NO_INIT      never call flodl.init()
 FLODL_TEST_HANG_AT      "rank:step": that rank's loop blocks for good at that step (a script stuck in its own code)
-FLODL_TEST_MISUSE       "step": call run.step before any batch (misuse, refused with one clear error)
+FLODL_TEST_MISUSE       "step": call run.step before any batch; "skip": a loop that never calls run.step (misuse,
+                        refused with one clear error)
 FLODL_TEST_NUM_WORKERS  run.prepare(..., num_workers=N) over loaded.py's logged dataset (reads and
                         trained indices logged to FLODL_TEST_LOG_DIR)
 FLODL_TEST_EMPTY        prepare() an empty dataset (refused as the user's error, exit 2)
@@ -19,14 +20,21 @@ FLODL_TEST_ACCUM        "N0,N1,...[:declared|:explicit]": rank R steps its optim
                         between their micro-batches
 FLODL_TEST_STATE        register a LambdaLR (halves the LR at every epoch's end) and a counter of epoch ends
                         with run.register_state; rank<R>.json then holds their final "lr" and "counter"
+FLODL_TEST_EARLY        "[rank:]missing" or "[rank:]argparse": fail before flodl.init() (on that rank only), as a
+                        script whose data file is missing, or whose required argument is not given, does
+FLODL_TEST_IDIOMS       a torchrun script's idioms: peek at each epoch's first batch (next(iter(...))) before the
+                        loop, len(run.batches()), torch.distributed as libraries see it; rank<R>.json then holds
+                        "idioms": what each showed
 """
 
+import argparse
 import json
 import os
 import threading
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 try:  # run as the script (its folder on sys.path), or imported by the tests (tests.tasks.script)
@@ -59,6 +67,8 @@ class Counter:
 def main():
     if os.environ.get("FLODL_TEST_NO_INIT"):
         return
+    if os.environ.get("FLODL_TEST_EARLY"):
+        _fail_before_init(os.environ["FLODL_TEST_EARLY"])
     turns = _count_driver_turns()
     run = flodl.init()
     torch.manual_seed(run.rank)  # the replicas start unlike: prepare() makes them rank 0's
@@ -86,14 +96,27 @@ def main():
         run.register_state("counter", counter)
     if os.environ.get("FLODL_TEST_MISUSE") == "step":
         run.step(torch.tensor(0.0))
+    if os.environ.get("FLODL_TEST_MISUSE") == "skip":
+        for _ in run.epochs():
+            for _ in run.batches():  # never steps: the second batch is refused, naming this line
+                pass
+    idioms = {"len": len(run.batches()), "dist": _distributed()} if os.environ.get("FLODL_TEST_IDIOMS") else None
     fail_at = int(os.environ.get("FLODL_TEST_FAIL_AT", "0") or 0)
     hang_rank, _, hang_step = os.environ.get("FLODL_TEST_HANG_AT", "-1:0").partition(":")
     pause = float(os.environ.get("FLODL_TEST_STEP_SLEEP", "0") or 0)
     steps, epochs, breaks, start = 0, [], 0, None
     for epoch in run.epochs():
         epochs.append(epoch)
+        peeked = None
+        if idioms is not None:  # the DDP tutorial's len(next(iter(loader))[0]) and len(loader), before the loop
+            peeked = next(iter(run.batches()), None)
+            idioms.setdefault("peeked", []).append(None if peeked is None else len(peeked[0]))
+            idioms.setdefault("lens", []).append(len(run.batches()))
         for batch in run.batches():
             xb, yb = batch[0], batch[1]
+            if peeked is not None:  # the loop's first batch is the one peeked at
+                idioms.setdefault("first_is_peeked", []).append(torch.equal(xb, peeked[0]))
+                peeked = None
             if workers:
                 log_line("trained", " ".join(map(str, batch[2].tolist())))
             steps += 1
@@ -135,8 +158,33 @@ def main():
         record = {"env": {k: os.environ.get(k) for k in names}, "epochs": epochs, "steps": steps, "world_size": run.world_size}
         record.update(lr=optimizer.param_groups[0]["lr"], counter=counter.ends, accum_breaks=breaks, driver_turns=turns[0])
         record["weights"] = float(sum(p.detach().double().sum() for p in model.parameters()))
+        record["idioms"] = idioms
         with open(os.path.join(out, f"rank{run.rank}.json"), "w") as f:
             json.dump(record, f)
+
+
+def _fail_before_init(how: str) -> None:
+    """FLODL_TEST_EARLY: what a script does wrong before flodl.init(), on every rank or on one."""
+    only, _, what = how.rpartition(":")
+    if only and os.environ["RANK"] != only:
+        return
+    if what == "argparse":
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--data", required=True)
+        parser.parse_args()
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "no-such-data.csv")) as f:
+        f.read()
+
+
+def _distributed() -> dict:
+    """torch.distributed as a library sees it in a script rank, and what a leftover init_process_group() gets."""
+    seen = {"initialized": dist.is_initialized(), "master": [os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")]}
+    seen["sync_bn"] = list(torch.nn.SyncBatchNorm(2).train()(torch.randn(4, 2)).shape)  # no group: it normalises locally
+    try:
+        dist.init_process_group("gloo")
+    except Exception as exc:
+        seen["init_error"] = f"{type(exc).__name__}: {exc}"
+    return seen
 
 
 def _count_driver_turns() -> list[int]:
