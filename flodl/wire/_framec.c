@@ -32,7 +32,7 @@
 
 #define TAG_LEN 16
 #define HEADER_LEN 10
-#define PROTOCOL_VERSION 12 /* codec.py checks it against messages.PROTOCOL_VERSION at import */
+#define PROTOCOL_VERSION 13 /* codec.py checks it against messages.PROTOCOL_VERSION at import */
 #define MAX_NESTING 16      /* deeper bodies go to the Python path (the schema allows 8) */
 /* codec.py's MAX_STR, MAX_BIN, MAX_ARRAY, MAX_MAP (checked against them at import): a longer item goes to
    the Python path, which drops it as its msgpack bounds say */
