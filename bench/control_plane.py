@@ -145,7 +145,9 @@ def sim_worker(
         sock = make_dealer(ctx, addr)
         writer = FrameWriter(SECRET, RUN, f"rank{r}.bench")
         sock.send(
-            writer.encode(m.RankHello(r, "bench", os.getpid(), "cpu", VERSIONS, "sig", 1, "shuf", frames, False, "none", 1, "sample", 1))
+            writer.encode(
+                m.RankHello(r, "bench", os.getpid(), "cpu", VERSIONS, "sig", 1, "shuf", frames, "", False, "none", 1, "sample", 1)
+            )
         )
         ranks.append((r, sock, writer, FrameReader(SECRET, RUN)))
     for r, sock, writer, rdr in ranks:

@@ -25,7 +25,8 @@ class Shards:
 
     Every rank must build the same list in the same order, as it must a
     map-style dataset's samples: the ranks rebuild each epoch's shard order
-    from the run's seed, and the controller compares the counts.
+    from the run's seed, and the controller compares the counts and a
+    digest of the ids at a few positions (rank/dataset_digest.py).
 
     Raises:
         TaskError: ``shard_ids`` is empty, not a sequence (a generator or a

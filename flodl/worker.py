@@ -368,6 +368,7 @@ class Worker:
             parent_pid=os.getpid(),
             relay_addr=self._relay_addr,
             seed=welcome.seed,
+            deterministic=welcome.deterministic,
         )
         # python -m flodl.rank, or in script mode the user's script (scriptspec.py)
         report = self._report_path(rank) if decode(welcome.task) is not None else ""

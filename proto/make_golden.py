@@ -29,7 +29,14 @@ GOLDEN = ROOT / "proto" / "golden"
 SAMPLES = [
     m.WorkerHello(host="node-a", pid=4242, devices=["cuda:0", "cpu"], versions={"flodl": "0.1.0", "protocol": str(PROTOCOL_VERSION)}),
     m.WorkerWelcome(
-        ranks=[0, 1], world_size=2, task="examples/digits.py:task", heartbeat_timeout_s=30.0, bulk_port=0, bulk_relay=False, seed=-1
+        ranks=[0, 1],
+        world_size=2,
+        task="examples/digits.py:task",
+        heartbeat_timeout_s=30.0,
+        bulk_port=0,
+        bulk_relay=False,
+        seed=42,
+        deterministic=False,
     ),
     m.Reject(reason="model signature differs from rank 0"),
     m.RankExited(rank=1, pid=4300, code=-9),
@@ -43,6 +50,7 @@ SAMPLES = [
         param_count=1000,
         shuffle_signature="cd34",
         dataset_len=1500,
+        dataset_digest="9f86d081884c7d65",
         has_eval=True,
         eval_metric="accuracy",
         batch_size=32,

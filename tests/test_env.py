@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -50,26 +51,32 @@ def test_bulk_relay_is_the_users_switch(monkeypatch, text, setting):
     assert env.bulk_relay_setting() == setting
 
 
+def _rank_env(**fields) -> env.RankEnv:
+    base = {"controller": "tcp://h:1", "secret": b"s" * 16, "run_id": "r", "rank": 0, "device": "cpu", "task": "t:task"}
+    return env.RankEnv(**{**base, "local_world": 1, "heartbeat_timeout_s": 3.0, "parent_pid": 7, **fields})
+
+
 def test_the_relay_address_has_its_own_name(monkeypatch):
     """A worker tells its ranks the relay's address under FLODL_RELAY_ADDR; FLODL_BULK_RELAY in a
     rank's environment is the user's switch, inherited, and never read as an address."""
-    rank_env = env.RankEnv(
-        controller="tcp://h:1",
-        secret=b"s" * 16,
-        run_id="r",
-        rank=0,
-        device="cpu",
-        task="t:task",
-        local_world=1,
-        heartbeat_timeout_s=3.0,
-        parent_pid=7,
-        relay_addr="tcp://127.0.0.1:9 /p n",
-    )
+    rank_env = _rank_env(relay_addr="tcp://127.0.0.1:9 /p n")
     spawned = rank_env.to_env()
     assert spawned[env.RELAY_ADDR] == "tcp://127.0.0.1:9 /p n" and env.BULK_RELAY not in spawned
     for key, value in {**spawned, env.BULK_RELAY: "off"}.items():
         monkeypatch.setenv(key, value)
     assert env.RankEnv.from_environ() == rank_env
+
+
+def test_a_rank_is_told_the_run_seed_and_whether_the_run_is_deterministic(monkeypatch):
+    """Every run's seed reaches its ranks (their random streams derive from it); whether the run is
+    deterministic travels beside it, not as a seed of -1."""
+    rank_env = _rank_env(seed=7)
+    for deterministic in (False, True):
+        spawned = dataclasses.replace(rank_env, deterministic=deterministic).to_env()
+        assert spawned[env.SEED] == "7" and spawned[env.DETERMINISTIC] == ("1" if deterministic else "0")
+        for key, value in spawned.items():
+            monkeypatch.setenv(key, value)
+        assert env.RankEnv.from_environ() == dataclasses.replace(rank_env, deterministic=deterministic)
 
 
 def test_bulk_slice_bytes(monkeypatch):

@@ -32,6 +32,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..plan.schedule import DEFAULT_SEED
+
 log = logging.getLogger(__name__)
 
 # ---- spawn variables: parent -> child
@@ -48,7 +50,8 @@ PARENT_PID = "FLODL_PARENT_PID"  # a child exits if its parent is no longer this
 # only. It was spelled FLODL_BULK_RELAY, the name of the user's relay switch below: now one name, one meaning.
 RELAY_ADDR = "FLODL_RELAY_ADDR"
 ZYGOTE_ROOM = "FLODL_ZYGOTE_ROOM"  # worker -> zygote only: blanks that make room for a forked rank's /proc environ
-SEED = "FLODL_SEED"  # deterministic runs: the run seed a rank seeds its RNGs with before building the task
+SEED = "FLODL_SEED"  # the run seed: a rank seeds its RNGs from it (rank/determinism.py)
+DETERMINISTIC = "FLODL_DETERMINISTIC"  # 1: a deterministic run (torch's deterministic algorithms from the start)
 # worker -> script rank only: the file where a script that fails before flodl.init() leaves its error
 # for the worker to report (scriptspec.py), instead of printing a traceback of its own
 SCRIPT_REPORT = "FLODL_SCRIPT_REPORT"
@@ -144,7 +147,8 @@ class RankEnv:
     heartbeat_timeout_s: float
     parent_pid: int
     relay_addr: str = ""  # the host relay's "ADDR PROBE NONCE", or "" (snapshots go to the controller)
-    seed: int = -1  # deterministic runs: the run seed (WorkerWelcome.seed); -1: not deterministic
+    seed: int = DEFAULT_SEED  # the run seed (WorkerWelcome.seed): the rank's RNGs derive from it (rank/determinism.py)
+    deterministic: bool = False  # the run's ``deterministic`` option (WorkerWelcome.deterministic)
 
     def to_env(self) -> dict[str, str]:
         return {
@@ -158,6 +162,7 @@ class RankEnv:
             PARENT_PID: str(self.parent_pid),
             RELAY_ADDR: self.relay_addr,
             SEED: str(self.seed),
+            DETERMINISTIC: "1" if self.deterministic else "0",
         }
 
     @classmethod
@@ -182,7 +187,8 @@ class RankEnv:
             heartbeat_timeout_s=float(env[HEARTBEAT_TIMEOUT]),
             parent_pid=int(env.get(PARENT_PID, "0")),
             relay_addr=env.get(RELAY_ADDR, ""),
-            seed=int(env.get(SEED, "-1") or -1),
+            seed=int(env.get(SEED) or DEFAULT_SEED),
+            deterministic=env.get(DETERMINISTIC) == "1",
         )
 
 

@@ -364,8 +364,8 @@ class DdpRunConfig:
         check=_flag(),
         kind="bool",
         help="Reproducible runs: averaging points and grants fixed by batch counts, never by the clock "
-        "(equal per-rank quotas, the fast rank waits), RNGs seeded from --seed, torch's deterministic "
-        "algorithms; nccl-* modes only.",
+        "(equal per-rank quotas, the fast rank waits), torch's deterministic algorithms, evals that leave "
+        "the RNGs as they were; nccl-* modes only.",
     )
 
     def __post_init__(self) -> None:

@@ -3,9 +3,9 @@
 ``Admission`` owns the run's roster beyond what ``Membership`` tracks: rank
 numbers (never reused), the hellos and the task they describe, and the
 joiners. Workers are checked and numbered as they arrive; ranks are checked
-against the first rank's task (protocol, model, data, shuffle) and welcomed;
-a worker that arrives while the run trains is started at once and its ranks
-are admitted at the next window boundary (``admit_joiners``).
+against the first rank's task (protocol, model, data and its digest, shuffle)
+and welcomed; a worker that arrives while the run trains is started at once
+and its ranks are admitted at the next window boundary (``admit_joiners``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ..errors import EXIT_CONFIG, EXIT_TASK_ERROR
 from ..monitor.hub import Monitor
 from ..plan.cadence import CadenceLoop
 from ..plan.membership import Membership, PeerState, WorkerInfo
+from ..plan.schedule import digest_positions
 from ..wire import messages as m
 from ..wire.codec import Envelope
 from ..wire.messages import PROTOCOL_VERSION
@@ -133,7 +134,8 @@ class Admission:
                 heartbeat_timeout_s=self.deadlines.heartbeat_s,
                 bulk_port=averaging.port if averaging is not None else 0,
                 bulk_relay=relay,
-                seed=self.launch.seed if self.config.deterministic else -1,
+                seed=self.resume.seed(),  # the ranks' random streams: the one a resumed run started with
+                deterministic=self.config.deterministic,
             ),
             worker.identity,
         )
@@ -169,6 +171,19 @@ class Admission:
             if mine != theirs:
                 return f"its {what} {mine} differs from rank {first.rank}'s {theirs}"
         return None
+
+    def _dataset_problem(self, hello: m.RankHello) -> str | None:
+        """Why ``hello``'s dataset is not the first rank's though it is as long, or None. An empty
+        digest (samples that cannot be hashed the same way twice) compares with nothing."""
+        first = self.task_info
+        if first is None or not hello.dataset_digest or not first.dataset_digest or hello.dataset_digest == first.dataset_digest:
+            return None
+        where = ", ".join(map(str, digest_positions(hello.dataset_len)))
+        what = "shard ids" if hello.grain == "shard" else "samples"
+        return (
+            f"its dataset differs from rank {first.rank}'s (the {what} at positions {where} hash differently): "
+            "every rank must build the same samples in the same order; seed what makes them"
+        )
 
     def welcome_ranks(self) -> None:
         """Welcome the first ranks that said hello (one that died before is left out: the
@@ -274,13 +289,15 @@ class Admission:
         info = self.members.ranks[msg.rank]
         if info.sender:
             return  # said hello already (a later connection of its own moved its route in _on_message), or a second process claiming the rank
-        problem = self._check_hello(msg)
+        problem, code = self._check_hello(msg), EXIT_TASK_ERROR
+        if problem is None:
+            problem, code = self._dataset_problem(msg), EXIT_CONFIG  # the user's task or script, as written
         if problem:
             self.plane.send(m.Reject(reason=problem), identity)
             if msg.rank in self.joiners:
                 self.drop_joiner(msg.rank, problem)  # a bad latecomer never stops a training run
             else:
-                self.run.fail(f"rank {msg.rank} on host {msg.host} (pid {msg.pid}) cannot join: {problem}", EXIT_TASK_ERROR)
+                self.run.fail(f"rank {msg.rank} on host {msg.host} (pid {msg.pid}) cannot join: {problem}", code)
             return
         self.members.rank_said_hello(msg.rank, identity, env.sender, msg.host, msg.pid, msg.device)
         self.hellos[msg.rank] = msg

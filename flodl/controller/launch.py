@@ -114,7 +114,8 @@ _HELP = {
     "bind": "address the controller listens on (default loopback; use an interface address for multi-host)",
     "port": "control port (0 picks a free one and prints it)",
     "advertise": "address workers and ranks use to reach the controller (default: the bind address)",
-    "seed": "shuffle seed; epoch e uses the permutation seeded seed + e",
+    "seed": "the run's seed: epoch e's shuffle is seeded seed + e, and every rank's random generators (torch, numpy, random) "
+    "are seeded from it, alike while the task builds its model and data, then from (seed, rank) for training",
     "summary_json": "write the run summary (the dict run() returns) to this JSON file",
     "join_timeout_secs": "seconds to wait for every worker and rank to join",
     "eval_timeout_secs": "seconds an eval, a user callback or a checkpoint write may go without finishing before its rank is declared hung",

@@ -6,7 +6,8 @@ permutation of the dataset, seeded ``seed + epoch``; the controller grants
 ranges of positions in it (``dispatch.py``) and ranks turn a range back into
 sample indices, so only a few integers cross the network.
 ``shuffle_signature`` lets the controller prove at join time that every rank
-derives the same permutations (same torch RNG algorithm).
+derives the same permutations (same torch RNG algorithm); ``digest_positions``
+names the samples whose hash shows that every rank permutes the same dataset.
 """
 
 from __future__ import annotations
@@ -42,6 +43,19 @@ def shuffle_signature() -> str:
     """Hash of a reference permutation: equal on two ranks iff their shuffles agree."""
     perm = epoch_permutation(4096, 12345, 0)
     return hashlib.sha256(perm.numpy().tobytes()).hexdigest()[:16]
+
+
+#: How many dataset positions the ranks' dataset digest hashes (rank/dataset_digest.py).
+DIGEST_POSITIONS = 8
+
+
+def digest_positions(dataset_len: int) -> list[int]:
+    """The positions whose samples every rank hashes to show it holds the same dataset: the first,
+    the last and the others spread evenly between (all of them in a dataset this short)."""
+    count = min(DIGEST_POSITIONS, dataset_len)
+    if count <= 1:
+        return [0] if count == 1 else []
+    return sorted({k * (dataset_len - 1) // (count - 1) for k in range(count)})
 
 
 _MASK64 = (1 << 64) - 1

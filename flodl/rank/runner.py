@@ -77,7 +77,8 @@ from .collective import CollectiveAverager, Superseded, build_group
 from .compiling import compile_model
 from .cpu_average import BulkLink, CpuAverager
 from .data import BatchSource, to_device
-from .determinism import seed_everything, use_deterministic_algorithms
+from .dataset_digest import dataset_digest
+from .determinism import enter_build_phase, enter_training_phase
 from .disk_stage import DiskStage
 from .evaluation import Evaluating
 from .flat import FlatModel, model_digest
@@ -461,9 +462,7 @@ class RankRunner(Regrouping, Evaluating):
 
     def _build(self) -> m.RankHello:
         self.faults.reach("build")  # tests: a start-up that is slow or never ends (before the hello)
-        if self.env.seed >= 0:  # deterministic: before CUDA, and before the task draws any random number
-            use_deterministic_algorithms()
-            seed_everything(self.env.seed)
+        self._enter_build_phase()  # before CUDA, and before the task draws any random number
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             # a collective NCCL gives up on must raise in this rank, not kill it: the
@@ -495,12 +494,18 @@ class RankRunner(Regrouping, Evaluating):
             param_count=sum(p.numel() for p in self.model.parameters()),
             shuffle_signature=shuffle_signature(),
             dataset_len=len(dataset),
+            dataset_digest=dataset_digest(dataset),  # its reads leave the RNGs as they were
             has_eval=task.eval_fn is not None,
             eval_metric=task.eval_metric,
             batch_size=task.batch_size,
             grain="shard" if isinstance(dataset, Shards) else "sample",
             accumulate_grad_batches=task.accumulate_grad_batches,
         )
+
+    def _enter_build_phase(self) -> None:
+        """The build phase's RNGs, the same on every rank (determinism.py); script mode enters it
+        at ``flodl.init()``, before the script builds its model and data."""
+        enter_build_phase(self.env)
 
     def _load_task(self) -> Task:
         """The user's task, imported by its spec (script mode: made of what the script prepared)."""
@@ -572,8 +577,7 @@ class RankRunner(Regrouping, Evaluating):
         if not welcome.late:
             self._take_first_consensus(welcome)
         self.deterministic = config.deterministic
-        if config.deterministic:
-            seed_everything(welcome.seed, stream=self.rank + 1)  # each rank its own stream (dropout), the same every run
+        enter_training_phase(welcome.seed, self.rank)  # each rank its own stream (dropout), the same every run
         try:
             self.optimizer, self.optimizers = build_optimizer(self.task, self.model)
             # the LR factor goes on before the schedulers are built (they take it as their base)

@@ -1,9 +1,13 @@
 """``ScriptRank``: the rank runner of script mode, driven from a thread beside the user's loop.
 
-It is ``RankRunner`` with three seams filled differently (the rest, from
+It is ``RankRunner`` with four seams filled differently (the rest, from
 hello to exit, is the rank every ``Task`` gets: windows, averages, regroups,
 saves, liveness):
 
+* ``_enter_build_phase``: the RNGs are seeded alike on every rank at
+  ``flodl.init()``, before the script builds its model and data, not when
+  the rank builds its hello (determinism.py); ``run.prepare()`` returns with
+  each rank's own stream, as a Task's first batch has it;
 * ``_load_task`` waits for the script's ``run.prepare(...)`` and makes a
   ``Task`` of what it got (the script's model, optimizer and dataset; its
   ``train_step`` is never called);
@@ -41,6 +45,7 @@ from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_TASK_ERROR, PeerLos
 from ..task import Task
 from ..wire import messages as m
 from .bridge import EPOCH, EPOCH_END, PREPARED, ROUND, Bridge, Item, ScriptFailed
+from .determinism import enter_build_phase
 from .outcomes import Stop, UserError, user_traceback
 from .round_loop import Due
 from .runner import RankRunner
@@ -89,6 +94,8 @@ class ScriptRank(RankRunner):
         self.threads = 0  # intra-op threads _build chose for this rank (0: not yet)
         self.states = ScriptState()  # what run.register_state gave, and what a resumed bundle holds for it
         self.micro = 0  # batches since the script last stepped its optimizer (inside an accumulation: > 0)
+        # flodl.init(), on the script's thread: the script builds its model and data from here on
+        enter_build_phase(env)
 
     def start(self) -> threading.Thread:
         """Run the rank on a daemon thread (a stuck driver never holds the process); ``bridge.ended`` says how it ended."""
@@ -147,6 +154,9 @@ class ScriptRank(RankRunner):
             prefetch_factor=p.prefetch_factor,
             pin_memory=p.pin_memory,
         )
+
+    def _enter_build_phase(self) -> None:
+        """Entered already, at ``flodl.init()`` (``__init__``): the script has built since."""
 
     def _build(self) -> m.RankHello:
         hello = super()._build()

@@ -17,6 +17,10 @@ prints it once for every rank that failed the same way and stops the run as the
 user's error (exit 2, ``controller/before_init.py``). After ``flodl.init()``
 nothing changes: the script's ``Run`` reports its own errors.
 
+Before the script's first line it seeds every random generator from the run seed, the
+same on every rank (determinism.py): whatever the script draws while it builds its data
+and model is equal on every rank; ``run.prepare()`` gives each rank its own stream.
+
 It also makes the commonest leftover of a torchrun script fail with a reason:
 ``torch.distributed.init_process_group()`` rendezvousing through ``env://``
 needs ``MASTER_ADDR``, which a flodl rank does not have, because flodl registers
@@ -50,6 +54,7 @@ def run_script(path: str, args: list[str]) -> int:
     sys.argv = [path, *args]
     sys.path[0] = str(Path(path).resolve().parent)  # ``python PATH``: the script's folder, not the working directory
     guard_default_group()
+    _seed_alike()
     try:
         runpy.run_path(path, run_name="__main__")
     except BaseException as exc:
@@ -59,6 +64,20 @@ def run_script(path: str, args: list[str]) -> int:
             raise
         return EXIT_CONFIG
     return 0
+
+
+def _seed_alike() -> None:
+    """Every RNG seeded from the run seed, the same on every rank, before the script's first line:
+    what it draws while it builds its data and model (before ``flodl.init()`` too) is the same on
+    every rank; ``run.prepare()`` gives each rank its own stream (determinism.py)."""
+    from ..config.env import RankEnv
+    from .determinism import enter_build_phase
+
+    try:
+        env = RankEnv.from_environ()
+    except (KeyError, ValueError):
+        return  # not started by a worker: flodl.init() says so with its own line
+    enter_build_phase(env)
 
 
 def _before_init(exc: BaseException) -> tuple[str, str] | None:

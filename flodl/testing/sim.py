@@ -221,6 +221,7 @@ class SimWorker:
                 param_count=1,
                 shuffle_signature="sim",
                 dataset_len=self.dataset_len,
+                dataset_digest="sim",
                 has_eval=True,
                 eval_metric="sim_metric",
                 batch_size=self.batch_size,

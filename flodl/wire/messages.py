@@ -49,7 +49,9 @@ class WorkerWelcome:
     bulk_relay: bool
     """run a host relay: this host's ranks send their snapshots to the worker, which pre-averages them (weighted) and sends one snapshot upstream per round, so the controller's ingress grows with hosts, not ranks"""
     seed: int
-    """deterministic runs: the run seed, with which the ranks seed every RNG before building the task and turn on torch's deterministic algorithms; -1 otherwise"""
+    """the run seed (--seed; a resumed run's, its bundle's): the ranks seed every RNG from it before building the task, the same on every rank, and again from (seed, rank) before training, each rank its own stream"""
+    deterministic: bool
+    """the run's deterministic option: the ranks turn on torch's deterministic algorithms before building the task"""
 
 
 @dataclass(slots=True)
@@ -97,6 +99,8 @@ class RankHello:
     """hash of a reference permutation, proving every rank derives the same epoch shuffles"""
     dataset_len: int
     """number of samples in the task's dataset; must agree across ranks"""
+    dataset_digest: str
+    """hash of the dataset's samples at a few fixed positions (plan/schedule.py digest_positions; for a flodl.Shards, of its shard ids there); must agree across ranks; empty when the samples cannot be hashed the same way twice"""
     has_eval: bool
     """whether the task defines an eval function"""
     eval_metric: str
@@ -556,10 +560,10 @@ class EpochEnd:
 
 SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     1: ('WorkerHello', WorkerHello, (('host', 'str'), ('pid', 'int'), ('devices', 'list<str>'), ('versions', 'map<str,str>'),)),
-    2: ('WorkerWelcome', WorkerWelcome, (('ranks', 'list<int>'), ('world_size', 'int'), ('task', 'str'), ('heartbeat_timeout_s', 'float'), ('bulk_port', 'int'), ('bulk_relay', 'bool'), ('seed', 'int'),)),
+    2: ('WorkerWelcome', WorkerWelcome, (('ranks', 'list<int>'), ('world_size', 'int'), ('task', 'str'), ('heartbeat_timeout_s', 'float'), ('bulk_port', 'int'), ('bulk_relay', 'bool'), ('seed', 'int'), ('deterministic', 'bool'),)),
     3: ('Reject', Reject, (('reason', 'str'),)),
     4: ('RankExited', RankExited, (('rank', 'int'), ('pid', 'int'), ('code', 'int'),)),
-    5: ('RankHello', RankHello, (('rank', 'int'), ('host', 'str'), ('pid', 'int'), ('device', 'str'), ('versions', 'map<str,str>'), ('model_signature', 'str'), ('param_count', 'int'), ('shuffle_signature', 'str'), ('dataset_len', 'int'), ('has_eval', 'bool'), ('eval_metric', 'str'), ('batch_size', 'int'), ('grain', 'str'), ('accumulate_grad_batches', 'int'),)),
+    5: ('RankHello', RankHello, (('rank', 'int'), ('host', 'str'), ('pid', 'int'), ('device', 'str'), ('versions', 'map<str,str>'), ('model_signature', 'str'), ('param_count', 'int'), ('shuffle_signature', 'str'), ('dataset_len', 'int'), ('dataset_digest', 'str'), ('has_eval', 'bool'), ('eval_metric', 'str'), ('batch_size', 'int'), ('grain', 'str'), ('accumulate_grad_batches', 'int'),)),
     6: ('RankWelcome', RankWelcome, (('rank', 'int'), ('world_size', 'int'), ('generation', 'int'), ('store_host', 'str'), ('store_port', 'int'), ('store_prefix', 'str'), ('collective_timeout_s', 'float'), ('config', 'map<str,value>'), ('seed', 'int'), ('bulk_port', 'int'), ('late', 'bool'), ('shm_probe', 'str'), ('shm_nonce', 'str'), ('first_epoch', 'int'), ('epochs', 'int'),)),
     7: ('RankReady', RankReady, (('rank', 'int'), ('generation', 'int'), ('init_ms', 'float'),)),
     9: ('TimingMsg', TimingMsg, (('rank', 'int'), ('epoch', 'int'), ('step', 'int'), ('samples', 'int'), ('loss', 'float'), ('batch_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'), ('batches', 'int'),)),

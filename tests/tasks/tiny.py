@@ -262,9 +262,9 @@ def _noisy_eval(model, device):
 
 
 def noisy_task():
-    """Everything that draws random numbers: data and initial weights from the global RNG (only
-    reproducible, and only equal on every rank, in a deterministic run, which seeds it before the
-    build), dropout, BatchNorm re-estimated before each eval, an eval that draws too."""
+    """Everything that draws random numbers: data and initial weights from the global RNG (equal on
+    every rank and from run to run: every run seeds it from --seed before the build), dropout,
+    BatchNorm re-estimated before each eval, an eval that draws too."""
     x = torch.randn(512, 8)
     return Task(
         model=_noisy_model,
