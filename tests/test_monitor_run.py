@@ -14,6 +14,7 @@ from flodl.monitor.timeline import validate_chrome_trace
 
 from .conftest import task_spec
 from .helpers.browser import chromium, console_errors, needs_chromium
+from .helpers.history import epochs
 from .helpers.procs import Run
 
 pytestmark = pytest.mark.timeout(120)
@@ -68,17 +69,21 @@ def test_the_live_dashboard_serves_the_run_while_it_trains(monitored):
 
 
 def test_eval_runs_every_n_epochs_and_after_the_last(monitored):
+    """--eval-every-epochs 2: epochs 2 and 4 are scored on their own (no window runs past their
+    end); a row of epochs one average closed is scored when it holds one of them."""
     history = monitored["summary"]["history"]
-    assert [h["eval"] is not None for h in history] == [False, True, False, True]
+    assert epochs(history) == list(range(EPOCHS)) and {1, 3} <= {h["epoch"] for h in history}
+    assert [h["eval"] is not None for h in history] == [h["epoch"] in (1, 3) for h in history]
     assert monitored["summary"]["final_eval"] > 0.7
 
 
 def test_the_reader_reproduces_the_epoch_table(monitored):
     rows = epoch_table(monitored["dir"] / "logs")
     history = monitored["summary"]["history"]
-    assert [r["epoch"] for r in rows] == list(range(1, EPOCHS + 1))  # as the console numbers them
-    for row, h in zip(rows, history, strict=False):
-        assert row["samples"] == h["samples"] == 512
+    # as the console numbers them, a row of epochs one average closed as one
+    assert [(r["first_epoch"], r["epoch"]) for r in rows] == [(h["first_epoch"] + 1, h["epoch"] + 1) for h in history]
+    for row, h in zip(rows, history, strict=True):
+        assert row["samples"] == h["samples"] == 512 * (h["epoch"] - h["first_epoch"] + 1)
         assert row["loss"] == pytest.approx(h["loss"], rel=1e-6)
         assert row["eval"] == (pytest.approx(h["eval"]) if h["eval"] is not None else None)
         assert row["syncs"] == h["syncs"]
@@ -112,7 +117,11 @@ def test_the_timeline_is_a_valid_chrome_trace_of_windows_evals_and_epochs(monito
     trace = json.loads((monitored["dir"] / "trace.json").read_text())
     assert validate_chrome_trace(trace) == []
     names = {e["name"] for e in trace["traceEvents"]}
-    assert {"average", "epoch 1 done", f"epoch {EPOCHS} done", "eval epoch 2", "eval epoch 4"} <= names
+    rows = {
+        f"epoch {h['epoch'] + 1} done" if h["first_epoch"] == h["epoch"] else f"epochs {h['first_epoch'] + 1}-{h['epoch'] + 1} done"
+        for h in monitored["summary"]["history"]
+    }
+    assert {"average", "eval epoch 2", "eval epoch 4", *rows} <= names
     assert any(n.startswith("window ") for n in names)
     processes = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
     assert {"controller", "rank 0", "rank 1"} <= processes
@@ -133,7 +142,7 @@ def test_the_archive_draws_the_run_offline(monitored, tmp_path):
         )
     )
     loss = re.search(r'data-series="loss" data-points="(\d+)"', dom)
-    assert loss and int(loss.group(1)) >= EPOCHS
+    assert loss and int(loss.group(1)) >= len(monitored["summary"]["history"])  # a point a row at least
     assert 'data-series="throughput:rank0"' in dom and 'data-series="throughput:rank1"' in dom
     assert 'data-series="eval"' in dom
     assert "data-errors" not in dom or 'data-errors="0"' in dom
@@ -151,5 +160,5 @@ def test_eval_every_epochs_0_never_calls_the_eval_function(proc_env, tmp_path):
     summary = json.loads(path.read_text())
     assert summary["exit_reason"] == "completed" and summary["epochs_completed"] == 2
     assert summary["final_eval"] is None and summary["eval_metric_name"] is None
-    assert [h["eval"] for h in summary["history"]] == [None, None]
+    assert epochs(summary["history"]) == [0, 1] and all(h["eval"] is None for h in summary["history"])
     assert "eval failed" not in run.output

@@ -226,8 +226,9 @@ class Monitor:
             records[0]["metrics"]["anchor"] = self.anchor
         for record in records:
             self._emit(record)
+        which = f"epoch {stats.epoch + 1}" if stats.first_epoch == stats.epoch else f"epochs {stats.first_epoch + 1}-{stats.epoch + 1}"
         self.timeline.instant(
-            f"epoch {stats.epoch + 1} done",
+            f"{which} done",
             track=(CONTROLLER, "epochs"),
             at_s=now_s,
             scope="g",

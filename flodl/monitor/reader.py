@@ -79,7 +79,8 @@ def epoch_table(logdir: str | Path | dict[str, list[dict]], path: str = ROOT) ->
     """One row per completed epoch of node ``path``, in epoch order.
 
     Row keys: ``epoch`` (counted from 1, as the console prints it; the records store the 0-based
-    index), ``loss``, ``eval``, ``throughput`` (samples/s, Σ over
+    index), ``first_epoch`` (the same, or the first of the epochs one average closed with it: the
+    row is theirs, as the console's "epochs 3-5" line), ``loss``, ``eval``, ``throughput`` (samples/s, Σ over
     ranks), ``samples`` (the node's ``work``: realized samples), ``syncs``, and
     ``ranks`` (leaf name → that rank's throughput, for every rank below the
     node). A value the records do not carry is None.
@@ -97,6 +98,7 @@ def _row(epoch: int, rec: dict, leaves: dict[str, dict[int, dict]]) -> dict:
     metrics = rec.get("metrics", {})
     return {
         "epoch": epoch + 1,
+        "first_epoch": int(rec.get("first_epoch", epoch)) + 1,
         "loss": metrics.get("loss"),
         "eval": metrics.get("eval"),
         "throughput": metrics.get("throughput"),
@@ -125,7 +127,7 @@ def format_table(rows: list[dict]) -> str:
     head = ["epoch", "loss", "eval", "samples/s", "samples", "syncs", *(f"{r} s/s" for r in ranks)]
     body = [
         [
-            _cell(row["epoch"], "d"),
+            _cell(row["epoch"], "d") if row.get("first_epoch", row["epoch"]) == row["epoch"] else f"{row['first_epoch']}-{row['epoch']}",
             _cell(row["loss"], ".4f"),
             _cell(row["eval"], ".4f"),
             _cell(row["throughput"], ".1f"),
