@@ -145,6 +145,7 @@ class Run:
         prefetch_factor: int | None = None,
         pin_memory: bool = False,
         accumulate_grad_batches: int = 1,
+        bn_recalibration_batches: int = 16,
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Join the run with this model, optimizer and dataset; returns the model and optimizer.
 
@@ -159,6 +160,11 @@ class Run:
         of those names, docs/task.md). ``accumulate_grad_batches``: the
         script steps its optimizer once every this many batches (``run.step`` may say so
         batch by batch instead); no average then falls inside an accumulation.
+        ``bn_recalibration_batches``: where averages changed the model since, its
+        BatchNorm statistics are re-estimated from this many training batches
+        before the script's code after an epoch's batches and before the final
+        bundle (averaged statistics fit the averaged weights badly:
+        docs/script-mode.md); 0 turns it off.
 
         Raises:
             TypeError, ValueError: naming the bad argument.
@@ -167,13 +173,24 @@ class Run:
         """
         if self._prepared:
             raise RuntimeError("flodl: run.prepare() is called once")
-        _check_prepare(model, optimizer, dataset, batch_size, accumulate_grad_batches)
+        _check_prepare(model, optimizer, dataset, batch_size, accumulate_grad_batches, bn_recalibration_batches)
         problem = loader_problem(num_workers, prefetch_factor, pin_memory)
         if problem is not None:
             raise ValueError(f"flodl: run.prepare(..., {problem[0]}=...): {problem[0]} {problem[1]}")
         self._prepared = True
         item = self._bridge.call(
-            Prepared(model, optimizer, dataset, batch_size, collate_fn, num_workers, prefetch_factor, pin_memory, accumulate_grad_batches)
+            Prepared(
+                model,
+                optimizer,
+                dataset,
+                batch_size,
+                collate_fn,
+                num_workers,
+                prefetch_factor,
+                pin_memory,
+                accumulate_grad_batches,
+                bn_recalibration_batches,
+            )
         )
         if item.kind == END:
             self._end(item)
@@ -377,7 +394,7 @@ class Batches:
         return self._run._expected_batches()
 
 
-def _check_prepare(model: Any, optimizer: Any, dataset: Any, batch_size: Any, accumulate: Any) -> None:
+def _check_prepare(model: Any, optimizer: Any, dataset: Any, batch_size: Any, accumulate: Any, bn_batches: Any) -> None:
     """Raises: TypeError / ValueError naming the bad argument of ``run.prepare``."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"flodl: run.prepare(model, ...): model must be a torch.nn.Module, got {type(model).__name__}")
@@ -394,3 +411,5 @@ def _check_prepare(model: Any, optimizer: Any, dataset: Any, batch_size: Any, ac
         raise ValueError(f"flodl: run.prepare(..., batch_size=...): a positive int, got {batch_size!r}")
     if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
         raise ValueError(f"flodl: run.prepare(..., accumulate_grad_batches=...): a positive int, got {accumulate!r}")
+    if not isinstance(bn_batches, int) or isinstance(bn_batches, bool) or bn_batches < 0:
+        raise ValueError(f"flodl: run.prepare(..., bn_recalibration_batches=...): an int >= 0, got {bn_batches!r}")

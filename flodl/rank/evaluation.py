@@ -27,7 +27,7 @@ from .collective import CollectiveAverager
 from .cpu_average import CpuAverager
 from .data import to_device
 from .determinism import traceless
-from .norms import recalibrate
+from .norms import model_input, recalibrate
 
 if TYPE_CHECKING:
     from ..task import Task
@@ -165,8 +165,14 @@ class Evaluating:
         size = min(self.task.bn_recalibration_batches * self.task.batch_size, self.source.schedule.epoch_len(epoch))
         # at most that many batches: a shard's batches are not counted ahead (shard_source.py)
         batches = itertools.islice(self.source.batches(epoch, 0, size), self.task.bn_recalibration_batches)
-        inputs = (to_device(batch, self.device)[0] for _, batch in batches)
+        inputs = (model_input(to_device(batch, self.device)) for _, batch in batches)
         try:
             recalibrate(self.model, self.norm_layers, inputs)
-        except Exception as exc:  # a data or model error here must not cost the eval
-            log.warning("rank %d: BatchNorm statistics not re-estimated (%s: %s)", self.rank, type(exc).__name__, exc)
+        except Exception as exc:  # a data or model error here must not cost the eval; it would recur
+            self.norm_layers = []
+            log.warning(
+                "rank %d: BatchNorm statistics not re-estimated (%s: %s); kept as training leaves them for the rest of the run",
+                self.rank,
+                type(exc).__name__,
+                exc,
+            )

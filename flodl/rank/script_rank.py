@@ -23,6 +23,11 @@ saves, liveness):
   counters) in the bundle's ``.optim`` file beside the optimizer's state, and
   restore them on resume (script_state.py).
 
+Where averages changed the model, its BatchNorm statistics are re-estimated
+(norms.py) before the script's code after an epoch's batches and, at the
+run's end, before the final bundle: that code may score or save the model,
+and a ``Task`` re-estimates them before its evals too.
+
 Every handoff goes through the ``Bridge``: one thread runs at a time, and a
 round's batches switch no thread.
 """
@@ -46,6 +51,7 @@ from ..task import Task
 from ..wire import messages as m
 from .bridge import EPOCH, EPOCH_END, PREPARED, ROUND, Bridge, Item, ScriptFailed
 from .determinism import enter_build_phase
+from .norms import norm_layers
 from .outcomes import Stop, UserError, user_traceback
 from .round_loop import Due
 from .runner import RankRunner
@@ -69,6 +75,7 @@ class Prepared:
     prefetch_factor: int | None = None
     pin_memory: bool = False
     accumulate_grad_batches: int = 1  # the script steps its optimizer once every this many batches
+    bn_recalibration_batches: int = 16  # BatchNorm statistics re-estimated from this many batches (0: never)
 
 
 @dataclass(slots=True)  # one a batch (run.step): a frozen dataclass costs several times as much to build
@@ -153,6 +160,7 @@ class ScriptRank(RankRunner):
             num_workers=p.num_workers,
             prefetch_factor=p.prefetch_factor,
             pin_memory=p.pin_memory,
+            bn_recalibration_batches=p.bn_recalibration_batches,
         )
 
     def _enter_build_phase(self) -> None:
@@ -168,6 +176,9 @@ class ScriptRank(RankRunner):
 
     def _join(self, welcome: m.RankWelcome) -> None:
         super()._join(welcome)
+        # a Task with a train_step has none (its model input is unknown): the script's batches
+        # are its own too, but a model taking them otherwise only costs a warning (fresh_norms)
+        self.norm_layers = norm_layers(self.model) if self.task.bn_recalibration_batches else []
         self._hand(Item(PREPARED))  # prepare() returns; the script's next call goes on
 
     def _resume_optimizer(self, stem: str) -> None:
@@ -191,6 +202,7 @@ class ScriptRank(RankRunner):
         """
         busy = self.link.busy
         self.link.doing("callback")  # the script's code between epochs: watched as epoch_fn is
+        self.fresh_norms()
         self._hand(Item(EPOCH_END, epoch=self.current_epoch))
         self.epoch_ended(busy)
 
@@ -199,6 +211,38 @@ class ScriptRank(RankRunner):
         and the link is ``busy`` again."""
         self.link.send(m.EpochEnd(rank=self.rank, epoch=self.current_epoch, scalars=scalars.drain()))
         self.link.doing(busy)
+
+    def fresh_norms(self) -> None:
+        """Before the script's code after an epoch's batches (its eval, its saves): the model's
+        BatchNorm statistics re-estimated from the first batches of the epoch's order, if averages
+        changed the model since they last were (norms.py; every rank reads the same batches). A
+        background average still in flight moves them by what it brings when it lands, between
+        the next batches, whose training moves them too; the window's own average marks them
+        stale again."""
+        if self.current_epoch >= 0:
+            self._refresh_norms(self.current_epoch)
+
+    def _settled_norms(self) -> None:
+        """The last average landed, then the BatchNorm statistics re-estimated (every rank from the
+        same batches: the replicas stay equal)."""
+        self._finish_accumulation()
+        self._settle_background()
+        busy = self.link.busy
+        self.link.doing("eval")  # forward passes, as a Task's eval rank runs them: watched as an eval is
+        self.fresh_norms()
+        self.link.doing(busy)
+
+    def _checkpoint(self, cmd: m.SaveCheckpoint) -> None:
+        """A consensus bundle (the final one too) holds re-estimated statistics, as a Task's final
+        checkpoint holds what its eval scored."""
+        self._settled_norms()
+        super()._checkpoint(cmd)
+
+    def _shut_down(self, cmd: m.Shutdown | m.ShutdownWithSave) -> int:
+        """A clean end: the rank's digest and the script's last epoch's end hold re-estimated statistics."""
+        if not cmd.abort:
+            self._settled_norms()
+        return super()._shut_down(cmd)
 
     def _completed(self) -> int:
         """The run completed and the last average landed: the script's current epoch ends now, on

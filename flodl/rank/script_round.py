@@ -74,6 +74,7 @@ class InlineRound:
             elif 0 <= rank.current_epoch < due.epoch:  # the script's epoch ends: its code after the batches runs
                 self.busy = rank.link.busy
                 rank.link.doing("callback")  # watched as epoch_fn is
+                rank.fresh_norms()  # that code may score or save the model
                 return Item(EPOCH_END, epoch=rank.current_epoch)
             empty = rank.epoch_before(due.epoch)
             if empty is not None:  # an epoch this rank trains no batch of: it begins, and ends at the next call
