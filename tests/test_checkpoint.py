@@ -142,8 +142,35 @@ def test_model_round_trip_includes_buffers_and_refuses_another_model(tmp_path):
     wrong = torch.nn.Sequential(torch.nn.Linear(4, 9), torch.nn.BatchNorm1d(9), torch.nn.Linear(9, 2))
     with pytest.raises(CheckpointError, match=r"0.weight is torch.float32 \[8, 4\] in the file"):
         load_model(wrong, tmp_path / "m.fdl")
-    with pytest.raises(CheckpointError, match="parameters"):
+    with pytest.raises(CheckpointError, match="the model's weight, bias not in the file"):
         check_model_file(torch.nn.Linear(4, 2), tmp_path / "m.fdl")
+
+
+def test_a_bundles_model_file_is_a_plain_state_dict_anyone_loads(proc_env, tmp_path, finished_bundle):
+    """The .fdl of a real run loads with the safetensors library into a fresh model with
+    ``load_state_dict(strict=True)``: no flodl needed for inference."""
+    from safetensors.torch import load_file
+
+    from tests.tasks import tiny
+
+    meta = read_meta(finished_bundle / "run")
+    fresh = tiny.make_model()
+    fresh.load_state_dict(load_file(str(finished_bundle / meta["model_file"])))  # strict: every key, no other
+    ours = tiny.make_model()
+    load_model(ours, finished_bundle / "run")
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), ours.state_dict().values(), strict=True))
+
+
+def test_a_model_file_of_the_earlier_format_still_loads(tmp_path):
+    """Bundles written before the state-dict format (keys p0.., b0.., names in the metadata) resume as before."""
+    src = model()
+    tensors = {f"p{i}": p for i, (_, p) in enumerate(src.named_parameters())}
+    tensors.update({f"b{j}": b for j, (_, b) in enumerate(src.named_buffers())})
+    names = [n for n, _ in src.named_parameters()] + [n for n, _ in src.named_buffers()]
+    safetensors_io.save(tmp_path / "old.fdl", tensors, {"format": "flodl-consensus", "names": json.dumps(names)})
+    dst = model()
+    load_model(dst, tmp_path / "old.fdl")
+    assert all(torch.equal(a, b) for a, b in zip(src.state_dict().values(), dst.state_dict().values(), strict=True))
 
 
 def test_optimizer_round_trip_without_pickle(tmp_path):
@@ -313,7 +340,7 @@ def test_resume_refuses_nan_in_either_file_naming_it(tmp_path):
     with pytest.raises(CheckpointError, match=r"run\.\w+\.optim: optimizer state tensor state.1.exp_avg holds NaN"):
         load_optimizer(torch.optim.Adam(model().parameters()), bundle.stem)
     tensors, metadata = safetensors_io.load(files["model"])
-    tensors["p3"][1] = float("-inf")  # p3: the BatchNorm bias
+    tensors["1.bias"][1] = float("-inf")  # the BatchNorm bias
     safetensors_io.save(files["model"], tensors, metadata)
     with pytest.raises(CheckpointError, match=r"run\.\w+\.fdl: 1.bias holds NaN or Inf"):
         load_model(model(), bundle.stem)

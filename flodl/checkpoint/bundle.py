@@ -3,9 +3,10 @@
 A bundle is a sidecar and the two data files it names (files.py
 has the layout and the order of a save that never tears a bundle):
 
-* ``<stem>.<tag>.fdl``   the consensus parameters and buffers (safetensors; keys
-  ``p0, p1, ...`` for parameters and ``b0, ...`` for buffers in module order,
-  their names kept in the metadata for people reading the file)
+* ``<stem>.<tag>.fdl``   the consensus model: a plain safetensors state dict, keyed by
+  the names ``model.state_dict()`` gives (parameters and persistent buffers), so
+  ``model.load_state_dict(safetensors.torch.load_file(path))`` loads it
+  (before 2026-12-07 the keys were ``p0, ..., b0, ...``: ``load_model`` still reads those)
 * ``<stem>.<tag>.optim`` the writing rank's optimizer state (safetensors; the
   non-tensor part as JSON in the metadata; no pickle)
 * ``<stem>.meta.json``   where the run stood: schema version, epoch, global
@@ -32,6 +33,11 @@ from . import safetensors_io
 from .files import SCHEMA_VERSION, CheckpointBundle, CheckpointError, new_tag, resolve, stem_of
 from .meta import SAVE_REASONS, file_sha256, read_meta, write_meta
 from .safetensors_io import CorruptFile
+
+#: A model file's format (its safetensors metadata): a plain state dict of the user's model.
+MODEL_FORMAT = "flodl-state-dict"
+#: The format before it: keys ``p<i>`` and ``b<j>`` in module order, the names in the metadata.
+OLD_MODEL_FORMAT = "flodl-consensus"
 
 __all__ = [
     "SAVE_REASONS",
@@ -64,22 +70,24 @@ def first_non_finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> str | None:
 # ----------------------------------------------------------------- the model
 
 
-def _model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
-    tensors: dict[str, torch.Tensor] = {}
-    names: list[str] = []
-    for i, (name, p) in enumerate(model.named_parameters()):
-        tensors[f"p{i}"] = p
-        names.append(name)
-    for j, (name, b) in enumerate(model.named_buffers()):
-        tensors[f"b{j}"] = b
-        names.append(name)
-    return tensors, names
+def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict, by the names ``model.state_dict()`` gives them (parameters and
+    persistent buffers; a tied weight under each of its names), holding the live tensors."""
+    return dict(model.state_dict(keep_vars=True))
+
+
+def _old_keys(model: torch.nn.Module) -> dict[str, str]:
+    """A bundle written before 2026-12-07 (format ``flodl-consensus``) keys its tensors ``p0, p1,
+    ...`` and ``b0, ...`` in module order: its key of each of the model's names."""
+    keys = {name: f"p{i}" for i, (name, _) in enumerate(model.named_parameters())}
+    keys.update({name: f"b{j}" for j, (name, _) in enumerate(model.named_buffers())})
+    return keys
 
 
 def save_model(model: torch.nn.Module, path: str | os.PathLike) -> str:
-    """Write the model's parameters and buffers to ``path`` atomically; returns the file's sha256."""
-    tensors, names = _model_tensors(model)
-    return safetensors_io.save(path, tensors, {"format": "flodl-consensus", "names": json.dumps(names)})
+    """Write the model's state dict to ``path`` atomically, a plain safetensors file any tool loads
+    (``safetensors.torch.load_file(path)`` then ``model.load_state_dict``); returns its sha256."""
+    return safetensors_io.save(path, _model_tensors(model), {"format": MODEL_FORMAT})
 
 
 def load_model(model: torch.nn.Module, path: str | os.PathLike) -> None:
@@ -87,11 +95,11 @@ def load_model(model: torch.nn.Module, path: str | os.PathLike) -> None:
 
     The file is found through the sidecar when there is one; its checksum is
     the controller's to check (``read_meta``), the fit and the values are
-    checked here.
+    checked here. A bundle of the earlier format (``p0, b0, ...`` keys) loads too.
 
     Raises:
         CheckpointError: the file is missing or corrupt, its tensors do not
-            match the model's (count, shape or dtype), or one holds NaN/Inf,
+            match the model's (names, shape or dtype), or one holds NaN/Inf,
             naming the first such tensor.
     """
     file = resolve(path, "model")
@@ -100,29 +108,46 @@ def load_model(model: torch.nn.Module, path: str | os.PathLike) -> None:
         stored, metadata = safetensors_io.load(file)
     except CorruptFile as exc:
         raise CheckpointError(str(exc)) from None
-    mine, names = _model_tensors(model)
-    bad = first_non_finite((names[i], stored[key]) for i, key in enumerate(mine))
+    mine = _model_tensors(model)
+    keys = _file_keys(model, metadata)
+    bad = first_non_finite((name, stored[keys[name]]) for name in mine)
     if bad is not None:
         raise CheckpointError(f"{file}: {bad} holds NaN or Inf; the run diverged before this save. Resume from an earlier bundle")
     with torch.no_grad():
-        for key, tensor in mine.items():
-            tensor.copy_(stored[key].to(tensor.device))
+        for name, tensor in mine.items():
+            tensor.copy_(stored[keys[name]].to(tensor.device))
 
 
-def check_fits(file: Path, stored: dict[str, tuple[list[int], torch.dtype]], mine: dict[str, torch.Tensor], names: list[str]) -> None:
+def _file_keys(model: torch.nn.Module, metadata: dict[str, str]) -> dict[str, str]:
+    """The file's key of each of the model's state-dict names (the name itself, or the old format's ``p<i>``)."""
+    if metadata.get("format") == OLD_MODEL_FORMAT:
+        old = _old_keys(model)
+        return {name: old[name] for name in _model_tensors(model)}
+    return {name: name for name in _model_tensors(model)}
+
+
+def check_fits(file: Path, stored: dict[str, tuple[list[int], torch.dtype]], mine: dict[str, torch.Tensor], keys: dict[str, str]) -> None:
     """Raise CheckpointError naming the first tensor the model and the file disagree on."""
-    if set(stored) != set(mine):
+    missing = [name for name in mine if keys[name] not in stored]
+    extra = sorted(set(stored) - set(keys.values()))
+    if missing or extra:
         raise CheckpointError(
-            f"{file} does not fit this model: it holds {sum(k[0] == 'p' for k in stored)} parameters and "
-            f"{sum(k[0] == 'b' for k in stored)} buffers, the model has {sum(k[0] == 'p' for k in mine)} and "
-            f"{sum(k[0] == 'b' for k in mine)} (was it saved from another model?)"
+            f"{file} does not fit this model: "
+            + "; ".join(
+                part
+                for part in (
+                    f"the model's {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} not in the file" if missing else "",
+                    f"the file's {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''} not in the model" if extra else "",
+                )
+                if part
+            )
+            + " (was it saved from another model?)"
         )
-    for i, (key, tensor) in enumerate(mine.items()):
-        shape, dtype = stored[key]
+    for name, tensor in mine.items():
+        shape, dtype = stored[keys[name]]
         if shape != list(tensor.shape) or dtype != tensor.dtype:
             raise CheckpointError(
-                f"{file} does not fit this model: {names[i]} is {dtype} {shape} in the file "
-                f"but {tensor.dtype} {list(tensor.shape)} in the model"
+                f"{file} does not fit this model: {name} is {dtype} {shape} in the file but {tensor.dtype} {list(tensor.shape)} in the model"
             )
 
 
@@ -130,13 +155,13 @@ def check_model_file(model: torch.nn.Module, path: str | os.PathLike) -> None:
     """Check a ``.fdl`` fits ``model`` reading only its header (cheap, for a fast refusal)."""
     file = resolve(path, "model")
     try:
-        header, _, _ = safetensors_io.read_header(file)
+        header, metadata, _ = safetensors_io.read_header(file)
     except FileNotFoundError:
         raise CheckpointError(f"{file}: no such checkpoint file") from None
     except CorruptFile as exc:
         raise CheckpointError(str(exc)) from None
-    mine, names = _model_tensors(model)
-    check_fits(file, {k: (list(e["shape"]), safetensors_io.FROM_CODE[e["dtype"]]) for k, e in header.items()}, mine, names)
+    stored = {k: (list(e["shape"]), safetensors_io.FROM_CODE[e["dtype"]]) for k, e in header.items()}
+    check_fits(file, stored, _model_tensors(model), _file_keys(model, metadata))
 
 
 # ------------------------------------------------------------- the optimizer
