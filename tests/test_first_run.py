@@ -105,7 +105,26 @@ def test_help_groups_the_options_and_shows_every_default():
     assert titles == list(HELP_GROUPS)
     for action in parser._actions:
         if action.option_strings and action.dest != "help":
-            assert "default" in action.help.lower() or "required" in action.help, f"{action.option_strings} shows no default"
+            shown = action.help.lower()
+            assert "default" in shown or "required" in action.help or "give --task" in shown, f"{action.option_strings} shows no default"
+            assert not shown.endswith("default: .") and ".. default" not in shown, f"{action.option_strings}: {action.help}"
+
+
+def test_flags_are_taken_in_full_or_in_torchruns_underscore_spelling():
+    """No prefix matching: a truncated flag is an error, not another option; --nproc_per_node (torchrun's
+    spelling) is --nproc-per-node; after -- everything is the script's, untouched."""
+    from flodl.config.cli import BriefParser
+    from flodl.controller.launch import build_parser, resolve
+
+    launch, config = resolve(
+        build_parser().parse_args(["--task", "examples/digits.py:task", "--nproc_per_node", "3", "--heartbeat_timeout_secs=7"])
+    )
+    assert launch.nproc_per_node == 3 and config.heartbeat_timeout_secs == 7
+    args = build_parser().parse_args(["--script", "t.py", "--", "--nproc_per_node", "1", "--epochs", "2"])
+    assert args.script_args == ["--nproc_per_node", "1", "--epochs", "2"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--task", "x.py:task", "--nproc-per-nod", "2"])
+    assert BriefParser().allow_abbrev is False
 
 
 def _interrupt(proc_env, tmp_path, after: str, *extra: str) -> tuple[Run, list[float]]:

@@ -144,10 +144,12 @@ _LAUNCH_GROUP = {
 
 def _with_default(help_text: str, default: Any) -> str:
     """Every flag says its default: appended unless the help already explains it."""
-    if "default" in help_text or "required" in help_text:
+    if "default" in help_text.lower() or "required" in help_text:
         return help_text
+    if default == "":  # --task / --script: one of them names what to run
+        return f"{help_text}. Give --task or --script."
     shown = "none" if default is None else str(default).lower() if isinstance(default, bool) else default
-    return f"{help_text}. Default: {shown}."
+    return f"{help_text.rstrip('.')}. Default: {shown}."
 
 
 def build_parser() -> argparse.ArgumentParser:
