@@ -32,7 +32,7 @@ class BriefParser(argparse.ArgumentParser):
     def _kebab(self, args: list[str]) -> list[str]:
         """``--a_b[=v]`` as ``--a-b[=v]`` where that is one of this parser's flags (not after ``--``)."""
         flags = {s for action in self._actions for s in action.option_strings}
-        out = []
+        out: list[str] = []
         for i, word in enumerate(args):
             if word == "--":
                 return out + args[i:]
