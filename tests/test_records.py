@@ -519,6 +519,20 @@ def test_cli_json_output(tmp_path, capsys):
     assert as_json["meta"]["run"]["run_id"] == "syn"
 
 
+def test_cli_shows_the_last_rows_or_a_range_of_epochs(tmp_path, capsys):
+    """A long run's table need not be printed whole: --tail N, --epochs A-B (1-based, as the console counts)."""
+    _synthetic_run(tmp_path)
+    assert reader.main([str(tmp_path), "--json", "--tail", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [row["epoch"] for row in out["epochs"]] == [2, 3] and len(out["events"]) <= 2
+    for spec, want in (("2-3", [2, 3]), ("3-", [3]), ("-1", [1]), ("2", [2])):
+        assert reader.main([str(tmp_path), "--json", "--epochs", spec]) == 0
+        assert [row["epoch"] for row in json.loads(capsys.readouterr().out)["epochs"]] == want, spec
+    assert reader.main([str(tmp_path), "--epochs", "x-y"]) == 2
+    assert "--epochs x-y" in capsys.readouterr().err
+    assert reader.main([str(tmp_path), "--tail", "-1"]) == 2
+
+
 def test_cli_refuses_a_dir_without_logs(tmp_path, capsys):
     assert reader.main([str(tmp_path)]) == 2
     assert "no record logs" in capsys.readouterr().err

@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("logdir", help="the run's record_log_dir")
     parser.add_argument("--path", default=ROOT, help="node whose epochs to show (default: root)")
     parser.add_argument("--json", action="store_true", help="print {meta, epochs, events} as JSON")
+    parser.add_argument("--tail", type=int, metavar="N", default=None, help="only the last N epoch rows (and events)")
+    parser.add_argument("--epochs", metavar="A-B", default=None, help="only the rows of epochs A to B (counted from 1; A- or -B)")
     args = parser.parse_args(argv)
     try:
         records = load(args.logdir)
@@ -179,6 +181,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = epoch_table(records, args.path)
     found = events(records)
+    try:
+        rows = _in_range(rows, args.epochs)
+    except ValueError as exc:
+        print(f"error: --epochs {args.epochs}: {exc}", file=sys.stderr)
+        return 2
+    if args.tail is not None:
+        if args.tail < 0:
+            print(f"error: --tail must be >= 0, got {args.tail}", file=sys.stderr)
+            return 2
+        rows, found = rows[len(rows) - args.tail :] if args.tail else [], found[len(found) - args.tail :] if args.tail else []
     if args.json:
         print(json.dumps({"meta": run_meta(records), "epochs": rows, "events": found}, indent=2))
         return 0
@@ -187,6 +199,24 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(rows))
     print(format_events(found))
     return 0
+
+
+def _in_range(rows: list[dict], spec: str | None) -> list[dict]:
+    """The rows of epochs ``A-B`` (1-based, inclusive; ``A-`` or ``-B`` open; ``N`` one epoch): a row
+    of several epochs is in when it overlaps the range.
+
+    Raises:
+        ValueError: ``spec`` is not such a range.
+    """
+    if spec is None:
+        return rows
+    low, dash, high = spec.partition("-")
+    try:
+        first = int(low) if low else 1
+        last = (int(high) if high else None) if dash else first
+    except ValueError:
+        raise ValueError("a range of epochs such as 3-7, 10- or -5") from None
+    return [r for r in rows if r["epoch"] >= first and (last is None or r.get("first_epoch", r["epoch"]) <= last)]
 
 
 def _main() -> int:
