@@ -102,6 +102,8 @@ SEED_DEFAULTS = {
     "resume_weights_only": False,
     "checkpoint_at_epoch": None,
     "deterministic": False,
+    "tensorboard_dir": None,
+    "csv_log": None,
 }
 
 
@@ -178,6 +180,8 @@ BUILDERS = [
     ("with_record_log_dir", ("logs",), "record_log_dir", "logs"),
     ("with_max_log_size", (1024,), "max_log_size", 1024),
     ("with_dashboard_html", ("dash.html",), "dashboard_html", "dash.html"),
+    ("with_tensorboard_dir", ("run/tb",), "tensorboard_dir", "run/tb"),
+    ("with_csv_log", ("run/metrics.csv",), "csv_log", "run/metrics.csv"),
     ("with_dashboard_theme", ("light",), "dashboard_theme", "light"),
     ("with_scalar_reductions", ({"tokens": "sum"},), "scalar_reductions", (("tokens", Reduction.SUM),)),
     ("with_resume_from", ("ckpt/run",), "resume_from", "ckpt/run"),
@@ -574,6 +578,8 @@ def everything_set() -> DdpRunConfig:
         .with_resume_from("ckpt/old")
         .with_resume_weights_only()
         .with_checkpoint_at_epoch(5)
+        .with_tensorboard_dir("run/tb")
+        .with_csv_log("run/metrics.csv")
     )
 
 

@@ -331,6 +331,16 @@ class DdpRunConfig:
         default_text="reader's preference",
         help="Theme the saved dashboard opens with: light, dark or auto.",
     )
+    tensorboard_dir: str | None = _option(
+        None,
+        check=_text,
+        kind="path",
+        default_text="off",
+        help="Write a TensorBoard event file here: one point per history row (loss, eval, samples/s, scalars, each rank's rate).",
+    )
+    csv_log: str | None = _option(
+        None, check=_text, kind="path", default_text="off", help="Write the history rows to this CSV file as they close."
+    )
     scalar_reductions: tuple[tuple[str, Reduction], ...] = _option(
         (),
         check=_reductions,
@@ -555,6 +565,12 @@ class DdpRunConfig:
     def with_reports_per_epoch(self, n: int) -> DdpRunConfig:
         return self._replace(reports_per_epoch=n)
 
+    def with_tensorboard_dir(self, directory: str | os.PathLike[str] | None) -> DdpRunConfig:
+        return self._replace(tensorboard_dir=directory)
+
+    def with_csv_log(self, path: str | os.PathLike[str] | None) -> DdpRunConfig:
+        return self._replace(csv_log=path)
+
     def with_record_log_dir(self, directory: str | os.PathLike[str] | None) -> DdpRunConfig:
         return self._replace(record_log_dir=directory)
 
@@ -753,6 +769,8 @@ AVAILABLE_FIELDS: frozenset[str] = frozenset(
         "dashboard_theme",
         "scalar_reductions",
         "timeline",
+        "tensorboard_dir",
+        "csv_log",
         # the data plane
         "augment",
         "epoch_splits",

@@ -24,6 +24,7 @@ from ..wire import messages as m
 from .archive import write_archive
 from .dashboard import DashboardServer
 from .feed import Feed
+from .loggers import Loggers
 from .record_log import RecordLog
 from .records import (
     ALERT_SEVERITY,
@@ -79,6 +80,8 @@ class Monitor:
         self.epoch_batches: dict[int, int] = {}  # epoch -> batches trained so far (sub-epoch reports)
         self.report_epoch = -1
         self.anchor: int | None = None
+        self.loggers = Loggers(config.tensorboard_dir, config.csv_log)  # TensorBoard and CSV, when asked for
+        self.metric: str | None = None  # the eval's name, once the run begins
 
     # ------------------------------------------------------------- lifetime
 
@@ -92,6 +95,7 @@ class Monitor:
     def begin(self, run: Mapping[str, Any], ranks: Mapping[int, tuple[str, str]], *, steps_per_epoch: int) -> None:
         """The run trains: its description first (every reader replays it first)."""
         self._set_ranks(ranks)
+        self.metric = run.get("eval_metric")
         self._emit(meta_record(self.reductions, ts_ms=wall_ms(), run=dict(run)))
         if self.config.reports_per_epoch:
             self.reporter = SubEpochReporter(self.config.reports_per_epoch, steps_per_epoch)
@@ -117,6 +121,7 @@ class Monitor:
                 written.append(str(write_archive(self.config.dashboard_html, self.feed, theme=self.config.dashboard_theme)))
             except OSError as exc:
                 log.warning("could not write the dashboard archive to %s: %s", self.config.dashboard_html, exc)
+        written += self.loggers.close()
         if self.log is not None:
             self.log.close()
         if self.server is not None:
@@ -226,6 +231,7 @@ class Monitor:
             records[0]["metrics"]["anchor"] = self.anchor
         for record in records:
             self._emit(record)
+        self.loggers.row(stats, self.metric)
         which = f"epoch {stats.epoch + 1}" if stats.first_epoch == stats.epoch else f"epochs {stats.first_epoch + 1}-{stats.epoch + 1}"
         self.timeline.instant(
             f"{which} done",
