@@ -53,7 +53,8 @@ def core_plan(devices: list[str], cores: list[int]) -> list[list[int]] | None:
 
 def format_cores(cores: list[int]) -> str:
     """``[0, 1, 2, 5]`` as ``"0-2,5"`` (the form ``taskset -c`` and ``FLODL_CPU_SET`` take)."""
-    parts, run = [], []
+    parts: list[str] = []
+    run: list[int] = []
     for c in sorted(cores):
         if run and c == run[-1] + 1:
             run.append(c)
