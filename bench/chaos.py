@@ -78,7 +78,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Row, report, size_parser, smoke_results  # noqa: E402
+from bench.common import Row, RunFailed, report, run_controller, size_parser, smoke_results, start_controller  # noqa: E402
 
 TASK = f"{ROOT / 'tests' / 'tasks' / 'tiny.py'}:task"
 NPROC = 3
@@ -420,24 +420,14 @@ def resume_check(plan: Plan, stem: Path, epochs: int, step_s: float, tmp: Path, 
     from flodl.checkpoint import read_meta
 
     meta = read_meta(stem)
-    path = tmp / f"{tag}.resumed.json"
     args = ["--task", TASK, "--nproc-per-node", str(NPROC), "--epochs", str(epochs), "--mode", plan.mode]
-    args += ["--heartbeat-timeout-secs", str(HEARTBEAT_S), "--summary-json", str(path), "--no-progress", "--resume-from", str(stem)]
-    with open(tmp / f"{tag}.resumed.log", "w") as log:
-        try:
-            code = subprocess.run(
-                [sys.executable, "-m", "flodl.controller", *args],
-                env=_env({"FLODL_TEST_STEP_SLEEP": str(step_s)}),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=ROOT,
-                timeout=RUN_TIMEOUT_S,
-            ).returncode
-        except subprocess.TimeoutExpired:
-            return [f"the resumed run still running after {RUN_TIMEOUT_S} s"]
-    if code != 0 or not path.exists():
-        return [f"the resumed run's exit code {code}"]
-    s = json.loads(path.read_text())
+    args += ["--heartbeat-timeout-secs", str(HEARTBEAT_S), "--no-progress", "--resume-from", str(stem)]
+    try:
+        s = run_controller(
+            args, workdir=tmp, name=f"{tag}.resumed", env=_env({"FLODL_TEST_STEP_SLEEP": str(step_s)}), timeout_s=RUN_TIMEOUT_S
+        )
+    except RunFailed as exc:
+        return [f"the resumed run: {exc.why}"]
     failures = []
     covered_open = sum(item["total"] - sum(size for _, size in item["uncovered"]) for item in meta["coverage"].get("open", []))
     trained = sum(h["samples"] for h in s["history"])
@@ -457,7 +447,7 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
     """Start a run, inject the plan's fault at its moment, wait, and check everything."""
     res = Result(plan)
     tag = f"{plan.index:03d}-{plan.kind}{'-heal' if plan.heal else ''}-{plan.mode}"
-    log_path, summary_path, stem = tmp / f"{tag}.log", tmp / f"{tag}.json", tmp / tag / "ckpt"
+    log_path, stem = tmp / f"{tag}.log", tmp / tag / "ckpt"  # the controller's output: start_controller's log of ``tag``
     res.log = str(log_path)
     extra = {"FLODL_TEST_STEP_SLEEP": str(step_s)}
     args = [
@@ -471,8 +461,6 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
         plan.mode,
         "--heartbeat-timeout-secs",
         str(HEARTBEAT_S),
-        "--summary-json",
-        str(summary_path),
         "--no-progress",
     ]
     if plan.heal:
@@ -495,15 +483,8 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
         extra["FLODL_BULK_RELAY"] = "always"
     shm_before = _shm_names()
     started = time.monotonic()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "flodl.controller", *args],
-            env=_env(extra),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            start_new_session=True,
-        )
+    run = start_controller(args, workdir=tmp, name=tag, env=_env(extra), session=True)
+    proc = run.proc
     tree = Tree(proc.pid)
     hosts = start_hosts(join_file, proc, _env(extra), tmp, tag) if plan.kind == "host" else []
     for host in hosts:
@@ -553,11 +534,10 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
             else:
                 res.landed = False
         try:
-            res.exit_code = proc.wait(RUN_TIMEOUT_S - (time.monotonic() - started))
-        except subprocess.TimeoutExpired:
+            res.exit_code = run.wait(RUN_TIMEOUT_S - (time.monotonic() - started))
+        except RunFailed:  # killed, its process group with it
             res.failures.append(f"still running after {RUN_TIMEOUT_S} s")
-            os.killpg(proc.pid, signal.SIGKILL)
-            res.exit_code = proc.wait(10)
+            res.exit_code = proc.returncode
     finally:
         for host in hosts:  # the surviving host's worker leaves when the run ends
             try:
@@ -596,10 +576,10 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
         return res
     if res.exit_code != 0:
         res.failures.append(f"exit code {res.exit_code}")
-    if not summary_path.exists():
+    if not run.summary_path.exists():
         res.failures.append("no summary")
         return res
-    s = json.loads(summary_path.read_text())
+    s = run.summary()
     samples = [h["samples"] for h in s["history"]]
     if samples != [DATASET] * epochs:
         res.failures.append(f"samples per epoch {samples}, want {DATASET} x {epochs}")

@@ -1,9 +1,15 @@
-"""Shared benchmark plumbing: the results table and the JSON every bench writes.
+"""Shared benchmark plumbing: the results table and the JSON every bench writes, and a controller run.
 
 Every benchmark prints a table and writes ``bench/results/<name>.json`` as
 ``{"bench", "machine", "when", "rows": [{"case", "metric", "value", "unit",
 "goal", "met"}]}``; ``goal`` is the issue's target as text (null if none) and
 ``met`` is true/false/null.
+
+A bench that runs the controller's CLI runs it through ``run_controller`` (to
+the end: its summary) or ``start_controller`` (a handle, for a bench that acts
+on the run while it trains, then ``finish``): the output goes to a log file
+whose tail a ``RunFailed`` carries, every wait has a deadline, and the summary
+is read from ``--summary-json``. Nothing here imports flodl.
 """
 
 from __future__ import annotations
@@ -12,13 +18,17 @@ import argparse
 import json
 import os
 import platform
+import signal
+import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -59,6 +69,150 @@ def controller_command(task: str, **options: object) -> list[str]:
         if value is not True:
             cmd.append(str(value))
     return cmd
+
+
+class RunFailed(RuntimeError):
+    """A run a bench started did not end as it must (an exit code, a deadline, no summary); the message
+    ends with the tail of its output, ``why`` says it in a few words."""
+
+    def __init__(self, message: str, why: str = "") -> None:
+        super().__init__(message)
+        self.why = why or (message.splitlines()[0] if message else "")
+
+
+def output_tail(log: Path, lines: int = 15) -> str:
+    """The log's last lines, after up to 10 earlier lines that say what went wrong (torchrun's own
+    summary at the end only names the signal a rank died of)."""
+    try:
+        text = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    keys = ("error", "terminate", "what()", "exception", "abort")
+    causes = [ln for ln in text[:-lines] if any(k in ln.lower() for k in keys)][:10]
+    return "\n".join([*causes, *(["..."] if causes else []), *text[-lines:]])
+
+
+@dataclass
+class ControllerRun:
+    """One ``python -m flodl.controller`` a bench started (``start_controller``): its process, the log its
+    output goes to, and the summary it writes there."""
+
+    proc: subprocess.Popen
+    log: Path
+    summary_path: Path
+    what: str  # how errors name it
+    session: bool  # in a process group of its own (killed whole at a deadline)
+    started: float = field(default_factory=time.time)  # Unix time, just before the process started
+    ended: float | None = None  # Unix time once it was seen to exit
+
+    @property
+    def wall_s(self) -> float:
+        """Seconds from the start to the exit (or to now, while it runs)."""
+        return (self.ended or time.time()) - self.started
+
+    def output(self) -> str:
+        """What it printed so far (stdout and stderr together)."""
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def failed(self, why: str) -> RunFailed:
+        return RunFailed(f"{self.what}: {why}; output tail:\n{output_tail(self.log)}", why)
+
+    def wait(self, timeout_s: float) -> int:
+        """Its exit code; past ``timeout_s`` it is killed and ``RunFailed`` raised."""
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise self.failed(f"still running after {timeout_s:g} s (killed)") from None
+        self.ended = self.ended or time.time()
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL it (its whole process group when it has one of its own) and reap it."""
+        if self.proc.poll() is None:
+            try:
+                if self.session:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                else:
+                    self.proc.kill()
+            except ProcessLookupError:
+                pass
+        self.proc.wait(30)
+        self.ended = self.ended or time.time()
+
+    def summary(self) -> dict:
+        """The summary it wrote; ``RunFailed`` if it wrote none."""
+        if not self.summary_path.exists():
+            raise self.failed(f"no summary written (exit code {self.proc.poll()})")
+        summary: dict = json.loads(self.summary_path.read_text())
+        return summary
+
+    def finish(self, timeout_s: float, *, check: bool = True) -> dict:
+        """Wait for the end (``wait``) and return the summary; ``check``: a non-zero exit raises ``RunFailed``."""
+        code = self.wait(timeout_s)
+        if check and code != 0:
+            raise self.failed(f"exit code {code}")
+        return self.summary()
+
+
+def start_controller(
+    args: Sequence[str],
+    *,
+    workdir: Path,
+    name: str = "controller",
+    env: dict[str, str] | None = None,
+    prefix: Sequence[str] = (),
+    session: bool = False,
+    preexec_fn: Callable[[], object] | None = None,
+) -> ControllerRun:
+    """Start ``python -m flodl.controller ARGS --summary-json WORKDIR/NAME.json`` in the checkout, its output
+    into ``WORKDIR/NAME.log``; ``prefix`` runs it through another command first (``ip netns exec NS``),
+    ``session`` in a process group of its own, ``preexec_fn`` in the child before it starts (a CPU pin)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    log, summary = workdir / f"{name}.log", workdir / f"{name}.json"
+    summary.unlink(missing_ok=True)
+    cmd = [*prefix, sys.executable, "-m", "flodl.controller", *args, "--summary-json", str(summary)]
+    started = time.time()
+    with open(log, "w") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=os.environ.copy() if env is None else env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=session,
+            preexec_fn=preexec_fn,
+        )
+    shown = " ".join(args)
+    what = f"the controller ({shown if len(shown) <= 200 else shown[:200] + '...'})"
+    return ControllerRun(proc, log, summary, what=what, session=session, started=started)
+
+
+def run_controller(
+    args: Sequence[str],
+    *,
+    timeout_s: float = 600.0,
+    workdir: Path | None = None,
+    name: str = "controller",
+    env: dict[str, str] | None = None,
+    check: bool = True,
+    prefix: Sequence[str] = (),
+    preexec_fn: Callable[[], object] | None = None,
+) -> dict:
+    """Run the controller to the end and return its summary (the arguments as ``start_controller``'s;
+    without ``workdir``, its log and summary go to a temporary folder, deleted after).
+
+    Raises:
+        RunFailed: it ran past ``timeout_s`` (then killed), exited non-zero (``check``) or wrote no summary;
+            the message ends with its output's tail.
+    """
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="flodl-bench-") as tmp:
+            return run_controller(
+                args, timeout_s=timeout_s, workdir=Path(tmp), name=name, env=env, check=check, prefix=prefix, preexec_fn=preexec_fn
+            )
+    run = start_controller(args, workdir=workdir, name=name, env=env, prefix=prefix, preexec_fn=preexec_fn)
+    return run.finish(timeout_s, check=check)
 
 
 def machine() -> str:

@@ -23,14 +23,11 @@ machine, the VRAM pool against the pinned RAM cache (``FLODL_VRAM_POOL=off``).
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import Row, report, size_parser, smoke_results
+from bench.common import Row, report, run_controller, size_parser, smoke_results
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEEDUP_GOAL, STARVE_GOAL = 5.0, 0.05
@@ -39,30 +36,12 @@ SPEEDUP_GOAL, STARVE_GOAL = 5.0, 0.05
 def run_case(flags: list[str], *, ranks: int, devices: str | None, samples: int, epochs: int, env: dict[str, str]) -> dict:
     """One real run; returns its summary plus the peak RSS of its ranks (from the record stream)."""
     with tempfile.TemporaryDirectory() as tmp:
-        summary_path, logs = Path(tmp) / "s.json", Path(tmp) / "logs"
+        logs = Path(tmp) / "logs"
         where = ["--devices", devices or ",".join(["cpu"] * ranks)]  # CPU ranks unless a case names a GPU
-        cmd = [
-            sys.executable,
-            "-m",
-            "flodl.controller",
-            "--task",
-            "bench.tasks.data_bound:task",
-            *where,
-            "--epochs",
-            str(epochs),
-            "--dashboard-port",
-            "-1",
-            "--record-log-dir",
-            str(logs),
-            "--disk-stage-dir",
-            tmp,
-            "--summary-json",
-            str(summary_path),
-            *flags,
-        ]
+        args = ["--task", "bench.tasks.data_bound:task", *where, "--epochs", str(epochs), "--dashboard-port", "-1"]
+        args += ["--record-log-dir", str(logs), "--disk-stage-dir", tmp, *flags]
         full_env = {**os.environ, "FLODL_BENCH_SAMPLES": str(samples), **env}
-        subprocess.run(cmd, cwd=ROOT, env=full_env, check=True, timeout=600, stdout=subprocess.DEVNULL)
-        summary = json.loads(summary_path.read_text())
+        summary = run_controller(args, workdir=Path(tmp), env=full_env, timeout_s=600)
         from flodl.monitor.reader import load
 
         # leaf records are the ranks' own (a lone rank's leaf is the root itself)

@@ -40,7 +40,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Row, report, size_parser, smoke_results  # noqa: E402
+from bench.common import Row, report, size_parser, smoke_results, start_controller  # noqa: E402
 from bench.tasks.faults import BATCH, SAMPLES  # noqa: E402
 
 TASK = f"{ROOT / 'bench' / 'tasks' / 'faults.py'}:task"
@@ -73,51 +73,28 @@ def _ranks(parent: psutil.Process, marker: str, count: int, timeout: float = 60)
 
 def flodl_case(mode: str, sig: signal.Signals, epochs: int, tmp: Path, samples: int = SAMPLES, step_s: float | None = None) -> dict:
     """One flodl run with a rank killed or stopped mid-run; the numbers from its summary."""
-    summary_path = tmp / f"flodl-{mode}-{sig.name}.json"
-    log = open(tmp / f"flodl-{mode}-{sig.name}.log", "w")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flodl.controller",
-            "--task",
-            TASK,
-            "--nproc-per-node",
-            str(NPROC),
-            "--epochs",
-            str(epochs),
-            "--mode",
-            mode,
-            "--heartbeat-timeout-secs",
-            str(HEARTBEAT_S),
-            "--summary-json",
-            str(summary_path),
-            "--no-progress",
-        ],
+    args = ["--task", TASK, "--nproc-per-node", str(NPROC), "--epochs", str(epochs), "--mode", mode]
+    run = start_controller(
+        [*args, "--heartbeat-timeout-secs", str(HEARTBEAT_S), "--no-progress"],
+        workdir=tmp,
+        name=f"flodl-{mode}-{sig.name}",
         env=_env(samples, step_s),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=ROOT,
     )
-    ranks = _ranks(psutil.Process(proc.pid), "flodl.rank", NPROC)
-    text = ""
-    while "epoch 2/" not in text:  # mid-run: epoch 1 closed, the cadence calibrated
-        if proc.poll() is not None:
-            raise RuntimeError(f"flodl ended early:\n{(tmp / f'flodl-{mode}-{sig.name}.log').read_text()}")
-        time.sleep(0.02)
-        text = (tmp / f"flodl-{mode}-{sig.name}.log").read_text()
-    time.sleep(0.3)
-    victim = ranks[1]
-    hit_at = time.time()
-    os.kill(victim.pid, sig)
-    code = proc.wait(300)
-    if code != 0:
-        raise RuntimeError(f"flodl exited {code}:\n{(tmp / f'flodl-{mode}-{sig.name}.log').read_text()}")
-    s = json.loads(summary_path.read_text())
+    try:
+        ranks = _ranks(psutil.Process(run.proc.pid), "flodl.rank", NPROC)
+        while "epoch 2/" not in run.output():  # mid-run: epoch 1 closed, the cadence calibrated
+            if run.proc.poll() is not None:
+                raise run.failed("ended early")
+            time.sleep(0.02)
+        time.sleep(0.3)
+        victim = ranks[1]
+        hit_at = time.time()
+        os.kill(victim.pid, sig)
+        s = run.finish(300)
+    finally:
+        run.kill()
     if not s["recoveries"]:
-        raise RuntimeError(
-            f"flodl recorded no recovery: the run ended before the kill landed\n{(tmp / f'flodl-{mode}-{sig.name}.log').read_text()}"
-        )
+        raise run.failed("recorded no recovery: the run ended before the kill landed")
     rec = s["recoveries"][0]
     trained = sum(h["samples"] for h in s["history"])
     return {

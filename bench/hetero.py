@@ -54,9 +54,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Row, controller_command, report, size_parser, smoke_results  # noqa: E402
+from bench.common import Row, RunFailed, controller_command, report, size_parser, smoke_results  # noqa: E402
 from bench.matrix.report import measured_ratio, of_ideal, step_ms, train_wall  # noqa: E402
-from bench.matrix.suite import SIDE_BY_SIDE_MARGIN, RunFailed, timed_run, timed_runs  # noqa: E402
+from bench.matrix.suite import SIDE_BY_SIDE_MARGIN, timed_run, timed_runs  # noqa: E402
 from flodl.config.env import SIMULATE_BASE_MS, SIMULATE_SLOWDOWN  # noqa: E402
 
 TASK = f"{ROOT / 'bench' / 'tasks' / 'mixture.py'}:task"

@@ -18,51 +18,27 @@ cannot run must fail).
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Row, report, size_parser, smoke_results  # noqa: E402
+from bench.common import Row, report, run_controller, size_parser, smoke_results  # noqa: E402
 
 TASK = f"{ROOT / 'bench' / 'tasks' / 'mlp.py'}:task"
 
 
 def run(devices: str, mode: str | None, epochs: int, width: int, samples: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "s.json"
-        cmd = [
-            sys.executable,
-            "-m",
-            "flodl.controller",
-            "--task",
-            TASK,
-            "--devices",
-            devices,
-            "--epochs",
-            str(epochs),
-            "--dashboard-port",
-            "-1",
-            "--summary-json",
-            str(path),
-        ]
-        if mode:
-            cmd += ["--mode", mode]
-        env = {
-            **os.environ,
-            "FLODL_BENCH_WIDTH": str(width),
-            "FLODL_BENCH_SAMPLES": str(samples),
-            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-        }
-        res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-        if res.returncode:
-            raise RuntimeError(f"{devices} {mode}: exit {res.returncode}\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
-        return json.loads(path.read_text())
+    args = ["--task", TASK, "--devices", devices, "--epochs", str(epochs), "--dashboard-port", "-1", *(["--mode", mode] if mode else [])]
+    env = {
+        **os.environ,
+        "FLODL_BENCH_WIDTH": str(width),
+        "FLODL_BENCH_SAMPLES": str(samples),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    return run_controller(args, env=env, timeout_s=900)
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ worker in a UTS and mount namespace of its own (its own host name and its own
 Each run starts the controller and the three workers directly (``ip netns
 exec``; no ssh), one CPU rank per host. Every link delays what its node sends
 by D = 0, 5 or 20 ms (``tc netem delay D`` on each namespace's ``eth0``, or
-the userspace relay of ``tests/netns.py`` where the kernel has no netem), so
+the userspace relay of ``bench/netns.py`` where the kernel has no netem), so
 any message between two machines takes D longer one way and a round trip 2D.
 The 0 ms case goes through the same path, so the difference is the latency.
 
@@ -48,7 +48,6 @@ round (one model per host with relays, one per rank without).
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
@@ -60,8 +59,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Row, report, size_parser, smoke_results  # noqa: E402
-from tests.netns import Netem, NsHost, Shaper, make_hosts, netem_in_kernel, teardown_hosts, unusable_reason  # noqa: E402
+from bench.common import Row, RunFailed, output_tail, report, size_parser, smoke_results, start_controller  # noqa: E402
+from bench.netns import Netem, NsHost, Shaper, make_hosts, netem_in_kernel, teardown_hosts, unusable_reason  # noqa: E402
 
 TASK = "bench.tasks.latency:task"
 STEP_S = 0.02
@@ -84,78 +83,29 @@ def one_run(mode: str, epochs: int, samples: int, port: int, log_dir: Path, *, d
     """One run: the controller in flodl-b0, a worker with ``devices`` on each host; its summary."""
     secret, run_id = secrets.token_hex(32), f"net-{secrets.token_hex(4)}"
     creds = {"FLODL_RUN_SECRET": secret, "FLODL_RUN_ID": run_id}
-    summary = log_dir / f"{run_id}.json"
-    log = open(log_dir / f"{run_id}.log", "w")
-    procs = [
-        subprocess.Popen(
-            [
-                "ip",
-                "netns",
-                "exec",
-                CONTROLLER.name,
-                sys.executable,
-                "-m",
-                "flodl.controller",
-                "--task",
-                TASK,
-                "--workers",
-                "3",
-                "--bind",
-                CONTROLLER.addr,
-                "--port",
-                str(port),
-                "--epochs",
-                str(epochs),
-                "--mode",
-                mode,
-                "--dashboard-port",
-                "-1",
-                "--no-progress",
-                "--summary-json",
-                str(summary),
-            ],
-            env=_env(**creds, FLODL_BULK_RELAY=relay),
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    ]
+    args = ["--task", TASK, "--workers", "3", "--bind", CONTROLLER.addr, "--port", str(port), "--epochs", str(epochs)]
+    args += ["--mode", mode, "--dashboard-port", "-1", "--no-progress"]
+    ctl = start_controller(args, workdir=log_dir, name=run_id, env=_env(**creds, FLODL_BULK_RELAY=relay), prefix=CONTROLLER.netns_exec())
     worker = f"{sys.executable} -m flodl.worker --controller tcp://{CONTROLLER.addr}:{port} --devices {devices}"
-    for h in HOSTS:
-        # its own host name and /dev/shm, as on a separate machine
-        procs.append(
-            subprocess.Popen(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    h.name,
-                    "unshare",
-                    "--uts",
-                    "--mount",
-                    "sh",
-                    "-c",
-                    f"hostname {h.name} && mount -t tmpfs tmpfs /dev/shm && exec {worker}",
-                ],
-                env=_env(**creds, GLOO_SOCKET_IFNAME="eth0", FLODL_BENCH_STEP_SLEEP=str(STEP_S), FLODL_BENCH_SAMPLES=str(samples)),
-                cwd=ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        )
+    workers_log = log_dir / f"{run_id}.workers.log"
+    workers = []
+    with open(workers_log, "w") as log:  # each keeps its own copy of the descriptor
+        for h in HOSTS:
+            env = _env(**creds, GLOO_SOCKET_IFNAME="eth0", FLODL_BENCH_STEP_SLEEP=str(STEP_S), FLODL_BENCH_SAMPLES=str(samples))
+            workers.append(subprocess.Popen(h.as_machine(worker), env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
     try:
-        code = procs[0].wait(RUN_TIMEOUT_S)
-        for p in procs[1:]:
+        summary = ctl.finish(RUN_TIMEOUT_S)
+        for p in workers:
             p.wait(30)
+    except RunFailed as exc:
+        raise RunFailed(f"{mode}: {exc}\nthe workers' output tail:\n{output_tail(workers_log)}", exc.why) from None
     finally:
-        for p in procs:
+        for p in workers:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
-        log.close()
-    if code != 0 or not summary.exists():
-        raise RuntimeError(f"{mode}: the controller exited {code}:\n{(log_dir / f'{run_id}.log').read_text()[-3000:]}")
-    return json.loads(summary.read_text())
+        ctl.kill()
+    return summary
 
 
 def relay_rows(port: int, log_dir: Path, epochs: int, samples: int) -> list[Row]:

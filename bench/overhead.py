@@ -83,7 +83,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -93,7 +92,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.common import Row, report, size_parser, smoke_results, write_results  # noqa: E402
+from bench.common import Row, report, run_controller, size_parser, smoke_results, write_results  # noqa: E402
 from bench.tasks import solo  # noqa: E402
 from flodl import Trainer  # noqa: E402
 from flodl.task import COMPILE_MODES  # noqa: E402
@@ -291,14 +290,10 @@ def script_run(epochs: int) -> float:
 def flodl_cli_run(epochs: int, core: int | None = None) -> dict:
     """The summary of one run through the controller's CLI (``SCRIPT`` in script mode, else ``TASK``),
     every process of it on ``core`` if given (children inherit the mask)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "summary.json"
-        where = ["--devices", "cuda:0"] if DEVICE == "cuda" else ["--nproc-per-node", "1"]
-        what = ["--script", str(SCRIPT)] if SCRIPT_MODE else ["--task", TASK]
-        cmd = [sys.executable, "-m", "flodl.controller", *what, *where, "--epochs", str(epochs), "--no-progress"]
-        pin = None if core is None else (lambda: os.sched_setaffinity(0, {core}))
-        subprocess.run([*cmd, "--summary-json", str(path)], cwd=ROOT, check=True, stdout=subprocess.DEVNULL, preexec_fn=pin)
-        summary = json.loads(path.read_text())
+    where = ["--devices", "cuda:0"] if DEVICE == "cuda" else ["--nproc-per-node", "1"]
+    what = ["--script", str(SCRIPT)] if SCRIPT_MODE else ["--task", TASK]
+    pin = None if core is None else (lambda: os.sched_setaffinity(0, {core}))
+    summary = run_controller([*what, *where, "--epochs", str(epochs), "--no-progress"], preexec_fn=pin)
     assert summary["exit_reason"] == "completed", summary["exit_reason"]
     return summary
 

@@ -25,7 +25,6 @@ the first batch ≤ 1.2× torchrun's.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import statistics
@@ -38,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Row, report, size_parser, smoke_results  # noqa: E402
+from bench.common import Row, report, size_parser, smoke_results, start_controller  # noqa: E402
 
 GOAL = "≤ 1.2× torchrun"
 PHASES = ("workers_up_s", "ranks_built_s", "group_formed_s", "first_batch_s")
@@ -46,17 +45,11 @@ PHASES = ("workers_up_s", "ranks_built_s", "group_formed_s", "first_batch_s")
 
 def flodl_run(epochs: int, tmp: Path) -> tuple[float, float, dict]:
     """(seconds to the first batch, seconds to the exit, the summary's ``startup``) of one flodl run."""
-    summary = tmp / "summary.json"
-    summary.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "flodl.controller", "--task", "examples/digits.py:task", "--nproc-per-node", "2"]
-    cmd += ["--epochs", str(epochs), "--summary-json", str(summary)]
-    t0 = time.time()
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    whole = time.time() - t0
-    if res.returncode != 0:
-        raise RuntimeError(f"flodl exited {res.returncode}:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
-    startup = json.loads(summary.read_text())["startup"]
-    return startup["started_unix"] + startup["first_batch_s"] - t0, whole, startup
+    run = start_controller(
+        ["--task", "examples/digits.py:task", "--nproc-per-node", "2", "--epochs", str(epochs)], workdir=tmp, name="flodl"
+    )
+    startup = run.finish(600)["startup"]
+    return startup["started_unix"] + startup["first_batch_s"] - run.started, run.wall_s, startup
 
 
 def torchrun_run(epochs: int) -> tuple[float, float]:

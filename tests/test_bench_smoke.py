@@ -30,8 +30,9 @@ import sys
 import pytest
 import torch
 
+from bench.netns import unusable_reason
+
 from .conftest import ROOT
-from .netns import unusable_reason
 
 pytestmark = pytest.mark.timeout(60)  # each takes under 10 s here; the margin is for a loaded machine
 

@@ -1,14 +1,19 @@
-"""The controller's composition: the phase's one way to move, and the hooks benches time it with."""
+"""The controller's composition: each part owns what it writes, is built from one frozen context,
+the phase's one way to move, and the hooks benches time it with."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import dataclasses
 import logging
+from pathlib import Path
 
 import pytest
 
 from flodl.config import DdpRunConfig
 from flodl.controller import Controller, ControllerHooks, LaunchOptions, Phase
+from flodl.controller.context import RunContext
 from flodl.controller.phase import RunState
 from flodl.plan.membership import Membership
 from flodl.testing.sim import SimRankSpec, SimWorker
@@ -18,6 +23,79 @@ pytestmark = pytest.mark.timeout(60)
 
 SECRET = b"s" * 32
 RUN = "parts-run"
+PARTS = Path(__file__).resolve().parent.parent / "flodl" / "controller"
+
+#: The most parameters a part's constructor takes: the context, and by name the parts it uses.
+MOST_PARAMETERS = 4
+
+
+#: The names the controller holds its parts by (``self.training``, ``ctx.plane``, ``self.ctx``...).
+HELD_AS = {"ctx", "run", "state", "plane", "training", "resume", "admission", "saving", "liveness", "teardown"}
+HELD_AS |= {"console", "startup", "checkpoints", "before_init", "resender", "epoch_ends"}
+
+
+def _held_as(node: ast.expr) -> str | None:
+    """The name ``node`` holds its object by: ``self.ctx.plane`` -> plane, ``training`` -> training."""
+    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+
+
+def _stores(tree: ast.AST):
+    """Every attribute assignment in ``tree``: (line, the name its object is held by, the attribute)."""
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else []
+        for target in targets:
+            for part in ast.walk(target):
+                if isinstance(part, ast.Attribute) and isinstance(part.ctx, ast.Store):
+                    yield node.lineno, _held_as(part.value), part.attr
+
+
+def foreign_writes(sources: dict[str, str]) -> list[str]:
+    """Attributes of a part (``self.x = ...`` in its file) that another file assigns, or any
+    assignment through the context."""
+    trees = {name: ast.parse(text) for name, text in sources.items()}
+    owned = {name: {attr for _, held, attr in _stores(tree) if held == "self"} for name, tree in trees.items()}
+    found = []
+    for name, tree in trees.items():
+        for line, held, attr in _stores(tree):
+            owners = [other for other, attrs in owned.items() if other != name and attr in attrs]
+            if held == "ctx" or (held in HELD_AS and owners):
+                found.append(f"{name}:{line} writes {held}.{attr} (owned by {', '.join(owners) or 'nobody: the context is frozen'})")
+    return found
+
+
+def test_no_part_writes_another_parts_attributes():
+    """Each part's state has one writer, its own file; the context hands out the shared services
+    to read and call, never to assign (a write through ``self.ctx.plane.port`` is caught too)."""
+    sources = {path.name: path.read_text() for path in sorted(PARTS.glob("*.py"))}
+    assert foreign_writes(sources) == []
+    # the rule bites: the same check on a part that assigns the plane's port through the context
+    bad = {"plane.py": "class P:\n def __init__(self):\n  self.port = 0\n", "x.py": "def f(self):\n self.ctx.plane.port = 1\n"}
+    assert foreign_writes(bad) == ["x.py:2 writes plane.port (owned by plane.py)"]
+
+
+def test_each_part_takes_the_context_and_only_its_own_collaborators():
+    """No constructor of a part lists the run's shared things one by one (the controller's
+    entry point aside, whose arguments are the run's)."""
+    wide = []
+    for path in sorted(PARTS.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name != "Controller":
+                for fn in node.body:
+                    if isinstance(fn, ast.FunctionDef) and fn.name == "__init__":
+                        count = len(fn.args.args) - 1 + len(fn.args.kwonlyargs)
+                        if count > MOST_PARAMETERS:
+                            wide.append(f"{path.name} {node.name}: {count}")
+    assert wide == []
+
+
+async def test_the_context_is_frozen_and_every_part_shares_one(quiet_console):
+    ctl = Controller(LaunchOptions(task="sim:task", progress=False), DdpRunConfig(), secret=SECRET, run_id=RUN, console=quiet_console)
+    ctx = ctl.ctx
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.plane = None  # type: ignore[misc]
+    parts = (ctl.training, ctl.resume, ctl.admission, ctl.saving, ctl.liveness, ctl.teardown)
+    assert all(part.ctx is ctx for part in parts) and ctl.plane.ctx.members is ctx.members
+    assert isinstance(ctx, RunContext) and (ctx.run_id, ctx.secret, ctx.console) == (RUN, SECRET, quiet_console)
 
 
 def test_the_phase_moves_forward_and_logs_each_move(clock, caplog):

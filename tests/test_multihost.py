@@ -21,6 +21,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from bench.netns import NsHost
+from bench.netns import cmdline as _cmdline
+from bench.netns import must as _must
+from bench.netns import run as _run
 from flodl.errors import ConfigError
 from flodl.host.hostfile import Host, load_hostfile, parse_host_flag, ssh_argv, with_defaults
 from flodl.launcher import check_controller_args, split_argv
@@ -30,10 +34,7 @@ from .conftest import PY, task_spec
 from .helpers.history import epoch_samples
 from .helpers.hosts import assert_no_flodl_left, launch_on_hosts, parent_pid, wait_until
 from .helpers.procs import Proc, is_rank, served
-from .netns import NsHost, Unavailable, ssh_cluster
-from .netns import cmdline as _cmdline
-from .netns import must as _must
-from .netns import run as _run
+from .netns import Unavailable, ssh_cluster
 
 pytestmark = pytest.mark.timeout(180)
 

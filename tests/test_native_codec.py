@@ -11,6 +11,7 @@ once with ``FLODL_PURE_CODEC=1``, the path of a machine where flodl was installe
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 import shutil
@@ -51,7 +52,7 @@ def test_the_compiled_codec_is_built_where_a_compiler_is():
 def _pure_reader() -> FrameReader:
     """A reader on the Python path only (as where the extension is not built)."""
     reader = FrameReader(SECRET, RUN)
-    reader._native_table = None
+    reader._native = None
     return reader
 
 
@@ -88,16 +89,18 @@ def test_every_message_is_written_and_read_as_the_python_codec_does():
         cls = message_types()[spec["name"]]
         writer = FrameWriter(SECRET, RUN, "rank0.1")
         native_reader, pure_reader = FrameReader(SECRET, RUN), _pure_reader()
-        for seq in range(1, 26):
+        seq = 1  # the writer's next number
+        for _ in range(25):
             msg = cls(**{f["name"]: _value_for(rng, f["type"]) for f in spec["fields"]})
             try:
                 want = pack_frame(SECRET, msg, sender="rank0.1", seq=seq, run_id=RUN)
-            except ProtocolError:  # a value over the schema's bounds: the writer refuses it too, and takes no number
+            except ProtocolError:  # a value over the schema's bounds: the writer refuses it too
                 with pytest.raises(ProtocolError):
                     writer.encode(msg)
-                writer._seq = iter(range(seq, 10**9))
+                seq += 1  # the compiled half took no number, the Python path that raised took one
                 continue
             frame = writer.encode(msg)
+            seq += 1
             assert frame == want, (spec["name"], msg)
             got, ref = native_reader.read(frame), pure_reader.read(frame)
             assert got is not None and got == ref and got.msg == ref.msg
@@ -277,18 +280,98 @@ def test_a_reader_answers_from_the_compiled_path_before_building_the_message():
 
 
 def test_a_stale_build_is_refused_with_a_warning(monkeypatch, caplog):
-    """An extension built for another protocol (an old .so next to new code) is not used."""
+    """An extension built from other sources (an old .so next to new code: its calls differ) is not used,
+    nor one that cannot serve the protocol it is handed."""
     stale = types.ModuleType("flodl.wire._framec")
-    for name in codec._NATIVE_BOUNDS:
-        setattr(stale, name, getattr(codec, name))
-    stale.PROTOCOL_VERSION = m.PROTOCOL_VERSION - 1  # type: ignore[attr-defined]
+    stale.PROTOCOL_VERSION = m.PROTOCOL_VERSION  # type: ignore[attr-defined]  # how builds before the ABI said what they were
     monkeypatch.setitem(sys.modules, "flodl.wire._framec", stale)
     monkeypatch.setattr(wire, "_framec", stale, raising=False)
     monkeypatch.delenv("FLODL_PURE_CODEC", raising=False)
     assert codec._load_native() is None
-    assert "another protocol" in caplog.text
+    assert "built from other sources (interface None" in caplog.text
+
+    def refuse(**protocol):
+        raise ValueError("this build writes a 10-byte header")
+
+    stale.ABI, stale.configure = codec._FRAMEC_ABI, refuse  # type: ignore[attr-defined]
+    assert codec._load_native() is None
+    assert f"cannot serve protocol {m.PROTOCOL_VERSION} (this build writes" in caplog.text
     monkeypatch.setenv("FLODL_PURE_CODEC", "1")
     assert codec._load_native() is None
+
+
+@native
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"tag_len": 32}, "16-byte BLAKE2b tag"),
+        ({"header_len": 12}, "10-byte header"),
+        ({"magic": b"\xf1"}, "magic"),
+        ({"version": 1 << 16}, "version"),
+        ({"replay_window": 1000}, "replay_window"),
+        ({"envelope": dict}, "envelope"),
+    ],
+)
+def test_the_compiled_codec_refuses_a_protocol_it_cannot_serve_and_keeps_its_own(change, why):
+    with pytest.raises(ValueError, match=why):
+        codec._native.configure(**{**codec._protocol(), **change})
+    frame = FrameWriter(SECRET, RUN, "rank0.1").encode(m.Ping(nonce=1, sent_at=0.0))  # still the protocol it was handed
+    assert frame[2:4] == m.PROTOCOL_VERSION.to_bytes(2, "little") and FrameReader(SECRET, RUN).read(frame) is not None
+
+
+#: Run in a fresh process: protocol 4242 (messages.py's number, nothing else edited) with a tighter MAX_STR,
+#: then what the compiled codec wrote and read.
+_BUMPED = """
+import json
+from flodl.wire import messages as m
+
+m.PROTOCOL_VERSION = 4242
+from flodl.wire import codec
+
+codec.MAX_STR = 100
+codec._native.configure(**codec._protocol())  # as the import did, with the bound a bump would change there
+writer, reader = codec.FrameWriter(b"s" * 32, "run", "rank0.1"), codec.FrameReader(b"s" * 32, "run")
+frames = [writer.encode(m.Ping(nonce=i, sent_at=0.5)) for i in range(1, 5)]
+envs = [reader.read(f) for f in frames]
+old = codec.pack_frame(b"s" * 32, m.Ping(nonce=9, sent_at=0.5), sender="rank0.1", seq=9, run_id="run", version=13)
+long_reason = codec.pack_frame(b"s" * 32, m.Reject(reason="x" * 101), sender="rank0.1", seq=10, run_id="run", version=4242)
+print(json.dumps({
+    "native": codec.NATIVE,
+    "versions": [int.from_bytes(f[2:4], "little") for f in frames],
+    "read": [e.version for e in envs],
+    "by_the_compiled_half": reader._native.accepted,
+    "old": reader.read(old) is None and dict(reader.drops),
+    "over_the_bound": [reader._native.take(long_reason, "?"), reader._native.accepted],
+}))
+"""
+
+
+@native
+def test_a_protocol_bump_keeps_the_compiled_codec_without_a_c_edit():
+    """The same build, handed another version and bound at import, writes and reads that protocol itself."""
+    res = subprocess.run([sys.executable, "-c", _BUMPED], cwd=ROOT, capture_output=True, text=True, timeout=60, env=_env_native())
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["native"] is True and "pure-Python" not in res.stderr
+    assert out["versions"] == [4242] * 4 and out["read"] == [4242] * 4
+    assert out["by_the_compiled_half"] == 3  # all but the sender's first frame (its window is made on the Python path)
+    assert out["old"] == {"unknown_version": 1}  # the old protocol's frame is no longer read
+    assert out["over_the_bound"] == [None, 3]  # a str past the handed MAX_STR is left to the Python path
+
+
+def test_the_c_source_holds_no_protocol_and_reads_no_attribute_by_name():
+    """What a protocol bump edits lives in Python: no version or bound is defined in the C, and it looks up
+    no attribute of a writer or reader by name (each hands its state to its compiled half)."""
+    source = (ROOT / "flodl" / "wire" / "_framec.c").read_text()
+    for word in ("#define PROTOCOL_VERSION", "#define MAX_", "#define WINDOW_BITS", "InternFromString", "GetAttrString", "CallMethod"):
+        assert word not in source, word
+    assert not [name for name in ("_seq", "_admit", "_native_table", "_windows", "_cmac", "_mac") if f'"{name}"' in source]
+
+
+def _env_native() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "FLODL_PURE_CODEC"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
 
 
 def test_the_protocol_suite_passes_on_the_pure_python_codec():

@@ -15,7 +15,7 @@ their own (``flodl-nbr0``, the controller on 10.78.0.1), so this module and
   rank's ZeroMQ routing id cannot take its route, and a routing id cannot
   write lines into the controller's output;
 * links with delay, jitter and loss (``tc netem``, or the userspace relay of
-  ``tests/netns.py`` where the kernel has no netem): the run converges like
+  ``bench/netns.py`` where the kernel has no netem): the run converges like
   one on clean links;
 * a run stopped part-way saves to a path every host sees (the namespaces
   share the filesystem) and a second launch resumes it on the three hosts.
@@ -36,6 +36,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from bench.netns import Netem, NsHost, Shaper, add_host, remove_host
 from flodl.checkpoint import read_meta
 from flodl.wire.codec import DROP_REASONS, unpack_frame
 
@@ -44,7 +45,7 @@ from .helpers.history import epoch_samples
 from .helpers.hosts import assert_no_flodl_left, launch_on_hosts, parent_pid
 from .helpers.procs import reserved_port
 from .intruder import FORGED_LINE
-from .netns import Netem, NsHost, Shaper, Unavailable, add_host, remove_host, ssh_cluster
+from .netns import Unavailable, ssh_cluster
 from .sniff import Sniffer, sender_seq
 
 pytestmark = pytest.mark.timeout(200)
@@ -167,10 +168,7 @@ def _attack(
         (tmp / "captured.json").write_text(json.dumps({**known, "frames": [f.hex() for f in genuine]}))
         attack = subprocess.run(
             [
-                "ip",
-                "netns",
-                "exec",
-                INTRUDER.name,
+                *INTRUDER.netns_exec(),
                 PY,
                 str(ROOT / "tests" / "intruder.py"),
                 "--controller",

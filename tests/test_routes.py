@@ -234,7 +234,7 @@ async def test_a_stranger_racing_a_reset_connection_takes_nothing(quiet_console,
     try:
         await asyncio.wait_for(training.wait(), 30)
         victim = next(p for p in peers if p.sender.startswith("rank1."))
-        before = ctl.members.ranks[1].identity
+        before = ctl.ctx.members.ranks[1].identity
         victim.held = []
         # what ZeroMQ had already queued goes out before the cut: a real reset loses none of it (the
         # pipe keeps it for the next connection), where ``disconnect`` here would drop it, and a lost
@@ -246,7 +246,7 @@ async def test_a_stranger_racing_a_reset_connection_takes_nothing(quiet_console,
         held, victim.held = victim.held, None
         for msg in held:
             victim.send(msg)
-        await _until(lambda: ctl.members.ranks[1].identity != before, "rank 1's route to follow its reconnect")
+        await _until(lambda: ctl.ctx.members.ranks[1].identity != before, "rank 1's route to follow its reconnect")
         summary = await asyncio.wait_for(run, 80)
         await sim_task
         assert summary["exit_reason"] == "completed" and summary["deaths"] == [], summary["deaths"]

@@ -85,7 +85,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import pace_probe
-from bench.common import controller_command, machine, report
+from bench.common import RunFailed, controller_command, machine, output_tail, report
 from bench.matrix import CASES, MODEL_ORDER, PLANS, ROOT, SIDE_BY_SIDE, TARGETS, Budget, Case, Target
 from bench.matrix import report as matrix_report
 from bench.matrix.tasks import SAMPLES_ENV, SEED_ENV, SPECS
@@ -94,10 +94,6 @@ from flodl.config.env import SIMULATE_BASE_MS, SIMULATE_PACE_FILE, SIMULATE_SLOW
 DDP_SCRIPT = ROOT / "bench" / "matrix" / "ddp.py"
 SCRIPT = ROOT / "bench" / "matrix" / "script.py"  # the script-mode cases' training loop
 REPORTS_PER_EPOCH = 8
-
-
-class RunFailed(RuntimeError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -165,7 +161,7 @@ def timed_runs(runs: list[tuple[list[str], dict[str, str], Path]], timeout: floa
             try:
                 codes.append(proc.wait(timeout=max(0.1, timeout - (time.perf_counter() - start))))
             except subprocess.TimeoutExpired:
-                raise RunFailed(f"timed out after {timeout:.0f} s; log tail:\n{_tail(log)}") from None
+                raise RunFailed(f"timed out after {timeout:.0f} s; log tail:\n{output_tail(log)}") from None
     finally:
         for proc, _ in procs:
             if proc.poll() is None:
@@ -177,20 +173,8 @@ def timed_runs(runs: list[tuple[list[str], dict[str, str], Path]], timeout: floa
     share = max(0.0, others / (took * (os.cpu_count() or 1))) if busy0 else None
     for code, (_, log) in zip(codes, procs, strict=True):
         if code != 0:
-            raise RunFailed(f"exit {code}; log tail:\n{_tail(log)}")
+            raise RunFailed(f"exit {code}; log tail:\n{output_tail(log)}")
     return took, share
-
-
-def _tail(log: Path, lines: int = 15) -> str:
-    """The log's last lines, after up to 10 earlier lines that say what went wrong (torchrun's own
-    summary at the end only names the signal a rank died of)."""
-    try:
-        text = log.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    keys = ("error", "terminate", "what()", "exception", "abort")
-    causes = [ln for ln in text[:-lines] if any(k in ln.lower() for k in keys)][:10]
-    return "\n".join([*causes, *(["..."] if causes else []), *text[-lines:]])
 
 
 def flodl_curve(logdir: Path) -> list[list[float]]:
@@ -235,7 +219,7 @@ def read_flodl_summary(out: Path) -> dict:
     """The summary a finished flodl run left under ``out``, with its loss curve; RunFailed if it did not complete."""
     summary_path = out / "summary.json"
     if not summary_path.exists():
-        raise RunFailed(f"no summary written; log tail:\n{_tail(out / 'run.log')}")
+        raise RunFailed(f"no summary written; log tail:\n{output_tail(out / 'run.log')}")
     summary = json.loads(summary_path.read_text())
     if summary.get("exit_reason") != "completed":
         raise RunFailed(f"exit_reason {summary.get('exit_reason')!r}")
@@ -358,7 +342,7 @@ def torchrun_case(
             cmd += ["--pace-file", board]
     took = timed_run(cmd, _env(budget.samples, setup.seed), tmp / "run.log", timeout)
     if not out.exists():
-        raise RunFailed(f"no summary written; log tail:\n{_tail(tmp / 'run.log')}")
+        raise RunFailed(f"no summary written; log tail:\n{output_tail(tmp / 'run.log')}")
     summary = json.loads(out.read_text())
     summary.setdefault("matrix", {})["curve"] = summary.pop("curve", [])
     return summary, took, " ".join(["python", *cmd[1:]])

@@ -67,10 +67,10 @@ def run_controller(controller: Controller) -> dict:
     except RunAborted as exc:
         if exc.summary:
             report_handler_errors(exc.summary)
-        write_summary(controller.launch.summary_json, exc.summary)
+        write_summary(controller.ctx.launch.summary_json, exc.summary)
         raise
     report_handler_errors(summary)
-    write_summary(controller.launch.summary_json, summary)
+    write_summary(controller.ctx.launch.summary_json, summary)
     if summary.get("exit_code"):  # it ran to the end, but not as a plain success (every eval failed)
         raise RunAborted(summary.get("failure", summary["exit_reason"]), summary["exit_code"], summary)
     return summary

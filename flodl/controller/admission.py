@@ -11,28 +11,20 @@ and its ranks are admitted at the next window boundary (``admit_joiners``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 from .. import __version__
-from ..config import DdpRunConfig
-from ..config.deadlines import Deadlines
 from ..config.env import bulk_relay_setting
 from ..errors import EXIT_CONFIG, EXIT_TASK_ERROR
-from ..monitor.hub import Monitor
 from ..plan.cadence import CadenceLoop
-from ..plan.membership import Membership, PeerState, WorkerInfo
+from ..plan.membership import PeerState, WorkerInfo
 from ..plan.schedule import digest_positions
 from ..wire import messages as m
 from ..wire.codec import Envelope
 from ..wire.messages import PROTOCOL_VERSION
 from ..wire.transport import host_name
-from .console import Console
-from .hooks import ControllerHooks
-from .launch import LaunchOptions
-from .phase import Phase, RunState
-from .plane import ControlPlane
+from .context import RunContext
+from .phase import Phase
 from .resume import Resume
-from .startup import Startup
 from .training import Training
 
 #: Open files the controller keeps for itself (sockets' mailboxes, the store, logs, the dashboard).
@@ -42,39 +34,11 @@ FD_RESERVE = 128
 class Admission:
     """Workers and ranks in: checks, numbering, welcomes, joiners."""
 
-    def __init__(
-        self,
-        launch: LaunchOptions,
-        config: DdpRunConfig,
-        *,
-        members: Membership,
-        run: RunState,
-        plane: ControlPlane,
-        training: Training,
-        resume: Resume,
-        console: Console,
-        startup: Startup,
-        monitor: Monitor,
-        hooks: ControllerHooks,
-        clock: Callable[[], float],
-        run_id: str,
-        deadlines: Deadlines,
-    ) -> None:
-        self.launch = launch
-        self.config = config
-        self.members = members
-        self.run = run
-        self.plane = plane
+    def __init__(self, ctx: RunContext, *, training: Training, resume: Resume) -> None:
+        self.ctx = ctx
         self.training = training
         self.resume = resume
-        self.console = console
-        self.startup = startup
-        self.monitor = monitor
-        self.hooks = hooks
-        self.clock = clock
-        self.run_id = run_id
-        self.deadlines = deadlines
-        self.expected_workers = 1 if launch.embedded else launch.workers
+        self.expected_workers = 1 if ctx.launch.embedded else ctx.launch.workers
         self.hellos: dict[int, m.RankHello] = {}
         self.task_info: m.RankHello | None = None  # the first hello's task: every later rank must match it
         self.initial_world = 0  # ranks the run started with (the LR factor every replica keeps)
@@ -91,51 +55,51 @@ class Admission:
         return self.training.ranks(frozenset(self.joiners))
 
     def welcome_workers(self) -> None:
-        for worker in self.members.workers.values():
+        for worker in self.ctx.members.workers.values():
             self._assign_ranks(worker)
         self.initial_world = self._next_rank
-        devices = {d.split(":")[0] for w in self.members.workers.values() for d in w.devices}
-        if len(devices) > 1 and self.plane.averaging is None:
-            self.run.fail(
+        devices = {d.split(":")[0] for w in self.ctx.members.workers.values() for d in w.devices}
+        if len(devices) > 1 and self.ctx.plane.averaging is None:
+            self.ctx.run.fail(
                 f"ranks mix device types {sorted(devices)}: the collective backend needs one type; "
                 "use a Cpu* mode (e.g. --mode cpu-cadence) to average through the controller",
                 EXIT_CONFIG,
             )
             return
-        for worker in self.members.workers.values():
+        for worker in self.ctx.members.workers.values():
             self._send_worker_welcome(worker)
-        self.run.changed()
+        self.ctx.run.changed()
 
     def _assign_ranks(self, worker: WorkerInfo) -> None:
         """Number ``worker``'s ranks from the next unused number and expect them (silence counts from now)."""
-        self.members.assign_ranks(worker, self._next_rank, self.clock())
+        self.ctx.members.assign_ranks(worker, self._next_rank, self.ctx.clock())
         self._next_rank += len(worker.devices)
         # every worker and rank holds a connection here, and every rank one to the store (or the bulk plane)
-        need = 2 * self._next_rank + len(self.members.workers) + FD_RESERVE
-        fd_limit = self.plane.fd_limit
+        need = 2 * self._next_rank + len(self.ctx.members.workers) + FD_RESERVE
+        fd_limit = self.ctx.plane.fd_limit
         if fd_limit and need > fd_limit and not self._fd_warned:
             self._fd_warned = True
-            self.console.line(
-                f"warning: {self._next_rank} ranks on {len(self.members.workers)} workers need about {need} open files in the "
+            self.ctx.console.line(
+                f"warning: {self._next_rank} ranks on {len(self.ctx.members.workers)} workers need about {need} open files in the "
                 f"controller, its limit is {fd_limit}: peers past it cannot connect (raise the hard limit, ulimit -Hn)"
             )
 
     def _send_worker_welcome(self, worker: WorkerInfo) -> None:
         relay = self._relays(worker)
-        averaging = self.plane.averaging
+        averaging = self.ctx.plane.averaging
         if relay:
             assert averaging is not None  # _relays is false without the CPU backend's averaging
             averaging.admit_relay(worker.sender.encode(), worker.ranks)
-        self.plane.send(
+        self.ctx.plane.send(
             m.WorkerWelcome(
                 ranks=worker.ranks,
                 world_size=self._next_rank,
-                task=self.launch.spec,
-                heartbeat_timeout_s=self.deadlines.heartbeat_s,
+                task=self.ctx.launch.spec,
+                heartbeat_timeout_s=self.ctx.deadlines.heartbeat_s,
                 bulk_port=averaging.port if averaging is not None else 0,
                 bulk_relay=relay,
                 seed=self.resume.seed(),  # the ranks' random streams: the one a resumed run started with
-                deterministic=self.config.deterministic,
+                deterministic=self.ctx.config.deterministic,
             ),
             worker.identity,
         )
@@ -148,7 +112,7 @@ class Admission:
         relays on this host too (benchmarks and tests compare).
         """
         setting = bulk_relay_setting()
-        if self.plane.averaging is None or len(worker.ranks) < 2 or setting == "off":
+        if self.ctx.plane.averaging is None or len(worker.ranks) < 2 or setting == "off":
             return False
         return setting == "always" or worker.host != host_name()
 
@@ -189,30 +153,30 @@ class Admission:
         """Welcome the first ranks that said hello (one that died before is left out: the
         survivors' Regroup, sent right after, forms the first group without it)."""
         for rank in range(self.initial_world):
-            if rank not in self.hellos or self.members.ranks[rank].state is PeerState.DEAD:
+            if rank not in self.hellos or self.ctx.members.ranks[rank].state is PeerState.DEAD:
                 continue
-            self.plane.send_rank(rank, self._rank_welcome(rank, late=False))
-            if self.plane.averaging is not None:
-                self.plane.averaging.admit(self.members.ranks[rank].sender.encode(), rank)
+            self.ctx.plane.send_rank(rank, self._rank_welcome(rank, late=False))
+            if self.ctx.plane.averaging is not None:
+                self.ctx.plane.averaging.admit(self.ctx.members.ranks[rank].sender.encode(), rank)
         self.welcomed = True
         for rank in self._held:
             if rank in self.joiners:
-                self.plane.send_rank(rank, self._rank_welcome(rank, late=True))
+                self.ctx.plane.send_rank(rank, self._rank_welcome(rank, late=True))
         self._held.clear()
 
     def _rank_welcome(self, rank: int, *, late: bool) -> m.RankWelcome:
         """A late rank gets the world the run started with (so its LR factor matches
         its peers'); its collective membership comes with the Regroup that admits it."""
-        averaging = self.plane.averaging
+        averaging = self.ctx.plane.averaging
         return m.RankWelcome(
             rank=rank,
             world_size=self.initial_world,
-            generation=self.members.generation,
-            store_host=self.launch.advertise_host,
-            store_port=self.plane.store.port,
-            store_prefix=f"{self.run_id}/gen{self.members.generation}",
-            collective_timeout_s=self.deadlines.collective_timeout_s,
-            config=self.config.to_dict(),
+            generation=self.ctx.members.generation,
+            store_host=self.ctx.launch.advertise_host,
+            store_port=self.ctx.plane.store.port,
+            store_prefix=f"{self.ctx.run_id}/gen{self.ctx.members.generation}",
+            collective_timeout_s=self.ctx.deadlines.collective_timeout_s,
+            config=self.ctx.config.to_dict(),
             seed=self.resume.seed(),  # a resumed run keeps the bundle's shuffle on every rank
             bulk_port=averaging.port if averaging is not None else 0,
             late=late,
@@ -221,54 +185,54 @@ class Admission:
             # every rank enters every epoch in order (docs/script-mode.md): from the run's first, or a
             # joiner from its first batch's, to the run's last
             first_epoch=-1 if late else self.resume.first_epoch(),
-            epochs=self.launch.epochs * self.config.epoch_splits,
+            epochs=self.ctx.launch.epochs * self.ctx.config.epoch_splits,
         )
 
     def on_worker_hello(self, identity: bytes, env: Envelope, msg: m.WorkerHello) -> None:
-        if self.run.ended or self.run.failure is not None:
+        if self.ctx.run.ended or self.ctx.run.failure is not None:
             # the run is over (Ctrl-C before the local worker said hello): not a refusal, an end
-            why = str(self.run.failure) if self.run.failure is not None else "the run has ended"
-            self.plane.send(m.Shutdown(reason=why[:500], abort=True), identity)
+            why = str(self.ctx.run.failure) if self.ctx.run.failure is not None else "the run has ended"
+            self.ctx.plane.send(m.Shutdown(reason=why[:500], abort=True), identity)
             return
         problem = self.worker_problem(env.sender, msg)
         if problem:
-            self.plane.send(m.Reject(reason=problem), identity)
-            if self.run.admitting:
-                self.console.line(f"refused a worker on host {msg.host} (pid {msg.pid}): {problem}")
+            self.ctx.plane.send(m.Reject(reason=problem), identity)
+            if self.ctx.run.admitting:
+                self.ctx.console.line(f"refused a worker on host {msg.host} (pid {msg.pid}): {problem}")
             return
         worker = WorkerInfo(env.sender, identity, msg.host, msg.pid, list(msg.devices))
-        self.members.add_worker(worker, self.clock())
-        if self.run.admitting:
+        self.ctx.members.add_worker(worker, self.ctx.clock())
+        if self.ctx.run.admitting:
             self._grow(worker)
         else:
-            self.startup.worker_up(len(self.members.workers), self.expected_workers)
-        self.run.changed()
+            self.ctx.startup.worker_up(len(self.ctx.members.workers), self.expected_workers)
+        self.ctx.run.changed()
 
     def worker_problem(self, sender: str, msg: m.WorkerHello) -> str | None:
         """Why a worker cannot join now, or None (during gathering, or to grow a training run)."""
-        if sender in self.members.workers:
+        if sender in self.ctx.members.workers:
             return "this worker already joined"
         if msg.versions.get("protocol") != str(PROTOCOL_VERSION):
             return f"protocol {msg.versions.get('protocol')} != {PROTOCOL_VERSION}"
         if not msg.devices:
             return "no devices"
-        if self.run.phase in (Phase.STARTING, Phase.GATHERING):
+        if self.ctx.run.phase in (Phase.STARTING, Phase.GATHERING):
             return None
         problem = self.grow_problem()
         if problem is not None:
             return problem
-        kinds = {d.split(":")[0] for d in msg.devices} | {r.device.split(":")[0] for r in self.members.live_ranks()}
-        if len(kinds) > 1 and self.plane.averaging is None:
+        kinds = {d.split(":")[0] for d in msg.devices} | {r.device.split(":")[0] for r in self.ctx.members.live_ranks()}
+        if len(kinds) > 1 and self.ctx.plane.averaging is None:
             return f"its devices {list(msg.devices)} mix device types with the run's; the collective backend needs one type"
         return None
 
     def grow_problem(self) -> str | None:
         """Why the run cannot take new ranks now (a worker's, or a restart's), or None."""
-        if not self.run.admitting or self.run.failure is not None:
-            return f"the run is {self.run.phase}; a worker can join while it starts or trains"
-        if self.config.elche.partition_ratios is not None:
+        if not self.ctx.run.admitting or self.ctx.run.failure is not None:
+            return f"the run is {self.ctx.run.phase}; a worker can join while it starts or trains"
+        if self.ctx.config.elche.partition_ratios is not None:
             return "partition_ratios fixes the world size; this run cannot grow"
-        if self.plane.averaging is not None and self.initial_world < 2:
+        if self.ctx.plane.averaging is not None and self.initial_world < 2:
             return "a one-rank Cpu* run does not average, so it cannot take a joiner; start it with two ranks to let it grow"
         loop = self.training.cadence
         if loop is not None and loop.dispatcher.finished:
@@ -279,41 +243,41 @@ class Admission:
         """A worker arrived while training: number its ranks above every rank so far
         and start them; they join at a window boundary once ready (``admit_joiners``)."""
         self._assign_ranks(worker)
-        deadline = self.clock() + self.launch.join_timeout_secs
+        deadline = self.ctx.clock() + self.ctx.launch.join_timeout_secs
         for rank in worker.ranks:
             self.joiners[rank] = deadline
-        self.console.line(f"worker on host {worker.host} joins: starting rank(s) {worker.ranks} on {', '.join(worker.devices)}")
+        self.ctx.console.line(f"worker on host {worker.host} joins: starting rank(s) {worker.ranks} on {', '.join(worker.devices)}")
         self._send_worker_welcome(worker)
 
     def on_rank_hello(self, identity: bytes, env: Envelope, msg: m.RankHello) -> None:
-        info = self.members.ranks[msg.rank]
+        info = self.ctx.members.ranks[msg.rank]
         if info.sender:
             return  # said hello already (a later connection of its own moved its route in _on_message), or a second process claiming the rank
         problem, code = self._check_hello(msg), EXIT_TASK_ERROR
         if problem is None:
             problem, code = self._dataset_problem(msg), EXIT_CONFIG  # the user's task or script, as written
         if problem:
-            self.plane.send(m.Reject(reason=problem), identity)
+            self.ctx.plane.send(m.Reject(reason=problem), identity)
             if msg.rank in self.joiners:
                 self.drop_joiner(msg.rank, problem)  # a bad latecomer never stops a training run
             else:
-                self.run.fail(f"rank {msg.rank} on host {msg.host} (pid {msg.pid}) cannot join: {problem}", code)
+                self.ctx.run.fail(f"rank {msg.rank} on host {msg.host} (pid {msg.pid}) cannot join: {problem}", code)
             return
-        self.members.rank_said_hello(msg.rank, identity, env.sender, msg.host, msg.pid, msg.device)
+        self.ctx.members.rank_said_hello(msg.rank, identity, env.sender, msg.host, msg.pid, msg.device)
         self.hellos[msg.rank] = msg
         if self.task_info is None:
             self.task_info = msg
-        if msg.rank in self.joiners and self.plane.store is None:
+        if msg.rank in self.joiners and self.ctx.plane.store is None:
             self._held.append(msg.rank)  # its welcome names the store: it goes out with the first ranks'
         elif msg.rank in self.joiners:
-            self.plane.send_rank(msg.rank, self._rank_welcome(msg.rank, late=True))
+            self.ctx.plane.send_rank(msg.rank, self._rank_welcome(msg.rank, late=True))
         elif not self.welcomed:
-            self.startup.rank_built(len(self.hellos), self.initial_world)
-        self.run.changed()
+            self.ctx.startup.rank_built(len(self.hellos), self.initial_world)
+        self.ctx.run.changed()
 
     def on_rank_ready(self, identity: bytes, env: Envelope, msg: m.RankReady) -> None:
-        self.members.rank_ready(msg.rank)
-        self.run.changed()
+        self.ctx.members.rank_ready(msg.rank)
+        self.ctx.run.changed()
 
     def admit_joiners(self, loop: CadenceLoop, in_flight: list[int]) -> bool:
         """Growing, at a window boundary: admit the joiners that are ready.
@@ -329,21 +293,23 @@ class Admission:
         Either way ElChe plans them from the next window on.
         """
         t0 = time.perf_counter()
-        now = self.clock()
+        now = self.ctx.clock()
         for rank, deadline in list(self.joiners.items()):
-            if now > deadline and self.members.ranks[rank].state is not PeerState.READY:
-                self.drop_joiner(rank, f"not ready within join_timeout_secs ({self.launch.join_timeout_secs:g} s)")
+            if now > deadline and self.ctx.members.ranks[rank].state is not PeerState.READY:
+                self.drop_joiner(rank, f"not ready within join_timeout_secs ({self.ctx.launch.join_timeout_secs:g} s)")
         # joiners join in rank order (the plans only grow at the end): a ready rank waits
         # while a lower-numbered joiner is not ready yet (or until that one is dropped)
-        waiting_below = min((r for r in self.joiners if self.members.ranks[r].state is not PeerState.READY), default=None)
+        waiting_below = min((r for r in self.joiners if self.ctx.members.ranks[r].state is not PeerState.READY), default=None)
         ready = sorted(
-            r for r in self.joiners if self.members.ranks[r].state is PeerState.READY and (waiting_below is None or r < waiting_below)
+            r for r in self.joiners if self.ctx.members.ranks[r].state is PeerState.READY and (waiting_below is None or r < waiting_below)
         )
-        averaging = self.plane.averaging
+        averaging = self.ctx.plane.averaging
         if averaging is not None:
             # a relaying host joins whole: its relay sends one snapshot for all its ranks, from one first round
             waiting = {
-                averaging.relayed[r] for r in self.joiners if r in averaging.relayed and self.members.ranks[r].state is not PeerState.READY
+                averaging.relayed[r]
+                for r in self.joiners
+                if r in averaging.relayed and self.ctx.members.ranks[r].state is not PeerState.READY
             }
             ready = [r for r in ready if averaging.relayed.get(r) not in waiting]
         if not ready or loop.dispatcher.finished:
@@ -354,14 +320,14 @@ class Admission:
         loop.add_ranks(ready)
         for rank in ready:
             del self.joiners[rank]
-        hosts = sorted({self.members.ranks[r].host for r in ready})
+        hosts = sorted({self.ctx.members.ranks[r].host for r in ready})
         reason = f"rank(s) {', '.join(map(str, ready))} on {', '.join(hosts)} joined"
-        generation, members = self.members.new_generation(reason), list(loop.ranks)
+        generation, members = self.ctx.members.new_generation(reason), list(loop.ranks)
         if averaging is None:
             msg = m.Regroup(
                 generation=generation,
                 members=members,
-                store_prefix=f"{self.run_id}/gen{generation}",
+                store_prefix=f"{self.ctx.run_id}/gen{generation}",
                 reason=reason,
                 sync_from=old[0],
                 first_round=-1,
@@ -369,15 +335,15 @@ class Admission:
             targets = members
         else:
             for rank in ready:
-                averaging.admit(self.members.ranks[rank].sender.encode(), rank, from_round=loop.round_base)
+                averaging.admit(self.ctx.members.ranks[rank].sender.encode(), rank, from_round=loop.round_base)
             msg = m.Regroup(
                 generation=generation, members=members, store_prefix="", reason=reason, sync_from=-1, first_round=loop.round_base
             )
             targets = ready  # the others' CPU rounds simply start expecting the joiners
-        self.plane.send_ranks(targets, msg)
+        self.ctx.plane.send_ranks(targets, msg)
         self.joins.append(
             {
-                "at_s": now - self.run.started_at,
+                "at_s": now - self.ctx.run.started_at,
                 "unix_time": time.time(),
                 "generation": generation,
                 "ranks": ready,
@@ -385,23 +351,23 @@ class Admission:
                 "world": len(members),
             }
         )
-        self.monitor.ranks_joined({r: (self.members.ranks[r].host, self.members.ranks[r].device) for r in ready}, now_s=now)
-        self.console.line(f"{reason}; training with {len(members)} rank(s) (generation {generation})")
-        self.hooks.joiners_admitted(ready, time.perf_counter() - t0)
+        self.ctx.monitor.ranks_joined({r: (self.ctx.members.ranks[r].host, self.ctx.members.ranks[r].device) for r in ready}, now_s=now)
+        self.ctx.console.line(f"{reason}; training with {len(members)} rank(s) (generation {generation})")
+        self.ctx.hooks.joiners_admitted(ready, time.perf_counter() - t0)
         return False
 
     def drop_joiner(self, rank: int, why: str) -> None:
         """A joiner that cannot join leaves the run's books; its process is fenced."""
         self.joiners.pop(rank, None)
         self.hellos.pop(rank, None)
-        info = self.members.forget_rank(rank)
+        info = self.ctx.members.forget_rank(rank)
         if info is None:
             return
-        self.console.line(f"{info.where()} could not join the run: {why}")
+        self.ctx.console.line(f"{info.where()} could not join the run: {why}")
         if info.exit_code is None:
-            for worker in self.members.workers.values():
+            for worker in self.ctx.members.workers.values():
                 if rank in worker.ranks and not worker.exited:
-                    self.plane.send(m.Fence(rank=rank, reason=why[:500]), worker.identity)
+                    self.ctx.plane.send(m.Fence(rank=rank, reason=why[:500]), worker.identity)
 
     def drop_all_joiners(self, why: str) -> None:
         for rank in list(self.joiners):
@@ -412,6 +378,6 @@ class Admission:
         expect it as a joiner; returns its number."""
         new = self._next_rank
         self._next_rank += 1
-        self.members.expect_restart(worker, new, device, now)
-        self.joiners[new] = now + delay_s + self.launch.join_timeout_secs
+        self.ctx.members.expect_restart(worker, new, device, now)
+        self.joiners[new] = now + delay_s + self.ctx.launch.join_timeout_secs
         return new

@@ -13,8 +13,11 @@ with a message naming the rank and host; the conductor then aborts every
 peer (``Shutdown(abort=True)``), waits for processes to go, and raises it.
 
 ``Controller`` is a composition. Each part owns its slice of the run's state
-(only its own methods write it) and is handed, at construction, the parts it
-uses; a part uses only parts built before it:
+(only its own methods write it) and is handed, at construction, one frozen
+``RunContext`` (context.py: the launch options, config, deadlines, identity,
+clock, console, roster, run state, sockets, monitor, start-up, checkpoints'
+books and hooks, which no part reassigns) and, by name, the parts it uses; a
+part uses only parts built before it:
 
 - ``RunState`` (phase.py): the phase and its one transition method, the failure, start and end
 - ``ControlPlane`` (plane.py): the sockets, and every message out
@@ -50,7 +53,6 @@ from ..monitor.hub import Monitor
 from ..plan.cadence import CadenceLoop
 from ..plan.membership import Membership, PeerState
 from ..plan.metrics import EpochStats
-from ..plan.progress import ProgressLimits
 from ..plan.schedule import Schedule
 from ..wire import curve
 from ..wire import messages as m
@@ -59,6 +61,7 @@ from ..wire.transport import ControlEndpoint, route_moves
 from .admission import Admission
 from .checkpoints import Checkpointer
 from .console import Console
+from .context import RunContext
 from .hooks import ControllerHooks
 from .launch import LaunchOptions
 from .liveness import Liveness
@@ -66,6 +69,7 @@ from .phase import Phase, RunState
 from .plane import ControlPlane
 from .resume import Resume
 from .saving import Saving
+from .setting import RunSetting
 from .startup import Startup
 from .summary import summarize
 from .teardown import Teardown
@@ -100,99 +104,44 @@ class Controller:
         hooks: ControllerHooks | None = None,
         started_unix: float | None = None,
     ) -> None:
-        self.launch = launch
-        self.config = config
+        console = console or Console.for_progress(launch.progress)
+        # start-up counts from ``started_unix`` (the CLI: the process start), else from now
+        startup = Startup(console, started_unix=started_unix)
         # where workers started by hand get the secret from, said when they are awaited
         self.secret_source = "FLODL_RUN_SECRET" if secret else "made here"
-        self.secret = secret or new_run_secret()
-        self.run_id = run_id or new_run_id()
-        self.console = console or Console.for_progress(launch.progress)
-        self.clock = clock
-        self.hooks = hooks or ControllerHooks()
         self._observed = hooks is not None  # the per-message hook costs a call on the hot path: only when asked for
         self.ready = asyncio.Event()  # set once the socket is bound (tests read .port)
-        self.deadlines = deadlines = Deadlines.from_config(config)
-        limits = ProgressLimits(
-            heartbeat_s=deadlines.heartbeat_s,
-            first_step_s=launch.join_timeout_secs,
-            eval_s=launch.eval_timeout_secs,
-            step_s=launch.step_timeout_secs,
-        )
-        say = self.console.line
-        # start-up counts from ``started_unix`` (the CLI: the process start), else from now
-        self.startup = startup = Startup(self.console, started_unix=started_unix)
-        self.members = Membership(deadlines.heartbeat_s)
-        self.checkpoints = Checkpointer(config, say=say)
-        self.monitor = Monitor(
-            config, say=say, clock=clock, dashboard=None if launch.dashboard_port < 0 else (launch.bind, launch.dashboard_port)
-        )
-        members, console, monitor, checkpoints = self.members, self.console, self.monitor, self.checkpoints
-        self.state = run = RunState(members, clock)
-        self.plane = plane = ControlPlane(
-            launch, config, members, secret=self.secret, run_id=self.run_id, clock=clock, say=say, deadlines=deadlines
-        )
-        self.training = training = Training(
-            launch, config, members=members, run=run, plane=plane, console=console, startup=startup, monitor=monitor, clock=clock
-        )
-        self.resume = resume = Resume(launch, config, members=members, checkpoints=checkpoints, console=console)
-        self.admission = admission = Admission(
-            launch,
-            config,
-            members=members,
-            run=run,
-            plane=plane,
-            training=training,
-            resume=resume,
-            console=console,
-            startup=startup,
-            monitor=monitor,
-            hooks=self.hooks,
-            clock=clock,
-            run_id=self.run_id,
+        deadlines = Deadlines.from_config(config)
+        setting = RunSetting(
+            launch=launch,
+            config=config,
             deadlines=deadlines,
-        )
-        self.saving = saving = Saving(
-            config,
-            members=members,
-            run=run,
-            plane=plane,
-            training=training,
-            checkpoints=checkpoints,
+            run_id=run_id or new_run_id(),
+            secret=secret or new_run_secret(),
+            clock=clock,
             console=console,
+            members=Membership(deadlines.heartbeat_s),
+        )
+        say = console.line
+        checkpoints = Checkpointer(config, say=say)
+        dashboard = None if launch.dashboard_port < 0 else (launch.bind, launch.dashboard_port)
+        monitor = Monitor(config, say=say, clock=clock, dashboard=dashboard)
+        self.ctx = ctx = RunContext.on(
+            setting,
+            run=RunState(setting.members, clock),
+            plane=ControlPlane(setting),
             monitor=monitor,
-            clock=clock,
-            run_id=self.run_id,
-        )
-        self.liveness = Liveness(
-            launch,
-            config,
-            members=members,
-            run=run,
-            plane=plane,
-            admission=admission,
-            training=training,
-            saving=saving,
+            startup=startup,
             checkpoints=checkpoints,
-            console=console,
-            monitor=monitor,
-            hooks=self.hooks,
-            clock=clock,
-            run_id=self.run_id,
-            limits=limits,
+            hooks=hooks or ControllerHooks(),
         )
-        self.teardown = Teardown(
-            launch,
-            members=members,
-            run=run,
-            plane=plane,
-            admission=admission,
-            saving=saving,
-            checkpoints=checkpoints,
-            console=console,
-            clock=clock,
-            secret=self.secret,
-            run_id=self.run_id,
-        )
+        # each part: the context, and by name the parts it uses (built before it)
+        self.training = training = Training(ctx)
+        self.resume = resume = Resume(ctx)
+        self.admission = admission = Admission(ctx, training=training, resume=resume)
+        self.saving = saving = Saving(ctx, training=training)
+        self.liveness = Liveness(ctx, admission=admission, training=training, saving=saving)
+        self.teardown = Teardown(ctx, admission=admission, saving=saving)
         # every message the controller acts on, to the part that handles it (others are ignored)
         self._handlers: dict[type, Handler] = {
             m.WorkerHello: self.admission.on_worker_hello,
@@ -214,7 +163,15 @@ class Controller:
 
     @property
     def phase(self) -> Phase:
-        return self.state.phase
+        return self.ctx.run.phase
+
+    @property
+    def state(self) -> RunState:
+        return self.ctx.run
+
+    @property
+    def plane(self) -> ControlPlane:
+        return self.ctx.plane
 
     @property
     def port(self) -> int | None:
@@ -241,12 +198,12 @@ class Controller:
             RunAborted: the run failed or was interrupted; ``exit_code`` says
                 why and ``summary`` holds what was done.
         """
-        self.state.mark_started()
+        self.ctx.run.mark_started()
         try:
             self.resume.load()
         except CheckpointError as exc:  # before anything starts: nothing to clean up
             message = f"resume_from: {exc}"
-            self.console.failed(message)
+            self.ctx.console.failed(message)
             raise RunAborted(message, EXIT_CONFIG, self.summary(message, EXIT_CONFIG)) from None
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -256,16 +213,16 @@ class Controller:
                 pass
         try:
             self._open()
-            url = await self.monitor.start()
+            url = await self.ctx.monitor.start()
             if url:
-                self.console.line(f"dashboard: {url}")
+                self.ctx.console.line(f"dashboard: {url}")
             self._hand_out_credentials()
             self.ready.set()  # tests read .port once everything listens
             async with asyncio.TaskGroup() as tg:
                 helpers = [tg.create_task(self.liveness.watch())]
                 if self.plane.averaging is not None:
                     helpers.append(tg.create_task(self.plane.averaging.run()))
-                if self.launch.embedded:
+                if self.ctx.launch.embedded:
                     helpers.append(tg.create_task(self.teardown.embedded_worker()))
                 try:
                     return await self._conduct()
@@ -285,31 +242,31 @@ class Controller:
                     loop.remove_signal_handler(sig)
                 except (RuntimeError, ValueError):
                     pass
-            for path in await self.monitor.close():
-                self.console.line(f"wrote {path}")
+            for path in await self.ctx.monitor.close():
+                self.ctx.console.line(f"wrote {path}")
             await self.teardown.stop_worker()
             self.plane.close()
-            if self.launch.join_file:
-                Path(self.launch.join_file).unlink(missing_ok=True)  # it holds the secret of a run that is over
+            if self.ctx.launch.join_file:
+                Path(self.ctx.launch.join_file).unlink(missing_ok=True)  # it holds the secret of a run that is over
 
     def _hand_out_credentials(self) -> None:
         """Write ``--join-file``, and say where workers started by hand connect and where their
         secret comes from (never the secret itself: stdout ends up in logs)."""
-        if self.launch.join_file:
-            JoinInfo(self.run_id, self.secret, self.plane.address, curve.enabled()).write(self.launch.join_file)
-        if self.launch.embedded:
+        if self.ctx.launch.join_file:
+            JoinInfo(self.ctx.run_id, self.ctx.secret, self.plane.address, curve.enabled()).write(self.ctx.launch.join_file)
+        if self.ctx.launch.embedded:
             return
-        source = f"join file {self.launch.join_file}" if self.launch.join_file else self.secret_source
-        how = f"--join-file {self.launch.join_file}" if self.launch.join_file else f"--controller {self.plane.address}"
-        self.console.line(
-            f"waiting for {self.launch.workers} worker(s) at {self.plane.address}, run {self.run_id}, secret from {source}: "
+        source = f"join file {self.ctx.launch.join_file}" if self.ctx.launch.join_file else self.secret_source
+        how = f"--join-file {self.ctx.launch.join_file}" if self.ctx.launch.join_file else f"--controller {self.plane.address}"
+        self.ctx.console.line(
+            f"waiting for {self.ctx.launch.workers} worker(s) at {self.plane.address}, run {self.ctx.run_id}, secret from {source}: "
             f"python -m flodl.worker {how}"
         )
 
     def _open(self) -> None:
         self.plane.open(self._on_message)
-        log.info("deadlines: %s", self.deadlines.describe())
-        self.hooks.opened(self.plane.live_endpoint)
+        log.info("deadlines: %s", self.ctx.deadlines.describe())
+        self.ctx.hooks.opened(self.plane.live_endpoint)
         # everything alive now (and torch's import, once the store opened: plane.py) lives as long as the
         # run: keep it out of the collector's full passes, which otherwise stall the event loop 60-170 ms
         # (1,000-rank bench)
@@ -320,54 +277,47 @@ class Controller:
         return summarize(
             exit_reason,
             exit_code,
-            run_id=self.run_id,
-            config=self.config,
-            run=self.state,
-            members=self.members,
-            plane=self.plane,
+            self.ctx,
             admission=self.admission,
             training=self.training,
             liveness=self.liveness,
-            checkpoints=self.checkpoints,
             teardown=self.teardown,
-            startup=self.startup,
-            now=self.clock(),
         )
 
     # =========================================================== conductor
 
     async def _conduct(self) -> dict:
-        run, admission, training = self.state, self.admission, self.training
+        run, admission, training = self.ctx.run, self.admission, self.training
         run.to(Phase.GATHERING)
         await run.until(
-            lambda: len(self.members.workers) >= admission.expected_workers, self.launch.join_timeout_secs, "workers to connect"
+            lambda: len(self.ctx.members.workers) >= admission.expected_workers, self.ctx.launch.join_timeout_secs, "workers to connect"
         )
         admission.welcome_workers()
-        self.startup.workers_up([w.host for w in self.members.workers.values()], admission.initial_world)
+        self.ctx.startup.workers_up([w.host for w in self.ctx.members.workers.values()], admission.initial_world)
         run.to(Phase.JOINING)
         first = [r for r in range(admission.initial_world)]  # a worker arriving meanwhile waits to be admitted
-        lost = lambda r: r in self.members.ranks and self.members.ranks[r].state is PeerState.DEAD  # noqa: E731  (died starting: the run goes on)
+        lost = lambda r: r in self.ctx.members.ranks and self.ctx.members.ranks[r].state is PeerState.DEAD  # noqa: E731  (died starting: the run goes on)
         await run.until(
-            lambda: all(r in admission.hellos or lost(r) for r in first), self.launch.join_timeout_secs, "ranks to start and say hello"
+            lambda: all(r in admission.hellos or lost(r) for r in first), self.ctx.launch.join_timeout_secs, "ranks to start and say hello"
         )
         built = sum(1 for r in first if not lost(r))
         if admission.task_info is not None:
             hello = admission.task_info
-            self.startup.ranks_built(built, len(first), params=hello.param_count, samples=hello.dataset_len, grain=hello.grain)
+            self.ctx.startup.ranks_built(built, len(first), params=hello.param_count, samples=hello.dataset_len, grain=hello.grain)
         # before the group forms: a world the data cannot feed is refused at once
         warning = self._check_shares(built)
         await self.plane.store_open()  # opened on a thread meanwhile (plane.py): the welcome names its port
         admission.welcome_ranks()
         if any(lost(r) for r in first):
             reason = f"rank(s) {', '.join(str(r) for r in first if lost(r))} died while starting"
-            self.members.new_generation(reason)
+            self.ctx.members.new_generation(reason)
             self.liveness.regroup(reason)
         await run.until(
-            lambda: all(self.members.ranks[r].state is PeerState.READY or lost(r) for r in first if r in self.members.ranks),
-            self.launch.join_timeout_secs,
+            lambda: all(self.ctx.members.ranks[r].state is PeerState.READY or lost(r) for r in first if r in self.ctx.members.ranks),
+            self.ctx.launch.join_timeout_secs,
             "ranks to join the collective",
         )
-        self.startup.group_formed(built, collective=self.plane.averaging is None)
+        self.ctx.startup.group_formed(built, collective=self.plane.averaging is None)
         run.to(Phase.TRAINING)
         info = admission.task_info
         # every first rank said hello or died, and with none left the deaths have failed the run
@@ -375,30 +325,30 @@ class Controller:
         schedule = self._schedule(info)
         training.begin(info, schedule)
         total_epochs = training.total_epochs
-        ranks = [r for r in sorted(self.members.ranks.values(), key=lambda r: r.rank) if r.rank not in admission.joiners]
-        self.console.header(
-            run_id=self.run_id,
-            mode=str(self.config.elche.mode.name),
-            task=self.launch.label,
+        ranks = [r for r in sorted(self.ctx.members.ranks.values(), key=lambda r: r.rank) if r.rank not in admission.joiners]
+        self.ctx.console.header(
+            run_id=self.ctx.run_id,
+            mode=str(self.ctx.config.elche.mode.name),
+            task=self.ctx.launch.label,
             ranks=[f"rank{r.rank} {r.device}@{r.host}" for r in ranks],
             dataset_len=info.dataset_len,
             batch_size=info.batch_size,
             epochs=total_epochs,
             grain=info.grain,
-            lr_factor=self.config.lr_factor(len(ranks)),  # the factor each first rank applies (RankWelcome.world_size)
-            lr_scale_ratio=self.config.lr_scale_ratio,
+            lr_factor=self.ctx.config.lr_factor(len(ranks)),  # the factor each first rank applies (RankWelcome.world_size)
+            lr_scale_ratio=self.ctx.config.lr_scale_ratio,
         )
-        if self.config.augment > 1 or self.config.epoch_splits > 1:
-            self.console.line(
-                f"  {self.launch.epochs} pass(es) of {schedule.pass_len} picks (each sample x{self.config.augment}), "
-                f"{self.config.epoch_splits} epoch(s) per pass of ~{schedule.epoch_len(0)} samples"
+        if self.ctx.config.augment > 1 or self.ctx.config.epoch_splits > 1:
+            self.ctx.console.line(
+                f"  {self.ctx.launch.epochs} pass(es) of {schedule.pass_len} picks (each sample x{self.ctx.config.augment}), "
+                f"{self.ctx.config.epoch_splits} epoch(s) per pass of ~{schedule.epoch_len(0)} samples"
             )
         if warning:
-            self.console.line(f"flodl: warning: {warning}")
+            self.ctx.console.line(f"flodl: warning: {warning}")
         run.mark_started()
-        self.monitor.begin(
-            training.description(self.run_id),
-            {r.rank: (r.host, r.device) for r in self.members.ranks.values()},
+        self.ctx.monitor.begin(
+            training.description(self.ctx.run_id),
+            {r.rank: (r.host, r.device) for r in self.ctx.members.ranks.values()},
             steps_per_epoch=max(1, schedule.epoch_len(0) // info.batch_size),
         )
         await self._run_windows()
@@ -406,8 +356,8 @@ class Controller:
             # nothing was left to train (a resumed bundle that was complete): score it once all the same
             training.request_eval(total_epochs - 1)
         if training.evals_on:
-            await run.until(lambda: total_epochs - 1 in training.evals, self.launch.eval_timeout_secs, "the final eval")
-        if self.checkpoints.stem:
+            await run.until(lambda: total_epochs - 1 in training.evals, self.ctx.launch.eval_timeout_secs, "the final eval")
+        if self.ctx.checkpoints.stem:
             await self.saving.checkpoint("final", call_fn=False, wait=True)
         run.mark_finished()
         training.flush_epoch_lines()
@@ -418,16 +368,16 @@ class Controller:
             # trained, but nothing says how well: not a plain success (the last error says why)
             summary = self.summary("completed, every eval failed", EXIT_EVALS_FAILED)
             summary["failure"] = f"every eval failed ({len(failed)} of {len(failed)}; the last: {failed[-1].error})"
-            self.console.done(summary)
-            self.console.line(f"flodl: {summary['failure']}")
+            self.ctx.console.done(summary)
+            self.ctx.console.line(f"flodl: {summary['failure']}")
             return summary  # run_controller turns a non-zero exit_code into RunAborted, summary written
         summary = self.summary("completed", 0)
-        self.console.done(summary)
+        self.ctx.console.done(summary)
         return summary
 
     def _schedule(self, info: m.RankHello) -> Schedule:
         try:
-            return Schedule(info.dataset_len, self.config.augment, self.config.epoch_splits, self.launch.epochs)
+            return Schedule(info.dataset_len, self.ctx.config.augment, self.ctx.config.epoch_splits, self.ctx.launch.epochs)
         except ValueError as exc:
             raise RunAborted(f"epoch_splits: {exc}", EXIT_CONFIG) from None
 
@@ -471,7 +421,7 @@ class Controller:
             loop.snapshots = averaging  # whose snapshot each round folded: a dead rank's last window (cadence.py _land)
         # deterministic: one window at a time too, so an epoch's RunEval reaches the eval rank
         # before its next window does, and scores exactly the average that closed the epoch
-        depth = 1 if self.config.elche.mode.policy is ApplyPolicy.SYNC or self.config.deterministic else 2
+        depth = 1 if self.ctx.config.elche.mode.policy is ApplyPolicy.SYNC or self.ctx.config.deterministic else 2
         in_flight: list[int] = []
         plan_s = 0.0  # the last window's planning (and sending), in seconds
         while True:
@@ -483,14 +433,14 @@ class Controller:
                     break  # the window that closes an epoch waits for what those in flight give back to it
                 number = loop.window
                 t0 = time.perf_counter()
-                windows = loop.next_windows(self.clock())
+                windows = loop.next_windows(self.ctx.clock())
                 if windows is None:
                     break
-                self.hooks.planned(number, len(windows), time.perf_counter() - t0)
+                self.ctx.hooks.planned(number, len(windows), time.perf_counter() - t0)
                 training.start_window(number, windows, first_in_flight=not in_flight)
                 plan_s = time.perf_counter() - t0  # planned and sent: half of a window's fixed cost
                 if loop.dispatcher.throttled:
-                    self.monitor.throttled(number, loop.dispatcher.throttled, now_s=self.clock())
+                    self.ctx.monitor.throttled(number, loop.dispatcher.throttled, now_s=self.ctx.clock())
                 in_flight.append(number)
                 if loop.open_ended(number):
                     await training.end_when_timed(number)
@@ -503,27 +453,29 @@ class Controller:
             await training.until_window(number, lambda: training.reported(number), f"window {number}")  # noqa: B023 - awaited in this iteration
             reports, dead_batches = training.take_reports(number)
             t0 = time.perf_counter()
-            closed = loop.on_reports(number, reports, self.clock(), dead_batches)
-            self.hooks.settled(number, time.perf_counter() - t0)
+            closed = loop.on_reports(number, reports, self.ctx.clock(), dead_batches)
+            self.ctx.hooks.settled(number, time.perf_counter() - t0)
             t1 = time.perf_counter()
             for stats in closed:
                 self._finish_epoch(stats, number)
             epochs_s = time.perf_counter() - t1
-            self.monitor.window_settled(number, reports, now_s=self.clock())
-            self.monitor.event("sync", f"window {number}: {sum(r.consumed for r in reports.values())} samples averaged", now_s=self.clock())
-            self.monitor.anchor_changed(loop.elche.anchor, now_s=self.clock(), counts=list(loop.elche.batch_counts))
+            self.ctx.monitor.window_settled(number, reports, now_s=self.ctx.clock())
+            self.ctx.monitor.event(
+                "sync", f"window {number}: {sum(r.consumed for r in reports.values())} samples averaged", now_s=self.ctx.clock()
+            )
+            self.ctx.monitor.anchor_changed(loop.elche.anchor, now_s=self.ctx.clock(), counts=list(loop.elche.batch_counts))
             # what this window cost whatever the model (planning one, settling one; an epoch's close
             # and its checkpoint are the epoch's costs, not the window's): ElChe keeps it small
             loop.note_fixed((plan_s + time.perf_counter() - t0 - epochs_s) * 1000.0)
-            if self.checkpoints.at_epoch_due(loop.dispatcher.next_epoch - 1):
+            if self.ctx.checkpoints.at_epoch_due(loop.dispatcher.next_epoch - 1):
                 await self.saving.checkpoint("checkpoint", call_fn=False)
 
     def _finish_epoch(self, stats: EpochStats, window: int) -> None:
         """An epoch is fully trained and averaged (by ``window``): record it, ask for its eval
         and (when due) a checkpoint, print it."""
         self.training.finish_epoch(stats, window)
-        if self.checkpoints.every_due(stats.epoch):
-            self.saving.checkpoint_now("checkpoint", call_fn=True, files=bool(self.checkpoints.stem))
+        if self.ctx.checkpoints.every_due(stats.epoch):
+            self.saving.checkpoint_now("checkpoint", call_fn=True, files=bool(self.ctx.checkpoints.stem))
         self.training.flush_epoch_lines()
 
     # ============================================================ messages in
@@ -533,25 +485,27 @@ class Controller:
         handler = self._handlers.get(type(msg))
         if handler is None:
             return  # a message we never act on in this direction
-        now = self.clock()
+        ctx = self.ctx
+        now = ctx.clock()
         self._follow_route(identity, env)
         rank = getattr(msg, "rank", None)
+        members = ctx.members
         if rank is not None and rank >= 0 and type(msg) is not m.RankExited:
             if not self._is_rank_sender(rank, env.sender, msg):
                 return
-            self.members.seen_rank(rank, now)
+            members.seen_rank(rank, now)
         else:
-            self.members.seen_worker(env.sender, now)
+            members.seen_worker(env.sender, now)
             if rank is None:
-                self.members.seen_route(identity, now)
+                members.seen_route(identity, now)
         handler(identity, env, msg)
         if self._observed:
-            self.hooks.handled(msg)
+            self.ctx.hooks.handled(msg)
 
     def _is_rank_sender(self, rank: int, sender: str, msg: Any) -> bool:
         """A rank message must be signed by the sender that said that rank's hello
         (sender names are authenticated; the connection it came on is not)."""
-        info = self.members.ranks.get(rank)
+        info = self.ctx.members.ranks.get(rank)
         if info is None:
             return False
         if isinstance(msg, m.RankHello):
@@ -563,8 +517,9 @@ class Controller:
     def _follow_route(self, identity: bytes, env: Envelope) -> None:
         """A known peer's frame on another connection (it reconnected after a reset): its route
         moves there if the frame is the newest ever accepted from it, never for a replay."""
-        peer = self.members.workers.get(env.sender) or self.members.by_sender.get(env.sender)
+        members = self.ctx.members
+        peer = members.workers.get(env.sender) or members.by_sender.get(env.sender)
         if peer is None or not route_moves(peer.identity, identity, env):
             return
         log.info("%s now reaches us on another connection", env.sender)
-        self.members.route_moved(peer, identity)
+        members.route_moved(peer, identity)

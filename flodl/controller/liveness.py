@@ -14,25 +14,18 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import Callable
 
-from ..config import DdpRunConfig
 from ..errors import EXIT_CONFIG, EXIT_NONFINITE
-from ..monitor.hub import Monitor
 from ..plan.decisions import Outcome, after_collective_error, after_deaths, after_rank_error, unexplained_collective_error
-from ..plan.membership import Membership, PeerState, restart_delay
+from ..plan.membership import PeerState, restart_delay
 from ..plan.progress import ProgressLimits
 from ..scriptspec import BEFORE_INIT
 from ..wire import messages as m
 from ..wire.codec import Envelope
 from .admission import Admission
 from .before_init import BeforeInit
-from .checkpoints import Checkpointer
-from .console import Console
-from .hooks import ControllerHooks
-from .launch import LaunchOptions
-from .phase import Phase, RunState
-from .plane import ControlPlane
+from .context import RunContext
+from .phase import Phase
 from .saving import Saving
 from .training import Training
 
@@ -46,40 +39,17 @@ COLLECTIVE_ERROR_GRACE_S = 1.0
 class Liveness:
     """Heartbeats, deaths, fencing, regrouping and healing."""
 
-    def __init__(
-        self,
-        launch: LaunchOptions,
-        config: DdpRunConfig,
-        *,
-        members: Membership,
-        run: RunState,
-        plane: ControlPlane,
-        admission: Admission,
-        training: Training,
-        saving: Saving,
-        checkpoints: Checkpointer,
-        console: Console,
-        monitor: Monitor,
-        hooks: ControllerHooks,
-        clock: Callable[[], float],
-        run_id: str,
-        limits: ProgressLimits,
-    ) -> None:
-        self.launch = launch
-        self.config = config
-        self.members = members
-        self.run = run
-        self.plane = plane
+    def __init__(self, ctx: RunContext, *, admission: Admission, training: Training, saving: Saving) -> None:
+        self.ctx = ctx
         self.admission = admission
         self.training = training
         self.saving = saving
-        self.checkpoints = checkpoints
-        self.console = console
-        self.monitor = monitor
-        self.hooks = hooks
-        self.clock = clock
-        self.run_id = run_id
-        self.limits = limits
+        self.limits = ProgressLimits(
+            heartbeat_s=ctx.deadlines.heartbeat_s,
+            first_step_s=ctx.launch.join_timeout_secs,
+            eval_s=ctx.launch.eval_timeout_secs,
+            step_s=ctx.launch.step_timeout_secs,
+        )
         self.collective_error: tuple[float, int, m.RankError] | None = None
         self.collective_retries = 0
         self.recoveries: list[dict] = []  # every regroup: when, generation, survivors, why
@@ -94,10 +64,10 @@ class Liveness:
         """Beat to every peer every second; judge silence and deaths several times a second."""
         next_beat = 0.0
         while True:
-            now = self.clock()
+            now = self.ctx.clock()
             if now >= next_beat:
                 beat = m.Heartbeat(step=self.training.global_step, sent_at=time.time(), busy="", busy_s=0.0, step_ms=0.0, averaged=-1)
-                self.plane.send_all(beat, self._peer_identities())
+                self.ctx.plane.send_all(beat, self._peer_identities())
                 next_beat = now + HEARTBEAT_INTERVAL_S
                 self._report_drops()
             self.judge()
@@ -105,33 +75,33 @@ class Liveness:
 
     def _report_drops(self) -> None:
         """Frames dropped (forged, malformed, unauthorized) since the last beat: a control_drop alert."""
-        drops = self.plane.live_endpoint.drops
+        drops = self.ctx.plane.live_endpoint.drops
         total = sum(drops.values())
         if total > self._drops_seen:
             detail = ", ".join(f"{k} {v}" for k, v in sorted(drops.items()))
-            self.monitor.event(
-                "control_drop", f"{total - self._drops_seen} control frame(s) dropped (so far: {detail})", now_s=self.clock()
+            self.ctx.monitor.event(
+                "control_drop", f"{total - self._drops_seen} control frame(s) dropped (so far: {detail})", now_s=self.ctx.clock()
             )
             self._drops_seen = total
 
     def _peer_identities(self) -> list[bytes]:
-        ids = [w.identity for w in self.members.workers.values() if not w.exited]
-        ids += [r.identity for r in self.members.ranks.values() if r.identity and r.state not in (PeerState.EXITED, PeerState.DEAD)]
+        ids = [w.identity for w in self.ctx.members.workers.values() if not w.exited]
+        ids += [r.identity for r in self.ctx.members.ranks.values() if r.identity and r.state not in (PeerState.EXITED, PeerState.DEAD)]
         return ids
 
     def judge(self) -> None:
         """Turn deaths, silence and lingering collective errors into a failure."""
-        if self.run.ended:
+        if self.ctx.run.ended:
             return
-        now = self.clock()
+        now = self.ctx.clock()
         if self.before_init.since is not None and self.before_init.due(now, waiting=self._may_fail_before_init()):
-            printed, message = self.before_init.told(sorted(self.members.ranks), lambda r: self.members.ranks[r].where())
+            printed, message = self.before_init.told(sorted(self.ctx.members.ranks), lambda r: self.ctx.members.ranks[r].where())
             sys.stderr.write(printed)
-            self.run.fail(message, EXIT_CONFIG)
+            self.ctx.run.fail(message, EXIT_CONFIG)
             return
-        self.members.excuse_silence_before_hello(now)
-        verdict = self.members.assess(now, self.limits)  # the limits: a training thread stuck in user code is hung
-        self.members.apply(verdict)
+        self.ctx.members.excuse_silence_before_hello(now)
+        verdict = self.ctx.members.assess(now, self.limits)  # the limits: a training thread stuck in user code is hung
+        self.ctx.members.apply(verdict)
         if not verdict.healthy:
             self._on_deaths(set(verdict.dead), verdict.reason)
             return
@@ -142,7 +112,7 @@ class Liveness:
                 waited_s=now - since,
                 grace_s=COLLECTIVE_ERROR_GRACE_S,
                 retries=self.collective_retries,
-                where=self.members.ranks[rank].where(),
+                where=self.ctx.members.ranks[rank].where(),
                 error=err.error,
             )
             if decision.outcome is Outcome.WAIT:
@@ -150,75 +120,75 @@ class Liveness:
             self.collective_error = None
             self.collective_retries += 1
             if decision.outcome is Outcome.STOP:
-                self.run.fail(decision.why, decision.code)
+                self.ctx.run.fail(decision.why, decision.code)
                 return
-            self.members.new_generation(decision.why)
+            self.ctx.members.new_generation(decision.why)
             self.regroup(decision.why)
 
     # ============================================================ handlers
 
     def on_heartbeat(self, identity: bytes, env: Envelope, msg: m.Heartbeat) -> None:
         """Liveness was recorded on arrival; a rank's beat also says whether it makes progress."""
-        info = self.members.by_identity.get(identity)
+        info = self.ctx.members.by_identity.get(identity)
         if info is None or not msg.busy:
             return
-        self.members.heard_progress(info, msg.busy, msg.busy_s, msg.step_ms, msg.averaged, self.clock())
+        self.ctx.members.heard_progress(info, msg.busy, msg.busy_s, msg.step_ms, msg.averaged, self.ctx.clock())
         self._note_averaging_again(info.rank, msg.averaged)
 
     def on_rank_error(self, identity: bytes, env: Envelope, msg: m.RankError) -> None:
         if msg.stage == BEFORE_INIT:
             self._failed_before_init(env, msg)
             return
-        info = self.members.ranks[msg.rank]
+        info = self.ctx.members.ranks[msg.rank]
         decision = after_rank_error(msg.stage, joiner=msg.rank in self.admission.joiners)
         if decision.outcome is Outcome.IGNORE:
             self.admission.drop_joiner(msg.rank, f"failed during {msg.stage}: {msg.error}")
         elif decision.outcome is Outcome.WAIT:
             # usually a symptom of a peer's death: give the death report a moment to arrive
             waiting = after_collective_error(
-                reported_generation=msg.generation, generation=self.members.generation, pending=self.collective_error is not None
+                reported_generation=msg.generation, generation=self.ctx.members.generation, pending=self.collective_error is not None
             )
             if waiting.outcome is Outcome.WAIT:
-                self.collective_error = (self.clock(), msg.rank, msg)
+                self.collective_error = (self.ctx.clock(), msg.rank, msg)
         elif decision.code == EXIT_NONFINITE:  # the rank names epoch and step: no traceback, no save over a good bundle
-            self.run.fail(f"{info.where()}: {msg.error.split(': ', 1)[-1]}", decision.code)
+            self.ctx.run.fail(f"{info.where()}: {msg.error.split(': ', 1)[-1]}", decision.code)
         else:
-            if self.run.failure is None and decision.why == "traceback":  # a bad bundle or option needs none
+            if self.ctx.run.failure is None and decision.why == "traceback":  # a bad bundle or option needs none
                 sys.stderr.write(f"--- traceback from {info.where()} ---\n{msg.detail}\n")
-            self.run.fail(f"{info.where()} failed during {msg.stage}: {msg.error}", decision.code)
+            self.ctx.run.fail(f"{info.where()} failed during {msg.stage}: {msg.error}", decision.code)
 
     def _failed_before_init(self, env: Envelope, msg: m.RankError) -> None:
         """A script rank's worker says its script failed before ``flodl.init()`` (its exit comes
         next): the user's error of the whole run (before_init.py), not a rank to go on without. A
         joiner's (a restart, a late worker's) only drops the joiner, as any failure of a joiner does."""
-        worker = self.members.workers.get(env.sender)
+        worker = self.ctx.members.workers.get(env.sender)
         if worker is None or msg.rank not in worker.ranks:
-            self.plane.live_endpoint.drops["unauthorized"] += 1  # only the rank's own worker speaks for a rank that never joined
+            self.ctx.plane.live_endpoint.drops["unauthorized"] += 1  # only the rank's own worker speaks for a rank that never joined
             return
         if msg.rank in self.admission.joiners:
             self.admission.drop_joiner(msg.rank, f"the script failed before flodl.init(): {msg.error}")
             return
-        self.members.rank_left(msg.rank)  # its exit is the script's error, not a death
-        self.before_init.note(msg.rank, msg.error, msg.detail, self.clock())
+        self.ctx.members.rank_left(msg.rank)  # its exit is the script's error, not a death
+        self.before_init.note(msg.rank, msg.error, msg.detail, self.ctx.clock())
         self.judge()
 
     def _may_fail_before_init(self) -> bool:
         """Might another rank still report a failure before ``flodl.init()``? One that is starting
         (alive, no hello yet) may."""
         joiners = self.admission.joiners
-        return any(not r.identity and r.rank not in joiners for r in self.members.live_ranks())
+        return any(not r.identity and r.rank not in joiners for r in self.ctx.members.live_ranks())
 
     def on_rank_exited(self, identity: bytes, env: Envelope, msg: m.RankExited) -> None:
-        worker = self.members.workers.get(env.sender)
+        worker = self.ctx.members.workers.get(env.sender)
         if worker is None or msg.rank not in worker.ranks:
-            self.plane.live_endpoint.drops["unauthorized"] += 1  # only a rank's own worker (its signed sender name) may report its exit
+            self.ctx.plane.live_endpoint.drops["unauthorized"] += 1  # only a rank's own worker (its signed sender name) may report its exit
             return
-        if self.run.ended:
+        if self.ctx.run.ended:
             # we told it to go: leaving now is not a death, whatever the code
-            self.members.rank_left(msg.rank, code=msg.code)
-            self.run.changed()
+            self.ctx.members.rank_left(msg.rank, code=msg.code)
+            self.ctx.run.changed()
             return
-        self.members.rank_exited(msg.rank, msg.code, pid=msg.pid)
+        self.ctx.members.rank_exited(msg.rank, msg.code, pid=msg.pid)
         self.judge()
 
     # ============================================================ deaths
@@ -226,56 +196,59 @@ class Liveness:
     def _on_deaths(self, dead: set[int], reason: str) -> None:
         t0 = time.perf_counter()
         self._go_on_without(dead, reason)
-        self.hooks.deaths_handled(dead, time.perf_counter() - t0)
+        self.ctx.hooks.deaths_handled(dead, time.perf_counter() - t0)
 
     def _go_on_without(self, dead: set[int], reason: str) -> None:
         """Ranks died: go on without them if the run can, else stop (saving if asked)."""
         joiners = self.admission.joiners
         for rank in sorted(dead & set(joiners)):
-            self.admission.drop_joiner(rank, self.members.ranks[rank].death or "died")  # never admitted: nothing to recover
-        dead -= set(joiners) | {r for r in dead if r not in self.members.ranks}
+            self.admission.drop_joiner(rank, self.ctx.members.ranks[rank].death or "died")  # never admitted: nothing to recover
+        dead -= set(joiners) | {r for r in dead if r not in self.ctx.members.ranks}
         if not dead:
             return
-        dead_total = sum(1 for r in self.members.ranks.values() if r.state is PeerState.DEAD)
-        survivors = sorted(r.rank for r in self.members.live_ranks())
+        dead_total = sum(1 for r in self.ctx.members.ranks.values() if r.state is PeerState.DEAD)
+        survivors = sorted(r.rank for r in self.ctx.members.live_ranks())
         decision = after_deaths(
-            self.config,
-            started=self.run.admitting,
-            world_size=len(self.members.ranks),
+            self.ctx.config,
+            started=self.ctx.run.admitting,
+            world_size=len(self.ctx.members.ranks),
             dead_total=dead_total,
             survivors=len(survivors),
             # before the first window there is no consensus nor coverage to write: the run stops
             # and says so, rather than writing a bundle that would resume nothing
-            can_save=bool(self.checkpoints.stem) and self.training.cadence is not None,
+            can_save=bool(self.ctx.checkpoints.stem) and self.training.cadence is not None,
             unseeded=tuple(r for r in survivors if not self._holds_parameters(r)),
         )
         if decision.outcome is Outcome.SAVE_AND_STOP:
             self.saving.save_and_stop(f"{reason}. {decision.why}", decision.save_reason)
             return
         if decision.outcome is Outcome.STOP:
-            self.run.fail(f"{reason}. {decision.why}", decision.code)
+            self.ctx.run.fail(f"{reason}. {decision.why}", decision.code)
             return
         self._fence(dead, reason)
-        if self.plane.averaging is not None:
+        if self.ctx.plane.averaging is not None:
             for rank in sorted(dead):  # rounds stop waiting for them once what they sent before is taken
-                self.plane.averaging.rank_ended(rank)
-        for lost in [s for r in dead for s in self.checkpoints.rank_died(r)]:
-            self.console.line(f"rank {lost.rank} died before writing checkpoint {lost.version}; asking another rank")
+                self.ctx.plane.averaging.rank_ended(rank)
+        for lost in [s for r in dead for s in self.ctx.checkpoints.rank_died(r)]:
+            self.ctx.console.line(f"rank {lost.rank} died before writing checkpoint {lost.version}; asking another rank")
             self.saving.checkpoint_now(lost.reason, call_fn=False, files=bool(lost.stem))
         self.collective_error = None  # the death explains it
         for rank in sorted(dead):
-            self.monitor.event(
-                "rank_lost", f"{self.members.ranks[rank].where()} {self.members.ranks[rank].death}", rank=rank, now_s=self.clock()
+            self.ctx.monitor.event(
+                "rank_lost",
+                f"{self.ctx.members.ranks[rank].where()} {self.ctx.members.ranks[rank].death}",
+                rank=rank,
+                now_s=self.ctx.clock(),
             )
         if self.training.cadence is not None:
             self.training.cadence.remove_ranks(dead)
-        if self.run.phase is Phase.TRAINING or self.admission.welcomed:  # before the welcomes, those leave the dead out
+        if self.ctx.run.phase is Phase.TRAINING or self.admission.welcomed:  # before the welcomes, those leave the dead out
             self.regroup(reason)
-        self.console.line(f"lost {reason}; continuing with {len(survivors)} rank(s) (generation {self.members.generation})")
+        self.ctx.console.line(f"lost {reason}; continuing with {len(survivors)} rank(s) (generation {self.ctx.members.generation})")
         for rank in sorted(dead):
             self._heal(rank)
         self.training.reask_evals_of(dead)  # their evals died with them: ask the next rank
-        self.run.changed()
+        self.ctx.run.changed()
 
     def _holds_parameters(self, rank: int) -> bool:
         """Does ``rank`` hold the run's parameters? The first ranks do from the start; a rank
@@ -284,28 +257,28 @@ class Liveness:
         if rank in self.admission.joiners:  # not admitted yet: it holds nothing of the run's
             return False
         admitted = [j["generation"] for j in self.admission.joins if rank in j["ranks"]]
-        return not admitted or self.members.ranks[rank].averaged >= admitted[-1]
+        return not admitted or self.ctx.members.ranks[rank].averaged >= admitted[-1]
 
     def _heal(self, rank: int) -> None:
         """Healing: have the dead rank's worker start a new rank in its place (``max_restarts``
         per original rank, with back-off); it joins at a window boundary like any joiner."""
         slot = self._slot_of.get(rank, rank)
         used = self._restarts_used.get(slot, 0)
-        delay = restart_delay(used, self.launch.max_restarts)
-        info = self.members.ranks[rank]
-        worker = next((w for w in self.members.workers.values() if rank in w.ranks and not w.exited), None)
+        delay = restart_delay(used, self.ctx.launch.max_restarts)
+        info = self.ctx.members.ranks[rank]
+        worker = next((w for w in self.ctx.members.workers.values() if rank in w.ranks and not w.exited), None)
         if delay is None or worker is None or self.admission.grow_problem() is not None:
             return
-        averaging = self.plane.averaging
+        averaging = self.ctx.plane.averaging
         if averaging is not None and rank in averaging.relayed:
             return  # a relaying host's relay counts its ranks from its welcome: not healed (docs)
-        now = self.clock()
+        now = self.ctx.clock()
         new = self.admission.restart(worker, info.device, delay, now)
         self._slot_of[new] = slot
         self._restarts_used[slot] = used + 1
         self.restarts.append(
             {
-                "at_s": now - self.run.started_at,
+                "at_s": now - self.ctx.run.started_at,
                 "unix_time": time.time(),
                 "rank": new,
                 "replaces": rank,
@@ -316,22 +289,22 @@ class Liveness:
                 "device": info.device,
             }
         )
-        self.plane.send(m.Respawn(rank=new, device=info.device, replaces=rank, attempt=used + 1, delay_s=delay), worker.identity)
-        self.console.line(
+        self.ctx.plane.send(m.Respawn(rank=new, device=info.device, replaces=rank, attempt=used + 1, delay_s=delay), worker.identity)
+        self.ctx.console.line(
             f"restarting rank {rank} as rank {new} on host {worker.host} ({info.device}) in {delay:g} s "
-            f"(restart {used + 1} of {self.launch.max_restarts}); it joins at a window boundary"
+            f"(restart {used + 1} of {self.ctx.launch.max_restarts}); it joins at a window boundary"
         )
 
     def _fence(self, dead: set[int], reason: str) -> None:
         """A rank declared dead whose process may live on (hung, stopped, cut off)
         is killed by its worker: it must never rejoin a world that went on without it."""
         for rank in dead:
-            info = self.members.ranks[rank]
+            info = self.ctx.members.ranks[rank]
             if info.exit_code is not None:
                 continue  # its worker saw it exit: nothing to kill
-            for worker in self.members.workers.values():
+            for worker in self.ctx.members.workers.values():
                 if rank in worker.ranks and not worker.exited:
-                    self.plane.send(m.Fence(rank=rank, reason=reason[:500]), worker.identity)
+                    self.ctx.plane.send(m.Fence(rank=rank, reason=reason[:500]), worker.identity)
 
     # ============================================================ recovery
 
@@ -340,9 +313,9 @@ class Liveness:
         survivors = self.admission.training_ranks()
         self.recoveries.append(
             {
-                "at_s": self.clock() - self.run.started_at,
+                "at_s": self.ctx.clock() - self.ctx.run.started_at,
                 "unix_time": time.time(),
-                "generation": self.members.generation,
+                "generation": self.ctx.members.generation,
                 "survivors": survivors,
                 "reason": reason,
                 "training_again_s": None,
@@ -350,21 +323,21 @@ class Liveness:
         )
         # "training again" = every survivor has completed an average since this moment (a local
         # batch says nothing: a survivor can train alone while its peers sit in a stalled collective)
-        self._back = (self.clock(), set(survivors))
-        if self.plane.averaging is not None:
+        self._back = (self.ctx.clock(), set(survivors))
+        if self.ctx.plane.averaging is not None:
             return  # the CPU backend has no group: rounds stop waiting for the dead (rank_ended above)
         # while the run starts, the first group may never have formed (nor rank 0's parameters
         # reached everyone): the survivors then all take the lowest one's
-        sync_from = survivors[0] if self.run.phase is Phase.JOINING and survivors else -1
+        sync_from = survivors[0] if self.ctx.run.phase is Phase.JOINING and survivors else -1
         msg = m.Regroup(
-            generation=self.members.generation,
+            generation=self.ctx.members.generation,
             members=survivors,
-            store_prefix=f"{self.run_id}/gen{self.members.generation}",
+            store_prefix=f"{self.ctx.run_id}/gen{self.ctx.members.generation}",
             reason=reason[:500],
             sync_from=sync_from,
             first_round=-1,
         )
-        self.plane.send_ranks(survivors, msg)
+        self.ctx.plane.send_ranks(survivors, msg)
 
     def _note_averaging_again(self, rank: int, averaged: int) -> None:
         """Collective backend: a survivor's heartbeat says it completed an average in the
@@ -374,15 +347,15 @@ class Liveness:
         since, waiting = self._back
         waiting.discard(rank)
         if not waiting:
-            self.recoveries[-1]["training_again_s"] = self.clock() - since
+            self.recoveries[-1]["training_again_s"] = self.ctx.clock() - since
             self._back = None
 
     def cpu_round_done(self, number: int, ms: float) -> None:
         """CPU backend: the first averaging round that started after a recovery and
         closed (with every survivor: rounds no longer wait for the dead) marks it done."""
-        if self._back is None or self.plane.averaging is None:
+        if self._back is None or self.ctx.plane.averaging is None:
             return
         since, _ = self._back
-        if self.clock() - ms / 1000.0 >= since:
-            self.recoveries[-1]["training_again_s"] = self.clock() - since
+        if self.ctx.clock() - ms / 1000.0 >= since:
+            self.recoveries[-1]["training_again_s"] = self.ctx.clock() - since
             self._back = None

@@ -30,15 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from ..config import AverageBackend, DdpRunConfig
-from ..config.deadlines import Deadlines
+from ..config import AverageBackend
 from ..config.env import zygote_enabled
 from ..host.store_server import open_store
-from ..plan.membership import Membership
 from ..wire import curve
 from ..wire.codec import Envelope
 from ..wire.transport import ControlEndpoint, make_router
-from .launch import LaunchOptions
+from .setting import RunSetting
 
 if TYPE_CHECKING:
     from ..averaging.server import CpuAveraging  # torch: imported in open, only when the CPU backend averages
@@ -52,26 +50,8 @@ OnMessage = Callable[[bytes, Envelope], None]
 class ControlPlane:
     """Binds, sends, closes; knows ranks only to find their connections."""
 
-    def __init__(
-        self,
-        launch: LaunchOptions,
-        config: DdpRunConfig,
-        members: Membership,
-        *,
-        secret: bytes,
-        run_id: str,
-        clock: Callable[[], float],
-        say: Callable[[str], None],
-        deadlines: Deadlines,
-    ) -> None:
-        self.launch = launch
-        self.config = config
-        self.members = members
-        self.secret = secret
-        self.run_id = run_id
-        self.clock = clock
-        self.say = say
-        self.deadlines = deadlines
+    def __init__(self, ctx: RunSetting) -> None:
+        self.ctx = ctx
         self.endpoint: ControlEndpoint | None = None
         self.port: int | None = None
         self.store: Any = None  # torch.distributed.TCPStore, once open
@@ -82,7 +62,7 @@ class ControlPlane:
 
     @property
     def address(self) -> str:
-        return f"tcp://{self.launch.advertise_host}:{self.port}"
+        return f"tcp://{self.ctx.launch.advertise_host}:{self.port}"
 
     @property
     def live_endpoint(self) -> ControlEndpoint:
@@ -95,51 +75,51 @@ class ControlPlane:
         backend, open it and the averaging plane now."""
         ctx: zmq.Context[Any] = zmq.Context.instance()
         if curve.requested():
-            curve.enable(self.secret)
-        if not _is_loopback(self.launch.bind):
+            curve.enable(self.ctx.secret)
+        if not _is_loopback(self.ctx.launch.bind):
             if curve.enabled():
-                self.say(
-                    f"note: serving on {self.launch.bind}: frames are authenticated and encrypted (CURVE); "
+                self.ctx.console.line(
+                    f"note: serving on {self.ctx.launch.bind}: frames are authenticated and encrypted (CURVE); "
                     "torch's store and any nccl/gloo collectives are not"
                 )
             else:
                 # every frame is signed (a keyed BLAKE2b tag with the run secret), but nothing is encrypted
-                self.say(
-                    f"note: serving on {self.launch.bind} beyond loopback: frames are authenticated, not encrypted; "
+                self.ctx.console.line(
+                    f"note: serving on {self.ctx.launch.bind} beyond loopback: frames are authenticated, not encrypted; "
                     "keep the network trusted, tunnel it, or run with --encrypt"
                 )
         self.fd_limit = _lift_fd_limit()
-        sock, self.port = make_router(ctx, self.launch.bind, self.launch.port)
+        sock, self.port = make_router(ctx, self.ctx.launch.bind, self.ctx.launch.port)
         # a Ping is answered by the endpoint itself, once the reader accepted it: a round trip waits on no dispatch
         self.endpoint = ControlEndpoint(
-            sock, secret=self.secret, run_id=self.run_id, sender="controller", on_message=on_message, answer_pings=True
+            sock, secret=self.ctx.secret, run_id=self.ctx.run_id, sender="controller", on_message=on_message, answer_pings=True
         )
         self.endpoint.start()
-        if self.config.elche.mode.backend is not AverageBackend.CPU:
-            if self.launch.embedded and zygote_enabled():
+        if self.ctx.config.elche.mode.backend is not AverageBackend.CPU:
+            if self.ctx.launch.embedded and zygote_enabled():
                 # the embedded worker's zygote imports torch anyway: a process it forks opens the
                 # store (host/store_server.py), and this one never imports torch (about 2 s of CPU)
                 self.store_file = Path(tempfile.mkdtemp(prefix="flodl-store-")) / "port"
-                log.info("controller listening on tcp://%s:%d (the local worker opens the store)", self.launch.bind, self.port)
+                log.info("controller listening on tcp://%s:%d (the local worker opens the store)", self.ctx.launch.bind, self.port)
                 return
             self._start_store_thread()
-            log.info("controller listening on tcp://%s:%d (the store opens meanwhile)", self.launch.bind, self.port)
+            log.info("controller listening on tcp://%s:%d (the store opens meanwhile)", self.ctx.launch.bind, self.port)
             return
-        self.store = open_store(self.launch.bind)
+        self.store = open_store(self.ctx.launch.bind)
         from ..averaging.server import CpuAveraging  # the averaging plane: torch, shm, bulk; only the CPU backend needs them
 
-        assert self.deadlines.snapshot_s is not None  # the controller's deadlines come from_config: it is set
+        assert self.ctx.deadlines.snapshot_s is not None  # the controller's deadlines come from_config: it is set
 
         self.averaging = CpuAveraging(
-            secret=self.secret,
-            run_id=self.run_id,
-            bind=self.launch.bind,
-            timeout_s=self.deadlines.snapshot_s,
-            clock=self.clock,
+            secret=self.ctx.secret,
+            run_id=self.ctx.run_id,
+            bind=self.ctx.launch.bind,
+            timeout_s=self.ctx.deadlines.snapshot_s,
+            clock=self.ctx.clock,
         )
-        self.averaging.live = lambda: {r.rank for r in self.members.live_ranks()}
+        self.averaging.live = lambda: {r.rank for r in self.ctx.members.live_ranks()}
         self.averaging.start()
-        log.info("controller listening on tcp://%s:%d (store port %d)", self.launch.bind, self.port, self.store.port)
+        log.info("controller listening on tcp://%s:%d (store port %d)", self.ctx.launch.bind, self.port, self.store.port)
 
     def _start_store_thread(self) -> None:
         self._opening = concurrent.futures.Future()
@@ -150,7 +130,7 @@ class ControlPlane:
         A daemon: a run that ends meanwhile does not wait for torch's import."""
         assert self._opening is not None
         try:
-            self._opening.set_result(open_store(self.launch.bind))
+            self._opening.set_result(open_store(self.ctx.launch.bind))
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting conductor, raised there
             self._opening.set_exception(exc)
 
@@ -160,7 +140,7 @@ class ControlPlane:
         if self.store is not None:
             return
         if self.store_file is not None and self._opening is None:
-            port = await self._hosted_store_port(self.store_file, self.launch.join_timeout_secs)
+            port = await self._hosted_store_port(self.store_file, self.ctx.launch.join_timeout_secs)
             if port:
                 self.store = HostedStore(port)
                 log.info("store open on port %d (in a process of the local worker's)", port)
@@ -204,7 +184,7 @@ class ControlPlane:
         self.live_endpoint.send(msg, identity)
 
     def send_rank(self, rank: int, msg: Any) -> None:
-        self.live_endpoint.send(msg, self.members.ranks[rank].identity)
+        self.live_endpoint.send(msg, self.ctx.members.ranks[rank].identity)
 
     def send_all(self, msg: Any, identities: Iterable[bytes]) -> None:
         """The same message to many peers, signed once (a Regroup lists every
@@ -215,11 +195,11 @@ class ControlPlane:
             endpoint.send_frame(frame, identity)
 
     def send_ranks(self, ranks: list[int], msg: Any) -> None:
-        self.send_all(msg, [self.members.ranks[rank].identity for rank in ranks])
+        self.send_all(msg, [self.ctx.members.ranks[rank].identity for rank in ranks])
 
     def broadcast_ranks(self, msg: Any) -> None:
         """To every live rank."""
-        self.send_all(msg, [info.identity for info in self.members.live_ranks()])
+        self.send_all(msg, [info.identity for info in self.ctx.members.live_ranks()])
 
 
 STORE_THREAD = "flodl-store"

@@ -10,15 +10,11 @@ from __future__ import annotations
 import logging
 
 from ..checkpoint.meta import progress_text, read_meta
-from ..config import DdpRunConfig
 from ..errors import EXIT_CONFIG, RunAborted
 from ..plan.cadence import CadenceLoop
-from ..plan.membership import Membership
 from ..plan.schedule import Schedule
 from ..wire import messages as m
-from .checkpoints import Checkpointer
-from .console import Console
-from .launch import LaunchOptions
+from .context import RunContext
 
 log = logging.getLogger("flodl.controller")
 
@@ -26,14 +22,8 @@ log = logging.getLogger("flodl.controller")
 class Resume:
     """The sidecar of ``resume_from`` (None without one) and what it restores."""
 
-    def __init__(
-        self, launch: LaunchOptions, config: DdpRunConfig, *, members: Membership, checkpoints: Checkpointer, console: Console
-    ) -> None:
-        self.launch = launch
-        self.config = config
-        self.members = members
-        self.checkpoints = checkpoints
-        self.console = console
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
         self.meta: dict | None = None
 
     def load(self) -> None:
@@ -42,12 +32,12 @@ class Resume:
         Raises:
             CheckpointError: it cannot be read, or does not match the bundle.
         """
-        if self.config.resume_from:
-            self.meta = read_meta(self.config.resume_from, weights_only=self.config.resume_weights_only)
+        if self.ctx.config.resume_from:
+            self.meta = read_meta(self.ctx.config.resume_from, weights_only=self.ctx.config.resume_weights_only)
 
     def seed(self) -> int:
         """A resumed run keeps the saved run's shuffle, whatever --seed says."""
-        return int(self.meta["coverage"]["seed"]) if self.meta is not None else self.launch.seed
+        return int(self.meta["coverage"]["seed"]) if self.meta is not None else self.ctx.launch.seed
 
     def first_epoch(self) -> int:
         """The epoch the run trains first: 0, or the bundle's lowest epoch with positions left."""
@@ -69,24 +59,24 @@ class Resume:
         for field_name, mine in (("dataset_len", info.dataset_len), ("batch_size", info.batch_size), ("grain", info.grain)):
             if str(cov.get(field_name, "sample")) != str(mine):
                 raise RunAborted(
-                    f"resume_from {self.config.resume_from}: the bundle was saved with {field_name} "
+                    f"resume_from {self.ctx.config.resume_from}: the bundle was saved with {field_name} "
                     f"{cov.get(field_name, 'sample')}, this task has {mine}; resume the same task",
                     EXIT_CONFIG,
                 )
         if int(cov["epochs"]) != total_epochs:
             log.warning("resume: the bundle planned %s epochs, this run %d", cov["epochs"], total_epochs)
         loop.restore(meta)
-        self.checkpoints.remind_shared_storage({w.host for w in self.members.workers.values()})
-        for field_name, mine in (("augment", self.config.augment), ("epoch_splits", self.config.epoch_splits)):
+        self.ctx.checkpoints.remind_shared_storage({w.host for w in self.ctx.members.workers.values()})
+        for field_name, mine in (("augment", self.ctx.config.augment), ("epoch_splits", self.ctx.config.epoch_splits)):
             if int(cov.get(field_name, 1)) != mine:
                 raise RunAborted(
-                    f"resume_from {self.config.resume_from}: the bundle was saved with {field_name} "
+                    f"resume_from {self.ctx.config.resume_from}: the bundle was saved with {field_name} "
                     f"{cov.get(field_name, 1)}, this run has {mine}; resume with the same schedule",
                     EXIT_CONFIG,
                 )
         left = sum(s for item in cov["open"] for _, s in item["uncovered"])
         left += sum(schedule.epoch_len(e) for e in range(int(cov["next_epoch"]), total_epochs))
-        self.console.line(
-            f"resuming {self.config.resume_from}: {progress_text(int(meta['epoch']), total_epochs)}, global step {meta['global_step']}, "
+        self.ctx.console.line(
+            f"resuming {self.ctx.config.resume_from}: {progress_text(int(meta['epoch']), total_epochs)}, global step {meta['global_step']}, "
             f"{left:,} samples left to train ({meta['save_reason']})"
         )

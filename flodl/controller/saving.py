@@ -9,20 +9,14 @@ trajectory: coverage, ElChe state, steps) a run resumes from.
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
 
 from .. import __version__
 from ..checkpoint.meta import progress_text
-from ..config import DdpRunConfig
 from ..errors import EXIT_INTERRUPTED, EXIT_SAVED
-from ..monitor.hub import Monitor
-from ..plan.membership import Membership
 from ..wire import messages as m
 from ..wire.codec import Envelope
-from .checkpoints import Checkpointer
-from .console import Console
-from .phase import Phase, RunState
-from .plane import ControlPlane
+from .context import RunContext
+from .phase import Phase
 from .training import Training
 
 CHECKPOINT_WAIT_S = 120.0  # a rank writing a large model to slow storage
@@ -31,30 +25,9 @@ CHECKPOINT_WAIT_S = 120.0  # a rank writing a large model to slow storage
 class Saving:
     """Checkpoints and saves on the way out; owns which save a shutdown waits for."""
 
-    def __init__(
-        self,
-        config: DdpRunConfig,
-        *,
-        members: Membership,
-        run: RunState,
-        plane: ControlPlane,
-        training: Training,
-        checkpoints: Checkpointer,
-        console: Console,
-        monitor: Monitor,
-        clock: Callable[[], float],
-        run_id: str,
-    ) -> None:
-        self.config = config
-        self.members = members
-        self.run = run
-        self.plane = plane
+    def __init__(self, ctx: RunContext, *, training: Training) -> None:
+        self.ctx = ctx
         self.training = training
-        self.checkpoints = checkpoints
-        self.console = console
-        self.monitor = monitor
-        self.clock = clock
-        self.run_id = run_id
         self.shutdown_save: tuple[str, int, str] | None = None  # ShutdownWithSave: (stem, writer rank, file tag)
 
     def _trajectory(self) -> dict:
@@ -64,9 +37,9 @@ class Saving:
             "epoch": loop.lowest_open_epoch,
             "global_step": loop.global_step,
             "sync_round": loop.syncs,
-            "world_at_save": len(self.members.live_ranks()),
-            "mode": self.config.elche.mode.name,
-            "run_id": self.run_id,
+            "world_at_save": len(self.ctx.members.live_ranks()),
+            "mode": self.ctx.config.elche.mode.name,
+            "run_id": self.ctx.run_id,
             "flodl_version": __version__,
             "param_count": self.training.task.param_count,
             "elche_state": loop.elche.state_dict(),
@@ -74,54 +47,54 @@ class Saving:
         }
 
     def _remind_shared_storage(self) -> None:
-        self.checkpoints.remind_shared_storage({w.host for w in self.members.workers.values()})
+        self.ctx.checkpoints.remind_shared_storage({w.host for w in self.ctx.members.workers.values()})
 
     def checkpoint_now(self, reason: str, *, call_fn: bool, files: bool = True) -> int:
         """Ask the elected rank for a checkpoint; returns its version."""
         self._remind_shared_storage()
         rank = self.training.eval_rank()
         epoch = self.training.loop.lowest_open_epoch
-        msg = self.checkpoints.request(rank=rank, reason=reason, epoch=epoch, meta=self._trajectory(), call_fn=call_fn, files=files)
-        self.plane.send_rank(rank, msg)
+        msg = self.ctx.checkpoints.request(rank=rank, reason=reason, epoch=epoch, meta=self._trajectory(), call_fn=call_fn, files=files)
+        self.ctx.plane.send_rank(rank, msg)
         return msg.version
 
     async def checkpoint(self, reason: str, *, call_fn: bool, wait: bool = False) -> None:
         version = self.checkpoint_now(reason, call_fn=call_fn)
         if wait:
-            await self.run.until(lambda: not self.checkpoints.waiting(version), CHECKPOINT_WAIT_S, "the checkpoint to be written")
+            await self.ctx.run.until(lambda: not self.ctx.checkpoints.waiting(version), CHECKPOINT_WAIT_S, "the checkpoint to be written")
 
     def on_checkpoint_done(self, identity: bytes, env: Envelope, msg: m.CheckpointDone) -> None:
-        if self.checkpoints.on_done(msg):
-            last = self.checkpoints.written[-1]
+        if self.ctx.checkpoints.on_done(msg):
+            last = self.ctx.checkpoints.written[-1]
             where = progress_text(last["epoch"], self.training.total_epochs)
-            self.console.line(f"checkpoint ({last['reason']}): {where} -> {last['stem']}")
-            now = self.clock()
-            self.monitor.span(
+            self.ctx.console.line(f"checkpoint ({last['reason']}): {where} -> {last['stem']}")
+            now = self.ctx.clock()
+            self.ctx.monitor.span(
                 "checkpoint", start_s=now - msg.elapsed_ms / 1000.0, end_s=now, rank=msg.rank, args={"reason": last["reason"]}
             )
-            self.monitor.event(
+            self.ctx.monitor.event(
                 "checkpoint", f"checkpoint ({last['reason']}): {where}, written by rank {msg.rank}", rank=msg.rank, now_s=now
             )
-        self.run.changed()
+        self.ctx.run.changed()
 
     def save_and_stop(self, message: str, reason: str, code: int = EXIT_SAVED) -> None:
         """ShutdownWithSave: the run stops here; a survivor writes the bundle on its way out."""
         self._remind_shared_storage()
         rank = self.training.eval_rank()
-        tag = self.checkpoints.request_shutdown_save(rank=rank, reason=reason, meta=self._trajectory())
-        self.shutdown_save = (self.checkpoints.stem, rank, tag)
-        self.run.fail(message, code)
+        tag = self.ctx.checkpoints.request_shutdown_save(rank=rank, reason=reason, meta=self._trajectory())
+        self.shutdown_save = (self.ctx.checkpoints.stem, rank, tag)
+        self.ctx.run.fail(message, code)
 
     def on_signal(self, sig: int) -> None:
         """Ctrl-C / SIGTERM: stop, keeping the work where there is some; the message says which
         (an interrupt is the user's choice, told as information, not an error)."""
         message = f"interrupted by {signal.Signals(sig).name}"
-        if self.run.failure is not None:
+        if self.ctx.run.failure is not None:
             return  # already stopping: the first reason stands
-        if self.checkpoints.stem and self.run.phase is Phase.TRAINING and self.training.cadence is not None:
+        if self.ctx.checkpoints.stem and self.ctx.run.phase is Phase.TRAINING and self.training.cadence is not None:
             # Ctrl-C keeps the work: resume later
-            self.save_and_stop(f"{message}; saving the run to {self.checkpoints.stem}", "interrupted", EXIT_INTERRUPTED)
-        elif self.checkpoints.stem:
-            self.run.fail(f"{message} before training began; nothing was saved", EXIT_INTERRUPTED)
+            self.save_and_stop(f"{message}; saving the run to {self.ctx.checkpoints.stem}", "interrupted", EXIT_INTERRUPTED)
+        elif self.ctx.checkpoints.stem:
+            self.ctx.run.fail(f"{message} before training began; nothing was saved", EXIT_INTERRUPTED)
         else:
-            self.run.fail(f"{message}; nothing was saved (no --save-path)", EXIT_INTERRUPTED)
+            self.ctx.run.fail(f"{message}; nothing was saved (no --save-path)", EXIT_INTERRUPTED)

@@ -7,16 +7,12 @@ from __future__ import annotations
 
 import time
 
-from ..config import DdpRunConfig
 from ..plan.cadence import CadenceLoop
-from ..plan.membership import Membership, PeerState
+from ..plan.membership import PeerState
 from ..wire import messages as m
 from .admission import Admission
-from .checkpoints import Checkpointer
+from .context import RunContext
 from .liveness import Liveness
-from .phase import RunState
-from .plane import ControlPlane
-from .startup import Startup
 from .teardown import Teardown
 from .training import Training
 
@@ -37,23 +33,11 @@ def _coverage(info: m.RankHello | None, cadence: CadenceLoop | None) -> dict | N
 
 
 def summarize(
-    exit_reason: str,
-    exit_code: int,
-    *,
-    run_id: str,
-    config: DdpRunConfig,
-    run: RunState,
-    members: Membership,
-    plane: ControlPlane,
-    admission: Admission,
-    training: Training,
-    liveness: Liveness,
-    checkpoints: Checkpointer,
-    teardown: Teardown,
-    startup: Startup,
-    now: float,
+    exit_reason: str, exit_code: int, ctx: RunContext, *, admission: Admission, training: Training, liveness: Liveness, teardown: Teardown
 ) -> dict:
-    """One dict that says what the run did (``now``: the end, if the run has not marked one)."""
+    """One dict that says what the run did (now the end, if the run has not marked one)."""
+    run, members, plane, config = ctx.run, ctx.members, ctx.plane, ctx.config
+    now = ctx.clock()
     wall = max(0.0, (run.finished_at or now) - run.started_at)
     unix_now = time.time()  # the run's clock is monotonic: its marks in Unix time, for other processes' logs
     trained_from = unix_now - (now - run.started_at)
@@ -84,7 +68,7 @@ def summarize(
     train_wall = max(1e-9, wall - eval_s)
     cadence = training.cadence
     return {
-        "run_id": run_id,
+        "run_id": ctx.run_id,
         "mode": config.elche.mode.name,
         "world_size": members.world_size,
         "epochs": training.total_epochs,
@@ -93,8 +77,8 @@ def summarize(
         # the span wall_s measures, in Unix time (to line up with other processes' logs or metrics)
         "trained_unix": [trained_from, trained_from + wall],
         # from the process start (the CLI) or the controller's construction to the first batch trained
-        "startup_s": startup.startup_s,
-        "startup": startup.summary(),
+        "startup_s": ctx.startup.startup_s,
+        "startup": ctx.startup.summary(),
         "samples_per_s": samples / wall if wall > 0 else 0.0,
         # evals pause training on every rank; without them, what training alone sustained
         "eval_s": eval_s,
@@ -114,7 +98,7 @@ def summarize(
         "recoveries": liveness.recoveries,
         "restarts": liveness.restarts,
         "joins": admission.joins,
-        "checkpoints": checkpoints.written,
+        "checkpoints": ctx.checkpoints.written,
         "regranted_samples": cadence.regranted if cadence else 0,
         # a dead rank's last window whose average no survivor kept, found after its epoch had closed:
         # trained again (within regranted_samples), but that epoch's eval went without them

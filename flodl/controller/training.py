@@ -11,22 +11,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ..config import DdpRunConfig
-from ..monitor.hub import Monitor
 from ..plan.cadence import CadenceLoop
 from ..plan.dispatch import FLOW_MAX_EPOCHS, PROBE_BATCHES, PROBE_MIN_MS
-from ..plan.membership import Membership
 from ..plan.metrics import EpochStats
 from ..plan.schedule import Schedule
 from ..wire import messages as m
 from ..wire.codec import Envelope
-from .console import Console
+from .context import RunContext
 from .epoch_ends import EpochEnds
-from .launch import LaunchOptions
-from .phase import RunState
-from .plane import ControlPlane
 from .resend import WindowResender
-from .startup import Startup
 
 log = logging.getLogger("flodl.controller")
 
@@ -34,29 +27,9 @@ log = logging.getLogger("flodl.controller")
 class Training:
     """Windows, epochs and evals: recorded as reports arrive, printed in order."""
 
-    def __init__(
-        self,
-        launch: LaunchOptions,
-        config: DdpRunConfig,
-        *,
-        members: Membership,
-        run: RunState,
-        plane: ControlPlane,
-        console: Console,
-        startup: Startup,
-        monitor: Monitor,
-        clock: Callable[[], float],
-    ) -> None:
-        self.launch = launch
-        self.startup = startup
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
         self.trained = False  # a batch was reported: start-up is over
-        self.config = config
-        self.members = members
-        self.run = run
-        self.plane = plane
-        self.console = console
-        self.monitor = monitor
-        self.clock = clock
         self.info: m.RankHello | None = None  # the task (the first rank's hello), once training begins
         self.schedule: Schedule | None = None  # passes, epochs and picks, once the task's size is known
         self.cadence: CadenceLoop | None = None
@@ -76,13 +49,13 @@ class Training:
         self.data_stats: dict[int, dict[str, int]] = {}  # rank -> staging-tier totals (hits, fetches, bytes held)
         self._printed = 0  # epochs whose line is out
         # script mode: an epoch's row also waits for each script's end-of-epoch reports (epoch_ends.py)
-        self.epoch_ends = EpochEnds(config.scalar_reduction_map) if launch.script else None
+        self.epoch_ends = EpochEnds(ctx.config.scalar_reduction_map) if ctx.launch.script else None
         self._fastest: int | None = None  # the elected eval rank under the Fastest policy
 
     @property
     def total_epochs(self) -> int:
         """Epochs the run trains: ``--epochs`` passes, each sliced into ``epoch_splits`` epochs."""
-        return self.launch.epochs * self.config.epoch_splits
+        return self.ctx.launch.epochs * self.ctx.config.epoch_splits
 
     @property
     def task(self) -> m.RankHello:
@@ -111,7 +84,7 @@ class Training:
         batches per optimizer step (Sync averages at its multiples)."""
         info = self.task
         self.cadence = CadenceLoop(
-            self.config,
+            self.ctx.config,
             ranks,
             dataset_len=info.dataset_len,
             batch_size=info.batch_size,
@@ -135,8 +108,8 @@ class Training:
         epoch pay a whole average, the cost the auto-tune exists to avoid. Epochs that one
         average closes are one row with one eval (``finish_epoch``)."""
         every = [FLOW_MAX_EPOCHS]
-        if self.config.checkpoint_every:
-            every.append(self.config.checkpoint_every)
+        if self.ctx.config.checkpoint_every:
+            every.append(self.ctx.config.checkpoint_every)
         return min(every)
 
     def start_window(self, number: int, windows: dict[int, m.Window], *, first_in_flight: bool) -> None:
@@ -146,13 +119,13 @@ class Training:
         self._start_epoch_progress(loop.lowest_open_epoch)
         if first_in_flight:
             self.window_batches = {rank: 0 for rank in loop.ranks}
-        now = self.clock()
+        now = self.ctx.clock()
         for rank, window in windows.items():
-            info = self.members.ranks.get(rank)
+            info = self.ctx.members.ranks.get(rank)
             if info is not None:  # the rank runs its windows in the order sent (a reset may reorder them)
                 window.after, info.last_window = info.last_window, window.window
             self.resender.sent(rank, window, now)
-            self.plane.send_rank(rank, window)
+            self.ctx.plane.send_rank(rank, window)
 
     async def until_window(self, number: int, done: Callable[[], bool], what: str) -> None:
         """Wait for ``done`` while window ``number`` is out; meanwhile send it again to any rank whose
@@ -163,11 +136,11 @@ class Training:
             if done():
                 return True
             waiting = set(self.loop.waiting_on(number)) - set(self.window_reports.get(number, {}))
-            due[:] = self.resender.overdue(number, sorted(waiting), self.members.ranks, self.clock())
+            due[:] = self.resender.overdue(number, sorted(waiting), self.ctx.members.ranks, self.ctx.clock())
             return bool(due)
 
         while True:
-            await self.run.until(ready, None, what)
+            await self.ctx.run.until(ready, None, what)
             if not due:
                 return
             for rank, window in due:
@@ -176,14 +149,14 @@ class Training:
                     rank,
                     number,
                 )
-                self.monitor.event("resend", f"window {number} sent again to idle rank {rank}", now_s=self.clock())
-                self.plane.send_rank(rank, window)
+                self.ctx.monitor.event("resend", f"window {number} sent again to idle rank {rank}", now_s=self.ctx.clock())
+                self.ctx.plane.send_rank(rank, window)
             due.clear()
 
     async def end_when_timed(self, number: int) -> None:
         """Calibration window: end it once every rank has timed a few batches."""
         loop = self.loop
-        start = self.clock()
+        start = self.ctx.clock()
 
         def timed() -> bool:
             waiting = loop.waiting_on(number)
@@ -193,14 +166,14 @@ class Training:
             # once every rank has its batches timed, end the probe then, not at PROBE_MIN_MS
             dry = any(n >= loop.granted_batches(number, r) for r, n in counts.items())
             timed_all = min(counts.values(), default=PROBE_BATCHES) >= PROBE_BATCHES
-            return done or (timed_all and (dry or (self.clock() - start) * 1000 >= PROBE_MIN_MS))
+            return done or (timed_all and (dry or (self.ctx.clock() - start) * 1000 >= PROBE_MIN_MS))
 
         self._timing_window = True  # a flag, not loop.open_ended(): that walks every rank's plan, per frame
         try:
             await self.until_window(number, timed, f"calibration window {number}")
         finally:
             self._timing_window = False
-        self.plane.broadcast_ranks(m.EndWindow(window=number))
+        self.ctx.plane.broadcast_ranks(m.EndWindow(window=number))
 
     def reported(self, number: int) -> bool:
         """Every rank the loop waits on has reported window ``number``."""
@@ -234,11 +207,11 @@ class Training:
     @property
     def evals_on(self) -> bool:
         """The task has an eval function and ``eval_every_epochs`` is not 0 (False before training)."""
-        return self.info is not None and self.info.has_eval and self.config.evals_enabled
+        return self.info is not None and self.info.has_eval and self.ctx.config.evals_enabled
 
     def _eval_due(self, epoch: int) -> bool:
         """``eval_every_epochs``: every N epochs and always the last (unset: every epoch)."""
-        every = self.config.eval_every_epochs
+        every = self.ctx.config.eval_every_epochs
         return every is None or (epoch + 1) % every == 0 or epoch == self.total_epochs - 1
 
     def request_eval(self, epoch: int, window: int = -1) -> None:
@@ -248,7 +221,7 @@ class Training:
         rank = self.eval_rank()
         self.eval_requests[epoch] = rank
         final = epoch == self.total_epochs - 1
-        self.plane.send_rank(rank, m.RunEval(epoch=epoch, final=final, window=window))
+        self.ctx.plane.send_rank(rank, m.RunEval(epoch=epoch, final=final, window=window))
 
     def reask_evals_of(self, dead: set[int]) -> None:
         """Evals asked of ranks that died and never answered go to the next rank."""
@@ -262,7 +235,7 @@ class Training:
         Fastest is resolved once ElChe has timed the ranks and then sticks, so
         evals do not hop between ranks on timing noise (rank 0 until then).
         """
-        policy = self.config.epoch_callback_policy
+        policy = self.ctx.config.epoch_callback_policy
         live = self.ranks()
         if not policy.is_fastest and policy.rank in live:
             return policy.rank
@@ -280,7 +253,7 @@ class Training:
         """The ranks in the collective and the plans: live, and admitted. Once the loop
         plans, its ranks are exactly the admitted ones (a joiner enters them as it stops
         being one); before, the caller names the ``joiners`` to leave out."""
-        live = {r.rank for r in self.members.live_ranks()} - joiners
+        live = {r.rank for r in self.ctx.members.live_ranks()} - joiners
         if self.cadence is not None:
             live &= set(self.cadence.ranks)
         return sorted(live)
@@ -303,11 +276,11 @@ class Training:
                     return
                 stats.eval_value = result.value
                 if result.error:
-                    self.console.line(f"epoch {stats.epoch + 1}: eval failed on rank {result.rank}: {result.error}")
+                    self.ctx.console.line(f"epoch {stats.epoch + 1}: eval failed on rank {result.rank}: {result.error}")
             following = stats.epoch + 1
             next_len = self.schedule.epoch_len(following) if self.schedule is not None and following < self.total_epochs else 0
-            self.console.epoch(stats, self.total_epochs, metric, next_len=next_len if self.task.grain == "sample" else 0)
-            self.monitor.epoch_done(stats, alive=set(self.ranks()), now_s=self.clock())
+            self.ctx.console.epoch(stats, self.total_epochs, metric, next_len=next_len if self.task.grain == "sample" else 0)
+            self.ctx.monitor.epoch_done(stats, alive=set(self.ranks()), now_s=self.ctx.clock())
             self._printed += 1
 
     def description(self, run_id: str) -> dict:
@@ -315,14 +288,14 @@ class Training:
         info = self.task
         return {
             "run_id": run_id,
-            "mode": self.config.elche.mode.name,
-            "task": self.launch.label,
-            "world_size": self.members.world_size,
+            "mode": self.ctx.config.elche.mode.name,
+            "task": self.ctx.launch.label,
+            "world_size": self.ctx.members.world_size,
             "epochs": self.total_epochs,
             "dataset_len": info.dataset_len,
             "batch_size": info.batch_size,
             "eval_metric": info.eval_metric if self.evals_on else None,
-            "reports_per_epoch": self.config.reports_per_epoch,
+            "reports_per_epoch": self.ctx.config.reports_per_epoch,
         }
 
     # ============================================================ handlers
@@ -330,12 +303,12 @@ class Training:
     def on_batch_done(self, identity: bytes, env: Envelope, msg: m.TimingMsg) -> None:
         if not self.trained:
             self.trained = True
-            self.startup.first_batch()
+            self.ctx.startup.first_batch()
         batches = max(1, msg.batches)  # a report covers one or more steps (step_reports.py)
         if msg.rank in self.window_batches:
             self.window_batches[msg.rank] += batches
             if self._timing_window:
-                self.run.changed()  # the calibration window waits on these
+                self.ctx.run.changed()  # the calibration window waits on these
         self.rank_rates[msg.rank] = self.rank_rates.get(msg.rank, 0.0) + msg.samples
         if msg.epoch != self.current_epoch:
             return
@@ -343,14 +316,14 @@ class Training:
         # a moving average of the steps' losses, each step weighing 0.1 as when every step was a report
         keep = 0.9**batches
         self.epoch_loss = msg.loss if self.epoch_loss is None else keep * self.epoch_loss + (1.0 - keep) * msg.loss
-        if not self.console.due():
+        if not self.ctx.console.due():
             return  # the hot path: most frames only bump counters
         assert self.schedule is not None  # a frame of the current epoch: its window went out after begin
         # streamed shards: an epoch's samples are not known ahead (its length counts shards)
         total = self.schedule.epoch_len(msg.epoch) if self.task.grain == "sample" else 0
-        elapsed = max(1e-9, self.clock() - self.run.started_at)
+        elapsed = max(1e-9, self.ctx.clock() - self.ctx.run.started_at)
         done_total = sum(s.samples for s in self.history) + self.epoch_samples
-        self.console.progress(
+        self.ctx.console.progress(
             epoch=msg.epoch,
             epochs=self.total_epochs,
             done=self.epoch_samples,
@@ -362,8 +335,8 @@ class Training:
 
     def _rank_rates(self) -> dict[int, float]:
         """Samples per second of each rank since the last progress line."""
-        now = self.clock()
-        span = now - self._rates_at if self._rates_at else now - self.run.started_at
+        now = self.ctx.clock()
+        span = now - self._rates_at if self._rates_at else now - self.ctx.run.started_at
         rates = {r: n / span for r, n in sorted(self.rank_rates.items())} if span > 0 else {}
         self.rank_rates, self._rates_at = {}, now
         return rates
@@ -378,8 +351,8 @@ class Training:
             for key, value in msg.data.items():  # hits and fetches add up; bytes held are the latest
                 row[key] = int(value) if key.endswith("_bytes") else row.get(key, 0) + int(value)
         if self.cadence is not None:
-            self.monitor.window_done(msg, started_s=self.cadence.started.get(msg.window), arrived_s=self.clock())
-        self.run.changed()
+            self.ctx.monitor.window_done(msg, started_s=self.cadence.started.get(msg.window), arrived_s=self.ctx.clock())
+        self.ctx.run.changed()
 
     def on_epoch_end(self, identity: bytes, env: Envelope, msg: m.EpochEnd) -> None:
         """Script mode: a rank's script ended an epoch (its reports come with it)."""
@@ -393,8 +366,8 @@ class Training:
         self.evals[msg.epoch] = msg
         if self.cadence is not None:
             self.cadence.note_pause(msg.elapsed_ms)
-        now = self.clock()
-        self.monitor.span(
+        now = self.ctx.clock()
+        self.ctx.monitor.span(
             f"eval epoch {msg.epoch + 1}",
             start_s=now - msg.elapsed_ms / 1000.0,
             end_s=now,
@@ -402,4 +375,4 @@ class Training:
             args={"value": msg.value, "error": msg.error},
         )
         self.flush_epoch_lines()
-        self.run.changed()
+        self.ctx.run.changed()

@@ -6,23 +6,28 @@
  * slice, unpack, join); on the round trip each of them runs right after a wake-up, on cold caches,
  * where they cost several times what they cost in a loop. Here each direction is one call:
  *
- *   encode(writer, msg, table) -> a FrameWriter's frame of msg: its fields checked as the Python
- *       writer checks them, numbered next(writer._seq), packed (byte for byte what
+ *   Writer(mac, sender, run_id, seqs, table).encode(msg) -> a FrameWriter's frame of msg: its fields
+ *       checked as the Python writer checks them, numbered next(seqs), packed (byte for byte what
  *       msgpack.Packer(use_bin_type=True) writes) and signed; None when a field does not check (the
  *       Python path then raises the schema error), no number taken.
  *   seal(mac, kind, *values) -> the signed frame of values already checked (the generated _frame).
- *   take(reader, data, peer) -> a FrameReader's envelope of a sound frame: header, tag, body,
- *       envelope, field types, replay window, count, the reader's answer, message, in the Python
- *       reader's order; None for anything else, and the reader's Python path then takes it or names
- *       the drop. So this file only ever accepts a subset of what the Python codec accepts, with the
- *       same values, and never decides a drop.
+ *   Reader(mac, run_id, max_frame, windows, table).take(data, peer) -> a FrameReader's envelope of a
+ *       sound frame: header, tag, body, envelope, field types, replay window, count, the reader's
+ *       answer, message, in the Python reader's order; None for anything else, and the reader's
+ *       Python path then takes it or names the drop. So this file only ever accepts a subset of what
+ *       the Python codec accepts, with the same values, and never decides a drop.
  *   tag(mac, data) -> the 16-byte tag of data (tests).
  *   Mac(key): the BLAKE2b state after the key block (RFC 7693, section 3.3), computed once.
- *   Window(): codec.ReplayWindow's check as a plain bitmap (take checks it in place).
+ *   Window(): codec.ReplayWindow's check as a plain bitmap (a Reader checks it in place).
  *
- * The Python side (codec.py) builds the tables (a kind's class, field names, one letter a field for
- * the checks done here, the Python validator of any other field) and refuses a build whose bounds or
- * protocol version differ from its own.
+ * Nothing of the protocol is written here: codec.py hands it over at import (configure: the version,
+ * the magic, the bounds, the replay window, the Envelope class), and each FrameWriter and FrameReader
+ * hands its own state to its Writer and Reader when it is made (its keyed state, names, counter,
+ * windows, and the tables: a kind's class, field names, one letter a field for the checks done here,
+ * the Python validator of any other field). This file reads no attribute of theirs by name, so a
+ * protocol bump (a new version, new bounds, new messages) never edits it. What is its own is the frame's
+ * layout (a 10-byte header, a 16-byte BLAKE2b tag: configure refuses another) and ABI, the calling
+ * convention codec.py checks before anything else (raise it with any change to the calls below).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -30,17 +35,28 @@
 #include <string.h>
 #include <structmember.h>
 
+#define ABI 2 /* the calls between codec.py and this file (codec.py's _FRAMEC_ABI); never the protocol */
 #define TAG_LEN 16
 #define HEADER_LEN 10
-#define PROTOCOL_VERSION 13 /* codec.py checks it against messages.PROTOCOL_VERSION at import */
-#define MAX_NESTING 16      /* deeper bodies go to the Python path (the schema allows 8) */
-/* codec.py's MAX_STR, MAX_BIN, MAX_ARRAY, MAX_MAP (checked against them at import): a longer item goes to
-   the Python path, which drops it as its msgpack bounds say */
-#define MAX_STR 65536
-#define MAX_BIN (1 << 20)
-#define MAX_ARRAY 65536
-#define MAX_MAP 4096
-#define MAX_SENDER 256
+
+/* The protocol, as codec.py hands it over (configure): until then no frame is written or read here. */
+static struct {
+    int ready;
+    unsigned version;  /* messages.PROTOCOL_VERSION */
+    uint8_t magic[2];  /* codec.MAGIC */
+    /* codec.py's MAX_STR, MAX_BIN, MAX_ARRAY, MAX_MAP, MAX_SENDER: a longer item goes to the Python path,
+       which drops it as its msgpack bounds say */
+    Py_ssize_t max_str, max_bin, max_array, max_map, max_sender;
+    int max_nesting;        /* deeper bodies go to the Python path */
+    Py_ssize_t window_bits; /* codec.REPLAY_WINDOW: a Window made from now on */
+    PyObject *envelope;     /* codec.Envelope, the named tuple a Reader builds */
+} P;
+
+static int ready(void) {
+    if (P.ready) return 1;
+    PyErr_SetString(PyExc_RuntimeError, "flodl.wire._framec: configure() first (codec.py does, at import)");
+    return 0;
+}
 
 /* ------------------------------------------------------------------ BLAKE2b */
 
@@ -152,26 +168,25 @@ static PyTypeObject MacType = {
 
 /* ----------------------------------------------------------- replay window */
 
-#define WINDOW_BITS 1024 /* codec.py's REPLAY_WINDOW (checked at import) */
-#define WINDOW_WORDS (WINDOW_BITS / 64)
-
-/* codec.py's ReplayWindow as a plain bitmap: bit i of `seen` is number top - i. The Python class keeps its
-   bitmap lazily (a 1024-bit int shifted only when a frame comes out of order); here a shift is 16 words,
-   cheaper than the lazy bookkeeping, and a sender whose numbers skip (one counter for many peers, as
-   the controller's) costs no more than one in order. */
+/* codec.py's ReplayWindow as a plain bitmap of REPLAY_WINDOW bits (as configured when it was made): bit i
+   of `seen` is number top - i. The Python class keeps its bitmap lazily (a 1024-bit int shifted only when a
+   frame comes out of order); here a shift is 16 words, cheaper than the lazy bookkeeping, and a sender
+   whose numbers skip (one counter for many peers, as the controller's) costs no more than one in order. */
 typedef struct {
-    PyObject_HEAD unsigned long long top;
-    uint64_t seen[WINDOW_WORDS];
+    PyObject_VAR_HEAD unsigned long long top;
+    uint64_t seen[1]; /* Py_SIZE words */
 } WindowObject;
 
 /* 1: first time seen within the window (newest if seq > top before), 0: seen or too old */
 static int window_accept(WindowObject *w, uint64_t seq) {
+    const Py_ssize_t words_n = Py_SIZE(w);
+    const uint64_t window_bits = (uint64_t)words_n * 64;
     if (seq > w->top) {
         uint64_t shift = seq - w->top;
-        if (shift >= WINDOW_BITS) memset(w->seen, 0, sizeof w->seen);
+        if (shift >= window_bits) memset(w->seen, 0, (size_t)words_n * sizeof(uint64_t));
         else {
             int words = (int)(shift / 64), bits = (int)(shift % 64);
-            for (int i = WINDOW_WORDS - 1; i >= 0; i--) {
+            for (int i = (int)words_n - 1; i >= 0; i--) {
                 uint64_t hi = i - words >= 0 ? w->seen[i - words] : 0;
                 uint64_t lo = i - words - 1 >= 0 ? w->seen[i - words - 1] : 0;
                 w->seen[i] = bits ? (hi << bits) | (lo >> (64 - bits)) : hi;
@@ -182,9 +197,18 @@ static int window_accept(WindowObject *w, uint64_t seq) {
         return 1;
     }
     uint64_t offset = w->top - seq;
-    if (offset >= WINDOW_BITS || (w->seen[offset / 64] >> (offset % 64) & 1)) return 0;
+    if (offset >= window_bits || (w->seen[offset / 64] >> (offset % 64) & 1)) return 0;
     w->seen[offset / 64] |= (uint64_t)1 << (offset % 64);
     return 1;
+}
+
+static PyObject *Window_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) || (kwargs != NULL && PyDict_GET_SIZE(kwargs))) {
+        PyErr_SetString(PyExc_TypeError, "Window() takes no arguments");
+        return NULL;
+    }
+    if (!ready()) return NULL;
+    return type->tp_alloc(type, P.window_bits / 64); /* zeroed: top 0, nothing seen */
 }
 
 static PyObject *Window_accept(WindowObject *self, PyObject *arg) {
@@ -202,9 +226,10 @@ static PyMemberDef Window_members[] = {{"top", T_ULONGLONG, offsetof(WindowObjec
 static PyTypeObject WindowType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "flodl.wire._framec.Window",
     .tp_doc = "codec.ReplayWindow's check, compiled: accepts each sequence number of one sender at most once.",
-    .tp_basicsize = sizeof(WindowObject),
+    .tp_basicsize = offsetof(WindowObject, seen),
+    .tp_itemsize = sizeof(uint64_t),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = PyType_GenericNew,
+    .tp_new = Window_new,
     .tp_methods = Window_methods,
     .tp_members = Window_members,
 };
@@ -359,10 +384,10 @@ static PyObject *seal_values(MacObject *mac, long kind, PyObject *const *values,
         goto done;
     }
     uint8_t *h = o.buf;
-    h[0] = 0xf1;
-    h[1] = 0x0d;
-    h[2] = PROTOCOL_VERSION & 0xff;
-    h[3] = PROTOCOL_VERSION >> 8;
+    h[0] = P.magic[0];
+    h[1] = P.magic[1];
+    h[2] = (uint8_t)(P.version & 0xff);
+    h[3] = (uint8_t)(P.version >> 8);
     h[4] = (uint8_t)(kind & 0xff);
     h[5] = (uint8_t)(kind >> 8);
     for (int i = 0; i < 4; i++) h[6 + i] = (uint8_t)((uint64_t)body >> (8 * i));
@@ -392,6 +417,7 @@ static PyObject *f_seal(PyObject *module, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_TypeError, "seal(mac, kind, *values)");
         return NULL;
     }
+    if (!ready()) return NULL;
     long kind = kind_of(args[1]);
     if (kind < 0) return NULL;
     return seal_values((MacObject *)args[0], kind, args + 2, nargs - 2);
@@ -436,7 +462,7 @@ static Py_ssize_t read_length(Cursor *c, int width, uint64_t fixed, uint64_t per
 static PyObject *decode(Cursor *c, int depth);
 
 static PyObject *decode_array(Cursor *c, Py_ssize_t n, int depth) {
-    if (n < 0 || n > MAX_ARRAY || depth >= MAX_NESTING) return NULL;
+    if (n < 0 || n > P.max_array || depth >= P.max_nesting) return NULL;
     PyObject *list = PyList_New(n);
     if (list == NULL) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -451,7 +477,7 @@ static PyObject *decode_array(Cursor *c, Py_ssize_t n, int depth) {
 }
 
 static PyObject *decode_map(Cursor *c, Py_ssize_t n, int depth) {
-    if (n < 0 || n > MAX_MAP || depth >= MAX_NESTING) return NULL;
+    if (n < 0 || n > P.max_map || depth >= P.max_nesting) return NULL;
     PyObject *dict = PyDict_New();
     if (dict == NULL) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -475,7 +501,7 @@ static PyObject *decode_map(Cursor *c, Py_ssize_t n, int depth) {
 }
 
 static PyObject *decode_str(Cursor *c, Py_ssize_t n) {
-    if (n < 0 || n > MAX_STR || !has(c, (uint64_t)n)) return NULL;
+    if (n < 0 || n > P.max_str || !has(c, (uint64_t)n)) return NULL;
     PyObject *s = PyUnicode_DecodeUTF8((const char *)c->p, n, NULL);
     if (s == NULL) {
         PyErr_Clear(); /* invalid UTF-8: the Python path drops it as malformed */
@@ -541,7 +567,7 @@ static PyObject *decode(Cursor *c, int depth) {
     case 0xc5:
     case 0xc6: {
         Py_ssize_t n = read_length(c, 1 << (b - 0xc4), 0, 1);
-        if (n < 0 || n > MAX_BIN) return NULL;
+        if (n < 0 || n > P.max_bin) return NULL;
         PyObject *o = PyBytes_FromStringAndSize((const char *)c->p, n);
         if (o != NULL) c->p += n;
         return o;
@@ -596,7 +622,7 @@ static PyObject *checked_field(char code, PyObject *v, PyObject *validator) {
         if (!PyBool_Check(v)) return NULL;
         break;
     case 's':
-        if (!PyUnicode_CheckExact(v) || PyUnicode_GET_LENGTH(v) > MAX_STR) return NULL;
+        if (!PyUnicode_CheckExact(v) || PyUnicode_GET_LENGTH(v) > P.max_str) return NULL;
         break;
     case '*': {
         PyObject *checked = PyObject_CallOneArg(validator, v);
@@ -621,7 +647,7 @@ static int envelope_sound(PyObject *body, PyObject *run, const char *codes, Py_s
     }
     if (PyList_GET_SIZE(body) != 3 + ncodes) return 0;
     PyObject *sender = PyList_GET_ITEM(body, 0), *seq = PyList_GET_ITEM(body, 1), *frame_run = PyList_GET_ITEM(body, 2);
-    if (!PyUnicode_CheckExact(sender) || PyUnicode_GET_LENGTH(sender) < 1 || PyUnicode_GET_LENGTH(sender) > MAX_SENDER) return 0;
+    if (!PyUnicode_CheckExact(sender) || PyUnicode_GET_LENGTH(sender) < 1 || PyUnicode_GET_LENGTH(sender) > P.max_sender) return 0;
     /* a decoded int is within msgpack's range, [-2^63, 2^64-1]: only its sign is left to check */
     if (!PyLong_CheckExact(seq)) return 0;
     int overflow = 0;
@@ -640,20 +666,70 @@ static int envelope_sound(PyObject *body, PyObject *run, const char *codes, Py_s
 
 /* ---------------------------------------------------------------- encode */
 
-/* attribute names of FrameWriter and FrameReader (interned once), the empty tuple, 1 */
-static PyObject *S_sender, *S_seq, *S_mac, *S_cmac, *S_max_frame, *S_run_id, *S_native_table, *S_windows, *S_accepted, *S_admit, *EMPTY,
-    *ONE;
+static PyObject *EMPTY; /* the empty tuple: a message is made as object.__new__(cls) makes it */
 
-/* encode(writer, msg, table) -> the signed frame, numbered next(writer._seq); None: not a message this path
-   encodes (its class is not in `table`, or a field does not pass its check: the Python path raises the
-   schema error), and then no number is taken. `table` maps a class to (kind, codes, names, validators). */
-static PyObject *f_encode(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyDict_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "encode(writer, msg, table)");
+/* A FrameWriter's compiled half: its keyed state, names, counter and table, handed over when it is made. */
+typedef struct {
+    PyObject_HEAD PyObject *mac; /* a Mac */
+    PyObject *sender, *run_id;   /* str */
+    PyObject *seqs;              /* the writer's numbers (an iterator it shares with its Python path) */
+    PyObject *table;             /* class -> (kind, codes, names, validators) */
+} WriterObject;
+
+static int Writer_init(WriterObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"mac", "sender", "run_id", "seqs", "table", NULL};
+    PyObject *mac, *sender, *run_id, *seqs, *table;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!UUOO!:Writer", kwlist, &MacType, &mac, &sender, &run_id, &seqs, &PyDict_Type,
+                                     &table))
+        return -1;
+    if (!PyIter_Check(seqs)) {
+        PyErr_SetString(PyExc_TypeError, "Writer: seqs is an iterator of sequence numbers");
+        return -1;
+    }
+    Py_INCREF(mac);
+    Py_INCREF(sender);
+    Py_INCREF(run_id);
+    Py_INCREF(seqs);
+    Py_INCREF(table);
+    Py_XSETREF(self->mac, mac);
+    Py_XSETREF(self->sender, sender);
+    Py_XSETREF(self->run_id, run_id);
+    Py_XSETREF(self->seqs, seqs);
+    Py_XSETREF(self->table, table);
+    return 0;
+}
+
+static int Writer_traverse(WriterObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->seqs);
+    Py_VISIT(self->table);
+    return 0;
+}
+
+static int Writer_clear(WriterObject *self) {
+    Py_CLEAR(self->mac);
+    Py_CLEAR(self->sender);
+    Py_CLEAR(self->run_id);
+    Py_CLEAR(self->seqs);
+    Py_CLEAR(self->table);
+    return 0;
+}
+
+static void Writer_dealloc(WriterObject *self) {
+    PyObject_GC_UnTrack(self);
+    Writer_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* encode(msg) -> the signed frame, numbered next(seqs); None: not a message this path encodes (its class
+   is not in the table, or a field does not pass its check: the Python path raises the schema error), and
+   then no number is taken. */
+static PyObject *Writer_encode(WriterObject *self, PyObject *msg) {
+    if (self->table == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Writer: not initialised");
         return NULL;
     }
-    PyObject *writer = args[0], *msg = args[1];
-    PyObject *entry = PyDict_GetItemWithError(args[2], (PyObject *)Py_TYPE(msg)); /* borrowed */
+    if (!ready()) return NULL;
+    PyObject *entry = PyDict_GetItemWithError(self->table, (PyObject *)Py_TYPE(msg)); /* borrowed */
     if (entry == NULL) {
         if (PyErr_Occurred()) return NULL;
         Py_RETURN_NONE;
@@ -672,7 +748,7 @@ static PyObject *f_encode(PyObject *module, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_ValueError, "encode: one code a field, at most 64 fields");
         return NULL;
     }
-    PyObject *values[3 + 64] = {NULL}, *frame = NULL, *mac = NULL, *counter = NULL;
+    PyObject *values[3 + 64] = {NULL}, *frame = NULL;
     for (Py_ssize_t i = 0; i < fields; i++) {
         PyObject *v = PyObject_GetAttr(msg, PyTuple_GET_ITEM(names, i));
         if (v == NULL) goto done;
@@ -685,30 +761,38 @@ static PyObject *f_encode(PyObject *module, PyObject *const *args, Py_ssize_t na
             goto done;
         }
     }
-    values[0] = PyObject_GetAttr(writer, S_sender);
-    values[2] = values[0] ? PyObject_GetAttr(writer, S_run_id) : NULL;
-    mac = values[2] ? PyObject_GetAttr(writer, S_mac) : NULL;
-    counter = mac ? PyObject_GetAttr(writer, S_seq) : NULL;
-    if (counter == NULL) goto done;
-    if (!PyObject_TypeCheck(mac, &MacType)) {
-        PyErr_SetString(PyExc_TypeError, "encode: not a writer with a compiled codec");
-        goto done;
-    }
-    values[1] = PyIter_Next(counter); /* the number: taken only now, once the message is known good */
+    values[1] = PyIter_Next(self->seqs); /* the number: taken only now, once the message is known good */
     if (values[1] == NULL) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "encode: the writer's numbers ran out");
         goto done;
     }
-    frame = seal_values((MacObject *)mac, kind, values, 3 + fields);
+    values[0] = self->sender; /* borrowed: the writer holds them while it seals */
+    values[2] = self->run_id;
+    frame = seal_values((MacObject *)self->mac, kind, values, 3 + fields);
+    values[0] = values[2] = NULL;
 done:
     for (Py_ssize_t i = 0; i < 3 + fields; i++) Py_XDECREF(values[i]);
-    Py_XDECREF(mac);
-    Py_XDECREF(counter);
     return frame;
 }
 
-/* ------------------------------------------------------------------ take */
+static PyMethodDef Writer_methods[] = {
+    {"encode", (PyCFunction)Writer_encode, METH_O, "encode(msg) -> the signed frame, or None: the Python path's to write"},
+    {NULL, NULL, 0, NULL}};
 
+static PyTypeObject WriterType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "flodl.wire._framec.Writer",
+    .tp_doc = "Writer(mac, sender, run_id, seqs, table): a FrameWriter's compiled half.",
+    .tp_basicsize = sizeof(WriterObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Writer_init,
+    .tp_traverse = (traverseproc)Writer_traverse,
+    .tp_clear = (inquiry)Writer_clear,
+    .tp_dealloc = (destructor)Writer_dealloc,
+    .tp_methods = Writer_methods,
+};
+
+/* ------------------------------------------------------------------ take */
 
 /* The body [sender, seq, run, *values] of a frame of n bytes whose header is sound, if its tag, msgpack,
    envelope and fields are (each as checked_field makes it); NULL without an error set: not one this path
@@ -739,90 +823,118 @@ static PyObject *open_checked(PyObject *mac, const uint8_t *data, Py_ssize_t n, 
     return body;
 }
 
-/* reader.accepted += 1 */
-static int count_accepted(PyObject *reader) {
-    PyObject *count = PyObject_GetAttr(reader, S_accepted);
-    if (count == NULL) return -1;
-    PyObject *more = PyNumber_Add(count, ONE);
-    Py_DECREF(count);
-    if (more == NULL) return -1;
-    int rc = PyObject_SetAttr(reader, S_accepted, more);
-    Py_DECREF(more);
-    return rc;
+/* A FrameReader's compiled half: its keyed state, run, size limit, replay windows (the reader's own dict,
+   shared) and table, handed over when it is made; it counts the frames it accepts. */
+typedef struct {
+    PyObject_HEAD PyObject *mac; /* a Mac */
+    PyObject *run_id;            /* str */
+    Py_ssize_t max_frame;
+    PyObject *windows; /* sender -> Window, shared with the reader's Python path */
+    PyObject *table;   /* kind -> (class, codes, names, validators, answer): writable (FrameReader.answer) */
+    Py_ssize_t accepted;
+} ReaderObject;
+
+static int Reader_init(ReaderObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"mac", "run_id", "max_frame", "windows", "table", NULL};
+    PyObject *mac, *run_id, *windows, *table;
+    Py_ssize_t max_frame;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!UnO!O!:Reader", kwlist, &MacType, &mac, &run_id, &max_frame, &PyDict_Type, &windows,
+                                     &PyDict_Type, &table))
+        return -1;
+    Py_INCREF(mac);
+    Py_INCREF(run_id);
+    Py_INCREF(windows);
+    Py_INCREF(table);
+    Py_XSETREF(self->mac, mac);
+    Py_XSETREF(self->run_id, run_id);
+    Py_XSETREF(self->windows, windows);
+    Py_XSETREF(self->table, table);
+    self->max_frame = max_frame;
+    self->accepted = 0;
+    return 0;
 }
 
-/* The replay check: 1 newest, 0 not, -1 error (reader._admit's ProtocolError: replayed, reflected). A
-   sender's compiled window is checked here; its first frame (no window yet: reader._admit makes one, or
-   says it is our own frame reflected) and a Python window go through reader._admit. */
-static int admit(PyObject *reader, PyObject *sender, PyObject *seq) {
-    PyObject *windows = PyObject_GetAttr(reader, S_windows);
-    if (windows == NULL) return -1;
-    PyObject *window = PyDict_Check(windows) ? PyDict_GetItemWithError(windows, sender) : NULL; /* borrowed */
-    Py_DECREF(windows); /* the reader holds it, and the window */
-    if (window == NULL && PyErr_Occurred()) return -1;
-    if (window != NULL && Py_IS_TYPE(window, &WindowType)) {
-        unsigned long long number = PyLong_AsUnsignedLongLong(seq);
-        if (number == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-        WindowObject *w = (WindowObject *)window;
-        unsigned long long top = w->top;
-        if (window_accept(w, number)) return number > top;
-    }
-    PyObject *newest = PyObject_CallMethodObjArgs(reader, S_admit, sender, seq, NULL); /* raises ProtocolError("replayed") */
-    if (newest == NULL) return -1;
-    int rc = PyObject_IsTrue(newest);
-    Py_DECREF(newest);
-    return rc;
+static int Reader_traverse(ReaderObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->windows);
+    Py_VISIT(self->table); /* its answers may hold what holds the reader */
+    return 0;
 }
 
-/* take(reader, data, peer) -> the frame's Envelope, or None: not a frame this path takes (the reader's
-   Python path takes it or says why not). Everything FrameReader.read does for an accepted frame, in its
-   order: the header, the tag, the body, the envelope, every field's check, the replay check (which may
-   raise ProtocolError: replayed, reflected), the count, the reader's answer to the kind (if any), the
-   message and its envelope. Nothing is changed before the replay check, so None leaves the reader as it
-   was. `reader._native_table` maps a kind to (class, codes, field names, validators, answer, Envelope):
-   a validator per field whose code is '*' (None for the others), `answer(peer, *values)` or None, and
-   the Envelope class. */
-static PyObject *f_take(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "take(reader, data, peer)");
+static int Reader_clear(ReaderObject *self) {
+    Py_CLEAR(self->mac);
+    Py_CLEAR(self->run_id);
+    Py_CLEAR(self->windows);
+    Py_CLEAR(self->table);
+    return 0;
+}
+
+static void Reader_dealloc(ReaderObject *self) {
+    PyObject_GC_UnTrack(self);
+    Reader_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The replay check on the sender's compiled window: 1 newest, 0 not, -1 not here (no window yet, a
+   Python one, or a number seen or too old: the Python path makes the window, says it is our own frame
+   reflected, or names the replay; the window is left as it was), -2 an error. */
+static int admit(ReaderObject *self, PyObject *sender, PyObject *seq) {
+    PyObject *window = PyDict_GetItemWithError(self->windows, sender); /* borrowed */
+    if (window == NULL) return PyErr_Occurred() ? -2 : -1;
+    if (!Py_IS_TYPE(window, &WindowType)) return -1;
+    unsigned long long number = PyLong_AsUnsignedLongLong(seq);
+    if (number == (unsigned long long)-1 && PyErr_Occurred()) return -2;
+    WindowObject *w = (WindowObject *)window;
+    unsigned long long top = w->top;
+    if (!window_accept(w, number)) return -1;
+    return number > top;
+}
+
+/* take(data, peer) -> the frame's Envelope, or None: not a frame this path takes (the reader's Python path
+   takes it or says why not). Everything FrameReader.read does for an accepted frame, in its order: the
+   header, the tag, the body, the envelope, every field's check, the replay check, the count, the reader's
+   answer to the kind (if any), the message and its envelope. Nothing is changed before the replay check
+   passes, so None leaves the reader as it was. The table maps a kind to (class, codes, field names,
+   validators, answer): a validator per field whose code is '*' (None for the others), and
+   `answer(peer, *values)` or None. */
+static PyObject *Reader_take(ReaderObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "take(data, peer)");
         return NULL;
     }
-    if (!PyBytes_Check(args[1])) Py_RETURN_NONE; /* a view or a buffer of another kind: the Python path */
-    PyObject *reader = args[0], *peer = args[2];
-    const uint8_t *data = (const uint8_t *)PyBytes_AS_STRING(args[1]);
-    Py_ssize_t n = PyBytes_GET_SIZE(args[1]);
-    PyObject *mac = NULL, *limit = NULL, *run = NULL, *table = NULL, *body = NULL, *msg = NULL, *env = NULL;
-    mac = PyObject_GetAttr(reader, S_cmac);
-    limit = mac ? PyObject_GetAttr(reader, S_max_frame) : NULL;
-    run = limit ? PyObject_GetAttr(reader, S_run_id) : NULL;
-    table = run ? PyObject_GetAttr(reader, S_native_table) : NULL;
-    if (table == NULL) goto done;
-    if (!PyObject_TypeCheck(mac, &MacType) || !PyDict_Check(table) || !PyUnicode_Check(run)) {
-        PyErr_SetString(PyExc_TypeError, "take: not a reader with a compiled codec");
-        goto done;
+    if (self->table == NULL || !PyDict_Check(self->table)) {
+        PyErr_SetString(PyExc_TypeError, "take: a Reader's table maps a kind to its entry");
+        return NULL;
     }
-    Py_ssize_t max_frame = PyLong_AsSsize_t(limit);
-    if (max_frame == -1 && PyErr_Occurred()) goto done;
-    if (n < HEADER_LEN + TAG_LEN + 1 || n > max_frame || data[0] != 0xf1 || data[1] != 0x0d ||
-        (data[2] | (data[3] << 8)) != PROTOCOL_VERSION)
+    if (!ready()) return NULL;
+    if (!PyBytes_Check(args[0])) Py_RETURN_NONE; /* a view or a buffer of another kind: the Python path */
+    PyObject *peer = args[1], *run = self->run_id, *mac = self->mac, *spec = NULL;
+    const uint8_t *data = (const uint8_t *)PyBytes_AS_STRING(args[0]);
+    Py_ssize_t n = PyBytes_GET_SIZE(args[0]);
+    PyObject *body = NULL, *msg = NULL, *env = NULL;
+    /* held while the answer runs: it may give the reader another table (FrameReader.answer) */
+    Py_INCREF(run);
+    Py_INCREF(mac);
+    if (n < HEADER_LEN + TAG_LEN + 1 || n > self->max_frame || data[0] != P.magic[0] || data[1] != P.magic[1] ||
+        (unsigned)(data[2] | (data[3] << 8)) != P.version)
         goto not_here;
     uint64_t body_len = data[6] | ((uint64_t)data[7] << 8) | ((uint64_t)data[8] << 16) | ((uint64_t)data[9] << 24);
     if (body_len + HEADER_LEN + TAG_LEN != (uint64_t)n) goto not_here;
     PyObject *kind = PyLong_FromLong(data[4] | (data[5] << 8));
     if (kind == NULL) goto done;
-    PyObject *spec = PyDict_GetItemWithError(table, kind); /* borrowed */
+    spec = PyDict_GetItemWithError(self->table, kind);
     if (spec == NULL) {
         Py_DECREF(kind);
         if (PyErr_Occurred()) goto done;
         goto not_here;
     }
-    if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 6) {
+    Py_INCREF(spec);
+    if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 5) {
         Py_DECREF(kind);
-        PyErr_SetString(PyExc_TypeError, "take: a kind's entry is (class, codes, names, validators, answer, envelope)");
+        PyErr_SetString(PyExc_TypeError, "take: a kind's entry is (class, codes, names, validators, answer)");
         goto done;
     }
     PyObject *cls = PyTuple_GET_ITEM(spec, 0), *codes = PyTuple_GET_ITEM(spec, 1), *names = PyTuple_GET_ITEM(spec, 2);
-    PyObject *validators = PyTuple_GET_ITEM(spec, 3), *answer = PyTuple_GET_ITEM(spec, 4), *envelope = PyTuple_GET_ITEM(spec, 5);
+    PyObject *validators = PyTuple_GET_ITEM(spec, 3), *answer = PyTuple_GET_ITEM(spec, 4);
     Py_ssize_t fields = PyTuple_GET_SIZE(names);
     if (!PyTuple_Check(validators) || PyTuple_GET_SIZE(validators) != fields) {
         Py_DECREF(kind);
@@ -836,11 +948,13 @@ static PyObject *f_take(PyObject *module, PyObject *const *args, Py_ssize_t narg
         goto not_here;
     }
     PyObject *sender = PyList_GET_ITEM(body, 0), *seq = PyList_GET_ITEM(body, 1);
-    int newest = admit(reader, sender, seq);
-    if (newest < 0 || count_accepted(reader) < 0) {
+    int newest = admit(self, sender, seq);
+    if (newest < 0) {
         Py_DECREF(kind);
-        goto done;
+        if (newest == -2) goto done;
+        goto not_here;
     }
+    self->accepted++;
     if (answer != Py_None) { /* accepted: answered before any object is built (FrameReader.answer) */
         PyObject *call_args[1 + 64];
         if (fields > 64) {
@@ -867,12 +981,12 @@ static PyObject *f_take(PyObject *module, PyObject *const *args, Py_ssize_t narg
             Py_DECREF(kind);
             goto done;
         }
-    env = ((PyTypeObject *)envelope)->tp_alloc((PyTypeObject *)envelope, 7);
+    env = ((PyTypeObject *)P.envelope)->tp_alloc((PyTypeObject *)P.envelope, 7);
     if (env == NULL) {
         Py_DECREF(kind);
         goto done;
     }
-    PyObject *version = PyLong_FromLong(PROTOCOL_VERSION);
+    PyObject *version = PyLong_FromUnsignedLong(P.version);
     if (version == NULL) {
         Py_DECREF(kind);
         Py_CLEAR(env);
@@ -894,13 +1008,82 @@ not_here:
     env = Py_None;
     Py_INCREF(env);
 done:
-    Py_XDECREF(mac);
-    Py_XDECREF(limit);
-    Py_XDECREF(run);
-    Py_XDECREF(table);
+    Py_XDECREF(spec);
+    Py_DECREF(run);
+    Py_DECREF(mac);
     Py_XDECREF(body);
     Py_XDECREF(msg);
     return env;
+}
+
+static PyMethodDef Reader_methods[] = {
+    {"take", (PyCFunction)(void (*)(void))Reader_take, METH_FASTCALL, "take(data, peer) -> Envelope, or None: the Python path's to read"},
+    {NULL, NULL, 0, NULL}};
+
+static PyMemberDef Reader_members[] = {
+    {"accepted", T_PYSSIZET, offsetof(ReaderObject, accepted), READONLY, "frames this half accepted"},
+    {"table", T_OBJECT_EX, offsetof(ReaderObject, table), 0, "kind -> (class, codes, names, validators, answer)"},
+    {NULL, 0, 0, 0, NULL}};
+
+static PyTypeObject ReaderType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "flodl.wire._framec.Reader",
+    .tp_doc = "Reader(mac, run_id, max_frame, windows, table): a FrameReader's compiled half.",
+    .tp_basicsize = sizeof(ReaderObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Reader_init,
+    .tp_traverse = (traverseproc)Reader_traverse,
+    .tp_clear = (inquiry)Reader_clear,
+    .tp_dealloc = (destructor)Reader_dealloc,
+    .tp_methods = Reader_methods,
+    .tp_members = Reader_members,
+};
+
+/* ------------------------------------------------------------- configure */
+
+/* configure(*, version, magic, header_len, tag_len, max_str, max_bin, max_array, max_map, max_sender,
+   max_nesting, replay_window, envelope): the protocol, from codec.py at import. Checked whole before
+   any of it is taken: a layout this file does not write (header_len, tag_len) or a bound out of range
+   raises ValueError and leaves the previous protocol in place. */
+static PyObject *f_configure(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"version", "magic", "header_len", "tag_len", "max_str", "max_bin", "max_array", "max_map", "max_sender",
+                             "max_nesting", "replay_window", "envelope", NULL};
+    long version;
+    Py_buffer magic;
+    Py_ssize_t header_len, tag_len, max_str, max_bin, max_array, max_map, max_sender, max_nesting, window;
+    PyObject *envelope;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$ly*nnnnnnnnnO!:configure", kwlist, &version, &magic, &header_len, &tag_len, &max_str,
+                                     &max_bin, &max_array, &max_map, &max_sender, &max_nesting, &window, &PyType_Type, &envelope))
+        return NULL;
+    const char *bad = NULL;
+    if (header_len != HEADER_LEN || tag_len != TAG_LEN)
+        bad = "this build writes a 10-byte header (magic, version, kind, length) and a 16-byte BLAKE2b tag";
+    else if (magic.len != 2) bad = "magic: 2 bytes";
+    else if (version < 0 || version > 0xffff) bad = "version: 0 to 65535";
+    else if (max_str < 0 || max_bin < 0 || max_array < 0 || max_map < 0 || max_sender < 1) bad = "a bound is negative";
+    else if (max_nesting < 1 || max_nesting > 512) bad = "max_nesting: 1 to 512";
+    else if (window < 64 || window % 64 || window > (1 << 20)) bad = "replay_window: a multiple of 64 bits, at most 2^20";
+    else if (!PyType_IsSubtype((PyTypeObject *)envelope, &PyTuple_Type)) bad = "envelope: a named tuple of 7 fields";
+    if (bad != NULL) {
+        PyBuffer_Release(&magic);
+        PyErr_SetString(PyExc_ValueError, bad);
+        return NULL;
+    }
+    P.magic[0] = ((const uint8_t *)magic.buf)[0];
+    P.magic[1] = ((const uint8_t *)magic.buf)[1];
+    PyBuffer_Release(&magic);
+    P.version = (unsigned)version;
+    P.max_str = max_str;
+    P.max_bin = max_bin;
+    P.max_array = max_array;
+    P.max_map = max_map;
+    P.max_sender = max_sender;
+    P.max_nesting = (int)max_nesting;
+    P.window_bits = window;
+    Py_INCREF(envelope);
+    Py_XSETREF(P.envelope, envelope);
+    P.ready = 1;
+    Py_RETURN_NONE;
 }
 
 /* tag(mac, data) -> the 16-byte tag */
@@ -923,31 +1106,24 @@ static PyObject *f_tag(PyObject *module, PyObject *const *args, Py_ssize_t nargs
 }
 
 static PyMethodDef methods[] = {
+    {"configure", (PyCFunction)(void (*)(void))f_configure, METH_VARARGS | METH_KEYWORDS,
+     "configure(*, version, magic, header_len, tag_len, max_str, max_bin, max_array, max_map, max_sender, max_nesting, replay_window, "
+     "envelope): the protocol (codec.py, at import)"},
     {"seal", (PyCFunction)(void (*)(void))f_seal, METH_FASTCALL, "seal(mac, kind, *values) -> the signed frame"},
     {"tag", (PyCFunction)(void (*)(void))f_tag, METH_FASTCALL, "tag(mac, data) -> keyed BLAKE2b-128 of data"},
-    {"encode", (PyCFunction)(void (*)(void))f_encode, METH_FASTCALL, "encode(writer, msg, table) -> the signed frame, or None"},
-    {"take", (PyCFunction)(void (*)(void))f_take, METH_FASTCALL, "take(reader, data, peer) -> Envelope, or None"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "flodl.wire._framec",
                                         "The compiled half of flodl's frame codec (see codec.py).", -1, methods};
 
 PyMODINIT_FUNC PyInit__framec(void) {
-    if (PyType_Ready(&MacType) < 0 || PyType_Ready(&WindowType) < 0) return NULL;
-    if (!(S_cmac = PyUnicode_InternFromString("_cmac")) || !(S_max_frame = PyUnicode_InternFromString("max_frame")) ||
-        !(S_run_id = PyUnicode_InternFromString("run_id")) || !(S_native_table = PyUnicode_InternFromString("_native_table")) ||
-        !(S_windows = PyUnicode_InternFromString("_windows")) ||
-        !(S_accepted = PyUnicode_InternFromString("accepted")) || !(S_admit = PyUnicode_InternFromString("_admit")) ||
-        !(S_sender = PyUnicode_InternFromString("sender")) || !(S_seq = PyUnicode_InternFromString("_seq")) ||
-        !(S_mac = PyUnicode_InternFromString("_mac")) || !(EMPTY = PyTuple_New(0)) || !(ONE = PyLong_FromLong(1)))
+    if (PyType_Ready(&MacType) < 0 || PyType_Ready(&WindowType) < 0 || PyType_Ready(&WriterType) < 0 || PyType_Ready(&ReaderType) < 0)
         return NULL;
+    if (EMPTY == NULL && !(EMPTY = PyTuple_New(0))) return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL) return NULL;
-    if (PyModule_AddType(m, &MacType) < 0 || PyModule_AddType(m, &WindowType) < 0 ||
-        PyModule_AddIntConstant(m, "REPLAY_WINDOW", WINDOW_BITS) < 0 || PyModule_AddIntConstant(m, "PROTOCOL_VERSION", PROTOCOL_VERSION) < 0 ||
-        PyModule_AddIntConstant(m, "MAX_STR", MAX_STR) < 0 || PyModule_AddIntConstant(m, "MAX_BIN", MAX_BIN) < 0 ||
-        PyModule_AddIntConstant(m, "MAX_ARRAY", MAX_ARRAY) < 0 || PyModule_AddIntConstant(m, "MAX_MAP", MAX_MAP) < 0 ||
-        PyModule_AddIntConstant(m, "MAX_SENDER", MAX_SENDER) < 0) {
+    if (PyModule_AddType(m, &MacType) < 0 || PyModule_AddType(m, &WindowType) < 0 || PyModule_AddType(m, &WriterType) < 0 ||
+        PyModule_AddType(m, &ReaderType) < 0 || PyModule_AddIntConstant(m, "ABI", ABI) < 0) {
         Py_DECREF(m);
         return NULL;
     }

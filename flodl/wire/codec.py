@@ -206,24 +206,57 @@ class Envelope(NamedTuple):
     newest: bool = False  # by FrameReader: the highest seq ever accepted from this sender (a route may follow it)
 
 
-#: What the compiled codec is built with and must agree on (``_load_native``).
-_NATIVE_BOUNDS = ("PROTOCOL_VERSION", "MAX_STR", "MAX_BIN", "MAX_ARRAY", "MAX_MAP", "MAX_SENDER", "REPLAY_WINDOW")
+#: The calls between this module and ``_framec.c`` (its ``ABI``): raised with any change to them, never by a
+#: protocol bump, whose version, bounds and messages the compiled half is handed here (``_load_native``).
+_FRAMEC_ABI = 2
+#: How deep the compiled reader decodes a body (the body, a field, then the schema's ``MAX_DEPTH``, with room):
+#: anything deeper goes to the Python path, which drops what the schema does not allow.
+_NATIVE_NESTING = 2 * MAX_DEPTH
+
+
+def _protocol() -> dict[str, Any]:
+    """What ``_framec.configure`` is handed: the protocol as this module speaks it."""
+    return {
+        "version": PROTOCOL_VERSION,
+        "magic": MAGIC,
+        "header_len": HEADER.size,
+        "tag_len": TAG_LEN,
+        "max_str": MAX_STR,
+        "max_bin": MAX_BIN,
+        "max_array": MAX_ARRAY,
+        "max_map": MAX_MAP,
+        "max_sender": MAX_SENDER,
+        "max_nesting": _NATIVE_NESTING,
+        "replay_window": REPLAY_WINDOW,
+        "envelope": Envelope,
+    }
 
 
 def _load_native() -> Any:
-    """The compiled half of the codec (``_framec.c``), or None: not built (no C compiler where flodl was
-    installed), built for another protocol or bounds (a stale build: warned), or ``FLODL_PURE_CODEC=1``.
-    Both halves write and accept the same frames; the compiled one signs and opens a frame in one call
-    each, which is most of what a round trip costs in the codec."""
+    """The compiled half of the codec (``_framec.c``), configured with this protocol, or None: not built (no
+    C compiler where flodl was installed), built from other sources (its ``ABI``: a stale build, warned),
+    unable to serve this protocol (another frame layout: warned), or ``FLODL_PURE_CODEC=1``. Both halves
+    write and accept the same frames; the compiled one signs and opens a frame in one call each, which is
+    most of what a round trip costs in the codec."""
     if pure_codec_requested():
         return None
     try:
         from . import _framec  # type: ignore[attr-defined]
     except ImportError:
         return None
-    built = tuple(getattr(_framec, name, None) for name in _NATIVE_BOUNDS)
-    if built != tuple(globals()[name] for name in _NATIVE_BOUNDS):
-        log.warning("flodl.wire._framec was built for another protocol (%s); using the pure-Python codec: reinstall flodl", built)
+    abi = getattr(_framec, "ABI", None)
+    if abi != _FRAMEC_ABI:
+        log.warning(
+            "flodl.wire._framec was built from other sources (interface %s, this codec calls %s); using the pure-Python codec: "
+            "reinstall flodl",
+            abi,
+            _FRAMEC_ABI,
+        )
+        return None
+    try:
+        _framec.configure(**_protocol())
+    except (TypeError, ValueError) as exc:
+        log.warning("flodl.wire._framec cannot serve protocol %d (%s); using the pure-Python codec", PROTOCOL_VERSION, exc)
         return None
     return _framec
 
@@ -333,7 +366,7 @@ _REPLAY = """    window = reader._windows.get(sender)
     else:
         newest = reader._admit(sender, seq)
 """
-#: The same with the compiled codec's windows (their ``top`` is theirs to move): the frames ``_framec.take`` left.
+#: The same with the compiled codec's windows (their ``top`` is theirs to move): the frames ``_framec.Reader.take`` left.
 _REPLAY_NATIVE = """    newest = reader._admit(sender, seq)
 """
 
@@ -374,7 +407,7 @@ _TAKE_BODY = """    if end < _COPY_BELOW:  # a control frame: ``_verified_body``
 def _template(native: bool) -> str:
     """The source of a message's five functions (``_generate``); ``native``: ``_frame`` and ``_frame_of`` sign
     with the compiled codec (the reading functions are the Python path either way: the compiled one is
-    ``_framec.take``, before them)."""
+    ``_framec.Reader.take``, before them)."""
     sign = _SIGN_NATIVE if native else _SIGN
     replay = _REPLAY_NATIVE if native else _REPLAY
     return (
@@ -418,7 +451,7 @@ def _take(reader, data, end, peer, answer=None):
         + _BODY_CHECKS
         + _RUN_CHECK
         + replay
-        + """    reader.accepted += 1
+        + """    reader._accepted += 1
     if answer is not None:  # accepted: answered before any object is built (FrameReader.answer)
         answer(peer, {values})
 {build}
@@ -510,14 +543,13 @@ _SPEC_BY_CLASS: dict[type, _Spec] = {spec.cls: spec for spec in _SPECS.values()}
 _TAKES: dict[int, Callable[..., Envelope]] = {kind: spec.take for kind, spec in _SPECS.items()}
 _FRAMES: dict[type, Callable[..., bytes]] = {spec.cls: spec.frame for spec in _SPECS.values()}
 
-#: A field's check ``_framec.take`` does itself (its letter), by wire type; it calls the validator of any other.
+#: A field's check ``_framec.Reader.take`` does itself (its letter), by wire type; it calls the validator of any other.
 _NATIVE_CODES = {"int": "i", "float": "f", "bool": "b", "str": "s"}
 
 
 def _native_entry(spec: _Spec) -> tuple[Any, ...]:
-    """A kind's entry in a reader's ``_native_table`` (what ``_framec.take`` reads a frame of it with):
-    class, codes, field names, validators (None for a field of a code), answer (None: ``FrameReader.answer``
-    sets one), ``Envelope``."""
+    """A kind's entry in a ``_framec.Reader``'s table (what it reads a frame of it with): class, codes, field
+    names, validators (None for a field of a code), answer (None: ``FrameReader.answer`` sets one)."""
     fields = SCHEMA[spec.kind][2]
     return (
         spec.cls,
@@ -525,15 +557,13 @@ def _native_entry(spec: _Spec) -> tuple[Any, ...]:
         tuple(name for name, _ in fields),
         tuple(None if wire_type in _NATIVE_CODES else compile_type(wire_type) for _, wire_type in fields),
         None,
-        Envelope,
     )
 
 
-_NATIVE_TABLE: dict[int, tuple[Any, ...]] | None = (
-    {kind: _native_entry(spec) for kind, spec in _SPECS.items()} if _native is not None else None
-)
-#: Class -> (kind, codes, names, validators): what ``_framec.encode`` writes a message of it with (the readers' entries).
-_NATIVE_WRITES: dict[type, tuple[Any, ...]] = {entry[0]: (kind, *entry[1:4]) for kind, entry in (_NATIVE_TABLE or {}).items()}
+#: Kind -> its entry: every ``_framec.Reader``'s table (a reader's ``answer`` gives it a copy of its own).
+_NATIVE_TABLE: dict[int, tuple[Any, ...]] = {kind: _native_entry(spec) for kind, spec in _SPECS.items()} if _native is not None else {}
+#: Class -> (kind, codes, names, validators): what a ``_framec.Writer`` writes a message of it with (the readers' entries).
+_NATIVE_WRITES: dict[type, tuple[Any, ...]] = {entry[0]: (kind, *entry[1:4]) for kind, entry in _NATIVE_TABLE.items()}
 
 
 def message_types() -> dict[str, type]:
@@ -721,7 +751,7 @@ class ReplayWindow:
         return True
 
 
-#: A sender's replay window, as readers make them: compiled where the codec is (``_framec.take`` checks it in place).
+#: A sender's replay window, as readers make them: compiled where the codec is (``_framec.Reader.take`` checks it in place).
 _Window: Any = _native.Window if _native is not None else ReplayWindow
 
 
@@ -742,6 +772,8 @@ class FrameWriter:
         self.sender = sender
         self._seq = itertools.count(1)  # next() on a count is atomic under the GIL
         self._local = threading.local()  # a Packer per thread: a rank's training and link threads share a writer
+        # the compiled half, handed what it writes with (it numbers from the same count)
+        self._native = _native.Writer(self._mac, sender, run_id, self._seq, _NATIVE_WRITES) if _native is not None else None
 
     def encode(self, msg: Any) -> bytes:
         """Validate, number, pack and sign ``msg``.
@@ -749,8 +781,8 @@ class FrameWriter:
         Raises:
             ProtocolError: ``schema`` if ``msg`` does not validate against the schema (a local bug).
         """
-        if _native is not None:  # the compiled codec: checked, numbered, packed and signed in one call
-            signed: bytes | None = _native.encode(self, msg, _NATIVE_WRITES)
+        if self._native is not None:  # the compiled codec: checked, numbered, packed and signed in one call
+            signed: bytes | None = self._native.encode(msg)
             if signed is not None:
                 return signed
         seq = next(self._seq)  # here a field that does not check raises the schema error, or a class that is no message
@@ -812,18 +844,23 @@ class FrameReader:
     ) -> None:
         self.signer = Signer(secret)
         self._mac = self.signer._mac  # the keyed state ``_take`` copies per frame (the Python path)
-        self._cmac = self.signer._cmac  # the same for the compiled codec's ``take``, None without it
         self.run_id = run_id
         self.max_frame = max_frame
         self.name = name
         self.own = own
         self._own_sub = own + "/"  # own sub-names (controller/bulk) are own frames too
         self.drops: Counter[str] = Counter()
-        self.accepted = 0
+        self._accepted = 0  # by the Python path (``accepted``: with the compiled half's)
         self._windows: dict[str, Any] = {}  # sender -> its ``_Window`` (compiled, or ``ReplayWindow``)
         self.log = DropLog(clock=clock)
         self._takes = _TAKES  # kind -> its ``_take``; ``answer`` gives a reader a dict of its own
-        self._native_table = _NATIVE_TABLE  # the same for ``_framec.take`` (None: no compiled codec)
+        # the compiled half (None without it), handed what it reads with: it shares the windows
+        self._native = _native.Reader(self.signer._cmac, run_id, max_frame, self._windows, _NATIVE_TABLE) if _native is not None else None
+
+    @property
+    def accepted(self) -> int:
+        """Frames accepted, by either path."""
+        return self._accepted + (self._native.accepted if self._native is not None else 0)
 
     def answer(self, cls: type, answer: Callable[..., None]) -> None:
         """Call ``answer(peer, *field values)`` for every accepted frame of message ``cls``, as soon as it is
@@ -834,9 +871,9 @@ class FrameReader:
         spec = _SPEC_BY_CLASS[cls]
         take = spec.take
         self._takes = {**self._takes, spec.kind: lambda reader, data, end, peer: take(reader, data, end, peer, answer)}
-        if self._native_table is not None:
-            entry = self._native_table[spec.kind]
-            self._native_table = {**self._native_table, spec.kind: (*entry[:4], answer, *entry[5:])}
+        if self._native is not None:
+            entry = self._native.table[spec.kind]
+            self._native.table = {**self._native.table, spec.kind: (*entry[:4], answer)}
 
     def read(self, data: bytes, peer: str | bytes = "?") -> Envelope | None:
         """The envelope of an accepted frame, else None (the drop counted, perhaps logged).
@@ -846,8 +883,8 @@ class FrameReader:
         frames are never dropped, and naming costs on the ingest path).
         """
         try:
-            if self._native_table is not None:  # the compiled codec takes a sound frame whole, in one call
-                taken: Envelope | None = _native.take(self, data, peer)
+            if self._native is not None:  # the compiled codec takes a sound frame whole, in one call
+                taken: Envelope | None = self._native.take(data, peer)
                 if taken is not None:
                     return taken
             n = len(data)
@@ -864,7 +901,7 @@ class FrameReader:
             # have a sound header, a known kind and its header's length: it took the path above)
             env = unpack_frame(self.signer, data, run_id=self.run_id, max_frame=self.max_frame)
             env = env._replace(newest=self._admit(env.sender, env.seq))
-            self.accepted += 1
+            self._accepted += 1
             return env
         except ProtocolError as exc:
             self._drop(exc.reason, peer, exc.detail)

@@ -1,4 +1,4 @@
-"""Runs across network-namespace hosts (tests/netns.py): the launcher on them, and what must be gone after."""
+"""Runs across network-namespace hosts (tests/netns.py, bench/netns.py): the launcher on them, and what must be gone after."""
 
 from __future__ import annotations
 
