@@ -447,7 +447,7 @@ def test_a_death_past_max_failure_saves_and_the_resume_trains_exactly_the_rest(p
     # every sample of every epoch exactly once across the two runs: closed epochs of the
     # first, the covered part of its open epochs, and everything the resume trained
     assert closed_first + covered_open + sum(h["samples"] for h in second["history"]) == 30 * 2048
-    assert second["history"][0]["epoch"] == meta["epoch"]
+    assert second["history"][0]["first_epoch"] == meta["epoch"]
     assert second["final_eval"] > 0.8
 
 
