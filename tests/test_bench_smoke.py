@@ -224,3 +224,46 @@ def test_mixed_bench_smoke_fails_clearly_without_cuda(tmp_path, proc_env):
     )
     assert res.returncode != 0 and "needs a CUDA device" in res.stderr  # a smoke that cannot run fails, and says why
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.timeout(420)  # five real runs (about 2 minutes on the loaded 2-core VM, start-up mostly), every rank importing torch
+def test_time_to_target_quick_runs_and_ddp_reaches_its_own_target(tmp_path, proc_env):
+    """``python -m bench.matrix.target --quick`` into a temporary folder: the MLP's target from torchrun DDP at 1:1,
+    then four systems at 4:1, each stopped once it reached it."""
+    pytest.importorskip("sklearn", reason="the MLP trains on scikit-learn's digits")
+    committed = ROOT / "bench" / "results" / "time_to_target_quick.json"
+    before = committed.read_bytes() if committed.exists() else None
+    cmd = [sys.executable, "-m", "bench.matrix.target", "--quick", "--results", str(tmp_path)]
+    res = subprocess.run(cmd, env=proc_env, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = json.loads((tmp_path / "time_to_target_quick.json").read_text())
+    assert set(out) >= {"bench", "machine", "when", "rows"} and out["bench"] == "time_to_target_quick" and out["rows"]
+    for row in out["rows"]:
+        assert set(row) == FIELDS and isinstance(row["value"], int | float) and row["met"] in (True, False, None)
+    rows = {(r["case"], r["metric"]): r for r in out["rows"]}
+    for system in ("NcclCadence 4:1", "NcclCadence 4:1, script mode", "torchrun DDP 4:1", "torchrun post-local SGD 4:1"):
+        assert (f"mlp {system}", "train_s_to_target (median)") in rows, system
+    goal = rows[("mlp NcclCadence 4:1", "speedup_train_vs_ddp (median)")]
+    assert goal["goal"].startswith(">= 2x sooner than torchrun DDP at 4:1") and goal["met"] in (True, False)
+    runs = tmp_path / "time_to_target_quick"
+
+    def run(case: str) -> dict:
+        return json.loads((runs / f"mlp__{case}__seed0.json").read_text())
+
+    # DDP reaches its own target: at 1:1, and at 4:1 on the very same trajectory (pacing only sleeps), in the
+    # same epoch, where the script stopped itself
+    target, ddp = run("torchrun-ddp"), run("torchrun-ddp-4to1")
+    assert target["ttt"]["reach"]["reached"] and target["epochs_completed"] == 30
+    reach = ddp["ttt"]["reach"]
+    assert reach["reached"] and reach["epochs"] == target["ttt"]["reach"]["epochs"]
+    assert ddp["stopped_at_target"] and ddp["epochs_completed"] == reach["epochs"] < ddp["ttt"]["cap_epochs"]
+    assert 0 < reach["train_s"] < reach["command_s"] and all("closed_s" in h and "eval_s" in h for h in ddp["history"])
+    # flodl's rows say what each eval took (taken out of the training time); a run that reached was stopped before its cap
+    cadence = run("nccl-cadence-4to1")
+    assert all(h["eval_s"] > 0 for h in cadence["history"] if h["eval"] is not None)
+    script = run("script-nccl-cadence-4to1")
+    assert script["matrix"]["command"].endswith("--eval-every-epoch") and script["history"][0]["scalars"]["accuracy"] > 0
+    for r in (cadence, script):
+        if r["ttt"]["reach"]["reached"]:
+            assert r["matrix"]["stopped"] and r["epochs_completed"] < r["ttt"]["cap_epochs"]
+    assert (committed.read_bytes() if committed.exists() else None) == before  # the committed numbers are left alone

@@ -640,3 +640,179 @@ def test_amend_refuses_a_rerun_of_another_protocol_or_with_failures(tmp_path, ch
     assert json.loads((into / "logreg__solo__seed0.json").read_text())["matrix"]["from"] == "old"  # nothing moved
     with pytest.raises(SystemExit, match=r"no suite\.json"):
         amend.amend(tmp_path, into, code="x")
+
+
+# ------------------------------------------------------------------ time to target (bench/matrix/target.py)
+
+
+def test_a_goal_allows_half_a_point_and_five_percent_and_mirrors_for_lower_is_better():
+    from bench.matrix.reach import Goal
+
+    acc = Goal("accuracy", eval=0.90, loss=0.20)
+    assert acc.met(0.8951, 0.21) and acc.met(0.95, 0.10)
+    assert not acc.met(0.8949, 0.10)  # more than half a point below
+    assert not acc.met(0.95, 0.2101)  # more than 1.05 x the loss
+    assert not acc.met(None, 0.1) and not acc.met(float("nan"), 0.1)
+    ppl = Goal("val_perplexity", eval=3.0, loss=0.20)  # lower is better: the mirror
+    assert not ppl.higher_better and ppl.met(3.0049, 0.2) and not ppl.met(3.0051, 0.2) and ppl.met(1.0, 0.2)
+    assert Goal.of({"eval_metric_name": "char_accuracy", "final_eval": 0.5, "final_loss": 1.5}) == Goal("char_accuracy", 0.5, 1.5)
+    with pytest.raises(ValueError, match="final_eval"):
+        Goal.of({"final_eval": None, "final_loss": 1.0})
+
+
+def test_first_reach_reads_flodls_rows_their_last_epochs_loss_and_takes_the_evals_out():
+    from bench.matrix.reach import Goal, first_reach
+
+    goal = Goal("accuracy", eval=0.95, loss=0.10)
+    history = [  # flodl: rows tile the training time; each row's eval came after its close
+        {"first_epoch": 0, "epoch": 0, "wall_s": 1.0, "loss": 0.5, "eval": 0.80, "eval_s": 0.3, "epoch_losses": {"0": 0.5}},
+        # a group of 3 epochs: its mean loss misses, its last epoch's own (what the eval scored) meets it
+        {
+            "first_epoch": 1,
+            "epoch": 3,
+            "wall_s": 2.0,
+            "loss": 0.3,
+            "eval": 0.96,
+            "eval_s": 0.4,
+            "epoch_losses": {"1": 0.5, "2": 0.3, "3": 0.1},
+        },
+        {"first_epoch": 4, "epoch": 4, "wall_s": 1.0, "loss": 0.05, "eval": 0.99, "eval_s": 0.3, "epoch_losses": {"4": 0.05}},
+    ]
+    reach = first_reach({"history": history}, goal, startup_s=4.0)
+    assert reach.reached and reach.row == 1 and reach.epochs == 4
+    assert reach.train_s == pytest.approx(3.0 - 0.3)  # the closes add up; the first row's eval is taken out, not its own
+    assert reach.command_s == pytest.approx(4.0 + 2.7)
+    never = first_reach({"history": history}, Goal("accuracy", eval=0.999, loss=0.01), startup_s=None)
+    assert not never.reached and never.epochs == 5 and never.command_s is None
+    assert never.train_s == pytest.approx(4.0 - 0.3 - 0.4)  # the whole run, its evals out
+
+
+def test_first_reach_reads_the_ddp_scripts_rows_and_script_modes_scalars():
+    from bench.matrix.reach import Goal, first_reach
+
+    goal = Goal("accuracy", eval=0.90, loss=0.20)
+    ddp = [  # the DDP script says when each row closed (evals before it included) and what its eval took
+        {"epoch": 0, "wall_s": 1.0, "closed_s": 1.0, "loss": 0.4, "eval": 0.85, "eval_s": 0.5},
+        {"epoch": 1, "wall_s": 1.0, "closed_s": 2.5, "loss": 0.2, "eval": 0.91, "eval_s": 0.5},
+    ]
+    assert first_reach({"history": ddp}, goal, 1.0).train_s == pytest.approx(2.0)
+    script = [  # script mode: no controller eval; the ranks' metric and eval seconds (a per-epoch mean) as scalars
+        {"first_epoch": 0, "epoch": 1, "wall_s": 2.0, "loss": 0.3, "eval": None, "scalars": {"accuracy": 0.8, "eval_s": 0.25}},
+        {"first_epoch": 2, "epoch": 2, "wall_s": 1.0, "loss": 0.2, "eval": None, "scalars": {"accuracy": 0.9, "eval_s": 0.25}},
+    ]
+    reach = first_reach({"history": script}, goal, None)
+    assert reach.reached and reach.epochs == 3 and reach.train_s == pytest.approx(3.0 - 2 * 0.25)
+
+
+def test_the_record_watch_fires_on_the_first_completed_row_that_meets_the_goal(tmp_path):
+    """Real records, as flodl's controller writes them (flodl.monitor), read while they are being written."""
+    from bench.matrix.reach import Goal, RecordWatch
+    from flodl.monitor.record_log import RecordLog
+    from flodl.monitor.records import epoch_records, meta_record, node_record, rank_paths
+    from flodl.plan.metrics import EpochReport, aggregate
+
+    paths = rank_paths({0: "h", 1: "h"})
+    watch = RecordWatch(tmp_path, Goal("accuracy", eval=0.9, loss=0.2))
+    assert not watch()  # no log yet
+
+    def epoch(log, e: int, loss: float, ev: float) -> None:
+        reports = [EpochReport(r, e, 10, 320, 10 * loss, 100.0, 80.0, 1.0, 5.0, 1, {}) for r in (0, 1)]
+        stats = aggregate(e, reports)
+        stats.eval_value = ev
+        log.write_all(epoch_records(stats, paths, {}, ts_ms=1000 + e))
+
+    with RecordLog(tmp_path) as log:
+        log.write(meta_record({}, ts_ms=1000, run={"run_id": "t"}))
+        epoch(log, 0, 0.5, 0.95)  # eval met, loss not
+        # a sub-epoch tick that would meet it: not a completed row
+        log.write(node_record("root", metrics={"loss": 0.01, "eval": 0.99}, work=1, alive=True, ts_ms=1001, tick=1, epoch=1))
+        assert not watch()
+        epoch(log, 1, 0.21, 0.89)  # loss within 1.05 x, eval more than half a point below
+        assert not watch()
+        with open(tmp_path / "root.log", "ab") as fh:  # a line still being written waits for the next call
+            fh.write(b'{"kind": "node", "epoch_complete": true, "epoch": 2, "metrics": {"loss": 0.1, ')
+        assert not watch()
+        with open(tmp_path / "root.log", "ab") as fh:
+            fh.write(b'"eval": 0.95}}\n')
+        assert watch() and watch.fired["epoch"] == 2
+        epoch(log, 3, 0.05, 0.99)
+        assert watch() and watch.fired["epoch"] == 2  # it stays on the first
+
+
+def _ttt_run(case: str, seed: int, reached: bool, train_s: float, epochs: int = 10) -> dict:
+    reach = {"reached": reached, "epochs": epochs, "train_s": train_s, "command_s": train_s + 5.0, "row": 0}
+    goal = {"metric": "accuracy", "eval": 0.9, "loss": 0.2}
+    return {"wall_s": train_s, "matrix": {"model": "mlp", "case": case, "seed": seed, "epochs": 30}, "ttt": {"goal": goal, "reach": reach}}
+
+
+def test_time_to_target_rows_pair_the_seeds_and_rank_a_seed_that_never_reached_last(tmp_path):
+    from bench.matrix import target
+
+    runs = {
+        "mlp": {
+            "torchrun-ddp": [
+                _ttt_run("torchrun-ddp", k, True, 5.0) | {"ttt": _ttt_run("", k, True, 5.0)["ttt"] | {"plateau_loss_drop": 0.02}}
+                for k in range(3)
+            ],
+            "torchrun-ddp-4to1": [_ttt_run("torchrun-ddp-4to1", k, True, t) for k, t in enumerate((20.0, 24.0, 30.0))],
+            "torchrun-postlocal-4to1": [_ttt_run("torchrun-postlocal-4to1", k, True, 15.0) for k in range(3)],
+            # seed 2 never reached within the cap: 12 s is a lower bound
+            "nccl-cadence-4to1": [
+                _ttt_run("nccl-cadence-4to1", k, r, t) for k, (r, t) in enumerate(((True, 5.0), (True, 8.0), (False, 12.0)))
+            ],
+            "cpu-async-4to1": [{"matrix": {"model": "mlp", "case": "cpu-async-4to1", "seed": 0, "error": "exit 3; boom"}}],
+        }
+    }
+    rows = {(r.case, r.metric): r for r in target.rows(runs)}
+    cad = "mlp NcclCadence 4:1"
+    assert rows[(cad, "seeds reached")].value == 2
+    # the median time is seed 1's (8 s); the slowest is the seed that never reached, marked as such
+    assert rows[(cad, "train_s_to_target (median)")].value == 8.0 and rows[(cad, "train_s_to_target (median)")].unit == "s"
+    assert rows[(cad, "train_s_to_target (max)")].value == 12.0 and "not reached" in rows[(cad, "train_s_to_target (max)")].unit
+    # speed-ups paired by seed: 20/5 = 4, 24/8 = 3, and seed 2's 30/12 = 2.5 an upper bound, ranked lowest
+    speed = rows[(cad, "speedup_train_vs_ddp (median)")]
+    assert speed.value == 3.0 and speed.met is True and speed.goal.startswith(">= 2x sooner than torchrun DDP at 4:1")
+    assert rows[(cad, "speedup_train_vs_ddp (min)")].value == 2.5 and "upper bound" in rows[(cad, "speedup_train_vs_ddp (min)")].unit
+    assert rows[(cad, "speedup_train_vs_postlocal (median)")].value == pytest.approx(15.0 / 8.0)
+    assert rows[(cad, "speedup_train_vs_postlocal (median)")].met is True  # >= 1.5x
+    assert rows[("all models NcclCadence 4:1", "speedup_train_vs_ddp (median over models)")].met is True  # 3 >= 2.5
+    assert rows[("mlp CpuAsync 4:1", "failed runs")].met is False
+    assert rows[("mlp target", "target eval (median)")].value == 0.9
+    # torchrun's own cells carry no goal; post-local is compared with DDP, not with itself
+    assert rows[("mlp torchrun post-local SGD 4:1", "speedup_train_vs_ddp (median)")].goal is None
+    assert ("mlp torchrun post-local SGD 4:1", "speedup_train_vs_postlocal (median)") not in rows
+    table = target.table(runs)
+    assert "| mlp | NcclCadence 4:1 | 2/3 | 8.0 (5.0–>12.0) |" in table and "3.00× (<2.50×–4.00×)" in table
+    assert "failed: exit 3; boom" in table
+
+
+def test_time_to_target_systems_and_plans():
+    from bench.matrix import SCRIPT_4TO1, SYSTEMS, system_case, target
+
+    assert SCRIPT_4TO1.id == f"script-nccl-cadence-{RATIO}to1" and SCRIPT_4TO1.script and SCRIPT_4TO1.label.endswith("script mode")
+    assert system_case("torchrun-postlocal", 8).id == "torchrun-postlocal-8to1" and system_case("cpu-async", 8).ratio == 8
+    with pytest.raises(ValueError, match="unknown system 'gloo'"):
+        system_case("gloo", 4)
+    assert set(target.FULL_SYSTEMS) <= set(SYSTEMS) and set(target.QUICK_SYSTEMS) <= set(target.FULL_SYSTEMS)
+    assert set(target.PLATEAU["full"]) == set(tasks.SPECS)  # every matrix model has a plateau budget
+    for model, plateau in target.PLATEAU["full"].items():  # at least the matrix's equal-epoch budget, at the matrix's samples
+        assert plateau.budget.samples == PLANS["full"][model][0].samples and plateau.budget.epochs >= PLANS["full"][model][0].epochs
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--models", "vgg"], "--models: unknown model"),
+        (["--systems", "horovod"], "--systems: unknown system"),
+        (["--ratios", "1"], "--ratios: each must be at least 2"),
+        (["--ratios", "four"], "--ratios must be whole numbers"),
+        (["--seeds", "0"], "--seeds must be at least 1"),
+    ],
+)
+def test_time_to_target_refuses_bad_arguments_by_name(argv, says, capsys, tmp_path):
+    from bench.matrix import target
+
+    with pytest.raises(SystemExit):
+        target.main([*argv, "--results", str(tmp_path)])
+    assert says in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing ran, nothing written

@@ -109,6 +109,24 @@ def _torchrun(algo: str, ratio: int = 1) -> Case:
     return Case(f"torchrun-{algo}{suffix}", _LABELS[algo] + (f" {ratio}:1" if ratio > 1 else ""), "torchrun", algo, ratio=ratio)
 
 
+def system_case(system: str, ratio: int = 1) -> Case:
+    """The case of one system with rank 1 ``ratio`` times slower: a flodl mode (``nccl-cadence``, ...),
+    ``script-<mode>`` (that mode in script mode: ``bench/matrix/script.py``), ``torchrun-ddp`` or
+    ``torchrun-postlocal``. ValueError names the systems there are."""
+    if system.startswith("torchrun-") and system[len("torchrun-") :] in ("ddp", "postlocal"):
+        return _torchrun(system[len("torchrun-") :], ratio)
+    mode = system[len("script-") :] if system.startswith("script-") else system
+    if mode not in FLODL_MODES:
+        raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
+    if mode == system:
+        return _flodl(mode, ratio)
+    base = _flodl(mode, ratio)
+    return Case(f"script-{base.id}", f"{base.label}, script mode", "flodl", mode, ratio=ratio, script=True)
+
+
+#: what system_case takes (script mode: any flodl mode after ``script-``)
+SYSTEMS = (*FLODL_MODES, *(f"script-{m}" for m in FLODL_MODES), "torchrun-ddp", "torchrun-postlocal")
+
 SOLO = Case("solo", "solo (1 rank)", "flodl", "nccl-cadence", nproc=1)  # the default mode: the best flodl solo is the ideal
 EQUAL = (SOLO, *(_flodl(m) for m in FLODL_MODES), _torchrun("ddp"), _torchrun("postlocal"))
 #: the ideal of the 4:1 cases in their own run conditions: two solo runs started together, one of
@@ -118,9 +136,7 @@ SIDE_BY_SIDE = Case(
     f"side-by-side-{RATIO}to1", f"2 solo runs side by side {RATIO}:1 (ideal)", "side-by-side", "nccl-cadence", nproc=1, ratio=RATIO
 )
 #: the default mode in script mode (issue 18): the same training in the user's own loop
-SCRIPT_4TO1 = Case(
-    f"script-nccl-cadence-{RATIO}to1", f"NcclCadence {RATIO}:1, script mode", "flodl", "nccl-cadence", ratio=RATIO, script=True
-)
+SCRIPT_4TO1 = system_case("script-nccl-cadence", RATIO)
 UNEQUAL = (
     SIDE_BY_SIDE,
     *(_flodl(m, RATIO) for m in ("nccl-cadence", "nccl-async", "cpu-cadence", "cpu-async")),

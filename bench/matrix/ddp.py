@@ -67,7 +67,16 @@ Rank 0 writes a summary shaped like flodl's (``mode``, ``wall_s``, ``eval_s``,
 ``per_rank`` with each rank's ``step_ms``, ``history``) plus ``curve``:
 [seconds, mean loss] points, ``measured_ratio`` (the slowed rank's mean step
 time over the fastest other rank's; None with no slowdown) and ``config``
-(``lr_scaling``, ``lr``, ``lr_ddp``: the LR of the all-reduce steps).
+(``lr_scaling``, ``lr``, ``lr_ddp``: the LR of the all-reduce steps). Each
+history row also holds ``closed_s`` (seconds from the start to the end of the
+epoch's training, the evals before it included) and ``eval_s`` (its eval's);
+``start_unix`` is the start in Unix time (the suite's launch to it: start-up).
+
+``--target-eval E --target-loss L`` (the time-to-target bench,
+``bench/matrix/target.py``): stop after the first epoch whose eval and mean
+training loss meet them (``bench.matrix.reach.Goal``: eval within 0.005, loss
+within 1.05 x); the summary then says ``stopped_at_target`` and its
+``epochs_completed``.
 """
 
 # no ``from __future__ import annotations``: DDP checks at run time that a comm
@@ -88,6 +97,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.matrix import tasks
+from bench.matrix.reach import Goal
 from flodl.config.env import live_base_ms, paced_step, pacing_late_ms, parse_base_ms, parse_slowdown
 from flodl.testing.pace_board import PaceBoard
 
@@ -167,8 +177,12 @@ def main() -> None:
         "--warmup", type=int, default=None, help="post-local SGD: DDP steps before local SGD (default: 10%% of an epoch's steps)"
     )
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank")
+    ap.add_argument("--target-eval", type=float, default=None, help="stop after the first epoch that meets this eval and --target-loss")
+    ap.add_argument("--target-loss", type=float, default=None, help="stop after the first epoch that meets this loss and --target-eval")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if (args.target_eval is None) != (args.target_loss is None):
+        ap.error("--target-eval and --target-loss go together (the time-to-target bench passes both)")
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -178,6 +192,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
     spec = tasks.SPECS[args.model]
+    goal = None if args.target_eval is None else Goal(spec.metric, args.target_eval, args.target_loss)
     seed = tasks.run_seed() if args.seed is None else args.seed
     slow = parse_slowdown(args.slowdown, rank, "--slowdown")
     base_ms = parse_base_ms(args.base_ms, rank, "--base-ms")
@@ -213,6 +228,8 @@ def main() -> None:
 
     dist.barrier()
     start = time.perf_counter()
+    start_unix = time.time()  # the suite's launch to here: this run's start-up
+    stopped = False
     eval_s, history, curve, evals = 0.0, [], [], []
     compute_total = sync_total = 0.0
     batches = samples = averages = 0
@@ -293,8 +310,12 @@ def main() -> None:
         t_eval = time.perf_counter()
         if rank == 0:
             value = tasks.evaluate(spec, model, device)
-        dist.barrier()
-        eval_s += time.perf_counter() - t_eval
+        # rank 0 says whether this epoch met the goal (a barrier too: the others wait for its eval)
+        verdict = [goal is not None and rank == 0 and goal.met(value, totals[0].item() / totals[1].item())]
+        dist.broadcast_object_list(verdict, src=0)
+        stopped = bool(verdict[0])
+        this_eval_s = time.perf_counter() - t_eval
+        eval_s += this_eval_s
         per = [None] * world
         dist.all_gather_object(
             per,
@@ -307,10 +328,14 @@ def main() -> None:
                 "eval": value,
                 "samples": int(totals[1].item()),
                 "wall_s": t_train_end - e_start,
+                "closed_s": t_train_end - start,  # since the start, the evals before it included
+                "eval_s": this_eval_s,
                 "per_rank": {str(r): p for r, p in enumerate(per)},
             }
         )
         evals.append(value)
+        if stopped:
+            break
     wall = time.perf_counter() - start
     curves = [None] * world
     dist.all_gather_object(curves, curve)
@@ -337,7 +362,9 @@ def main() -> None:
             "mode": "TorchrunDDP" if args.algo == "ddp" else "TorchrunPostLocalSGD",
             "world_size": world,
             "epochs": args.epochs,
-            "epochs_completed": args.epochs,
+            "epochs_completed": len(history),
+            "start_unix": start_unix,
+            "stopped_at_target": stopped,
             "wall_s": wall,
             "samples_per_s": total / wall,
             "eval_s": eval_s,

@@ -77,6 +77,7 @@ import math
 import os
 import platform
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -88,8 +89,10 @@ from bench import pace_probe
 from bench.common import RunFailed, controller_command, machine, output_tail, report
 from bench.matrix import CASES, MODEL_ORDER, PLANS, ROOT, SIDE_BY_SIDE, TARGETS, Budget, Case, Target
 from bench.matrix import report as matrix_report
+from bench.matrix.reach import Goal, RecordWatch
 from bench.matrix.tasks import SAMPLES_ENV, SEED_ENV, SPECS
 from flodl.config.env import SIMULATE_BASE_MS, SIMULATE_PACE_FILE, SIMULATE_SLOWDOWN
+from flodl.errors import EXIT_INTERRUPTED
 
 DDP_SCRIPT = ROOT / "bench" / "matrix" / "ddp.py"
 SCRIPT = ROOT / "bench" / "matrix" / "script.py"  # the script-mode cases' training loop
@@ -104,6 +107,10 @@ class Setup:
     base_ms: float | None = None  # the 4:1 cases' base step time (None: the old, overshooting rule)
     lr_scaling: str = "linear"  # torchrun's LR rule
     live_pace: bool = False  # --live-pace: the 4:1 cases' base follows the fast rank's step as it runs
+    # time to target (bench/matrix/target.py): stop the run once a row meets this goal (flodl: SIGINT
+    # when its root record log says so; the DDP script: --target-eval/--target-loss)
+    stop_at: Goal | None = None
+    score_epochs: bool = False  # script mode scores every epoch (--eval-every-epoch), not the last only
 
 
 def _env(samples: int, seed: int = 0) -> dict[str, str]:
@@ -139,29 +146,50 @@ def _children_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def timed_run(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -> tuple[float, float | None]:
+def timed_run(
+    cmd: list[str], env: dict[str, str], log: Path, timeout: float, stop: RecordWatch | None = None
+) -> tuple[float, float | None]:
     """Run one command; returns its wall time and the share of the machine's CPU that
-    other processes (not this command's tree) used meanwhile (None where /proc/stat is missing)."""
-    return timed_runs([(cmd, env, log)], timeout)
+    other processes (not this command's tree) used meanwhile (None where /proc/stat is missing).
+    ``stop``: polled while it runs; once it says True the command gets SIGINT (``timed_runs``)."""
+    return timed_runs([(cmd, env, log)], timeout, stop)
 
 
-def timed_runs(runs: list[tuple[list[str], dict[str, str], Path]], timeout: float) -> tuple[float, float | None]:
+#: how often a stop condition is polled (a row of the smallest models takes about 20 ms; a poll reads a few lines)
+STOP_POLL_S = 0.2
+
+
+def timed_runs(
+    runs: list[tuple[list[str], dict[str, str], Path]], timeout: float, stop: RecordWatch | None = None
+) -> tuple[float, float | None]:
     """Start every ``(command, environment, log)`` together and wait for all of them: their wall
     time (until the last exits) and the share of the machine's CPU that other processes used
-    meanwhile. Any that fails, or outlives ``timeout``, fails the whole (the rest are killed)."""
+    meanwhile. Any that fails, or outlives ``timeout``, fails the whole (the rest are killed).
+    ``stop``: polled every ``STOP_POLL_S`` while they run; once it says True the first command
+    gets SIGINT (flodl's controller then stops its ranks and writes its summary, exit status
+    130), which is then no failure."""
     busy0, ours0 = _cpu_busy_s(), _children_cpu_s()
     start = time.perf_counter()
     procs: list[tuple[subprocess.Popen, Path]] = []
+    interrupted = False
     try:
         for cmd, env, log in runs:
             with open(log, "w") as fh:  # the child keeps its own copy of the descriptor
                 procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT), log))
         codes = []
         for proc, log in procs:
-            try:
-                codes.append(proc.wait(timeout=max(0.1, timeout - (time.perf_counter() - start))))
-            except subprocess.TimeoutExpired:
-                raise RunFailed(f"timed out after {timeout:.0f} s; log tail:\n{output_tail(log)}") from None
+            while True:
+                left = max(0.1, timeout - (time.perf_counter() - start))
+                polling = stop is not None and not interrupted
+                try:
+                    codes.append(proc.wait(timeout=min(left, STOP_POLL_S) if polling else left))
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.perf_counter() - start >= timeout:
+                        raise RunFailed(f"timed out after {timeout:.0f} s; log tail:\n{output_tail(log)}") from None
+                if polling and stop():
+                    procs[0][0].send_signal(signal.SIGINT)
+                    interrupted = True
     finally:
         for proc, _ in procs:
             if proc.poll() is None:
@@ -171,8 +199,8 @@ def timed_runs(runs: list[tuple[list[str], dict[str, str], Path]], timeout: floa
     # whatever the machine did that this run's process trees did not (other users' jobs on a shared VM)
     others = (_cpu_busy_s() - busy0) - (_children_cpu_s() - ours0)
     share = max(0.0, others / (took * (os.cpu_count() or 1))) if busy0 else None
-    for code, (_, log) in zip(codes, procs, strict=True):
-        if code != 0:
+    for i, (code, (_, log)) in enumerate(zip(codes, procs, strict=True)):
+        if code != 0 and not (interrupted and i == 0 and code == EXIT_INTERRUPTED):
             raise RunFailed(f"exit {code}; log tail:\n{output_tail(log)}")
     return took, share
 
@@ -191,10 +219,20 @@ def flodl_curve(logdir: Path) -> list[list[float]]:
 
 
 def flodl_command(
-    model: str, nproc: int, mode: str, epochs: int, seed: int, out: Path, target: Target, *, script: bool = False
+    model: str,
+    nproc: int,
+    mode: str,
+    epochs: int,
+    seed: int,
+    out: Path,
+    target: Target,
+    *,
+    script: bool = False,
+    score_epochs: bool = False,
 ) -> list[str]:
     """The controller's command line for one flodl run; its summary and record log go under ``out``.
-    ``script``: the model in script mode (``SCRIPT``, its arguments after ``--``) instead of its Task."""
+    ``script``: the model in script mode (``SCRIPT``, its arguments after ``--``) instead of its Task;
+    ``score_epochs``: the script scores every epoch, not the last only."""
     cmd = controller_command(
         f"bench.matrix.tasks:{model}",
         nproc_per_node=nproc,
@@ -211,17 +249,18 @@ def flodl_command(
     if script:
         at = cmd.index("--task")
         cmd[at : at + 2] = ["--script", str(SCRIPT)]
-        cmd += ["--", "--model", model, "--epochs", str(epochs)]
+        cmd += ["--", "--model", model, "--epochs", str(epochs)] + (["--eval-every-epoch"] if score_epochs else [])
     return cmd
 
 
-def read_flodl_summary(out: Path) -> dict:
-    """The summary a finished flodl run left under ``out``, with its loss curve; RunFailed if it did not complete."""
+def read_flodl_summary(out: Path, stopped: bool = False) -> dict:
+    """The summary a finished flodl run left under ``out``, with its loss curve; RunFailed if it did not complete
+    (``stopped``: the bench stopped it on purpose, with SIGINT: an interrupted run is what it wanted)."""
     summary_path = out / "summary.json"
     if not summary_path.exists():
         raise RunFailed(f"no summary written; log tail:\n{output_tail(out / 'run.log')}")
     summary = json.loads(summary_path.read_text())
-    if summary.get("exit_reason") != "completed":
+    if summary.get("exit_reason") != "completed" and not (stopped and summary.get("exit_code") == EXIT_INTERRUPTED):
         raise RunFailed(f"exit_reason {summary.get('exit_reason')!r}")
     summary.setdefault("matrix", {})["curve"] = flodl_curve(out / "logs")
     if summary.get("final_eval") is None and summary.get("history"):
@@ -237,7 +276,9 @@ def flodl_case(
     model: str, case: Case, budget: Budget, tmp: Path, timeout: float, target: Target, setup: Setup = Setup()
 ) -> tuple[dict, tuple, str]:
     """One flodl run: its summary, ``(process_s, others_cpu)`` and the command line (environment included)."""
-    cmd = flodl_command(model, case.nproc, case.mode, budget.epochs, setup.seed, tmp, target, script=case.script)
+    cmd = flodl_command(
+        model, case.nproc, case.mode, budget.epochs, setup.seed, tmp, target, script=case.script, score_epochs=setup.score_epochs
+    )
     env = _env(budget.samples, setup.seed)
     prefix = [f"{SEED_ENV}={setup.seed}"]
     if case.ratio > 1:
@@ -250,8 +291,13 @@ def flodl_case(
         if board:
             env[SIMULATE_PACE_FILE] = board
             prefix.append(f"{SIMULATE_PACE_FILE}={board}")
-    took = timed_run(cmd, env, tmp / "run.log", timeout)
-    return read_flodl_summary(tmp), took, " ".join([*prefix, "python", *cmd[1:]])
+    watch = RecordWatch(tmp / "logs", setup.stop_at) if setup.stop_at else None
+    launched = time.time()
+    took = timed_run(cmd, env, tmp / "run.log", timeout, watch)
+    summary = read_flodl_summary(tmp, stopped=bool(watch and watch.fired))
+    # from the process start to the start of training, on the clock the summary's trained_unix uses
+    summary["matrix"].update(launched_unix=launched, stopped=bool(watch and watch.fired))
+    return summary, took, " ".join([*prefix, "python", *cmd[1:]])
 
 
 #: the paced run of the side-by-side case trains this much longer than its fast partner (in
@@ -340,11 +386,16 @@ def torchrun_case(
         board = pace_board(tmp, setup)
         if board:
             cmd += ["--pace-file", board]
+    if setup.stop_at:  # the script stops itself after the first epoch that meets it
+        cmd += ["--target-eval", repr(setup.stop_at.eval), "--target-loss", repr(setup.stop_at.loss)]
+    launched = time.time()
     took = timed_run(cmd, _env(budget.samples, setup.seed), tmp / "run.log", timeout)
     if not out.exists():
         raise RunFailed(f"no summary written; log tail:\n{output_tail(tmp / 'run.log')}")
     summary = json.loads(out.read_text())
-    summary.setdefault("matrix", {})["curve"] = summary.pop("curve", [])
+    summary.setdefault("matrix", {}).update(
+        curve=summary.pop("curve", []), launched_unix=launched, stopped=bool(summary.get("stopped_at_target"))
+    )
     return summary, took, " ".join(["python", *cmd[1:]])
 
 
@@ -395,7 +446,9 @@ def run_one(
         except RunFailed as exc:
             meta["error"] = str(exc)
             return {"matrix": meta}
-    meta.update(process_s=process_s, others_cpu=others, command=cmd, curve=summary.get("matrix", {}).get("curve", []))
+    ran = summary.get("matrix", {})
+    meta.update(process_s=process_s, others_cpu=others, command=cmd, curve=ran.get("curve", []))
+    meta.update({k: ran[k] for k in ("launched_unix", "stopped") if k in ran})
     summary["matrix"] = meta
     meta.update(train_s=matrix_report.train_wall(summary), command_s=process_s)
     if case.kind == "torchrun":

@@ -274,7 +274,7 @@ class Training:
                 result = self.evals.get(stats.epoch)
                 if result is None:
                     return
-                stats.eval_value = result.value
+                stats.eval_value, stats.eval_ms = result.value, result.elapsed_ms
                 if result.error:
                     self.ctx.console.line(f"epoch {stats.epoch + 1}: eval failed on rank {result.rank}: {result.error}")
             following = stats.epoch + 1

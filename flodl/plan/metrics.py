@@ -136,6 +136,7 @@ class EpochStats:
     per_rank: dict[int, RankEpoch]
     scalars: dict[str, float]
     eval_value: float | None = None
+    eval_ms: float | None = None  # how long that eval took (the eval rank's own clock): time-to-quality readers take it out
     # one average that closed several epochs closes them as one row: ``first_epoch`` to ``epoch``
     # (plan/cadence.py ``_close_all``), each one's own loss in ``epoch_losses``
     first_epoch: int = -1
@@ -171,6 +172,7 @@ class EpochStats:
             "ahead_samples": self.ahead_samples,
             "loss": self.avg_loss,
             "eval": self.eval_value,
+            "eval_s": None if self.eval_ms is None else self.eval_ms / 1000.0,
             "samples": self.samples,
             "batches": self.batches,
             "wall_s": self.wall_ms / 1000.0,
