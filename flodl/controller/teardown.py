@@ -184,7 +184,10 @@ class Teardown:
             )
             if self.worker_proc is not None:
                 return ranks and self.worker_proc.returncode is not None
-            return ranks and all(w.exited for w in self.members.workers.values())
+            # a worker silent past the heartbeat timeout is a lost host (what stopped the run, often):
+            # it will say no goodbye, so waiting for one only adds the whole bound to the run's end
+            silent = {w.sender for w in self.members.silent_workers(self.clock())}
+            return ranks and all(w.exited or w.sender in silent for w in self.members.workers.values())
 
         deadline = self.clock() + timeout_s
         while not gone() and self.clock() < deadline:
