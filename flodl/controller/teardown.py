@@ -168,7 +168,8 @@ class Teardown:
                 if exc.exit_code == EXIT_SAVED:
                     exc.exit_code = EXIT_RANK_LOST
                 self.console.line(
-                    f"the save to {stem} did not complete: {'; '.join(self.checkpoints.failed) or 'no answer from rank ' + str(writer)}"
+                    f"the save to {stem} did not complete: {'; '.join(self.checkpoints.failed) or 'no answer from rank ' + str(writer)}; "
+                    f"{self.checkpoints.newest()}"
                 )
         self.run.to(Phase.DONE)
 
