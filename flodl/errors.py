@@ -82,4 +82,5 @@ EXIT_SAVED = 6  # the run could not go on (ranks lost); a bundle was saved: cont
 EXIT_LAUNCH_FAILED = 7  # the ssh launcher could not start the run (controller or a host failed at start)
 EXIT_NONFINITE = 8  # a rank's loss turned NaN or infinite; nothing was averaged or saved from it
 EXIT_EVALS_FAILED = 9  # training completed, but every eval raised: nothing says how well it went
+EXIT_UNSAVED = 10  # training completed, but the final save failed: the bundle on disk is an older one (or none)
 EXIT_INTERRUPTED = 130  # SIGINT / SIGTERM

@@ -282,20 +282,25 @@ def test_a_crash_while_the_sidecar_is_written_leaves_the_old_sidecar(tmp_path, m
     with pytest.raises(KeyboardInterrupt):
         ck.on_done(done)
     monkeypatch.undo()
-    assert bundle.meta.with_name("run.meta.json.tmp").exists() and bundle.meta.read_text() == before
+    assert bundle.meta.read_text() == before and not list(tmp_path.glob("run.meta.json*.tmp"))  # its temporary went with it
     back, _ = _restored(bundle)
     assert all(torch.equal(a, b) for a, b in zip(_params(back), committed, strict=False))
 
 
 def test_a_commit_deletes_superseded_files_but_not_a_save_in_flight_or_other_bundles(tmp_path):
+    """A commit deletes the files of the sidecar it replaced (here a schema-1 bundle's) and of this
+    writer's older saves; never a save still in flight, another bundle's, or another writer's."""
     bundle = CheckpointBundle.at(tmp_path / "run")
     ck, net = _checkpointer(bundle.stem), model()
     opt = adam(net)
-    save_model(net, bundle.model)  # a schema-1 bundle's files, and a crashed writer's temporary
-    save_optimizer(opt, bundle.optim)
-    (tmp_path / "run.0123456789ab.fdl.tmp").write_bytes(b"half")
+    legacy = {**META, "schema_version": 1, "save_reason": "final", "model_sha256": save_model(net, bundle.model)}
+    save_optimizer(opt, bundle.optim)  # the replaced sidecar names these two
+    bundle.meta.write_text(json.dumps(legacy))
+    foreign = {"run.0123456789ab.fdl", "run.0123456789ab.fdl.4242.0badcafe.tmp"}  # another run's save, never committed
+    for name in foreign:
+        (tmp_path / name).write_bytes(b"not ours")
     emergency_save(model=net, optimizer=opt, stem=str(bundle.stem), rank=0, reason="controller_lost", why="test", epoch=0, global_step=1)
-    others = {"run.v2.meta.json", "run.v2.fdl", "run.rank0.meta.json", *(p.name for p in tmp_path.glob("run.rank0.*"))}
+    others = {"run.v2.meta.json", "run.v2.fdl", "run.rank0.meta.json", *(p.name for p in tmp_path.glob("run.rank0.*")), *foreign}
     for name in ("run.v2.meta.json", "run.v2.fdl"):  # another bundle whose stem starts like this one
         (tmp_path / name).write_text("{}")
     _save(ck, net, opt)
@@ -305,7 +310,7 @@ def test_a_commit_deletes_superseded_files_but_not_a_save_in_flight_or_other_bun
     assert ck.on_done(second)
     now = set(tmp_path.iterdir())
     assert not first & now  # superseded by the commit
-    assert {bundle.model, bundle.optim, tmp_path / "run.0123456789ab.fdl.tmp"}.isdisjoint(now)
+    assert {bundle.model, bundle.optim}.isdisjoint(now)
     assert set(_files(bundle).values()) < in_flight <= now  # the third save's files stay until it commits
     assert {tmp_path / n for n in others} <= now
     assert ck.on_done(third)

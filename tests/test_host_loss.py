@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 
 import psutil
 import pytest
@@ -36,7 +37,7 @@ class TwoHosts:
     session of its own like a process of another host. The suite's shared zygote server is
     left out: each worker forks its ranks from its own zygote, as on a real host."""
 
-    def __init__(self, proc_env: dict, tmp_path, mode: str) -> None:
+    def __init__(self, proc_env: dict, tmp_path, mode: str, extra: tuple[str, ...] = ()) -> None:
         self.env = {k: v for k, v in proc_env.items() if k != "FLODL_ZYGOTE_SERVER"}
         self.env |= {"FLODL_RUN_SECRET": os.urandom(32).hex(), "FLODL_RUN_ID": "host-loss", "FLODL_TEST_STEP_SLEEP": "0.03"}
         if mode.startswith("cpu-"):
@@ -46,7 +47,7 @@ class TwoHosts:
             self.env |= {"FLODL_BULK_RELAY": "always", "FLODL_TEST_BIG_MODEL": "1"}
         self.summary_path = tmp_path / "s.json"
         args = ["--task", task_spec("tiny.py"), "--workers", "2", *PICK_PORT, "--epochs", str(EPOCHS), "--mode", mode]
-        args += ["--heartbeat-timeout-secs", "2", "--summary-json", str(self.summary_path), "--dashboard-port", "-1"]
+        args += ["--heartbeat-timeout-secs", "2", "--summary-json", str(self.summary_path), "--dashboard-port", "-1", *extra]
         self.run = Run(args, self.env)
         self.workers: list[subprocess.Popen] = []
         try:
@@ -112,6 +113,29 @@ def test_a_lost_host_costs_only_its_ranks_and_the_other_host_finishes(proc_env, 
         assert summary["averaging"]["relays"] == 1 and summary["final_eval"] == pytest.approx(1.0, abs=1e-6)
     else:
         assert summary["final_eval"] > 0.7
+
+
+def test_a_run_stopped_by_a_lost_host_ends_without_waiting_for_that_host(proc_env, tmp_path):
+    """The lost host's ranks reach ``--max-failure 1``: the run stops. Its worker is gone and says
+    nothing, so teardown must not wait for its goodbye: the run ends within the heartbeat timeout
+    and a few seconds (before 2026-12: the abort waited 10 s more for that worker, ~12.5 s)."""
+    hosts = TwoHosts(proc_env, tmp_path, "cpu-cadence", ("--max-failure", "1"))
+    try:
+        hosts.run.wait_for_line(f"epoch 2/{EPOCHS}", timeout=120)
+        victim, tree, _ = hosts.host(1)
+        survivor = next(w for w in hosts.workers if w is not victim)
+        lost_at = time.monotonic()
+        for pid in [victim.pid] + [p.pid for p in tree]:  # the host powered off: nothing of it says goodbye
+            os.kill(pid, signal.SIGKILL)
+        code = hosts.run.wait(60)
+        took = time.monotonic() - lost_at
+        assert code == 3, hosts.run.output
+        assert survivor.wait(30) == 0, survivor.stderr.read()
+    finally:
+        hosts.close()
+    assert "reaches max_failure 1" in hosts.run.output, hosts.run.output
+    # 2 s of heartbeat timeout to notice, then the survivor's goodbye: well under the 10 s it waited for the lost one
+    assert took < 2 + 5, f"the run took {took:.1f} s to end after its host was lost; output:\n{hosts.run.output}"
 
 
 class LocalAndJoiner:

@@ -127,6 +127,57 @@ def test_a_bad_int_is_refused_by_the_writer_without_taking_a_number(value):
     assert FrameReader(SECRET, RUN).read(frame) is not None
 
 
+_EDGE = codec.MAX_STR  # the one string limit: UTF-8 bytes, for writer and reader
+
+
+@pytest.mark.parametrize(
+    ("text", "fits"),
+    [
+        ("a" * _EDGE, True),
+        ("a" * (_EDGE + 1), False),
+        ("é" * (_EDGE // 2), True),  # 65,536 bytes in 32,768 characters
+        ("é" * (_EDGE // 2 + 1), False),
+        ("é" * _EDGE, False),  # 65,536 characters, 131,072 bytes: written before, then dropped by every reader
+        ("漢" * (_EDGE // 3) + "a", True),
+        ("𝄞" * (_EDGE // 4 + 1), False),
+    ],
+    ids=["ascii-edge", "ascii-over", "e-acute-edge", "e-acute-over", "e-acute-65536-chars", "han-edge", "four-byte-over"],
+)
+@pytest.mark.parametrize("where", ["str", "list<str>", "map key", "value"])
+def test_a_string_is_bounded_by_its_bytes_alike_in_writer_and_reader(text, fits, where):
+    """The writer allowed MAX_STR characters, the reader MAX_STR bytes: a string of 65,536 "é" was
+    written and then dropped as malformed. One rule now (bytes), in both codecs' writers: what
+    one writes, both readers read; what no reader would take is refused at the writer."""
+    msg = {
+        "str": lambda: m.Reject(reason=text),
+        "list<str>": lambda: m.WorkerHello(host="h", pid=1, devices=[text], versions={}),
+        "map key": lambda: m.WorkerHello(host="h", pid=1, devices=[], versions={text: "1"}),
+        "value": lambda: _welcome_with(text),
+    }[where]()
+    writers = [("python", lambda: pack_frame(SECRET, msg, sender="rank0.1", seq=1, run_id=RUN))]
+    if codec.NATIVE:
+        writers.append(("compiled", lambda: FrameWriter(SECRET, RUN, "rank0.1").encode(msg)))
+    for name, write in writers:
+        if not fits:
+            with pytest.raises(ProtocolError) as err:
+                write()
+            assert err.value.reason == "schema" and "bytes" in str(err.value), (name, err.value)
+            continue
+        frame = write()
+        readers = [_pure_reader()] + ([FrameReader(SECRET, RUN)] if codec.NATIVE else [])
+        for reader in readers:
+            env = reader.read(frame)
+            assert env is not None and env.msg == msg, (name, where, reader.drops)
+
+
+def _welcome_with(text: str) -> m.RankWelcome:
+    """A message with a ``map<str,value>`` field holding ``text`` as a free value."""
+    return m.RankWelcome(
+        rank=0, world_size=1, generation=0, store_host="h", store_port=1, store_prefix="p", collective_timeout_s=1.0,
+        config={"x": text}, seed=1, bulk_port=0, late=False, shm_probe="", shm_nonce="", first_epoch=0, epochs=1,
+    )  # fmt: skip
+
+
 def _body_samples(rng: random.Random) -> list[object]:
     """Bodies a peer with the secret could sign: good ones, and every shape the compiled reader must leave alone."""
     good = ["rank0.1", 1, RUN, 7, 0.5]

@@ -9,11 +9,15 @@ committed sidecar names. The order of a save is:
 1. the rank writes the new data files under the new tag (each: temporary
    file, fsync, rename, fsync of the directory);
 2. the sidecar is replaced the same way: this rename is the commit;
-3. only then are the data files no sidecar names any more deleted.
+3. only then are the data files no sidecar names any more deleted: those of
+   saves this run made (its tags) and those the replaced sidecar named,
+   never another run's (the controller's lock, ``lock.py``, keeps a second
+   run off the stem; this keeps a run that lost it from deleting blindly).
 
 A crash before 2 leaves the previous bundle whole (plus unreferenced files a
-later commit deletes); a crash after it, the new one. Sidecars of schema 1
-(before tags) name ``<stem>.fdl`` and ``<stem>.optim`` implicitly.
+later commit of that run deletes); a crash after it, the new one. A save that
+fails has its files deleted (``remove_tag``). Sidecars of schema 1 (before
+tags) name ``<stem>.fdl`` and ``<stem>.optim`` implicitly.
 """
 
 from __future__ import annotations
@@ -165,25 +169,55 @@ def resolve(path: str | os.PathLike, kind: str) -> Path:
     return Path(text) if text.endswith(suffix) else bundle._named(suffix)
 
 
-def remove_superseded(bundle: CheckpointBundle, keep: Iterable[str], busy: Iterable[str] = ()) -> list[Path]:
-    """After a commit: delete the bundle's data files (and temporaries) it no longer names.
-
-    ``keep`` are the file names the new sidecar names; ``busy`` the tags of
-    saves still being written (their files are not garbage yet). Files of other
-    bundles, rank bundles included, never match. Best effort: a file that
-    cannot be deleted is logged and left. Returns what was deleted.
-    """
-    pattern = re.compile(rf"{re.escape(bundle.stem.name)}\.(?:({_TAG})\.)?(?:fdl|optim)(?:\.tmp)?")
-    keep, busy = set(keep), set(busy)
-    removed = []
+def _data_entries(bundle: CheckpointBundle) -> Iterable[tuple[os.DirEntry, str | None, bool]]:
+    """``(entry, tag or None, is a temporary)`` of each data file of the bundle's stem in its folder
+    (``<stem>[.<tag>].fdl|.optim``, and their temporaries ``....tmp``); other bundles', rank bundles
+    included, never match."""
+    pattern = re.compile(rf"{re.escape(bundle.stem.name)}\.(?:({_TAG})\.)?(?:fdl|optim)(\.(?:[0-9]+\.[0-9a-f]+\.)?tmp)?")
     folder = bundle.stem.parent
     for entry in os.scandir(folder if str(folder) else "."):
         match = pattern.fullmatch(entry.name)
-        if match is None or entry.name in keep or match.group(1) in busy:
-            continue
+        if match is not None:
+            yield entry, match.group(1), match.group(2) is not None
+
+
+def _unlink_all(paths: Iterable[str], what: str) -> list[Path]:
+    """Best effort: a file that cannot be deleted is logged and left. Returns what was deleted."""
+    removed = []
+    for path in paths:
         try:
-            os.unlink(entry.path)
-            removed.append(Path(entry.path))
+            os.unlink(path)
+            removed.append(Path(path))
+        except FileNotFoundError:
+            pass
         except OSError as exc:
-            log.warning("could not delete the superseded checkpoint file %s: %s", entry.path, exc)
+            log.warning("could not delete the %s checkpoint file %s: %s", what, path, exc)
     return removed
+
+
+def remove_superseded(
+    bundle: CheckpointBundle, keep: Iterable[str], busy: Iterable[str] = (), owned: Iterable[str] = (), replaced: Iterable[str] = ()
+) -> list[Path]:
+    """After a commit: delete the data files the new sidecar no longer names, of this writer's saves only.
+
+    ``keep`` are the file names the new sidecar names; ``busy`` the tags of
+    saves still being written (their files are not garbage yet); ``owned`` the
+    tags of every save this writer asked for (their files, temporaries
+    included, go once superseded); ``replaced`` the file names the sidecar
+    this commit replaced named (the bundle a resumed run continued from: its
+    files go too). Any other file on the stem is another writer's: left alone.
+    Returns what was deleted.
+    """
+    keep, busy, owned, replaced = set(keep), set(busy), set(owned), set(replaced)
+    doomed = [
+        entry.path
+        for entry, tag, temporary in _data_entries(bundle)
+        if entry.name not in keep and tag not in busy and ((tag is not None and tag in owned) or (not temporary and entry.name in replaced))
+    ]
+    return _unlink_all(doomed, "superseded")
+
+
+def remove_tag(bundle: CheckpointBundle, tag: str) -> list[Path]:
+    """A save that failed: delete what it left of its files (a model file whose optimizer file
+    failed, temporaries), so nothing half-written stays. Only once its writer is done with them."""
+    return _unlink_all((entry.path for entry, found, _ in _data_entries(bundle) if found == tag), "failed save's")

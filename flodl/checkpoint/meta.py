@@ -40,12 +40,14 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def write_meta(bundle: CheckpointBundle, meta: dict[str, Any], *, busy: Iterable[str] = ()) -> list[Path]:
+def write_meta(bundle: CheckpointBundle, meta: dict[str, Any], *, busy: Iterable[str] = (), owned: Iterable[str] = ()) -> list[Path]:
     """Commit a bundle: write its sidecar atomically, then delete the data files it superseded.
 
     ``meta`` must name and checksum both data files (``model_file``,
     ``model_sha256``, ``optim_file``, ``optim_sha256``); ``busy`` are tags of
-    saves still being written, whose files stay. Returns the deleted files.
+    saves still being written, whose files stay; ``owned`` the tags of every
+    save of this writer (``remove_superseded``: its files, and those of the
+    sidecar replaced, are the only ones deleted). Returns the deleted files.
     """
     if meta.get("save_reason") not in SAVE_REASONS:
         raise ValueError(f"save_reason must be one of {SAVE_REASONS}, got {meta.get('save_reason')!r}")
@@ -54,9 +56,18 @@ def write_meta(bundle: CheckpointBundle, meta: dict[str, Any], *, busy: Iterable
         files = data_files(bundle, record)
     except CheckpointError as exc:
         raise ValueError(str(exc)) from None
+    replaced = _named_files(bundle)
     write_atomic(bundle.meta, [json.dumps(record, indent=2).encode() + b"\n"])
     # only now: until the rename above, the files of the previous commit are the bundle
-    return remove_superseded(bundle, keep={path.name for path, _ in files.values()}, busy=busy)
+    return remove_superseded(bundle, keep={path.name for path, _ in files.values()}, busy=busy, owned=owned, replaced=replaced)
+
+
+def _named_files(bundle: CheckpointBundle) -> set[str]:
+    """The file names the bundle's current sidecar names (none if there is none, or it is unreadable)."""
+    try:
+        return {path.name for path, _ in data_files(bundle, read_sidecar(bundle)).values()}
+    except CheckpointError:
+        return set()
 
 
 def read_meta(path: str | os.PathLike, *, verify: bool = True, weights_only: bool = False) -> dict[str, Any]:

@@ -150,7 +150,12 @@ class Console:
         if summary.get("final_loss") is not None:
             parts.append(f"final loss {summary['final_loss']:.4f}")
         parts.append(_fmt_rate(summary["samples_per_s"]))
-        self._write(": ".join(parts[:2]) + (", " + ", ".join(parts[2:]) if len(parts) > 2 else ""))
+        unsaved = (
+            "; the final save FAILED (the next line says which bundle is on disk)"
+            if summary.get("exit_reason") == "completed_unsaved"
+            else ""
+        )
+        self._write(": ".join(parts[:2]) + (", " + ", ".join(parts[2:]) if len(parts) > 2 else "") + unsaved)
 
     def failed(self, message: str) -> None:
         self._write(f"flodl: run stopped: {message}")

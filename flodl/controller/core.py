@@ -48,7 +48,7 @@ from ..config import ApplyPolicy, DdpRunConfig
 from ..config.deadlines import Deadlines
 from ..config.env import new_run_id, new_run_secret
 from ..config.joinfile import JoinInfo
-from ..errors import EXIT_CONFIG, EXIT_EVALS_FAILED, EXIT_FAILED, RunAborted
+from ..errors import EXIT_CONFIG, EXIT_EVALS_FAILED, EXIT_FAILED, EXIT_UNSAVED, ConfigError, RunAborted
 from ..monitor.hub import Monitor
 from ..plan.cadence import CadenceLoop
 from ..plan.membership import Membership, PeerState
@@ -200,9 +200,11 @@ class Controller:
         """
         self.ctx.run.mark_started()
         try:
+            self.ctx.checkpoints.claim(self.ctx.run_id)  # first: no other run writes the stem while we read or save it
             self.resume.load()
-        except CheckpointError as exc:  # before anything starts: nothing to clean up
-            message = f"resume_from: {exc}"
+        except (CheckpointError, ConfigError) as exc:  # before anything starts: only the lock to give back
+            self.ctx.checkpoints.release()
+            message = str(exc) if isinstance(exc, ConfigError) else f"resume_from: {exc}"
             self.ctx.console.failed(message)
             raise RunAborted(message, EXIT_CONFIG, self.summary(message, EXIT_CONFIG)) from None
         loop = asyncio.get_running_loop()
@@ -245,6 +247,7 @@ class Controller:
             for path in await self.ctx.monitor.close():
                 self.ctx.console.line(f"wrote {path}")
             await self.teardown.stop_worker()
+            self.ctx.checkpoints.release()  # every writer of this run is stopped: the save path is free
             self.plane.close()
             if self.ctx.launch.join_file:
                 Path(self.ctx.launch.join_file).unlink(missing_ok=True)  # it holds the secret of a run that is over
@@ -363,6 +366,13 @@ class Controller:
         training.flush_epoch_lines()
         await self.teardown.shutdown_peers()
         training.flush_epoch_lines(over=True)  # script mode: the last epoch's ends came before the scripts' Exiting
+        if self.ctx.checkpoints.stem and not self.ctx.checkpoints.saved("final"):
+            # trained, but the bundle on disk is not what it trained: not a success (docs/fault-tolerance.md)
+            summary = self.summary("completed_unsaved", EXIT_UNSAVED)
+            summary["failure"] = self.ctx.checkpoints.final_failure()
+            self.ctx.console.done(summary)
+            self.ctx.console.line(f"flodl: {summary['failure']}")
+            return summary  # run_controller turns a non-zero exit_code into RunAborted, summary written
         failed = [e for e in training.evals.values() if e.error] if training.evals_on else []
         if failed and len(failed) == len(training.evals):
             # trained, but nothing says how well: not a plain success (the last error says why)

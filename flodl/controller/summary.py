@@ -99,6 +99,9 @@ def summarize(
         "restarts": liveness.restarts,
         "joins": admission.joins,
         "checkpoints": ctx.checkpoints.written,
+        # bundle saves that did not commit (disk full, a rank's error), and the bundle on disk a resume loads
+        "checkpoints_unsaved": ctx.checkpoints.unsaved,
+        "newest_bundle": {"stem": ctx.checkpoints.stem, **ctx.checkpoints.newest_bundle} if ctx.checkpoints.newest_bundle else None,
         "regranted_samples": cadence.regranted if cadence else 0,
         # a dead rank's last window whose average no survivor kept, found after its epoch had closed:
         # trained again (within regranted_samples), but that epoch's eval went without them

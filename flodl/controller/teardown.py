@@ -145,7 +145,8 @@ class Teardown:
                 if exc.exit_code == EXIT_SAVED:
                     exc.exit_code = EXIT_RANK_LOST
                 self.ctx.console.line(
-                    f"the save to {stem} did not complete: {'; '.join(self.ctx.checkpoints.failed) or 'no answer from rank ' + str(writer)}"
+                    f"the save to {stem} did not complete: {'; '.join(self.ctx.checkpoints.failed) or 'no answer from rank ' + str(writer)}; "
+                    f"{self.ctx.checkpoints.newest()}"
                 )
         self.ctx.run.to(Phase.DONE)
 
@@ -161,7 +162,10 @@ class Teardown:
             )
             if self.worker_proc is not None:
                 return ranks and self.worker_proc.returncode is not None
-            return ranks and all(w.exited for w in self.ctx.members.workers.values())
+            # a worker silent past the heartbeat timeout is a lost host (what stopped the run, often):
+            # it will say no goodbye, so waiting for one only adds the whole bound to the run's end
+            silent = {w.sender for w in self.ctx.members.silent_workers(self.ctx.clock())}
+            return ranks and all(w.exited or w.sender in silent for w in self.ctx.members.workers.values())
 
         deadline = self.ctx.clock() + timeout_s
         while not gone() and self.ctx.clock() < deadline:

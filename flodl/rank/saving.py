@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..checkpoint.bundle import CheckpointBundle, first_non_finite, new_tag, optimizer_tensors, save_model, save_optimizer, write_meta
+from ..checkpoint.files import remove_tag
 from ..wire import messages as m
 
 log = logging.getLogger("flodl.rank")
@@ -117,4 +118,5 @@ def emergency_save(
         )
         log.error("rank %d: saved its replica to %s (%s: %s)", rank, bundle.stem, reason, why)
     except Exception:
+        remove_tag(bundle, tag)  # a model file whose optimizer file failed is no replica: nothing half-written stays
         log.exception("rank %d: could not save its replica to %s", rank, bundle.stem)

@@ -588,7 +588,7 @@ static PyObject *decode(Cursor *c, int depth) {
 
 /* A field value as the Python codec checks it, writing or reading, by its code (codec.py's _NATIVE_CODES):
    'i' int in [-2^63, 2^64-1], 'f' float (an int becomes one, as the Python check widens it), 'b' bool,
-   's' str of at most MAX_STR, '*' whatever the field's Python validator makes of it (codec.py's _INLINE
+   's' str of at most MAX_STR bytes of UTF-8, '*' whatever the field's Python validator makes of it (codec.py's _INLINE
    and compile_type). A new reference to the value to use; NULL without an error set: refused (the
    Python path raises or drops with the schema error), NULL with one: a real error. */
 static PyObject *checked_field(char code, PyObject *v, PyObject *validator) {
@@ -622,7 +622,14 @@ static PyObject *checked_field(char code, PyObject *v, PyObject *validator) {
         if (!PyBool_Check(v)) return NULL;
         break;
     case 's':
-        if (!PyUnicode_CheckExact(v) || PyUnicode_GET_LENGTH(v) > P.max_str) return NULL;
+        if (!PyUnicode_CheckExact(v)) return NULL;
+        if (PyUnicode_GET_LENGTH(v) > P.max_str / 4) { /* MAX_STR counts UTF-8 bytes, as the reader does (codec.py's _str_too_long) */
+            Py_ssize_t bytes;
+            if (PyUnicode_AsUTF8AndSize(v, &bytes) == NULL)
+                PyErr_Clear(); /* a lone surrogate: the packer refuses it, as it does a short one */
+            else if (bytes > P.max_str)
+                return NULL;
+        }
         break;
     case '*': {
         PyObject *checked = PyObject_CallOneArg(validator, v);

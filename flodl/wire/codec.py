@@ -44,7 +44,7 @@ TAG_LEN = 16
 MIN_FRAME = HEADER.size + TAG_LEN
 DEFAULT_MAX_FRAME = 1 << 20  # control frames are small; bulk data has its own plane
 
-MAX_STR = 64 * 1024
+MAX_STR = 64 * 1024  # a string's UTF-8 bytes, writing and reading alike (msgpack's max_str_len counts bytes)
 MAX_BIN = 1 << 20
 MAX_ARRAY = 65_536
 MAX_MAP = 4_096
@@ -110,10 +110,24 @@ def _check_bool(x: Any) -> bool:
     raise _Invalid(f"expected bool, got {type(x).__name__}")
 
 
+#: A string of at most this many characters is within MAX_STR bytes whatever they are (UTF-8: <= 4 bytes each).
+_STR_SURE = MAX_STR // 4
+
+
+def _str_too_long(x: str) -> bool:
+    """Whether ``x`` is over ``MAX_STR`` bytes of UTF-8, the reader's limit (msgpack's ``max_str_len``).
+    Only a string past ``_STR_SURE`` characters is encoded to count; one that cannot be encoded (a
+    lone surrogate) passes here and is refused by the packer, as a short one is."""
+    try:
+        return len(x.encode()) > MAX_STR
+    except UnicodeEncodeError:
+        return False
+
+
 def _check_str(x: Any) -> str:
-    if type(x) is str and len(x) <= MAX_STR:
+    if type(x) is str and (len(x) <= _STR_SURE or not _str_too_long(x)):
         return x
-    raise _Invalid(f"expected str of at most {MAX_STR} chars, got {type(x).__name__}")
+    raise _Invalid(f"expected str of at most {MAX_STR} bytes (UTF-8), got {type(x).__name__} of {len(x) if type(x) is str else '?'}")
 
 
 def _check_bytes(x: Any) -> bytes:
@@ -148,6 +162,8 @@ def _check_value(x: Any, depth: int = 0) -> Any:
 def _map_key(k: Any) -> str:
     if type(k) is not str:
         raise _Invalid("map keys must be strings")
+    if len(k) > _STR_SURE and _str_too_long(k):  # a key is a string the reader bounds too
+        raise _Invalid(f"map key of more than {MAX_STR} bytes (UTF-8)")
     return k
 
 
@@ -340,7 +356,8 @@ _INLINE = {
     "int": "if type({v}) is not int or not _INT_MIN <= {v} <= _INT_MAX: raise _Invalid('{f}: expected int')",
     "float": "if type({v}) is not float:\n    if type({v}) is int: {v} = float({v})\n    else: raise _Invalid('{f}: expected float')",
     "bool": "if type({v}) is not bool: raise _Invalid('{f}: expected bool')",
-    "str": "if type({v}) is not str or len({v}) > MAX_STR: raise _Invalid('{f}: expected str of at most %d chars' % MAX_STR)",
+    "str": "if type({v}) is not str or (len({v}) > _STR_SURE and _str_too_long({v})): "
+    "raise _Invalid('{f}: expected str of at most %d bytes (UTF-8)' % MAX_STR)",
 }
 
 #: A decoded body's checks, the same in both read paths (``_open``, ``_take``): its shape, envelope fields and values.
@@ -497,6 +514,8 @@ def _generate(
         "_INT_MIN": _INT_MIN,
         "_INT_MAX": _INT_MAX,
         "MAX_STR": MAX_STR,
+        "_STR_SURE": _STR_SURE,
+        "_str_too_long": _str_too_long,
         "MAX_BIN": MAX_BIN,
         "MAX_ARRAY": MAX_ARRAY,
         "MAX_MAP": MAX_MAP,
