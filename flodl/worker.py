@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from . import __version__
+from . import __version__, probes
 from .config.cli import BriefParser
 from .config.deadlines import Deadlines
 from .config.env import (
@@ -51,6 +51,7 @@ from .config.env import (
     local_store_request,
     parent_pid,
     parse_run_secret,
+    probes_requested,
     read_run_credentials,
     request_encryption,
     strict,
@@ -64,7 +65,6 @@ from .host.proc import ChildProcess, die_with_parent, nap, terminate_then_kill
 from .host.store_server import write_port
 from .host.zygote import Zygote
 from .scriptspec import BEFORE_INIT, decode, rank_command, take_report
-from .testing.faults import FaultPlan
 from .wire import curve
 from .wire import messages as m
 from .wire.codec import Envelope
@@ -449,7 +449,7 @@ class Worker:
 
 def _spawn_delay_s(rank: int) -> float:
     try:
-        return FaultPlan.from_env(rank).spawn_delay_s()
+        return probes.for_rank(rank).spawn_delay_s()
     except ValueError:
         return 0.0  # a malformed plan is the rank's to report, once, with the field named
 
@@ -547,6 +547,10 @@ def _credentials(args: argparse.Namespace) -> tuple[bytes, str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if probes_requested():  # tests: a rank's start held back (the ``spawn`` fault point, flodl/probes.py)
+        from .testing.probes import install_from_environment
+
+        install_from_environment(pace=False)
     logging.basicConfig(level=args.log_level.upper(), format="[worker] %(levelname)s %(message)s", stream=sys.stderr)
     try:
         secret, run_id = _credentials(args)

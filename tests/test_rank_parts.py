@@ -392,8 +392,10 @@ def test_a_background_average_a_peer_never_joins_is_dropped_and_the_values_kept(
 
 
 def _runner(tmp_path):
+    """A rank whose entry point installed the testing probes (FLODL_SIMULATE_* as the test set them)."""
     from flodl.config.env import RankEnv
     from flodl.rank.runner import RankRunner
+    from flodl.testing.probes import Injected
 
     env = RankEnv(
         controller="tcp://127.0.0.1:1",
@@ -406,7 +408,7 @@ def _runner(tmp_path):
         heartbeat_timeout_s=5.0,
         parent_pid=0,
     )
-    return RankRunner(env)
+    return RankRunner(env, probes=Injected.from_env(0))
 
 
 def test_step_clips_gradients_to_max_grad_norm(tmp_path):

@@ -26,7 +26,7 @@ from .window_stats import RoundStats
 
 if TYPE_CHECKING:
     from ..config.deadlines import Deadlines
-    from ..testing.faults import FaultPlan
+    from ..probes import Probes
     from .averager import Averager
     from .link import ControllerLink
 
@@ -58,7 +58,7 @@ class Regrouping:
     device: torch.device
     link: ControllerLink
     deadlines: Deadlines
-    faults: FaultPlan
+    probes: Probes
     model: torch.nn.Module
     averager: Averager | None
     welcome: m.RankWelcome | None
@@ -92,7 +92,7 @@ class Regrouping:
     def _average(self, weight: float, *, measure: bool, block: bool, round_index: int, stats: RoundStats) -> Averaged:
         """Average, surviving a peer's death: if the collective fails, put the values
         back, join the survivors' new group, and do this same average again there."""
-        self.faults.reach("average")
+        self.probes.reach("average")
         self.link.doing("average")
         averager = self._averaging()
         while True:
@@ -359,7 +359,7 @@ class Regrouping:
             timeout_s=self.deadlines.collective_timeout_s,
             gather_s=self.deadlines.group_gather_s,
             give_up=lambda: self.link.ending or self.terminated or self._announced_after(msg.generation),
-            on_gathered=lambda: self.faults.reach("regroup"),
+            on_gathered=lambda: self.probes.reach("regroup"),
         )
 
     def _await_regroup(self, after: int | None = None) -> None:

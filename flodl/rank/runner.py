@@ -37,14 +37,8 @@ from ..config import AverageBackend, DdpRunConfig
 from ..config.deadlines import Deadlines
 from ..config.env import (
     RankEnv,
-    live_base_ms,
     nccl_errors_raise,
     omp_threads_set,
-    paced_step,
-    pacing_late_ms,
-    simulated_base_ms,
-    simulated_pace_file,
-    simulated_slowdown,
     vram_pool_disabled,
 )
 from ..errors import (
@@ -62,12 +56,11 @@ from ..errors import (
 from ..host.gauges import ResourceSampler
 from ..plan.metrics import epoch_rows
 from ..plan.schedule import Schedule, shuffle_signature
+from ..probes import Probes, for_rank
 from ..shards import Shards
 from ..task import Task
 from ..taskspec import load_task
 from ..taskspec import resolve as resolve_spec
-from ..testing.faults import FaultPlan
-from ..testing.pace_board import PaceBoard
 from ..wire import curve
 from ..wire import messages as m
 from ..wire.messages import PROTOCOL_VERSION
@@ -131,8 +124,10 @@ class RankRunner(Regrouping, Evaluating):
     task: Task
     model: torch.nn.Module
 
-    def __init__(self, env: RankEnv) -> None:
+    def __init__(self, env: RankEnv, probes: Probes | None = None) -> None:
         self.env = env
+        # tests and benchmarks look in here (faults, a simulated pace): no-ops in a real run
+        self.probes = for_rank(env.rank) if probes is None else probes
         self.deadlines = Deadlines(heartbeat_s=env.heartbeat_timeout_s)  # the rest comes with the welcome
         self.rank = env.rank
         self.device = torch.device(env.device)
@@ -143,6 +138,7 @@ class RankRunner(Regrouping, Evaluating):
             sender=f"rank{env.rank}.{os.getpid()}",
             silence_timeout_s=self.deadlines.heartbeat_s,
             parent_pid=env.parent_pid,
+            probes=self.probes,  # a lost Window or WindowDone is the link's to drop
         )
         self.terminated = False
         self.step_count = 0
@@ -187,19 +183,12 @@ class RankRunner(Regrouping, Evaluating):
         self.position = 0  # the next average's place in the run: window << 16 | round (regroup.py compares them)
         self.welcome: m.RankWelcome | None = None
         self.handle = WorkerHandle(self)
-        self.slowdown = simulated_slowdown(env.rank)  # SIMULATION only (benchmarks, tests): 1.0 on real hardware
-        self.slow_base_ms = simulated_base_ms(env.rank) if self.slowdown > 1.0 else None
-        self.pace_late_ms = 0.0  # how far behind its paced schedule this rank is (env.pacing_late_ms)
-        pace_file = simulated_pace_file()  # SIMULATION: the base published live by full-speed ranks
-        self.pace_board = PaceBoard(pace_file) if pace_file else None
         # a simulated slowdown paces every step, so each is measured on its own, even on a GPU
-        self.meter = StepMeter(self.device, per_step=True if self.slowdown > 1.0 else None)
+        self.meter = StepMeter(self.device, per_step=True if self.probes.paced_alone else None)
         self.reports = StepReports(self.rank)  # steps trained, not reported yet (step_reports.py)
         self.norm_layers: list = []  # BatchNorm layers to re-estimate before an eval (none until set up)
         self.norms_stale = False  # an average changed the model since they were last re-estimated
         self.batches_resident = False  # this window's batches come out on the device already (_rounds)
-        self.faults = FaultPlan.from_env(env.rank)  # tests and benchmarks only (FLODL_INJECT_FAULT)
-        self.link.faults = self.faults  # a lost Window or WindowDone is the link's to drop
         self.resources = ResourceSampler([env.device])  # gauges for the monitor, summarised per window
         self._data_seen: dict[str, int] = {}  # staging-tier counters already reported
         self.warmer: CacheWarmer | None = None
@@ -368,7 +357,7 @@ class RankRunner(Regrouping, Evaluating):
             handle=self.handle,
             train_state=self._train_state(),
         )
-        self.faults.reach("save")  # tests: the files are written, the controller has not committed them
+        self.probes.reach("save")  # tests: the files are written, the controller has not committed them
         self.link.send(done)
 
     def _save_on_shutdown(self, cmd: m.Shutdown | m.ShutdownWithSave) -> None:
@@ -461,7 +450,7 @@ class RankRunner(Regrouping, Evaluating):
     # ---------------------------------------------------------------- setup
 
     def _build(self) -> m.RankHello:
-        self.faults.reach("build")  # tests: a start-up that is slow or never ends (before the hello)
+        self.probes.reach("build")  # tests: a start-up that is slow or never ends (before the hello)
         self._enter_build_phase()  # before CUDA, and before the task draws any random number
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -557,9 +546,9 @@ class RankRunner(Regrouping, Evaluating):
                 adopting=welcome.late,
             )
             self.closing.callback(cpu.close)  # its shared-memory segment's name
-            if "slice" in self.faults.armed:  # tests: a death halfway through a snapshot
+            if self.probes.armed("slice"):  # tests: a death halfway through a snapshot
                 # ZeroMQ sends from its own I/O thread and has no flush: the slice is given a moment to leave
-                cpu.first_slice_out = lambda: self.faults.reach("slice", before=lambda: time.sleep(0.2))
+                cpu.first_slice_out = lambda: self.probes.reach("slice", before=lambda: time.sleep(0.2))
         else:
             group = self._first_group(welcome) if flat is not None and not welcome.late else None  # a joiner's comes with its Regroup
             collective = self.averager = CollectiveAverager(
@@ -806,7 +795,7 @@ class RankRunner(Regrouping, Evaluating):
         )
         self.dropped_window = -1
         # tests: die with this window's average in flight, its report out (the ledger must hold either way)
-        self.faults.reach("reported", before=lambda: self.link.drain(1.0))
+        self.probes.reach("reported", before=lambda: self.link.drain(1.0))
 
     def _start_warmer(self) -> None:
         """Once the first window trained: read the rest of the dataset into the tiers in the background.
@@ -1056,7 +1045,7 @@ class RankRunner(Regrouping, Evaluating):
     def _begin_epoch(self, epoch: int) -> None:
         """``epoch`` begins on this rank: its fault point and the user's epoch_fn."""
         self.current_epoch = epoch
-        self.faults.reach("epoch", index=epoch)
+        self.probes.reach("epoch", index=epoch)
         if self.task.epoch_fn is not None:
             assert self.lr is not None  # _join set it up: epochs are trained in windows
             self.lr.apply(self.lr_step)  # so the handle shows the LR of the step about to run
@@ -1106,7 +1095,7 @@ class RankRunner(Regrouping, Evaluating):
 
     def _grads_ready(self) -> None:
         """Between backward and the optimizer step: clipping (and the tests' diverging step)."""
-        if self.faults.reach("batch") == "nan":  # tests: a diverging step
+        if self.probes.reach("batch") == "nan":  # tests: a diverging step
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.fill_(float("nan"))
@@ -1138,20 +1127,8 @@ class RankRunner(Regrouping, Evaluating):
         records = self.meter.measured(
             t0, loss, epoch=epoch, step=self.step_count, samples=samples, data_ms=data_ms, close=self.step_count == 1 or self.probing
         )  # the warm-up step is timed alone, and a probe's steps each
-        if self.slowdown > 1.0 and self.step_count > 1:  # SIMULATION (FLODL_SIMULATE_SLOWDOWN): a slower device
-            # (from the second step: the first is set-up and warm-up, no device's pace), paced to
-            # slowdown x FLODL_SIMULATE_BASE_MS; reported as the time the step really took, sleep
-            # included (the meter measures each step on its own when simulating)
-            base_ms = live_base_ms(self.pace_board.base_ms() if self.pace_board else None, self.slow_base_ms)
-            pause_ms, _ = paced_step(records[-1].compute_ms, self.slowdown, base_ms, self.pace_late_ms)
-            if pause_ms > 0.0:
-                time.sleep(pause_ms / 1000.0)
-                records[-1] = dataclasses.replace(records[-1], compute_ms=(time.perf_counter() - t0) * 1000.0)
-            self.pace_late_ms = pacing_late_ms(self.pace_late_ms, records[-1].compute_ms, self.slowdown, base_ms)
-        elif self.pace_board is not None:  # SIMULATION: a full-speed rank posts the pace paced ranks follow
-            for rec in records:
-                if rec.step > 1:
-                    self.pace_board.publish(rec.compute_ms)
+        if self.probes.paces:  # SIMULATION (FLODL_SIMULATE_*): a slower device, re-timed with its sleep
+            records = [self.probes.pace(rec, t0) for rec in records]
         if self.step_count == 1:
             self._open_vram_pool()
         self.global_step += 1

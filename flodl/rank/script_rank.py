@@ -235,7 +235,7 @@ class ScriptRank(RankRunner):
         stepped = done.optimizer_stepped
         if stepped or (stepped is None and self.micro >= self._accumulate):
             self.micro = 0
-        self.faults.reach("batch")  # tests: a death mid-batch (the script's step taken, not yet counted)
+        self.probes.reach("batch")  # tests: a death mid-batch (the script's step taken, not yet counted)
         return done.loss
 
     @property
