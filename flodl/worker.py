@@ -115,7 +115,6 @@ class Worker:
         self.join_timeout_s = join_timeout_s
         self.watch_stdin = watch_stdin  # stdin EOF = the launcher is gone: stop
         self.sender = f"worker.{host_name()}.{os.getpid()}"
-        self.heartbeat_timeout_s = join_timeout_s
         self.endpoint: ControlEndpoint | None = None
         self.procs: dict[int, ChildProcess] = {}
         # ranks the controller gave up on before their process existed (a Fence that overtook a
@@ -143,7 +142,6 @@ class Worker:
         msg = env.msg
         if isinstance(msg, m.WorkerWelcome) and self.welcome is None:
             self.welcome = msg
-            self.heartbeat_timeout_s = msg.heartbeat_timeout_s
         elif isinstance(msg, m.Reject):
             self.reject = msg
         elif isinstance(msg, (m.Shutdown, m.ShutdownWithSave)):
@@ -270,6 +268,7 @@ class Worker:
                 )
                 return EXIT_CONTROLLER_LOST
             await self._wait(0.5)
+        heartbeat_timeout_s = self.welcome.heartbeat_timeout_s  # the run's, from the welcome (the join timeout bounded the wait for it)
         await self._spawn(tg)
         while True:
             if self._interrupted:
@@ -282,7 +281,7 @@ class Worker:
                 self._send(m.Exiting(rank=-1, reason="shutdown", digest=""))
                 return EXIT_OK
             silent = time.monotonic() - self.last_heard
-            if silent > self.heartbeat_timeout_s:
+            if silent > heartbeat_timeout_s:
                 log.error("heard nothing from the controller for %.1f s: stopping ranks", silent)
                 # the ranks notice too and save what they hold (with save_path) before exiting
                 await self._stop_ranks(grace_s=CLEAN_GRACE_S)
@@ -320,7 +319,7 @@ class Worker:
             upstream=f"{host}:{welcome.bulk_port}",
             identity=f"{self.sender}/bulk",
             ranks=list(welcome.ranks),
-            timeout_s=Deadlines(heartbeat_s=welcome.heartbeat_timeout_s).relay_round_s,
+            timeout_s=Deadlines(heartbeat_timeout_s=welcome.heartbeat_timeout_s).relay_round_s,
         )
         self.relay.start()
         self.relay_task = tg.create_task(self.relay.run())

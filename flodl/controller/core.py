@@ -113,7 +113,7 @@ class Controller:
         self.ready = asyncio.Event()  # set once the socket is bound (tests read .port)
         self.deadlines = deadlines = Deadlines.from_config(config)
         limits = ProgressLimits(
-            heartbeat_s=deadlines.heartbeat_s,
+            heartbeat_timeout_s=deadlines.heartbeat_timeout_s,
             first_step_s=launch.join_timeout_secs,
             eval_s=launch.eval_timeout_secs,
             step_s=launch.step_timeout_secs,
@@ -121,7 +121,7 @@ class Controller:
         say = self.console.line
         # start-up counts from ``started_unix`` (the CLI: the process start), else from now
         self.startup = startup = Startup(self.console, started_unix=started_unix)
-        self.members = Membership(deadlines.heartbeat_s)
+        self.members = Membership(deadlines.heartbeat_timeout_s)
         self.checkpoints = Checkpointer(config, say=say)
         self.monitor = Monitor(
             config, say=say, clock=clock, dashboard=None if launch.dashboard_port < 0 else (launch.bind, launch.dashboard_port)

@@ -128,7 +128,7 @@ class RankRunner(Regrouping, Evaluating):
         self.env = env
         # tests and benchmarks look in here (faults, a simulated pace): no-ops in a real run
         self.probes = for_rank(env.rank) if probes is None else probes
-        self.deadlines = Deadlines(heartbeat_s=env.heartbeat_timeout_s)  # the rest comes with the welcome
+        self.deadlines = Deadlines(heartbeat_timeout_s=env.heartbeat_timeout_s)  # the rest comes with the welcome
         self.rank = env.rank
         self.device = torch.device(env.device)
         self.link = ControllerLink(
@@ -136,7 +136,7 @@ class RankRunner(Regrouping, Evaluating):
             secret=env.secret,
             run_id=env.run_id,
             sender=f"rank{env.rank}.{os.getpid()}",
-            silence_timeout_s=self.deadlines.heartbeat_s,
+            silence_timeout_s=self.deadlines.heartbeat_timeout_s,
             parent_pid=env.parent_pid,
             probes=self.probes,  # a lost Window or WindowDone is the link's to drop
         )
@@ -506,7 +506,7 @@ class RankRunner(Regrouping, Evaluating):
         self.generation = welcome.generation
         config = self.config = DdpRunConfig.from_dict(welcome.config)  # validated, typed: the controller's options
         self.deadlines = Deadlines(
-            heartbeat_s=self.env.heartbeat_timeout_s,
+            heartbeat_timeout_s=self.env.heartbeat_timeout_s,
             collective_s=welcome.collective_timeout_s,
             snapshot_s=float(config.snapshot_timeout_secs),
         )
