@@ -67,6 +67,7 @@ class ControllerLink:
         self.writer = FrameWriter(secret, run_id, sender)
         self.reader = FrameReader(secret, run_id, name=sender, own=sender)  # our own frames reflected back: dropped
         self.commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._early: collections.deque[Any] = collections.deque()  # commands taken early (``take_eval``), in order
         self.windows = WindowInbox()  # windows in the order sent; reports kept to answer a re-sent window
         self.probes = probes  # tests: a lost Window or WindowDone (flodl/probes.py)
         self._lazy: collections.deque[bytes] = collections.deque()
@@ -154,12 +155,22 @@ class ControllerLink:
             except queue.Empty:
                 continue
 
-    def poll_command(self) -> Any | None:
-        """The next queued command, or None (never blocks)."""
-        try:
-            return self.commands.get_nowait()
-        except queue.Empty:
-            return None
+    def take_eval(self) -> RunEval | None:
+        """The next ``RunEval`` queued, taken ahead of the commands queued before it (they keep
+        their order: ``early_command``); None when none has arrived (never blocks)."""
+        while True:
+            try:
+                cmd = self.commands.get_nowait()
+            except queue.Empty:
+                return None
+            if isinstance(cmd, RunEval):
+                return cmd
+            self._early.append(cmd)
+
+    def early_command(self) -> Any | None:
+        """The first command ``take_eval`` took on its way to a ``RunEval`` (it goes before
+        those still queued), or None."""
+        return self._early.popleft() if self._early else None
 
     def doing(self, busy: str) -> None:
         """The training thread starts ``busy`` (progress.BUSY); its stall clock restarts."""
