@@ -91,7 +91,7 @@ def plain_us(n: int, device: str, width: int = 0) -> float:
 
 def flodl_us(n: int, device: str, width: int = 0) -> float:
     """Microseconds a step of the rank's batch loop around a no-op step (one window of ``n`` samples;
-    ``width``: around the real MLP step, the rank's own ``_train_batch``)."""
+    ``width``: around the real MLP step, the rank's own ``Replica.train_batch``)."""
     from flodl.config.env import RankEnv
     from flodl.rank.runner import RankRunner
     from flodl.task import Task
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> Path:
         "--width",
         type=int,
         default=0,
-        help="a real step instead of the no-op: an MLP 32-W-W-2 trained by SGD on both sides (flodl's own _train_batch); "
+        help="a real step instead of the no-op: an MLP 32-W-W-2 trained by SGD on both sides (flodl's own Replica.train_batch); "
         "the result is then also flodl / plain throughput in one process",
     )
     parser.add_argument("--name", default=None, help="results file name (default step_cost, step_cost_gpu on cuda)")

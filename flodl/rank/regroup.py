@@ -329,7 +329,7 @@ class Group:
                 return
             except Superseded:
                 if self.ctx.ending():
-                    raise Stop from None  # the run stops or is over: no group to build (runner._stopped)
+                    raise Stop from None  # the run stops or is over: no group to build (runner.py ``stopped``)
                 msg = self._newest()  # the world changed again while we gathered: join the newer one
             except RuntimeError as exc:
                 if not is_collective_error(exc):
@@ -436,7 +436,7 @@ class Group:
         deadline = time.monotonic() + self.deadlines.regroup_wait_s
         while not self.announced_after(after):
             if self.ctx.ending():
-                raise Stop  # the run stops or is over: no new group will come (runner._stopped)
+                raise Stop  # the run stops or is over: no new group will come (runner.py ``stopped``)
             if time.monotonic() > deadline:
                 raise DeadlineExceeded("a collective failed and no new membership generation came")
             time.sleep(0.01)
