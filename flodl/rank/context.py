@@ -65,12 +65,3 @@ class JoinedRun:
     # (docs/script-mode.md): from ``first_epoch`` (-1: its first batch's, a joiner) to ``epochs - 1``
     first_epoch: int
     epochs: int
-
-    @property
-    def deterministic(self) -> bool:
-        """The run's ``deterministic`` option: averages block, evals leave no trace."""
-        return self.config.deterministic
-
-    @property
-    def seed(self) -> int:
-        return self.welcome.seed

@@ -63,7 +63,7 @@ class DataPath:
         self.task = task
         self.warmer: CacheWarmer | None = None
         self._seen: dict[str, int] = {}  # staging-tier counters already reported
-        self.source = self._batch_source(run.config, run.seed)
+        self.source = self._batch_source(run.config, run.welcome.seed)
         self._place_before_training()
 
     @property

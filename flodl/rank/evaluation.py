@@ -59,7 +59,7 @@ class Evaluator:
         self.source = source
         # deterministic: the eval falls between two batches where the clock puts it; it must
         # leave the RNGs and the BatchNorm statistics as training left them
-        self.seed = run.seed if run.deterministic else None
+        self.seed = run.welcome.seed if run.config.deterministic else None
         self.evals_taken = 0  # RunEvals scored (compared with the link's count between batches)
         task = self.task
         # BatchNorm layers to re-estimate before an eval (a task's own train_step: none)

@@ -101,6 +101,8 @@ class ScriptRank(Seams):
     def __init__(self, env: RankEnv, bridge: Bridge) -> None:
         self.bridge = bridge
         self.runner = RankRunner(env, seams=self)
+        self.rank, self.device = env.rank, self.runner.device
+        self.deadlines: Deadlines = self.runner.deadlines  # the heartbeat's: how long a failed rank waits for its verdict
         self.prepared: Prepared | None = None
         self.threads = 0  # intra-op threads the build chose for this rank (0: not yet)
         self.states = ScriptState()  # what run.register_state gave, and what a resumed bundle holds for it
@@ -111,14 +113,6 @@ class ScriptRank(Seams):
     # what the script's ``Run`` reads of its rank
 
     @property
-    def rank(self) -> int:
-        return self.runner.rank
-
-    @property
-    def device(self) -> torch.device:
-        return self.runner.device
-
-    @property
     def world_size(self) -> int:
         return self.runner.group.at.world_size
 
@@ -127,10 +121,6 @@ class ScriptRank(Seams):
         """The rank's batch source (None before it joined)."""
         joined = self.runner.joined
         return joined.data.source if joined is not None else None
-
-    @property
-    def deadlines(self) -> Deadlines:
-        return self.runner.deadlines
 
     def on_sigterm(self, signum: int, frame: Any) -> None:
         self.runner.on_sigterm(signum, frame)

@@ -55,7 +55,7 @@ class Windows:
         self.group = group
         self.data = data
         self.evaluator = evaluator
-        self.deterministic = run.deterministic
+        self.deterministic = run.config.deterministic  # every average blocks: none lands at a clock's choice
         self.steps = Steps(ctx, replica, data)
         self.reports = StepReports(self.rank)  # steps trained, not reported yet (step_reports.py)
         # every epoch of the run is an event this rank sees, in order (``enter_epoch``): from
