@@ -449,6 +449,24 @@ def test_step_clips_gradients_to_max_grad_norm(tmp_path):
         _close(runner)
 
 
+def test_every_average_is_applied_in_one_place_and_its_listeners_hear_it(tmp_path):
+    """The averaging step's seam (regroup.py ``Group._took``): each average a window's rounds take
+    moves the position on and reaches every part subscribed with ``on_average`` (the evaluator now;
+    an outer optimizer next) in the order taken, with the position it leaves behind."""
+    runner = _runner(tmp_path)
+    try:
+        joined = _joined(runner)
+        heard = []
+        runner.group.on_average(heard.append)
+        stats = joined.windows.run_rounds([[0, 0, 64]], rounds=3, sync_every=1, window=5)
+        assert stats.batches == 3  # one batch a round, then its average
+        assert [at.position for at in heard] == [(5 << 16) | r for r in (1, 2, 3)]
+        assert runner.group.at.position == (5 << 16) | 3 and not any(at.redoing for at in heard)
+        assert not joined.evaluator.norms_stale  # alone, an average changes nothing: no BatchNorm refresh
+    finally:
+        _close(runner)
+
+
 def test_rank_thread_counts():
     from flodl.rank.building import ACCELERATOR_THREADS, cpu_threads
 
