@@ -7,7 +7,7 @@ only as a few percent of a step whose time moves by as much from one process
 to the next on a shared machine. Here the user's step is taken out on both
 sides, so what is left is exactly what each side adds around it:
 
-* **flodl**: the real ``RankRunner`` batch loop (``_run_rounds``: the grants
+* **flodl**: the real rank's batch loop (``Windows.run_rounds``: the grants
   cut into batches, the in-memory gather, the quota, stop, eval and regroup
   checks, the step meter, LR application, progress for liveness, the ~50 ms
   reports and the window's one average), in this process, with its link
@@ -91,13 +91,11 @@ def plain_us(n: int, device: str, width: int = 0) -> float:
 
 def flodl_us(n: int, device: str, width: int = 0) -> float:
     """Microseconds a step of the rank's batch loop around a no-op step (one window of ``n`` samples;
-    ``width``: around the real MLP step, the rank's own ``_train_batch``)."""
+    ``width``: around the real MLP step, the rank's own ``Replica.train_batch``)."""
     from flodl.config.env import RankEnv
-    from flodl.rank.collective import CollectiveAverager
-    from flodl.rank.data import BatchSource
-    from flodl.rank.handle import LrState
     from flodl.rank.runner import RankRunner
     from flodl.task import Task
+    from flodl.testing.solo import solo_welcome
 
     env = RankEnv(
         controller="tcp://127.0.0.1:1",
@@ -122,24 +120,24 @@ def flodl_us(n: int, device: str, width: int = 0) -> float:
             loss_fn=lambda out, y: zero,
         )
         if width:
-            runner.model, runner.optimizer = _mlp(width, device)
-            runner.task = dataclasses.replace(runner.task, loss_fn=torch.nn.functional.cross_entropy)
+            model, optimizer = _mlp(width, device)
+            runner.task = dataclasses.replace(runner.task, optimizer=lambda _: optimizer, loss_fn=torch.nn.functional.cross_entropy)
+            runner.model = model
         else:
             runner.model = runner.task.model().to(device)
-            runner.optimizer = runner.task.optimizer(runner.model)
-        runner.lr = LrState(runner.optimizer, 1.0, None)
-        runner.averager = CollectiveAverager(None, None)  # one rank: the average is the identity
-        runner.world_size = 1
-        runner.source = source = BatchSource(ds, BATCH, seed=1)
+        runner.join(solo_welcome())  # one rank: the average is the identity
+        joined = runner.joined
+        assert joined is not None
+        replica, windows = joined.replica, joined.windows
         if device == "cuda":
-            source.place_on(runner.device)  # as the VRAM pool does after the first step
+            joined.data.source.place_on(runner.device)  # type: ignore[union-attr]  # as the VRAM pool does after the first step
         # flodl's part of a step kept (the batch to the model, the hook between backward and the
         # optimizer step); the user's model, loss, backward and optimizer step: nothing
         if not width:
-            runner._train_batch = lambda batch: (runner._forward(batch), runner._grads_ready())[0]  # type: ignore[method-assign]
-        runner._run_rounds([[0, 0, 2 * BATCH]], rounds=1, sync_every=0)  # warm-up: the first step is timed alone
+            replica.train_batch = lambda batch: (replica.forward(batch), replica.grads_ready())[0]  # type: ignore[method-assign]
+        windows.run_rounds([[0, 0, 2 * BATCH]], rounds=1, sync_every=0)  # warm-up: the first step is timed alone
         start = time.perf_counter()
-        stats = runner._run_rounds([[1, 0, n]], rounds=1, sync_every=0)
+        stats = windows.run_rounds([[1, 0, n]], rounds=1, sync_every=0)
         wall = time.perf_counter() - start
         assert stats.batches == -(-n // BATCH), stats.batches
         return wall / stats.batches * 1e6
@@ -161,7 +159,7 @@ def main(argv: list[str] | None = None) -> Path:
         "--width",
         type=int,
         default=0,
-        help="a real step instead of the no-op: an MLP 32-W-W-2 trained by SGD on both sides (flodl's own _train_batch); "
+        help="a real step instead of the no-op: an MLP 32-W-W-2 trained by SGD on both sides (flodl's own Replica.train_batch); "
         "the result is then also flodl / plain throughput in one process",
     )
     parser.add_argument("--name", default=None, help="results file name (default step_cost, step_cost_gpu on cuda)")
@@ -194,7 +192,7 @@ def main(argv: list[str] | None = None) -> Path:
             if args.width
             else "the user's step returns a constant loss on both sides; "
         )
-        + "flodl: RankRunner._run_rounds, one window, one rank, link not started"
+        + "flodl: Windows.run_rounds, one window, one rank, link not started"
     )
     name = args.name or ("step_cost_gpu" if args.device == "cuda" else "step_cost") + (f"_w{args.width}" if args.width else "")
     return report(name, rows, note=note, results=smoke_results() if args.smoke else None)

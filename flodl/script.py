@@ -99,7 +99,7 @@ class Run:
         logging.basicConfig(level=logging.WARNING, format=f"[rank {env.rank}] %(levelname)s %(message)s", stream=sys.stderr)
         self._bridge = Bridge()
         self._rank = ScriptRank(env, self._bridge)
-        signal.signal(signal.SIGTERM, self._rank._on_sigterm)  # only the main thread may trap it
+        signal.signal(signal.SIGTERM, self._rank.on_sigterm)  # only the main thread may trap it
         if self._rank.device.type == "cuda":
             torch.cuda.set_device(self._rank.device)  # the current device is per thread: the script's too
         self._pending: Item | None = None  # the next item (a batch, an epoch's end, the end), not yet taken

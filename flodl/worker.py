@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from . import __version__
+from . import __version__, probes
 from .config.cli import BriefParser
 from .config.deadlines import Deadlines
 from .config.env import (
@@ -51,6 +51,7 @@ from .config.env import (
     local_store_request,
     parent_pid,
     parse_run_secret,
+    probes_requested,
     read_run_credentials,
     request_encryption,
     strict,
@@ -64,7 +65,6 @@ from .host.proc import ChildProcess, die_with_parent, nap, terminate_then_kill
 from .host.store_server import write_port
 from .host.zygote import Zygote
 from .scriptspec import BEFORE_INIT, decode, rank_command, take_report
-from .testing.faults import FaultPlan
 from .wire import curve
 from .wire import messages as m
 from .wire.codec import Envelope
@@ -115,7 +115,6 @@ class Worker:
         self.join_timeout_s = join_timeout_s
         self.watch_stdin = watch_stdin  # stdin EOF = the launcher is gone: stop
         self.sender = f"worker.{host_name()}.{os.getpid()}"
-        self.heartbeat_timeout_s = join_timeout_s
         self.endpoint: ControlEndpoint | None = None
         self.procs: dict[int, ChildProcess] = {}
         # ranks the controller gave up on before their process existed (a Fence that overtook a
@@ -143,7 +142,6 @@ class Worker:
         msg = env.msg
         if isinstance(msg, m.WorkerWelcome) and self.welcome is None:
             self.welcome = msg
-            self.heartbeat_timeout_s = msg.heartbeat_timeout_s
         elif isinstance(msg, m.Reject):
             self.reject = msg
         elif isinstance(msg, (m.Shutdown, m.ShutdownWithSave)):
@@ -270,6 +268,7 @@ class Worker:
                 )
                 return EXIT_CONTROLLER_LOST
             await self._wait(0.5)
+        heartbeat_timeout_s = self.welcome.heartbeat_timeout_s  # the run's, from the welcome (the join timeout bounded the wait for it)
         await self._spawn(tg)
         while True:
             if self._interrupted:
@@ -282,7 +281,7 @@ class Worker:
                 self._send(m.Exiting(rank=-1, reason="shutdown", digest=""))
                 return EXIT_OK
             silent = time.monotonic() - self.last_heard
-            if silent > self.heartbeat_timeout_s:
+            if silent > heartbeat_timeout_s:
                 log.error("heard nothing from the controller for %.1f s: stopping ranks", silent)
                 # the ranks notice too and save what they hold (with save_path) before exiting
                 await self._stop_ranks(grace_s=CLEAN_GRACE_S)
@@ -320,7 +319,7 @@ class Worker:
             upstream=f"{host}:{welcome.bulk_port}",
             identity=f"{self.sender}/bulk",
             ranks=list(welcome.ranks),
-            timeout_s=Deadlines(heartbeat_s=welcome.heartbeat_timeout_s).relay_round_s,
+            timeout_s=Deadlines(heartbeat_timeout_s=welcome.heartbeat_timeout_s).relay_round_s,
         )
         self.relay.start()
         self.relay_task = tg.create_task(self.relay.run())
@@ -449,7 +448,7 @@ class Worker:
 
 def _spawn_delay_s(rank: int) -> float:
     try:
-        return FaultPlan.from_env(rank).spawn_delay_s()
+        return probes.for_rank(rank).spawn_delay_s()
     except ValueError:
         return 0.0  # a malformed plan is the rank's to report, once, with the field named
 
@@ -547,6 +546,10 @@ def _credentials(args: argparse.Namespace) -> tuple[bytes, str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if probes_requested():  # tests: a rank's start held back (the ``spawn`` fault point, flodl/probes.py)
+        from .testing.probes import install_from_environment
+
+        install_from_environment(pace=False)
     logging.basicConfig(level=args.log_level.upper(), format="[worker] %(levelname)s %(message)s", stream=sys.stderr)
     try:
         secret, run_id = _credentials(args)

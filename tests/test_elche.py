@@ -93,6 +93,7 @@ def test_sync_policy_and_two_ranks_ignore_the_solo_rule():
         {"world_size": 2, "max_anchor": 0},
         {"world_size": 2, "min_anchor": 0},
         {"world_size": 2, "max_batch_diff": -1},
+        {"world_size": 2, "max_count_step": -1},
         {"world_size": 2, "max_total_batches": 0},
         {"world_size": 2, "overhead_target": float("nan")},
         {"world_size": True},
@@ -192,8 +193,8 @@ def test_three_ranks_three_two_one():
         assert che.batch_counts == [30, 20, 10]
 
 
-def test_max_batch_diff_limits_a_single_update():
-    che = ElChe(2, anchor=10, max_batch_diff=3)
+def test_max_count_step_limits_a_single_update():
+    che = ElChe(2, anchor=10, max_count_step=3)
     report(che, [100.0, 20.0])
     assert che.batch_counts == [10, 50]
     report(che, [100.0, 450.0])  # rank 1 slows to 9 ms/batch: EMA alpha 0.8 -> 7.6 ms
@@ -586,6 +587,20 @@ def test_relax_up_respects_max_batch_diff():
     assert che.anchor == 12
 
 
+def test_the_spread_cap_and_the_step_limit_are_two_limits_and_the_option_sets_both():
+    spread = ElChe(2, anchor=10, max_batch_diff=3)  # the spread cap alone does not slow a re-plan
+    report(spread, [100.0, 20.0])
+    report(spread, [100.0, 450.0])
+    assert spread.batch_counts == [10, 13]
+    step = ElChe(2, anchor=10, max_count_step=3, relax_up=True)  # the step limit alone caps no spread
+    report(step, [500.0, 1000.0])
+    for _ in range(5):
+        step.apply_verdict(Verdict.STABLE)
+    assert step.anchor == 15 and step.batch_counts[0] - step.batch_counts[1] > 3
+    both = ElChe.from_config(ElCheConfig(mode="nccl-cadence", max_batch_diff=3), 2)
+    assert both.max_batch_diff == both.max_count_step == 3
+
+
 def test_relax_up_yields_to_a_staged_proposal():
     che = ElChe(2, anchor=10, overhead_target=0.1, relax_up=True)
     high_overhead(che)
@@ -678,7 +693,7 @@ def test_from_config_defaults_and_overrides():
     config = ElCheConfig(mode="cpu-cadence", min_anchor=4, max_anchor=50, overhead_target=0.2, max_batch_diff=5, relax_up=True)
     che = ElChe.from_config(config, 4, max_total_batches=30)
     assert che.anchor == 10 and che.min_anchor == 4 and che.max_anchor == 50
-    assert che.overhead_target == 0.2 and che.max_batch_diff == 5 and che.relax_up
+    assert che.overhead_target == 0.2 and che.max_batch_diff == 5 and che.max_count_step == 5 and che.relax_up
     assert che.max_total_batches == 30
     assert che.batch_counts == [9, 7, 7, 7]  # floors [7, 7, 7, 7]; remainder to the largest
     assert che.gate_growth

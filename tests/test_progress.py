@@ -7,7 +7,7 @@ import pytest
 from flodl.plan.membership import Membership, PeerState
 from flodl.plan.progress import Progress, ProgressLimits, stalled
 
-LIMITS = ProgressLimits(heartbeat_s=30.0, first_step_s=120.0, eval_s=600.0)
+LIMITS = ProgressLimits(heartbeat_timeout_s=30.0, first_step_s=120.0, eval_s=600.0)
 
 
 @pytest.mark.parametrize(

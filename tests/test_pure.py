@@ -81,7 +81,7 @@ def test_a_verdict_changes_nothing(clock):
     mem.heard_progress(mem.ranks[1], "step", 200.0, 100.0, 0, now=clock())  # stuck in a step
     clock.advance(6)  # rank 2 and the worker silent past the timeout
     before = _snapshot(mem)
-    limits = ProgressLimits(heartbeat_s=5.0, first_step_s=60.0, eval_s=60.0)
+    limits = ProgressLimits(heartbeat_timeout_s=5.0, first_step_s=60.0, eval_s=60.0)
     verdict = mem.assess(clock(), limits)
     assert verdict.dead == (0, 1, 2)
     assert mem.assess(clock(), limits) == verdict  # asked again: the same answer

@@ -392,8 +392,10 @@ def test_a_background_average_a_peer_never_joins_is_dropped_and_the_values_kept(
 
 
 def _runner(tmp_path):
+    """A rank whose entry point installed the testing probes (FLODL_SIMULATE_* as the test set them)."""
     from flodl.config.env import RankEnv
     from flodl.rank.runner import RankRunner
+    from flodl.testing.probes import Injected
 
     env = RankEnv(
         controller="tcp://127.0.0.1:1",
@@ -406,33 +408,67 @@ def _runner(tmp_path):
         heartbeat_timeout_s=5.0,
         parent_pid=0,
     )
-    return RankRunner(env)
+    return RankRunner(env, probes=Injected.from_env(0))
+
+
+def _joined(runner, lr=0.01):
+    """``runner`` joined alone with the tiny task (SGD at ``lr``), as its build and welcome make it."""
+    import dataclasses
+
+    from flodl.testing.solo import solo_welcome
+
+    task = load_task(task_spec("tiny.py"))
+    runner.task = dataclasses.replace(task, optimizer=lambda model: torch.optim.SGD(model.parameters(), lr=lr))
+    runner.model = runner.task.model()
+    runner.join(solo_welcome())
+    return runner.joined
+
+
+def _close(runner):
+    runner.link._pipe_out.close(linger=0)
+    runner.link._pipe_in.close(linger=0)
 
 
 def test_step_clips_gradients_to_max_grad_norm(tmp_path):
     runner = _runner(tmp_path)
     try:
-        runner.task = load_task(task_spec("tiny.py"))
-        runner.model = runner.task.model()
-        runner.optimizer = torch.optim.SGD(runner.model.parameters(), lr=0.0)  # lr 0: grads survive the step
+        joined = _joined(runner, lr=0.0)  # lr 0: grads survive the step
+        replica, steps = joined.replica, joined.windows.steps
         x = torch.randn(16, 8) * 100  # huge inputs, huge gradients
         y = torch.randint(0, 2, (16,))
-        runner.max_grad_norm = None
-        runner._step((x, y), epoch=0, samples=16, data_ms=0.0)
-        raw = torch.norm(torch.stack([p.grad.norm() for p in runner.model.parameters()]))
-        runner.max_grad_norm = 0.5
-        [record] = runner._step((x, y), epoch=0, samples=16, data_ms=0.0)
+        replica.max_grad_norm = None
+        steps.step((x, y), epoch=0, samples=16, data_ms=0.0)
+        raw = torch.norm(torch.stack([p.grad.norm() for p in replica.model.parameters()]))
+        replica.max_grad_norm = 0.5
+        [record] = steps.step((x, y), epoch=0, samples=16, data_ms=0.0)
         ms = record.compute_ms
-        clipped = torch.norm(torch.stack([p.grad.norm() for p in runner.model.parameters()]))
+        clipped = torch.norm(torch.stack([p.grad.norm() for p in replica.model.parameters()]))
         assert raw > 1.0 and clipped == pytest.approx(0.5, rel=1e-4)
-        assert ms > 0 and runner.step_count == 2
+        assert ms > 0 and steps.count == 2
     finally:
-        runner.link._pipe_out.close(linger=0)
-        runner.link._pipe_in.close(linger=0)
+        _close(runner)
+
+
+def test_every_average_is_applied_in_one_place_and_its_listeners_hear_it(tmp_path):
+    """The averaging step's seam (regroup.py ``Group._took``): each average a window's rounds take
+    moves the position on and reaches every part subscribed with ``on_average`` (the evaluator now;
+    an outer optimizer next) in the order taken, with the position it leaves behind."""
+    runner = _runner(tmp_path)
+    try:
+        joined = _joined(runner)
+        heard = []
+        runner.group.on_average(heard.append)
+        stats = joined.windows.run_rounds([[0, 0, 64]], rounds=3, sync_every=1, window=5)
+        assert stats.batches == 3  # one batch a round, then its average
+        assert [at.position for at in heard] == [(5 << 16) | r for r in (1, 2, 3)]
+        assert runner.group.at.position == (5 << 16) | 3 and not any(at.redoing for at in heard)
+        assert not joined.evaluator.norms_stale  # alone, an average changes nothing: no BatchNorm refresh
+    finally:
+        _close(runner)
 
 
 def test_rank_thread_counts():
-    from flodl.rank.runner import ACCELERATOR_THREADS, cpu_threads
+    from flodl.rank.building import ACCELERATOR_THREADS, cpu_threads
 
     assert cpu_threads(16, 2, staged=False) == 8  # CPU ranks share the host's cores
     assert cpu_threads(16, 1, staged=True) == 14  # and leave the data threads a core or two
@@ -446,12 +482,10 @@ def test_a_simulated_slow_rank_is_paced_to_factor_times_base(tmp_path, monkeypat
     monkeypatch.setenv("FLODL_SIMULATE_BASE_MS", "0:5")
     runner = _runner(tmp_path)
     try:
-        runner.task = load_task(task_spec("tiny.py"))
-        runner.model = runner.task.model()
-        runner.optimizer = torch.optim.SGD(runner.model.parameters(), lr=0.01)
+        steps = _joined(runner).windows.steps
         batch = (torch.randn(16, 8), torch.randint(0, 2, (16,)))
-        runner._step(batch, epoch=0, samples=len(batch[0]), data_ms=0.0)  # set-up and warm-up: not paced
-        paced = [runner._step(batch, epoch=0, samples=len(batch[0]), data_ms=0.0)[0].compute_ms for _ in range(3)]
+        steps.step(batch, epoch=0, samples=len(batch[0]), data_ms=0.0)  # set-up and warm-up: not paced
+        paced = [steps.step(batch, epoch=0, samples=len(batch[0]), data_ms=0.0)[0].compute_ms for _ in range(3)]
         # each later step takes 4 x 5 ms, the sleep included, and reports the time it really took; a
         # sleep that overshot is taken back from the next one (the pacing carry), so a single step may
         # end well short of 20 ms (two 24 ms steps under load left the third 12) while the steps
@@ -459,8 +493,7 @@ def test_a_simulated_slow_rank_is_paced_to_factor_times_base(tmp_path, monkeypat
         # on a loaded machine a 5 ms sleep can take 150 (what pacing asks for is paced_step's)
         assert sum(paced) / len(paced) >= 19.8, paced
     finally:
-        runner.link._pipe_out.close(linger=0)
-        runner.link._pipe_in.close(linger=0)
+        _close(runner)
 
 
 def test_a_slow_rank_paces_against_the_live_base_and_a_full_speed_rank_posts_it(tmp_path, monkeypatch):
@@ -471,10 +504,8 @@ def test_a_slow_rank_paces_against_the_live_base_and_a_full_speed_rank_posts_it(
     batch = (torch.randn(16, 8), torch.randint(0, 2, (16,)))
 
     def steps(runner, n):
-        runner.task = load_task(task_spec("tiny.py"))
-        runner.model = runner.task.model()
-        runner.optimizer = torch.optim.SGD(runner.model.parameters(), lr=0.01)
-        return [runner._step(batch, epoch=0, samples=len(batch[0]), data_ms=0.0)[0].compute_ms for _ in range(n)]
+        joined = _joined(runner).windows.steps
+        return [joined.step(batch, epoch=0, samples=len(batch[0]), data_ms=0.0)[0].compute_ms for _ in range(n)]
 
     fast = _runner(tmp_path)  # no slowdown: it posts its own step time, from its second step
     try:
@@ -482,8 +513,7 @@ def test_a_slow_rank_paces_against_the_live_base_and_a_full_speed_rank_posts_it(
         posted = PaceBoard(str(board)).base_ms()
         assert posted is not None and min(took[1:]) <= posted <= max(took[1:])
     finally:
-        fast.link._pipe_out.close(linger=0)
-        fast.link._pipe_in.close(linger=0)
+        _close(fast)
     PaceBoard(str(board)).publish(6.0)  # the partner's pace, as posted: 6 ms a step
     monkeypatch.setenv("FLODL_SIMULATE_SLOWDOWN", "0:4")
     monkeypatch.setenv("FLODL_SIMULATE_BASE_MS", "0:5")  # the solo base, which the live one overrides
@@ -495,8 +525,7 @@ def test_a_slow_rank_paces_against_the_live_base_and_a_full_speed_rank_posts_it(
         assert sum(paced) / len(paced) >= 23.8, paced
         assert PaceBoard(str(board)).base_ms() == 6.0  # a paced rank only reads the board
     finally:
-        slow.link._pipe_out.close(linger=0)
-        slow.link._pipe_in.close(linger=0)
+        _close(slow)
 
 
 @pytest.mark.parametrize(
@@ -519,18 +548,20 @@ def test_redo_roles_keep_every_member_on_the_same_collectives(mine, redo, adopti
 def test_only_a_regroup_that_leaves_out_a_peer_breaks_the_group():
     from types import SimpleNamespace
 
-    from flodl.rank.regroup import Regrouping
+    from flodl.config.deadlines import Deadlines
+    from flodl.rank.position import GroupPosition
+    from flodl.rank.regroup import Group
 
-    rank = Regrouping()
-    rank.peers, rank.generation = frozenset({0, 1}), 3
-    rank.link = SimpleNamespace(regroup=None)
-    assert not rank._group_broken()
-    rank.link.regroup = SimpleNamespace(generation=4, members=[0, 1, 2])  # a joiner: every collective can still finish
-    assert not rank._group_broken()
-    rank.link.regroup = SimpleNamespace(generation=4, members=[0, 2])  # rank 1 is gone
-    assert rank._group_broken()
-    rank.generation = 4  # ... but that is the generation this rank is in now
-    assert not rank._group_broken()
+    link = SimpleNamespace(regroup=None)
+    group = Group(SimpleNamespace(link=link, rank=0), Deadlines(heartbeat_timeout_s=5.0))
+    group.at = GroupPosition(generation=3, peers=frozenset({0, 1}))
+    assert not group.group_broken()
+    link.regroup = SimpleNamespace(generation=4, members=[0, 1, 2])  # a joiner: every collective can still finish
+    assert not group.group_broken()
+    link.regroup = SimpleNamespace(generation=4, members=[0, 2])  # rank 1 is gone
+    assert group.group_broken()
+    group.at = GroupPosition(generation=4, peers=frozenset({0, 1}))  # ... but that is the generation this rank is in now
+    assert not group.group_broken()
 
 
 def test_a_resumed_lr_is_base_times_factor_times_schedule_once():

@@ -373,13 +373,14 @@ def test_two_ranks_accumulate_schedule_and_cover_every_sample(tmp_path, mode):
 
 
 def test_handle_refuses_to_set_the_lr_under_a_scheduler():
+    from types import SimpleNamespace
+
     from flodl.rank.handle import WorkerHandle
 
-    class Runner:
-        update, lr, lr_step = _update(_task(scheduler=features.step_lr))[0], None, 0
-
+    replica = SimpleNamespace(update=_update(_task(scheduler=features.step_lr))[0], lr=None)
+    windows = SimpleNamespace(replica=replica, steps=SimpleNamespace(lr_step=0))
     with pytest.raises(TaskError, match=r"worker\.set_lr: the task's Task\.scheduler sets the LR"):
-        WorkerHandle(Runner()).set_lr(0.1)
+        WorkerHandle(windows).set_lr(0.1)
 
 
 def test_a_rank_killed_inside_an_accumulation_leaves_exact_coverage(tmp_path, monkeypatch):

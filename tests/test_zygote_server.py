@@ -19,8 +19,8 @@ import subprocess
 import psutil
 import pytest
 
+from flodl.host.fork_context import namespaces, startup_settings
 from flodl.host.zygote import Zygote, _mismatch, server_command
-from flodl.rank.zygote import namespaces, startup_settings
 
 from .conftest import PY, ROOT, task_spec
 from .helpers.procs import Proc, Run, assert_all_gone, is_rank, runs_module

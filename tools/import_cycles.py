@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 Graph = dict[str, set[str]]
@@ -81,6 +82,46 @@ def graphs(root: Path) -> tuple[Graph, Graph]:
             for target in _targets(node, name, path.name == "__init__.py", known) - {name}:
                 (typing if typing_only else runtime)[name].add(target)
     return runtime, typing
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's target, where it stands: ``scope`` is the enclosing function's name
+    ("" at module level); ``typing_only`` when it is under ``if TYPE_CHECKING:``."""
+
+    source: str
+    target: str
+    scope: str
+    typing_only: bool
+    line: int
+
+
+def every_import(root: Path) -> list[Import]:
+    """Every import of a package module by a package module, at module level or inside a function
+    (a late import is still an arrow between the two: the layering rules count it)."""
+    known = modules(root)
+    found = []
+    for name, path in known.items():
+        tree = ast.parse(path.read_text(), str(path))
+        found.extend(_imports_in(tree.body, name, path.name == "__init__.py", known, "", False))
+    return found
+
+
+def _imports_in(
+    body: list[ast.stmt], name: str, is_package: bool, known: dict[str, Path], scope: str, typing_only: bool
+) -> Iterator[Import]:
+    for node in body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            for target in sorted(_targets(node, name, is_package, known) - {name}):
+                yield Import(name, target, scope, typing_only, node.lineno)
+            continue
+        inner = node.name if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else scope
+        guarded = isinstance(node, ast.If) and _is_type_checking(node.test)  # its body only: not its else
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            block = getattr(node, field, None)
+            if isinstance(block, list):
+                stmts = [s for item in block for s in (item.body if isinstance(item, ast.ExceptHandler) else [item])]
+                yield from _imports_in(stmts, name, is_package, known, inner, typing_only or (guarded and field == "body"))
 
 
 def components(graph: Graph) -> list[list[str]]:

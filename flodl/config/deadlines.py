@@ -8,13 +8,13 @@ controller logs them at run start (``Deadlines.describe``).
 Who builds one:
 
 * the controller: ``Deadlines.from_config(config)``;
-* a rank: from what it is told (``heartbeat_s`` from its spawn environment,
+* a rank: from what it is told (``heartbeat_timeout_s`` from its spawn environment,
   ``collective_s`` from its ``RankWelcome``, ``snapshot_s`` from the run's
   config), which are the controller's values;
-* a worker: ``heartbeat_s`` from its ``WorkerWelcome`` (it needs nothing else).
+* a worker: ``heartbeat_timeout_s`` from its ``WorkerWelcome`` (it needs nothing else).
 
 The hang limits of a busy rank (a step, an average, an eval) are
-``progress.ProgressLimits``, built on ``heartbeat_s`` and the launch options.
+``progress.ProgressLimits``, built on ``heartbeat_timeout_s`` and the launch options.
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ SNAPSHOT_WAIT_FACTOR = 2.0
 class Deadlines:
     """The run's timeouts in seconds: three inputs, the rest derived (properties)."""
 
-    heartbeat_s: float
+    heartbeat_timeout_s: float
     """Silence after which a peer is dead: the controller's verdict on a worker or rank
     (``Membership``), a worker's and a rank's verdict on the controller. The user's
     ``heartbeat_timeout_secs``; peers beat every second, so it forgives that many lost beats."""
 
     collective_s: float | None = None
     """How long one collective (and a process group's rendezvous) may block before it raises.
-    The controller sets it to ``heartbeat_s`` (None here means that): a collective stuck on a
+    The controller sets it to ``heartbeat_timeout_s`` (None here means that): a collective stuck on a
     dead peer then fails about when the heartbeats have told everyone of the death, not later
     (the survivors would sit idle) and not sooner (a slow peer is not a dead one)."""
 
@@ -55,20 +55,22 @@ class Deadlines:
     aborts a round (``snapshot_timeout_secs``). None where it is not known (a worker)."""
 
     def __post_init__(self) -> None:
-        if not self.heartbeat_s > 0:
-            raise ValueError(f"heartbeat_s must be positive, got {self.heartbeat_s}")
+        if not self.heartbeat_timeout_s > 0:
+            raise ValueError(f"heartbeat_timeout_s must be positive, got {self.heartbeat_timeout_s}")
         if self.collective_s is None:
-            object.__setattr__(self, "collective_s", self.heartbeat_s)
+            object.__setattr__(self, "collective_s", self.heartbeat_timeout_s)
 
     @classmethod
     def from_config(cls, config: DdpRunConfig) -> Deadlines:
         """The controller's deadlines, from the user's options."""
-        heartbeat_s = float(config.effective_heartbeat_timeout_secs)
-        return cls(heartbeat_s=heartbeat_s, collective_s=heartbeat_s, snapshot_s=float(config.snapshot_timeout_secs))
+        heartbeat_timeout_s = float(config.effective_heartbeat_timeout_secs)
+        return cls(
+            heartbeat_timeout_s=heartbeat_timeout_s, collective_s=heartbeat_timeout_s, snapshot_s=float(config.snapshot_timeout_secs)
+        )
 
     @property
     def collective_timeout_s(self) -> float:
-        """``collective_s`` typed as set: ``__post_init__`` fills a None from ``heartbeat_s``."""
+        """``collective_s`` typed as set: ``__post_init__`` fills a None from ``heartbeat_timeout_s``."""
         assert self.collective_s is not None
         return self.collective_s
 
@@ -76,14 +78,14 @@ class Deadlines:
     def verdict_wait_s(self) -> float:
         """How long a failed rank waits for the controller's ``Shutdown`` after reporting its error.
         The controller answers at once; one heartbeat timeout without an answer means it is gone."""
-        return self.heartbeat_s
+        return self.heartbeat_timeout_s
 
     @property
     def relay_round_s(self) -> float:
         """How long a host relay waits for the controller's average before it gives a round up.
         A safety net only: the controller times rounds out itself (``snapshot_s``) and tells the
         relay, so this must be longer than a controller that is alive could stay silent."""
-        return RELAY_TIMEOUT_FACTOR * self.heartbeat_s
+        return RELAY_TIMEOUT_FACTOR * self.heartbeat_timeout_s
 
     @property
     def regroup_wait_s(self) -> float:
@@ -91,7 +93,7 @@ class Deadlines:
         controller first has to declare the dead peer dead (a heartbeat timeout after its last
         beat, which may come well after the collective failed: doubled for slack), then announce
         the new generation (the margin)."""
-        return 2 * self.heartbeat_s + DETECTION_MARGIN_S
+        return 2 * self.heartbeat_timeout_s + DETECTION_MARGIN_S
 
     @property
     def group_gather_s(self) -> float:
@@ -118,7 +120,7 @@ class Deadlines:
     def describe(self) -> str:
         """One line for the run-start log: every deadline and its value."""
         parts = [
-            ("heartbeat", self.heartbeat_s),
+            ("heartbeat", self.heartbeat_timeout_s),
             ("collective", self.collective_s),
             ("rank verdict wait", self.verdict_wait_s),
             ("relay round", self.relay_round_s),

@@ -413,6 +413,12 @@ def strict() -> bool:
     return _switch(STRICT, False)
 
 
+def probes_requested() -> bool:
+    """Does this process's environment ask for injected faults or a simulated pace? An entry point
+    then installs ``flodl.testing``'s probes (flodl/probes.py); otherwise it never imports them."""
+    return any(os.environ.get(name) for name in (INJECT_FAULT, SIMULATE_SLOWDOWN, SIMULATE_BASE_MS, SIMULATE_PACE_FILE))
+
+
 def injected_faults() -> str:
     """The text of ``FLODL_INJECT_FAULT`` ("" when unset); ``faults.FaultPlan.from_env`` parses it."""
     return os.environ.get(INJECT_FAULT, "")

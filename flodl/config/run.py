@@ -119,7 +119,8 @@ class ElCheConfig:
         check=_count(0),
         kind="int",
         default_text="unlimited",
-        help="Max batch lead of the fastest over the slowest rank (0 = lockstep).",
+        help="Max batch lead of the fastest over the slowest rank (0 = lockstep); once calibrated, also the most one re-plan "
+        "moves a rank's count (ElChe's max_count_step).",
     )
     max_overshoot: int | None = _option(
         None,

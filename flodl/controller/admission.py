@@ -95,7 +95,7 @@ class Admission:
                 ranks=worker.ranks,
                 world_size=self._next_rank,
                 task=self.ctx.launch.spec,
-                heartbeat_timeout_s=self.ctx.deadlines.heartbeat_s,
+                heartbeat_timeout_s=self.ctx.deadlines.heartbeat_timeout_s,
                 bulk_port=averaging.port if averaging is not None else 0,
                 bulk_relay=relay,
                 seed=self.resume.seed(),  # the ranks' random streams: the one a resumed run started with

@@ -120,7 +120,7 @@ class Controller:
             secret=secret or new_run_secret(),
             clock=clock,
             console=console,
-            members=Membership(deadlines.heartbeat_s),
+            members=Membership(deadlines.heartbeat_timeout_s),
         )
         say = console.line
         checkpoints = Checkpointer(config, say=say)

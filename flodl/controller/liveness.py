@@ -45,7 +45,7 @@ class Liveness:
         self.training = training
         self.saving = saving
         self.limits = ProgressLimits(
-            heartbeat_s=ctx.deadlines.heartbeat_s,
+            heartbeat_timeout_s=ctx.deadlines.heartbeat_timeout_s,
             first_step_s=ctx.launch.join_timeout_secs,
             eval_s=ctx.launch.eval_timeout_secs,
             step_s=ctx.launch.step_timeout_secs,

@@ -33,6 +33,7 @@ import sys
 from typing import Any
 
 from ..config.env import PARENT_PID, ZYGOTE_ROOM, ZYGOTE_SERVER, child_environ, environ_copy
+from .fork_context import namespaces, startup_settings
 
 log = logging.getLogger(__name__)
 
@@ -233,8 +234,6 @@ class Zygote:
 
 def _mismatch(ready: dict[str, Any]) -> str:
     """Why a server's ranks would not be this worker's (another user, other namespaces); "" if they would."""
-    from ..rank.zygote import namespaces, startup_settings  # no torch there at import: preimport() imports it
-
     if "ready" not in ready:
         return "no ready line"
     if ready.get("uid") != os.getuid():

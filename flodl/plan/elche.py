@@ -196,6 +196,17 @@ class ElChe:
     ``sync_policy=True`` (set by ``from_config`` for Sync modes) never grows
     the anchor: Sync means averaging every anchor's worth of batches, and its
     guard is always Stable, so nothing else would stop the window growing.
+
+    Two limits, each with its own name (a run sets both from the one option
+    ``max_batch_diff``: ``from_config``):
+
+    * ``max_batch_diff``, a spread cap: the anchor does not relax up past a
+      plan whose largest count leads the smallest by more (``_relax_anchor_up``;
+      the dispatcher caps the counts it hands out by the same number);
+    * ``max_count_step``, a rate limit: once calibrated, one re-plan moves a
+      rank's count by at most this many batches (``_limited_step``; the
+      reference runtime's use of ``max_batch_diff``), so a speed reading off by
+      a hiccup shifts the plan a little, not all the way.
     """
 
     def __init__(
@@ -207,6 +218,7 @@ class ElChe:
         max_anchor: int = 1000,
         overhead_target: float = 0.05,
         max_batch_diff: int | None = None,
+        max_count_step: int | None = None,
         relax_up: bool = False,
         partition_ratios: Sequence[float] | None = None,
         max_total_batches: int | None = None,
@@ -224,6 +236,7 @@ class ElChe:
         target = _require_real("overhead_target", overhead_target)
         self.overhead_target = _clamp(target, OVERHEAD_TARGET_MIN, OVERHEAD_TARGET_MAX)
         self.max_batch_diff = None if max_batch_diff is None else _require_int("max_batch_diff", max_batch_diff, 0)
+        self.max_count_step = None if max_count_step is None else _require_int("max_count_step", max_count_step, 0)
         self.max_total_batches = None if max_total_batches is None else _require_int("max_total_batches", max_total_batches, 1)
         self.relax_up = bool(relax_up)
         self.gate_growth = bool(gate_growth)
@@ -262,7 +275,8 @@ class ElChe:
 
     @classmethod
     def from_config(cls, elche_config: ElCheConfig, world_size: int, *, max_total_batches: int | None = None) -> ElChe:
-        """The balancer a run with ``elche_config`` uses over ``world_size`` ranks."""
+        """The balancer a run with ``elche_config`` uses over ``world_size`` ranks. The option
+        ``max_batch_diff`` sets both the spread cap and the per-update step (the class says why)."""
         return cls(
             world_size,
             anchor=elche_config.effective_anchor,
@@ -270,6 +284,7 @@ class ElChe:
             max_anchor=elche_config.max_anchor,
             overhead_target=elche_config.overhead_target,
             max_batch_diff=elche_config.max_batch_diff,
+            max_count_step=elche_config.max_batch_diff,
             relax_up=elche_config.relax_up,
             partition_ratios=elche_config.partition_ratios,
             max_total_batches=max_total_batches,
@@ -497,7 +512,7 @@ class ElChe:
         The dead zone keeps a count unless its target moved by more than 5 %,
         so timing jitter does not re-plan every window; ``force`` (the anchor
         itself just changed, a decision rather than noise) bypasses it. Once
-        calibrated, ``max_batch_diff`` caps how far one update moves a count.
+        calibrated, ``max_count_step`` caps how far one update moves a count.
         """
         if self.partition_ratios is not None:
             self.batch_counts = self._ratio_counts(self.anchor)
@@ -515,8 +530,8 @@ class ElChe:
         self._apply_window_cap()
 
     def _limited_step(self, current: int, target: int) -> int:
-        """Move from ``current`` toward ``target`` by at most ``max_batch_diff`` (once calibrated)."""
-        step = self.max_batch_diff
+        """Move from ``current`` toward ``target`` by at most ``max_count_step`` (once calibrated)."""
+        step = self.max_count_step
         if step is None or not self.calibrated:
             return target
         if target > current:

@@ -47,7 +47,7 @@ _WHAT = {
 class ProgressLimits:
     """The numbers the deadlines derive from (seconds)."""
 
-    heartbeat_s: float
+    heartbeat_timeout_s: float
     first_step_s: float  # join timeout: a first step may compile, a build may load data
     eval_s: float  # evals, user callbacks, checkpoint writes
     step_s: float | None = None  # the user's override for every step (long steps)
@@ -59,9 +59,9 @@ class ProgressLimits:
                 return self.step_s
             if step_ms <= 0:
                 return self.first_step_s
-            return self.heartbeat_s + STEP_FACTOR * step_ms / 1000.0
+            return self.heartbeat_timeout_s + STEP_FACTOR * step_ms / 1000.0
         if busy == "average":
-            return self.heartbeat_s + self.first_step_s
+            return self.heartbeat_timeout_s + self.first_step_s
         if busy in ("eval", "callback", "save"):
             return self.eval_s
         if busy == "build":
@@ -108,7 +108,7 @@ def _basis(progress: Progress, limits: ProgressLimits) -> str:
             return "step_timeout_secs"
         if progress.step_ms <= 0:
             return "its first step, join_timeout_secs"
-        return f"heartbeat timeout {limits.heartbeat_s:g} s + {STEP_FACTOR:g} × its {progress.step_ms / 1000.0:.2f} s step; raise with --step-timeout-secs"
+        return f"heartbeat timeout {limits.heartbeat_timeout_s:g} s + {STEP_FACTOR:g} × its {progress.step_ms / 1000.0:.2f} s step; raise with --step-timeout-secs"
     if progress.busy == "average":
         return "heartbeat timeout + join_timeout_secs"
     if progress.busy == "build":

@@ -5,7 +5,7 @@ A rank averages through one of two backends: ``CollectiveAverager``
 or ``CpuAverager`` (cpu_average.py: snapshots to the controller, averages
 back). The training loop talks to either through ``Averager``; what only one
 backend has (a group to rebuild, a redo, a first round to start at) is
-reached after narrowing with ``isinstance`` (runner.py, regroup.py, evaluation.py).
+reached after narrowing with ``isinstance`` (regroup.py, evaluation.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from .flat import Averaged
 
 
 class Averager(Protocol):
-    """The averaging calls the runner makes on either backend."""
+    """The averaging calls the rank makes on either backend."""
 
     #: A joiner without the consensus yet: it trains nothing until an average hands it one.
     adopting: bool

@@ -159,7 +159,7 @@ def _interruptible(make: Callable[[], Any], give_up: Callable[[], bool], poll_s:
 
 
 def _aborted() -> RuntimeError:
-    """The error of an average a regroup voided (the runner reads it as a collective failure)."""
+    """The error of an average a regroup voided (the rank reads it as a collective failure)."""
     return RuntimeError("collective aborted: the membership changed (peer lost) during the average")
 
 
@@ -172,7 +172,7 @@ class _Background:
     snapshot: list[torch.Tensor]  # the values at launch (the averager's ``backup``)
     measure: bool
     weight: float
-    tag: int  # the runner's position of this average (regroup.py aligns redos by it)
+    tag: int  # the rank's position of this average (regroup.py aligns redos by it)
 
 
 class CollectiveAverager:

@@ -1,8 +1,10 @@
-"""Scoring the model when the controller asks (``RunEval``).
+"""Scoring the model when the controller asks (``RunEval``): the ``Evaluator`` part.
 
-A mixin of ``RankRunner`` (runner.py), which holds the state these methods
-read and write. The runner takes a ``RunEval`` between two batches, not
-after its window. On the collective backend the eval scores exactly the
+It owns its counters: the evals taken (the link counts those asked), whether
+averages left the BatchNorm statistics stale (it hears of every average:
+``Group.on_average``), and the layers to re-estimate. The window's batch loop
+asks it between two batches, so a ``RunEval`` is scored then, not after its
+window. On the collective backend the eval scores exactly the
 average of the window that closed the epoch (``_scored_model``), even when
 this rank has trained on since; on the CPU backend likewise once it landed
 (``CpuAverager.scoring``; all averages sent are landed before the final score). BatchNorm statistics
@@ -27,13 +29,14 @@ from .collective import CollectiveAverager
 from .cpu_average import CpuAverager
 from .data import to_device
 from .determinism import traceless
-from .norms import model_input, recalibrate
+from .norms import model_input, norm_layers, recalibrate
 
 if TYPE_CHECKING:
-    from ..task import Task
-    from .averager import Averager
+    from .context import JoinedRun, RankContext
     from .data import BatchSource
-    from .link import ControllerLink
+    from .position import GroupPosition
+    from .regroup import Group
+    from .replica import Replica
     from .shard_source import ShardSource
 
 log = logging.getLogger("flodl.rank.runner")
@@ -42,47 +45,67 @@ log = logging.getLogger("flodl.rank.runner")
 EVAL_STREAM = 1 << 32
 
 
-class Evaluating:
+class Evaluator:
     """Evals, and the BatchNorm refresh before them."""
 
-    # RankRunner's state that these methods read and write (runner.py sets it up)
-    rank: int
-    device: torch.device
-    link: ControllerLink
-    task: Task
-    model: torch.nn.Module
-    averager: Averager | None
-    source: BatchSource | ShardSource | None
-    evals_taken: int
-    norm_layers: list
-    norms_stale: bool
-    deterministic: bool
-    welcome: m.RankWelcome | None
+    def __init__(self, ctx: RankContext, run: JoinedRun, replica: Replica, group: Group, source: BatchSource | ShardSource) -> None:
+        self.ctx = ctx
+        self.link = ctx.link
+        self.rank = ctx.rank
+        self.device = ctx.device
+        self.task = replica.task
+        self.model = replica.model
+        self.group = group
+        self.source = source
+        # deterministic: the eval falls between two batches where the clock puts it; it must
+        # leave the RNGs and the BatchNorm statistics as training left them
+        self.seed = run.welcome.seed if run.config.deterministic else None
+        self.evals_taken = 0  # RunEvals scored (compared with the link's count between batches)
+        task = self.task
+        # BatchNorm layers to re-estimate before an eval (a task's own train_step: none)
+        self.norm_layers = norm_layers(self.model) if task.bn_recalibration_batches and task.train_step is None else []
+        self.norms_stale = False  # an average changed the model since they were last re-estimated
+        group.on_average(self._averaged)
 
-    if TYPE_CHECKING:
+    def _averaged(self, at: GroupPosition) -> None:
+        """An average of ``at``'s group: with others in it, it changed the model."""
+        self.norms_stale = self.norms_stale or at.world_size > 1
 
-        def _settle_background(self) -> None: ...  # regroup.py
+    def asked(self) -> bool:
+        """Has the controller asked for evals not scored yet? (Between batches: scored now, ``take_asked``.)"""
+        return self.link.evals_asked > self.evals_taken
 
-    def _evaluate(self, cmd: m.RunEval) -> None:
+    def take_asked(self) -> None:
+        """Between batches: score the evals the controller asked for now rather than after this
+        window (the average they are for is still held then: ``CollectiveAverager.scoring``).
+        Other commands taken on the way keep their order (the link holds them: ``take_eval``)."""
+        busy = self.link.busy
+        while self.asked():
+            cmd = self.link.take_eval()
+            if cmd is None:
+                break
+            self.evaluate(cmd)
+        self.link.doing(busy)
+
+    def evaluate(self, cmd: m.RunEval) -> None:
         """Score the model with the task's eval function and report it (errors included)."""
-        self.evals_taken += 1  # between batches or between windows: the runner compares it with the link's count
+        self.evals_taken += 1  # between batches or between windows: compared with the link's count
         value, error = None, None
         start = time.perf_counter()
         self.link.doing("eval")
-        if isinstance(self.averager, CpuAverager):
+        averager = self.group.averager
+        if isinstance(averager, CpuAverager):
             # CPU backend: land the averages already sent; before the final score, all of them
             if cmd.final:
                 try:
-                    self.averager.settle()
+                    averager.settle()
                 except DeadlineExceeded as exc:
                     log.warning("rank %d: scoring without the last average: %s", self.rank, exc)
-            self.averager.poll()
+            averager.poll()
         if self.task.eval_fn is None:
             error = "the task has no eval_fn"
         else:
-            # deterministic: the eval falls between two batches where the clock puts it; it
-            # must leave the RNGs and the BatchNorm statistics as training left them
-            seed = self.welcome.seed if self.deterministic and self.welcome is not None else None
+            seed = self.seed
             no_trace = traceless(self.model, seed, EVAL_STREAM + cmd.epoch) if seed is not None else contextlib.nullcontext()
             with no_trace, self._scored_model(getattr(cmd, "window", -1)):
                 self._refresh_norms(cmd.epoch)
@@ -113,23 +136,24 @@ class Evaluating:
         closed the epoch), exactly, even when this rank has trained into the next window since;
         if that average is no longer held (rare: a later one already launched), the model as it
         is. Without a window: the model after its last average landed."""
-        if isinstance(self.averager, CpuAverager):
-            with self._scored_cpu_average(self.averager, window):
+        averager = self.group.averager
+        if isinstance(averager, CpuAverager):
+            with self._scored_cpu_average(averager, window):
                 yield
             return
-        if not isinstance(self.averager, CollectiveAverager):  # not set up
+        if not isinstance(averager, CollectiveAverager):  # not set up
             yield
             return
-        tag = self.averager.pending_tag()
+        tag = averager.pending_tag()
         if window < 0 or (tag >= 0 and tag >> 16 == window):
-            self._settle_background()  # every rank has launched it (the controller heard them all)
-        landed = self.averager.landed_tag
+            self.group.settle_background()  # every rank has launched it (the controller heard them all)
+        landed = averager.landed_tag
         if window < 0 or landed < 0 or landed >> 16 != window:
             if window >= 0:
                 log.debug("rank %d: window %d's average is gone; scoring the model as it is", self.rank, window)
             yield
             return
-        with self.averager.scoring(landed):
+        with averager.scoring(landed):
             yield
 
     @contextlib.contextmanager
@@ -154,13 +178,24 @@ class Evaluating:
         with averager.scoring(tag):
             yield
 
+    def track_norms(self) -> None:
+        """Re-estimate the BatchNorm statistics though the task trains through its own step: script
+        mode, whose batches are the script's, model input first (a model that takes them otherwise
+        costs one warning, ``_refresh_norms``)."""
+        if self.task.bn_recalibration_batches:
+            self.norm_layers = norm_layers(self.model)
+
+    def refresh_norms(self, epoch: int) -> None:
+        """Re-estimate the BatchNorm statistics now if averages changed the model since they last were
+        (script mode: before the script's code after an epoch's batches, and before its bundles)."""
+        self._refresh_norms(epoch)
+
     def _refresh_norms(self, epoch: int) -> None:
         """Before scoring a model that averages changed: its BatchNorm statistics
         re-estimated from the first ``bn_recalibration_batches`` batches of this
         epoch's order (flodl/rank/norms.py says why)."""
         if not (self.norms_stale and self.norm_layers):
             return
-        assert self.source is not None  # set up: norm_layers came after it
         self.norms_stale = False
         size = min(self.task.bn_recalibration_batches * self.task.batch_size, self.source.schedule.epoch_len(epoch))
         # at most that many batches: a shard's batches are not counted ahead (shard_source.py)

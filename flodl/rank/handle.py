@@ -15,10 +15,14 @@ leaves the LR to it: these three refuse (update.py steps it).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import TaskError
+
+if TYPE_CHECKING:
+    from .windows import Windows
 
 
 class LrState:
@@ -72,66 +76,66 @@ class LrState:
 
 
 class WorkerHandle:
-    """A rank, as ``epoch_fn`` sees it."""
+    """A rank, as ``epoch_fn`` and ``checkpoint_fn`` see it (read from its window training part)."""
 
-    def __init__(self, runner) -> None:
-        self._runner = runner
+    def __init__(self, windows: Windows) -> None:
+        self._windows = windows
 
     @property
     def rank(self) -> int:
-        return self._runner.rank
+        return self._windows.rank
 
     @property
     def world_size(self) -> int:
-        return self._runner.world_size
+        return self._windows.group.at.world_size
 
     @property
     def device(self) -> torch.device:
-        return self._runner.device
+        return self._windows.ctx.device
 
     @property
     def local_step(self) -> int:
         """Optimizer steps this rank has taken (batches / ``accumulate_grad_batches``)."""
-        update = self._runner.update
-        return update.steps if update is not None else self._runner.step_count
+        update = self._windows.replica.update
+        return update.steps if update is not None else self._windows.steps.count
 
     @property
     def global_step(self) -> int:
         """Batches of all ranks before the current plan, plus this rank's since."""
-        return self._runner.global_step
+        return self._windows.steps.global_step
 
     @property
     def current_epoch(self) -> int:
-        return self._runner.current_epoch
+        return self._windows.current_epoch
 
     @property
     def current_lr(self) -> float:
-        return self._runner.lr.current
+        return self._windows.replica.lr.current
 
     @property
     def model(self) -> torch.nn.Module:
-        return self._runner.model
+        return self._windows.replica.model
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        return self._runner.optimizer
+        return self._windows.replica.optimizer
 
     def _lr_state(self, what: str) -> LrState:
-        update = self._runner.update
+        update = self._windows.replica.update
         if update is not None and update.schedulers:
             raise TaskError(f"worker.{what}: the task's Task.scheduler sets the LR; change it through the scheduler")
-        return self._runner.lr
+        return self._windows.replica.lr
 
     def set_lr(self, lr: float) -> None:
         """Set every group's base LR (the factor and schedule still apply on top)."""
         lrs = self._lr_state("set_lr")
-        lrs.set_base([float(lr)] * len(lrs.base), self._runner.lr_step)
+        lrs.set_base([float(lr)] * len(lrs.base), self._windows.steps.lr_step)
 
     def scale_lr(self, factor: float) -> None:
         """Multiply every group's base LR by ``factor``."""
         lrs = self._lr_state("scale_lr")
-        lrs.set_base([b * float(factor) for b in lrs.base], self._runner.lr_step)
+        lrs.set_base([b * float(factor) for b in lrs.base], self._windows.steps.lr_step)
 
     def set_scheduler(self, schedule: Callable[[int], float] | None) -> None:
         """Replace the schedule: ``schedule(global_step) -> multiplier`` (None: constant)."""
-        self._lr_state("set_scheduler").set_schedule(schedule, self._runner.lr_step)
+        self._lr_state("set_scheduler").set_schedule(schedule, self._windows.steps.lr_step)

@@ -28,7 +28,7 @@ from typing import Any
 import zmq
 
 from ..errors import EXIT_CONTROLLER_LOST, EXIT_RANK_LOST, DeadlineExceeded, PeerLost
-from ..testing.faults import FaultPlan
+from ..probes import NONE, Probes
 from ..wire.codec import FrameReader, FrameWriter
 from ..wire.messages import EndWindow, Heartbeat, Regroup, RunEval, Shutdown, ShutdownWithSave, Window, WindowDone
 from ..wire.transport import make_dealer
@@ -57,6 +57,7 @@ class ControllerLink:
         silence_timeout_s: float,
         parent_pid: int = 0,
         exit_grace_s: float = EXIT_GRACE_S,
+        probes: Probes = NONE,
     ) -> None:
         self.addr = addr
         self.sender = sender
@@ -66,8 +67,9 @@ class ControllerLink:
         self.writer = FrameWriter(secret, run_id, sender)
         self.reader = FrameReader(secret, run_id, name=sender, own=sender)  # our own frames reflected back: dropped
         self.commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._early: collections.deque[Any] = collections.deque()  # commands taken early (``take_eval``), in order
         self.windows = WindowInbox()  # windows in the order sent; reports kept to answer a re-sent window
-        self.faults = FaultPlan()  # tests: the runner's plan (a lost Window or WindowDone)
+        self.probes = probes  # tests: a lost Window or WindowDone (flodl/probes.py)
         self._lazy: collections.deque[bytes] = collections.deque()
         self.step = 0  # the training thread's step count (``progressed``), read by heartbeats
         # what the training thread is doing and when it last made progress in it (perf_counter):
@@ -120,7 +122,7 @@ class ControllerLink:
     def send_report(self, report: WindowDone) -> None:
         """Send a window's report, and keep it: the controller sends the window again if a reset lost it."""
         self.windows.reported(report)
-        if self.faults.reach("report") == "drop":
+        if self.probes.reach("report") == "drop":
             return  # tests: lost on the way, as in a connection reset
         self.send(report)
 
@@ -153,12 +155,22 @@ class ControllerLink:
             except queue.Empty:
                 continue
 
-    def poll_command(self) -> Any | None:
-        """The next queued command, or None (never blocks)."""
-        try:
-            return self.commands.get_nowait()
-        except queue.Empty:
-            return None
+    def take_eval(self) -> RunEval | None:
+        """The next ``RunEval`` queued, taken ahead of the commands queued before it (they keep
+        their order: ``early_command``); None when none has arrived (never blocks)."""
+        while True:
+            try:
+                cmd = self.commands.get_nowait()
+            except queue.Empty:
+                return None
+            if isinstance(cmd, RunEval):
+                return cmd
+            self._early.append(cmd)
+
+    def early_command(self) -> Any | None:
+        """The first command ``take_eval`` took on its way to a ``RunEval`` (it goes before
+        those still queued), or None."""
+        return self._early.popleft() if self._early else None
 
     def doing(self, busy: str) -> None:
         """The training thread starts ``busy`` (progress.BUSY); its stall clock restarts."""
@@ -318,7 +330,7 @@ class ControllerLink:
     def _sort_in(self, dealer: zmq.Socket, window: Window) -> None:
         """A window goes to the training thread in the order sent; a copy of one already reported
         (the controller thinks a reset lost it) is answered with the report again."""
-        if self.faults.reach("window") == "drop":
+        if self.probes.reach("window") == "drop":
             return  # tests: lost on the way, as in a connection reset
         ready, again = self.windows.arrive(window)
         if again is not None:

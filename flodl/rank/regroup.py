@@ -1,34 +1,51 @@
-"""Averaging that survives membership changes: a rank's side of regrouping.
+"""The rank's place in its group, and its averages across membership changes (``Group``).
 
-A mixin of ``RankRunner`` (runner.py), which holds the state these methods
-read and write. When a collective fails (a peer died) the rank puts its
-values back, waits for the controller's ``Regroup``, joins the survivors'
-new group (gathering first: collective.py says why) and redoes the same
-average there; a ``Regroup`` for ranks that joined also carries whose
-parameters (the consensus) every member takes.
+``Group`` owns the rank's ``GroupPosition`` (position.py: generation, world
+size, peers, where its averages stand, what is to be redone) and its averager
+(either backend: averager.py). Nothing else writes them; the other parts
+read the position, and ask ``Group`` to average, land, settle and regroup.
+
+When a collective fails (a peer died) the rank puts its values back, waits
+for the controller's ``Regroup``, joins the survivors' new group (gathering
+first: collective.py says why) and redoes the same average there; a
+``Regroup`` for ranks that joined also carries whose parameters (the
+consensus) every member takes.
+
+**The averaging step is one seam.** Every average the rank takes, through
+either backend, on any path (a round's end, after a redo), is applied to the
+rank in one place, ``_took``: the position moves on, the redo is cleared, the
+parts subscribed with ``on_average`` hear of it (the evaluator: BatchNorm
+statistics are stale), the liveness clock is told. A part that acts on each
+average (an outer optimizer on the averaged delta) subscribes there; the
+values of a background average reach the model later, at a batch boundary
+(``land_background``: collective.py ``_land``, cpu_average.py ``_apply``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..config import AverageBackend
+from ..config.deadlines import Deadlines
 from ..errors import DeadlineExceeded
 from ..wire import messages as m
 from .collective import CollectiveAverager, Superseded, build_group
 from .cpu_average import CpuAverager
-from .flat import Averaged
+from .flat import Averaged, FlatModel
+from .joining import cpu_averager, first_group
 from .outcomes import Stop, is_collective_error
+from .position import GroupPosition
 from .window_stats import RoundStats
 
 if TYPE_CHECKING:
-    from ..config.deadlines import Deadlines
-    from ..testing.faults import FaultPlan
     from .averager import Averager
-    from .link import ControllerLink
+    from .context import JoinedRun, RankContext
 
 log = logging.getLogger("flodl.rank.runner")
 
@@ -50,35 +67,63 @@ def redo_roles(mine: int, *, redo: bool, adopting: bool, top: int, top_redo: int
     return skip, join
 
 
-class Regrouping:
-    """Averages, and the rebuilt process groups they continue in."""
+class Group:
+    """The rank's group position and averager: averages, and the rebuilt process groups they continue in."""
 
-    # RankRunner's state that these methods read and write (runner.py sets it up)
-    rank: int
-    device: torch.device
-    link: ControllerLink
-    deadlines: Deadlines
-    faults: FaultPlan
-    model: torch.nn.Module
-    averager: Averager | None
-    welcome: m.RankWelcome | None
-    terminated: bool
-    world_size: int
-    generation: int
-    position: int
-    redoing: bool
-    skip_redo: bool
-    bg_redo: bool
-    dropped_window: int
-    peers: frozenset[int]
-    norms_stale: bool
+    def __init__(self, ctx: RankContext, deadlines: Deadlines) -> None:
+        self.ctx = ctx
+        self.link = ctx.link
+        self.rank = ctx.rank
+        self.at = GroupPosition()  # replaced whole, only here
+        self.deadlines = deadlines  # the heartbeat's until the welcome brings the rest (``join``)
+        self.averager: Averager | None = None  # set up by ``join``, before the first window, eval or regroup
+        self.welcome: m.RankWelcome | None = None  # the store regroups build their groups through
+        self.model: torch.nn.Module | None = None  # flattened when a run that started alone grows
+        self.listeners: list[Callable[[GroupPosition], object]] = []  # told of every average (``on_average``)
 
-    if TYPE_CHECKING:
+    # ---------------------------------------------------------------- joining
 
-        def _announced_after(self, generation: int) -> bool: ...  # runner.py
+    def join(self, run: JoinedRun, model: torch.nn.Module, flat: FlatModel | None) -> None:
+        """The welcome's group: the averager of the run's backend (CPU: through the controller or
+        this host's relay; collective: the first process group), and the first consensus (rank 0's
+        parameters; a joiner, ``welcome.late``, takes it with the Regroup that admits it)."""
+        welcome = run.welcome
+        self.welcome, self.model, self.deadlines = welcome, model, run.deadlines
+        self.at = GroupPosition(generation=welcome.generation, world_size=welcome.world_size)
+        if flat is not None and run.config.elche.mode.backend is AverageBackend.CPU:
+            self.averager = cpu_averager(self.ctx, run, flat)
+        else:
+            group = None
+            if flat is not None and not welcome.late:  # a joiner's comes with its Regroup
+                group = first_group(self.ctx, welcome, run.deadlines, self.announced_after, self.report_collective_failure)
+            collective = self.averager = CollectiveAverager(
+                flat, group, must_stop=self.ctx.must_stop, superseded=self.group_broken, adopting=welcome.late
+            )
+            self.at = dataclasses.replace(self.at, peers=frozenset(range(welcome.world_size)) if group is not None else frozenset())
+            # NCCL: break a hang on a dead peer (a regroup that only adds ranks leaves every collective able to finish)
+            self.link.call_on_regroup(lambda msg: collective.abort() if self._loses_peer(msg) else None)
+        if not welcome.late:
+            self._take_first_consensus(welcome)
 
-    def _averaging(self) -> Averager:
-        """The averager: ``_join`` sets it up before the first window, eval or regroup."""
+    def _take_first_consensus(self, welcome: m.RankWelcome) -> None:
+        """Take rank 0's parameters, unless the first group never formed or a rank died during
+        the broadcast: the survivors' Regroup then names whose parameters every member takes."""
+        averager = self.averaging()
+        try:
+            averager.broadcast_from(0)
+        except RuntimeError as exc:
+            if not isinstance(averager, CollectiveAverager) or not is_collective_error(exc):
+                raise
+            log.warning("rank %d: the first broadcast failed (%s); waiting for the survivors' group", self.rank, exc)
+            self.report_collective_failure(exc, welcome.generation)
+
+    def announced_after(self, generation: int) -> bool:
+        """Has the controller announced a membership generation newer than ``generation``?"""
+        announced = self.link.regroup
+        return announced is not None and announced.generation > generation
+
+    def averaging(self) -> Averager:
+        """The averager: ``join`` sets it up before the first window, eval or regroup."""
         assert self.averager is not None, "averaging before the rank joined"
         return self.averager
 
@@ -89,20 +134,40 @@ class Regrouping:
         assert isinstance(averager, CollectiveAverager), "a regroup step without a collective averager"
         return averager
 
-    def _average(self, weight: float, *, measure: bool, block: bool, round_index: int, stats: RoundStats) -> Averaged:
+    def _move(self, **changes: object) -> None:
+        """The one writer of the position: a new value with ``changes``."""
+        self.at = dataclasses.replace(self.at, **changes)  # type: ignore[arg-type]  # the fields, by name
+
+    # --------------------------------------------------------------- averaging
+
+    def on_average(self, listener: Callable[[GroupPosition], object]) -> None:
+        """Call ``listener(position)`` after every average this rank takes (``_took``)."""
+        self.listeners.append(listener)
+
+    def at_round(self, window: int, round_index: int) -> None:
+        """The next average is window ``window``'s round ``round_index``."""
+        self._move(position=(window << 16) | round_index)
+
+    def take_dropped_window(self) -> int:
+        """The window whose background average was dropped since the last report (-1: none), for this report."""
+        dropped = self.at.dropped_window
+        if dropped >= 0:
+            self._move(dropped_window=-1)
+        return dropped
+
+    def average(self, weight: float, *, measure: bool, block: bool, round_index: int, stats: RoundStats) -> Averaged:
         """Average, surviving a peer's death: if the collective fails, put the values
         back, join the survivors' new group, and do this same average again there."""
-        self.faults.reach("average")
+        self.ctx.probes.reach("average")
         self.link.doing("average")
-        averager = self._averaging()
+        averager = self.averaging()
         while True:
-            self._regroup_in_round(stats, round_index)
-            if self.skip_redo:
+            self.regroup_in_round(stats, round_index)
+            if self.at.skip_redo:
                 # the others completed the average this rank lost: it holds what we sent, and we
                 # take it from the next average, adding nothing to it (the adopting path)
-                self.skip_redo = self.redoing = False
                 self._collective().adopt_next()
-                self.position += 1
+                self._move(skip_redo=False, redoing=False, position=self.at.position + 1)
                 log.warning("rank %d: the survivors completed the failed average; taking their consensus next", self.rank)
                 self.link.doing("step")  # not an average of this generation: the adopting one will be
                 return Averaged(0.0)
@@ -114,38 +179,41 @@ class Regrouping:
             if not landed:
                 continue  # it was dropped: the survivors' group (above, next turn) repeats it first
             try:
-                averaged = averager.average(weight, measure=measure, block=block, tag=self.position)
-                self.norms_stale = self.norms_stale or self.world_size > 1
-                self.redoing = False
-                self.position += 1
-                return self._averaged(averaged)
+                averaged = averager.average(weight, measure=measure, block=block, tag=self.at.position)
             except RuntimeError as exc:
                 if not isinstance(averager, CollectiveAverager) or not is_collective_error(exc):
                     raise
-                if self.link.must_stop or self.terminated:
+                if self.ctx.must_stop():
                     raise Stop from None  # the run stops: an abandoned average is not worth redoing
-                self.redoing = True
+                self._move(redoing=True)
                 log.warning("rank %d: averaging failed (%s); waiting for the survivors' new group", self.rank, exc)
                 announced = self.link.regroup
-                if announced is None or announced.generation <= self.generation:
+                if announced is None or announced.generation <= self.at.generation:
                     # tell the controller: a death it has not seen yet, or a group to rebuild
                     # (a failure a newer generation already explains needs no hint)
-                    self._report_collective_failure(exc, self.generation)
+                    self.report_collective_failure(exc, self.at.generation)
                 averager.restore()
                 self._await_regroup()
                 stats.regrouped(round_index)
+                continue
+            return self._took(averaged)
 
-    def _averaged(self, averaged: Averaged) -> Averaged:
-        """An average completed: progress for the controller's liveness; the first in a new
-        generation is reported at once (the controller times the recovery by it)."""
+    def _took(self, averaged: Averaged) -> Averaged:
+        """An average completed (a background one: launched): the rank moves on past it. The one
+        place an average is applied to the rank: its position, the redo, the listeners (the
+        evaluator; an outer optimizer would be one), and progress for the controller's liveness
+        (the first average in a new generation is reported at once: the recovery is timed by it)."""
+        self._move(redoing=False, position=self.at.position + 1)
+        for listener in self.listeners:
+            listener(self.at)
         self.link.doing("step")
-        self.link.averaged_in(self.generation)
+        self.link.averaged_in(self.at.generation)
         return averaged
 
     def _previous_landed(self) -> bool:
         """Before an average: the background one still in flight lands first (one at a time).
         False when it failed: it is dropped, and the rank waits for the survivors' new group."""
-        averager = self._averaging()
+        averager = self.averaging()
         if not isinstance(averager, CollectiveAverager):
             return True
         try:
@@ -156,19 +224,19 @@ class Regrouping:
         self._await_regroup()
         return False
 
-    def _land_background(self) -> None:
+    def land_background(self) -> None:
         """Land an average that completed while this rank trained (never blocks).
 
         A collective one that failed (a peer died) is dropped, the live values
         kept; the controller is told unless a newer generation already explains
-        it, and training goes on until its Regroup (``_maybe_regroup``).
+        it, and training goes on until its Regroup (``maybe_regroup``).
         """
         try:
-            self._averaging().poll()
+            self.averaging().poll()
         except RuntimeError as exc:
             self._background_failed(exc)
 
-    def _settle_background(self) -> None:
+    def settle_background(self) -> None:
         """Wait for the collective average still in flight and land it (eval, save, exit):
         bounded like every collective wait; a failure drops it and is reported."""
         if not isinstance(self.averager, CollectiveAverager):
@@ -185,34 +253,35 @@ class Regrouping:
     def _background_failed(self, exc: RuntimeError) -> None:
         if not isinstance(self.averager, CollectiveAverager) or not is_collective_error(exc):
             raise exc
-        if self.link.must_stop or self.terminated:
+        if self.ctx.must_stop():
             raise Stop from None
         # every member must do the same number of averages in the new group: this one is repeated
-        # there, unless a survivor already has it behind it (``_enter`` compares positions)
-        self.bg_redo = True
-        # the window that launched it (an average's tag is its position: window << 16 | round): the
+        # there, unless a survivor already has it behind it (``_enter`` compares positions); the
+        # window that launched it (an average's tag is its position: window << 16 | round): the
         # next report names it, so the controller knows whether a dead peer's last window landed anywhere
-        self.dropped_window = max(self.dropped_window, self.averager.dropped_tag >> 16)
+        self._move(bg_redo=True, dropped_window=max(self.at.dropped_window, self.averager.dropped_tag >> 16))
         log.warning("rank %d: a background average failed (%s); keeping this replica's values", self.rank, exc)
         announced = self.link.regroup
-        if announced is None or announced.generation <= self.generation:
-            self._report_collective_failure(exc, self.generation)
+        if announced is None or announced.generation <= self.at.generation:
+            self.report_collective_failure(exc, self.at.generation)
 
-    def _regroup_in_round(self, stats: RoundStats, round_index: int) -> None:
-        """``_maybe_regroup`` inside a window's round ``round_index``, before its average: a
+    # ------------------------------------------------------------- regrouping
+
+    def regroup_in_round(self, stats: RoundStats, round_index: int) -> None:
+        """``maybe_regroup`` inside a window's round ``round_index``, before its average: a
         generation that lost a member makes this round's average the survivors' alone, so the
         window's report says so (``regrouped_at``) and the controller counts none of the dead
         rank's batches from this round on as averaged in (cadence.py ``_dead_consumed``)."""
-        if self._regroup_lost_peer():
+        if self.regroup_lost_peer():
             stats.regrouped(round_index)
 
-    def _regroup_lost_peer(self) -> bool:
-        """``_maybe_regroup``; True if the generation it joined left out a member of this rank's group."""
-        generation, peers = self.generation, self.peers
-        self._maybe_regroup()
-        return self.generation != generation and not peers <= self.peers
+    def regroup_lost_peer(self) -> bool:
+        """``maybe_regroup``; True if the generation it joined left out a member of this rank's group."""
+        before = self.at
+        self.maybe_regroup()
+        return self.at.generation != before.generation and not before.peers <= self.at.peers
 
-    def _maybe_regroup(self) -> None:
+    def maybe_regroup(self) -> None:
         """Act on a new membership generation the controller announced.
 
         Collective backend: rebuild the group among the members; when ranks
@@ -221,15 +290,15 @@ class Regrouping:
         which averaging round is its first.
         """
         msg = self.link.regroup
-        if msg is None or msg.generation <= self.generation:
+        if msg is None or msg.generation <= self.at.generation:
             return
-        averager = self._averaging()
+        averager = self.averaging()
         if isinstance(averager, CpuAverager):
             if averager.adopting and self.rank in msg.members and msg.first_round >= 0:
                 averager.start_at_round(msg.first_round)
-                self.generation = msg.generation
+                self._move(generation=msg.generation)
             return
-        self._settle_background()  # an average of the old group: landed if it completed, else dropped
+        self.settle_background()  # an average of the old group: landed if it completed, else dropped
         busy = self.link.busy
         self.link.doing("average")
         try:
@@ -241,16 +310,14 @@ class Regrouping:
     def _redo_background(self) -> None:
         """Repeat, in the new group, the background average this rank dropped, unless another
         member completed it (``_enter``: it is ahead); then the next average blends ours in."""
-        if not self.bg_redo:
+        if not self.at.bg_redo:
             return
-        self.bg_redo = False
-        skip, self.skip_redo = self.skip_redo, False
+        skip = self.at.skip_redo
+        self._move(bg_redo=False, skip_redo=False)
         averager = self._collective()
         if skip or averager.group is None:
             return
-        current = self.position
-        averager.average(averager.dropped_weight, block=False, tag=averager.dropped_tag)
-        self.position = current
+        averager.average(averager.dropped_weight, block=False, tag=averager.dropped_tag)  # the position stays
 
     def _regroup_to(self, msg: m.Regroup) -> None:
         """Join ``msg``'s generation, or a newer one when the world changes again meanwhile."""
@@ -261,8 +328,8 @@ class Regrouping:
                 self._enter(msg)
                 return
             except Superseded:
-                if self.link.ending or self.terminated:
-                    raise Stop from None  # the run stops or is over: no group to build (runner._stopped)
+                if self.ctx.ending():
+                    raise Stop from None  # the run stops or is over: no group to build (runner.py ``stopped``)
                 msg = self._newest()  # the world changed again while we gathered: join the newer one
             except RuntimeError as exc:
                 if not is_collective_error(exc):
@@ -272,18 +339,18 @@ class Regrouping:
                 # generation that follows (a joiner left without the consensus takes it from
                 # its first average: CollectiveAverager.adopting)
                 log.warning("rank %d: building generation %d failed (%s); waiting for the next one", self.rank, msg.generation, exc)
-                self._report_collective_failure(exc, msg.generation)
+                self.report_collective_failure(exc, msg.generation)
                 self._await_regroup(after=msg.generation)
                 msg = self._newest()
 
     def _newest(self) -> m.Regroup:
-        """The newest generation announced, once a wait ended on one (``_announced_after``: the
+        """The newest generation announced, once a wait ended on one (``announced_after``: the
         link only ever replaces it with a newer one, never with None)."""
         msg = self.link.regroup
         assert msg is not None, "no membership generation announced"
         return msg
 
-    def _report_collective_failure(self, exc: RuntimeError, generation: int) -> None:
+    def report_collective_failure(self, exc: RuntimeError, generation: int) -> None:
         """Tell the controller a collective of ``generation`` failed (a death it may not have seen yet)."""
         self.link.send(
             m.RankError(rank=self.rank, stage="collective", error=f"{type(exc).__name__}: {exc}"[:2000], detail="", generation=generation)
@@ -293,25 +360,25 @@ class Regrouping:
         """Become one of ``msg``'s members: its group, then (ranks joined) the consensus."""
         averager = self._collective()
         group = self._group_for(msg)
-        self.generation = msg.generation
         world = len(msg.members)
+        self._move(generation=msg.generation)
         averager.enter_group(group)
-        self.peers = frozenset(msg.members) if group is not None else frozenset()
-        self.world_size = world
+        self._move(peers=frozenset(msg.members) if group is not None else frozenset(), world_size=world)
         if msg.sync_from >= 0 and msg.sync_from in msg.members:
             averager.broadcast_from(msg.members.index(msg.sync_from))  # a joiner stops adopting
-            self.bg_redo = False  # every member now holds the same values: nothing to repeat
+            self._move(bg_redo=False)  # every member now holds the same values: nothing to repeat
         elif group is not None:
             # A death mid-average can leave some survivors with the average done and others
             # without (a ring's last step reached some). Every member says which average it does
             # next (``position``: window and round); a member redoing a failed average that
             # another member already has behind it skips the redo and takes the others'
-            # consensus from the next average (``_average``); otherwise all do it together.
+            # consensus from the next average (``average``); otherwise all do it together.
             # a dropped background average counts at its own position: the one it repeats
-            mine = averager.dropped_tag if self.bg_redo else self.position
-            redo = self.redoing or self.bg_redo
+            mine = averager.dropped_tag if self.at.bg_redo else self.at.position
+            redo = self.at.redoing or self.at.bg_redo
             top, top_redo = averager.highest(mine, mine if redo else -1)  # every member calls it: a collective
-            self.skip_redo, join = redo_roles(mine, redo=redo, adopting=averager.adopting, top=top, top_redo=top_redo)
+            skip, join = redo_roles(mine, redo=redo, adopting=averager.adopting, top=top, top_redo=top_redo)
+            self._move(skip_redo=skip)
             if join:
                 # a joiner holds nothing of the average the survivors repeat, but it must take part
                 # (one collective each, in the same order): with weight 0, which also hands it their
@@ -328,12 +395,12 @@ class Regrouping:
     def _loses_peer(self, msg: m.Regroup) -> bool:
         """Does ``msg`` leave out a member of this rank's group? Only then can a collective of the
         group no longer finish; a regroup that only adds ranks lets every member settle first."""
-        return not self.peers <= set(msg.members)
+        return not self.at.peers <= set(msg.members)
 
-    def _group_broken(self) -> bool:
+    def group_broken(self) -> bool:
         """A newer generation was announced without one of this group's members: abandon its collectives."""
         msg = self.link.regroup
-        return msg is not None and msg.generation > self.generation and self._loses_peer(msg)
+        return msg is not None and msg.generation > self.at.generation and self._loses_peer(msg)
 
     def _group_for(self, msg: m.Regroup) -> torch.distributed.ProcessGroup | None:
         """Build ``msg``'s process group (None for a world of one).
@@ -347,7 +414,7 @@ class Regrouping:
         world = len(msg.members)
         if world <= 1:
             return None
-        assert self.welcome is not None  # regroups come after the welcome (_join)
+        assert self.welcome is not None and self.model is not None  # regroups come after the welcome (join)
         self._collective().flatten(self.model)  # a run that started alone and just grew
         return build_group(
             store_host=self.welcome.store_host,
@@ -355,21 +422,21 @@ class Regrouping:
             prefix=msg.store_prefix,
             rank=msg.members.index(self.rank),
             world_size=world,
-            device=self.device,
+            device=self.ctx.device,
             timeout_s=self.deadlines.collective_timeout_s,
             gather_s=self.deadlines.group_gather_s,
-            give_up=lambda: self.link.ending or self.terminated or self._announced_after(msg.generation),
-            on_gathered=lambda: self.faults.reach("regroup"),
+            give_up=lambda: self.ctx.ending() or self.announced_after(msg.generation),
+            on_gathered=lambda: self.ctx.probes.reach("regroup"),
         )
 
     def _await_regroup(self, after: int | None = None) -> None:
         """Wait (bounded) for the controller to announce the survivors' new world:
         a generation above ``after`` (default: the one this rank is in)."""
-        after = self.generation if after is None else after
+        after = self.at.generation if after is None else after
         deadline = time.monotonic() + self.deadlines.regroup_wait_s
-        while not self._announced_after(after):
-            if self.link.ending or self.terminated:
-                raise Stop  # the run stops or is over: no new group will come (runner._stopped)
+        while not self.announced_after(after):
+            if self.ctx.ending():
+                raise Stop  # the run stops or is over: no new group will come (runner.py ``stopped``)
             if time.monotonic() > deadline:
                 raise DeadlineExceeded("a collective failed and no new membership generation came")
             time.sleep(0.01)

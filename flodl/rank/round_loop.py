@@ -1,4 +1,4 @@
-"""A round's batch loop state, and the batch it hands out to train (``RankRunner._round_steps``).
+"""A round's batch loop state, and the batch it hands out to train (``Windows.round_steps``, windows.py).
 
 The loop between two averages is a generator: it runs the checks and the
 bookkeeping between batches and yields each batch to train as a ``Due``. A
@@ -46,4 +46,4 @@ class RoundLoop:
     whole: bool = True  # no shard is part-trained: the window may stop here
     stepped: int = 0  # batches trained in this round
     shards: int = 0  # shards ended in this round
-    last: StepRecord | None = None  # the round's last step, held back until its average (runner._report)
+    last: StepRecord | None = None  # the round's last step, held back until its average (``Windows.report``)

@@ -1,7 +1,7 @@
 """A rank's part of checkpointing: bundle files, the user's checkpoint_fn, and
 the emergency save when the controller is lost.
 
-Kept out of the training loop so the runner only decides *when*; here is *what*.
+Kept out of the training loop so the rank only decides *when* (saves.py); here is *what*.
 A rank writes data files under the tag it is given and never over a file a
 committed sidecar names (flodl/checkpoint/files.py); it refuses to write a model or
 optimizer state holding NaN/Inf, so a diverged run cannot replace a good bundle.

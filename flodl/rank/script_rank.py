@@ -1,32 +1,36 @@
-"""``ScriptRank``: the rank runner of script mode, driven from a thread beside the user's loop.
+"""``ScriptRank``: the rank of script mode, driven from a thread beside the user's loop.
 
-It is ``RankRunner`` with four seams filled differently (the rest, from
-hello to exit, is the rank every ``Task`` gets: windows, averages, regroups,
-saves, liveness):
+It runs a ``RankRunner`` (the rank every ``Task`` gets, from hello to exit:
+windows, averages, regroups, saves, liveness) with the seams (seams.py)
+filled for a script:
 
-* ``_enter_build_phase``: the RNGs are seeded alike on every rank at
+* ``trap_signals``: none here (signals reach the main thread: ``flodl.init()``
+  traps SIGTERM there);
+* ``before_build`` waits for the script's ``run.prepare(...)``;
+* ``enter_build_phase``: the RNGs are seeded alike on every rank at
   ``flodl.init()``, before the script builds its model and data, not when
   the rank builds its hello (determinism.py); ``run.prepare()`` returns with
   each rank's own stream, as a Task's first batch has it;
-* ``_load_task`` waits for the script's ``run.prepare(...)`` and makes a
-  ``Task`` of what it got (the script's model, optimizer and dataset; its
-  ``train_step`` is never called);
-* ``_drive_round`` hands each round of the batch loop to the script's thread
+* ``load_task`` makes a ``Task`` of what the script prepared (its model,
+  optimizer and dataset; its ``train_step`` is never called); ``hello`` says
+  the script's accumulation; ``joined`` lets ``run.prepare()`` return;
+* ``drive_round`` hands each round of the batch loop to the script's thread
   (script_round.py): ``run.batches()`` runs the rank's bookkeeping between
   the script's batches there, and the script runs forward, backward and its
   optimizer's step itself, giving ``run.step`` the loss; an epoch that ends
   in a round hands the script its end, so its code after ``for batch in
   run.batches()`` (an eval, a report) runs before the next epoch's first
   batch, watched as a callback is;
-* ``_train_state`` / ``_resume_optimizer`` keep the objects the script
+* ``accumulating``: inside the script's own accumulation (``run.step``);
+* ``completed``: the script's epochs after its last batch end, in order;
+* ``settled``: before a consensus bundle and at the clean end, the model's
+  BatchNorm statistics are re-estimated (norms.py), as before the script's
+  code after each epoch's batches (``fresh_norms``): that code may score or
+  save the model, and a ``Task`` re-estimates them before its evals too;
+* ``train_state`` / ``resume_optimizer`` keep the objects the script
   registers (``run.register_state``: its LR schedulers, a GradScaler, its
   counters) in the bundle's ``.optim`` file beside the optimizer's state, and
   restore them on resume (script_state.py).
-
-Where averages changed the model, its BatchNorm statistics are re-estimated
-(norms.py) before the script's code after an epoch's batches and, at the
-run's end, before the final bundle: that code may score or save the model,
-and a ``Task`` re-estimates them before its evals too.
 
 Every handoff goes through the ``Bridge``: one thread runs at a time, and a
 round's batches switch no thread.
@@ -37,27 +41,31 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .. import scalars
-from ..checkpoint.bundle import load_optimizer
+from ..config.deadlines import Deadlines
 from ..config.env import RankEnv
 from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_TASK_ERROR, PeerLost, TaskError
 from ..task import Task
 from ..wire import messages as m
 from .bridge import EPOCH, EPOCH_END, PREPARED, ROUND, Bridge, Item, ScriptFailed
+from .data import BatchSource
 from .determinism import enter_build_phase
-from .norms import norm_layers
 from .outcomes import Stop, UserError, user_traceback
+from .replica import Replica
 from .round_loop import Due
 from .runner import RankRunner
 from .script_round import InlineRound, Raised
 from .script_state import ScriptState
+from .seams import Seams
+from .shard_source import ShardSource
 from .step_meter import StepRecord
+from .windows import Windows
 
 log = logging.getLogger(__name__)
 
@@ -91,18 +99,36 @@ def _never(model: torch.nn.Module, batch: Any, device: torch.device) -> torch.Te
     raise AssertionError("script mode: the script's own loop computes the loss")
 
 
-class ScriptRank(RankRunner):
-    """A rank whose training step is the script's own loop body."""
+class ScriptRank(Seams):
+    """A rank whose training step is the script's own loop body: the seams filled for a script,
+    and the ``RankRunner`` they serve (``runner``), run on a thread of its own (``start``)."""
 
     def __init__(self, env: RankEnv, bridge: Bridge) -> None:
-        super().__init__(env)
         self.bridge = bridge
+        self.runner = RankRunner(env, seams=self)
+        self.rank, self.device = env.rank, self.runner.device
+        self.deadlines: Deadlines = self.runner.deadlines  # the heartbeat's: how long a failed rank waits for its verdict
         self.prepared: Prepared | None = None
-        self.threads = 0  # intra-op threads _build chose for this rank (0: not yet)
+        self.threads = 0  # intra-op threads the build chose for this rank (0: not yet)
         self.states = ScriptState()  # what run.register_state gave, and what a resumed bundle holds for it
         self.micro = 0  # batches since the script last stepped its optimizer (inside an accumulation: > 0)
         # flodl.init(), on the script's thread: the script builds its model and data from here on
         enter_build_phase(env)
+
+    # what the script's ``Run`` reads of its rank
+
+    @property
+    def world_size(self) -> int:
+        return self.runner.group.at.world_size
+
+    @property
+    def source(self) -> BatchSource | ShardSource | None:
+        """The rank's batch source (None before it joined)."""
+        joined = self.runner.joined
+        return joined.data.source if joined is not None else None
+
+    def on_sigterm(self, signum: int, frame: Any) -> None:
+        self.runner.on_sigterm(signum, frame)
 
     def start(self) -> threading.Thread:
         """Run the rank on a daemon thread (a stuck driver never holds the process); ``bridge.ended`` says how it ended."""
@@ -113,41 +139,46 @@ class ScriptRank(RankRunner):
     def _drive(self) -> None:
         code = EXIT_FAILED
         try:
-            code = self.run()
+            code = self.runner.run()
         except Exception:  # a flodl bug: say so; the script still gets its end
             log.exception("rank %d: the driver failed", self.rank)
         finally:
             self.bridge.finish(code)
 
-    def _trap_signals(self) -> None:
+    # ------------------------------------------------------------- the seams
+
+    def trap_signals(self, on_sigterm: Callable[[int, Any], None]) -> None:
         """Signals reach the main thread only: ``flodl.init()`` traps SIGTERM there."""
 
-    def _run(self) -> int:
+    def before_build(self, runner: RankRunner) -> int | None:
+        """Wait for the script's ``run.prepare(...)``: None once it came; the exit code when the run
+        stopped first or the script failed before it."""
         try:
             self.prepared = self.bridge.first(self._check_alive)
         except Stop:
-            return self._stopped()
+            return runner.stopped()
         except ScriptFailed as exc:
             if isinstance(exc.reason, TaskError):  # flodl refused what the script gave it (an empty Shards): exit 2
-                return self._fail("task spec", exc.reason, EXIT_CONFIG)
-            return self._fail("build", exc.reason, EXIT_TASK_ERROR)
-        return super()._run()
+                return runner.fail("task spec", exc.reason, EXIT_CONFIG)
+            return runner.fail("build", exc.reason, EXIT_TASK_ERROR)
+        return None
 
     def _check_alive(self) -> None:
         """Before prepare(): the run may end while the script builds its model and data."""
-        if self.link.lost:
-            raise PeerLost(self.link.lost)
-        if self.terminated or self.link.must_stop:
+        link = self.runner.link
+        if link.lost:
+            raise PeerLost(link.lost)
+        if self.runner.terminated or link.must_stop:
             raise Stop
 
-    def _load_task(self) -> Task:
+    def load_task(self, env: RankEnv) -> Task:
         """A ``Task`` of what the script prepared.
 
         Raises:
             TaskError: the dataset is empty (the user's error: exit 2, one line, as a Task's).
         """
         p = self.prepared
-        assert p is not None  # _run waited for it
+        assert p is not None  # before_build waited for it
         if len(p.dataset) == 0:
             raise TaskError("run.prepare(..., dataset): the dataset is empty (no samples to train)")
         return Task(
@@ -163,115 +194,114 @@ class ScriptRank(RankRunner):
             bn_recalibration_batches=p.bn_recalibration_batches,
         )
 
-    def _enter_build_phase(self) -> None:
+    def enter_build_phase(self, env: RankEnv) -> None:
         """Entered already, at ``flodl.init()`` (``__init__``): the script has built since."""
 
-    def _build(self) -> m.RankHello:
-        hello = super()._build()
-        # the intra-op thread count is per thread: the one _build chose (the rank's share of the
+    def hello(self, hello: m.RankHello) -> m.RankHello:
+        # the intra-op thread count is per thread: the one the build chose (the rank's share of the
         # cores) is set on this thread only; prepare() sets it on the script's thread too
         self.threads = torch.get_num_threads()
         # the script's accumulation, not the Task's (which never accumulates: the script steps)
         return dataclasses.replace(hello, accumulate_grad_batches=self._accumulate)
 
-    def _join(self, welcome: m.RankWelcome) -> None:
-        super()._join(welcome)
-        # a Task with a train_step has none (its model input is unknown): the script's batches
-        # are its own too, but a model taking them otherwise only costs a warning (fresh_norms)
-        self.norm_layers = norm_layers(self.model) if self.task.bn_recalibration_batches else []
+    def joined(self) -> None:
+        joined = self.runner.joined
+        if joined is not None:  # the script's batches are its own: re-estimate BatchNorm statistics as a Task's eval rank does
+            joined.evaluator.track_norms()
         self._hand(Item(PREPARED))  # prepare() returns; the script's next call goes on
 
-    def _resume_optimizer(self, stem: str) -> None:
+    def resume_optimizer(self, replica: Replica, stem: str, global_step: int) -> None:
         """The optimizer's state and the script's registered objects, from the bundle. The loaded
         groups' LRs stay as saved: the script's own schedulers set them (there is no flodl schedule
         to re-apply), and the schedulers' restored state steps on from them."""
-        saved = load_optimizer(self.optimizer, stem, fits=[len(o.param_groups) for o in self.optimizers])
-        self.states.resume(saved)
+        self.states.resume(replica.load_optimizer(stem))
 
-    def _train_state(self) -> dict[str, Any] | None:
-        out = super()._train_state() or {}
+    def train_state(self, replica: Replica) -> dict[str, Any] | None:
+        out = replica.train_state() or {}
         out.update(self.states.saved())
         return out
 
-    def _end_epoch(self) -> None:
+    def _end_epoch(self, windows: Windows) -> None:
         """Hand the script the end of its current epoch, then send the controller what it reported
         up to then (``EpochEnd``): that epoch's row waits for it (controller/epoch_ends.py).
 
         Raises:
             UserError: the script's code raised.
         """
-        busy = self.link.busy
-        self.link.doing("callback")  # the script's code between epochs: watched as epoch_fn is
-        self.fresh_norms()
-        self._hand(Item(EPOCH_END, epoch=self.current_epoch))
-        self.epoch_ended(busy)
+        link = self.runner.link
+        busy = link.busy
+        link.doing("callback")  # the script's code between epochs: watched as epoch_fn is
+        self.fresh_norms(windows)
+        self._hand(Item(EPOCH_END, epoch=windows.current_epoch))
+        self.epoch_ended(windows, busy)
 
-    def epoch_ended(self, busy: str) -> None:
+    def epoch_ended(self, windows: Windows, busy: str) -> None:
         """The script's code after its epoch's batches is done: send what it reported (``EpochEnd``),
         and the link is ``busy`` again."""
-        self.link.send(m.EpochEnd(rank=self.rank, epoch=self.current_epoch, scalars=scalars.drain()))
-        self.link.doing(busy)
+        link = self.runner.link
+        link.send(m.EpochEnd(rank=self.rank, epoch=windows.current_epoch, scalars=scalars.drain()))
+        link.doing(busy)
 
-    def fresh_norms(self) -> None:
+    def fresh_norms(self, windows: Windows) -> None:
         """Before the script's code after an epoch's batches (its eval, its saves): the model's
         BatchNorm statistics re-estimated from the first batches of the epoch's order, if averages
         changed the model since they last were (norms.py; every rank reads the same batches). A
         background average still in flight moves them by what it brings when it lands, between
         the next batches, whose training moves them too; the window's own average marks them
         stale again."""
-        if self.current_epoch >= 0:
-            self._refresh_norms(self.current_epoch)
+        joined = self.runner.joined
+        if joined is not None and windows.current_epoch >= 0:
+            joined.evaluator.refresh_norms(windows.current_epoch)
 
-    def _settled_norms(self) -> None:
-        """The last average landed, then the BatchNorm statistics re-estimated (every rank from the
-        same batches: the replicas stay equal)."""
-        self._finish_accumulation()
-        self._settle_background()
-        busy = self.link.busy
-        self.link.doing("eval")  # forward passes, as a Task's eval rank runs them: watched as an eval is
-        self.fresh_norms()
-        self.link.doing(busy)
+    def settled(self) -> None:
+        """A consensus bundle (the final one too) and the clean end hold re-estimated statistics, as a
+        Task's final checkpoint holds what its eval scored (every rank from the same batches: the
+        replicas stay equal)."""
+        runner = self.runner
+        joined = runner.joined
+        if joined is None:
+            return
+        link = runner.link
+        busy = link.busy
+        link.doing("eval")  # forward passes, as a Task's eval rank runs them: watched as an eval is
+        self.fresh_norms(joined.windows)
+        link.doing(busy)
 
-    def _checkpoint(self, cmd: m.SaveCheckpoint) -> None:
-        """A consensus bundle (the final one too) holds re-estimated statistics, as a Task's final
-        checkpoint holds what its eval scored."""
-        self._settled_norms()
-        super()._checkpoint(cmd)
-
-    def _shut_down(self, cmd: m.Shutdown | m.ShutdownWithSave) -> int:
-        """A clean end: the rank's digest and the script's last epoch's end hold re-estimated statistics."""
-        if not cmd.abort:
-            self._settled_norms()
-        return super()._shut_down(cmd)
-
-    def _completed(self) -> int:
+    def completed(self, windows: Windows) -> int:
         """The run completed and the last average landed: the script's current epoch ends now, on
         the consensus, then every epoch after it that this rank trained no batch of begins and
         ends, up to the run's last (every rank's ``run.epochs()`` yields every epoch), and their
         reports reach their rows. An error there is the script's own (the run trained every
         epoch): its traceback here, and the process exits with 4."""
         try:
-            if self.current_epoch >= 0:
-                self._end_epoch()
-            while (empty := self.epoch_before(self.epochs)) is not None:
-                self._enter_epoch(empty)
+            if windows.current_epoch >= 0:
+                self._end_epoch(windows)
+            while (empty := windows.epoch_before(windows.epochs)) is not None:
+                windows.enter_epoch(empty)
                 self._hand(Item(EPOCH, epoch=empty))  # the script's run.epochs() yields it; its run.batches() is empty
-                self._end_epoch()
+                self._end_epoch(windows)
         except UserError as exc:
             log.error("rank %d: the script's code after its last batch raised:\n%s", self.rank, user_traceback(exc.original))
             return EXIT_TASK_ERROR
         return EXIT_OK
 
-    def _drive_round(self, steps: Generator[Due, list[StepRecord], None]) -> None:
+    def drive_round(self, windows: Windows, steps: Generator[Due, list[StepRecord], None]) -> None:
         """The script's thread runs the round (script_round.py): this thread waits until it ends,
         and raises what the round's loop raised there.
 
         Raises:
             UserError: the script's code raised.
         """
-        outcome = self._hand(Item(ROUND, round=InlineRound(self, steps)))
+        outcome = self._hand(Item(ROUND, round=InlineRound(self, windows, steps)))
         if isinstance(outcome, Raised):
             raise outcome.error
+
+    def accumulating(self, replica: Replica) -> bool:
+        """Inside the script's accumulation: the window goes on (no average, no quota stop) until
+        the script steps its optimizer, as for a Task's ``accumulate_grad_batches``."""
+        return self.micro > 0
+
+    # ------------------------------------------------- the script's thread
 
     def stepped(self, done: Stepped) -> torch.Tensor:
         """The script trained the batch handed out (``run.step``): its loss; counts the accumulation."""
@@ -279,17 +309,12 @@ class ScriptRank(RankRunner):
         stepped = done.optimizer_stepped
         if stepped or (stepped is None and self.micro >= self._accumulate):
             self.micro = 0
-        self.faults.reach("batch")  # tests: a death mid-batch (the script's step taken, not yet counted)
+        self.runner.ctx.probes.reach("batch")  # tests: a death mid-batch (the script's step taken, not yet counted)
         return done.loss
 
     @property
     def _accumulate(self) -> int:
         return self.prepared.accumulate_grad_batches if self.prepared is not None else 1
-
-    def _accumulating(self) -> bool:
-        """Inside the script's accumulation: the window goes on (no average, no quota stop) until
-        the script steps its optimizer, as for a Task's ``accumulate_grad_batches``."""
-        return self.micro > 0
 
     def _hand(self, item: Item) -> Any:
         try:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import scriptspec
-from ..config.env import has_master_addr, script_report
+from ..config.env import has_master_addr, probes_requested, script_report
 from ..errors import EXIT_CONFIG
 from .outcomes import user_traceback
 
@@ -134,6 +134,10 @@ def main() -> int:
     if len(sys.argv) < 2:
         print(f"usage: python -m {scriptspec.START_MODULE} SCRIPT.py [ARGS]", file=sys.stderr)
         return EXIT_CONFIG
+    if probes_requested():  # tests and benchmarks: faults, a simulated pace (flodl/probes.py)
+        from ..testing.probes import install_from_environment
+
+        install_from_environment()
     return run_script(sys.argv[1], sys.argv[2:])
 
 

@@ -1,7 +1,7 @@
 """How batches become optimizer updates when a task asks for more than the plain step.
 
 The plain step (``Task.precision`` "32", one batch per step, no ``scheduler``)
-stays inline in ``RankRunner._step``: it pays nothing for what is here. A task
+stays inline in ``Replica.step`` (replica.py): it pays nothing for what is here. A task
 that sets any of gradient accumulation, mixed precision or a torch LR scheduler
 gets one ``Update`` at join, which runs each batch's forward and backward and
 the optimizer step at the end of every accumulation. Several optimizers (a

@@ -1,6 +1,6 @@
-"""What one window trained: the runner's tally, reported in ``WindowDone``.
+"""What one window trained: its tally (windows.py), reported in ``WindowDone``.
 
-Its own module so that the runner and the averaging it delegates to
+Its own module so that the window training and the averaging it delegates to
 (regroup.py) both use it without importing each other.
 """
 
@@ -18,7 +18,7 @@ class RoundStats:
 
     batches: int = 0
     samples: int = 0
-    positions: int = 0  # shards trained whole (a Shards dataset; the runner counts them)
+    positions: int = 0  # shards trained whole (a Shards dataset; the window's loop counts them)
     loss_sum: float = 0.0
     compute_ms: float = 0.0
     data_ms: float = 0.0

@@ -56,6 +56,7 @@ from typing import Any
 
 from ..config import env as flodl_env
 from ..host import proctitle
+from ..host.fork_context import namespaces, startup_settings
 from ..host.proc import die_with_parent
 
 
@@ -330,26 +331,6 @@ def reopen_stdio(unbuffered: bool) -> None:
         new = io.TextIOWrapper(binary, encoding=old.encoding, errors=old.errors, line_buffering=line, write_through=unbuffered)
         setattr(sys, name, new)
         setattr(sys, f"__{name}__", new)
-
-
-#: Environment a fresh interpreter (and torch's import) reads once, at its start: a server's children
-#: have the server's, so a worker whose own differ does not use it. ``PYTHONUNBUFFERED`` is followed
-#: (``reopen_stdio``); ``PYTHONPATH`` is the child's own (``child_sys_path``).
-STARTUP_NAMES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-
-
-def startup_settings(env: dict[str, str]) -> dict[str, str]:
-    """The variables of ``env`` that take effect at an interpreter's start (``STARTUP_NAMES``, ``PYTHON*``)."""
-    return {k: v for k, v in env.items() if k in STARTUP_NAMES or (k.startswith("PYTHON") and k not in ("PYTHONPATH", "PYTHONUNBUFFERED"))}
-
-
-def namespaces() -> dict[str, str]:
-    """This process's network, mount and PID namespaces (a forked rank lives in them)."""
-    found = {}
-    for kind in ("net", "mnt", "pid"):
-        with contextlib.suppress(OSError):
-            found[kind] = os.readlink(f"/proc/self/ns/{kind}")
-    return found
 
 
 def entry(argv: list[str]) -> tuple[str, str, list[str]]:

@@ -80,7 +80,7 @@ class FaultPlan:
                 plan.armed[point] = (nth, action)
         return plan
 
-    def reach(self, point: str, index: int | None = None, before: Callable[[], None] | None = None) -> str | None:
+    def reach(self, point: str, index: int | None = None, before: Callable[[], object] | None = None) -> str | None:
         """Called at ``point``; fires when its count (or the given index) equals the armed n,
         after calling ``before`` (``reported``: the report is flushed first).
 
