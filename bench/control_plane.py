@@ -146,7 +146,7 @@ def sim_worker(
         writer = FrameWriter(SECRET, RUN, f"rank{r}.bench")
         sock.send(
             writer.encode(
-                m.RankHello(r, "bench", os.getpid(), "cpu", VERSIONS, "sig", 1, "shuf", frames, "", False, "none", 1, "sample", 1)
+                m.RankHello(r, "bench", os.getpid(), "cpu", VERSIONS, "sig", 1, "shuf", frames, "", False, "none", 1, "sample", 1, "")
             )
         )
         ranks.append((r, sock, writer, FrameReader(SECRET, RUN)))

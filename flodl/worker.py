@@ -60,6 +60,7 @@ from .config.env import (
 )
 from .config.joinfile import read_join_file
 from .errors import EXIT_CONFIG, EXIT_CONTROLLER_LOST, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, ConfigError
+from .host.cores import core_plan, format_cores
 from .host.devices import choose_devices
 from .host.proc import ChildProcess, die_with_parent, nap, terminate_then_kill
 from .host.store_server import write_port
@@ -109,6 +110,7 @@ class Worker:
     ) -> None:
         self.controller = controller
         self.devices = devices
+        self._core_plan: list[list[int]] | None = None  # the host's core layout (host/cores.py), made at the first spawn
         self.local_ranks: dict[int, int] = {}  # global rank -> its place on this host (torchrun's LOCAL_RANK)
         self.secret = secret
         self.run_id = run_id
@@ -368,6 +370,7 @@ class Worker:
             relay_addr=self._relay_addr,
             seed=welcome.seed,
             deterministic=welcome.deterministic,
+            cpu_set=self._cores_of(self.local_ranks.get(rank, 0)),
         )
         # python -m flodl.rank, or in script mode the user's script (scriptspec.py)
         report = self._report_path(rank) if decode(welcome.task) is not None else ""
@@ -395,6 +398,19 @@ class Worker:
             self.relay.admit(f"rank{rank}.{proc.pid}".encode(), rank)  # the rank's bulk identity, as it will connect
         assert self._tg is not None  # _spawn set it; a respawn comes only once it is
         self._tg.create_task(self._reap(rank, proc, report))
+
+    def _cores_of(self, local: int) -> str:
+        """The cores the host's ``local``-th rank pins itself to: on a host shared by GPU and CPU ranks
+        each GPU rank keeps cores of its own (host/cores.py); "" leaves it unpinned."""
+        if self._core_plan is None:
+            available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+            self._core_plan = core_plan(list(self.devices), available) or []
+            if self._core_plan:
+                layout = ", ".join(f"{d} on cores {format_cores(c)}" for d, c in zip(self.devices, self._core_plan, strict=True))
+                log.info("%s pins its ranks: %s", self.sender, layout)
+        if not self._core_plan or not 0 <= local < len(self._core_plan):
+            return ""
+        return format_cores(self._core_plan[local])
 
     def _report_path(self, rank: int) -> str:
         """Where script rank ``rank`` leaves a failure before ``flodl.init()`` (scriptspec.py): in a folder of this worker's."""

@@ -56,6 +56,7 @@ SAMPLES = [
         batch_size=32,
         grain="sample",
         accumulate_grad_batches=2,
+        cores="2-7",
     ),
     m.RankWelcome(
         rank=0,

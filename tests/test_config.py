@@ -104,6 +104,11 @@ SEED_DEFAULTS = {
     "deterministic": False,
     "tensorboard_dir": None,
     "csv_log": None,
+    "lr_scale_on": "steps",
+    "average_weights": "batches",
+    "outer_optimizer": "none",
+    "outer_lr": None,
+    "outer_momentum": None,
 }
 
 
@@ -181,6 +186,11 @@ BUILDERS = [
     ("with_max_log_size", (1024,), "max_log_size", 1024),
     ("with_dashboard_html", ("dash.html",), "dashboard_html", "dash.html"),
     ("with_tensorboard_dir", ("run/tb",), "tensorboard_dir", "run/tb"),
+    ("with_lr_scale_on", ("average",), "lr_scale_on", "average"),
+    ("with_average_weights", ("equal",), "average_weights", "equal"),
+    ("with_outer_optimizer", ("sgd",), "outer_optimizer", "sgd"),
+    ("with_outer_lr", (0.5,), "outer_lr", 0.5),
+    ("with_outer_momentum", (0.9,), "outer_momentum", 0.9),
     ("with_csv_log", ("run/metrics.csv",), "csv_log", "run/metrics.csv"),
     ("with_dashboard_theme", ("light",), "dashboard_theme", "light"),
     ("with_scalar_reductions", ({"tokens": "sum"},), "scalar_reductions", (("tokens", Reduction.SUM),)),
@@ -580,6 +590,9 @@ def everything_set() -> DdpRunConfig:
         .with_checkpoint_at_epoch(5)
         .with_tensorboard_dir("run/tb")
         .with_csv_log("run/metrics.csv")
+        .with_lr_scale_on("average")
+        .with_average_weights("equal")
+        .with_outer_optimizer("nesterov", lr=0.5, momentum=0.8)
     )
 
 

@@ -30,3 +30,23 @@ def test_core_lists_read_and_write_as_taskset_does():
     assert format_cores([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8" and parse_cores("0-2,5,7-8") == [0, 1, 2, 5, 7, 8]
     with pytest.raises(ValueError, match="core list"):
         parse_cores("3-1")
+
+
+def test_a_rank_pins_itself_to_its_cores_and_a_bad_set_leaves_it_unpinned():
+    """rank/building.py ``pin_cores``, in a process of its own (this one's affinity stays as it is)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no sched_setaffinity on this platform")
+    code = (
+        "import json, os; from flodl.rank.building import pin_cores; "
+        "got = pin_cores({!r}, 0); print(json.dumps([got, sorted(os.sched_getaffinity(0))]))"
+    )
+    first = min(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", code.format(str(first))], capture_output=True, text=True, timeout=60)
+    assert json.loads(out.stdout) == [[first], [first]]
+    out = subprocess.run([sys.executable, "-c", code.format("9999")], capture_output=True, text=True, timeout=60)
+    assert json.loads(out.stdout)[0] == [] and "not pinned to cores 9999" in out.stderr

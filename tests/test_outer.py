@@ -19,7 +19,8 @@ def test_the_outer_step_is_torchs_sgd_on_the_pseudo_gradient(kind, lr, momentum,
     g = torch.Generator().manual_seed(0)
     start = torch.randn(50, generator=g, dtype=torch.float64)
     buffer = torch.randn(7, generator=g, dtype=torch.float64)
-    outer = OuterStep(OuterConfig(kind, lr, momentum, factor), [start, buffer], [True, False])
+    # the factor as the run's LR factor on the average: 1 + (ranks - 1) * ratio, ranks = 2
+    outer = OuterStep(OuterConfig(kind, lr, momentum, factor - 1.0, on_average=True), [start, buffer], [True, False])
     ref = torch.nn.Parameter(start.clone())
     opt = torch.optim.SGD([ref], lr=lr * factor, momentum=momentum, nesterov=kind == "nesterov")
     for _ in range(5):
@@ -28,10 +29,10 @@ def test_the_outer_step_is_torchs_sgd_on_the_pseudo_gradient(kind, lr, momentum,
         opt.step()
         # the average lands slice by slice (the CPU backend), the buffer bucket untouched
         got = average.clone()
-        outer.step_(0, got[:20], 0)
-        outer.step_(0, got[20:], 20)
+        outer.step_(0, got[:20], 0, ranks=2)
+        outer.step_(0, got[20:], 20, ranks=2)
         buf = buffer.clone()
-        outer.step_(1, buf)
+        outer.step_(1, buf, ranks=2)
         outer.round_done()
         assert torch.allclose(got, ref.detach(), atol=1e-12) and torch.equal(buf, buffer)
     assert outer.steps == 5
@@ -39,7 +40,8 @@ def test_the_outer_step_is_torchs_sgd_on_the_pseudo_gradient(kind, lr, momentum,
 
 def test_the_plain_average_is_no_step_and_the_state_round_trips():
     v = [torch.arange(4.0)]
-    assert not OuterConfig().active and OuterConfig("none", 1.0, 0.0, 2.0).active  # the LR factor on the average
+    assert not OuterConfig().active and OuterConfig("none", 1.0, 0.0, 1.0, on_average=True).active  # the LR factor on it
+    assert OuterConfig("none", 1.0, 0.0, 0.5, on_average=True).rate(3) == 2.0 and OuterConfig("sgd", 0.5).rate(3) == 0.5
     outer = OuterStep(OuterConfig("nesterov", 0.7, 0.9), v, [True])
     avg = torch.ones(4)
     outer.step_(0, avg)
@@ -51,3 +53,84 @@ def test_the_plain_average_is_no_step_and_the_state_round_trips():
     assert torch.equal(a, b)  # the same state gives the same step: a joiner steps as its peers do
     with pytest.raises(ValueError, match="anchor of bucket 0"):
         other.load_tensors({})
+
+
+def _outer_rank(rank, world, port, block, out):
+    import datetime
+
+    import torch.distributed as dist
+
+    from flodl.rank.collective import CollectiveAverager
+    from flodl.rank.flat import FlatModel
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=20))
+    group = dist.ProcessGroupGloo(dist.PrefixStore("o", store), rank, world, datetime.timedelta(seconds=20))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)  # every rank starts from the same anchor
+    flat = FlatModel(model)
+    avg = CollectiveAverager(flat, group)
+    avg.outer = OuterStep(OuterConfig("sgd", 1.0, 0.0, lr_scale_ratio=1.0, on_average=True), [b.values for b in flat.buckets], [True])
+    avg.equal_weights = True
+    anchor = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * (rank + 1))  # each rank's own progress
+    mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+    avg.average(1.0 if rank < 2 else 0.0, block=block)  # rank 2 trained nothing this round
+    avg.settle()
+    got = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+    out.put((rank, anchor.tolist(), mine.tolist(), got.tolist(), avg.outer.steps))
+
+
+@pytest.mark.parametrize("block", [True, False], ids=["blocking", "background"])
+def test_equal_weights_with_the_lr_factor_on_the_average_sum_the_ranks_updates(block):
+    """Three real gloo ranks, two that trained: ``--average-weights equal --lr-scale-on average``
+    (ratio 1) lands anchor + the sum of the two ranks' updates, every sample's step counted once,
+    whatever each rank's share; the rank that trained nothing lands the same."""
+    import datetime
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=20))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_outer_rank, args=(r, 3, store.port, block, out)) for r in range(3)]
+    for p in procs:
+        p.start()
+    got = sorted(out.get(timeout=50) for _ in procs)
+    for p in procs:
+        p.join(timeout=10)
+    anchor = torch.tensor(got[0][1], dtype=torch.float64)
+    deltas = [torch.tensor(g[2], dtype=torch.float64) - anchor for g in got[:2]]
+    want = anchor + deltas[0] + deltas[1]
+    for rank, _, _mine, result, steps in got:
+        # a background average keeps what the rank trained since its snapshot: nothing here
+        assert torch.allclose(torch.tensor(result, dtype=torch.float64), want, atol=1e-5), rank
+        assert steps == 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["nccl-cadence", "cpu-async"])
+@pytest.mark.parametrize("script", [False, True], ids=["task", "script"])
+def test_a_run_with_an_outer_optimizer_trains_and_ends_with_equal_replicas(proc_env, tmp_path, mode, script):
+    """Outer Nesterov on equal-weight averages, the LR factor on the averaged update: both backends,
+    a Task and a script, two real ranks; the run learns, every average went through the outer
+    step alike on every rank (equal final replicas on the collective backend)."""
+    import json
+
+    from .conftest import TASKS
+    from .helpers.procs import Run
+
+    path = tmp_path / "s.json"
+    what = ["--script", str(TASKS / "script.py")] if script else ["--task", f"{TASKS / 'tiny.py'}:task"]
+    args = [*what, "--nproc-per-node", "2", "--epochs", "4", "--mode", mode, "--no-progress", "--summary-json", str(path)]
+    outer = ["--outer-optimizer", "nesterov", "--average-weights", "equal", "--lr-scale-on", "average"]
+    run = Run([*args, *outer], proc_env)
+    assert run.wait(90) == 0, run.output
+    summary = json.loads(path.read_text())
+    history = summary["history"]
+    assert summary["exit_reason"] == "completed" and history[-1]["loss"] < history[0]["loss"], history
+    assert summary["config"]["outer_optimizer"] == "nesterov" and "outer optimizer nesterov" in run.output
+    if mode.startswith("nccl"):
+        assert len(set(summary["final_digests"].values())) == 1

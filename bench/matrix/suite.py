@@ -77,6 +77,7 @@ import math
 import os
 import platform
 import resource
+import shlex
 import signal
 import subprocess
 import sys
@@ -97,6 +98,8 @@ from flodl.errors import EXIT_INTERRUPTED
 DDP_SCRIPT = ROOT / "bench" / "matrix" / "ddp.py"
 SCRIPT = ROOT / "bench" / "matrix" / "script.py"  # the script-mode cases' training loop
 REPORTS_PER_EPOCH = 8
+#: extra controller flags every flodl run of a suite takes (an options study; empty: none)
+EXTRA_ARGS_ENV = "FLODL_BENCH_FLODL_ARGS"
 
 
 @dataclass(frozen=True)
@@ -246,6 +249,9 @@ def flodl_command(
         reports_per_epoch=REPORTS_PER_EPOCH,
         devices=target.devices(nproc),
     )
+    # a study of flodl's options (docs/benchmarks.md): FLODL_BENCH_FLODL_ARGS="--average-weights equal ..."
+    # goes on every flodl command (before a script's own arguments)
+    cmd += shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
     if script:
         at = cmd.index("--task")
         cmd[at : at + 2] = ["--script", str(SCRIPT)]

@@ -52,6 +52,7 @@ RELAY_ADDR = "FLODL_RELAY_ADDR"
 ZYGOTE_ROOM = "FLODL_ZYGOTE_ROOM"  # worker -> zygote only: blanks that make room for a forked rank's /proc environ
 SEED = "FLODL_SEED"  # the run seed: a rank seeds its RNGs from it (rank/determinism.py)
 DETERMINISTIC = "FLODL_DETERMINISTIC"  # 1: a deterministic run (torch's deterministic algorithms from the start)
+CPU_SET = "FLODL_CPU_SET"  # worker -> rank: the cores the rank pins itself to ("2-7"; empty: unpinned; host/cores.py)
 # worker -> script rank only: the file where a script that fails before flodl.init() leaves its error
 # for the worker to report (scriptspec.py), instead of printing a traceback of its own
 SCRIPT_REPORT = "FLODL_SCRIPT_REPORT"
@@ -149,6 +150,7 @@ class RankEnv:
     relay_addr: str = ""  # the host relay's "ADDR PROBE NONCE", or "" (snapshots go to the controller)
     seed: int = DEFAULT_SEED  # the run seed (WorkerWelcome.seed): the rank's RNGs derive from it (rank/determinism.py)
     deterministic: bool = False  # the run's ``deterministic`` option (WorkerWelcome.deterministic)
+    cpu_set: str = ""  # the cores this rank runs on, when GPU and CPU ranks share the host (host/cores.py)
 
     def to_env(self) -> dict[str, str]:
         return {
@@ -163,6 +165,7 @@ class RankEnv:
             RELAY_ADDR: self.relay_addr,
             SEED: str(self.seed),
             DETERMINISTIC: "1" if self.deterministic else "0",
+            CPU_SET: self.cpu_set,
         }
 
     @classmethod
@@ -189,6 +192,7 @@ class RankEnv:
             relay_addr=env.get(RELAY_ADDR, ""),
             seed=int(env.get(SEED) or DEFAULT_SEED),
             deterministic=env.get(DETERMINISTIC) == "1",
+            cpu_set=env.get(CPU_SET, ""),
         )
 
 

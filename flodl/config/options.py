@@ -137,6 +137,9 @@ _KINDS: dict[str, _Kind] = {
     "mode": _Kind(f"one of {_MODES}", "MODE", ElCheMode.parse, lambda v: ElCheMode.parse(_toml_str(v))),
     "guard": _Kind("trend or none", "GUARD", str, _toml_str),
     "theme": _Kind("light, dark or auto", "THEME", str, _toml_str),
+    "lr_scale_on": _Kind("steps or average", "WHERE", str, _toml_str),
+    "average_weights": _Kind("batches or equal", "WEIGHTS", str, _toml_str),
+    "outer": _Kind("none, sgd or nesterov", "OPTIMIZER", str, _toml_str),
     "max_failure": _Kind("rank count (3) or share (20%)", "N|P%", MaxFailureThreshold.parse, _toml_max_failure),
     "epoch_callback_policy": _Kind("fastest or rank:N", "fastest|rank:N", EpochCallbackPolicy.parse, _toml_callback_policy),
     "ratios": _Kind("comma-separated numbers (TOML: array)", "R,R,...", _as_ratios, _toml_ratios),
@@ -203,7 +206,8 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
     "modes and cadence": (
         *("mode", "anchor", "min_anchor", "max_anchor", "overhead_target", "max_batch_diff", "max_overshoot"),
         *("divergence_threshold", "no_divergence_guard", "convergence_guard", "partition_ratios", "easgd_alpha"),
-        *("meta_controller", "relax_up", "progressive_dispatch", "max_grad_norm", "lr_scale_ratio"),
+        *("meta_controller", "relax_up", "progressive_dispatch", "max_grad_norm", "lr_scale_ratio", "lr_scale_on"),
+        *("average_weights", "outer_optimizer", "outer_lr", "outer_momentum"),
         *("eval_every_epochs", "epoch_callback_policy", "deterministic"),
     ),
     "fault tolerance and checkpoints": (

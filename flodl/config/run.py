@@ -272,6 +272,37 @@ class DdpRunConfig:
     lr_scale_ratio: float = _option(
         1.0, check=_non_negative, kind="float", help="LR scaling with world size: factor = 1 + (W - 1) * ratio."
     )
+    lr_scale_on: str = _option(
+        "steps",
+        check=_choice("steps", "average"),
+        kind="lr_scale_on",
+        help="Where lr_scale_ratio's factor applies: every local step (steps), or the averaged update "
+        "(average: the outer step's rate times the factor, local steps at the optimizer's own rate).",
+    )
+    average_weights: str = _option(
+        "batches",
+        check=_choice("batches", "equal"),
+        kind="average_weights",
+        help="How replicas weigh in an average: by the batches each trained since the last (batches), "
+        "or each that trained once (equal: every rank's update counts whole; docs/cadence.md).",
+    )
+    outer_optimizer: str = _option(
+        "none",
+        check=_choice("none", "sgd", "nesterov"),
+        kind="outer",
+        help="An optimizer on the averaged update (the pseudo-gradient anchor - average), both backends: "
+        "none (the plain average), sgd, or nesterov (DiLoCo's).",
+    )
+    outer_lr: float | None = _option(
+        None, check=_positive(), kind="float", default_text="auto (1.0; 0.7 for nesterov)", help="The outer optimizer's rate."
+    )
+    outer_momentum: float | None = _option(
+        None,
+        check=lambda name, value: None if value is None else _within(0.0, 0.999)(name, value),
+        kind="float",
+        default_text="auto (0; 0.9 for nesterov)",
+        help="The outer optimizer's momentum.",
+    )
     save_path: str | None = _option(
         None,
         check=_text,
@@ -408,6 +439,10 @@ class DdpRunConfig:
     def lr_factor(self, world_size: int) -> float:
         """Learning-rate multiplier for ``world_size`` ranks."""
         return 1.0 + (world_size - 1) * self.lr_scale_ratio
+
+    def step_lr_factor(self, world_size: int) -> float:
+        """The factor on every local step: ``lr_factor``, unless it goes on the average instead (``lr_scale_on``)."""
+        return self.lr_factor(world_size) if self.lr_scale_on == "steps" else 1.0
 
     @property
     def evals_enabled(self) -> bool:
@@ -565,6 +600,21 @@ class DdpRunConfig:
 
     def with_reports_per_epoch(self, n: int) -> DdpRunConfig:
         return self._replace(reports_per_epoch=n)
+
+    def with_lr_scale_on(self, where: str) -> DdpRunConfig:
+        return self._replace(lr_scale_on=where)
+
+    def with_average_weights(self, weights: str) -> DdpRunConfig:
+        return self._replace(average_weights=weights)
+
+    def with_outer_optimizer(self, kind: str, *, lr: float | None = None, momentum: float | None = None) -> DdpRunConfig:
+        return self._replace(outer_optimizer=kind, outer_lr=lr, outer_momentum=momentum)
+
+    def with_outer_lr(self, lr: float | None) -> DdpRunConfig:
+        return self._replace(outer_lr=lr)
+
+    def with_outer_momentum(self, momentum: float | None) -> DdpRunConfig:
+        return self._replace(outer_momentum=momentum)
 
     def with_tensorboard_dir(self, directory: str | os.PathLike[str] | None) -> DdpRunConfig:
         return self._replace(tensorboard_dir=directory)
@@ -772,6 +822,12 @@ AVAILABLE_FIELDS: frozenset[str] = frozenset(
         "timeline",
         "tensorboard_dir",
         "csv_log",
+        # combining replicas (docs/cadence.md, "Combining replicas")
+        "lr_scale_on",
+        "average_weights",
+        "outer_optimizer",
+        "outer_lr",
+        "outer_momentum",
         # the data plane
         "augment",
         "epoch_splits",

@@ -90,15 +90,20 @@ class Console:
         grain: str = "sample",
         lr_factor: float = 1.0,
         lr_scale_ratio: float = 0.0,
+        lr_scale_on: str = "steps",
+        averaging: str | None = None,
     ) -> None:
         self._write(f"flodl run {run_id} | mode {mode} | task {task}")
         self._write(f"  {len(ranks)} rank(s): {', '.join(ranks)}")
         self._write(f"  {dataset_len} {grain}s, batch {batch_size} per rank, {epochs} epoch(s)")
         if lr_factor != 1.0:  # flodl changes the user's learning rate: never silently (docs/cadence.md)
+            where = "on every rank" if lr_scale_on == "steps" else "on the averaged update (--lr-scale-on average)"
             self._write(
-                f"  learning rate x{lr_factor:g} on every rank: your optimizer's rate times 1 + ({len(ranks)} - 1) x "
+                f"  learning rate x{lr_factor:g} {where}: your optimizer's rate times 1 + ({len(ranks)} - 1) x "
                 f"--lr-scale-ratio {lr_scale_ratio:g} (--lr-scale-ratio 0 keeps it as written)"
             )
+        if averaging:
+            self._write(f"  {averaging}")
         self._last = self.clock()  # the first progress line comes one interval in
 
     def due(self) -> bool:

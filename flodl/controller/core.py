@@ -48,6 +48,7 @@ from ..config import ApplyPolicy, DdpRunConfig
 from ..config.deadlines import Deadlines
 from ..config.env import new_run_id, new_run_secret
 from ..config.joinfile import JoinInfo
+from ..config.outer import OuterConfig
 from ..errors import EXIT_CONFIG, EXIT_EVALS_FAILED, EXIT_FAILED, EXIT_UNSAVED, ConfigError, RunAborted
 from ..monitor.hub import Monitor
 from ..plan.cadence import CadenceLoop
@@ -83,6 +84,22 @@ Handler = Callable[[bytes, Envelope, Any], None]
 
 def _answered(identity: bytes, env: Envelope, msg: Any) -> None:
     """A ``Ping``: its ``Pong`` went out from the endpoint (``answer_pings``) before the dispatch."""
+
+
+def _cores(hello: m.RankHello | None) -> str:
+    """The banner's " [cores 2-7]": the cores a rank is pinned to (GPU and CPU ranks sharing a host), else ""."""
+    return f" [cores {hello.cores}]" if hello is not None and hello.cores else ""
+
+
+def averaging_line(config: DdpRunConfig) -> str | None:
+    """The banner's line on how replicas are combined, when not the plain batch-weighted average."""
+    parts = []
+    if config.average_weights != "batches":
+        parts.append(f"{config.average_weights}-weight averages")
+    outer = OuterConfig.of(config)
+    if outer.kind != "none":
+        parts.append(f"outer optimizer {outer.kind} (rate {outer.lr:g}, momentum {outer.momentum:g})")
+    return "; ".join(parts) or None
 
 
 class Controller:
@@ -333,12 +350,14 @@ class Controller:
             run_id=self.ctx.run_id,
             mode=str(self.ctx.config.elche.mode.name),
             task=self.ctx.launch.label,
-            ranks=[f"rank{r.rank} {r.device}@{r.host}" for r in ranks],
+            ranks=[f"rank{r.rank} {r.device}@{r.host}{_cores(admission.hellos.get(r.rank))}" for r in ranks],
             dataset_len=info.dataset_len,
             batch_size=info.batch_size,
             epochs=total_epochs,
             grain=info.grain,
             lr_factor=self.ctx.config.lr_factor(len(ranks)),  # the factor each first rank applies (RankWelcome.world_size)
+            lr_scale_on=self.ctx.config.lr_scale_on,
+            averaging=averaging_line(self.ctx.config),
             lr_scale_ratio=self.ctx.config.lr_scale_ratio,
         )
         if self.ctx.config.augment > 1 or self.ctx.config.epoch_splits > 1:

@@ -50,6 +50,8 @@ def summarize(
             "host": info.host,
             "device": info.device,
             "pid": info.pid,
+            # the cores it was pinned to (GPU and CPU ranks sharing a host: host/cores.py), "" when unpinned
+            "cores": hello.cores if (hello := admission.hellos.get(rank)) is not None else "",
             "samples": 0,
             "batches": 0,
             "sync_ms": 0.0,

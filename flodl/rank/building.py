@@ -8,6 +8,7 @@ dataset's length and digest, the shuffle signature, the versions.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 from typing import TYPE_CHECKING
@@ -18,6 +19,7 @@ from torch.utils.data import TensorDataset
 from .. import __version__
 from ..config.env import nccl_errors_raise, omp_threads_set
 from ..errors import TaskError
+from ..host.cores import format_cores, parse_cores
 from ..plan.schedule import shuffle_signature
 from ..shards import Shards
 from ..task import Task
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
 
 #: Intra-op threads of a GPU rank: its CPU work is batch gathers and small host ops.
 ACCELERATOR_THREADS = 4
+
+log = logging.getLogger("flodl.rank.runner")
 
 
 def model_signature(model: torch.nn.Module) -> str:
@@ -96,9 +100,14 @@ def build(ctx: RankContext) -> tuple[Task, torch.nn.Module, m.RankHello]:
         check_precision(task.precision, device)
     except TaskError as exc:
         raise UserError("task spec", exc) from exc
+    cores = pin_cores(ctx.env.cpu_set, ctx.rank)
     if not omp_threads_set():
         staged = not isinstance(dataset, TensorDataset)
-        torch.set_num_threads(cpu_threads(os.cpu_count() or 1, ctx.env.local_world, staged=staged, accelerator=device.type != "cpu"))
+        if cores:  # this rank's own cores (host/cores.py): every one of them, a GPU rank at most its few
+            threads = min(len(cores), ACCELERATOR_THREADS) if device.type != "cpu" else len(cores)
+        else:
+            threads = cpu_threads(os.cpu_count() or 1, ctx.env.local_world, staged=staged, accelerator=device.type != "cpu")
+        torch.set_num_threads(threads)
     model = task.model().to(device)
     hello = m.RankHello(
         rank=ctx.rank,
@@ -116,5 +125,20 @@ def build(ctx: RankContext) -> tuple[Task, torch.nn.Module, m.RankHello]:
         batch_size=task.batch_size,
         grain="shard" if isinstance(dataset, Shards) else "sample",
         accumulate_grad_batches=task.accumulate_grad_batches,
+        cores=format_cores(cores),
     )
     return task, model, ctx.seams.hello(hello)
+
+
+def pin_cores(cpu_set: str, rank: int) -> list[int]:
+    """Pin this process to ``cpu_set`` (the worker's layout, host/cores.py); the cores it runs on, or
+    [] when it is not pinned (none given, or the host refuses: it runs unpinned then, and says so)."""
+    if not cpu_set or not hasattr(os, "sched_setaffinity"):
+        return []
+    try:
+        cores = parse_cores(cpu_set)
+        os.sched_setaffinity(0, cores)
+    except (ValueError, OSError) as exc:
+        log.warning("rank %d: not pinned to cores %s (%s); sharing the host's cores", rank, cpu_set, exc)
+        return []
+    return cores

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .flat import PARAMS, Averaged, FlatModel, drift
+from .outer import OuterStep
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +227,11 @@ class CollectiveAverager:
         self.landed_tag = -1
         self._kept: list[bool] | None = None  # per bucket: the send buffer holds the average
         self._scratch: list[torch.Tensor] | None = None
+        # an optimizer on the averaged update (outer.py), set once the first consensus is taken: each
+        # average's parameter buckets go through it before they land; ``equal_weights``: every rank
+        # that trained weighs 1 (a bucket's total weight is then the number of ranks in the average)
+        self.outer: OuterStep | None = None
+        self.equal_weights = False
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -344,7 +350,28 @@ class CollectiveAverager:
                     bucket.copy_in()
                     self._wait(self.group.broadcast(bucket.flat, root))
                     bucket.copy_out()
+                if self.outer is not None:  # and the outer optimizer's state: every member steps alike from here
+                    for tensor in self.outer.tensors().values():
+                        self._wait(self.group.broadcast(tensor, root))
         self.adopting = False
+
+    def _outer_step(self, index: int, average: torch.Tensor, total: float) -> bool:
+        """Bucket ``index``'s ``average`` through the outer optimizer (in place), when there is one;
+        ``total``: the bucket's total weight (equal weights: the ranks in the average)."""
+        if self.outer is None:
+            return False
+        group = self.group
+        ranks = round(total) if self.equal_weights else (group.size() if group is not None else 1)
+        self.outer.step_(index, average, ranks=ranks)
+        return True
+
+    def _values(self) -> list[torch.Tensor]:
+        """Every bucket's values as the model holds them now."""
+        out = []
+        for bucket in self._model.buckets:
+            bucket.copy_in()
+            out.append(bucket.values)
+        return out
 
     def adopt_next(self) -> None:
         """Take the next average whole, adding nothing to it: the others completed an average
@@ -399,7 +426,7 @@ class CollectiveAverager:
         kept = []
         try:
             with torch.no_grad():
-                for bucket, pre, send, work in zip(self._model.buckets, bg.snapshot, bg.sends, bg.works, strict=False):
+                for index, (bucket, pre, send, work) in enumerate(zip(self._model.buckets, bg.snapshot, bg.sends, bg.works, strict=False)):
                     work.wait()  # completed: raises the collective's own error, if any
                     total = float(send[bucket.numel :].item())
                     if self.aborted:
@@ -408,6 +435,7 @@ class CollectiveAverager:
                     if total <= 0:
                         continue  # nobody trained since the last average: nothing to take
                     average = send[: bucket.numel].div_(total)
+                    self._outer_step(index, average, total)
                     bucket.copy_in()
                     bucket.values.sub_(pre).add_(average)
                     bucket.copy_out()
@@ -418,6 +446,8 @@ class CollectiveAverager:
             self._drop(bg)
             raise
         self.landed_tag, self._kept = bg.tag, kept
+        if self.outer is not None and any(kept):
+            self.outer.round_done()
         if bg.measure:
             self.last_drift = drift(pre_all, post_all)
 
@@ -519,8 +549,9 @@ class CollectiveAverager:
         collective_ms = 0.0  # what ElChe weighs against compute: the collective, not our bookkeeping
         pre_all, post_all = [], []
         landed = True  # every parameter bucket came back as the others' weighted average
+        stepped = False  # the outer step took this average
         with torch.no_grad():
-            for bucket, pre in zip(self._model.buckets, self.backup, strict=False):
+            for index, (bucket, pre) in enumerate(zip(self._model.buckets, self.backup, strict=False)):
                 bucket.copy_in()
                 values, slot = bucket.values, bucket.flat[bucket.numel :]
                 w = weight if bucket.group == PARAMS else (1.0 if weight > 0 else 0.0)
@@ -539,6 +570,8 @@ class CollectiveAverager:
                 collective_ms += (time.perf_counter() - start) * 1000.0
                 if total > 0:
                     values.div_(total)
+                    if not self.adopting:  # a joiner's adoption is the others' consensus, their step in it
+                        stepped = self._outer_step(index, values, total) or stepped
                 else:
                     values.copy_(pre)
                     landed = landed and bucket.group != PARAMS
@@ -546,8 +579,12 @@ class CollectiveAverager:
                 if measure and bucket.group == PARAMS:
                     pre_all.append(pre)
                     post_all.append(values)
+        if stepped and self.outer is not None:
+            self.outer.round_done()
         if self.adopting and landed and weight == 0:
             self.adopting = False  # we added nothing, so what came back is the others' consensus
+            if self.outer is not None:
+                self.outer.rebase(self._values())
         if not measure:
             return Averaged(collective_ms)
         return Averaged(collective_ms, *drift(pre_all, post_all))

@@ -42,6 +42,7 @@ from ..wire import messages as m
 from ..wire.bulk import MAX_MSG_BYTES, announcement, as_frame, check_slice, dtype_name, slices, unpack_slice
 from ..wire.codec import FrameReader, FrameWriter
 from .flat import PARAMS, Averaged, FlatModel
+from .outer import OuterStep
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,7 @@ class _Pending:
     measure: bool
     sq: list[float]  # running ‖pre‖², ‖post‖², ‖pre − post‖² over parameter slices
     tag: int = -1  # the caller's name for this average (the rank's window << 16 | round)
+    overwrite: bool = False  # its result replaces the values whole (a broadcast, an adoption): no outer step
 
 
 class CpuAverager:
@@ -192,6 +194,9 @@ class CpuAverager:
         # -1 while a newer one is being written over it
         self._kept: list[torch.Tensor] | None = None
         self.kept_tag = -1
+        # an optimizer on the averaged update (outer.py), set once the first consensus is taken: each
+        # average's parameter slices go through it as they land (``Update.ranks``: the ranks in it)
+        self.outer: OuterStep | None = None
         if bulk.lane:
             self._take_lane()
 
@@ -290,7 +295,7 @@ class CpuAverager:
             else:
                 snap = [views[i] if b.flat.device.type == "cpu" else b.values.detach().clone() for i, b in enumerate(buckets)]
             mine = self.round
-            self.pending[mine] = _Pending(snap, sum(b.numel for b in buckets), measure, [0.0, 0.0, 0.0])
+            self.pending[mine] = _Pending(snap, sum(b.numel for b in buckets), measure, [0.0, 0.0, 0.0], overwrite=overwrite)
             self.round += 1
             # no update is applied until every slice is in: the snapshot stays one moment's values
             for bucket, first, count in slices(layout["numels"], [b.flat.element_size() for b in buckets]):
@@ -337,7 +342,7 @@ class CpuAverager:
             if overwrite:
                 snap = None
         mine = self.round
-        self.pending[mine] = _Pending(snap, sum(b.numel for b in buckets), measure, [0.0, 0.0, 0.0])
+        self.pending[mine] = _Pending(snap, sum(b.numel for b in buckets), measure, [0.0, 0.0, 0.0], overwrite=overwrite)
         self.round += 1
         for bucket, first, count in slices(layout["numels"], [t.element_size() for t in host]):
             header = m.Snapshot(
@@ -448,6 +453,10 @@ class CpuAverager:
         assert piece is not None  # only an empty update (ranks 0, above) carries no slice: rounds.empty_update
         with torch.no_grad():
             avg = piece.to(bucket.flat.device)
+            if self.outer is not None and not pending.overwrite and not self.adopting:
+                if avg.data_ptr() == piece.data_ptr():
+                    avg = avg.clone()  # the piece may be the controller's shared segment, or a frame's buffer
+                self.outer.step_(update.bucket, avg, update.start, ranks=update.ranks)
             if bucket.copied:  # tensors with storage of their own: refresh our copy first
                 bucket.copy_in()
             values = bucket.values[seg]
@@ -472,6 +481,10 @@ class CpuAverager:
             del self.pending[update.round]
             if pending.snap is not None:
                 self.kept_tag = pending.tag  # every slice of it is kept
+            if self.outer is not None and not pending.overwrite and not self.adopting:
+                self.outer.round_done()
+            if pending.snap is None and pending.overwrite and self.outer is not None:
+                self.outer.rebase([b.values for b in self.flat.buckets])  # the consensus, set whole: the next anchor
             if pending.snap is None:
                 self.adopting = False  # a whole average landed: this replica holds the consensus
             pre_sq, post_sq, diff_sq = pending.sq

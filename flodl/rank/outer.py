@@ -30,31 +30,12 @@ time (the CPU backend lands an average slice by slice as it arrives).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-#: The outer optimizers ``outer_optimizer`` names.
-KINDS = ("none", "sgd", "nesterov")
+from ..config.outer import OuterConfig
 
-
-@dataclass(frozen=True)
-class OuterConfig:
-    """What the outer step does: ``kind``, its rate ``lr`` (times ``lr_factor``) and momentum."""
-
-    kind: str = "none"
-    lr: float = 1.0
-    momentum: float = 0.0
-    lr_factor: float = 1.0
-
-    @property
-    def active(self) -> bool:
-        """Does the step change the average at all (the plain average: no)?"""
-        return self.kind != "none" or self.lr * self.lr_factor != 1.0
-
-    @property
-    def rate(self) -> float:
-        return self.lr * self.lr_factor
+__all__ = ["OuterConfig", "OuterStep"]
 
 
 class OuterStep:
@@ -71,9 +52,10 @@ class OuterStep:
             self.momentum = [torch.zeros_like(a) for a in self.anchor]
         self.steps = 0  # averages stepped (for the summary and the bundle)
 
-    def step_(self, bucket: int, average: torch.Tensor, start: int = 0) -> None:
-        """Turn ``average`` (bucket ``bucket``'s average at ``start``, a slice of it or all) into the
-        outer step's result, in place, and move the anchor (and momentum) there."""
+    def step_(self, bucket: int, average: torch.Tensor, start: int = 0, *, ranks: int = 1) -> None:
+        """Turn ``average`` (bucket ``bucket``'s average at ``start``, a slice of it or all, of
+        ``ranks`` ranks' replicas) into the outer step's result, in place, and move the anchor (and
+        momentum) there."""
         if not self.params[bucket]:
             return
         cfg = self.config
@@ -88,7 +70,7 @@ class OuterStep:
                     delta.add_(m, alpha=cfg.momentum)
                 else:
                     delta = m.clone()
-            anchor.sub_(delta, alpha=cfg.rate)
+            anchor.sub_(delta, alpha=cfg.rate(ranks))
             average.copy_(anchor)
 
     def round_done(self) -> None:

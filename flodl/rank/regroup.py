@@ -37,9 +37,10 @@ from ..errors import DeadlineExceeded
 from ..wire import messages as m
 from .collective import CollectiveAverager, Superseded, build_group
 from .cpu_average import CpuAverager
-from .flat import Averaged, FlatModel
+from .flat import PARAMS, Averaged, FlatModel
 from .joining import cpu_averager, first_group
 from .outcomes import Stop, is_collective_error
+from .outer import OuterConfig, OuterStep
 from .position import GroupPosition
 from .window_stats import RoundStats
 
@@ -104,6 +105,22 @@ class Group:
             self.link.call_on_regroup(lambda msg: collective.abort() if self._loses_peer(msg) else None)
         if not welcome.late:
             self._take_first_consensus(welcome)
+        self._outer(run, flat)
+
+    def _outer(self, run: JoinedRun, flat: FlatModel | None) -> None:
+        """The outer optimizer the run asks for (outer.py), from the consensus just taken (a joiner:
+        from its own values, which the broadcast that admits it replaces with the members' state)."""
+        outer = OuterConfig.of(run.config)
+        averager = self.averager
+        if flat is None or averager is None or not outer.active:
+            return
+        for bucket in flat.buckets:
+            bucket.copy_in()
+        step = OuterStep(outer, [b.values for b in flat.buckets], [b.group == PARAMS for b in flat.buckets])
+        if isinstance(averager, CollectiveAverager):
+            averager.outer, averager.equal_weights = step, run.config.average_weights == "equal"
+        elif isinstance(averager, CpuAverager):
+            averager.outer = step
 
     def _take_first_consensus(self, welcome: m.RankWelcome) -> None:
         """Take rank 0's parameters, unless the first group never formed or a rank died during

@@ -50,7 +50,7 @@ class Replica:
             self.optimizer, self.optimizers = build_optimizer(task, model)
             # the LR factor goes on before the schedulers are built (they take it as their base)
             # and before a saved state is loaded (whose LRs hold it already)
-            self.lr = LrState(self.optimizer, run.config.lr_factor(run.welcome.world_size), task.lr_schedule)
+            self.lr = LrState(self.optimizer, run.config.step_lr_factor(run.welcome.world_size), task.lr_schedule)
             # accumulation, mixed precision, schedulers: None on the plain step
             self.update: Update | None = None
             if needs_update(task):

@@ -56,6 +56,7 @@ class Windows:
         self.data = data
         self.evaluator = evaluator
         self.deterministic = run.config.deterministic  # every average blocks: none lands at a clock's choice
+        self.equal_weights = run.config.average_weights == "equal"  # how this rank weighs in each average
         self.steps = Steps(ctx, replica, data)
         self.reports = StepReports(self.rank)  # steps trained, not reported yet (step_reports.py)
         # every epoch of the run is an event this rank sees, in order (``enter_epoch``): from
@@ -197,13 +198,20 @@ class Windows:
             # does every average of a deterministic run (a background one lands at whichever
             # batch is running when it completes: a clock's choice)
             block = bool(sync_every) or self.deterministic
-            averaged = self.group.average(float(loop.stepped), measure=measure, block=block, round_index=round_index, stats=stats)
+            averaged = self.group.average(self._weight(loop.stepped), measure=measure, block=block, round_index=round_index, stats=stats)
             stats.averaged(averaged)
             if last is not None:  # the round's last step, with every step still held: after its average
                 self._hold_report(last)
                 self.link.send_lazy(self.reports.take(sync_ms=averaged.ms))
         stats.finish((time.perf_counter() - start) * 1000.0)
         return stats
+
+    def _weight(self, stepped: int) -> float:
+        """This rank's weight in the round's average: the batches it trained (``average_weights``
+        ``batches``), or 1 if it trained any (``equal``: every rank's update counts whole)."""
+        if self.equal_weights:
+            return 1.0 if stepped else 0.0
+        return float(stepped)
 
     def drive(self, steps: Generator[Due, list[StepRecord], None]) -> None:
         """Train one round's batches: each ``Due`` the round's loop yields is stepped here and its

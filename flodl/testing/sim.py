@@ -227,6 +227,7 @@ class SimWorker:
                 batch_size=self.batch_size,
                 grain="sample",
                 accumulate_grad_batches=1,
+                cores="",
             )
         )
         welcome = await peer.expect(m.RankWelcome, m.Reject, m.Shutdown, m.ShutdownWithSave)

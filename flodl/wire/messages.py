@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 
 
 @dataclass(slots=True)
@@ -111,6 +111,8 @@ class RankHello:
     """what one dataset position is: "sample" (a map-style dataset) or "shard" (a flodl.Shards: grants, coverage and window quotas count shards; dataset_len is the shard count)"""
     accumulate_grad_batches: int
     """batches per optimizer step (the task's accumulate_grad_batches, or a script's prepare()): Sync averages every this many batches (the largest of the starting ranks')"""
+    cores: str
+    """the CPU cores the rank is pinned to, as taskset writes them ("2-7"), or empty when it shares the host's cores unpinned"""
 
 
 @dataclass(slots=True)
@@ -563,7 +565,7 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     2: ('WorkerWelcome', WorkerWelcome, (('ranks', 'list<int>'), ('world_size', 'int'), ('task', 'str'), ('heartbeat_timeout_s', 'float'), ('bulk_port', 'int'), ('bulk_relay', 'bool'), ('seed', 'int'), ('deterministic', 'bool'),)),
     3: ('Reject', Reject, (('reason', 'str'),)),
     4: ('RankExited', RankExited, (('rank', 'int'), ('pid', 'int'), ('code', 'int'),)),
-    5: ('RankHello', RankHello, (('rank', 'int'), ('host', 'str'), ('pid', 'int'), ('device', 'str'), ('versions', 'map<str,str>'), ('model_signature', 'str'), ('param_count', 'int'), ('shuffle_signature', 'str'), ('dataset_len', 'int'), ('dataset_digest', 'str'), ('has_eval', 'bool'), ('eval_metric', 'str'), ('batch_size', 'int'), ('grain', 'str'), ('accumulate_grad_batches', 'int'),)),
+    5: ('RankHello', RankHello, (('rank', 'int'), ('host', 'str'), ('pid', 'int'), ('device', 'str'), ('versions', 'map<str,str>'), ('model_signature', 'str'), ('param_count', 'int'), ('shuffle_signature', 'str'), ('dataset_len', 'int'), ('dataset_digest', 'str'), ('has_eval', 'bool'), ('eval_metric', 'str'), ('batch_size', 'int'), ('grain', 'str'), ('accumulate_grad_batches', 'int'), ('cores', 'str'),)),
     6: ('RankWelcome', RankWelcome, (('rank', 'int'), ('world_size', 'int'), ('generation', 'int'), ('store_host', 'str'), ('store_port', 'int'), ('store_prefix', 'str'), ('collective_timeout_s', 'float'), ('config', 'map<str,value>'), ('seed', 'int'), ('bulk_port', 'int'), ('late', 'bool'), ('shm_probe', 'str'), ('shm_nonce', 'str'), ('first_epoch', 'int'), ('epochs', 'int'),)),
     7: ('RankReady', RankReady, (('rank', 'int'), ('generation', 'int'), ('init_ms', 'float'),)),
     9: ('TimingMsg', TimingMsg, (('rank', 'int'), ('epoch', 'int'), ('step', 'int'), ('samples', 'int'), ('loss', 'float'), ('batch_ms', 'float'), ('data_ms', 'float'), ('sync_ms', 'float'), ('batches', 'int'),)),
