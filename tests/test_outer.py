@@ -110,13 +110,18 @@ def test_equal_weights_with_the_lr_factor_on_the_average_sum_the_ranks_updates(b
         assert steps == 1
 
 
+#: outer Nesterov at DiLoCo's settings; the sum of the ranks' updates (equal weights, the factor on the average)
+NESTEROV = ["--outer-optimizer", "nesterov", "--average-weights", "equal"]
+SUMMED = ["--outer-optimizer", "sgd", "--average-weights", "equal", "--lr-scale-on", "average"]
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["nccl-cadence", "cpu-async"])
-@pytest.mark.parametrize("script", [False, True], ids=["task", "script"])
-def test_a_run_with_an_outer_optimizer_trains_and_ends_with_equal_replicas(proc_env, tmp_path, mode, script):
-    """Outer Nesterov on equal-weight averages, the LR factor on the averaged update: both backends,
-    a Task and a script, two real ranks; the run learns, every average went through the outer
-    step alike on every rank (equal final replicas on the collective backend)."""
+@pytest.mark.parametrize(("script", "outer"), [(False, NESTEROV), (True, SUMMED)], ids=["task-nesterov", "script-summed"])
+def test_a_run_with_an_outer_optimizer_trains_and_ends_with_equal_replicas(proc_env, tmp_path, mode, script, outer):
+    """An outer step on equal-weight averages: both backends, a Task and a script, two real ranks;
+    the run learns, every average went through the outer step alike on every rank (equal final
+    replicas on the collective backend)."""
     import json
 
     from .conftest import TASKS
@@ -125,12 +130,14 @@ def test_a_run_with_an_outer_optimizer_trains_and_ends_with_equal_replicas(proc_
     path = tmp_path / "s.json"
     what = ["--script", str(TASKS / "script.py")] if script else ["--task", f"{TASKS / 'tiny.py'}:task"]
     args = [*what, "--nproc-per-node", "2", "--epochs", "4", "--mode", mode, "--no-progress", "--summary-json", str(path)]
-    outer = ["--outer-optimizer", "nesterov", "--average-weights", "equal", "--lr-scale-on", "average"]
     run = Run([*args, *outer], proc_env)
     assert run.wait(90) == 0, run.output
     summary = json.loads(path.read_text())
     history = summary["history"]
-    assert summary["exit_reason"] == "completed" and history[-1]["loss"] < history[0]["loss"], history
-    assert summary["config"]["outer_optimizer"] == "nesterov" and "outer optimizer nesterov" in run.output
+    # it learned: the eval of the last row (a script reports its replica's as a scalar)
+    accuracy = history[-1]["scalars"]["accuracy"] if script else summary["final_eval"]
+    assert summary["exit_reason"] == "completed" and accuracy > 0.7, history
+    kind = outer[1]
+    assert summary["config"]["outer_optimizer"] == kind and f"outer optimizer {kind}" in run.output
     if mode.startswith("nccl"):
         assert len(set(summary["final_digests"].values())) == 1
