@@ -92,10 +92,10 @@ def _cores(hello: m.RankHello | None) -> str:
 
 
 def averaging_line(config: DdpRunConfig) -> str | None:
-    """The banner's line on how replicas are combined, when not the plain batch-weighted average."""
+    """The banner's line on how replicas are combined, when not the default (docs/cadence.md, *Combining replicas*)."""
     parts = []
-    if config.average_weights != "batches":
-        parts.append(f"{config.average_weights}-weight averages")
+    if config.average_weights != DdpRunConfig().average_weights:
+        parts.append(f"{config.average_weights}-weighted averages")
     outer = OuterConfig.of(config)
     if outer.kind != "none":
         parts.append(f"outer optimizer {outer.kind} (rate {outer.lr:g}, momentum {outer.momentum:g})")
