@@ -102,6 +102,14 @@ def main() -> None:
                 rows.append(Row(case, "final eval", mixed["final_eval"] or 0.0, ""))
                 cores = " ".join(f"{r['device']}[{r.get('cores') or 'shared'}]" for r in mixed.get("per_rank", []))
                 print(f"  {case}: ranks {cores}")
+    if not args.smoke and os.environ.get("FLODL_CPU_PINNING", "on") != "off":
+        # the same three-CPU-rank run unpinned (the CUDA rank shares every core): what pinning is for
+        os.environ["FLODL_CPU_PINNING"] = "off"
+        loose = run("cuda:0,cpu,cpu,cpu", 2 * epochs, width, samples, 0, [])
+        os.environ.pop("FLODL_CPU_PINNING")
+        rows.append(
+            Row("seed 0 cuda:0+3cpu default, unpinned", "cuda:0 rate vs alone", gpu_rate(loose) / base_rate if base_rate else 0.0, "x")
+        )
     report(
         "mixed_target",
         rows,

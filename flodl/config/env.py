@@ -52,6 +52,7 @@ RELAY_ADDR = "FLODL_RELAY_ADDR"
 ZYGOTE_ROOM = "FLODL_ZYGOTE_ROOM"  # worker -> zygote only: blanks that make room for a forked rank's /proc environ
 SEED = "FLODL_SEED"  # the run seed: a rank seeds its RNGs from it (rank/determinism.py)
 DETERMINISTIC = "FLODL_DETERMINISTIC"  # 1: a deterministic run (torch's deterministic algorithms from the start)
+CPU_PINNING = "FLODL_CPU_PINNING"  # off: a host shared by GPU and CPU ranks leaves them unpinned (host/cores.py)
 CPU_SET = "FLODL_CPU_SET"  # worker -> rank: the cores the rank pins itself to ("2-7"; empty: unpinned; host/cores.py)
 # worker -> script rank only: the file where a script that fails before flodl.init() leaves its error
 # for the worker to report (scriptspec.py), instead of printing a traceback of its own
