@@ -259,7 +259,7 @@ def test_two_workers_train_every_sample_once_and_reach_the_in_process_result(pro
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA (run on the device machine)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA (on a host with a CUDA GPU these run)")
 def test_a_gpu_rank_reads_through_pinned_loader_workers_and_trains_every_sample_once(proc_env, tmp_path):
     """A CUDA rank beside a CPU rank, each with two loader workers and pin_memory: the GPU rank's
     batches arrive pinned (copied to the device without a host stall), the CPU rank's are left

@@ -27,7 +27,7 @@ def test_a_non_finite_cpu_loss_stops_the_step():
         meter.measured(meter.begin(), torch.tensor(math.nan), epoch=0, step=3, samples=1, data_ms=0.0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the device machine)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (on a host with a CUDA GPU these run)")
 def test_gpu_steps_are_reported_in_groups_without_waiting_and_all_by_the_window_end():
     device = torch.device("cuda")
     meter = StepMeter(device)
@@ -45,7 +45,7 @@ def test_gpu_steps_are_reported_in_groups_without_waiting_and_all_by_the_window_
     assert all(r.compute_ms >= 0.0 for r in out)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the device machine)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (on a host with a CUDA GPU these run)")
 def test_a_non_finite_gpu_loss_is_caught_by_the_window_end_at_the_latest():
     device = torch.device("cuda")
     meter = StepMeter(device)
@@ -56,7 +56,7 @@ def test_a_non_finite_gpu_loss_is_caught_by_the_window_end_at_the_latest():
         meter.drain()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the device machine)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (on a host with a CUDA GPU these run)")
 def test_a_tensor_dataset_on_the_device_yields_the_same_batches_as_on_the_host():
     from torch.utils.data import TensorDataset
 
