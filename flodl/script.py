@@ -42,6 +42,7 @@ from .config.env import RankEnv
 from .errors import EXIT_CONFIG, EXIT_TASK_ERROR
 from .rank.bridge import BATCH, END, EPOCH, EPOCH_END, ROUND, Bridge, Item
 from .rank.link import SAVE_GRACE_S
+from .rank.output import LinePrefixed
 from .rank.script_rank import Prepared, ScriptRank, Stepped
 from .rank.script_round import InlineRound
 from .rank.shard_source import ShardSource
@@ -96,7 +97,10 @@ class Run:
         if curve.requested():
             curve.enable(env.secret)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group; the controller drives shutdown
-        logging.basicConfig(level=logging.WARNING, format=f"[rank {env.rank}] %(levelname)s %(message)s", stream=sys.stderr)
+        named = isinstance(sys.stderr, LinePrefixed)  # script_start named the rank's lines already
+        logging.basicConfig(
+            level=logging.WARNING, format=("" if named else f"[rank {env.rank}] ") + "%(levelname)s %(message)s", stream=sys.stderr
+        )
         self._bridge = Bridge()
         self._rank = ScriptRank(env, self._bridge)
         signal.signal(signal.SIGTERM, self._rank.on_sigterm)  # only the main thread may trap it

@@ -368,6 +368,7 @@ class RankRunner:
 def main() -> int:
     """Entry point of ``python -m flodl.rank`` (spawned by a worker, never by hand)."""
     from ..host.proc import die_with_parent
+    from .output import prefix_output
 
     try:
         env = RankEnv.from_environ()
@@ -378,5 +379,8 @@ def main() -> int:
     if curve.requested():
         curve.enable(env.secret)  # the worker's environment says the run is encrypted
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the controller drives shutdown
-    logging.basicConfig(level=logging.WARNING, format=f"[rank {env.rank}] %(levelname)s %(message)s", stream=sys.stderr)
+    named = prefix_output(env.rank)  # "[rank N] " on every line the rank prints
+    logging.basicConfig(
+        level=logging.WARNING, format=("" if named else f"[rank {env.rank}] ") + "%(levelname)s %(message)s", stream=sys.stderr
+    )
     return RankRunner(env).run()

@@ -25,8 +25,9 @@ filled for a script:
 * ``completed``: the script's epochs after its last batch end, in order;
 * ``settled``: before a consensus bundle and at the clean end, the model's
   BatchNorm statistics are re-estimated (norms.py), as before the script's
-  code after each epoch's batches (``fresh_norms``): that code may score or
-  save the model, and a ``Task`` re-estimates them before its evals too;
+  first eval-mode forward after each epoch's batches (``fresh_norms``): that
+  code may score the model, and a ``Task`` re-estimates them before its evals
+  too;
 * ``train_state`` / ``resume_optimizer`` keep the objects the script
   registers (``run.register_state``: its LR schedulers, a GradScaler, its
   counters) in the bundle's ``.optim`` file beside the optimizer's state, and
@@ -112,6 +113,7 @@ class ScriptRank(Seams):
         self.threads = 0  # intra-op threads the build chose for this rank (0: not yet)
         self.states = ScriptState()  # what run.register_state gave, and what a resumed bundle holds for it
         self.micro = 0  # batches since the script last stepped its optimizer (inside an accumulation: > 0)
+        self._norms_epoch = -1  # an epoch just ended: its first eval-mode forward re-estimates BatchNorm first
         # flodl.init(), on the script's thread: the script builds its model and data from here on
         enter_build_phase(env)
 
@@ -208,7 +210,16 @@ class ScriptRank(Seams):
         joined = self.runner.joined
         if joined is not None:  # the script's batches are its own: re-estimate BatchNorm statistics as a Task's eval rank does
             joined.evaluator.track_norms()
+            joined.replica.model.register_forward_pre_hook(self._before_forward)
         self._hand(Item(PREPARED))  # prepare() returns; the script's next call goes on
+
+    def _before_forward(self, model: torch.nn.Module, args: Any) -> None:
+        """A forward in eval mode after an epoch's batches (the script scores its model): the BatchNorm
+        statistics are re-estimated first, once (``fresh_norms`` armed it). Training's forwards, in
+        train mode, pass straight through; a script that scores nothing pays nothing."""
+        epoch, self._norms_epoch = self._norms_epoch, -1
+        if epoch >= 0 and not model.training and self.runner.joined is not None:
+            self.runner.joined.evaluator.refresh_norms(epoch)
 
     def resume_optimizer(self, replica: Replica, stem: str, global_step: int) -> None:
         """The optimizer's state and the script's registered objects, from the bundle. The loaded
@@ -243,15 +254,18 @@ class ScriptRank(Seams):
         link.doing(busy)
 
     def fresh_norms(self, windows: Windows) -> None:
-        """Before the script's code after an epoch's batches (its eval, its saves): the model's
-        BatchNorm statistics re-estimated from the first batches of the epoch's order, if averages
-        changed the model since they last were (norms.py; every rank reads the same batches). A
-        background average still in flight moves them by what it brings when it lands, between
-        the next batches, whose training moves them too; the window's own average marks them
-        stale again."""
-        joined = self.runner.joined
-        if joined is not None and windows.current_epoch >= 0:
-            joined.evaluator.refresh_norms(windows.current_epoch)
+        """Before the script's code after an epoch's batches: its first forward in eval mode (the
+        script scoring its model) re-estimates the model's BatchNorm statistics from the first
+        batches of the epoch's order first, if averages changed the model since they last were
+        (norms.py; every rank reads the same batches; ``_before_forward``). A background average
+        still in flight moves them by what it brings when it lands, between the next batches,
+        whose training moves them too; the window's own average marks them stale again."""
+        if windows.current_epoch >= 0:
+            self._norms_epoch = windows.current_epoch
+
+    def norms_pass(self) -> None:
+        """The next batch is handed out: the epoch's end is over, no eval of it is still to come."""
+        self._norms_epoch = -1
 
     def settled(self) -> None:
         """A consensus bundle (the final one too) and the clean end hold re-estimated statistics, as a
@@ -264,7 +278,8 @@ class ScriptRank(Seams):
         link = runner.link
         busy = link.busy
         link.doing("eval")  # forward passes, as a Task's eval rank runs them: watched as an eval is
-        self.fresh_norms(joined.windows)
+        if joined.windows.current_epoch >= 0:
+            joined.evaluator.refresh_norms(joined.windows.current_epoch)
         link.doing(busy)
 
     def completed(self, windows: Windows) -> int:

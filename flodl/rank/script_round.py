@@ -84,6 +84,7 @@ class InlineRound:
                 windows.enter_epoch(empty)
                 return Item(EPOCH, epoch=empty)
             windows.enter_epoch(due.epoch)
+            rank.norms_pass()
             self.t0 = windows.steps.begin()
             self.training = True
             # batches already where the model is (in memory, on the device) are handed as gathered

@@ -1,6 +1,6 @@
 """A BatchNorm model in script mode (tests/test_norms.py): after each epoch's batches, each rank
-writes what its model's BatchNorm statistics are, as the script's own eval would find them, and
-reports the model's held-out accuracy; ``task()`` is the same training as a ``Task``.
+reports the model's held-out accuracy (an eval-mode forward: flodl re-estimates the statistics
+before it) and writes what its model's BatchNorm statistics were for that eval; ``task()`` is the same training as a ``Task``.
 
 FLODL_TEST_OUT         a directory: each rank appends one JSON line per epoch end to rank<R>.jsonl
                        ("epoch", "batches": the layer's batch count, "gap": the largest distance
@@ -93,10 +93,10 @@ def main() -> None:
             loss.backward()
             opt.step()
             run.step(loss)
-        bn = net[1]
+        run.report(accuracy=accuracy(net, run.device))  # the script scores its model: flodl re-estimates first
+        bn = net[1]  # what that eval found
         with torch.no_grad():
             gap = float((bn.running_mean - net[0](x).mean(0)).abs().max())
-        run.report(accuracy=accuracy(net, run.device))
         if out:
             line = {"epoch": epoch, "batches": int(bn.num_batches_tracked), "gap": gap, "mean": bn.running_mean.tolist()}
             with open(os.path.join(out, f"rank{run.rank}.jsonl"), "a") as f:
