@@ -45,10 +45,10 @@ from . import __version__, probes
 from .config.cli import BriefParser
 from .config.deadlines import Deadlines
 from .config.env import (
-    CPU_PINNING,
     PARENT_PID,
     RankEnv,
     child_environ,
+    cpu_pinning,
     local_store_request,
     parent_pid,
     parse_run_secret,
@@ -405,7 +405,7 @@ class Worker:
         each GPU rank keeps cores of its own (host/cores.py); "" leaves it unpinned."""
         if self._core_plan is None:
             available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-            pin = os.environ.get(CPU_PINNING, "on").lower() not in ("off", "0", "no")  # benches compare both
+            pin = cpu_pinning()  # benches compare both
             self._core_plan = (core_plan(list(self.devices), available) or []) if pin else []
             if self._core_plan:
                 layout = ", ".join(f"{d} on cores {format_cores(c)}" for d, c in zip(self.devices, self._core_plan, strict=True))

@@ -53,6 +53,7 @@ ZYGOTE_ROOM = "FLODL_ZYGOTE_ROOM"  # worker -> zygote only: blanks that make roo
 SEED = "FLODL_SEED"  # the run seed: a rank seeds its RNGs from it (rank/determinism.py)
 DETERMINISTIC = "FLODL_DETERMINISTIC"  # 1: a deterministic run (torch's deterministic algorithms from the start)
 CPU_PINNING = "FLODL_CPU_PINNING"  # off: a host shared by GPU and CPU ranks leaves them unpinned (host/cores.py)
+RANK_PREFIX = "FLODL_RANK_PREFIX"  # off: a script rank's printed lines come out without "[rank N] "
 CPU_SET = "FLODL_CPU_SET"  # worker -> rank: the cores the rank pins itself to ("2-7"; empty: unpinned; host/cores.py)
 # worker -> script rank only: the file where a script that fails before flodl.init() leaves its error
 # for the worker to report (scriptspec.py), instead of printing a traceback of its own
@@ -293,6 +294,22 @@ def _switch(name: str, default: bool) -> bool:
         _warned.add(name)
         log.warning("%s=%r is neither on nor off: using its default (%s)", name, text, "on" if default else "off")
     return default
+
+
+def cpu_pinning() -> bool:
+    """``FLODL_CPU_PINNING`` (default on): pin GPU ranks to cores of their own on a shared host."""
+    return _switch(CPU_PINNING, True)
+
+
+def rank_prefix() -> bool:
+    """``FLODL_RANK_PREFIX`` (default on): a script rank's printed lines start ``[rank N] ``."""
+    return _switch(RANK_PREFIX, True)
+
+
+def rank_number() -> int | None:
+    """This process's rank (``FLODL_RANK``) when a worker started it, else None."""
+    text = os.environ.get(RANK, "")
+    return int(text) if text.isdigit() else None
 
 
 def encryption_requested() -> bool:

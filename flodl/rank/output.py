@@ -14,12 +14,12 @@ process writes below Python (a C library's own prints) goes out as it is.
 from __future__ import annotations
 
 import io
-import os
 import sys
 from typing import TextIO
 
+from ..config.env import rank_prefix
+
 #: Set to "off" to leave a rank's output as its code writes it.
-PREFIX_ENV = "FLODL_RANK_PREFIX"
 
 
 class LinePrefixed(io.TextIOBase):
@@ -66,7 +66,7 @@ class LinePrefixed(io.TextIOBase):
 def prefix_output(rank: int) -> bool:
     """Wrap this process's ``sys.stdout`` and ``sys.stderr`` with ``[rank N] `` (unless turned
     off); True when they are wrapped."""
-    if os.environ.get(PREFIX_ENV, "on").lower() in ("off", "0", "no"):
+    if not rank_prefix():
         return False
     prefix = f"[rank {rank}] "
     for name in ("stdout", "stderr"):

@@ -31,15 +31,13 @@ no default process group (docs/script-mode.md says why); torch's own error
 from __future__ import annotations
 
 import functools
-import os
 import runpy
 import sys
 from pathlib import Path
 from typing import Any
 
 from .. import scriptspec
-from ..config.env import RANK as RANK_ENV
-from ..config.env import has_master_addr, probes_requested, script_report
+from ..config.env import has_master_addr, probes_requested, rank_number, script_report
 from ..errors import EXIT_CONFIG
 from .outcomes import user_traceback
 from .output import prefix_output
@@ -137,9 +135,9 @@ def main() -> int:
     if len(sys.argv) < 2:
         print(f"usage: python -m {scriptspec.START_MODULE} SCRIPT.py [ARGS]", file=sys.stderr)
         return EXIT_CONFIG
-    rank = os.environ.get(RANK_ENV)
-    if rank is not None and rank.isdigit():
-        prefix_output(int(rank))  # "[rank N] " on every line the script prints, as torchrun --tee does
+    rank = rank_number()
+    if rank is not None:
+        prefix_output(rank)  # "[rank N] " on every line the script prints, as torchrun --tee does
     if probes_requested():  # tests and benchmarks: faults, a simulated pace (flodl/probes.py)
         from ..testing.probes import install_from_environment
 
