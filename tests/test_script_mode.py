@@ -176,7 +176,10 @@ def test_a_death_past_max_failure_saves_and_the_script_resumes_the_rest(proc_env
     optimizer) is written; the resumed scripts start at the saved epoch and train exactly the rest."""
     stem, out = tmp_path / "ck" / "run", tmp_path / "out"
     out.mkdir()
-    env = {"FLODL_TEST_STEP_SLEEP": "0.005", "FLODL_INJECT_FAULT": "1:batch:40"}  # 16 batches a rank an epoch: epoch 3 (averages vary as windows grow)
+    env = {
+        "FLODL_TEST_STEP_SLEEP": "0.005",
+        "FLODL_INJECT_FAULT": "1:batch:40",
+    }  # 16 batches a rank an epoch: epoch 3 (averages vary as windows grow)
     extra = ("--max-failure", "1", "--save-path", str(stem))
     run, path = start(proc_env, tmp_path, env=env, extra=extra, epochs=6)
     assert run.wait(60) == 6, run.output
