@@ -685,6 +685,9 @@ def test_first_reach_reads_flodls_rows_their_last_epochs_loss_and_takes_the_eval
     never = first_reach({"history": history}, Goal("accuracy", eval=0.999, loss=0.01), startup_s=None)
     assert not never.reached and never.epochs == 5 and never.command_s is None
     assert never.train_s == pytest.approx(4.0 - 0.3 - 0.4)  # the whole run, its evals out
+    counted = [{**row, "syncs": n} for row, n in zip(history, (3, 5, 2), strict=True)]
+    assert first_reach({"history": counted}, goal, None).averages == 8  # the averages of the rows up to the one that met it
+    assert first_reach({"history": counted}, Goal("accuracy", eval=0.999, loss=0.01), None).averages == 10
 
 
 def test_first_reach_reads_the_ddp_scripts_rows_and_script_modes_scalars():
@@ -696,6 +699,7 @@ def test_first_reach_reads_the_ddp_scripts_rows_and_script_modes_scalars():
         {"epoch": 1, "wall_s": 1.0, "closed_s": 2.5, "loss": 0.2, "eval": 0.91, "eval_s": 0.5},
     ]
     assert first_reach({"history": ddp}, goal, 1.0).train_s == pytest.approx(2.0)
+    assert first_reach({"history": ddp}, goal, 1.0).averages is None  # DDP averages gradients at every step: not counted
     script = [  # script mode: no controller eval; the ranks' metric and eval seconds (a per-epoch mean) as scalars
         {"first_epoch": 0, "epoch": 1, "wall_s": 2.0, "loss": 0.3, "eval": None, "scalars": {"accuracy": 0.8, "eval_s": 0.25}},
         {"first_epoch": 2, "epoch": 2, "wall_s": 1.0, "loss": 0.2, "eval": None, "scalars": {"accuracy": 0.9, "eval_s": 0.25}},

@@ -137,9 +137,17 @@ class Reach:
     train_s: float  # training seconds to it: from the first batch, evals taken out
     command_s: float | None  # from the process start: start-up + train_s (None where the start is unknown)
     row: int | None = None  # its history row
+    averages: int | None = None  # replica averages up to it (flodl's rows count them; None for a DDP script's)
 
     def to_dict(self) -> dict:
-        return {"reached": self.reached, "epochs": self.epochs, "train_s": self.train_s, "command_s": self.command_s, "row": self.row}
+        return {
+            "reached": self.reached,
+            "epochs": self.epochs,
+            "train_s": self.train_s,
+            "command_s": self.command_s,
+            "row": self.row,
+            "averages": self.averages,
+        }
 
 
 def first_reach(summary: dict, goal: Goal, startup_s: float | None) -> Reach:
@@ -152,13 +160,17 @@ def first_reach(summary: dict, goal: Goal, startup_s: float | None) -> Reach:
     history = summary.get("history") or []
     closed = row_closed_s(history)
     evals_before = train_s = 0.0
+    counted = any("syncs" in row for row in history)  # flodl's rows say how many averages closed in them
+    averages = 0
     for k, row in enumerate(history):
         train_s = max(0.0, closed[k] - evals_before)
+        averages += int(row.get("syncs") or 0)
         if goal.met(row_eval(row, goal.metric), row_loss(row)):
-            return Reach(True, int(row.get("epoch", k)) + 1, train_s, None if startup_s is None else startup_s + train_s, k)
+            command_s = None if startup_s is None else startup_s + train_s
+            return Reach(True, int(row.get("epoch", k)) + 1, train_s, command_s, k, averages if counted else None)
         evals_before += row_eval_s(row)
     epochs = int(history[-1].get("epoch", len(history) - 1)) + 1 if history else 0
-    return Reach(False, epochs, train_s, None if startup_s is None else startup_s + train_s)
+    return Reach(False, epochs, train_s, None if startup_s is None else startup_s + train_s, None, averages if counted else None)
 
 
 # ------------------------------------------------------------ a run as it goes

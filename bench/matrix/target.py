@@ -233,6 +233,7 @@ class Outcome:
     train_s: float
     command_s: float | None
     epochs: int
+    averages: int | None = None  # replica averages to the target (flodl's runs)
 
 
 @dataclass
@@ -307,7 +308,11 @@ def cell_of(runs: list[dict]) -> Cell:
         if not matrix_report.ok(s) or reach is None:
             errors.append(str(s.get("matrix", {}).get("error", "no reading")))
             continue
-        outcomes.append(Outcome(matrix_report.seed_of(s), reach["reached"], reach["train_s"], reach["command_s"], reach["epochs"]))
+        outcomes.append(
+            Outcome(
+                matrix_report.seed_of(s), reach["reached"], reach["train_s"], reach["command_s"], reach["epochs"], reach.get("averages")
+            )
+        )
     return Cell(outcomes, errors)
 
 
@@ -400,6 +405,7 @@ def _cell_rows(model: str, cid: str, cells: dict[str, Cell], per_system: dict[st
         ("train_s_to_target", "s", lambda o: o.train_s),
         ("command_s_to_target", "s", lambda o: o.command_s),
         ("epochs_to_target", "epochs", lambda o: float(o.epochs)),
+        ("averages_to_target", "averages", lambda o: None if o.averages is None else float(o.averages)),
     ):
         st = time_stat([(pick(o), o.reached) for o in cell.outcomes if pick(o) is not None])
         if st is not None:
