@@ -148,7 +148,9 @@ def test_random_kills_mid_collective_never_stall_the_survivors(proc_env, tmp_pat
 
 def test_a_run_whose_every_eval_failed_is_not_a_plain_success(proc_env, tmp_path):
     """Training completes but eval_fn raised every time: exit 9 and the summary says so."""
-    run, path = run_tiny(proc_env, tmp_path, "nccl-cadence", nproc=2, epochs=2, env={"FLODL_TEST_EVAL_FAIL": "1"})
+    # every epoch scored on its own (unset, one average may close both epochs on a loaded machine: one eval)
+    env, extra = {"FLODL_TEST_EVAL_FAIL": "1"}, ("--eval-every-epochs", "1")
+    run, path = run_tiny(proc_env, tmp_path, "nccl-cadence", nproc=2, epochs=2, env=env, extra=extra)
     assert run.wait(120) == 9, run.output
     summary = json.loads(path.read_text())
     assert summary["exit_reason"] == "completed, every eval failed" and summary["exit_code"] == 9
