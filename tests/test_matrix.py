@@ -820,3 +820,14 @@ def test_time_to_target_refuses_bad_arguments_by_name(argv, says, capsys, tmp_pa
         target.main([*argv, "--results", str(tmp_path)])
     assert says in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing ran, nothing written
+
+
+def test_a_resumed_suite_keeps_only_the_runs_that_finished(tmp_path):
+    from bench.matrix.suite import _finished_run
+
+    good, failed, torn = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    good.write_text(json.dumps({"final_eval": 0.9, "matrix": {"model": "mlp"}}))
+    failed.write_text(json.dumps({"matrix": {"model": "mlp", "error": "timed out"}}))
+    torn.write_text('{"matrix": ')
+    assert _finished_run(good) == {"final_eval": 0.9, "matrix": {"model": "mlp"}}
+    assert _finished_run(failed) is None and _finished_run(torn) is None and _finished_run(tmp_path / "none.json") is None

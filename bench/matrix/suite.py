@@ -60,6 +60,7 @@ Options:
 --results DIR       where the runs go (cleared first; default bench/results/matrix[_gpu]); anywhere
                     else leaves bench/results/matrix.json alone (tests and slices use it)
 --seeds N           runs per case, seeds 0..N-1 (default 3; 1 with --quick)
+--resume            keep the finished runs already in --results (an interrupted suite) and run the rest
 --lr-scaling linear|none   torchrun's LR rule (default linear: LR x world size for the all-reduced steps)
 --base-ms MS        the 4:1 base step time in ms for every model (default: measured by each seed's solo run)
 --samples N, --epochs N    override every model's budget (smoke tests)
@@ -561,6 +562,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=None, help="where the runs go (cleared first; default bench/results/matrix[_gpu])")
     ap.add_argument("--seeds", type=int, default=None, help="runs per case, seeds 0..N-1 (default 3; 1 with --quick)")
     ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the runs already in --results that finished without error and run only the rest (an interrupted suite)",
+    )
+    ap.add_argument(
         "--lr-scaling",
         choices=("linear", "none"),
         default="linear",
@@ -640,8 +646,9 @@ def main(argv: list[str] | None = None) -> int:
     timeout = args.timeout or (240.0 if args.quick else 1200.0)
 
     results.mkdir(parents=True, exist_ok=True)
-    for old in [*results.glob("*__*.json"), results / matrix_report.MANIFEST]:
-        old.unlink(missing_ok=True)
+    if not args.resume:
+        for old in [*results.glob("*__*.json"), results / matrix_report.MANIFEST]:
+            old.unlink(missing_ok=True)
     # per model, seed by seed, solo first: each seed's 4:1 cases are paced against that seed's solo run
     todo = [
         (m, seed, CASES[c])
@@ -659,6 +666,14 @@ def main(argv: list[str] | None = None) -> int:
     probes: list[float] = []
     for i, (model, seed, case) in enumerate(todo, 1):
         budget = plan[model][0]
+        done = _finished_run(results / matrix_report.run_file(model, case.id, seed)) if args.resume else None
+        if done is not None:  # --resume: a run an interrupted suite finished stands (a failed one runs again)
+            if case.id == "solo":
+                solos[(model, seed)] = done
+            if case.id == SIDE_BY_SIDE.id:
+                side_by_sides[(model, seed)] = done
+            print(f"[{i}/{len(todo)}] {model} {case.id} seed {seed}: kept from the interrupted suite", flush=True)
+            continue
         solo = solos.get((model, seed))
         base = args.base_ms if args.base_ms is not None else solo_base_ms(solo)
         setup = Setup(seed=seed, base_ms=base if case.ratio > 1 else None, lr_scaling=args.lr_scaling, live_pace=args.live_pace)
@@ -731,3 +746,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r.case:<34}{r.metric:<40}{r.value:>10.3f} {r.unit:<9} {r.goal or ''} {'' if r.met is None else r.met}")
     print(f"suite took {elapsed:.0f} s")
     return 1 if failed else 0
+
+
+def _finished_run(path: Path) -> dict | None:
+    """A run file an earlier suite wrote and finished without error, else None (it runs again)."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return result if "error" not in result.get("matrix", {"error": None}) else None
