@@ -105,6 +105,7 @@ SEED_DEFAULTS = {
     "tensorboard_dir": None,
     "csv_log": None,
     "wandb_project": None,
+    "log_dir": None,
     "loggers": (),
     "lr_scale_on": "steps",
     "average_weights": "batches",
@@ -195,6 +196,7 @@ BUILDERS = [
     ("with_outer_momentum", (0.9,), "outer_momentum", 0.9),
     ("with_csv_log", ("run/metrics.csv",), "csv_log", "run/metrics.csv"),
     ("with_wandb_project", ("proj",), "wandb_project", "proj"),
+    ("with_log_dir", ("run/logs",), "log_dir", "run/logs"),
     ("with_loggers", (["a.b:make", "c.py:f"],), "loggers", ("a.b:make", "c.py:f")),
     ("with_logger", ("a.b:make",), "loggers", ("a.b:make",)),
     ("with_dashboard_theme", ("light",), "dashboard_theme", "light"),
@@ -596,6 +598,7 @@ def everything_set() -> DdpRunConfig:
         .with_tensorboard_dir("run/tb")
         .with_csv_log("run/metrics.csv")
         .with_wandb_project("proj")
+        .with_log_dir("run/ranks")
         .with_logger("mypkg.logs:make")
         .with_lr_scale_on("average")
         .with_average_weights("equal")

@@ -231,6 +231,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
     "monitoring": (
         *("reports_per_epoch", "scalar_reductions", "record_log_dir", "max_log_size"),
         *("dashboard_html", "dashboard_theme", "timeline", "tensorboard_dir", "csv_log", "wandb_project", "loggers"),
+        *("log_dir",),
     ),
 }
 _GROUP_OF = {name: title for title, names in HELP_GROUPS.items() for name in names}

@@ -374,6 +374,14 @@ class DdpRunConfig:
     csv_log: str | None = _option(
         None, check=_text, kind="path", default_text="off", help="Write the history rows to this CSV file as they close."
     )
+    log_dir: str | None = _option(
+        None,
+        check=_text,
+        kind="path",
+        default_text="off",
+        help="Also write each rank's stdout and stderr to <DIR>/<run id>/rank<N>/stdout.log and stderr.log, on the host "
+        "it runs on (its worker writes them), as torchrun's --log-dir; the console still shows every line.",
+    )
     wandb_project: str | None = _option(
         None,
         check=_text,
@@ -639,6 +647,9 @@ class DdpRunConfig:
     def with_csv_log(self, path: str | os.PathLike[str] | None) -> DdpRunConfig:
         return self._replace(csv_log=path)
 
+    def with_log_dir(self, directory: str | os.PathLike[str] | None) -> DdpRunConfig:
+        return self._replace(log_dir=directory)
+
     def with_wandb_project(self, project: str | None) -> DdpRunConfig:
         return self._replace(wandb_project=project)
 
@@ -852,6 +863,7 @@ AVAILABLE_FIELDS: frozenset[str] = frozenset(
         "csv_log",
         "wandb_project",
         "loggers",
+        "log_dir",
         # combining replicas (docs/cadence.md, "Combining replicas")
         "lr_scale_on",
         "average_weights",
