@@ -149,7 +149,11 @@ class Loggers:
         if self._opening is not None:
             if not self._opening.done():
                 return
-            self.hooks, self._opening = self._opening.result(), None
+            opening, self._opening = self._opening, None
+            if opening.exception() is not None:  # open_all says each logger's own failure: a bug of ours, not the run's end
+                log.warning("the loggers could not start: %s", opening.exception())
+            else:
+                self.hooks = opening.result()
         waiting, self._waiting = self._waiting, []
         for numbers, step in waiting:
             for hook in self.hooks:
