@@ -135,6 +135,18 @@ class Run:
         """This rank's device; ``run.batches()`` puts the batches' tensors on it."""
         return self._rank.device
 
+    @property
+    def num_epochs(self) -> int:
+        """How many epochs ``run.epochs()`` yields in all (``--epochs`` x ``--epoch-splits``; a resumed
+        run's too, counted from the first): what a schedule's length needs, without an ``--epochs``
+        of the script's own.
+
+        Raises:
+            RuntimeError: before ``prepare()`` (the run's welcome says it).
+        """
+        self._need_prepared("run.num_epochs")
+        return self._rank.epochs
+
     # ------------------------------------------------------------ the loop
 
     def prepare(

@@ -84,6 +84,42 @@ def check(task: str, script: str, script_args: Sequence[str]) -> None:
         raise ConfigError("script", problem)
 
 
+def script_epochs(script_args: Sequence[str]) -> int | None:
+    """The number the script's own ``--epochs`` takes (``--epochs N`` or ``--epochs=N``, the last
+    one given, as argparse keeps it), up to a ``--`` of its own; None when it takes none, or not a number."""
+    found: int | None = None
+    for i, arg in enumerate(script_args):
+        if arg == "--":
+            break
+        text = None
+        if arg.startswith("--epochs="):
+            text = arg.partition("=")[2]
+        elif arg == "--epochs" and i + 1 < len(script_args):
+            text = script_args[i + 1]
+        if text is not None and text.strip().isdigit():
+            found = int(text)
+    return found
+
+
+def one_epochs(flodl_epochs: int | None, script_args: Sequence[str]) -> int | None:
+    """The run's epochs, given once: flodl's ``--epochs``, else the script's own (after ``--``);
+    None when neither says (the default).
+
+    Raises:
+        ConfigError: both say, and differently: the script would size its schedule (a cosine's
+            length) for other epochs than the run trains.
+    """
+    theirs = script_epochs(script_args)
+    if flodl_epochs is None or theirs is None or flodl_epochs == theirs:
+        return flodl_epochs if flodl_epochs is not None else theirs
+    raise ConfigError(
+        "epochs",
+        f"flodl's --epochs {flodl_epochs} and the script's --epochs {theirs} (after --) differ: the run would train "
+        f"{flodl_epochs} epochs while the script sizes its schedule for {theirs}. Give the number once, after -- "
+        "(flodl then trains the script's --epochs), or the same number to both",
+    )
+
+
 def label(task: str, script: str, script_args: Sequence[str]) -> str:
     """What the console and the dashboard call the run's work."""
     return " ".join(["script", script, *script_args]) if script else task

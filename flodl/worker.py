@@ -64,6 +64,7 @@ from .errors import EXIT_CONFIG, EXIT_CONTROLLER_LOST, EXIT_FAILED, EXIT_INTERRU
 from .host.cores import core_plan, format_cores
 from .host.devices import choose_devices
 from .host.proc import ChildProcess, die_with_parent, nap, terminate_then_kill
+from .host.rank_logs import RankLogs
 from .host.store_server import write_port
 from .host.zygote import Zygote
 from .scriptspec import BEFORE_INIT, decode, rank_command, take_report
@@ -127,6 +128,7 @@ class Worker:
         self.store_task: asyncio.Task[None] | None = None
         self.zygote: Zygote | None = None  # forks the ranks pre-imported (host/zygote.py); None: exec each
         self.reports: str | None = None  # a folder of ours where script ranks leave a failure before flodl.init()
+        self.rank_logs: RankLogs | None = None  # --log-dir: each rank's output also in files (host/rank_logs.py)
         self.welcome: m.WorkerWelcome | None = None
         self.shutdown: m.Shutdown | m.ShutdownWithSave | None = None
         self.reject: m.Reject | None = None
@@ -210,6 +212,8 @@ class Worker:
             if self.watch_stdin:
                 loop.remove_reader(sys.stdin.fileno())
             await terminate_then_kill(list(self.procs.values()), KILL_GRACE_S)
+            if self.rank_logs is not None:  # the ranks are gone: their last lines, then the pipes
+                await self.rank_logs.close()
             if self.store_proc is not None:  # after the ranks: they may still leave their group through it
                 await terminate_then_kill([self.store_proc], KILL_GRACE_S)
             if self.zygote is not None:
@@ -385,13 +389,19 @@ class Worker:
         )
         proc: ChildProcess | None = None
         await asyncio.sleep(_spawn_delay_s(rank))  # tests only (FLODL_INJECT_FAULT): a slow fork on a loaded host
+        if welcome.log_dir and self.rank_logs is None:
+            self.rank_logs = RankLogs(welcome.log_dir, self.run_id)
+        piped = await self.rank_logs.open(rank) if self.rank_logs is not None else None  # None: the console only
         if self.zygote is not None:  # the rank's parent is the zygote: it dies with it, as the zygote with us
             forked_env = dataclasses.replace(env, parent_pid=self.zygote.pid)
-            proc = await self.zygote.spawn(argv, child_environ({**forked_env.to_env(), **extra}))
+            proc = await self.zygote.spawn(argv, child_environ({**forked_env.to_env(), **extra}), piped.fifos if piped else None)
         if proc is None:
             # with --secret-from-stdin, stdin is the launcher's line: ranks must not hold or read it
             stdin = asyncio.subprocess.DEVNULL if self.watch_stdin else None
-            proc = await asyncio.create_subprocess_exec(*argv, env=child_environ({**env.to_env(), **extra}), stdin=stdin)
+            out, err = (piped.keep["stdout"], piped.keep["stderr"]) if piped else (None, None)
+            proc = await asyncio.create_subprocess_exec(
+                *argv, env=child_environ({**env.to_env(), **extra}), stdin=stdin, stdout=out, stderr=err
+            )
         self.procs[rank] = proc
         if rank in self.fenced:  # the Fence came while the zygote forked it
             self._fence(m.Fence(rank=rank, reason="the run stopped before it joined"))
@@ -440,6 +450,8 @@ class Worker:
 
     async def _reap(self, rank: int, proc: ChildProcess, report: str) -> None:
         code = await proc.wait()
+        if self.rank_logs is not None:
+            self.rank_logs.reaped(rank)  # its log ends once what it started is gone too
         # a script that failed before flodl.init() left its error here: said first, so the
         # controller reads the exit that follows as the script's error, not as a lost rank
         failed = take_report(report) if report else None

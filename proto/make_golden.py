@@ -37,6 +37,7 @@ SAMPLES = [
         bulk_relay=False,
         seed=42,
         deterministic=False,
+        log_dir="run/logs",
     ),
     m.Reject(reason="model signature differs from rank 0"),
     m.RankExited(rank=1, pid=4300, code=-9),

@@ -104,6 +104,9 @@ SEED_DEFAULTS = {
     "deterministic": False,
     "tensorboard_dir": None,
     "csv_log": None,
+    "wandb_project": None,
+    "log_dir": None,
+    "loggers": (),
     "lr_scale_on": "steps",
     "average_weights": "batches",
     "outer_optimizer": "none",
@@ -192,6 +195,10 @@ BUILDERS = [
     ("with_outer_lr", (0.5,), "outer_lr", 0.5),
     ("with_outer_momentum", (0.9,), "outer_momentum", 0.9),
     ("with_csv_log", ("run/metrics.csv",), "csv_log", "run/metrics.csv"),
+    ("with_wandb_project", ("proj",), "wandb_project", "proj"),
+    ("with_log_dir", ("run/logs",), "log_dir", "run/logs"),
+    ("with_loggers", (["a.b:make", "c.py:f"],), "loggers", ("a.b:make", "c.py:f")),
+    ("with_logger", ("a.b:make",), "loggers", ("a.b:make",)),
     ("with_dashboard_theme", ("light",), "dashboard_theme", "light"),
     ("with_scalar_reductions", ({"tokens": "sum"},), "scalar_reductions", (("tokens", Reduction.SUM),)),
     ("with_resume_from", ("ckpt/run",), "resume_from", "ckpt/run"),
@@ -590,6 +597,9 @@ def everything_set() -> DdpRunConfig:
         .with_checkpoint_at_epoch(5)
         .with_tensorboard_dir("run/tb")
         .with_csv_log("run/metrics.csv")
+        .with_wandb_project("proj")
+        .with_log_dir("run/ranks")
+        .with_logger("mypkg.logs:make")
         .with_lr_scale_on("average")
         .with_average_weights("equal")
         .with_outer_optimizer("nesterov", lr=0.5, momentum=0.8)
@@ -691,7 +701,19 @@ def test_flag_names_are_kebab_case_field_names():
     assert flags["no_divergence_guard"] == ["--no-divergence-guard"]
     assert flags["scalar_reductions"] == ["--scalar-reduction"]
     assert flags["record_log_dir"] == ["--record-log-dir"]
+    assert flags["loggers"] == ["--logger"]
+    assert flags["wandb_project"] == ["--wandb-project"]
     assert flags["max_log_size"] == ["--max-log-size"]
+
+
+def test_loggers_are_repeatable_flags_or_a_toml_array_and_flags_win():
+    assert cli("--logger", "a.b:make", "--logger", "c.py:f").loggers == ("a.b:make", "c.py:f")
+    assert cli(toml={"loggers": ["a.b:make"], "wandb_project": "proj"}).loggers == ("a.b:make",)
+    assert cli("--logger", "x:y", toml={"loggers": ["a.b:make"]}).loggers == ("x:y",)
+    with pytest.raises(ConfigError, match="loggers: each must be a 'module:function'"):
+        cli("--logger", "nocolon")
+    with pytest.raises(ConfigError, match="loggers"):
+        cli(toml={"loggers": [3]})
 
 
 def test_no_flags_gives_the_defaults():

@@ -64,8 +64,9 @@ def torchrun(*args: str) -> str:
 
 def flodl(tmp: Path, *run_options: str, epochs: int = EPOCHS) -> tuple[str, dict]:
     summary = tmp / f"summary{len(list(tmp.glob('summary*')))}.json"
-    cmd = [PY, "-m", "flodl.controller", "--script", str(PORT), "--nproc-per-node", "2", "--epochs", str(epochs)]
-    cmd += ["--lr-scale-ratio", "0", "--summary-json", str(summary), *run_options, "--", "--epochs", str(EPOCHS)]
+    # the epochs given once, to the script as torchrun's command gives them: the run trains the script's --epochs
+    cmd = [PY, "-m", "flodl.controller", "--script", str(PORT), "--nproc-per-node", "2"]
+    cmd += ["--lr-scale-ratio", "0", "--summary-json", str(summary), *run_options, "--", "--epochs", str(epochs)]
     done = subprocess.run(cmd, env=process_env(), cwd=ROOT, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout, json.loads(summary.read_text())

@@ -365,11 +365,43 @@ def test_a_script_started_by_hand_says_how_to_start_it(proc_env):
         (["--script", "no/such/train.py"], "script: 'no/such/train.py' is not a file"),
         (["--script", SCRIPT, "--task", "tests/tasks/tiny.py:task"], "give --task or --script, not both"),
         (["--task", "tests/tasks/tiny.py:task", "--", "--lr", "1"], "arguments after -- go to a --script"),
+        (["--script", SCRIPT, "--epochs", "2", "--", "--epochs=3"], "flodl's --epochs 2 and the script's --epochs 3 (after --) differ"),
     ],
 )
 def test_bad_script_options_fail_fast(proc_env, args, says):
     done = subprocess.run([PY, "-m", "flodl.controller", *args], env=proc_env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == EXIT_CONFIG and says in done.stderr and done.stderr.count("\n") == 1, done.stderr
+
+
+@pytest.mark.timeout(90)
+def test_the_scripts_own_epochs_are_the_runs_given_once(proc_env, tmp_path):
+    """``-- --epochs 3`` alone: the run trains the script's 3 epochs (flodl's default is 1), and
+    ``run.num_epochs`` says 3 to a script that takes no --epochs of its own."""
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["--script", str(TASKS / "epochs_script.py"), "--nproc-per-node", "2", "--no-progress", "--", "--epochs", "3"]
+    run = Run(args, {**proc_env, "FLODL_TEST_OUT": str(out)})
+    assert run.wait(75) == 0, run.output
+    for rank in (0, 1):
+        record = json.loads((out / f"rank{rank}.json").read_text())
+        assert (record["seen"], record["epochs"], record["num_epochs"]) == ([0, 1, 2], 3, 3)
+
+
+@pytest.mark.parametrize(
+    ("args", "epochs"),
+    [
+        (["--epochs", "4"], 4),
+        (["--lr", "1", "--epochs=5"], 5),
+        (["--epochs", "2", "--epochs", "6"], 6),  # the last one, as argparse keeps it
+        (["--epochs", "x"], None),  # not a number: the script's own business
+        (["--", "--epochs", "4"], None),  # past the script's own --
+        (["--num-epochs", "4"], None),
+    ],
+)
+def test_the_scripts_epochs_are_read_as_argparse_reads_them(args, epochs):
+    assert scriptspec.script_epochs(args) == epochs
+    assert scriptspec.one_epochs(None, args) == epochs  # flodl's unsaid: the script's
+    assert scriptspec.one_epochs(epochs, args) == epochs  # the same number twice: fine
 
 
 def test_the_script_and_its_args_travel_in_the_task_field():

@@ -1,7 +1,8 @@
 """examples/migrate/ddp_train.py ported to flodl's script mode (docs/migrating.md shows the diff).
 
-    python -m flodl.controller --script examples/migrate/flodl_script.py --nproc-per-node 2 --epochs 10 --lr-scale-ratio 0 -- --epochs 10
+    python -m flodl.controller --script examples/migrate/flodl_script.py --nproc-per-node 2 --lr-scale-ratio 0 -- --epochs 10
 
+The run trains the script's own --epochs (flodl reads it after --: given once, as to torchrun).
 Save and resume are flodl's (--save-path / --resume-from: the model, the optimizer, the
 registered scheduler and exact coverage).
 """

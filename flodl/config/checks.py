@@ -161,6 +161,19 @@ def _transform(name: str, value: Any) -> Any:
     raise ConfigError(name, f"must be a 'module:function' string or a callable, got {value!r}")
 
 
+def _specs(name: str, value: Any) -> tuple[str, ...]:
+    """``"module:function"`` specs (one, or a list of them), each importable by name, in order."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, Iterable) or isinstance(items, bytes):
+        raise ConfigError(name, f"must be a list of 'module:function' specs, got {value!r}")
+    specs = tuple(items)
+    for spec in specs:
+        module, sep, function = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
+        if not (sep and module.strip() and function.strip()):
+            raise ConfigError(name, f"each must be a 'module:function' (or 'path/to/file.py:function') string, got {spec!r}")
+    return specs
+
+
 def _ratios(name: str, value: Any) -> tuple[float, ...] | None:
     """Per-rank shares, normalised to sum to 1 (left alone when they already do,
     so normalising is idempotent and ``from_dict(to_dict())`` is exact)."""

@@ -16,7 +16,7 @@ what a variable means, its default and what it accepts are written once
   only: ``FLODL_SIMULATE_*``, ``FLODL_INJECT_FAULT``, ``FLODL_STRICT``.
 
 A few variables of other programs are read here too (``CUDA_VISIBLE_DEVICES``,
-``OMP_NUM_THREADS``), one is set for torch (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), two for the
+``OMP_NUM_THREADS``, ``WANDB_MODE``), one is set for torch (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), two for the
 zygote's own imports (``zygote_environ``),
 children's ``PYTHONPATH`` is extended with this process's import roots (``child_environ``),
 and torchrun's four (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) are
@@ -77,6 +77,7 @@ STORE_BIND = "FLODL_STORE_BIND"  # ... and the address that store listens on (th
 # ---- other programs' variables
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
+WANDB_MODE = "WANDB_MODE"  # Weights & Biases' own: flodl's W&B logger runs offline unless it is set
 # numpy's OpenBLAS starts its thread pool when numpy is imported; torch asks NVML, not the CUDA
 # driver, whether CUDA is there: the zygote sets both for itself (zygote_environ)
 OPENBLAS_NUM_THREADS = "OPENBLAS_NUM_THREADS"
@@ -404,6 +405,12 @@ def replace_environ(env: dict[str, str]) -> None:
 def cuda_visible_devices() -> str | None:
     """``CUDA_VISIBLE_DEVICES`` as set (None: unset, every device visible)."""
     return os.environ.get(CUDA_VISIBLE_DEVICES)
+
+
+def wandb_mode() -> str:
+    """The mode flodl's W&B logger runs in (``--wandb-project``): ``WANDB_MODE`` when set
+    (``online``, ``offline``, ``disabled``), else ``offline`` (``wandb sync`` uploads it later)."""
+    return os.environ.get(WANDB_MODE, "").strip() or "offline"
 
 
 def omp_threads_set() -> bool:

@@ -103,6 +103,14 @@ def _toml_reductions(value: Any) -> dict[str, Reduction]:
     return {key: Reduction.parse(_toml_str(red)) for key, red in value.items()}
 
 
+def _toml_specs(value: Any) -> tuple[str, ...]:
+    """A TOML array of ``"module:function"`` strings (or one string)."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list):
+        raise ValueError(f'expected a list like ["mypkg.logs:make"], got {value!r}')
+    return tuple(_toml_str(item) for item in items)
+
+
 def _toml_max_failure(value: Any) -> MaxFailureThreshold:
     """A rank count (``3``) or the text form (``"3"``, ``"20%"``)."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
@@ -133,6 +141,8 @@ _KINDS: dict[str, _Kind] = {
     "float": _Kind("number", "X", _as_float, _toml_float),
     "bool": _Kind("bool", None, str, _toml_bool),  # from_text unused: bool flags take no value
     "path": _Kind("path", "PATH", str, _toml_str),
+    "name": _Kind("name", "NAME", str, _toml_str),
+    "loggers": _Kind("module:function, repeatable (TOML: array)", "MODULE:FUNCTION", str, _toml_specs),
     "transform": _Kind("module:function", "MODULE:FUNCTION", str, _toml_str),
     "mode": _Kind(f"one of {_MODES}", "MODE", ElCheMode.parse, lambda v: ElCheMode.parse(_toml_str(v))),
     "guard": _Kind("trend or none", "GUARD", str, _toml_str),
@@ -147,7 +157,7 @@ _KINDS: dict[str, _Kind] = {
 }
 
 # Options whose flag is not simply the kebab-case field name.
-_FLAG_OVERRIDES = {"scalar_reductions": "--scalar-reduction"}  # one declaration per flag, repeatable
+_FLAG_OVERRIDES = {"scalar_reductions": "--scalar-reduction", "loggers": "--logger"}  # one per flag, repeatable
 
 
 # ---------------------------------------------------------------------------
@@ -220,7 +230,8 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
     ),
     "monitoring": (
         *("reports_per_epoch", "scalar_reductions", "record_log_dir", "max_log_size"),
-        *("dashboard_html", "dashboard_theme", "timeline", "tensorboard_dir", "csv_log"),
+        *("dashboard_html", "dashboard_theme", "timeline", "tensorboard_dir", "csv_log", "wandb_project", "loggers"),
+        *("log_dir",),
     ),
 }
 _GROUP_OF = {name: title for title, names in HELP_GROUPS.items() for name in names}
@@ -263,7 +274,7 @@ def add_run_options(parser: argparse.ArgumentParser, groups: dict[str, Any] | No
         if spec.kind_name == "bool":
             action = "store_true" if spec.is_switch else argparse.BooleanOptionalAction
             group.add_argument(spec.flag, action=action, **common)
-        elif spec.kind_name == "reductions":
+        elif spec.kind_name in ("reductions", "loggers"):
             group.add_argument(spec.flag, action="append", type=_argparse_type(spec), metavar=spec.kind.metavar, **common)
         else:
             group.add_argument(spec.flag, type=_argparse_type(spec), metavar=spec.kind.metavar, **common)

@@ -46,6 +46,7 @@ from .checks import (
     _positive,
     _ratios,
     _reductions,
+    _specs,
     _text,
     _transform,
     _within,
@@ -373,6 +374,30 @@ class DdpRunConfig:
     csv_log: str | None = _option(
         None, check=_text, kind="path", default_text="off", help="Write the history rows to this CSV file as they close."
     )
+    log_dir: str | None = _option(
+        None,
+        check=_text,
+        kind="path",
+        default_text="off",
+        help="Also write each rank's stdout and stderr to <DIR>/<run id>/rank<N>/stdout.log and stderr.log, on the host "
+        "it runs on (its worker writes them), as torchrun's --log-dir; the console still shows every line.",
+    )
+    wandb_project: str | None = _option(
+        None,
+        check=_text,
+        kind="name",
+        default_text="off",
+        help="Log the history rows to Weights & Biases under this project (the TensorBoard logger's scalars), offline "
+        "unless WANDB_MODE says otherwise; needs the wandb package (pip install 'flodl[wandb]').",
+    )
+    loggers: tuple[str, ...] = _option(
+        (),
+        check=_specs,
+        kind="loggers",
+        default_text="none",
+        help="A logger of your own: a 'module:function' factory the controller calls once, whose log(values, step) gets "
+        "the TensorBoard logger's scalars at every history row (docs/monitor.md, Your own logger); repeatable.",
+    )
     scalar_reductions: tuple[tuple[str, Reduction], ...] = _option(
         (),
         check=_reductions,
@@ -622,6 +647,20 @@ class DdpRunConfig:
     def with_csv_log(self, path: str | os.PathLike[str] | None) -> DdpRunConfig:
         return self._replace(csv_log=path)
 
+    def with_log_dir(self, directory: str | os.PathLike[str] | None) -> DdpRunConfig:
+        return self._replace(log_dir=directory)
+
+    def with_wandb_project(self, project: str | None) -> DdpRunConfig:
+        return self._replace(wandb_project=project)
+
+    def with_loggers(self, specs: Iterable[str]) -> DdpRunConfig:
+        """Replace every logger of your own at once (``"module:function"`` factories)."""
+        return self._replace(loggers=tuple(specs))
+
+    def with_logger(self, spec: str) -> DdpRunConfig:
+        """Add a logger of your own: a ``"module:function"`` factory (docs/monitor.md)."""
+        return self._replace(loggers=(*self.loggers, spec))
+
     def with_record_log_dir(self, directory: str | os.PathLike[str] | None) -> DdpRunConfig:
         return self._replace(record_log_dir=directory)
 
@@ -754,7 +793,7 @@ def _to_plain(name: str, value: Any) -> Any:
         return str(value)
     if name == "scalar_reductions":
         return {key: reduction.value for key, reduction in value}
-    if name == "partition_ratios":
+    if name in ("partition_ratios", "loggers"):
         return list(value)
     if name == "transform" and callable(value):
         return _callable_spec(value)
@@ -822,6 +861,9 @@ AVAILABLE_FIELDS: frozenset[str] = frozenset(
         "timeline",
         "tensorboard_dir",
         "csv_log",
+        "wandb_project",
+        "loggers",
+        "log_dir",
         # combining replicas (docs/cadence.md, "Combining replicas")
         "lr_scale_on",
         "average_weights",

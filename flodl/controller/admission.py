@@ -100,6 +100,7 @@ class Admission:
                 bulk_relay=relay,
                 seed=self.resume.seed(),  # the ranks' random streams: the one a resumed run started with
                 deterministic=self.ctx.config.deterministic,
+                log_dir=self.ctx.config.log_dir or "",  # each worker writes its ranks' logs on its host
             ),
             worker.identity,
         )

@@ -50,6 +50,7 @@ from ..config.env import new_run_id, new_run_secret
 from ..config.joinfile import JoinInfo
 from ..config.outer import OuterConfig
 from ..errors import EXIT_CONFIG, EXIT_EVALS_FAILED, EXIT_FAILED, EXIT_UNSAVED, ConfigError, RunAborted
+from ..monitor.hooks import check as check_loggers
 from ..monitor.hub import Monitor
 from ..plan.cadence import CadenceLoop
 from ..plan.membership import Membership, PeerState
@@ -219,6 +220,7 @@ class Controller:
         try:
             self.ctx.checkpoints.claim(self.ctx.run_id)  # first: no other run writes the stem while we read or save it
             self.resume.load()
+            check_loggers(self.ctx.config)  # W&B not installed, a --logger not importable: before anything starts
         except (CheckpointError, ConfigError) as exc:  # before anything starts: only the lock to give back
             self.ctx.checkpoints.release()
             message = str(exc) if isinstance(exc, ConfigError) else f"resume_from: {exc}"
@@ -232,7 +234,9 @@ class Controller:
                 pass
         try:
             self._open()
-            url = await self.ctx.monitor.start()
+            url = await self.ctx.monitor.start(
+                {"run_id": self.ctx.run_id, "task": self.ctx.launch.label, "config": self.ctx.config.to_dict()}
+            )
             if url:
                 self.ctx.console.line(f"dashboard: {url}")
             self._hand_out_credentials()

@@ -107,7 +107,8 @@ _HELP = {
     "script": "your own training script, run on every rank as torchrun runs it (python -m flodl.controller "
     "--script train.py [options] -- SCRIPT_ARGS); it calls flodl.init(): docs/script-mode.md",
     "script_args": "the script's own arguments: everything after --",
-    "epochs": "number of epochs (passes over the dataset)",
+    "epochs": "number of epochs (passes over the dataset). Default: 1; with --script, the script's own --epochs N "
+    "after -- when it takes one (give it once)",
     "nproc_per_node": "ranks on this host for the embedded worker (default: one per GPU, else 1 CPU rank)",
     "devices": "explicit devices for the embedded worker, e.g. cuda:0,cuda:1 or cpu,cpu",
     "workers": "number of external workers to wait for (python -m flodl.worker); 0 starts one locally",
@@ -209,6 +210,10 @@ def resolve(args: argparse.Namespace) -> tuple[LaunchOptions, DdpRunConfig]:
             launch[name] = tuple(getattr(args, name)) if name == "script_args" else getattr(args, name)
         elif name in toml_values:
             launch[name] = _coerce(name, toml_values[name])
+    if launch.get("script"):  # a script's own --epochs N is the run's, unless flodl's says otherwise
+        epochs = scriptspec.one_epochs(launch.get("epochs"), launch.get("script_args", ()))
+        if epochs is not None:
+            launch["epochs"] = epochs
     options = LaunchOptions(**launch)
     options.validate()
     config = resolve_run_config(args, toml_values, LAUNCH_KEYS, source=args.config or "config.toml")

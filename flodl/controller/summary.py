@@ -12,6 +12,7 @@ from ..plan.membership import PeerState
 from ..wire import messages as m
 from .admission import Admission
 from .context import RunContext
+from .history import bounded
 from .liveness import Liveness
 from .teardown import Teardown
 from .training import Training
@@ -93,7 +94,9 @@ def summarize(
         "final_loss": last.epoch_losses.get(last.epoch, last.avg_loss) if last else None,
         "final_eval": final_eval.value if final_eval else None,
         "eval_metric_name": task_info.eval_metric if training.evals_on and task_info is not None else None,
-        "history": [s.to_dict() for s in history],
+        # whole at both ends, the middle merged: a long run's summary stays small (history.py)
+        "history": bounded([s.to_dict() for s in history]),
+        "history_rows": len(history),
         "deaths": [
             {"rank": r.rank, "host": r.host, "pid": r.pid, "reason": r.death} for r in members.ranks.values() if r.state is PeerState.DEAD
         ],

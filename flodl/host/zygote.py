@@ -155,13 +155,15 @@ class Zygote:
         log.info("ranks fork from the zygote server %s (pid %d)", path, ready["ready"])
         return cls(None, reader, writer, pid=int(ready["ready"]))
 
-    async def spawn(self, argv: list[str], env: dict[str, str]) -> ForkedChild | None:
-        """Fork a rank running ``argv`` with ``env``; None (said once) when the worker must exec it."""
+    async def spawn(self, argv: list[str], env: dict[str, str], stdio: dict[str, str] | None = None) -> ForkedChild | None:
+        """Fork a rank running ``argv`` with ``env`` (``stdio``: the named pipes its stdout and stderr
+        go to, host/rank_logs.py); None (said once) when the worker must exec it."""
         if self._gone:
             return None
         reply: asyncio.Future[ForkedChild | None] = asyncio.get_running_loop().create_future()
         self._replies.append(reply)
-        self._writer.write(json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode() + b"\n")
+        request = {"argv": argv, "env": env, "cwd": os.getcwd(), **({"stdio": stdio} if stdio else {})}
+        self._writer.write(json.dumps(request).encode() + b"\n")
         return await asyncio.shield(reply)  # a cancelled spawn must not shift the replies that follow
 
     async def _listen(self) -> None:

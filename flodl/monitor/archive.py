@@ -4,7 +4,9 @@
 snapshot embedded as JSON, so it opens offline with no server (reference
 12.8). It is written at teardown, after the stream drained; the write is
 atomic (temporary file + ``os.replace``) so a reader never sees half a page,
-and its size is bounded because the feed keeps a ring per node path.
+and its size is bounded: the feed's records thinned to ``ARCHIVE_PER_PATH`` per
+node path (``Feed.archive_lines``: both ends whole, evenly spaced between), the
+full series being in the record stream.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def archive_html(feed_or_snapshot: Feed | Iterable[dict[str, Any]], *, theme: st
         ValueError: ``theme`` is not a valid ``dashboard_theme``.
     """
     check_theme(theme)
-    lines = feed_or_snapshot.snapshot_lines() if isinstance(feed_or_snapshot, Feed) else [encode_record(r) for r in feed_or_snapshot]
+    lines = feed_or_snapshot.archive_lines() if isinstance(feed_or_snapshot, Feed) else [encode_record(r) for r in feed_or_snapshot]
     data = '{"v":1,"saved_ts":%d,"records":[%s]}' % (time.time() * 1000, ",".join(lines))  # noqa: UP031 - a JSON template: braces stay readable
     return render_page(theme=theme, data_json=data)
 

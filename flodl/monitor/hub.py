@@ -80,13 +80,15 @@ class Monitor:
         self.epoch_batches: dict[int, int] = {}  # epoch -> batches trained so far (sub-epoch reports)
         self.report_epoch = -1
         self.anchor: int | None = None
-        self.loggers = Loggers(config.tensorboard_dir, config.csv_log)  # TensorBoard and CSV, when asked for
+        self.loggers = Loggers(config)  # TensorBoard, CSV, W&B and the user's own, when asked for
         self.metric: str | None = None  # the eval's name, once the run begins
 
     # ------------------------------------------------------------- lifetime
 
-    async def start(self) -> str | None:
-        """Open the dashboard port; returns its URL (None when off)."""
+    async def start(self, run_info: Mapping[str, Any] | None = None) -> str | None:
+        """Open the dashboard port and start making the loggers (``run_info``: what a logger's
+        factory is told: run id, task, config); returns the dashboard's URL (None when off)."""
+        self.loggers.start(run_info or {})
         if self.server is None:
             return None
         await self.server.start()
@@ -121,7 +123,7 @@ class Monitor:
                 written.append(str(write_archive(self.config.dashboard_html, self.feed, theme=self.config.dashboard_theme)))
             except OSError as exc:
                 log.warning("could not write the dashboard archive to %s: %s", self.config.dashboard_html, exc)
-        written += self.loggers.close()
+        written += await self.loggers.close()
         if self.log is not None:
             self.log.close()
         if self.server is not None:

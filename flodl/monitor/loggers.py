@@ -1,4 +1,4 @@
-"""The run's rows in loggers people already read: TensorBoard and a CSV file.
+"""The run's rows in loggers people already read: TensorBoard, a CSV file, W&B, and a user's own.
 
 ``--tensorboard-dir DIR`` writes a TensorBoard event file (tfevents.py: no
 TensorBoard needed to write it) and ``--csv-log FILE`` a CSV table, one row per
@@ -6,18 +6,25 @@ row of the run's history (an epoch, or the epochs one average closed): the
 loss, the eval, samples/s, seconds, averages, every user scalar, and each
 rank's samples/s. The step is the row's last epoch counted from 1, as the
 console prints it. Both are written as rows close, so they follow a live run.
+``--wandb-project`` and ``--logger`` (hooks.py) get the TensorBoard logger's
+scalars; they are made on a thread of their own while the run starts (W&B
+starts a process), and rows that close before they are ready wait for them.
 A logger that cannot write warns once and stops; training goes on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..config import DdpRunConfig
 from ..plan.metrics import EpochStats
+from .hooks import Hook, open_all
 from .tfevents import EventFileWriter
 
 log = logging.getLogger("flodl.monitor")
@@ -77,34 +84,54 @@ def _cells(values: dict[str, Any]) -> dict[str, Any]:
     return {k: "" if v is None else v for k, v in values.items()}
 
 
+def _close_all(hooks: list[Hook]) -> None:
+    for hook in hooks:
+        hook.close()
+
+
+def tensorboard_scalars(values: dict[str, Any], metric: str | None) -> dict[str, float]:
+    """A row's numbers as TensorBoard tags (and every hook) get them: the eval as ``eval/<metric>``."""
+    return {
+        (f"eval/{metric or 'value'}" if k == "eval" else k): float(v)
+        for k, v in values.items()
+        if isinstance(v, (int, float)) and k not in ("epoch", "first_epoch")
+    }
+
+
 class Loggers:
     """The loggers the run's options ask for (none: nothing happens)."""
 
-    def __init__(self, tensorboard_dir: str | None, csv_log: str | None) -> None:
+    def __init__(self, config: DdpRunConfig) -> None:
+        self.config = config
         self.tensorboard: EventFileWriter | None = None
         self.csv: CsvLog | None = None
-        if tensorboard_dir:
+        self.hooks: list[Hook] = []
+        self._opening: asyncio.Task[list[Hook]] | None = None  # the hooks being made (start)
+        self._waiting: list[tuple[dict[str, float], int]] = []  # rows closed before they were ready
+        if config.tensorboard_dir:
             try:
-                self.tensorboard = EventFileWriter(tensorboard_dir)
+                self.tensorboard = EventFileWriter(config.tensorboard_dir)
             except OSError as exc:
-                log.warning("cannot write TensorBoard events to %s (%s): no TensorBoard log", tensorboard_dir, exc)
-        if csv_log:
+                log.warning("cannot write TensorBoard events to %s (%s): no TensorBoard log", config.tensorboard_dir, exc)
+        if config.csv_log:
             try:
-                self.csv = CsvLog(csv_log)
+                self.csv = CsvLog(config.csv_log)
             except OSError as exc:
-                log.warning("cannot write the CSV log %s (%s): no CSV log", csv_log, exc)
+                log.warning("cannot write the CSV log %s (%s): no CSV log", config.csv_log, exc)
+
+    def start(self, run_info: Mapping[str, Any]) -> None:
+        """Make the W&B and user loggers on a thread (on the running loop; none asked for: nothing)."""
+        if self.config.wandb_project or self.config.loggers:
+            self._opening = asyncio.get_running_loop().create_task(asyncio.to_thread(open_all, self.config, dict(run_info)))
 
     def row(self, stats: EpochStats, metric: str | None) -> None:
         """A history row closed (its eval, if any, in)."""
         values = row_values(stats)
+        numbers = tensorboard_scalars(values, metric)
+        step = stats.epoch + 1
         if self.tensorboard is not None:
-            numbers = {
-                (f"eval/{metric or 'value'}" if k == "eval" else k): float(v)
-                for k, v in values.items()
-                if isinstance(v, (int, float)) and k not in ("epoch", "first_epoch")
-            }
             try:
-                self.tensorboard.scalars(numbers, step=stats.epoch + 1)
+                self.tensorboard.scalars(numbers, step=step)
             except OSError as exc:
                 log.warning("TensorBoard log stopped: %s", exc)
                 self.tensorboard = None
@@ -114,9 +141,31 @@ class Loggers:
             except OSError as exc:
                 log.warning("CSV log stopped: %s", exc)
                 self.csv = None
+        self._waiting.append((numbers, step))
+        self._flush()
 
-    def close(self) -> list[str]:
-        """Close them; the paths written."""
+    def _flush(self) -> None:
+        """Rows to the hooks, once they are made."""
+        if self._opening is not None:
+            if not self._opening.done():
+                return
+            opening, self._opening = self._opening, None
+            if opening.exception() is not None:  # open_all says each logger's own failure: a bug of ours, not the run's end
+                log.warning("the loggers could not start: %s", opening.exception())
+            else:
+                self.hooks = opening.result()
+        waiting, self._waiting = self._waiting, []
+        for numbers, step in waiting:
+            for hook in self.hooks:
+                hook.log(numbers, step)
+
+    async def close(self) -> list[str]:
+        """Close them (the hooks once made and given every row); the paths written."""
+        if self._opening is not None:
+            await asyncio.wait([self._opening])
+        self._flush()
+        if self.hooks:
+            await asyncio.to_thread(_close_all, self.hooks)
         written = []
         if self.tensorboard is not None:
             self.tensorboard.close()

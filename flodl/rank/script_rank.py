@@ -124,6 +124,12 @@ class ScriptRank(Seams):
         return self.runner.group.at.world_size
 
     @property
+    def epochs(self) -> int:
+        """The epochs the run trains in all (0 before it joined)."""
+        joined = self.runner.joined
+        return joined.run.epochs if joined is not None else 0
+
+    @property
     def source(self) -> BatchSource | ShardSource | None:
         """The rank's batch source (None before it joined)."""
         joined = self.runner.joined

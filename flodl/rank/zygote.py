@@ -308,7 +308,8 @@ class Zygote:
         for fd in stdio:
             if fd > 2:
                 os.close(fd)
-        if stdio:
+        piped = pipe_stdio(request.get("stdio") or {})
+        if stdio or piped:
             reopen_stdio(bool(request["env"].get("PYTHONUNBUFFERED")))
         os.close(self.wake_r)
         os.close(self.wake_w)
@@ -318,6 +319,17 @@ class Zygote:
         kind, what, args = target
         proctitle.show(request["argv"], request["env"], INHERITED)
         return run(kind, what, args)
+
+
+def pipe_stdio(paths: dict[str, str]) -> bool:
+    """The rank's stdout and stderr onto the named pipes its worker made (``--log-dir``:
+    host/rank_logs.py), before its first line; False when it has none."""
+    for target_fd, name in ((1, "stdout"), (2, "stderr")):
+        if paths.get(name):
+            fd = os.open(paths[name], os.O_WRONLY)  # the worker holds the read end: no wait
+            os.dup2(fd, target_fd)
+            os.close(fd)
+    return bool(paths)
 
 
 def reopen_stdio(unbuffered: bool) -> None:

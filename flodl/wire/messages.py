@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 
 
 @dataclass(slots=True)
@@ -52,6 +52,8 @@ class WorkerWelcome:
     """the run seed (--seed; a resumed run's, its bundle's): the ranks seed every RNG from it before building the task, the same on every rank, and again from (seed, rank) before training, each rank its own stream"""
     deterministic: bool
     """the run's deterministic option: the ranks turn on torch's deterministic algorithms before building the task"""
+    log_dir: str
+    """the run's log_dir (--log-dir, as the worker's working directory resolves it), or empty: the worker also writes each of its ranks' stdout and stderr to <log_dir>/<run id>/rank<N>/stdout.log and stderr.log"""
 
 
 @dataclass(slots=True)
@@ -562,7 +564,7 @@ class EpochEnd:
 
 SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     1: ('WorkerHello', WorkerHello, (('host', 'str'), ('pid', 'int'), ('devices', 'list<str>'), ('versions', 'map<str,str>'),)),
-    2: ('WorkerWelcome', WorkerWelcome, (('ranks', 'list<int>'), ('world_size', 'int'), ('task', 'str'), ('heartbeat_timeout_s', 'float'), ('bulk_port', 'int'), ('bulk_relay', 'bool'), ('seed', 'int'), ('deterministic', 'bool'),)),
+    2: ('WorkerWelcome', WorkerWelcome, (('ranks', 'list<int>'), ('world_size', 'int'), ('task', 'str'), ('heartbeat_timeout_s', 'float'), ('bulk_port', 'int'), ('bulk_relay', 'bool'), ('seed', 'int'), ('deterministic', 'bool'), ('log_dir', 'str'),)),
     3: ('Reject', Reject, (('reason', 'str'),)),
     4: ('RankExited', RankExited, (('rank', 'int'), ('pid', 'int'), ('code', 'int'),)),
     5: ('RankHello', RankHello, (('rank', 'int'), ('host', 'str'), ('pid', 'int'), ('device', 'str'), ('versions', 'map<str,str>'), ('model_signature', 'str'), ('param_count', 'int'), ('shuffle_signature', 'str'), ('dataset_len', 'int'), ('dataset_digest', 'str'), ('has_eval', 'bool'), ('eval_metric', 'str'), ('batch_size', 'int'), ('grain', 'str'), ('accumulate_grad_batches', 'int'), ('cores', 'str'),)),

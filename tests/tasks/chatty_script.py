@@ -1,5 +1,6 @@
 """A script whose ranks print many lines in pieces at the same time (tests/test_rank_output.py)."""
 
+import os
 import sys
 
 import torch
@@ -18,6 +19,7 @@ def main():
         print(f" line {i}", end="", flush=True)
         print(" end", flush=True)
         sys.stderr.write(f"ERR{run.rank} {i}\n")
+    os.write(1, f"RAW{run.rank}\n".encode())  # below Python: a C library's print
     for _ in run.epochs():
         for xb, yb in run.batches():
             loss = torch.nn.functional.cross_entropy(model(xb), yb)

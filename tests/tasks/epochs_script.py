@@ -1,10 +1,12 @@
 """A script that records what its loop sees of the epochs (tests/test_epoch_events.py).
 
 Each rank writes rank<R>.json to FLODL_TEST_OUT: the epochs ``run.epochs()`` yielded, the batches and samples
-it trained in each, and the LR a per-epoch scheduler (``StepLR``, stepped once per epoch, as a torchrun
-script does) left it at. FLODL_TEST_SAMPLES sets the dataset's size (default 256).
+it trained in each, the LR a per-epoch scheduler (``StepLR``, stepped once per epoch, as a torchrun
+script does) left it at, its own ``--epochs`` (argparse, as a torchrun script takes it) and ``run.num_epochs``.
+FLODL_TEST_SAMPLES sets the dataset's size (default 256).
 """
 
+import argparse
 import json
 import os
 
@@ -15,6 +17,9 @@ import flodl
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=1)
+    args = parser.parse_args()
     run = flodl.init()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(int(os.environ.get("FLODL_TEST_SAMPLES", "256")), 8, generator=g)
@@ -38,7 +43,8 @@ def main():
         scheduler.step()
         run.report(epoch_seen=epoch)
     with open(os.path.join(os.environ["FLODL_TEST_OUT"], f"rank{run.rank}.json"), "w") as f:
-        json.dump({"seen": seen, "batches": batches, "samples": samples, "lr": optimizer.param_groups[0]["lr"]}, f)
+        lr = optimizer.param_groups[0]["lr"]
+        json.dump({"seen": seen, "batches": batches, "samples": samples, "lr": lr, "epochs": args.epochs, "num_epochs": run.num_epochs}, f)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ FLODL_TEST_EVAL_SLEEP   seconds eval_fn takes (a real eval's time, on the eval r
 FLODL_TEST_SAMPLES      training samples (default 512)
 FLODL_TEST_RECORD_SEEN  record_scalar("seen", samples in the batch) every step (a count to declare sum)
 FLODL_TEST_EPOCH_LOG    a directory: epoch_fn appends each epoch a rank begins to rank<R>.epochs there
+FLODL_TEST_SAY          at its first step, a rank prints "SAY rank R" (Python's print) and writes "RAW rank R" to its
+                        stderr below Python (os.write): what a rank's log files hold (--log-dir)
 FLODL_TEST_BIG_MODEL    add a parameter of ones, never trained, large enough that a snapshot takes two
                         8 MiB slices; the eval is then its mean (1.0 unless an average shrank it)
 """
@@ -54,6 +56,9 @@ def train_step(model, batch, device):
         time.sleep(float(os.environ.get("FLODL_TEST_STEP_SLEEP", "0") or 0))
     if _STEP["n"] == 1:
         time.sleep(float(os.environ.get("FLODL_TEST_FIRST_STEP_SLEEP", "0") or 0))
+        if os.environ.get("FLODL_TEST_SAY"):
+            print(f"SAY rank {os.environ['FLODL_RANK']}", flush=True)
+            os.write(2, f"RAW rank {os.environ['FLODL_RANK']}\n".encode())
     x, y = batch
     if os.environ.get("FLODL_TEST_RECORD_SEEN"):
         from flodl import record_scalar
