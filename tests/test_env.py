@@ -130,3 +130,16 @@ def test_env_is_the_only_module_that_reads_the_environment():
     root = Path(env.__file__).parent.parent
     readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if "os.environ" in p.read_text() or "getenv" in p.read_text())
     assert readers == ["config/env.py"]
+
+
+def test_the_summary_history_cap_can_be_lifted(monkeypatch):
+    from flodl.controller.history import bounded
+
+    rows = [{"epoch": e, "first_epoch": e, "samples": 8, "loss": 1.0, "note": "x" * 200} for e in range(400)]
+    monkeypatch.setenv(env.SUMMARY_HISTORY_BYTES, "0")
+    assert env.summary_history_bytes(1024) is None and bounded(rows, budget=None) == rows  # every row whole
+    monkeypatch.setenv(env.SUMMARY_HISTORY_BYTES, "4096")
+    assert env.summary_history_bytes(1024) == 4096
+    monkeypatch.setenv(env.SUMMARY_HISTORY_BYTES, "lots")
+    assert env.summary_history_bytes(1024) == 1024
+    assert len(bounded(rows, budget=1024)) < len(rows)

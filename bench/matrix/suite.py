@@ -93,7 +93,7 @@ from bench.matrix import CASES, MODEL_ORDER, PLANS, ROOT, SIDE_BY_SIDE, TARGETS,
 from bench.matrix import report as matrix_report
 from bench.matrix.reach import Goal, RecordWatch
 from bench.matrix.tasks import SAMPLES_ENV, SEED_ENV, SPECS
-from flodl.config.env import SIMULATE_BASE_MS, SIMULATE_PACE_FILE, SIMULATE_SLOWDOWN
+from flodl.config.env import SIMULATE_BASE_MS, SIMULATE_PACE_FILE, SIMULATE_SLOWDOWN, SUMMARY_HISTORY_BYTES
 from flodl.errors import EXIT_INTERRUPTED
 
 DDP_SCRIPT = ROOT / "bench" / "matrix" / "ddp.py"
@@ -124,6 +124,7 @@ def _env(samples: int, seed: int = 0) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env[SAMPLES_ENV] = str(samples)
     env[SEED_ENV] = str(seed)
+    env[SUMMARY_HISTORY_BYTES] = "0"  # every epoch's row whole: time to target reads each (flodl/controller/history.py)
     env.pop(SIMULATE_SLOWDOWN, None)
     env.pop(SIMULATE_BASE_MS, None)
     env.pop(SIMULATE_PACE_FILE, None)

@@ -65,6 +65,7 @@ BULK_RELAY = "FLODL_BULK_RELAY"  # on (default) | off | always: do workers pre-a
 SHM = "FLODL_SHM"  # on (default) | off: same-host snapshots through shared memory, else the bulk socket
 SHM_DIR = "FLODL_SHM_DIR"  # where shared-memory segments live (default /dev/shm)
 VRAM_POOL = "FLODL_VRAM_POOL"  # on (default) | off: kill-switch of the data plane's VRAM pool
+SUMMARY_HISTORY_BYTES = "FLODL_SUMMARY_HISTORY_BYTES"  # the summary history's size cap (0: every row whole; benchmarks)
 BULK_SLICE_BYTES = "FLODL_BULK_SLICE_BYTES"  # a model travels in slices of at most this many bytes (tuning)
 ZYGOTE = "FLODL_ZYGOTE"  # on (default) | off: a worker forks its ranks from a pre-imported process, else execs each
 PURE_CODEC = "FLODL_PURE_CODEC"  # on | off (default): frames by the pure-Python codec even where the compiled one is built
@@ -350,6 +351,15 @@ def shm_dir() -> Path:
 def vram_pool_disabled() -> bool:
     """``FLODL_VRAM_POOL=off`` kill-switch (read by the data plane)."""
     return not _switch(VRAM_POOL, True)
+
+
+def summary_history_bytes(default: int) -> int | None:
+    """``FLODL_SUMMARY_HISTORY_BYTES``: the summary history's cap in bytes of JSON; 0: none (every
+    row whole, as benchmarks that read each epoch's row want). Unset or not a whole number: ``default``."""
+    text = os.environ.get(SUMMARY_HISTORY_BYTES, "").strip()
+    if not text.isdigit():
+        return default
+    return int(text) or None
 
 
 def bulk_slice_bytes(default: int = 8 << 20) -> int:

@@ -31,10 +31,10 @@ _SUMMED = ("samples", "batches", "wall_s", "syncs")
 _RANK_SUMMED = ("samples", "batches", "compute_ms", "data_ms", "sync_ms")
 
 
-def bounded(rows: Sequence[dict[str, Any]], *, budget: int = HISTORY_BYTES) -> list[dict[str, Any]]:
+def bounded(rows: Sequence[dict[str, Any]], *, budget: int | None = HISTORY_BYTES) -> list[dict[str, Any]]:
     """``rows`` compacted at the largest of ``LEVELS`` that fits ``budget`` bytes of JSON (the
-    smallest when none does); the rows as they are while they fit whole."""
-    if _size(rows) <= budget:
+    smallest when none does); the rows as they are while they fit whole (``budget`` None: always)."""
+    if budget is None or _size(rows) <= budget:
         return list(rows)
     for keep_whole, middle_rows in LEVELS:
         out = compact(rows, keep_whole=keep_whole, middle_rows=middle_rows)

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import time
 
+from ..config.env import summary_history_bytes
 from ..plan.cadence import CadenceLoop
 from ..plan.membership import PeerState
 from ..wire import messages as m
 from .admission import Admission
 from .context import RunContext
-from .history import bounded
+from .history import HISTORY_BYTES, bounded
 from .liveness import Liveness
 from .teardown import Teardown
 from .training import Training
@@ -95,7 +96,7 @@ def summarize(
         "final_eval": final_eval.value if final_eval else None,
         "eval_metric_name": task_info.eval_metric if training.evals_on and task_info is not None else None,
         # whole at both ends, the middle merged: a long run's summary stays small (history.py)
-        "history": bounded([s.to_dict() for s in history]),
+        "history": bounded([s.to_dict() for s in history], budget=summary_history_bytes(HISTORY_BYTES)),
         "history_rows": len(history),
         "deaths": [
             {"rank": r.rank, "host": r.host, "pid": r.pid, "reason": r.death} for r in members.ranks.values() if r.state is PeerState.DEAD
