@@ -11,7 +11,8 @@ each of a kind drawn uniformly from ``--kinds`` (the chaos kinds that a running 
 * ``kill``   SIGKILL of a rank from outside; healing restarts it
 * ``stop``   SIGSTOP of a rank (found by its silence, fenced, restarted)
 * ``stuck``  the rank's training thread blocks for good in user code, its heartbeats going on
-             (``FLODL_TEST_STUCK_DIR``: found by its stall, fenced, restarted)
+             (``FLODL_TEST_STUCK_DIR``: found by its stall, fenced, restarted); only a rank that has
+             trained 3 s (a first step's deadline is the join timeout: it may compile)
 * ``host``   a whole host lost: every process of one worker SIGKILLed at once (nothing there is
              restarted: its worker is gone); the host comes back 2 s later, a new worker whose
              ranks join and fill the lost ranks' places
@@ -108,10 +109,13 @@ class World:
         """Ranks a fault may take now: admitted, alive, not already hit."""
         return [r for r in live if r in self.admitted and r not in self.gone]
 
+    def seasoned(self, rank: int) -> bool:
+        """Has ``rank`` trained a while (admitted SEASONED_S ago): past its first step, averaged?"""
+        return time.monotonic() - self.admitted[rank] >= SEASONED_S
+
     def survives(self, taken: list[int], live: list[int]) -> bool:
         """Would a rank that holds the run's parameters live on after ``taken`` go?"""
-        now = time.monotonic()
-        return any(now - self.admitted[r] >= SEASONED_S for r in self.victims(live) if r not in taken)
+        return any(self.seasoned(r) for r in self.victims(live) if r not in taken)
 
 
 def plan_gaps(seed: int, mtbf_s: float) -> random.Random:
@@ -301,6 +305,8 @@ class Soak:
             self.back.append((time.monotonic() + HOST_BACK_S, host))
         else:
             choices = [r for r in world.victims(live) if world.survives([r], live)]
+            if kind == "stuck":  # a stuck first step is judged by the join timeout (it may compile): another fault
+                choices = [r for r in choices if world.seasoned(r)]
             if not choices:
                 return False
             rank = self.rng.choice(choices)
