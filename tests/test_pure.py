@@ -185,6 +185,13 @@ def test_a_rank_whose_worker_went_before_it_started_is_dead_at_the_heartbeat_tim
     mem.excuse_silence_before_hello(clock())
     verdict = mem.assess(clock())
     assert verdict.dead == (1,) and "never started: its worker on host h (pid 1) is gone" in verdict.reason
+    # a worker's own first ranks start while it may be silent a while (a relay importing torch): the join timeout judges them
+    mem = _members(clock, ranks=1)
+    mem.expect_rank(1, "h", "cpu", clock())
+    clock.advance(5.1)
+    mem.seen_rank(0, clock())
+    mem.excuse_silence_before_hello(clock())
+    assert mem.assess(clock()).healthy
 
 
 def test_a_restarted_rank_belongs_to_its_worker(clock):

@@ -58,6 +58,7 @@ class RankInfo:
     progress: Progress = field(default_factory=Progress)  # its training thread, as its last heartbeat said
     averaged: int = -1  # the generation of its last completed average, as its heartbeats say
     last_window: int = -1  # the last Window sent to it: the next one names it as ``after``
+    restart: bool = False  # started by its worker in a dead rank's place (healing), not at the worker's welcome
 
     def where(self) -> str:
         """``rank 1 on host h (pid 42)`` — how every message names a rank."""
@@ -145,7 +146,9 @@ class Membership:
     def expect_restart(self, worker: WorkerInfo, rank: int, device: str, now: float) -> RankInfo:
         """``worker`` was told to start ``rank`` in a dead rank's place: one more of its ranks."""
         worker.ranks.append(rank)
-        return self.expect_rank(rank, worker.host, device, now)
+        info = self.expect_rank(rank, worker.host, device, now)
+        info.restart = True
+        return info
 
     def rank_said_hello(self, rank: int, identity: bytes, sender: str, host: str, pid: int, device: str) -> RankInfo:
         """The rank's hello was accepted: its frames come on ``identity``, signed as ``sender``."""
@@ -279,7 +282,7 @@ class Membership:
         (before its hello: its worker's, which starts it; its own is excused)."""
         if info.death is not None:
             return info.death
-        if info.state is PeerState.JOINING and not info.identity:
+        if info.restart and info.state is PeerState.JOINING and not info.identity:
             return self._unstarted_death(info, now)
         why = stalled(info.progress, now, limits) if limits is not None else None
         if why is not None:
@@ -290,9 +293,11 @@ class Membership:
         return None
 
     def _unstarted_death(self, info: RankInfo, now: float) -> str | None:
-        """A rank that never said hello is dead once the worker that was to start it is gone or silent
+        """A restart that never said hello is dead once the worker that was to start it is gone or silent
         past the timeout (a host lost right after it was told to restart a rank there): else it waited
-        out the join timeout, and every joiner numbered above it with it (joiners join in rank order)."""
+        out the join timeout, and every joiner numbered above it with it (joiners join in rank order).
+        Only a restart: a worker's own first ranks (and a late worker's) start while it may be busy
+        importing torch for its relay, silent a while; a worker asked for a restart was training."""
         worker = next((w for w in self.workers.values() if info.rank in w.ranks), None)
         if worker is None:
             return None
