@@ -576,13 +576,9 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
         return res
     if res.exit_code != 0:
         res.failures.append(f"exit code {res.exit_code}")
-    if not run.summary_path.exists():
-        res.failures.append("no summary")
+    s = checked_summary(run, DATASET, epochs, res.failures)
+    if s is None:
         return res
-    s = run.summary()
-    samples = [h["samples"] for h in s["history"]]
-    if samples != [DATASET] * epochs:
-        res.failures.append(f"samples per epoch {samples}, want {DATASET} x {epochs}")
     if exact_model(plan):  # the eval is the mean of a parameter nothing trains: exactly 1 unless an average shrank it
         if s.get("final_eval") is None or abs(s["final_eval"] - 1.0) > 1e-6:
             res.failures.append(f"untrained parameter's mean {s.get('final_eval')}, want 1")
@@ -629,6 +625,20 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
     if plan.heal:
         _check_heal(res, s, rec)
     return res
+
+
+def checked_summary(run, dataset: int, epochs: int, failures: list[str]) -> dict | None:
+    """The run's summary (None, a failure noted, if it wrote none), every epoch checked to have trained
+    exactly its ``dataset`` samples, once (``failures`` names each epoch that did not)."""
+    if not run.summary_path.exists():
+        failures.append("no summary")
+        return None
+    summary: dict = run.summary()
+    samples = [h["samples"] for h in summary["history"]]
+    if samples != [dataset] * epochs:
+        wrong = [f"epoch {h['epoch'] + 1}: {h['samples']}" for h in summary["history"] if h["samples"] != dataset]
+        failures.append(f"samples per epoch: {', '.join(wrong[:10]) or 'none wrong'} of {len(samples)} rows, want {dataset} x {epochs}")
+    return summary
 
 
 def _check_heal(res: Result, s: dict, rec: dict) -> None:
@@ -690,7 +700,20 @@ def main() -> None:
         default=None,
         help="results file name (bench/results/<name>.json; default chaos, chaos_<kinds> with --kinds, + _quick with --quick)",
     )
+    parser.add_argument(
+        "--soak",
+        type=float,
+        default=None,
+        metavar="MINUTES",
+        help="one run kept going about MINUTES with faults at random moments (bench/soak.py)",
+    )
+    parser.add_argument(
+        "--mtbf", type=float, default=None, metavar="SECONDS", help="--soak: the mean time between faults (default 30; quick 10)"
+    )
+    parser.add_argument("--soak-mode", default="nccl-cadence", help="--soak: the run's --mode (default nccl-cadence)")
     a = parser.parse_args()
+    if a.soak is not None or a.mtbf is not None:
+        return _soak(parser, a)
     kinds = KINDS if a.kinds is None else tuple(k for k in a.kinds.split(",") if k)
     if unknown := sorted(set(kinds) - set(KINDS)):
         parser.error(f"--kinds: no fault kind {', '.join(unknown)} (the kinds: {', '.join(KINDS)})")
@@ -758,6 +781,24 @@ def main() -> None:
     name = "chaos" + ("" if kinds == KINDS else "_" + "_".join(k.replace("-", "_") for k in kinds)) + ("_quick" if a.quick else "")
     report(a.name or name, rows, note=note, results=out_dir)
     print(f"logs in {tmp}")
+
+
+def _soak(parser, a) -> None:
+    """``--soak``: bench/soak.py's one long run (``--quick``: 45 s planned, a fault every 10 s on average)."""
+    from bench.soak import SOAK_KINDS, soak_main
+
+    if a.smoke:
+        parser.error("--soak has no --smoke size: --quick is its short one")
+    minutes = a.soak if a.soak is not None else 1.0
+    mtbf = a.mtbf if a.mtbf is not None else 10.0 if a.quick else 30.0
+    if a.quick:  # 45 s of training planned: with its faults and start-up, under two minutes in all
+        minutes = min(minutes, 0.75)
+    if minutes <= 0 or mtbf <= 0:
+        parser.error(f"--soak {minutes:g} --mtbf {mtbf:g}: both must be positive")
+    kinds = SOAK_KINDS if a.kinds is None else tuple(k for k in a.kinds.split(",") if k)
+    if unknown := sorted(set(kinds) - set(SOAK_KINDS)):
+        parser.error(f"--kinds: no soak fault kind {', '.join(unknown)} (the soak's kinds: {', '.join(SOAK_KINDS)})")
+    soak_main(minutes, mtbf, kinds, a.seed, a.soak_mode, a.quick, a.name)
 
 
 if __name__ == "__main__":

@@ -244,8 +244,9 @@ def smoke_results() -> Path:
     return Path(where) if where else Path(tempfile.mkdtemp(prefix="flodl-bench-smoke-"))
 
 
-def report(bench: str, rows: list[Row], *, note: str = "", results: Path | None = None) -> Path:
-    """Print the table and write the JSON (into ``results``, default ``bench/results``); returns its path."""
+def report(bench: str, rows: list[Row], *, note: str = "", results: Path | None = None, extra: dict | None = None) -> Path:
+    """Print the table and write the JSON (into ``results``, default ``bench/results``; ``extra``: more keys
+    for it, e.g. a soak's table of faults); returns its path."""
     width = max(len(r.case) for r in rows) + 2
     print(f"\n{bench} on {machine()}")
     print(f"{'case':<{width}}{'metric':<22}{'value':>14}  {'unit':<10}{'goal':<26}met")
@@ -254,12 +255,12 @@ def report(bench: str, rows: list[Row], *, note: str = "", results: Path | None 
         print(f"{r.case:<{width}}{r.metric:<22}{r.value:>14,.2f}  {r.unit:<10}{(r.goal or '-'):<26}{met}")
     if note:
         print(note)
-    path = write_results(bench, rows, note=note, results=results)
+    path = write_results(bench, rows, note=note, results=results, extra=extra)
     print(f"wrote {path}")
     return path
 
 
-def write_results(bench: str, rows: list[Row], *, note: str = "", results: Path | None = None) -> Path:
+def write_results(bench: str, rows: list[Row], *, note: str = "", results: Path | None = None, extra: dict | None = None) -> Path:
     """Write the JSON alone (no table): a long bench calls it after each case, so a run cut short
     (a time limit, a lost machine) keeps the cases it finished, its note saying how far it got."""
     folder = RESULTS if results is None else results
@@ -268,5 +269,6 @@ def write_results(bench: str, rows: list[Row], *, note: str = "", results: Path 
     payload = {"bench": bench, "machine": machine(), "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": [asdict(r) for r in rows]}
     if note:
         payload["note"] = note
+    payload.update(extra or {})
     path.write_text(json.dumps(payload, indent=1) + "\n")
     return path

@@ -116,3 +116,48 @@ def test_a_traceback_in_a_log_is_found_with_its_exception_line(tmp_path):
     assert traceback_in(log) == "RuntimeError: boom"
     log.write_text("epoch 8/8  loss 0.08\ndone in 4.8 s\n")
     assert traceback_in(log) is None
+
+
+# ---------------------------------------------------------------- the soak (bench/soak.py)
+
+
+def test_a_soak_fault_is_timed_on_the_outside_clock_from_the_summary():
+    from bench.soak import Hit, match
+
+    start = 1000.0  # training began (Unix time)
+    summary = {
+        "trained_unix": [start, start + 100.0],
+        "faults": [  # at_s: the controller's estimate of the moment, seconds into training
+            {"rank": 1, "at_s": 9.9, "detect_s": 0.2, "recovered_s": 0.6, "full_size_s": 2.1, "lost_samples": 32},
+            {"rank": 4, "at_s": 30.0, "detect_s": 3.0, "recovered_s": 3.5, "full_size_s": None, "lost_samples": 0},
+            {"rank": 5, "at_s": 30.1, "detect_s": 3.1, "recovered_s": 3.4, "full_size_s": None, "lost_samples": 16},
+        ],
+    }
+    kill, host, missed = Hit(0, "kill", [1], start + 10.0), Hit(1, "host", [4, 5], start + 29.9), Hit(2, "kill", [7], start + 50.0)
+    match([kill, host, missed], summary)
+    assert kill.found and math.isclose(kill.detect_s, 0.1) and math.isclose(kill.recovered_s, 0.5) and math.isclose(kill.full_s, 2.0)
+    assert kill.lost == 32 and math.isclose(kill.at_s, 10.0)
+    # a host: its last rank found and back, every rank's lost work; never whole again (nothing restarted there)
+    assert (
+        host.found and math.isclose(host.detect_s, 3.3) and math.isclose(host.recovered_s, 3.6) and host.full_s is None and host.lost == 16
+    )
+    assert not missed.found and missed.detect_s is None
+
+
+def test_soak_rows_hold_goodput_to_the_goal_and_count_every_unrecovered_fault():
+    from bench.soak import GOAL, SAMPLES, Hit, soak_rows
+
+    hits = [Hit(0, "kill", [1], 0.0, detect_s=0.05, recovered_s=0.5, full_s=3.0, lost=32), Hit(1, "stop", [2], 0.0, detect_s=3.1)]
+    summary = {
+        "goodput": 0.985,
+        "history": [{"samples": SAMPLES}, {"samples": SAMPLES - 16}],
+        "goodput_detail": {"training_s": 60.0, "lost_samples": 32},
+        "wall_s": 61.0,
+        "final_eval": 0.99,
+    }
+    rows = soak_rows(hits, summary, [], epochs=2)
+    assert _row(rows, "soak", "goodput").met is True and _row(rows, "soak", "goodput").goal == GOAL
+    assert _row(rows, "soak", "samples lost or repeated").value == 16 and _row(rows, "soak", "samples lost or repeated").met is False
+    assert _row(rows, "soak", "faults without a recovery").value == 1  # the stop: the run ended before its survivors averaged
+    assert _row(rows, "kill", "lost work").value == 32 and _row(rows, "stop", "detection max").value == 3.1
+    assert _row(soak_rows(hits, {**summary, "goodput": 0.9}, ["exit code 1"], epochs=2), "soak", "runs lost").met is False

@@ -15,6 +15,7 @@ from flodl.config import DdpRunConfig
 from flodl.controller import Controller, ControllerHooks, LaunchOptions, Phase
 from flodl.controller.context import RunContext
 from flodl.controller.phase import RunState
+from flodl.plan.decisions import MAX_COLLECTIVE_RETRIES
 from flodl.plan.membership import Membership
 from flodl.testing.sim import SimRankSpec, SimWorker
 from flodl.wire import messages as m
@@ -200,3 +201,40 @@ async def test_the_hosted_stores_port_is_read_once_whole_and_a_silent_worker_fal
     assert await ControlPlane._hosted_store_port(path, 30.0) == 0
     assert await ControlPlane._hosted_store_port(tmp_path / "never", 0.1) == 0
     assert [p.name for p in tmp_path.iterdir()] == ["port"]  # no temporary file left beside it
+
+
+async def test_collective_rebuilds_are_counted_in_a_row_not_over_the_run(clock, quiet_console):
+    """A collective that fails with no death to explain it is rebuilt in place, at most
+    MAX_COLLECTIVE_RETRIES times in a row. The count never started again, so a long run stopped at
+    its 4th such failure however far apart (the chaos soak: three lost hosts, each found by silence
+    after the survivors' collective had failed, then a 4th: "saw its collective fail 4 times")."""
+    launch = LaunchOptions(task="sim:task", epochs=2, workers=1, progress=False)
+    ctl = Controller(launch, DdpRunConfig().with_mode("nccl-cadence"), secret=SECRET, run_id=RUN, console=quiet_console, clock=clock)
+    ctl.plane.open(lambda identity, env: None)  # a real socket: the Regroups go out to peers that are not there
+    members = ctl.ctx.members
+    for rank in (0, 1):
+        members.expect_rank(rank, "h", "cpu", clock())
+        members.rank_said_hello(rank, f"r{rank}".encode(), f"rank-{rank}", "h", 100 + rank, "cpu")
+        members.rank_ready(rank)
+
+    def fail_once() -> None:
+        error = m.RankError(rank=0, stage="collective", error="Connection closed by peer", detail="", generation=members.generation)
+        ctl.liveness.on_rank_error(b"r0", None, error)
+        clock.advance(1.5)  # past the grace a death report would have come in
+        for rank in (0, 1):
+            members.seen_rank(rank, clock())
+        ctl.liveness.judge()
+
+    try:
+        for _ in range(MAX_COLLECTIVE_RETRIES + 2):  # each rebuilt, and the survivors average again in it
+            fail_once()
+            assert ctl.state.failure is None
+            for rank in (0, 1):
+                beat = m.Heartbeat(step=1, sent_at=0.0, busy="step", busy_s=0.0, step_ms=1.0, averaged=members.generation)
+                ctl.liveness.on_heartbeat(f"r{rank}".encode(), None, beat)
+            assert ctl.liveness.recoveries[-1]["training_again_s"] is not None
+        for _ in range(MAX_COLLECTIVE_RETRIES + 1):  # with no average in between, the row reaches the limit
+            fail_once()
+        assert ctl.state.failure is not None and f"saw its collective fail {MAX_COLLECTIVE_RETRIES + 1} times" in str(ctl.state.failure)
+    finally:
+        ctl.plane.close()

@@ -15,7 +15,7 @@ from flodl.plan.decisions import (
     after_rank_error,
     unexplained_collective_error,
 )
-from flodl.plan.membership import Membership, restart_delay
+from flodl.plan.membership import RESTART_QUICK_S, Membership, quick_deaths, restart_delay
 
 NCCL = DdpRunConfig().with_mode("nccl-cadence")
 CPU = DdpRunConfig().with_mode("cpu-cadence")
@@ -114,6 +114,20 @@ def test_after_rank_error(stage, joiner, outcome, code):
 )
 def test_restart_backoff(used, max_restarts, delay):
     assert restart_delay(used, max_restarts) == delay
+
+
+def test_the_backoff_grows_in_a_crash_loop_and_starts_again_after_a_rank_that_trained_a_while():
+    """A slot restarted 6 times waited 30 s before its 7th restart however long each rank had trained:
+    in a long run with a fault now and then, every fault soon cost a slot 30 s. The back-off now
+    doubles only while restarts die soon after their start."""
+    streak = 0
+    delays = []
+    for used, lived_s in enumerate([600.0, 2.0, 3.0, 5.0, 400.0, 12.0, 1.0]):  # each dead rank's life before its restart
+        streak = quick_deaths(streak, lived_s) if used else 0  # the first death is of a rank the run started with
+        delays.append(restart_delay(used, 10, streak))
+    assert delays == [1.0, 2.0, 4.0, 8.0, 1.0, 1.0, 2.0]
+    assert quick_deaths(0, RESTART_QUICK_S - 0.1) == 1 and quick_deaths(3, RESTART_QUICK_S) == 0
+    assert restart_delay(9, 10, 0) == 1.0 and restart_delay(10, 10, 0) is None  # the budget still counts every restart
 
 
 def test_the_generation_has_one_writer():

@@ -30,6 +30,7 @@ from flodl.wire import codec
 from flodl.wire import messages as m
 from flodl.wire.codec import HEADER, MAGIC, FrameReader, FrameWriter, ReplayWindow, message_types, pack_frame, sign
 
+from .helpers.codec_fuzz import pure_reader, same_outcome, value_for
 from .test_protocol import SCHEMA
 
 pytestmark = pytest.mark.timeout(120)
@@ -51,33 +52,8 @@ def test_the_compiled_codec_is_built_where_a_compiler_is():
 
 def _pure_reader() -> FrameReader:
     """A reader on the Python path only (as where the extension is not built)."""
-    reader = FrameReader(SECRET, RUN)
-    reader._native = None
+    reader: FrameReader = pure_reader(SECRET, RUN)
     return reader
-
-
-def _value_for(rng: random.Random, t: str):
-    if t == "int":
-        return rng.choice(
-            [0, 1, 127, 128, 255, 256, -1, -32, -33, -128, -129, 2**16, -(2**15) - 1, 2**32, -(2**31) - 1, 2**63, 2**64 - 1, -(2**63)]
-        )
-    if t == "float":
-        return rng.choice([0.0, -0.0, 1.5, -1e300, float("inf"), rng.uniform(-1e6, 1e6)])
-    if t == "bool":
-        return rng.random() < 0.5
-    if t == "str":
-        return "".join(rng.choice("abcé漢 \n") for _ in range(rng.choice([0, 5, 31, 32, 255, 256, 70_000 // 3])))
-    if t == "bytes":
-        return rng.randbytes(rng.choice([0, 3, 255, 256, 70_000]))
-    if t == "value":
-        return rng.choice([None, 1, -5, 2.5, "x", b"y", [1, [2, [3]]], {"b": {"a": True}, "a": [None]}])
-    if t.startswith("opt<"):
-        return None if rng.random() < 0.3 else _value_for(rng, t[4:-1])
-    if t.startswith("list<"):
-        return [_value_for(rng, t[5:-1]) for _ in range(rng.choice([0, 1, 15, 16, 17]))]
-    if t.startswith("map<str,"):
-        return {f"k{rng.randrange(99)}": _value_for(rng, t[8:-1]) for _ in range(rng.choice([0, 1, 15, 16, 17]))}
-    raise AssertionError(t)
 
 
 @native
@@ -91,7 +67,7 @@ def test_every_message_is_written_and_read_as_the_python_codec_does():
         native_reader, pure_reader = FrameReader(SECRET, RUN), _pure_reader()
         seq = 1  # the writer's next number
         for _ in range(25):
-            msg = cls(**{f["name"]: _value_for(rng, f["type"]) for f in spec["fields"]})
+            msg = cls(**{f["name"]: value_for(rng, f["type"]) for f in spec["fields"]})
             try:
                 want = pack_frame(SECRET, msg, sender="rank0.1", seq=seq, run_id=RUN)
             except ProtocolError:  # a value over the schema's bounds: the writer refuses it too
@@ -213,17 +189,10 @@ def _signed_raw(body: bytes, kind: int = m.Ping.KIND) -> bytes:
     return unsigned + sign(SECRET, unsigned)
 
 
-def vars_of(msg: object) -> list[object]:
-    return [getattr(msg, name) for name in msg.__slots__]  # type: ignore[attr-defined]
-
-
 def _same_outcome(frame: bytes, context: object) -> None:
     """The compiled reader and the Python one agree: the same envelope, or the same drop."""
-    native_reader, pure_reader = FrameReader(SECRET, RUN), _pure_reader()
-    got, want = native_reader.read(frame), pure_reader.read(frame)
-    assert repr(got) == repr(want), context  # repr: a NaN is equal to itself only there
-    assert type(got) is type(want) and (got is None or [type(v) for v in vars_of(got.msg)] == [type(v) for v in vars_of(want.msg)]), context
-    assert native_reader.drops == pure_reader.drops and native_reader.accepted == pure_reader.accepted, (context, native_reader.drops)
+    _, why = same_outcome(FrameReader(SECRET, RUN), _pure_reader(), frame)
+    assert why is None, (context, why)
 
 
 @native

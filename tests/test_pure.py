@@ -165,8 +165,33 @@ def test_silence_counts_from_the_hello(clock):
     mem = _members(clock)
     mem.rank_said_hello(0, b"r0", "rank-0", "h", 100, "cpu")
     clock.advance(6)
+    mem.seen_worker("w", clock())  # its worker beats on while rank 1 builds its task
     mem.excuse_silence_before_hello(clock())  # rank 1 never said hello: the join timeout judges it
     assert mem.assess(clock()).dead == (0,)
+
+
+def test_a_rank_whose_worker_went_before_it_started_is_dead_at_the_heartbeat_timeout(clock):
+    """A host lost right after the controller told its worker to restart a rank there: the restart
+    never comes. It waited out the join timeout (120 s), and every later joiner with it."""
+    mem = _members(clock, ranks=1)
+    mem.rank_said_hello(0, b"r0", "rank-0", "h", 100, "cpu")
+    mem.expect_restart(mem.workers["w"], 1, "cpu", clock())
+    clock.advance(4.9)
+    mem.seen_rank(0, clock())
+    mem.excuse_silence_before_hello(clock())
+    assert mem.assess(clock()).healthy  # the worker may only be slow to say so
+    clock.advance(0.2)
+    mem.seen_rank(0, clock())
+    mem.excuse_silence_before_hello(clock())
+    verdict = mem.assess(clock())
+    assert verdict.dead == (1,) and "never started: its worker on host h (pid 1) is gone" in verdict.reason
+    # a worker's own first ranks start while it may be silent a while (a relay importing torch): the join timeout judges them
+    mem = _members(clock, ranks=1)
+    mem.expect_rank(1, "h", "cpu", clock())
+    clock.advance(5.1)
+    mem.seen_rank(0, clock())
+    mem.excuse_silence_before_hello(clock())
+    assert mem.assess(clock()).healthy
 
 
 def test_a_restarted_rank_belongs_to_its_worker(clock):

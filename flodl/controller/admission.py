@@ -352,6 +352,8 @@ class Admission:
                 "world": len(members),
             }
         )
+        if self.training.goodput is not None:  # a restart fills its slot again; any other joiner grows the world
+            self.training.goodput.admitted(ready, now)
         self.ctx.monitor.ranks_joined({r: (self.ctx.members.ranks[r].host, self.ctx.members.ranks[r].device) for r in ready}, now_s=now)
         self.ctx.console.line(f"{reason}; training with {len(members)} rank(s) (generation {generation})")
         self.ctx.hooks.joiners_admitted(ready, time.perf_counter() - t0)
@@ -361,6 +363,8 @@ class Admission:
         """A joiner that cannot join leaves the run's books; its process is fenced."""
         self.joiners.pop(rank, None)
         self.hellos.pop(rank, None)
+        if self.training.goodput is not None:  # a restart that never came: its slot waits for no one
+            self.training.goodput.never_joined(rank)
         info = self.ctx.members.forget_rank(rank)
         if info is None:
             return

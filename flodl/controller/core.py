@@ -487,6 +487,7 @@ class Controller:
             reports, dead_batches = training.take_reports(number)
             t0 = time.perf_counter()
             closed = loop.on_reports(number, reports, self.ctx.clock(), dead_batches)
+            training.settled(reports)
             self.ctx.hooks.settled(number, time.perf_counter() - t0)
             t1 = time.perf_counter()
             for stats in closed:

@@ -17,7 +17,8 @@ import time
 
 from ..errors import EXIT_CONFIG, EXIT_NONFINITE
 from ..plan.decisions import Outcome, after_collective_error, after_deaths, after_rank_error, unexplained_collective_error
-from ..plan.membership import PeerState, restart_delay
+from ..plan.goodput import fault_moment
+from ..plan.membership import PeerState, quick_deaths, restart_delay
 from ..plan.progress import ProgressLimits
 from ..scriptspec import BEFORE_INIT
 from ..wire import messages as m
@@ -51,11 +52,15 @@ class Liveness:
             step_s=ctx.launch.step_timeout_secs,
         )
         self.collective_error: tuple[float, int, m.RankError] | None = None
+        # collectives rebuilt in place in a row (no death explained them): past MAX_COLLECTIVE_RETRIES the run
+        # stops. The row ends when the survivors average again or a death explains the failure
         self.collective_retries = 0
         self.recoveries: list[dict] = []  # every regroup: when, generation, survivors, why
         self.restarts: list[dict] = []  # healing: every rank started in place of a dead one
         self._slot_of: dict[int, int] = {}  # a restarted rank -> the original rank whose restarts it counts against
         self._restarts_used: dict[int, int] = {}  # original rank -> restarts so far
+        self._quick: dict[int, int] = {}  # original rank -> its restarts in a row that died soon after their start
+        self._started: dict[int, float] = {}  # original rank -> when its latest restart started (after its back-off)
         self._back: tuple[float, set[int]] | None = None  # a recovery waiting for every survivor's first average in it
         self._drops_seen = 0  # dropped control frames already alerted
         self.before_init = BeforeInit()  # script ranks that failed before flodl.init(): the run stops, once told
@@ -206,6 +211,11 @@ class Liveness:
         dead -= set(joiners) | {r for r in dead if r not in self.ctx.members.ranks}
         if not dead:
             return
+        if self.training.goodput is not None:  # each death a fault of the goodput books, from its moment
+            now = self.ctx.clock()
+            for rank in sorted(dead):
+                info = self.ctx.members.ranks[rank]
+                self.training.goodput.died(rank, now=now, since=fault_moment(info.last_seen, info.progress), reason=info.death or reason)
         dead_total = sum(1 for r in self.ctx.members.ranks.values() if r.state is PeerState.DEAD)
         survivors = sorted(r.rank for r in self.ctx.members.live_ranks())
         decision = after_deaths(
@@ -233,6 +243,7 @@ class Liveness:
             self.ctx.console.line(f"rank {lost.rank} died before writing checkpoint {lost.version}; asking another rank")
             self.saving.checkpoint_now(lost.reason, call_fn=False, files=bool(lost.stem))
         self.collective_error = None  # the death explains it
+        self.collective_retries = 0  # and the rebuilds that went before it
         for rank in sorted(dead):
             self.ctx.monitor.event(
                 "rank_lost",
@@ -264,7 +275,10 @@ class Liveness:
         per original rank, with back-off); it joins at a window boundary like any joiner."""
         slot = self._slot_of.get(rank, rank)
         used = self._restarts_used.get(slot, 0)
-        delay = restart_delay(used, self.ctx.launch.max_restarts)
+        now = self.ctx.clock()
+        if used:  # a restart that died soon after its start grows the back-off; one that trained a while resets it
+            self._quick[slot] = quick_deaths(self._quick.get(slot, 0), now - self._started.get(slot, now))
+        delay = restart_delay(used, self.ctx.launch.max_restarts, self._quick.get(slot, 0))
         info = self.ctx.members.ranks[rank]
         worker = next((w for w in self.ctx.members.workers.values() if rank in w.ranks and not w.exited), None)
         if delay is None or worker is None or self.admission.grow_problem() is not None:
@@ -272,10 +286,12 @@ class Liveness:
         averaging = self.ctx.plane.averaging
         if averaging is not None and rank in averaging.relayed:
             return  # a relaying host's relay counts its ranks from its welcome: not healed (docs)
-        now = self.ctx.clock()
         new = self.admission.restart(worker, info.device, delay, now)
         self._slot_of[new] = slot
         self._restarts_used[slot] = used + 1
+        self._started[slot] = now + delay
+        if self.training.goodput is not None:
+            self.training.goodput.restarted(new, rank)
         self.restarts.append(
             {
                 "at_s": now - self.ctx.run.started_at,
@@ -324,6 +340,8 @@ class Liveness:
         # "training again" = every survivor has completed an average since this moment (a local
         # batch says nothing: a survivor can train alone while its peers sit in a stalled collective)
         self._back = (self.ctx.clock(), set(survivors))
+        if self.training.goodput is not None:
+            self.training.goodput.regrouped()
         if self.ctx.plane.averaging is not None:
             return  # the CPU backend has no group: rounds stop waiting for the dead (rank_ended above)
         # while the run starts, the first group may never have formed (nor rank 0's parameters
@@ -347,8 +365,7 @@ class Liveness:
         since, waiting = self._back
         waiting.discard(rank)
         if not waiting:
-            self.recoveries[-1]["training_again_s"] = self.ctx.clock() - since
-            self._back = None
+            self._averaging_again(since)
 
     def cpu_round_done(self, number: int, ms: float) -> None:
         """CPU backend: the first averaging round that started after a recovery and
@@ -357,5 +374,14 @@ class Liveness:
             return
         since, _ = self._back
         if self.ctx.clock() - ms / 1000.0 >= since:
-            self.recoveries[-1]["training_again_s"] = self.ctx.clock() - since
-            self._back = None
+            self._averaging_again(since)
+
+    def _averaging_again(self, since: float) -> None:
+        """Every survivor of the last recovery (from ``since``) averages in the new membership."""
+        now = self.ctx.clock()
+        self.recoveries[-1]["training_again_s"] = now - since
+        self._back = None
+        self.collective_retries = 0  # the collective works again: a later failure starts a new row
+        if self.training.goodput is not None:
+            self.training.goodput.back(now)
+            self.training.tell_faults()

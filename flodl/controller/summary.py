@@ -71,6 +71,7 @@ def summarize(
     eval_s = sum(e.elapsed_ms for e in evals.values()) / 1000.0
     train_wall = max(1e-9, wall - eval_s)
     cadence = training.cadence
+    goodput = training.goodput_summary(run.finished_at or now, samples)
     return {
         "run_id": ctx.run_id,
         "mode": config.elche.mode.name,
@@ -108,6 +109,11 @@ def summarize(
         # bundle saves that did not commit (disk full, a rank's error), and the bundle on disk a resume loads
         "checkpoints_unsaved": ctx.checkpoints.unsaved,
         "newest_bundle": {"stem": ctx.checkpoints.stem, **ctx.checkpoints.newest_bundle} if ctx.checkpoints.newest_bundle else None,
+        # samples that count / what the world's full capacity could have trained in the training time, and
+        # each fault's lost work and recovery (plan/goodput.py; docs/fault-tolerance.md, *Goodput*)
+        "goodput": goodput["goodput"] if goodput else None,
+        "goodput_detail": {k: v for k, v in goodput.items() if k != "faults"} if goodput else None,
+        "faults": goodput["faults"] if goodput else [],
         "regranted_samples": cadence.regranted if cadence else 0,
         # a dead rank's last window whose average no survivor kept, found after its epoch had closed:
         # trained again (within regranted_samples), but that epoch's eval went without them

@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 from ..plan.cadence import CadenceLoop
 from ..plan.dispatch import FLOW_MAX_EPOCHS, PROBE_BATCHES, PROBE_MIN_MS
-from ..plan.metrics import EpochStats
+from ..plan.goodput import Goodput
+from ..plan.metrics import EpochCounters, EpochStats
 from ..plan.schedule import Schedule
 from ..wire import messages as m
 from ..wire.codec import Envelope
@@ -33,6 +34,8 @@ class Training:
         self.info: m.RankHello | None = None  # the task (the first rank's hello), once training begins
         self.schedule: Schedule | None = None  # passes, epochs and picks, once the task's size is known
         self.cadence: CadenceLoop | None = None
+        self.goodput: Goodput | None = None  # the books of goodput and lost work, once training begins
+        self._faults_told = 0  # faults whose lost work the monitor was told (``tell_faults``)
         self.window_reports: dict[int, dict[int, m.WindowDone]] = {}
         self.window_batches: dict[int, int] = {}  # rank -> batches reported in the current window
         self.resender = WindowResender()  # windows a reset may have lost, sent again to idle ranks
@@ -96,6 +99,8 @@ class Training:
             grain=info.grain,
             accumulate=accumulate,
         )
+        self.goodput = Goodput(start=self.ctx.run.started_at)
+        self.goodput.begin(ranks)
         return self.cadence
 
     def _edges_needed_every(self) -> int:
@@ -178,6 +183,36 @@ class Training:
     def reported(self, number: int) -> bool:
         """Every rank the loop waits on has reported window ``number``."""
         return self.loop.waiting_on(number) <= set(self.window_reports.get(number, {}))
+
+    def settled(self, reports: dict[int, m.WindowDone]) -> None:
+        """A window's reports are settled: an interval of the goodput books, and any fault whose lost
+        work is now known told to the monitor."""
+        if self.goodput is None:
+            return
+        samples = {r: sum(EpochCounters.from_row(row)[1].samples for row in rep.epochs) for r, rep in reports.items()}
+        self.goodput.settled(self.ctx.clock(), samples)
+        self.tell_faults()
+
+    def tell_faults(self) -> None:
+        """A ``fault`` event for each fault, in order, once its lost work and its recovery are known
+        (its rank's windows all settled, the survivors averaging again)."""
+        books, loop = self.goodput, self.cadence
+        if books is None or loop is None:
+            return
+        while self._faults_told < len(books.faults):
+            fault = books.faults[self._faults_told]
+            if not loop.settled_for(fault.rank) or (fault.regrouped and fault.back_at is None):
+                return
+            lost = books.lost(loop.kept, fault.rank) if self.task.grain == "sample" else None
+            parts = [f"detected {fault.detected - fault.since:.2f} s after it"]
+            if fault.back_at is not None:
+                parts.append(f"survivors averaging again {fault.back_at - fault.since:.2f} s after it")
+            if lost is not None:
+                parts.append(f"{lost} trained samples lost")
+            self.ctx.monitor.event(
+                "fault", f"rank {fault.rank} lost ({fault.reason}): {', '.join(parts)}", rank=fault.rank, now_s=self.ctx.clock()
+            )
+            self._faults_told += 1
 
     def take_reports(self, number: int) -> tuple[dict[int, m.WindowDone], dict[int, int]]:
         """Window ``number``'s reports, and the batches each rank that died in it reported."""
@@ -280,8 +315,20 @@ class Training:
             following = stats.epoch + 1
             next_len = self.schedule.epoch_len(following) if self.schedule is not None and following < self.total_epochs else 0
             self.ctx.console.epoch(stats, self.total_epochs, metric, next_len=next_len if self.task.grain == "sample" else 0)
-            self.ctx.monitor.epoch_done(stats, alive=set(self.ranks()), now_s=self.ctx.clock())
+            self.ctx.monitor.epoch_done(stats, alive=set(self.ranks()), now_s=self.ctx.clock(), root=self._goodput_so_far())
             self._printed += 1
+
+    def _goodput_so_far(self) -> dict[str, float]:
+        """The root epoch record's ``goodput`` (once every slot has a rate) and ``lost_samples`` so far."""
+        if self.goodput is None or self.cadence is None:
+            return {}
+        return self.goodput.live(self.ctx.clock(), sum(s.samples for s in self.history), self.cadence.kept)
+
+    def goodput_summary(self, end: float, samples: int) -> dict | None:
+        """The summary's goodput figures (None before training began)."""
+        if self.goodput is None or self.cadence is None:
+            return None
+        return self.goodput.report(end, samples, self.cadence.kept if self.task.grain == "sample" else None)
 
     def description(self, run_id: str) -> dict:
         """What the dashboard and the record stream say about this run."""
@@ -310,6 +357,8 @@ class Training:
             if self._timing_window:
                 self.ctx.run.changed()  # the calibration window waits on these
         self.rank_rates[msg.rank] = self.rank_rates.get(msg.rank, 0.0) + msg.samples
+        if self.goodput is not None:
+            self.goodput.batch(msg.rank, msg.samples)
         if msg.epoch != self.current_epoch:
             return
         self.epoch_samples += msg.samples
@@ -366,6 +415,8 @@ class Training:
         self.evals[msg.epoch] = msg
         if self.cadence is not None:
             self.cadence.note_pause(msg.elapsed_ms)
+        if self.goodput is not None:
+            self.goodput.paused(msg.elapsed_ms / 1000.0)
         now = self.ctx.clock()
         self.ctx.monitor.span(
             f"eval epoch {msg.epoch + 1}",

@@ -218,8 +218,9 @@ class Monitor:
             res=self.res.get(report.rank),
         )
 
-    def epoch_done(self, stats: EpochStats, *, alive: set[int], now_s: float) -> None:
-        """An epoch is trained, averaged and (if due) scored: its records, one per node."""
+    def epoch_done(self, stats: EpochStats, *, alive: set[int], now_s: float, root: Mapping[str, float] | None = None) -> None:
+        """An epoch is trained, averaged and (if due) scored: its records, one per node; ``root``: the
+        controller's own figures for the root's record (goodput and lost work so far)."""
         extra = {}
         for rank, acc in self.data.items():
             if acc[0] + acc[1]:
@@ -231,6 +232,8 @@ class Monitor:
         records = epoch_records(stats, self.paths, self.reductions, ts_ms=wall_ms(), alive=alive, res=self.res, extra=extra)
         if records and self.anchor is not None:
             records[0]["metrics"]["anchor"] = self.anchor
+        if records and root:
+            records[0]["metrics"].update(root)
         for record in records:
             self._emit(record)
         self.loggers.row(stats, self.metric)

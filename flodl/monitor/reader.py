@@ -81,7 +81,8 @@ def epoch_table(logdir: str | Path | dict[str, list[dict]], path: str = ROOT) ->
     Row keys: ``epoch`` (counted from 1, as the console prints it; the records store the 0-based
     index), ``first_epoch`` (the same, or the first of the epochs one average closed with it: the
     row is theirs, as the console's "epochs 3-5" line), ``loss``, ``eval``, ``throughput`` (samples/s, Σ over
-    ranks), ``samples`` (the node's ``work``: realized samples), ``syncs``, and
+    ranks), ``samples`` (the node's ``work``: realized samples), ``syncs``, ``goodput`` (the run's
+    so far, on the root: docs/fault-tolerance.md, *Goodput*), and
     ``ranks`` (leaf name → that rank's throughput, for every rank below the
     node). A value the records do not carry is None.
 
@@ -104,6 +105,7 @@ def _row(epoch: int, rec: dict, leaves: dict[str, dict[int, dict]]) -> dict:
         "throughput": metrics.get("throughput"),
         "samples": rec.get("work"),
         "syncs": metrics.get("syncs"),
+        "goodput": metrics.get("goodput"),
         "ranks": {
             leaf.rsplit("/", 1)[-1]: by_epoch[epoch].get("metrics", {}).get("throughput")
             for leaf, by_epoch in leaves.items()
@@ -124,7 +126,7 @@ def _cell(value, fmt: str) -> str:
 def format_table(rows: list[dict]) -> str:
     """The epoch rows as an aligned text table."""
     ranks = sorted({r for row in rows for r in row["ranks"]}, key=natural_key)
-    head = ["epoch", "loss", "eval", "samples/s", "samples", "syncs", *(f"{r} s/s" for r in ranks)]
+    head = ["epoch", "loss", "eval", "samples/s", "samples", "syncs", "goodput", *(f"{r} s/s" for r in ranks)]
     body = [
         [
             _cell(row["epoch"], "d") if row.get("first_epoch", row["epoch"]) == row["epoch"] else f"{row['first_epoch']}-{row['epoch']}",
@@ -133,6 +135,7 @@ def format_table(rows: list[dict]) -> str:
             _cell(row["throughput"], ".1f"),
             _cell(row["samples"], ".0f"),
             _cell(row["syncs"], "d"),
+            _cell(row.get("goodput"), ".3f"),
             *(_cell(row["ranks"].get(r), ".1f") for r in ranks),
         ]
         for row in rows

@@ -118,6 +118,10 @@ class CadenceLoop:
         self.deterministic = config.deterministic
         self.dead: set[int] = set()
         self.regranted = 0  # samples a dead rank held that went back to the pool
+        # rank -> positions of its settled work the ledger counts: its reports' ``consumed``, a dead rank's
+        # share of the consensus, less what an average that went on without it gave back (goodput.py's
+        # lost work: what a rank trained beyond this)
+        self.kept: dict[int, int] = {}
         # shards a dead rank may have averaged in before they went back to the pool (trained twice):
         # it died after its window's last average, before saying how many shards that held
         self.maybe_repeated = 0
@@ -227,6 +231,11 @@ class CadenceLoop:
         for plans in self.plans.values():
             for rank in dead & set(plans):
                 plans[rank].dead = True
+
+    def settled_for(self, rank: int) -> bool:
+        """Every window ``rank`` had a plan in is settled, and whether its last average landed is known:
+        its ``kept`` count is final (a dead rank's lost work is known)."""
+        return rank not in self.landing and not any(rank in plans for plans in self.plans.values())
 
     def add_ranks(self, joined: list[int]) -> None:
         """Ranks joined: plan for them from the next window on; ElChe grows to them.
@@ -366,10 +375,12 @@ class CadenceLoop:
             if plan.dead and not self._reported_in(plan, reports):
                 consumed = self._dead_consumed(plan, reports, (dead_batches or {}).get(rank, 0))
                 self.regranted += plan.samples - consumed  # back to the pool, for the survivors
+                self.kept[rank] = self.kept.get(rank, 0) + consumed
                 self.dispatcher.settle(plan, consumed)
                 self._account_dead(rank, plan, consumed)
                 continue
             report = reports[rank]
+            self.kept[rank] = self.kept.get(rank, 0) + report.consumed
             self.dispatcher.settle(plan, report.consumed)
             self._account(rank, report, window, rounds, plan)
             if self._in_background(plan):
@@ -439,6 +450,7 @@ class CadenceLoop:
         epochs' pools, to be trained again. An open epoch's row loses them (the survivors' reports
         add them back); a closed epoch's row keeps them, its positions trained again unreported."""
         given, late = self.dispatcher.unsettle(plan, consumed)
+        self.kept[rank] = self.kept.get(rank, 0) - given
         for grant, used in plan.consumed_per_grant(consumed):
             row = self.epochs[grant.epoch].rows.get(rank) if grant.epoch in self.epochs else None
             if used and row is not None:

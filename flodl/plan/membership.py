@@ -58,6 +58,7 @@ class RankInfo:
     progress: Progress = field(default_factory=Progress)  # its training thread, as its last heartbeat said
     averaged: int = -1  # the generation of its last completed average, as its heartbeats say
     last_window: int = -1  # the last Window sent to it: the next one names it as ``after``
+    restart: bool = False  # started by its worker in a dead rank's place (healing), not at the worker's welcome
 
     def where(self) -> str:
         """``rank 1 on host h (pid 42)`` — how every message names a rank."""
@@ -145,7 +146,9 @@ class Membership:
     def expect_restart(self, worker: WorkerInfo, rank: int, device: str, now: float) -> RankInfo:
         """``worker`` was told to start ``rank`` in a dead rank's place: one more of its ranks."""
         worker.ranks.append(rank)
-        return self.expect_rank(rank, worker.host, device, now)
+        info = self.expect_rank(rank, worker.host, device, now)
+        info.restart = True
+        return info
 
     def rank_said_hello(self, rank: int, identity: bytes, sender: str, host: str, pid: int, device: str) -> RankInfo:
         """The rank's hello was accepted: its frames come on ``identity``, signed as ``sender``."""
@@ -275,15 +278,32 @@ class Membership:
         return Verdict((), f"[{alive}/{len(self.ranks)} ranks ready]", self._workers_to_retire(now))
 
     def _death_of(self, info: RankInfo, now: float, limits: ProgressLimits | None) -> str | None:
-        """Why the live rank ``info`` is dead, or None: a reported death first, then a stall, then silence."""
+        """Why the live rank ``info`` is dead, or None: a reported death first, then a stall, then silence
+        (before its hello: its worker's, which starts it; its own is excused)."""
         if info.death is not None:
             return info.death
+        if info.restart and info.state is PeerState.JOINING and not info.identity:
+            return self._unstarted_death(info, now)
         why = stalled(info.progress, now, limits) if limits is not None else None
         if why is not None:
             return why
         silent_s = now - info.last_seen
         if silent_s > self.heartbeat_timeout_s:
             return f"sent nothing for {silent_s:.1f} s (heartbeat timeout {self.heartbeat_timeout_s:g} s)"
+        return None
+
+    def _unstarted_death(self, info: RankInfo, now: float) -> str | None:
+        """A restart that never said hello is dead once the worker that was to start it is gone or silent
+        past the timeout (a host lost right after it was told to restart a rank there): else it waited
+        out the join timeout, and every joiner numbered above it with it (joiners join in rank order).
+        Only a restart: a worker's own first ranks (and a late worker's) start while it may be busy
+        importing torch for its relay, silent a while; a worker asked for a restart was training."""
+        worker = next((w for w in self.workers.values() if info.rank in w.ranks), None)
+        if worker is None:
+            return None
+        silent_s = now - worker.last_seen
+        if worker.exited or silent_s > self.heartbeat_timeout_s:
+            return f"never started: its worker on host {worker.host} (pid {worker.pid}) is gone (silent for {silent_s:.1f} s)"
         return None
 
     def _workers_to_retire(self, now: float) -> tuple[str, ...]:
@@ -360,15 +380,27 @@ def unrecoverable(config: DdpRunConfig, world_size: int, dead: int, survivors: i
     return None
 
 
-#: Healing's back-off: the n-th restart of a slot waits BASE × 2^(n-1) seconds, at most MAX.
+#: Healing's back-off: a slot's restart waits BASE × 2^k seconds, at most MAX, where k counts the
+#: restarts in a row whose rank died within QUICK of its start (a crash loop: a task that cannot build,
+#: a device that fails its first steps); a rank that lived longer than that is a new fault, restarted
+#: after BASE again.
 RESTART_BACKOFF_BASE_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0
+RESTART_QUICK_S = 10.0
 
 
-def restart_delay(used: int, max_restarts: int) -> float | None:
-    """Seconds to wait before restarting a slot that has been restarted ``used`` times, or
-    None when its ``max_restarts`` are spent (the run then goes on without it)."""
+def restart_delay(used: int, max_restarts: int, quick: int | None = None) -> float | None:
+    """Seconds to wait before restarting a slot that has been restarted ``used`` times, or None when
+    its ``max_restarts`` are spent (the run then goes on without it). ``quick``: how many of those
+    restarts in a row died within ``RESTART_QUICK_S`` of their start (None: all of them, the back-off
+    of every restart before)."""
     if used >= max_restarts:
         return None
-    backoff: float = RESTART_BACKOFF_BASE_S * 2**used
+    backoff: float = RESTART_BACKOFF_BASE_S * 2 ** (used if quick is None else min(used, quick))
     return min(RESTART_BACKOFF_MAX_S, backoff)
+
+
+def quick_deaths(streak: int, lived_s: float) -> int:
+    """The crash-loop count after a slot's rank died having lived ``lived_s`` since its start:
+    one more in the row if it died within ``RESTART_QUICK_S``, else none (``restart_delay``'s ``quick``)."""
+    return streak + 1 if lived_s < RESTART_QUICK_S else 0

@@ -5,6 +5,8 @@ FLODL_TEST_FIRST_STEP_SLEEP  extra seconds to sleep in a process's first step (a
 FLODL_TEST_HOLD_FILE    while this file does not exist, steps sleep FLODL_TEST_HOLD_SLEEP instead
                         (a test keeps a run long until something it waits for, e.g. a join, happened)
 FLODL_TEST_FAIL_AT      raise RuntimeError at this local step (a broken user task)
+FLODL_TEST_STUCK_DIR    a directory: the rank whose file rank<N> appears there blocks for good in its next
+                        step (a training thread stuck in user code, its heartbeats going on; the chaos soak)
 FLODL_TEST_BUILD_SLEEP  seconds the task factory takes (a task that prepares its data at start)
 FLODL_TEST_BUILD_CRASH  the rank of this number crashes (exit 1) while it builds the task
 FLODL_TEST_EVAL_FAIL    make eval_fn raise
@@ -49,6 +51,10 @@ def train_step(model, batch, device):
     fail_at = int(os.environ.get("FLODL_TEST_FAIL_AT", "0") or 0)
     if fail_at and _STEP["n"] >= fail_at:
         raise RuntimeError(f"injected failure at step {_STEP['n']}")
+    stuck = os.environ.get("FLODL_TEST_STUCK_DIR")
+    if stuck and os.path.exists(os.path.join(stuck, f"rank{os.environ.get('FLODL_RANK')}")):
+        while True:  # the training thread never returns; only a fence ends the process
+            time.sleep(1.0)
     held = os.environ.get("FLODL_TEST_HOLD_FILE")
     if held and not os.path.exists(held):
         time.sleep(float(os.environ.get("FLODL_TEST_HOLD_SLEEP", "0.5")))
