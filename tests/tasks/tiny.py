@@ -12,6 +12,7 @@ FLODL_TEST_EVAL_SLEEP   seconds eval_fn takes (a real eval's time, on the eval r
 FLODL_TEST_SAMPLES      training samples (default 512)
 FLODL_TEST_RECORD_SEEN  record_scalar("seen", samples in the batch) every step (a count to declare sum)
 FLODL_TEST_EPOCH_LOG    a directory: epoch_fn appends each epoch a rank begins to rank<R>.epochs there
+FLODL_TEST_OPTIMIZER    "adam" or "momentum" (SGD with momentum 0.9) instead of plain SGD: an optimizer with state
 FLODL_TEST_BIG_MODEL    add a parameter of ones, never trained, large enough that a snapshot takes two
                         8 MiB slices; the eval is then its mean (1.0 unless an average shrank it)
 """
@@ -39,6 +40,11 @@ def make_model():
 
 
 def make_optimizer(model):
+    kind = os.environ.get("FLODL_TEST_OPTIMIZER", "")
+    if kind == "adam":
+        return torch.optim.Adam(model.parameters(), lr=0.01)
+    if kind == "momentum":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return torch.optim.SGD(model.parameters(), lr=0.1)
 
 
