@@ -4,7 +4,8 @@ Product code calls a ``Probes`` at a few named points: ``reach`` where a
 fault may be injected (a rank's ``batch``, ``average``, ``epoch``, ``save``...;
 the list and what each action does are ``flodl/testing/faults.py``'s), ``pace``
 after each step (a simulated slower device), ``spawn_delay_s`` before the
-worker starts a rank. Here every one of them does nothing, and that is what a
+worker starts a rank, ``observe`` where a rank holds a state tests compare (a
+joiner's optimizer state and its donor's). Here every one of them does nothing, and that is what a
 real run gets.
 
 ``flodl.testing`` implements them (``flodl/testing/probes.py``: fault
@@ -19,7 +20,7 @@ product module imports ``flodl.testing`` (tests/test_layering.py holds that).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 __all__ = ["Probes", "for_rank", "install"]
 
@@ -52,6 +53,11 @@ class Probes:
     def spawn_delay_s(self) -> float:
         """Seconds the worker holds this rank's start."""
         return 0.0
+
+    def observe(self, point: str, state: Callable[[], dict[str, Any]]) -> None:
+        """The rank holds a state tests look at, at ``point`` (``handoff.sent``: a donor's state as it
+        handed it; ``handoff.taken``: a joiner's as it took it; ``resumed``: a resumed rank's):
+        ``state()`` gives it, as named tensors. Only called, never computed, in a real run."""
 
 
 NONE = Probes()

@@ -10,7 +10,7 @@ two solo runs side by side (the ideal) and one 2:1 cadence run through the CLI, 
 round of 2 rank processes against gloo, on each lane, about 15 s; startup: one
 one-epoch run of the README job under flodl and one under torchrun, about 30 s; chaos: one
 kill fault in a 2-epoch run, about 10 s; faults: one kill -9 of a rank, about
-10 s; bn_recal: one round of 4+1 batches of a ResNet-20 on 256 images, about
+10 s; heal: a 2 MB model's rank killed and restarted, its state handed over, about 20 s; bn_recal: one round of 4+1 batches of a ResNet-20 on 256 images, about
 8 s; data: the RAM cache on 256 samples, about 8 s; loader: 128 samples read by the rank's
 threads and by 2 loader workers, about 5 s; network: nccl-cadence at
 20 ms in network namespaces, about 17 s, skipped where namespace hosts cannot
@@ -180,6 +180,13 @@ def test_faults_bench_runs(tmp_path, proc_env):
     rows = {(r["case"], r["metric"]): r["value"] for r in out["rows"]}
     assert rows[("flodl nccl-cadence kill -9", "death detected")] >= 0  # the kill landed and the controller recorded the death
     assert {r["case"] for r in out["rows"]} == {"flodl nccl-cadence kill -9"}
+
+
+def test_heal_bench_runs(tmp_path, proc_env):
+    out = run_smoke("heal.py", "heal", tmp_path, proc_env)
+    rows = {(r["case"], r["metric"]): r for r in out["rows"]}
+    assert rows[("nccl-cadence", "state bit-identical")]["met"] is True  # the restarted rank took its donor's state
+    assert rows[("nccl-cadence", "back at full size p50")]["value"] > rows[("nccl-cadence", "spawn (ready) p50")]["value"] > 0
 
 
 def test_bn_recal_bench_runs(tmp_path, proc_env):

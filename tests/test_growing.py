@@ -14,6 +14,7 @@ from flodl.plan.cadence import CadenceLoop
 
 from .conftest import PY, ROOT, task_spec
 from .helpers.history import epoch_samples
+from .helpers.observed import assert_same_state, observed
 from .helpers.procs import PICK_PORT, Run
 from .helpers.windows import fold_window
 
@@ -170,8 +171,12 @@ def test_relayed_hosts_train_and_a_relayed_joiner_takes_the_consensus(proc_env, 
 @pytest.mark.parametrize("mode", ["nccl-cadence", "cpu-cadence"])
 def test_a_late_worker_joins_and_trains(proc_env, tmp_path, mode):
     """Two ranks start; a third host's worker arrives in epoch 2, is admitted at a
-    window boundary with the consensus parameters, gets an ElChe share, and trains."""
-    cluster = Cluster(proc_env, tmp_path, mode)
+    window boundary with the consensus parameters and its donor's optimizer state (SGD's
+    momentum, bit for bit: the collective backend's group, the CPU backend's bulk plane),
+    gets an ElChe share, and trains."""
+    probes = tmp_path / "probes"
+    probes.mkdir()
+    cluster = Cluster(proc_env | {"FLODL_TEST_OPTIMIZER": "momentum", "FLODL_PROBE_DIR": str(probes)}, tmp_path, mode)
     cluster.worker("cpu", "cpu")
     cluster.run.wait_for_line(f"epoch 1/{EPOCHS}", timeout=90)
     cluster.worker("cpu")
@@ -190,6 +195,10 @@ def test_a_late_worker_joins_and_trains(proc_env, tmp_path, mode):
     if not mode.startswith("cpu-"):
         assert len(set(digests.values())) == 1  # one consensus, the joiner's included
     assert summary["final_eval"] > 0.7
+    sent, taken = observed(probes, "handoff.sent"), observed(probes, "handoff.taken")
+    assert set(sent) == {0} and set(taken) == {2}
+    assert_same_state(taken[2][0], sent[0][0])
+    assert sent[0][0]["state.0.momentum_buffer"].abs().sum() > 0
 
 
 def test_a_member_lost_while_a_joiner_is_admitted_leaves_the_joiner_training(proc_env, tmp_path):

@@ -23,6 +23,7 @@ from flodl.wire import messages as m
 
 from .conftest import PY, ROOT, TASKS
 from .helpers.history import epoch_samples
+from .helpers.observed import assert_same_state, observed, train_state
 from .helpers.procs import Run, assert_all_gone, runs_module
 from .tasks.script import Counter
 
@@ -138,10 +139,18 @@ def test_a_rank_killed_mid_epoch_costs_nothing(proc_env, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_a_dead_script_rank_is_restarted_as_a_new_rank_with_torchruns_variables(proc_env, tmp_path):
-    """--max-restarts: rank 1 dies, its worker starts the script again as rank 2 in its place."""
-    out, hold = tmp_path / "out", tmp_path / "joined"
+    """--max-restarts: rank 1 dies, its worker starts the script again as rank 2 in its place, which
+    takes its donor's state: the script's optimizer's (momentum) and the objects it registered."""
+    out, hold, probes = tmp_path / "out", tmp_path / "joined", tmp_path / "probes"
     out.mkdir()
-    env = {"FLODL_INJECT_FAULT": "1:batch:12", "FLODL_TEST_HOLD_FILE": str(hold), "FLODL_TEST_OUT": str(out)}
+    probes.mkdir()
+    env = {
+        "FLODL_INJECT_FAULT": "1:batch:12",
+        "FLODL_TEST_HOLD_FILE": str(hold),
+        "FLODL_TEST_OUT": str(out),
+        "FLODL_TEST_STATE": "1",
+        "FLODL_PROBE_DIR": str(probes),
+    }
     run, path = start(proc_env, tmp_path, env=env, extra=("--max-restarts", "1"), epochs=6)
     run.wait_for_line("training with 2 rank(s)", timeout=90)
     hold.touch()
@@ -153,6 +162,11 @@ def test_a_dead_script_rank_is_restarted_as_a_new_rank_with_torchruns_variables(
     # a new number, the place of the rank it replaces; WORLD_SIZE counts the ranks numbered so far
     env = json.loads((out / "rank2.json").read_text())["env"]
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("2", "3", "1", "2")
+    sent, taken = observed(probes, "handoff.sent")[0][0], observed(probes, "handoff.taken")[2][0]
+    assert_same_state(taken, sent)
+    assert sent["state.0.momentum_buffer"].abs().sum() > 0
+    script = train_state(taken)["script"]  # run.register_state's objects, as the donor's were
+    assert script == train_state(sent)["script"] and script["counter"]["ends"] >= 1
 
 
 @pytest.mark.timeout(90)

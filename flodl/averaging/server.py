@@ -20,6 +20,11 @@ peer's queued frame must not see it rewritten).
 
 Sources are keyed by their lowest rank; a relay is waited for while any of
 its ranks lives.
+
+When ranks join, their donor's optimizer state comes here as ``StateSlice``
+messages and is passed on, slice by slice as it comes, to the joiners
+(``hand_over``; rank/state_lane.py); a donor that dies first owes them a
+"none", which is sent in its place.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import zmq
 from ..errors import ProtocolError
 from ..wire import curve, shm
 from ..wire import messages as m
-from ..wire.bulk import MAX_MSG_BYTES, as_frame, check_slice, is_announcement, unpack_slice
+from ..wire.bulk import MAX_MSG_BYTES, as_frame, check_slice, check_state_slice, is_announcement, unpack_slice
 from ..wire.codec import FrameReader, FrameWriter
 from ..wire.transport import AsyncSocket, Routes, peer_name
 from .rounds import Egress, Round, Rounds, empty_update
@@ -84,6 +89,7 @@ class CpuAveraging:
         self.members: dict[int, set[int]] = {}  # source -> the ranks it carries
         self.relayed: dict[int, int] = {}  # rank -> the relay source that carries it
         self.first_round: dict[int, int] = {}  # source -> the first round it takes part in (joiners start later)
+        self.handoffs: dict[int, tuple[int, int]] = {}  # joiner -> (its first round, its donor): the state it awaits
         self.live: Callable[[], set[int]] = lambda: set().union(*self.members.values())  # the controller plugs in its membership
         self.ending: set[int] = set()  # dead ranks still counted until what they sent before is taken (rank_ended)
         self.drops: Counter[str] = Counter()
@@ -143,6 +149,44 @@ class CpuAveraging:
         self.ranks[identity + b"/bulk"] = source
         self.members[source] = set(ranks)
 
+    def hand_over(self, round_: int, members: list[int], joiners: list[int]) -> int:
+        """Ranks ``joiners`` join at round ``round_``: the donor of their state (the lowest of
+        ``members`` not behind a relay), which then sends it here for them; -1 for none (no such
+        member, or every joiner is behind a relay, which passes no state on)."""
+        direct = [rank for rank in joiners if rank not in self.relayed]
+        donor = next((rank for rank in members if rank not in self.relayed and rank in self.members), -1)
+        if donor < 0 or not direct:
+            return -1
+        for rank in direct:
+            self.handoffs[rank] = (round_, donor)
+        return donor
+
+    def _pass_state(self, donor: int, msg: m.StateSlice, frames: list) -> None:
+        """A donor's state slice, passed on as it came (re-signed) to the joiners awaiting it; once
+        all of it (or its "none") is out, they await nothing more."""
+        joiners = [rank for rank, (round_, by) in self.handoffs.items() if by == donor and round_ == msg.round]
+        try:
+            check_state_slice(msg, frames)
+        except ProtocolError as exc:
+            self.drops["bulk"] += 1
+            log.error("rejected a state slice from rank %d: %s", donor, exc.detail)
+            return
+        encoded = self.writer.encode(msg)
+        identities = {rank: identity for identity, rank in self.ranks.items()}
+        for rank in joiners:
+            route = self.routes.get(identities[rank].decode()) if rank in identities else None
+            if route is None or not self.io.send([route, encoded, *frames], copy=False):
+                self.drops["unreachable"] += 1
+        if msg.total == -1 or msg.start + msg.count >= msg.total:
+            for rank in joiners:
+                del self.handoffs[rank]
+
+    def _donor_ended(self, donor: int) -> None:
+        """A donor died with state still owed: its joiners are told none comes (they train afresh)."""
+        owed = {round_ for round_, by in self.handoffs.values() if by == donor}
+        for round_ in sorted(owed):
+            self._pass_state(donor, m.StateSlice(rank=donor, round=round_, total=-1, start=0, count=0), [])
+
     def rank_ended(self, rank: int) -> None:
         """``rank``'s process is gone: rounds stop waiting for it once the actor has taken every
         slice the socket held when the death was reported. A snapshot that left the rank before it
@@ -200,6 +244,10 @@ class CpuAveraging:
             return
         identity = env.sender.encode()  # signed: the routing id is the connection's, chosen by nobody we trust
         rank = self.ranks.get(identity)
+        if isinstance(msg, m.StateSlice) and rank is not None and rank == msg.rank:
+            self._route(env, route)
+            self._pass_state(rank, msg, frames)
+            return
         if not isinstance(msg, m.Snapshot) or rank is None or rank != msg.rank:
             self.drops["unauthorized"] += 1
             return
@@ -278,6 +326,7 @@ class CpuAveraging:
                     self._queue_end(rank)
                     continue
                 self.ending.discard(rank)
+                self._donor_ended(rank)  # after what it sent before it died: a state it finished is out
                 await rounds.check()
                 continue
             try:

@@ -21,6 +21,7 @@ both ways: a rank does not save them, a resume does not load them.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -43,13 +44,16 @@ __all__ = [
     "SAVE_REASONS",
     "SCHEMA_VERSION",
     "CheckpointBundle",
+    "OUTER_PREFIX",
     "CheckpointError",
+    "SavedOptimizer",
     "check_model_file",
     "file_sha256",
     "first_non_finite",
     "load_model",
     "load_optimizer",
     "new_tag",
+    "optimizer_payload",
     "optimizer_tensors",
     "read_meta",
     "save_model",
@@ -176,11 +180,23 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, model: torch.nn.Module |
                 yield f"{names.get(id(param), 'a parameter')}'s {key}", value
 
 
-def save_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, train_state: dict[str, Any] | None = None) -> str:
-    """Write an optimizer's state (tensors as safetensors, the rest as JSON metadata); returns the file's sha256.
+#: Names of the outer optimizer's tensors (rank/outer.py ``OuterStep.tensors``) in an ``.optim`` file:
+#: kept beside the optimizer's state, never loaded into it.
+OUTER_PREFIX = "outer."
+
+
+def optimizer_payload(
+    optimizer: torch.optim.Optimizer, train_state: dict[str, Any] | None = None, extra: dict[str, torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """An optimizer's state as an ``.optim`` file holds it: ``(tensors, metadata)`` (tensors as
+    ``state.<param>.<key>``, the rest as JSON metadata; no pickle).
 
     ``train_state``: JSON kept beside it (the LR schedulers', the GradScaler's, how the
-    parameter groups split between several optimizers: ``flodl.rank.update.train_state``).
+    parameter groups split between several optimizers: ``flodl.rank.update.train_state``);
+    ``extra``: tensors kept beside it, each named with ``OUTER_PREFIX`` (the outer optimizer's).
+
+    Raises:
+        TypeError: ``train_state`` is not JSON.
     """
     state = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
@@ -191,13 +207,107 @@ def save_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, tr
                 tensors[f"state.{pid}.{key}"] = value
             else:
                 plain.setdefault(str(pid), {})[key] = value
+    for name, tensor in (extra or {}).items():
+        assert name.startswith(OUTER_PREFIX), f"an .optim file's extra tensor {name!r} must start with {OUTER_PREFIX!r}"
+        tensors[name] = tensor
     metadata = {"format": "flodl-optim", "param_groups": json.dumps(state["param_groups"]), "plain": json.dumps(plain)}
     if train_state:
         try:
             metadata["train_state"] = json.dumps(train_state)
         except TypeError as exc:  # a scheduler holding a function: flodl saves no pickle
             raise TypeError(f"the LR schedulers', scaler's or script's registered state cannot be saved as JSON ({exc})") from None
-    return safetensors_io.save(path, tensors, metadata)
+    return tensors, metadata
+
+
+def save_optimizer(
+    optimizer: torch.optim.Optimizer,
+    path: str | os.PathLike,
+    train_state: dict[str, Any] | None = None,
+    extra: dict[str, torch.Tensor] | None = None,
+) -> str:
+    """Write an optimizer's state (``optimizer_payload``: tensors as safetensors, the rest as JSON
+    metadata, ``extra`` tensors beside it); returns the file's sha256."""
+    return safetensors_io.save(path, *optimizer_payload(optimizer, train_state, extra))
+
+
+class SavedOptimizer:
+    """An optimizer's state as read from an ``.optim`` file or handed over in memory (``optimizer_payload``'s)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str], origin: str, *, check_finite: bool = True) -> None:
+        """``check_finite``: refuse NaN/Inf (a file may hold a diverged run's state; a live donor's
+        cannot go unnoticed: its next step's loss would stop the run, so a handoff skips the pass).
+
+        Raises:
+            CheckpointError: naming ``origin``, when it is not a flodl optimizer state or holds NaN/Inf."""
+        try:
+            self.groups = json.loads(metadata["param_groups"])
+            self.plain = json.loads(metadata.get("plain", "{}"))
+            self.train_state: dict[str, Any] = json.loads(metadata.get("train_state", "{}"))
+        except (KeyError, ValueError) as exc:
+            raise CheckpointError(f"{origin}: not a flodl optimizer file ({exc})") from None
+        bad = first_non_finite(tensors.items()) if check_finite else None
+        if bad is not None:
+            raise CheckpointError(
+                f"{origin}: optimizer state tensor {bad} holds NaN or Inf; the run diverged before this "
+                "save. Resume from an earlier bundle, or this one's weights alone (resume_weights_only)"
+            )
+        self.tensors = {k: v for k, v in tensors.items() if not k.startswith(OUTER_PREFIX)}
+        #: the outer optimizer's state kept beside it (rank/outer.py), by its own names; empty when none
+        self.outer = {k: v for k, v in tensors.items() if k.startswith(OUTER_PREFIX)}
+        self.origin = origin
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> SavedOptimizer:
+        """A bundle's optimizer state (named by its stem, sidecar or ``.optim``).
+
+        Raises:
+            CheckpointError: missing, corrupt, or holding NaN/Inf (naming the tensor).
+        """
+        file = resolve(path, "optim")
+        try:
+            tensors, metadata = safetensors_io.load(file)
+        except FileNotFoundError:
+            raise CheckpointError(f"{file}: no such optimizer file") from None
+        except CorruptFile as exc:
+            raise CheckpointError(f"{file}: not a flodl optimizer file ({exc})") from None
+        return cls(tensors, metadata, str(file))
+
+    def load_into(self, optimizer: torch.optim.Optimizer, *, fits: list[int] | None = None) -> dict[str, Any]:
+        """Load the state into ``optimizer``; returns the ``train_state`` kept with it (``{}`` when none).
+
+        ``fits``: the parameter groups of each of the task's optimizers, checked against the
+        split the state was saved with (when it says).
+
+        Raises:
+            CheckpointError: made for other parameter groups or optimizers.
+        """
+        origin, groups, train_state = self.origin, copy.deepcopy(self.groups), self.train_state
+        if fits is not None and train_state.get("optimizers", fits) != fits:
+            raise CheckpointError(
+                f"{origin} does not fit this task's optimizers: saved from optimizers of {train_state['optimizers']} "
+                f"parameter groups, this task's have {fits}"
+            )
+        mine = optimizer.state_dict()["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in mine]:
+            raise CheckpointError(
+                f"{origin} does not fit this optimizer: parameter groups of sizes "
+                f"{[len(g['params']) for g in groups]} in the file, {[len(g['params']) for g in mine]} here"
+            )
+        for group, own in zip(groups, mine, strict=False):
+            for key, value in group.items():
+                if isinstance(own.get(key), tuple) and isinstance(value, list):
+                    group[key] = tuple(value)  # JSON has no tuples (Adam's betas)
+        state: dict[int, dict[str, Any]] = {}
+        for name, tensor in self.tensors.items():
+            _, pid, key = name.split(".", 2)
+            state.setdefault(int(pid), {})[key] = tensor
+        for pid, values in self.plain.items():
+            state.setdefault(int(pid), {}).update(copy.deepcopy(values))
+        try:
+            optimizer.load_state_dict({"state": state, "param_groups": groups})
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise CheckpointError(f"{origin} does not fit this optimizer: {exc}") from None
+        return train_state
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, *, fits: list[int] | None = None) -> dict[str, Any]:
@@ -211,45 +321,4 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, *,
         CheckpointError: missing, corrupt, made for other parameter groups or
             optimizers, or holding NaN/Inf (naming the tensor).
     """
-    file = resolve(path, "optim")
-    try:
-        tensors, metadata = safetensors_io.load(file)
-        groups = json.loads(metadata["param_groups"])
-        plain = json.loads(metadata.get("plain", "{}"))
-        train_state = json.loads(metadata.get("train_state", "{}"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{file}: no such optimizer file") from None
-    except (CorruptFile, KeyError, ValueError) as exc:
-        raise CheckpointError(f"{file}: not a flodl optimizer file ({exc})") from None
-    bad = first_non_finite(tensors.items())
-    if bad is not None:
-        raise CheckpointError(
-            f"{file}: optimizer state tensor {bad} holds NaN or Inf; the run diverged before this "
-            "save. Resume from an earlier bundle, or this one's weights alone (resume_weights_only)"
-        )
-    if fits is not None and train_state.get("optimizers", fits) != fits:
-        raise CheckpointError(
-            f"{file} does not fit this task's optimizers: saved from optimizers of {train_state['optimizers']} "
-            f"parameter groups, this task's have {fits}"
-        )
-    mine = optimizer.state_dict()["param_groups"]
-    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in mine]:
-        raise CheckpointError(
-            f"{file} does not fit this optimizer: parameter groups of sizes "
-            f"{[len(g['params']) for g in groups]} in the file, {[len(g['params']) for g in mine]} here"
-        )
-    for group, own in zip(groups, mine, strict=False):
-        for key, value in group.items():
-            if isinstance(own.get(key), tuple) and isinstance(value, list):
-                group[key] = tuple(value)  # JSON has no tuples (Adam's betas)
-    state: dict[int, dict[str, Any]] = {}
-    for name, tensor in tensors.items():
-        _, pid, key = name.split(".", 2)
-        state.setdefault(int(pid), {})[key] = tensor
-    for pid, values in plain.items():
-        state.setdefault(int(pid), {}).update(values)
-    try:
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
-    except (ValueError, KeyError, RuntimeError) as exc:
-        raise CheckpointError(f"{file} does not fit this optimizer: {exc}") from None
-    return train_state
+    return SavedOptimizer.read(path).load_into(optimizer, fits=fits)

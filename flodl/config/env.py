@@ -13,7 +13,7 @@ what a variable means, its default and what it accepts are written once
   ``FLODL_BULK_SLICE_BYTES``, ``FLODL_ZYGOTE``, ``FLODL_ZYGOTE_SERVER``, ``FLODL_PURE_CODEC``. On/off switches share one vocabulary
   (``_switch``).
 * **Simulation, fault injection and strictness** for tests and benchmarks
-  only: ``FLODL_SIMULATE_*``, ``FLODL_INJECT_FAULT``, ``FLODL_STRICT``.
+  only: ``FLODL_SIMULATE_*``, ``FLODL_INJECT_FAULT``, ``FLODL_PROBE_DIR``, ``FLODL_STRICT``.
 
 A few variables of other programs are read here too (``CUDA_VISIBLE_DEVICES``,
 ``OMP_NUM_THREADS``, ``WANDB_MODE``), one is set for torch (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), two for the
@@ -439,6 +439,7 @@ SIMULATE_SLOWDOWN = "FLODL_SIMULATE_SLOWDOWN"  # "1:3.0,2:1.5": rank -> compute 
 SIMULATE_BASE_MS = "FLODL_SIMULATE_BASE_MS"  # "1:2.5" rank -> base step ms, or "2.5" for every rank
 SIMULATE_PACE_FILE = "FLODL_SIMULATE_PACE_FILE"  # a path: the live base (testing/pace_board.py)
 INJECT_FAULT = "FLODL_INJECT_FAULT"  # "rank:point:n[:action],...": faults.FaultPlan parses it
+PROBE_DIR = "FLODL_PROBE_DIR"  # a directory: ranks write the states tests compare there (testing/probes.py)
 STRICT = "FLODL_STRICT"  # on: a flodl bug the run would survive (a message handler raising) fails it
 
 
@@ -455,7 +456,13 @@ def strict() -> bool:
 def probes_requested() -> bool:
     """Does this process's environment ask for injected faults or a simulated pace? An entry point
     then installs ``flodl.testing``'s probes (flodl/probes.py); otherwise it never imports them."""
-    return any(os.environ.get(name) for name in (INJECT_FAULT, SIMULATE_SLOWDOWN, SIMULATE_BASE_MS, SIMULATE_PACE_FILE))
+    return any(os.environ.get(name) for name in (INJECT_FAULT, SIMULATE_SLOWDOWN, SIMULATE_BASE_MS, SIMULATE_PACE_FILE, PROBE_DIR))
+
+
+def probe_dir() -> str | None:
+    """``FLODL_PROBE_DIR``: where a rank writes the states a test compares (a joiner's optimizer
+    state and its donor's: ``Probes.observe``), or None."""
+    return os.environ.get(PROBE_DIR) or None
 
 
 def injected_faults() -> str:

@@ -47,6 +47,7 @@ class Admission:
         self.joiners: dict[int, float] = {}  # rank -> deadline to be ready
         self._held: list[int] = []  # joiners that said hello before the store opened (plane.py): welcomed with the first ranks
         self.joins: list[dict] = []  # every admission: when, generation, ranks, host
+        self.ready_at: dict[int, float] = {}  # a joiner -> when it said ready (seconds into the run), until admitted
         self._next_rank = 0  # rank numbers are never reused, so a late report can't be misread
         self._fd_warned = False
 
@@ -278,6 +279,9 @@ class Admission:
 
     def on_rank_ready(self, identity: bytes, env: Envelope, msg: m.RankReady) -> None:
         self.ctx.members.rank_ready(msg.rank)
+        if msg.rank in self.joiners:
+            self.ready_at[msg.rank] = self.ctx.clock() - self.ctx.run.started_at  # for its join's record
+            self.training.hurry()  # admitted at the next batch boundary, not at the end of a long window
         self.ctx.run.changed()
 
     def admit_joiners(self, loop: CadenceLoop, in_flight: list[int]) -> bool:
@@ -290,7 +294,9 @@ class Admission:
         a Regroup names the grown world and the lowest surviving rank, whose
         parameters (the consensus) every member takes after rebuilding the
         group. CPU backend: the joiners are expected from the next window's
-        first averaging round, whose average they take whole before training.
+        first averaging round, whose average they take whole before training,
+        and the lowest member not behind a relay hands them its state with its
+        snapshot of that round (the Regroup goes to it too).
         Either way ElChe plans them from the next window on.
         """
         t0 = time.perf_counter()
@@ -337,10 +343,14 @@ class Admission:
         else:
             for rank in ready:
                 averaging.admit(self.ctx.members.ranks[rank].sender.encode(), rank, from_round=loop.round_base)
+            # the donor hands its optimizer state to the joiners with its snapshot of their first round,
+            # through the bulk plane (a rank behind a host relay neither gives nor takes one)
+            donor = averaging.hand_over(loop.round_base, old, ready)
+            self.training.hurry_adoption(loop.window)  # the window they adopt ends a batch in
             msg = m.Regroup(
-                generation=generation, members=members, store_prefix="", reason=reason, sync_from=-1, first_round=loop.round_base
+                generation=generation, members=members, store_prefix="", reason=reason, sync_from=donor, first_round=loop.round_base
             )
-            targets = ready  # the others' CPU rounds simply start expecting the joiners
+            targets = [*ready, *([donor] if donor >= 0 else [])]  # the others' CPU rounds simply start expecting the joiners
         self.ctx.plane.send_ranks(targets, msg)
         self.joins.append(
             {
@@ -350,6 +360,8 @@ class Admission:
                 "ranks": ready,
                 "hosts": hosts,
                 "world": len(members),
+                # when each said ready (built, welcomed): from there to ``at_s`` it waited for a window boundary
+                "ready_at_s": [self.ready_at.pop(r, None) for r in ready],
             }
         )
         if self.training.goodput is not None:  # a restart fills its slot again; any other joiner grows the world

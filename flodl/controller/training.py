@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from ..config import ApplyPolicy
 from ..plan.cadence import CadenceLoop
 from ..plan.dispatch import FLOW_MAX_EPOCHS, PROBE_BATCHES, PROBE_MIN_MS
 from ..plan.goodput import Goodput
@@ -41,6 +42,8 @@ class Training:
         self.resender = WindowResender()  # windows a reset may have lost, sent again to idle ranks
         self._settled = -1  # the last window whose reports were taken: a late copy of one is dropped
         self._timing_window = False  # a calibration window is being timed: every TimingMsg wakes the conductor
+        self.sent_window = -1  # the newest window sent to the ranks
+        self._hurried = -1  # the newest window ended early for a joiner (``hurry``)
         self.history: list[EpochStats] = []
         self.evals: dict[int, m.EvalResult] = {}
         self.eval_requests: dict[int, int] = {}  # epoch -> rank asked to score it
@@ -131,6 +134,30 @@ class Training:
                 window.after, info.last_window = info.last_window, window.window
             self.resender.sent(rank, window, now)
             self.ctx.plane.send_rank(rank, window)
+        self.sent_window = number
+
+    def hurry(self) -> None:
+        """A joiner is ready: end the windows in flight at their next batch (``EndWindow``; their
+        ungranted rest goes back to the pool), so it is admitted at the boundary that follows
+        instead of a whole window later (a window of a large model can last many seconds). A
+        calibration window being timed is left to end as timed."""
+        number = self.sent_window
+        if number <= self._hurried or self.cadence is None or self._timing_window or self.reported(number):
+            return
+        self._hurry_to(number)
+
+    def hurry_adoption(self, number: int) -> None:
+        """CPU backend: joiners were just admitted to adopt the average of window ``number`` (not
+        sent yet), its first round's, and train nothing in it: every member ends it after its
+        first batch (an ``EndWindow`` that comes first ends a window a batch in: rank/windows.py),
+        so they hold the consensus and their donor's state a batch into it, not a whole window
+        later. Sync's first round follows the first batch already: nothing to end there."""
+        if self.ctx.config.elche.mode.policy is not ApplyPolicy.SYNC:
+            self._hurry_to(number)
+
+    def _hurry_to(self, number: int) -> None:
+        self._hurried = number
+        self.ctx.plane.broadcast_ranks(m.EndWindow(window=number))
 
     async def until_window(self, number: int, done: Callable[[], bool], what: str) -> None:
         """Wait for ``done`` while window ``number`` is out; meanwhile send it again to any rank whose

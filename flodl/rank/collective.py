@@ -53,6 +53,9 @@ from .outer import OuterStep
 
 log = logging.getLogger(__name__)
 
+#: The point-to-point tag of a donor's state (its size; the bytes take the next tag).
+_STATE_TAG = 0x5E1D
+
 
 def backend_for(device: torch.device) -> str:
     """``nccl`` for CUDA devices, ``gloo`` for everything else."""
@@ -319,8 +322,7 @@ class CollectiveAverager:
         """Each of ``values``' largest over the group (one tiny all-reduce): how members agree on a redo."""
         if self.group is None:
             return list(values)
-        device = self.flat.buckets[0].flat.device if self.flat is not None and self.flat.buckets else torch.device("cpu")
-        top = torch.tensor(values, dtype=torch.int64, device=device)
+        top = torch.tensor(values, dtype=torch.int64, device=self._device())
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # torch's stub: RedOpType converts to ReduceOp (pybind)
         self._wait(self.group.allreduce([top], opts))
@@ -354,6 +356,71 @@ class CollectiveAverager:
                     for tensor in self.outer.tensors().values():
                         self._wait(self.group.broadcast(tensor, root))
         self.adopting = False
+
+    # ------------------------------------------------------- a donor's state (handoff.py)
+
+    def joining(self, me: int, joining: bool) -> list[int]:
+        """The members (group ranks) that joined: held no consensus before the broadcast (one tiny
+        all-reduce every member calls; ``me``: this member's group rank)."""
+        assert self.group is not None, "no group to ask"
+        flags = torch.zeros(self.group.size(), dtype=torch.int64, device=self._device())
+        flags[me] = int(joining)
+        self._wait(self.group.allreduce([flags]))
+        return [index for index, flag in enumerate(flags.tolist()) if flag]
+
+    def send_state(self, state: bytearray, to: list[int]) -> None:
+        """Send ``state``'s bytes to each of the members ``to`` (its size first: 0 sends nothing more).
+
+        Raises:
+            RuntimeError: a member was lost (the collective's own error), or the wait was abandoned.
+        """
+        assert self.group is not None, "no group to send through"
+        device = self._device()
+        size = torch.tensor([len(state)], dtype=torch.int64, device=device)
+        data = torch.frombuffer(state, dtype=torch.uint8).to(device) if state else None
+        for dst in to:
+            self._wait_p2p(self.group.send([size], dst, _STATE_TAG))
+            if data is not None:
+                self._wait_p2p(self.group.send([data], dst, _STATE_TAG + 1))
+
+    def receive_state(self, root: int) -> memoryview:
+        """The bytes member ``root`` sends (``send_state``), in host memory (writable, no copy on a
+        CPU rank); empty when it had none.
+
+        Raises:
+            RuntimeError: the root was lost (the collective's own error), or the wait was abandoned.
+        """
+        assert self.group is not None, "no group to receive through"
+        device = self._device()
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+        self._wait_p2p(self.group.recv([size], root, _STATE_TAG))
+        if not int(size.item()):
+            return memoryview(bytearray())
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        self._wait_p2p(self.group.recv([data], root, _STATE_TAG + 1))
+        return memoryview(data.cpu().numpy())  # type: ignore[arg-type]  # numpy's stubs: an ndarray is a buffer
+
+    def _wait_p2p(self, work: dist.Work) -> None:
+        """Wait for a point-to-point transfer, abandoning it like any collective (``_wait``). Gloo
+        moves a send's or a receive's bytes inside ``wait()`` itself (it never completes on its
+        own, and has no future), so the wait runs on a thread of its own; an abandoned one is
+        parked with its group and ends with gloo's timeout (its buffers are its own).
+
+        Raises:
+            RuntimeError: the transfer failed (a peer was lost), or was abandoned (``_aborted``).
+        """
+        if self._device().type == "cuda":
+            self._wait(work, abandon=lambda w: self._graveyard.append((self._group, w)))
+            return
+        try:
+            _interruptible(work.wait, lambda: self.aborted or self.must_stop() or self.superseded())
+        except Superseded:
+            self._graveyard.append((self._group, work))
+            raise _aborted() from None
+
+    def _device(self) -> torch.device:
+        """Where this group's tensors live (NCCL: the rank's GPU)."""
+        return self.flat.buckets[0].flat.device if self.flat is not None and self.flat.buckets else torch.device("cpu")
 
     def _outer_step(self, index: int, average: torch.Tensor, total: float) -> bool:
         """Bucket ``index``'s ``average`` through the outer optimizer (in place), when there is one;

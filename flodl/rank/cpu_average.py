@@ -43,6 +43,7 @@ from ..wire.bulk import MAX_MSG_BYTES, announcement, as_frame, check_slice, dtyp
 from ..wire.codec import FrameReader, FrameWriter
 from .flat import PARAMS, Averaged, FlatModel
 from .outer import OuterStep
+from .state_lane import StateIn, StateOut
 
 log = logging.getLogger(__name__)
 
@@ -116,12 +117,26 @@ class BulkLink:
         except zmq.Again:
             raise DeadlineExceeded("the controller's bulk socket took no snapshot slice within the send timeout") from None
 
-    def receive(self, timeout_ms: int) -> tuple[m.Update, torch.Tensor | None] | None:
-        """One update slice if it arrives within ``timeout_ms``; bad messages are dropped and counted."""
+    def send_state(self, header: m.StateSlice, piece: memoryview | None) -> None:
+        """Send one slice of this rank's state for joiners (state_lane.py), or the "none" (no frame).
+
+        Raises:
+            DeadlineExceeded: the controller took nothing for the send timeout.
+        """
+        try:
+            self.sock.send_multipart([self.writer.encode(header), *([piece] if piece is not None else [])], copy=False)
+        except zmq.Again:
+            raise DeadlineExceeded("the controller's bulk socket took no state slice within the send timeout") from None
+
+    def receive(self, timeout_ms: int) -> tuple[m.Update, torch.Tensor | None] | tuple[m.StateSlice, list] | None:
+        """One update slice (or a donor's state slice, its frames unchecked: state_lane.py) if it
+        arrives within ``timeout_ms``; bad messages are dropped and counted."""
         if not self.sock.poll(timeout_ms):
             return None
         parts = self.sock.recv_multipart(copy=False)
         env = self.reader.read(parts[0].bytes, "controller")
+        if env is not None and isinstance(env.msg, m.StateSlice):
+            return env.msg, parts[1:]
         if env is None or not isinstance(env.msg, m.Update):  # a bad frame (the reader counts and logs it), or not ours
             return None
         try:
@@ -197,6 +212,13 @@ class CpuAverager:
         # an optimizer on the averaged update (outer.py), set once the first consensus is taken: each
         # average's parameter slices go through it as they land (``Update.ranks``: the ranks in it)
         self.outer: OuterStep | None = None
+        # a donor's state for joiners (state_lane.py): this rank's to hand, or the one it joins with;
+        # ``took_state(state)`` loads what came (None: nothing did) and says whether it held the outer
+        # optimizer's state, which then steps the adopted average as the members stepped it
+        self.state_out = StateOut(bulk, rank)
+        self.state_in = StateIn()
+        self.took_state: Callable[[bytearray | None], bool] = lambda state: False
+        self.adopted_ranks = 0  # ``Update.ranks`` of the average this joiner adopted
         if bulk.lane:
             self._take_lane()
 
@@ -207,6 +229,15 @@ class CpuAverager:
     def start_at_round(self, first: int) -> None:
         """Number the next average ``first`` (a joiner: the round the controller admits it at)."""
         self.round = first
+
+    def hand_state_at(self, round_: int) -> None:
+        """Hand this rank's state to the ranks joining at round ``round_``, with its snapshot of it
+        (called on the link thread, as the Regroup naming this rank the donor arrives)."""
+        self.state_out.due_at(round_)
+
+    def expect_state(self, round_: int) -> None:
+        """A joiner: its donor's state comes with round ``round_``, the one it adopts."""
+        self.state_in.expect(round_)
 
     def average(self, weight: float, *, measure: bool = False, block: bool = True, overwrite: bool = False, tag: int = -1) -> Averaged:
         """Send this replica's snapshot; with ``block`` wait until the average is applied.
@@ -222,10 +253,21 @@ class CpuAverager:
         layout = dict(
             groups=[b.group for b in buckets], dtypes=[dtype_name(b.flat.dtype) for b in buckets], numels=[b.numel for b in buckets]
         )
+        handing, passed = self.state_out.take(self.round)
+        for round_ in passed:
+            self.state_out.send(round_, None)
+        state = None
+        if handing:
+            if self.outer is not None:
+                # every earlier round lands first: the outer optimizer's state goes as this round's average is stepped from it
+                self.settle()
+            state = self.state_out.capture()
         seg = self.segment
         if seg is None or not self._send_on_lane(seg, weight, layout, measure=measure, block=block, overwrite=overwrite):
             self._send_frames(weight, layout, measure=measure, block=block, overwrite=overwrite)
         mine = self.round - 1
+        if handing:
+            self.state_out.send(mine, state)  # after the snapshot: the round is not held up by it
         if mine in self.pending:
             self.pending[mine].tag = tag
         self._sent(mine)
@@ -233,6 +275,8 @@ class CpuAverager:
             # adopting waits a whole window for the peers' average; the controller
             # (which it hears from) bounds that round, so no deadline of our own
             self._wait_for(mine, bounded=not adopt)
+        if adopt and not self.adopting and self.state_in.awaited:
+            self._take_state()
         ms = (time.perf_counter() - start) * 1000.0
         d = self.last_drift if measure and self.last_drift else (None, 0.0, 0.0)
         return Averaged(ms, *d) if measure else Averaged(ms)
@@ -416,8 +460,37 @@ class CpuAverager:
 
     def poll(self) -> None:
         """Apply every update slice that has arrived (never blocks)."""
-        while (got := self.bulk.receive(0)) is not None:
-            self._apply(*got)
+        while self._receive(0):
+            pass
+
+    def _receive(self, timeout_ms: int) -> bool:
+        """Take one message if it arrives within ``timeout_ms``: an update slice is applied, a
+        donor's state slice gathered (state_lane.py). False when nothing came."""
+        got = self.bulk.receive(timeout_ms)
+        if got is None:
+            return False
+        if isinstance(got[0], m.StateSlice):
+            try:
+                self.state_in.take(got[0], got[1])
+            except ProtocolError as exc:
+                log.error("rejected a state slice from the controller: %s", exc)
+            return True
+        self._apply(got[0], got[1])
+        return True
+
+    def _take_state(self) -> None:
+        """This joiner adopted its first average: load its donor's state once it is all in (bounded),
+        and with the outer optimizer's state step the average as every member stepped it."""
+        state = self.state_in.wait(self._receive, self.timeout_s, self.must_stop)
+        if self.took_state(state) and self.outer is not None and self.adopted_ranks > 0:
+            with torch.no_grad():
+                for index, bucket in enumerate(self.flat.buckets):
+                    if bucket.copied:
+                        bucket.copy_in()
+                    self.outer.step_(index, bucket.values, ranks=self.adopted_ranks)
+                    if bucket.copied:
+                        bucket.copy_out()
+            self.outer.round_done()
 
     def settle(self) -> None:
         """Wait (bounded) until every round sent has its average applied."""
@@ -431,9 +504,7 @@ class CpuAverager:
                 return
             if bounded and time.monotonic() > deadline:
                 raise DeadlineExceeded(f"no average for round {round_} within {self.timeout_s:g} s")
-            got = self.bulk.receive(100)
-            if got is not None:
-                self._apply(*got)
+            self._receive(100)
 
     def _apply(self, update: m.Update, piece: torch.Tensor | None) -> None:
         pending = self.pending.get(update.round)
@@ -462,6 +533,8 @@ class CpuAverager:
             values = bucket.values[seg]
             if pending.snap is None:
                 values.copy_(avg)
+                if self.adopting:
+                    self.adopted_ranks = update.ranks
             else:
                 self._keep(update.bucket, seg, avg, first=pending.left == sum(b.numel for b in self.flat.buckets))
                 s = pending.snap[update.bucket][seg]

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..checkpoint.bundle import CheckpointError
 from ..config import AverageBackend
 from ..config.deadlines import Deadlines
 from ..errors import DeadlineExceeded
@@ -47,6 +48,7 @@ from .window_stats import RoundStats
 if TYPE_CHECKING:
     from .averager import Averager
     from .context import JoinedRun, RankContext
+    from .handoff import StateHandoff
 
 log = logging.getLogger("flodl.rank.runner")
 
@@ -81,6 +83,8 @@ class Group:
         self.welcome: m.RankWelcome | None = None  # the store regroups build their groups through
         self.model: torch.nn.Module | None = None  # flattened when a run that started alone grows
         self.listeners: list[Callable[[GroupPosition], object]] = []  # told of every average (``on_average``)
+        # this rank's state as a donor hands it and a joiner takes it (handoff.py): set once the replica exists
+        self.handoff: StateHandoff | None = None
 
     # ---------------------------------------------------------------- joining
 
@@ -92,7 +96,11 @@ class Group:
         self.welcome, self.model, self.deadlines = welcome, model, run.deadlines
         self.at = GroupPosition(generation=welcome.generation, world_size=welcome.world_size)
         if flat is not None and run.config.elche.mode.backend is AverageBackend.CPU:
-            self.averager = cpu_averager(self.ctx, run, flat)
+            cpu = self.averager = cpu_averager(self.ctx, run, flat)
+            cpu.took_state = self._took_state
+            # named the donor of ranks that join: its state goes with its snapshot of their first round
+            # (heard on the link thread, so no newer Regroup can hide it before the training thread looks)
+            self.link.call_on_regroup(lambda msg: cpu.hand_state_at(msg.first_round) if self._donates(msg) else None)
         else:
             group = None
             if flat is not None and not welcome.late:  # a joiner's comes with its Regroup
@@ -121,6 +129,55 @@ class Group:
             averager.outer, averager.equal_weights = step, run.config.average_weights == "equal"
         elif isinstance(averager, CpuAverager):
             averager.outer = step
+
+    def hand_with(self, handoff: StateHandoff) -> None:
+        """This rank's state, as a donor hands it and a joiner takes it (the replica exists now)."""
+        self.handoff = handoff
+        if isinstance(self.averager, CpuAverager):
+            self.averager.state_out.dump = lambda: handoff.dump(outer=True)  # the CPU backend's joiners step the outer optimizer too
+
+    def _donates(self, msg: m.Regroup) -> bool:
+        """CPU backend: does ``msg`` name this rank the donor of the ranks it admits?"""
+        return msg.sync_from == self.rank and msg.first_round >= 0 and self.rank in msg.members
+
+    def _took_state(self, state: bytearray | memoryview | None) -> bool:
+        """A joiner's donor state came (None: it did not): loaded; True when the outer optimizer's came with it."""
+        if state is None or self.handoff is None:
+            log.warning("rank %d: no optimizer state came from the donor; training with a fresh optimizer", self.rank)
+            return False
+        return self.handoff.load(state)
+
+    def outer(self) -> OuterStep | None:
+        """The outer optimizer (outer.py), when the run has one."""
+        averager = self.averager
+        return averager.outer if isinstance(averager, (CollectiveAverager, CpuAverager)) else None
+
+    def outer_tensors(self) -> dict[str, torch.Tensor]:
+        """The outer optimizer's state as a bundle keeps it (empty without one)."""
+        step = self.outer()
+        return step.tensors() if step is not None else {}
+
+    def resume_outer(self, saved: dict[str, torch.Tensor], steps: int) -> None:
+        """A resumed run: the bundle's outer optimizer state (its anchor and momentum), so the first
+        averages step on from where the saved run stood. A bundle without one (written before it was
+        kept, or by a run without an outer optimizer) leaves the fresh state, anchored at the bundle's
+        parameters, with a warning.
+
+        Raises:
+            CheckpointError: the saved state does not fit this model's buckets.
+        """
+        step = self.outer()
+        if step is None:
+            return
+        if not saved:
+            log.warning("rank %d: the bundle holds no outer optimizer state: its momentum starts from zero", self.rank)
+            return
+        try:
+            step.load_tensors(saved)
+        except ValueError as exc:
+            raise CheckpointError(f"the bundle's outer optimizer state: {exc}") from None
+        step.steps = steps
+        self.ctx.probes.observe("resumed", lambda: dict(step.tensors()))
 
     def _take_first_consensus(self, welcome: m.RankWelcome) -> None:
         """Take rank 0's parameters, unless the first group never formed or a rank died during
@@ -311,9 +368,14 @@ class Group:
             return
         averager = self.averaging()
         if isinstance(averager, CpuAverager):
-            if averager.adopting and self.rank in msg.members and msg.first_round >= 0:
+            if self.rank not in msg.members:
+                return
+            if averager.adopting and msg.first_round >= 0:
                 averager.start_at_round(msg.first_round)
-                self._move(generation=msg.generation)
+                if msg.sync_from >= 0 and not self.ctx.env.relay_addr:
+                    # the donor's state comes with that round (a rank behind a host relay gets none: not relayed)
+                    averager.expect_state(msg.first_round)
+            self._move(generation=msg.generation)  # a joiner, or the donor (``_donates``)
             return
         self.settle_background()  # an average of the old group: landed if it completed, else dropped
         busy = self.link.busy
@@ -382,8 +444,10 @@ class Group:
         averager.enter_group(group)
         self._move(peers=frozenset(msg.members) if group is not None else frozenset(), world_size=world)
         if msg.sync_from >= 0 and msg.sync_from in msg.members:
-            averager.broadcast_from(msg.members.index(msg.sync_from))  # a joiner stops adopting
+            root, joining = msg.members.index(msg.sync_from), averager.adopting
+            averager.broadcast_from(root)  # a joiner stops adopting
             self._move(bg_redo=False)  # every member now holds the same values: nothing to repeat
+            self._hand_over(averager, root, msg.members.index(self.rank), joining=joining)
         elif group is not None:
             # A death mid-average can leave some survivors with the average done and others
             # without (a ring's last step reached some). Every member says which average it does
@@ -408,6 +472,21 @@ class Group:
         (log.info if msg.sync_from >= 0 else log.warning)(
             "rank %d: now one of %d ranks (generation %d): %s", self.rank, world, msg.generation, msg.reason
         )
+
+    def _hand_over(self, averager: CollectiveAverager, root: int, me: int, *, joining: bool) -> None:
+        """After the consensus broadcast: the members that joined (they held no consensus) take the
+        broadcasting member's state too (handoff.py), straight from it. Every member first says
+        whether it joined (one tiny all-reduce); a world where nobody did sends nothing more."""
+        if averager.group is None:
+            return
+        joiners = averager.joining(me, joining)
+        if not joiners:
+            return
+        if me == root:
+            averager.send_state(self.handoff.dump(outer=False) if self.handoff is not None else bytearray(), joiners)
+        elif me in joiners:
+            received = averager.receive_state(root)
+            self._took_state(received if len(received) else None)
 
     def _loses_peer(self, msg: m.Regroup) -> bool:
         """Does ``msg`` leave out a member of this rank's group? Only then can a collective of the

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..checkpoint.bundle import load_optimizer
+from ..checkpoint.bundle import SavedOptimizer
 from ..errors import TaskError
 from ..task import Task
 from .compiling import compile_model
@@ -138,16 +138,21 @@ class Replica:
         """What the .optim file keeps beside the optimizer state (schedulers, scaler, the optimizers' split)."""
         return train_state(self.optimizers, self.update, lr_base=self.lr.base)
 
-    def load_optimizer(self, stem: str) -> dict[str, Any]:
-        """The bundle's optimizer state, loaded into the optimizer(s); what its file kept beside it."""
-        return load_optimizer(self.optimizer, stem, fits=[len(o.param_groups) for o in self.optimizers])
+    def load_optimizer(self, saved: SavedOptimizer) -> dict[str, Any]:
+        """A saved optimizer state (a bundle's, or a donor's: handoff.py), loaded into the
+        optimizer(s); what was kept beside it.
 
-    def resume_optimizer(self, stem: str, global_step: int) -> None:
-        """Load the bundle's optimizer state (required: a fresh optimizer only when asked for), and its
-        schedulers' and scaler's. The LR: a scheduler's state holds it; otherwise the loaded
-        groups' LRs become the base, as before schedulers existed."""
-        saved = self.load_optimizer(stem)
+        Raises:
+            CheckpointError: it was made for other parameter groups or optimizers.
+        """
+        return saved.load_into(self.optimizer, fits=[len(o.param_groups) for o in self.optimizers])
+
+    def resume_optimizer(self, saved: SavedOptimizer, global_step: int) -> None:
+        """Load a saved optimizer state (a bundle's: required, a fresh optimizer only when asked for;
+        or a donor's, handed to a joiner), and its schedulers' and scaler's. The LR: a scheduler's
+        state holds it; otherwise the loaded groups' LRs become the base, as before schedulers existed."""
+        train_state = self.load_optimizer(saved)
         if self.update is not None:
-            self.update.load_state_dict(saved)
+            self.update.load_state_dict(train_state)
         if self.update is None or not self.update.schedulers:
-            self.lr.restore(saved.get("lr_base"), global_step)
+            self.lr.restore(train_state.get("lr_base"), global_step)

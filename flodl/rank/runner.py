@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.bundle import CheckpointError, load_model
+from ..checkpoint.bundle import CheckpointError, SavedOptimizer, load_model
 from ..config import DdpRunConfig
 from ..config.deadlines import Deadlines
 from ..config.env import RankEnv
@@ -68,6 +68,7 @@ from .data_path import DataPath
 from .determinism import enter_training_phase
 from .evaluation import Evaluator
 from .flat import FlatModel, model_digest
+from .handoff import OUTER_STEPS, StateHandoff
 from .link import ControllerLink
 from .outcomes import NonFiniteLoss, Stop, UserError, is_collective_error, user_traceback
 from .regroup import Group
@@ -213,10 +214,14 @@ class RankRunner:
         enter_training_phase(welcome.seed, self.rank)  # each rank its own stream (dropout), the same every run
         replica = Replica(self.ctx, run, self.task, self.model)
         if config.resume_from and not welcome.late and not config.resume_weights_only:
-            self.ctx.seams.resume_optimizer(replica, config.resume_from, 0)  # no window yet: global step 0
+            saved = SavedOptimizer.read(config.resume_from)
+            self.ctx.seams.resume_optimizer(replica, saved, 0)  # no window yet: global step 0
+            self.group.resume_outer(saved.outer, int(saved.train_state.get(OUTER_STEPS, 0)))
         data = DataPath(self.ctx, run, self.task)
         evaluator = Evaluator(self.ctx, run, replica, self.group, data.source)
         windows = Windows(self.ctx, run, replica, self.group, data, evaluator)
+        # what this rank hands a joiner as its donor, or takes from its donor as a joiner
+        self.group.hand_with(StateHandoff(self.ctx, replica, lambda: windows.steps.global_step, self.group.outer))
         self.joined = Joined(run, replica, data, evaluator, windows, Saves(self.ctx, run, self.group, windows))
         self.link.send(m.RankReady(rank=self.rank, generation=welcome.generation, init_ms=(time.perf_counter() - start) * 1000))
         self.ctx.seams.joined()

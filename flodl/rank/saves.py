@@ -7,9 +7,10 @@ saving.py writes the files. A rank writes at most one bundle on its way out.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..wire import messages as m
+from .handoff import kept_beside
 from .saving import checkpoint, emergency_save
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ class Saves:
             version=cmd.version,
             call_fn=self.replica.task.checkpoint_fn if cmd.call_fn else None,
             handle=self.windows.handle,
-            train_state=self.ctx.seams.train_state(self.replica),
+            **self._kept(),
         )
         self.ctx.probes.reach("save")  # tests: the files are written, the controller has not committed them
         self.link.send(done)
@@ -70,7 +71,7 @@ class Saves:
                     version=-1,
                     call_fn=None,
                     handle=self.windows.handle,
-                    train_state=self.ctx.seams.train_state(self.replica),
+                    **self._kept(),
                 )
             )
 
@@ -89,5 +90,11 @@ class Saves:
             why=why,
             epoch=max(0, self.windows.current_epoch),
             global_step=self.windows.steps.global_step,
-            train_state=self.ctx.seams.train_state(self.replica),
+            **self._kept(),
         )
+
+    def _kept(self) -> dict[str, Any]:
+        """What the ``.optim`` file keeps beside the optimizer's state: ``train_state`` (schedulers,
+        scaler, the script's registered objects) and the outer optimizer's state (``outer``)."""
+        train_state, outer = kept_beside(self.ctx, self.replica, self.group.outer())
+        return {"train_state": train_state, "outer": outer}

@@ -27,10 +27,15 @@ class NonFinite(ValueError):
 
 
 def write_bundle_files(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, stem: str, tag: str, train_state: dict[str, Any] | None = None
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stem: str,
+    tag: str,
+    train_state: dict[str, Any] | None = None,
+    outer: dict[str, torch.Tensor] | None = None,
 ) -> tuple[str, str]:
-    """``<stem>.<tag>.fdl`` then ``<stem>.<tag>.optim`` (with ``train_state``: schedulers, scaler), each atomic;
-    returns their sha256.
+    """``<stem>.<tag>.fdl`` then ``<stem>.<tag>.optim`` (with ``train_state``: schedulers, scaler; and
+    ``outer``: the outer optimizer's state), each atomic; returns their sha256.
 
     Raises:
         NonFinite: naming the first tensor holding NaN/Inf (nothing is written).
@@ -38,15 +43,25 @@ def write_bundle_files(
     bad = first_non_finite([*model.named_parameters(), *model.named_buffers()])
     if bad is not None:
         raise NonFinite(f"parameter or buffer {bad} holds NaN or Inf")
-    bad = first_non_finite(optimizer_tensors(optimizer, model))
+    bad = first_non_finite([*optimizer_tensors(optimizer, model), *(outer or {}).items()])
     if bad is not None:
         raise NonFinite(f"optimizer state {bad} holds NaN or Inf")
     bundle = CheckpointBundle.at(stem)
-    return save_model(model, bundle.data_file(tag, ".fdl")), save_optimizer(optimizer, bundle.data_file(tag, ".optim"), train_state)
+    return save_model(model, bundle.data_file(tag, ".fdl")), save_optimizer(optimizer, bundle.data_file(tag, ".optim"), train_state, outer)
 
 
 def checkpoint(
-    *, rank: int, model, optimizer, stem: str, tag: str, version: int, call_fn, handle: Any, train_state: dict[str, Any] | None = None
+    *,
+    rank: int,
+    model,
+    optimizer,
+    stem: str,
+    tag: str,
+    version: int,
+    call_fn,
+    handle: Any,
+    train_state: dict[str, Any] | None = None,
+    outer: dict[str, torch.Tensor] | None = None,
 ) -> m.CheckpointDone:
     """Write the files (if ``stem``) and call ``checkpoint_fn`` (if given); the answer for the controller.
 
@@ -57,7 +72,7 @@ def checkpoint(
     digests, errors = ("", ""), []
     if stem:
         try:
-            digests = write_bundle_files(model, optimizer, stem, tag, train_state)
+            digests = write_bundle_files(model, optimizer, stem, tag, train_state, outer)
         except NonFinite as exc:
             errors.append(f"refused to save {stem}: {exc}; the previous bundle is kept")
         except Exception as exc:  # disk full, permissions: report, keep training
@@ -89,6 +104,7 @@ def emergency_save(
     epoch: int,
     global_step: int,
     train_state: dict[str, Any] | None = None,
+    outer: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """The controller is gone (or this rank was terminated): keep this replica as the bundle ``<stem>.rank<N>``.
 
@@ -100,7 +116,7 @@ def emergency_save(
     bundle = CheckpointBundle.at(stem).rank(rank)
     tag = new_tag()
     try:
-        model_sha, optim_sha = write_bundle_files(model, optimizer, str(bundle.stem), tag, train_state)
+        model_sha, optim_sha = write_bundle_files(model, optimizer, str(bundle.stem), tag, train_state, outer)
         write_meta(
             bundle,
             {

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from .. import scalars
+from ..checkpoint.bundle import SavedOptimizer
 from ..config.deadlines import Deadlines
 from ..config.env import RankEnv
 from ..errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_TASK_ERROR, PeerLost, TaskError
@@ -227,11 +228,12 @@ class ScriptRank(Seams):
         if epoch >= 0 and not model.training and self.runner.joined is not None:
             self.runner.joined.evaluator.refresh_norms(epoch)
 
-    def resume_optimizer(self, replica: Replica, stem: str, global_step: int) -> None:
-        """The optimizer's state and the script's registered objects, from the bundle. The loaded
-        groups' LRs stay as saved: the script's own schedulers set them (there is no flodl schedule
-        to re-apply), and the schedulers' restored state steps on from them."""
-        self.states.resume(replica.load_optimizer(stem))
+    def resume_optimizer(self, replica: Replica, saved: SavedOptimizer, global_step: int) -> None:
+        """The optimizer's state and the script's registered objects, from the bundle (or, in a
+        joiner, from its donor: handoff.py). The loaded groups' LRs stay as saved: the script's own
+        schedulers set them (there is no flodl schedule to re-apply), and the schedulers' restored
+        state steps on from them."""
+        self.states.resume(replica.load_optimizer(saved))
 
     def train_state(self, replica: Replica) -> dict[str, Any] | None:
         out = replica.train_state() or {}

@@ -21,6 +21,7 @@ from .determinism import enter_build_phase
 from .outcomes import UserError, user_traceback
 
 if TYPE_CHECKING:
+    from ..checkpoint.bundle import SavedOptimizer
     from ..config.env import RankEnv
     from ..task import Task
     from ..wire import messages as m
@@ -95,6 +96,7 @@ class Seams:
         """What a bundle's ``.optim`` file keeps beside the optimizer state."""
         return replica.train_state()
 
-    def resume_optimizer(self, replica: Replica, stem: str, global_step: int) -> None:
-        """Put the bundle's optimizer state back (schedulers, scaler, the LR's base)."""
-        replica.resume_optimizer(stem, global_step)
+    def resume_optimizer(self, replica: Replica, saved: SavedOptimizer, global_step: int) -> None:
+        """Put a saved optimizer state back (a bundle's on resume, a donor's in a joiner: handoff.py),
+        with its schedulers, scaler and the LR's base."""
+        replica.resume_optimizer(saved, global_step)

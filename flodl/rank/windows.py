@@ -237,19 +237,19 @@ class Windows:
             if loop.averager.adopting:
                 loop.exhausted = True  # a joiner without the consensus yet trains nothing (its grants go back)
                 return
+            done = stats.positions if loop.sharded else stats.batches + self.steps.meter.pending
             if (
                 not seams.accumulating(replica)
                 and loop.whole
                 and (
-                    (
-                        loop.quota_batches
-                        and (stats.positions if loop.sharded else stats.batches + self.steps.meter.pending) >= loop.quota_batches
-                    )
+                    (loop.quota_batches and done >= loop.quota_batches)
                     # the quota clock is the window's wall time less its averages: a fast rank's
                     # per-step work outside compute and data (hundreds of steps' worth) must not
                     # make it arrive late at the average its slow partner is already waiting in
                     or (loop.target_ms and self._past_quota(loop.start, stats, loop.target_ms, loop.quota_ms))
-                    or (loop.window is not None and self.link.end_window >= loop.window)
+                    # the controller ends it (a window that had not started yet ends a batch in: its
+                    # average must hold something, a joiner adopts it: controller/training.py hurry_adoption)
+                    or (loop.window is not None and self.link.end_window >= loop.window and done > 0)
                 )
             ):
                 loop.exhausted = True

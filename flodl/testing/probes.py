@@ -5,6 +5,8 @@ what a process's entry point installs when ``FLODL_INJECT_FAULT`` or a
 ``FLODL_SIMULATE_*`` variable is set (``install_from_environment``):
 
 * ``reach`` fires this rank's armed faults (``FaultPlan``, faults.py);
+* ``observe`` writes the state a rank holds at a point (a joiner's optimizer
+  state and its donor's) to ``FLODL_PROBE_DIR``, for a test to compare;
 * ``pace`` makes a rank of slowdown ``f`` (``FLODL_SIMULATE_SLOWDOWN``) step
   ``f`` times as slowly as the base (``FLODL_SIMULATE_BASE_MS``, or the live one
   a full-speed rank posts on the pace board, pace_board.py), from its second
@@ -18,12 +20,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ..config.env import (
     live_base_ms,
     paced_step,
     pacing_late_ms,
+    probe_dir,
     simulated_base_ms,
     simulated_pace_file,
     simulated_slowdown,
@@ -69,11 +73,13 @@ class Pacer:
 
 
 class Injected(Probes):
-    """Rank ``rank``'s armed faults and simulated pace."""
+    """Rank ``rank``'s armed faults and simulated pace, and where it writes the states it observes."""
 
-    def __init__(self, faults: FaultPlan, pacer: Pacer | None = None) -> None:
+    def __init__(self, faults: FaultPlan, pacer: Pacer | None = None, *, rank: int = -1, observed: str | None = None) -> None:
         self.faults = faults
         self.pacer = pacer
+        self.rank = rank
+        self.observed = observed  # FLODL_PROBE_DIR
         self.paces = pacer is not None and pacer.active
         # a paced rank's steps are each measured on their own, even on a GPU (step_meter.py)
         self.paced_alone = pacer is not None and pacer.slowdown > 1.0
@@ -85,7 +91,7 @@ class Injected(Probes):
         Raises:
             ValueError: a variable is malformed (names it and the bad item).
         """
-        return cls(FaultPlan.from_env(rank), Pacer.from_env(rank) if pace else None)
+        return cls(FaultPlan.from_env(rank), Pacer.from_env(rank) if pace else None, rank=rank, observed=probe_dir())
 
     def armed(self, point: str) -> bool:
         return point in self.faults.armed
@@ -98,6 +104,25 @@ class Injected(Probes):
 
     def spawn_delay_s(self) -> float:
         return self.faults.spawn_delay_s()
+
+    def observe(self, point: str, state: Callable[[], dict[str, Any]]) -> None:
+        """Write ``state()`` to ``<FLODL_PROBE_DIR>/<point>.rank<N>.<k>.safetensors`` (k counts this
+        rank's observations of the point from 0): a test reads and compares them. Its metadata says
+        when (``t0``: the point reached, ``t1``: written; Unix time), so a benchmark can time the
+        point and take the write's own cost out (not fsynced: nothing here must survive a crash)."""
+        if not self.observed:
+            return
+        from ..checkpoint import safetensors_io  # torch: only a rank observes
+
+        t0 = time.time()
+        folder = Path(self.observed)
+        k = sum(1 for _ in folder.glob(f"{point}.rank{self.rank}.*.safetensors"))
+        data = safetensors_io.dumps(state(), {"t0": repr(t0)})
+        path = folder / f"{point}.rank{self.rank}.{k}.safetensors"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.rename(path)
+        (folder / f"{path.name}.t1").write_text(repr(time.time()))
 
 
 def install_from_environment(*, pace: bool = True) -> None:

@@ -152,3 +152,32 @@ def unpack_slice(header: Any, frames: Sequence[Any]) -> torch.Tensor | None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only ZeroMQ buffer: we only ever read it
         return torch.frombuffer(buf, dtype=dtype)
+
+
+# --------------------------------------------------- a donor's state (StateSlice)
+
+
+def state_slices(total: int) -> list[tuple[int, int]]:
+    """``(start, count)`` of every slice of a state of ``total`` bytes, in order."""
+    return [(start, min(SLICE_BYTES, total - start)) for start in range(0, total, SLICE_BYTES)]
+
+
+def check_state_slice(header: Any, frames: Sequence[Any]) -> memoryview | None:
+    """Check one ``StateSlice`` message against its header; its frame's bytes (no copy), or None
+    for the message that says no state comes (``total`` -1, no frame).
+
+    Raises:
+        ProtocolError: ``bulk`` naming what disagrees (frame count, byte length, bounds).
+    """
+    if header.total == -1:
+        if frames or header.count:
+            raise ProtocolError("bulk", "a state message that says no state comes carries data")
+        return None
+    if len(frames) != 1:
+        raise ProtocolError("bulk", f"a state slice carries exactly one frame, this one {len(frames)}")
+    if header.start < 0 or header.count < 1 or header.start + header.count > header.total or header.count > SLICE_BYTES:
+        raise ProtocolError("bulk", f"state slice [{header.start}, {header.start + header.count}) outside a state of {header.total} bytes")
+    buf = frames[0].buffer if hasattr(frames[0], "buffer") else memoryview(frames[0])
+    if buf.nbytes != header.count:
+        raise ProtocolError("bulk", f"state slice of {buf.nbytes} bytes, header says {header.count}")
+    return buf

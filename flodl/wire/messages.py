@@ -378,7 +378,7 @@ class WindowDone:
 
 @dataclass(slots=True)
 class EndWindow:
-    """Finish the current batch, then end the window and average (ends an open-ended calibration window). (controller -> rank)"""
+    """Finish the current batch, then end the window and average (ends an open-ended calibration window; since version 15 also any window ended early for a joining rank, and a window not started yet when this arrives ends after its first batch). (controller -> rank)"""
 
     KIND: ClassVar[int] = 21
     window: int
@@ -461,7 +461,7 @@ class Regroup:
     reason: str
     """why, for logs (e.g. rank 2 on host h (pid 9) was killed by SIGKILL)"""
     sync_from: int
-    """collective backend, growing: every member takes this rank's parameters after rebuilding the group (it holds the consensus); -1 when nobody joined"""
+    """growing: the member that holds the consensus and hands its state to the joiners (-1 when nobody joined). Collective backend: every member takes its parameters after rebuilding the group, and each joiner its optimizer state; CPU backend (since version 15): sent to it and to the joiners, it hands its optimizer state to the joiners with its snapshot of first_round (StateSlice)"""
     first_round: int
     """CPU backend, growing: the averaging round a joining rank's first snapshot belongs to (it takes that round's average as its parameters); -1 otherwise"""
 
@@ -562,6 +562,23 @@ class EpochEnd:
     """user scalars recorded since the rank's last report and up to the end of that epoch's code, name to [sum, count]"""
 
 
+@dataclass(slots=True)
+class StateSlice:
+    """CPU backend, growing (since version 15): one slice of a donor's optimizer state for the ranks that join at an averaging round, its raw bytes following as one frame; the controller passes each slice on to those joiners as it comes. The state is the bytes of a bundle's .optim file (safetensors: the optimizer's state tensors, its parameter groups and what a bundle keeps beside them as JSON metadata, and the outer optimizer's anchor and momentum), sent as slices of at most 8 MiB. (rank|controller (bulk plane) -> controller (bulk plane)|rank)"""
+
+    KIND: ClassVar[int] = 31
+    rank: int
+    """the donor's global rank (Regroup.sync_from)"""
+    round: int
+    """the averaging round the state goes with: the joiners' first (Regroup.first_round); the state is the donor's as it sent its snapshot of that round"""
+    total: int
+    """the state's size in bytes; -1: no state comes (the donor has none to give, or died), the joiners start with a fresh optimizer"""
+    start: int
+    """byte offset of this slice in the state"""
+    count: int
+    """bytes in this slice; the single frame holds exactly that many (0 and no frame when total is -1)"""
+
+
 SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     1: ('WorkerHello', WorkerHello, (('host', 'str'), ('pid', 'int'), ('devices', 'list<str>'), ('versions', 'map<str,str>'),)),
     2: ('WorkerWelcome', WorkerWelcome, (('ranks', 'list<int>'), ('world_size', 'int'), ('task', 'str'), ('heartbeat_timeout_s', 'float'), ('bulk_port', 'int'), ('bulk_relay', 'bool'), ('seed', 'int'), ('deterministic', 'bool'), ('log_dir', 'str'),)),
@@ -591,4 +608,5 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     28: ('Respawn', Respawn, (('rank', 'int'), ('device', 'str'), ('replaces', 'int'), ('attempt', 'int'), ('delay_s', 'float'),)),
     29: ('ShutdownWithSave', ShutdownWithSave, (('reason', 'str'), ('abort', 'bool'), ('save_stem', 'str'), ('save_rank', 'int'), ('save_tag', 'str'),)),
     30: ('EpochEnd', EpochEnd, (('rank', 'int'), ('epoch', 'int'), ('scalars', 'map<str,list<float>>'),)),
+    31: ('StateSlice', StateSlice, (('rank', 'int'), ('round', 'int'), ('total', 'int'), ('start', 'int'), ('count', 'int'),)),
 }

@@ -16,6 +16,7 @@ FLODL_TEST_RECORD_SEEN  record_scalar("seen", samples in the batch) every step (
 FLODL_TEST_EPOCH_LOG    a directory: epoch_fn appends each epoch a rank begins to rank<R>.epochs there
 FLODL_TEST_SAY          at its first step, a rank prints "SAY rank R" (Python's print) and writes "RAW rank R" to its
                         stderr below Python (os.write): what a rank's log files hold (--log-dir)
+FLODL_TEST_OPTIMIZER    "adam" or "momentum" (SGD with momentum 0.9) instead of plain SGD: an optimizer with state
 FLODL_TEST_BIG_MODEL    add a parameter of ones, never trained, large enough that a snapshot takes two
                         8 MiB slices; the eval is then its mean (1.0 unless an average shrank it)
 """
@@ -43,6 +44,11 @@ def make_model():
 
 
 def make_optimizer(model):
+    kind = os.environ.get("FLODL_TEST_OPTIMIZER", "")
+    if kind == "adam":
+        return torch.optim.Adam(model.parameters(), lr=0.01)
+    if kind == "momentum":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return torch.optim.SGD(model.parameters(), lr=0.1)
 
 
