@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..wire.quant import Codec, compress
+from ..wire.quant import BLOCK, Codec, compress
 from .flat import PARAMS, Bucket
 
 log = logging.getLogger("flodl.rank.runner")
@@ -109,6 +109,8 @@ class Exchange:
         self.world, self.rank = group.size(), group.rank()
         self.n = values.numel()
         self.chunk = -(-self.n // self.world)
+        if self.chunk > 16 * BLOCK:  # whole blocks decode as one view (a model's worth of padding is < 1%)
+            self.chunk = -(-self.chunk // BLOCK) * BLOCK
         self.part1 = _aligned(HEADER + self.codec.nbytes(self.chunk))
         self.part2 = _aligned(self.codec.nbytes(self.chunk))
         self.anchor = deltas.anchor.get(index)

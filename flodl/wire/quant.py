@@ -92,21 +92,22 @@ class Int8(Codec):
             return out
         padded = x if n == nb * BLOCK else torch.nn.functional.pad(x, (0, nb * BLOCK - n))
         rows = padded.view(nb, BLOCK)
-        scale = rows.abs().amax(dim=1) / 127.0
-        # a block of zeros (or of values too small to scale) sends zeros: never a division by zero
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(rows / safe[:, None]).clamp_(-127, 127).to(torch.int8)
-        q = torch.where(scale[:, None] > 0, q, torch.zeros_like(q))
-        out[: 4 * nb].copy_(torch.where(scale > 0, scale, torch.zeros_like(scale)).view(torch.uint8))
-        out[4 * nb :].copy_(q.reshape(-1)[:n].view(torch.uint8))
+        absmax = rows.abs().amax(dim=1)
+        # a block of zeros sends zeros (its scale 0): the floor only keeps the reciprocal finite
+        inverse = torch.reciprocal(absmax.clamp_min(1e-30)).mul_(127.0)
+        q = rows.mul(inverse[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        out[: 4 * nb].copy_(absmax.div_(127.0).view(torch.uint8))
+        out[4 * nb :].copy_(q.view(-1)[:n].view(torch.uint8))
         return out
 
     def decode(self, data: torch.Tensor, n: int) -> torch.Tensor:
         nb = self.blocks(n)
         scale = _view(data[: 4 * nb], torch.float32)
-        q = data[4 * nb : 4 * nb + n].view(torch.int8).float()
+        q = data[4 * nb : 4 * nb + n].view(torch.int8)
         # one rounding per value (the int8 is exact in float32): the same bits on every device
-        return q * scale.repeat_interleave(BLOCK)[:n]
+        if n == nb * BLOCK:
+            return (q.view(nb, BLOCK).float() * scale[:, None]).view(-1)
+        return q.float() * scale.repeat_interleave(BLOCK)[:n]
 
 
 _CODECS: dict[str, Codec] = {"bf16": Bf16(), "int8": Int8()}
