@@ -168,7 +168,9 @@ def _run(proc_env, tmp_path, mode: str, compression: str, env: dict, extra=()) -
     args = ["--task", task_spec("tiny.py"), "--nproc-per-node", "2", "--epochs", "4", "--mode", mode, "--no-progress"]
     run = Run([*args, "--sync-compression", compression, "--summary-json", str(path), *extra], proc_env | env)
     assert run.wait(90) == 0, run.output
-    return json.loads(path.read_text())
+    summary = json.loads(path.read_text())
+    summary["output"] = run.output
+    return summary
 
 
 @pytest.mark.timeout(300)
@@ -188,6 +190,7 @@ def test_a_compressed_run_learns_as_the_uncompressed_one_with_equal_replicas_and
     runs = {c: _run(proc_env, tmp_path, mode, c, env, extra) for c in ("none", "bf16", "int8")}
     for compression, summary in runs.items():
         assert summary["exit_reason"] == "completed" and summary["config"]["sync_compression"] == compression
+        assert (f"{compression}-compressed averages" in summary["output"]) == (compression != "none")  # the banner says so
         assert abs(summary["final_loss"] - runs["none"]["final_loss"]) <= 0.02 * runs["none"]["final_loss"], compression
         assert summary["final_eval"] >= runs["none"]["final_eval"] - 0.02, compression
         assert len(set(summary["final_digests"].values())) == 1, compression
@@ -243,3 +246,23 @@ def test_a_joiner_takes_the_consensus_under_int8_and_trains(proc_env, tmp_path, 
         assert len(set(digests.values())) == 1 and len(digests) == (2 if fault else 3)
     else:
         assert summary["averaging"]["aborted"] == 0
+
+
+# ------------------------------------------------------------------ deaths
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("mode", "fault"), [("nccl-cadence", "average:6"), ("nccl-sync", "average:6"), ("cpu-cadence", "average:6")])
+def test_a_rank_killed_mid_compressed_average_loses_nothing(proc_env, tmp_path, mode, fault):
+    """Rank 1 of three SIGKILLs itself in its 6th compressed average: the survivors go on (the
+    collective's exchange given up and redone in the new group, its owners' residuals started
+    over; the CPU round without it), every sample trained exactly once, the collective's
+    survivors on one consensus."""
+    from .test_elastic import finish, start
+
+    run, path = start(proc_env | {"FLODL_INJECT_FAULT": f"1:{fault}"}, tmp_path, mode, extra=["--sync-compression", "int8"])
+    summary = finish(run, path)
+    assert [d["rank"] for d in summary["deaths"]] == [1] and summary["recoveries"][0]["survivors"] == [0, 2]
+    if mode.startswith("nccl"):
+        assert summary["final_digests"]["0"] == summary["final_digests"]["2"]
+    assert summary["final_eval"] > 0.7
