@@ -209,6 +209,12 @@ def test_loader_bench_runs(tmp_path, proc_env):
 
 @pytest.mark.timeout(120)  # four network namespaces and a relay, then a controller and three workers
 @pytest.mark.skipif(unusable_reason(sshd=False) is not None, reason=f"namespace hosts unavailable: {unusable_reason(sshd=False)}")
+def test_compress_bench_runs(tmp_path, proc_env):
+    out = run_smoke("compress.py", "compress", tmp_path, proc_env, timeout_s=110)
+    rows = {(r["case"], r["metric"]): r for r in out["rows"]}
+    assert rows[("collective int8", "fewer bytes than none")]["value"] >= 3.5  # the bytes, whatever a toy run learns
+
+
 def test_network_bench_runs(tmp_path, proc_env):
     out = run_smoke("-m bench.network", "network", tmp_path, proc_env, timeout_s=110)
     values = {(r["case"], r["metric"]): r["value"] for r in out["rows"]}

@@ -112,6 +112,7 @@ SEED_DEFAULTS = {
     "outer_optimizer": "none",
     "outer_lr": None,
     "outer_momentum": None,
+    "sync_compression": "none",
 }
 
 
@@ -194,6 +195,7 @@ BUILDERS = [
     ("with_outer_optimizer", ("sgd",), "outer_optimizer", "sgd"),
     ("with_outer_lr", (0.5,), "outer_lr", 0.5),
     ("with_outer_momentum", (0.9,), "outer_momentum", 0.9),
+    ("with_sync_compression", ("int8",), "sync_compression", "int8"),
     ("with_csv_log", ("run/metrics.csv",), "csv_log", "run/metrics.csv"),
     ("with_wandb_project", ("proj",), "wandb_project", "proj"),
     ("with_log_dir", ("run/logs",), "log_dir", "run/logs"),
@@ -361,6 +363,8 @@ BAD_VALUES = [
     ("easgd_alpha", 1.5),
     ("meta_controller", None),
     ("relax_up", 0),
+    ("sync_compression", "fp8"),
+    ("sync_compression", 8),
 ]
 
 
@@ -603,6 +607,7 @@ def everything_set() -> DdpRunConfig:
         .with_lr_scale_on("average")
         .with_average_weights("equal")
         .with_outer_optimizer("nesterov", lr=0.5, momentum=0.8)
+        .with_sync_compression("int8")
     )
 
 
@@ -782,6 +787,15 @@ def test_bad_flag_text_is_an_argparse_error(argv, capsys):
     with pytest.raises(SystemExit):
         parser().parse_args(argv)
     assert argv[0] in capsys.readouterr().err
+
+
+def test_sync_compression_from_the_flag_and_toml_and_its_bad_value_named(tmp_path):
+    assert cli("--sync-compression", "bf16").sync_compression == "bf16"
+    path = tmp_path / "run.toml"
+    path.write_text('sync_compression = "int8"\n')
+    assert resolve_run_config(parser().parse_args([]), load_toml(path)).sync_compression == "int8"
+    with pytest.raises(ConfigError, match=r"^sync_compression: must be one of none, bf16, int8, got 'fp8'$"):
+        cli("--sync-compression", "fp8")
 
 
 def test_out_of_range_flag_is_a_config_error():

@@ -21,6 +21,11 @@ whose process has ended (the worker tells it at once; what that rank sent
 before it died is read and taken first), and, as a safety net,
 gives a round up when nothing comes back for several snapshot timeouts.
 
+With ``--sync-compression`` the local ranks' snapshots are compressed deltas:
+the relay averages them decoded and sends the host's average upstream
+compressed again, with error feedback of its own (deltas.py ``Uplink``); the
+controller's compressed averages pass through to the ranks as they came.
+
 It imports nothing of ``flodl.controller``: a relaying worker loads only
 this package.
 """
@@ -38,7 +43,9 @@ from ..wire import curve
 from ..wire import messages as m
 from ..wire.bulk import MAX_MSG_BYTES, announcement, as_frame, unpack_slice
 from ..wire.codec import FrameReader, FrameWriter
+from ..wire.quant import BY_WIRE_NAME
 from ..wire.transport import AsyncSocket
+from .deltas import Uplink
 from .rounds import Round
 from .server import CpuAveraging
 
@@ -72,6 +79,7 @@ class HostRelay:
         self.up = AsyncSocket(sock, self._on_upstream)
         self.received_up: Counter[int] = Counter()  # round -> averaged elements back from upstream
         self.egress_bytes = 0
+        self.uplink = Uplink()  # compressed averages upstream: the relay's residual
 
     def start(self) -> None:
         self.local.start()
@@ -108,7 +116,9 @@ class HostRelay:
             rnd.sent_weight = (params, int(buffers))
         weight, trained = rnd.sent_weight
         out, acc = rnd.averaged(bucket, start, count)
-        if out is acc:
+        if rnd.dtypes[bucket] in BY_WIRE_NAME:
+            out = self.uplink.out(rnd, bucket, start, count, acc, weight=weight)  # compressed again, a buffer of its own
+        elif out is acc:
             out = acc.clone()  # the controller's average will land in this slot: send a copy of ours
         header = m.Snapshot(
             rank=self.source,
@@ -184,13 +194,16 @@ class HostRelay:
             assert piece is not None  # ranks > 0: not an empty update, so it carries a slice
             rnd.acc[msg.bucket][msg.start : msg.start + msg.count].copy_(piece)
         self.local.broadcast(m.Update(**fields, shm="", shm_offset=0), [parts[1]], lane=lane)
+        self.uplink.delivered(msg.round, msg.bucket, msg.start)
         self.received_up[msg.round] += msg.count
         if self.received_up[msg.round] >= rnd.total:
             self.received_up.pop(msg.round, None)
+            self.uplink.closed(msg.round)
             self.rounds.round_done(rnd)
 
     def _close_round(self, number: int, layout: Any, *, aborted: bool) -> None:
         """Pass an abort (or an empty average) on to the local ranks and move past the round."""
+        self.uplink.closed(number)
         if self.rounds.close(number, layout, aborted=aborted):
             self.received_up.pop(number, None)
 

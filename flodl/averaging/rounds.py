@@ -45,7 +45,8 @@ import torch
 
 from ..errors import ProtocolError
 from ..wire import messages as m
-from ..wire.bulk import DTYPES, slices
+from ..wire.bulk import DTYPES, itemsize, slices
+from ..wire.quant import BY_WIRE_NAME
 
 log = logging.getLogger("flodl.averaging")
 
@@ -82,6 +83,8 @@ class Round:
     # same (the controller rejects a source whose weight changes within a round), even after a local rank died
     sent_weight: tuple[float, int] | None = None
     handed_over: bool = False  # every slice is in and sent on; the average comes from elsewhere (a relay's upstream)
+    # the layout its averages go out in, when it is not ``dtypes`` (compressed buckets sent whole: deltas.py)
+    out_dtypes: list[str] | None = None
 
     @property
     def total(self) -> int:
@@ -110,7 +113,7 @@ class Round:
 
     def slices(self) -> list[tuple[int, int, int]]:
         """``(bucket, start, count)`` of every slice of the round's model."""
-        return slices(self.numels, [DTYPES[d].itemsize for d in self.dtypes])
+        return slices(self.numels, [itemsize(d) for d in self.dtypes])
 
     def fold(self, source: int, msg: m.Snapshot, piece: torch.Tensor) -> None:
         """acc[slice] (+)= scale · piece, one pass over memory.
@@ -127,6 +130,9 @@ class Round:
         """
         key = (msg.bucket, msg.start)
         seg = self.acc[msg.bucket][msg.start : msg.start + msg.count]
+        codec = BY_WIRE_NAME.get(self.dtypes[msg.bucket])
+        if codec is not None:  # a compressed delta (every source's of this bucket): averaged as the values are
+            piece = codec.decode(piece, msg.count)
         norm = self.norm.get(key)
         if norm is None:
             norm = self.norm[key] = self.total_for(msg.bucket) if self.scale_known() else 1.0
@@ -146,14 +152,15 @@ class Round:
         The divisor is the summed raw scale of the sources folded into this
         slice (parameters: batches trained; floating buffers: ranks that
         trained); a slice folded pre-normalised by exactly that needs no
-        division. The average is the accumulator slice itself for float32.
+        division. The average is the accumulator slice itself for float32,
+        and for a compressed bucket (float32 deltas: the egress encodes them).
         """
         key = (bucket, start)
         norm, mass = self.norm.get(key, 1.0), self.mass.get(key, 0.0)
         acc = self.acc[bucket][start : start + count]
         if mass > 0 and abs(mass - norm) > 1e-9 * norm:  # what it holds is not what it was scaled for
             acc.div_(mass / norm)
-        dtype = DTYPES[self.dtypes[bucket]]
+        dtype = DTYPES.get(self.dtypes[bucket], torch.float32)
         return (acc if dtype is torch.float32 else acc.to(dtype)), acc
 
 

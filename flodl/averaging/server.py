@@ -44,7 +44,9 @@ from ..wire import curve, shm
 from ..wire import messages as m
 from ..wire.bulk import MAX_MSG_BYTES, as_frame, check_slice, check_state_slice, is_announcement, unpack_slice
 from ..wire.codec import FrameReader, FrameWriter
+from ..wire.quant import BY_WIRE_NAME
 from ..wire.transport import AsyncSocket, Routes, peer_name
+from .deltas import Downlink
 from .rounds import Egress, Round, Rounds, empty_update
 
 log = logging.getLogger("flodl.averaging")
@@ -59,7 +61,9 @@ class CpuAveraging:
     Where each average goes is ``egress``: left out, back to the sources (the
     controller's); a host relay passes itself and sends it upstream.
     ``join_late``: the first round is whatever the sources send first, not 0
-    (a relay may join a running job).
+    (a relay may join a running job). ``compressed``: the run's averages
+    travel compressed (``--sync-compression``): the controller keeps the
+    consensus and compresses what it sends back (deltas.py ``Downlink``).
     """
 
     def __init__(
@@ -72,6 +76,7 @@ class CpuAveraging:
         clock: Callable[[], float] = time.monotonic,
         egress: Egress | None = None,
         join_late: bool = False,
+        compressed: bool = False,
     ) -> None:
         self.reader = FrameReader(secret, run_id, max_frame=1 << 20, name="controller bulk", own="controller")
         self.writer = FrameWriter(secret, run_id, "controller/bulk")
@@ -119,6 +124,9 @@ class CpuAveraging:
         self.update_seg: shm.UpdateSegment | None = None
         self.lane_bytes = 0  # bytes that came through the lane instead of a socket
         self.ingress_bytes = 0  # snapshot bytes that came through the socket
+        self.egress_bytes = 0  # update bytes sent through the socket (each recipient's copy counted)
+        self.ingress_by: Counter[int] = Counter()  # source -> its snapshot bytes through the socket
+        self.downlink = Downlink() if compressed else None
 
     # ------------------------------------------------------------------ wiring
 
@@ -131,6 +139,8 @@ class CpuAveraging:
         admitting it makes its relay expected from ``from_round``.
         """
         source = self.relayed.get(rank)
+        if self.downlink is not None:
+            self.downlink.admitted(rank if source is None else source)
         if source is not None:
             self.first_round[source] = from_round
             return
@@ -266,7 +276,9 @@ class CpuAveraging:
             )
             return
         if not msg.shm:
-            self.ingress_bytes += sum(len(f) for f in frames)
+            size = sum(len(f) for f in frames)
+            self.ingress_bytes += size
+            self.ingress_by[rank] += size
         try:
             piece = self._lane_slice(identity, rank, msg, frames) if msg.shm else unpack_slice(msg, frames)
         except ProtocolError as exc:
@@ -391,6 +403,8 @@ class CpuAveraging:
             parts = [route, on_lane] if on_lane is not None and identity in self.shm_identities else [route, encoded, *frames]
             if not self.io.send(parts, copy=False):
                 self.drops["unreachable"] += 1
+            elif len(parts) > 2:
+                self.egress_bytes += sum(len(f) for f in frames)
 
     def telemetry(self) -> dict:
         ms = sorted(self.rounds.round_ms)
@@ -402,6 +416,10 @@ class CpuAveraging:
             "lane_mb": round(self.lane_bytes / 2**20, 1),
             "ingress_mb": round(self.ingress_bytes / 2**20, 1),
             "ingress_bytes": self.ingress_bytes,  # snapshot bytes that came through the socket (exact)
+            "egress_bytes": self.egress_bytes,  # averages sent back through the socket, every recipient's copy
+            # per source (a rank, or a host relay by its lowest rank): its snapshot bytes through the socket
+            "ingress_by_source": {str(s): n for s, n in sorted(self.ingress_by.items())},
+            "compressed": self.downlink is not None,
             "relays": len([s for s, ranks in self.members.items() if len(ranks) > 1 or s in self.relayed.values()]),
             "dropped": dict(self.drops) | {f"header_{k}": v for k, v in self.reader.drops.items()},
         }
@@ -419,12 +437,19 @@ class SendBack:
         if param_weight <= 0:
             return  # nobody trained: the empty update goes out when the round is done
         out, acc = rnd.averaged(bucket, start, count)
+        dtypes, downlink = rnd.dtypes, self.server.downlink
+        if downlink is not None:  # compressed averages: the bucket goes out compressed, or whole (deltas.py)
+            dtypes = downlink.dtypes(rnd)
+            if rnd.dtypes[bucket] in BY_WIRE_NAME:
+                out = downlink.out(rnd, bucket, start, count, acc)
+            else:
+                downlink.seen(rnd, bucket, start, out)
         fields: dict[str, Any] = dict(
             round=rnd.number,
             aborted=False,
             ranks=int(buffer_weight),
             groups=rnd.groups,
-            dtypes=rnd.dtypes,
+            dtypes=dtypes,
             numels=rnd.numels,
             bucket=bucket,
             start=start,
@@ -444,6 +469,8 @@ class SendBack:
             for bucket, start, count in rnd.slices():
                 if (bucket, start) not in rnd.streamed:
                     await self.slice_ready(rnd, bucket, start, count)
+            if self.server.downlink is not None:
+                self.server.downlink.done(rnd)
         else:  # nobody trained: there is nothing to average
             self.server.broadcast(empty_update(rnd, rnd.number, aborted=False), [])
         return True

@@ -150,6 +150,7 @@ _KINDS: dict[str, _Kind] = {
     "lr_scale_on": _Kind("steps or average", "WHERE", str, _toml_str),
     "average_weights": _Kind("batches or equal", "WEIGHTS", str, _toml_str),
     "outer": _Kind("none, sgd or nesterov", "OPTIMIZER", str, _toml_str),
+    "sync_compression": _Kind("none, bf16 or int8", "KIND", str, _toml_str),
     "max_failure": _Kind("rank count (3) or share (20%)", "N|P%", MaxFailureThreshold.parse, _toml_max_failure),
     "epoch_callback_policy": _Kind("fastest or rank:N", "fastest|rank:N", EpochCallbackPolicy.parse, _toml_callback_policy),
     "ratios": _Kind("comma-separated numbers (TOML: array)", "R,R,...", _as_ratios, _toml_ratios),
@@ -217,7 +218,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         *("mode", "anchor", "min_anchor", "max_anchor", "overhead_target", "max_batch_diff", "max_overshoot"),
         *("divergence_threshold", "no_divergence_guard", "convergence_guard", "partition_ratios", "easgd_alpha"),
         *("meta_controller", "relax_up", "progressive_dispatch", "max_grad_norm", "lr_scale_ratio", "lr_scale_on"),
-        *("average_weights", "outer_optimizer", "outer_lr", "outer_momentum"),
+        *("average_weights", "outer_optimizer", "outer_lr", "outer_momentum", "sync_compression"),
         *("eval_every_epochs", "epoch_callback_policy", "deterministic"),
     ),
     "fault tolerance and checkpoints": (

@@ -304,6 +304,14 @@ class DdpRunConfig:
         default_text="auto (0; 0.9 for nesterov)",
         help="The outer optimizer's momentum.",
     )
+    sync_compression: str = _option(
+        "none",
+        check=_choice("none", "bf16", "int8"),
+        kind="sync_compression",
+        help="What an average sends of the parameters, both backends: the values in full (none), or the change since "
+        "the last average in bfloat16 (bf16) or in int8 with a scale per block of 256 (int8), each rank keeping what "
+        "compression left out for its next average (docs/compression.md).",
+    )
     save_path: str | None = _option(
         None,
         check=_text,
@@ -641,6 +649,10 @@ class DdpRunConfig:
     def with_outer_momentum(self, momentum: float | None) -> DdpRunConfig:
         return self._replace(outer_momentum=momentum)
 
+    def with_sync_compression(self, kind: str) -> DdpRunConfig:
+        """``none``, ``bf16`` or ``int8``: how an average's parameters travel (docs/compression.md)."""
+        return self._replace(sync_compression=kind)
+
     def with_tensorboard_dir(self, directory: str | os.PathLike[str] | None) -> DdpRunConfig:
         return self._replace(tensorboard_dir=directory)
 
@@ -870,6 +882,8 @@ AVAILABLE_FIELDS: frozenset[str] = frozenset(
         "outer_optimizer",
         "outer_lr",
         "outer_momentum",
+        # compressed syncs (docs/compression.md)
+        "sync_compression",
         # the data plane
         "augment",
         "epoch_splits",

@@ -100,6 +100,8 @@ def averaging_line(config: DdpRunConfig) -> str | None:
     outer = OuterConfig.of(config)
     if outer.kind != "none":
         parts.append(f"outer optimizer {outer.kind} (rate {outer.lr:g}, momentum {outer.momentum:g})")
+    if config.sync_compression != "none":
+        parts.append(f"{config.sync_compression}-compressed averages (parameter deltas, error feedback; docs/compression.md)")
     return "; ".join(parts) or None
 
 

@@ -116,6 +116,7 @@ class ControlPlane:
             bind=self.ctx.launch.bind,
             timeout_s=self.ctx.deadlines.snapshot_s,
             clock=self.ctx.clock,
+            compressed=self.ctx.config.sync_compression != "none",
         )
         self.averaging.live = lambda: {r.rank for r in self.ctx.members.live_ranks()}
         self.averaging.start()

@@ -34,6 +34,21 @@ def _coverage(info: m.RankHello | None, cadence: CadenceLoop | None) -> dict | N
     return out
 
 
+def sync_bytes(config_kind: str, per_rank: dict[int, dict[str, int]]) -> dict:
+    """What the run's averages put on the network (docs/compression.md): each rank's bytes sent and
+    received and its averages, as its last report counted them (a collective's by a ring's count),
+    the consensus broadcasts apart (``broadcast``: the start, joins), and ``per_average``: the
+    bytes every rank sends for one average, summed over the ranks."""
+    ranks = {r: row for r, row in per_rank.items() if row.get("sync_averages")}
+    return {
+        "compression": config_kind,
+        "sent": sum(row.get("sync_sent_bytes", 0) for row in ranks.values()),
+        "received": sum(row.get("sync_recv_bytes", 0) for row in ranks.values()),
+        "broadcast": sum(row.get("sync_broadcast_bytes", 0) for row in ranks.values()),
+        "per_average": sum(row.get("sync_sent_bytes", 0) / row["sync_averages"] for row in ranks.values()) if ranks else None,
+    }
+
+
 def summarize(
     exit_reason: str, exit_code: int, ctx: RunContext, *, admission: Admission, training: Training, liveness: Liveness, teardown: Teardown
 ) -> dict:
@@ -64,6 +79,10 @@ def summarize(
             row["samples"] += part.samples
             row["batches"] += part.batches
             row["sync_ms"] += part.sync_ms
+    for rank, wire in training.sync_bytes.items():
+        if wire.get("sync_averages"):
+            row = per_rank.setdefault(rank, {"rank": rank, "samples": 0, "batches": 0, "sync_ms": 0.0})
+            row.update(wire, sync_bytes_per_average=wire.get("sync_sent_bytes", 0) / wire["sync_averages"])
     last = history[-1] if history else None
     task_info = admission.task_info
     evals = training.evals
@@ -92,6 +111,7 @@ def summarize(
         "per_rank": list(per_rank.values()),
         # a window that straddles two epochs counts in both epochs' rows, once here
         "syncs": cadence.syncs if cadence else 0,
+        "sync_bytes": sync_bytes(config.sync_compression, training.sync_bytes),
         # the last epoch's own loss (a row that groups epochs one average closed keeps each one's)
         "final_loss": last.epoch_losses.get(last.epoch, last.avg_loss) if last else None,
         "final_eval": final_eval.value if final_eval else None,

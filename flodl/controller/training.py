@@ -53,6 +53,8 @@ class Training:
         self.rank_rates: dict[int, float] = {}  # rank -> samples since the last progress line
         self._rates_at = 0.0
         self.data_stats: dict[int, dict[str, int]] = {}  # rank -> staging-tier totals (hits, fetches, bytes held)
+        # rank -> what its averages put on the network so far (sync_sent_bytes, sync_recv_bytes, sync_averages)
+        self.sync_bytes: dict[int, dict[str, int]] = {}
         self._printed = 0  # epochs whose line is out
         # script mode: an epoch's row also waits for each script's end-of-epoch reports (epoch_ends.py)
         self.epoch_ends = EpochEnds(ctx.config.scalar_reduction_map) if ctx.launch.script else None
@@ -422,6 +424,10 @@ class Training:
             return  # a report sent again that crossed its first copy: the window is settled
         self.resender.reported(msg.rank, msg.window)
         self.window_reports.setdefault(msg.window, {})[msg.rank] = msg
+        wire = self.sync_bytes.setdefault(msg.rank, {})
+        for key, value in msg.res.items():
+            if key.startswith("sync_"):  # running totals: the largest is the latest, whatever order reports come in
+                wire[key] = max(wire.get(key, 0), int(value))
         if msg.data:
             row = self.data_stats.setdefault(msg.rank, {})
             for key, value in msg.data.items():  # hits and fetches add up; bytes held are the latest

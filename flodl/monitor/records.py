@@ -37,6 +37,11 @@ RES_REDUCTIONS: Mapping[str, Reduction] = {
     "vram_total": Reduction.SUM,
     "cpu_util": Reduction.MEAN,
     "rss_bytes": Reduction.SUM,
+    # what the ranks' averages put on the network so far (docs/compression.md): bytes add up, averages do not
+    "sync_sent_bytes": Reduction.SUM,
+    "sync_recv_bytes": Reduction.SUM,
+    "sync_averages": Reduction.MAX,
+    "sync_broadcast_bytes": Reduction.SUM,
 }
 
 #: Alert classes and the severity every record of the class carries.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .flat import Averaged
+from .flat import Averaged, WireTally
 
 
 class Averager(Protocol):
@@ -20,6 +20,11 @@ class Averager(Protocol):
 
     #: A joiner without the consensus yet: it trains nothing until an average hands it one.
     adopting: bool
+
+    @property
+    def wire(self) -> WireTally:
+        """What its averages put on the network (bytes sent and received, averages)."""
+        ...
 
     def average(self, weight: float, *, measure: bool = False, block: bool = True, tag: int = -1) -> Averaged:
         """Average this replica with the others (``weight``: batches trained since the last)."""

@@ -42,13 +42,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .flat import PARAMS, Averaged, FlatModel, drift
+from ..wire.quant import Codec
+from .compressed import Deltas, Exchange
+from .flat import PARAMS, Averaged, FlatModel, WireTally, drift
 from .outer import OuterStep
 
 log = logging.getLogger(__name__)
@@ -167,16 +169,48 @@ def _aborted() -> RuntimeError:
     return RuntimeError("collective aborted: the membership changed (peer lost) during the average")
 
 
+def ring_bytes(tensor: torch.Tensor, world: int) -> int:
+    """What a member sends in a ring all-reduce of ``tensor``: ``2 (W-1)/W`` of its bytes."""
+    return 2 * (world - 1) * tensor.numel() * tensor.element_size() // max(world, 1)
+
+
+class _Reduce:
+    """A bucket's plain background average: one all-reduce of its weighted values and weight slot."""
+
+    def __init__(self, work: Any, sent: int) -> None:
+        self.works = [work]
+        self.sent, self.extra = sent, 0
+
+    def advance(self) -> bool:
+        self.works[0].wait()  # completed: raises the collective's own error, if any
+        return True
+
+
 @dataclass
 class _Background:
-    """An average in flight while the rank trains: one all-reduce per bucket, into ``sends``."""
+    """An average in flight while the rank trains: per bucket a job (``_Reduce``, or a compressed
+    ``Exchange`` of several phases), its result into ``sends``. Jobs advance strictly in bucket
+    order, so every member launches its collectives in the same order."""
 
-    works: list[Any]
+    jobs: list[Any]
     sends: list[torch.Tensor]
     snapshot: list[torch.Tensor]  # the values at launch (the averager's ``backup``)
     measure: bool
     weight: float
     tag: int  # the rank's position of this average (regroup.py aligns redos by it)
+    done: int = 0  # jobs completed, from the first
+    # a compressed average's later phases are launched by a thread of its own (``_progress``): a
+    # peer that stops polling (idle between windows, at the run's end) must not hold the others
+    # in a phase it never started. ``finished``: set when that thread ends (None: no thread)
+    finished: threading.Event | None = None
+    error: BaseException | None = None
+    cancelled: bool = False  # dropped: the thread launches nothing more
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def works(self) -> list[Any]:
+        """The collectives in flight, every job's."""
+        return [w for job in self.jobs for w in job.works]
 
 
 class CollectiveAverager:
@@ -205,6 +239,7 @@ class CollectiveAverager:
         superseded: Callable[[], bool] = lambda: False,
         *,
         adopting: bool = False,
+        compression: Codec | None = None,
     ) -> None:
         self.flat = flat
         self._group = group
@@ -235,6 +270,9 @@ class CollectiveAverager:
         # that trained weighs 1 (a bucket's total weight is then the number of ranks in the average)
         self.outer: OuterStep | None = None
         self.equal_weights = False
+        # ``--sync-compression``: parameter buckets travel as compressed deltas from an anchor (compressed.py)
+        self.deltas = Deltas(compression) if compression is not None else None
+        self.wire = WireTally()  # bytes this rank's averages sent (a ring's count) and received
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -253,6 +291,8 @@ class CollectiveAverager:
             self._drop(self._background)
         self._group = group
         self.aborted = False
+        if self.deltas is not None:
+            self.deltas.regrouped()
 
     def restore(self) -> None:
         """After a failed average: put back the values it started from (a failed
@@ -351,10 +391,13 @@ class CollectiveAverager:
                 for bucket in self._model.buckets:
                     bucket.copy_in()
                     self._wait(self.group.broadcast(bucket.flat, root))
+                    self.wire.broadcast += bucket.flat.numel() * bucket.flat.element_size()
                     bucket.copy_out()
                 if self.outer is not None:  # and the outer optimizer's state: every member steps alike from here
                     for tensor in self.outer.tensors().values():
                         self._wait(self.group.broadcast(tensor, root))
+        if self.deltas is not None and self.flat is not None:
+            self.deltas.rebase(self.flat.buckets)  # every replica holds these values: the anchor
         self.adopting = False
 
     # ------------------------------------------------------- a donor's state (handoff.py)
@@ -459,9 +502,70 @@ class CollectiveAverager:
             RuntimeError: it failed (a peer died); it is dropped, the live values kept.
         """
         bg = self._background
-        if bg is None or not all(w.is_completed() for w in bg.works):
+        if bg is None:
             return False
+        try:
+            if bg.finished is not None:
+                if not bg.finished.is_set():
+                    return False
+                self._raise_unfinished(bg)
+            elif not self._advance(bg):
+                return False
+        except BaseException:
+            self._drop(bg)
+            raise
         self._land(bg)
+        return True
+
+    @staticmethod
+    def _raise_unfinished(bg: _Background) -> None:
+        """A progress thread ended: raise what stopped it short of the last job, if anything did."""
+        if bg.error is not None:
+            raise bg.error
+        if bg.done < len(bg.jobs):
+            raise _aborted()
+
+    def _progress(self, bg: _Background) -> None:
+        """The progress thread of a compressed background average: each job's next phase starts as
+        soon as its collectives complete, in bucket order, whatever the training loop is doing."""
+
+        def stop() -> bool:
+            return bg.cancelled or self.aborted or self.must_stop() or self.superseded()
+
+        try:
+            while bg.done < len(bg.jobs):
+                job = bg.jobs[bg.done]
+                for work in list(job.works):
+                    if not work.is_completed():
+                        done = threading.Event()
+                        work.get_future().add_done_callback(lambda _, done=done: done.set())
+                        while not done.wait(0.05):
+                            if stop():
+                                return
+                with bg.lock:
+                    if bg.cancelled:
+                        return
+                    if job.advance():
+                        bg.done += 1
+        except BaseException as exc:  # handed to the training thread at its next poll or settle
+            bg.error = exc
+        finally:
+            assert bg.finished is not None
+            bg.finished.set()
+
+    def _advance(self, bg: _Background, wait: Callable[[Any], None] | None = None) -> bool:
+        """Move ``bg``'s jobs on, in bucket order: each whose collectives completed starts its next
+        phase or is done. ``wait``: block on each collective with it (else stop at the first one
+        still running). True once every job is done."""
+        while bg.done < len(bg.jobs):
+            job = bg.jobs[bg.done]
+            if wait is not None:
+                for work in job.works:
+                    wait(work)
+            elif not all(w.is_completed() for w in job.works):
+                return False
+            if job.advance():
+                bg.done += 1
         return True
 
     def settle(self) -> bool:
@@ -474,12 +578,15 @@ class CollectiveAverager:
         bg = self._background
         if bg is None:
             return False
+        cuda = self._model.buckets[0].flat.is_cuda
         try:
-            for work in bg.works:
-                if self._model.buckets[0].flat.is_cuda:
-                    self._await_device(work)
-                else:
-                    self._wait(work, abandon=lambda _: None)
+            if bg.finished is not None:
+                while not bg.finished.wait(0.05):
+                    if self.aborted or self.must_stop() or self.superseded():
+                        raise _aborted()
+                self._raise_unfinished(bg)
+            else:
+                self._advance(bg, wait=self._await_device if cuda else lambda work: self._wait(work, abandon=lambda _: None))
         except BaseException:
             self._drop(bg)
             raise
@@ -491,21 +598,25 @@ class CollectiveAverager:
         self._background = None
         pre_all, post_all = [], []
         kept = []
+        self.wire.add(sum(job.extra for job in bg.jobs))  # a broadcast the exchange needed (its phases: at launch)
         try:
             with torch.no_grad():
-                for index, (bucket, pre, send, work) in enumerate(zip(self._model.buckets, bg.snapshot, bg.sends, bg.works, strict=False)):
-                    work.wait()  # completed: raises the collective's own error, if any
-                    total = float(send[bucket.numel :].item())
+                for index, (bucket, pre, send, job) in enumerate(zip(self._model.buckets, bg.snapshot, bg.sends, bg.jobs, strict=False)):
+                    compressed = isinstance(job, Exchange)
+                    total = job.total if compressed else float(send[bucket.numel :].item())
                     if self.aborted:
                         raise _aborted()  # NCCL may hand back half-reduced values after an abort
                     kept.append(total > 0)
                     if total <= 0:
                         continue  # nobody trained since the last average: nothing to take
-                    average = send[: bucket.numel].div_(total)
+                    # a compressed bucket's exchange left the average itself in the send buffer
+                    average = send[: bucket.numel] if compressed else send[: bucket.numel].div_(total)
                     self._outer_step(index, average, total)
                     bucket.copy_in()
                     bucket.values.sub_(pre).add_(average)
                     bucket.copy_out()
+                    if compressed and self.deltas is not None:
+                        self.deltas.landed(index, average, job)
                     if bg.measure and bucket.group == PARAMS:
                         pre_all.append(pre)
                         post_all.append(average)
@@ -525,7 +636,10 @@ class CollectiveAverager:
         self._kept = None
         self.dropped += 1
         self.dropped_tag, self.dropped_weight = bg.tag, bg.weight
-        running = [w for w in bg.works if not w.is_completed()]
+        with bg.lock:  # its progress thread launches nothing more: what runs now is all that will
+            bg.cancelled = True
+            running = [w for w in bg.works if not w.is_completed()]
+        self.wire.add(sum(job.extra for job in bg.jobs))
         if running:
             self._graveyard.extend((self._group, w) for w in running)
             self._sends = None
@@ -537,16 +651,25 @@ class CollectiveAverager:
         if self._sends is None:
             self._sends = [torch.empty_like(b.flat) for b in buckets]
         self._kept = None  # the buffers are about to hold the next average
-        works = []
+        jobs: list[Any] = []
+        world = group.size()
         with torch.no_grad():
-            for bucket, pre, send in zip(buckets, backup, self._sends, strict=False):
+            for index, (bucket, pre, send) in enumerate(zip(buckets, backup, self._sends, strict=False)):
                 bucket.copy_in()
                 w = weight if bucket.group == PARAMS else (1.0 if weight > 0 else 0.0)
                 pre.copy_(bucket.values)
+                if self.deltas is not None and self.deltas.compressed(bucket):
+                    jobs.append(Exchange(group, self.deltas, index, bucket.values, w, out=send[: bucket.numel]))
+                    continue
                 torch.mul(bucket.values, w, out=send[: bucket.numel])
                 send[bucket.numel :].fill_(w)
-                works.append(group.allreduce([send]))
-        self._background = _Background(works, self._sends, backup, measure, weight, tag)
+                jobs.append(_Reduce(group.allreduce([send]), ring_bytes(send, world)))
+        self.wire.averages += 1
+        self.wire.add(sum(job.sent for job in jobs))  # a background average's bytes are counted as it starts
+        bg = self._background = _Background(jobs, self._sends, backup, measure, weight, tag)
+        if any(isinstance(job, Exchange) for job in jobs):
+            bg.finished = threading.Event()
+            threading.Thread(target=self._progress, args=(bg,), name="flodl-average-phases", daemon=True).start()
         ms = (time.perf_counter() - start) * 1000.0
         if not measure:
             return Averaged(ms)
@@ -617,6 +740,8 @@ class CollectiveAverager:
         pre_all, post_all = [], []
         landed = True  # every parameter bucket came back as the others' weighted average
         stepped = False  # the outer step took this average
+        self.wire.averages += 1
+        world = self.group.size()
         with torch.no_grad():
             for index, (bucket, pre) in enumerate(zip(self._model.buckets, self.backup, strict=False)):
                 bucket.copy_in()
@@ -626,19 +751,37 @@ class CollectiveAverager:
                 # dies mid-collective, and for a zero-weight rank if nobody trained
                 pre.copy_(values)
                 self._backed_up += 1
-                if w != 1.0:
-                    values.mul_(w)
-                slot.fill_(w)
                 start = time.perf_counter()
-                self._wait(self.group.allreduce([bucket.flat]))
-                total = float(slot.item())
+                exchange = None
+                if self.deltas is not None and self.deltas.compressed(bucket):
+                    # the average lands in the live values only once every phase is in (a failure restores them)
+                    exchange = Exchange(self.group, self.deltas, index, values, w, out=values)
+                    try:
+                        while True:
+                            for work in exchange.works:
+                                self._wait(work)
+                            if exchange.advance():
+                                break
+                    finally:
+                        self.wire.add(exchange.sent + exchange.extra)
+                    total = exchange.total
+                else:
+                    if w != 1.0:
+                        values.mul_(w)
+                    slot.fill_(w)
+                    self._wait(self.group.allreduce([bucket.flat]))
+                    self.wire.add(ring_bytes(bucket.flat, world))
+                    total = float(slot.item())
                 if self.aborted:
                     raise _aborted()
                 collective_ms += (time.perf_counter() - start) * 1000.0
                 if total > 0:
-                    values.div_(total)
+                    if exchange is None:
+                        values.div_(total)
                     if not self.adopting:  # a joiner's adoption is the others' consensus, their step in it
                         stepped = self._outer_step(index, values, total) or stepped
+                    if exchange is not None and self.deltas is not None:
+                        self.deltas.landed(index, values, exchange)
                 else:
                     values.copy_(pre)
                     landed = landed and bucket.group != PARAMS

@@ -22,6 +22,10 @@ straight from the controller's update segment (``shm.py``).
 Rounds are numbered by every rank in the same order (every rank enters the
 same number of averages per window), so round ``n`` of one rank meets round
 ``n`` of the others at the controller without anyone naming it.
+
+With ``--sync-compression`` parameter buckets travel as compressed deltas from
+an anchor (cpu_deltas.py), always as frames (the lane saves no bytes of a
+wire), one round in flight.
 """
 
 from __future__ import annotations
@@ -39,9 +43,11 @@ import zmq
 from ..errors import DeadlineExceeded, ProtocolError
 from ..wire import curve, shm
 from ..wire import messages as m
-from ..wire.bulk import MAX_MSG_BYTES, announcement, as_frame, check_slice, dtype_name, slices, unpack_slice
+from ..wire.bulk import MAX_MSG_BYTES, announcement, as_frame, check_slice, dtype_name, itemsize, slices, unpack_slice
 from ..wire.codec import FrameReader, FrameWriter
-from .flat import PARAMS, Averaged, FlatModel
+from ..wire.quant import Codec
+from .cpu_deltas import SnapshotDeltas
+from .flat import PARAMS, Averaged, FlatModel, WireTally
 from .outer import OuterStep
 from .state_lane import StateIn, StateOut
 
@@ -82,6 +88,7 @@ class BulkLink:
         # the same-host lane: taken only when the controller's probe is visible from here
         self.lane = shm.probe_ok(shm_probe, shm_nonce, run_id)
         self.update_seg: shm.Segment | None = None
+        self.wire = WireTally()  # tensor bytes through the socket, both ways (the lane's are no network's)
 
     def send_header(self, header: m.Snapshot) -> None:
         """Send a lane header (the slice lies in our segment). Raises like ``send``."""
@@ -116,6 +123,7 @@ class BulkLink:
             self.sock.send_multipart([self.writer.encode(header), as_frame(piece)], copy=False)
         except zmq.Again:
             raise DeadlineExceeded("the controller's bulk socket took no snapshot slice within the send timeout") from None
+        self.wire.add(piece.numel() * piece.element_size(), 0)
 
     def send_state(self, header: m.StateSlice, piece: memoryview | None) -> None:
         """Send one slice of this rank's state for joiners (state_lane.py), or the "none" (no frame).
@@ -134,6 +142,7 @@ class BulkLink:
         if not self.sock.poll(timeout_ms):
             return None
         parts = self.sock.recv_multipart(copy=False)
+        self.wire.add(0, sum(len(p) for p in parts[1:]))
         env = self.reader.read(parts[0].bytes, "controller")
         if env is not None and isinstance(env.msg, m.StateSlice):
             return env.msg, parts[1:]
@@ -180,6 +189,7 @@ class CpuAverager:
         timeout_s: float,
         must_stop: Callable[[], bool],
         adopting: bool = False,
+        compression: Codec | None = None,
     ) -> None:
         self.flat = flat
         self.bulk = bulk
@@ -219,12 +229,25 @@ class CpuAverager:
         self.state_in = StateIn()
         self.took_state: Callable[[bytearray | None], bool] = lambda state: False
         self.adopted_ranks = 0  # ``Update.ranks`` of the average this joiner adopted
+        # ``--sync-compression``: parameter buckets travel as compressed deltas, as frames (cpu_deltas.py)
+        self.deltas = SnapshotDeltas(compression, flat.buckets) if compression is not None else None
+        if self.deltas is not None:
+            bulk.use_frames()
         if bulk.lane:
             self._take_lane()
 
+    @property
+    def wire(self) -> WireTally:
+        """What this rank's snapshots and averages put on the network."""
+        return self.bulk.wire
+
     def broadcast_from(self, root: int = 0) -> None:
-        """Start every replica from ``root``'s values: a round only ``root`` weighs in."""
+        """Start every replica from ``root``'s values: a round only ``root`` weighs in (its bytes
+        counted as a broadcast, not an average)."""
+        mark = self.wire.mark()
         self.average(1.0 if self.rank == root else 0.0, block=True, overwrite=True)
+        self.wire.set_aside(mark)
+        self.wire.averages -= 1
 
     def start_at_round(self, first: int) -> None:
         """Number the next average ``first`` (a joiner: the round the controller admits it at)."""
@@ -250,9 +273,12 @@ class CpuAverager:
         if adopt:
             weight, measure, block, overwrite = 0.0, False, True, True
         buckets = self.flat.buckets
-        layout = dict(
-            groups=[b.group for b in buckets], dtypes=[dtype_name(b.flat.dtype) for b in buckets], numels=[b.numel for b in buckets]
-        )
+        dtypes = [dtype_name(b.flat.dtype) for b in buckets]
+        if self.deltas is not None:
+            self.settle()  # one round in flight: every rank's anchor is the consensus of the last one
+            dtypes = self.deltas.dtypes(buckets, whole=overwrite and not adopt)  # a broadcast goes whole
+        layout = dict(groups=[b.group for b in buckets], dtypes=dtypes, numels=[b.numel for b in buckets])
+        self.wire.averages += 1
         handing, passed = self.state_out.take(self.round)
         for round_ in passed:
             self.state_out.send(round_, None)
@@ -379,16 +405,18 @@ class CpuAverager:
             for b in buckets:
                 b.copy_in()
             snap, overwrite = None, True
-            host = [b.values.detach() if b.flat.device.type == "cpu" else b.values.detach().to("cpu") for b in buckets]
+            src = [b.values.detach() for b in buckets]
         else:
-            snap = self.flat.snapshot()
-            host = [s if s.device.type == "cpu" else s.to("cpu") for s in snap]
+            src = snap = self.flat.snapshot()
             if overwrite:
                 snap = None
+        # encoded buckets are compressed where they live; the others go to the host whole
+        encoded = [d != dtype_name(b.flat.dtype) for d, b in zip(layout["dtypes"], buckets, strict=True)]
+        host = [t if t.device.type == "cpu" or enc else t.to("cpu") for t, enc in zip(src, encoded, strict=True)]
         mine = self.round
         self.pending[mine] = _Pending(snap, sum(b.numel for b in buckets), measure, [0.0, 0.0, 0.0], overwrite=overwrite)
         self.round += 1
-        for bucket, first, count in slices(layout["numels"], [t.element_size() for t in host]):
+        for bucket, first, count in slices(layout["numels"], [itemsize(d) for d in layout["dtypes"]]):
             header = m.Snapshot(
                 rank=self.rank,
                 round=mine,
@@ -402,7 +430,11 @@ class CpuAverager:
                 folded=[],
                 **layout,
             )
-            self.bulk.send(header, host[bucket][first : first + count])
+            piece = host[bucket][first : first + count]
+            if encoded[bucket]:
+                assert self.deltas is not None  # only it names an encoding
+                piece = self.deltas.encode(mine, bucket, piece, first, weight)
+            self.bulk.send(header, piece)
             if self.first_slice_out is not None and bucket == 0 and first == 0:
                 self.first_slice_out()
             self.poll()  # updates may arrive meanwhile: keep the receive side moving too
@@ -523,7 +555,23 @@ class CpuAverager:
         seg = slice(update.start, update.start + update.count)
         assert piece is not None  # only an empty update (ranks 0, above) carries no slice: rounds.empty_update
         with torch.no_grad():
-            avg = piece.to(bucket.flat.device)
+            if self.deltas is not None and self.deltas.params[update.bucket]:
+                consensus = self.deltas.values(
+                    update.bucket, update.start, update.count, update.dtypes[update.bucket], piece, bucket.flat.device
+                )
+                if consensus is None:  # a delta, and no anchor to add it to: this round is lost here
+                    log.warning(
+                        "rank %d: round %d's average is a delta and this rank holds no anchor; keeping local values",
+                        self.rank,
+                        update.round,
+                    )
+                    del self.pending[update.round]
+                    self.aborted += 1
+                    return
+                self.deltas.landed(update.round, update.bucket, update.start, consensus)
+                avg = consensus  # a tensor of its own: the outer step may change it
+            else:
+                avg = piece.to(bucket.flat.device)
             if self.outer is not None and not pending.overwrite and not self.adopting:
                 if avg.data_ptr() == piece.data_ptr():
                     avg = avg.clone()  # the piece may be the controller's shared segment, or a frame's buffer
@@ -542,8 +590,9 @@ class CpuAverager:
                     pending.sq[0] += float(s.norm()) ** 2
                     pending.sq[1] += float(avg.norm()) ** 2
                     pending.sq[2] += float(torch.dist(s, avg)) ** 2
-                # local + α·(avg − snapshot), in place: two passes, no temporary
-                values.add_(avg, alpha=self.alpha).sub_(s, alpha=self.alpha)
+                # local + α·(avg − snapshot), in place: two passes, no temporary; the snapshot off
+                # first, so a replica that trained nothing since lands on the average exactly
+                values.sub_(s, alpha=self.alpha).add_(avg, alpha=self.alpha)
             if bucket.copied:
                 bucket.copy_out()
         if update.shm and self.bulk.stamp() != update.round:

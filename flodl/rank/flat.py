@@ -34,6 +34,37 @@ class Averaged:
 
 
 @dataclass
+class WireTally:
+    """What this rank's averages put on the network, since the run began (either backend): bytes
+    it sent and received (the collective's by a ring's count), and the averages they carried.
+    Reported with every window (``gauges``: the record stream's ``res`` and the summary)."""
+
+    sent: int = 0
+    received: int = 0
+    averages: int = 0
+    broadcast: int = 0  # bytes of the consensus handed out whole (the run's start, joins): no average's
+
+    def add(self, sent: int, received: int | None = None) -> None:
+        """``sent`` bytes out and ``received`` in (a collective's: as many as it sent)."""
+        self.sent += sent
+        self.received += sent if received is None else received
+
+    def mark(self) -> tuple[int, int]:
+        return self.sent, self.received
+
+    def set_aside(self, mark: tuple[int, int]) -> None:
+        """What moved since ``mark`` was a broadcast of the consensus, not an average."""
+        self.broadcast += self.sent - mark[0] + self.received - mark[1]
+        self.sent, self.received = mark
+
+    def gauges(self) -> dict[str, int]:
+        if not self.averages:
+            return {}
+        out = {"sync_sent_bytes": self.sent, "sync_recv_bytes": self.received, "sync_averages": self.averages}
+        return out | ({"sync_broadcast_bytes": self.broadcast} if self.broadcast else {})
+
+
+@dataclass
 class Bucket:
     group: str  # PARAMS (averaged by batches) or BUFFERS (equal weight among ranks that trained)
     flat: torch.Tensor  # numel + 1 elements: the values, then a spare slot

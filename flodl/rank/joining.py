@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..wire.quant import codec
 from .collective import Superseded, build_group
 from .cpu_average import BulkLink, CpuAverager
 from .flat import FlatModel
@@ -54,6 +55,7 @@ def cpu_averager(ctx: RankContext, run: JoinedRun, flat: FlatModel) -> CpuAverag
         timeout_s=deadlines.snapshot_wait_s,
         must_stop=ctx.must_stop,
         adopting=welcome.late,
+        compression=codec(run.config.sync_compression),
     )
     ctx.closing.callback(cpu.close)  # its shared-memory segment's name
     if ctx.probes.armed("slice"):  # tests: a death halfway through a snapshot

@@ -36,6 +36,7 @@ from ..config import AverageBackend
 from ..config.deadlines import Deadlines
 from ..errors import DeadlineExceeded
 from ..wire import messages as m
+from ..wire.quant import codec
 from .collective import CollectiveAverager, Superseded, build_group
 from .cpu_average import CpuAverager
 from .flat import PARAMS, Averaged, FlatModel
@@ -106,7 +107,12 @@ class Group:
             if flat is not None and not welcome.late:  # a joiner's comes with its Regroup
                 group = first_group(self.ctx, welcome, run.deadlines, self.announced_after, self.report_collective_failure)
             collective = self.averager = CollectiveAverager(
-                flat, group, must_stop=self.ctx.must_stop, superseded=self.group_broken, adopting=welcome.late
+                flat,
+                group,
+                must_stop=self.ctx.must_stop,
+                superseded=self.group_broken,
+                adopting=welcome.late,
+                compression=codec(run.config.sync_compression),
             )
             self.at = dataclasses.replace(self.at, peers=frozenset(range(welcome.world_size)) if group is not None else frozenset())
             # NCCL: break a hang on a dead peer (a regroup that only adds ranks leaves every collective able to finish)
@@ -195,6 +201,10 @@ class Group:
         """Has the controller announced a membership generation newer than ``generation``?"""
         announced = self.link.regroup
         return announced is not None and announced.generation > generation
+
+    def wire_gauges(self) -> dict[str, int]:
+        """The bytes this rank's averages put on the network so far (``WireTally``), for its window report."""
+        return self.averager.wire.gauges() if self.averager is not None else {}
 
     def averaging(self) -> Averager:
         """The averager: ``join`` sets it up before the first window, eval or regroup."""

@@ -114,7 +114,7 @@ class Windows:
                 scalars=window_scalars,
                 regrouped_at=stats.regrouped_at,
                 dropped=self.group.take_dropped_window(),
-                res=self.ctx.resources.summary(),
+                res=self.ctx.resources.summary() | self.group.wire_gauges(),
                 data=data,
             )
         )

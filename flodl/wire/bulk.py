@@ -7,6 +7,11 @@ control frame, signed like every other) gives the model's layout and the
 slice, and ``unpack_slice`` refuses any message whose frame disagrees with it,
 naming the mismatch. Slicing keeps every end's in-flight memory to a few
 slices per peer, whatever the model's size.
+
+A bucket may also travel compressed (``--sync-compression``, quant.py): its
+layout names the encoding (``int8-delta``, ``bfloat16-delta``) instead of a
+dtype, each slice's frame is that slice's delta encoded on its own, and it is
+read as bytes (uint8) for the receiver to decode.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 
 from ..config.env import bulk_slice_bytes
 from ..errors import ProtocolError
+from .quant import BY_WIRE_NAME
 
 #: Floating dtypes a bulk frame may carry.
 DTYPES: dict[str, torch.dtype] = {
@@ -28,6 +34,18 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def itemsize(name: str) -> int:
+    """Bytes a value of layout entry ``name`` (a dtype, or an encoding) takes: slices are sized by it."""
+    codec = BY_WIRE_NAME.get(name)
+    return codec.itemsize if codec is not None else DTYPES[name].itemsize
+
+
+def frame_bytes(name: str, count: int) -> int:
+    """The bytes of a frame carrying ``count`` values of layout entry ``name``."""
+    codec = BY_WIRE_NAME.get(name)
+    return codec.nbytes(count) if codec is not None else count * DTYPES[name].itemsize
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -101,14 +119,15 @@ def check_layout(header: Any) -> None:
     if len(header.dtypes) != n or len(header.groups) != n:
         raise ProtocolError("bulk", "header layout lists differ in length")
     for i, (group, name) in enumerate(zip(header.groups, header.dtypes, strict=False)):
-        if name not in DTYPES:
-            raise ProtocolError("bulk", f"tensor {i}: dtype {name!r} is not one of {sorted(DTYPES)}")
+        if name not in DTYPES and name not in BY_WIRE_NAME:
+            raise ProtocolError("bulk", f"tensor {i}: dtype {name!r} is not one of {sorted(DTYPES) + sorted(BY_WIRE_NAME)}")
         if group not in ("p", "b"):
             raise ProtocolError("bulk", f"tensor {i}: group {group!r} is not p or b")
 
 
 def check_slice(header: Any) -> torch.dtype:
-    """A header that names a slice: its layout, bucket and bounds are sound; returns the slice's dtype.
+    """A header that names a slice: its layout, bucket and bounds are sound; returns the slice's dtype
+    (uint8 for an encoded bucket: its frame is bytes to decode).
 
     For slices whose bytes are not a frame (the same-host lane) as for those that are.
 
@@ -124,7 +143,7 @@ def check_slice(header: Any) -> torch.dtype:
             "bulk",
             f"slice [{header.start}, {header.start + header.count}) outside tensor {header.bucket} of {header.numels[header.bucket]} elements",
         )
-    return DTYPES[header.dtypes[header.bucket]]
+    return DTYPES.get(header.dtypes[header.bucket], torch.uint8)
 
 
 def unpack_slice(header: Any, frames: Sequence[Any]) -> torch.Tensor | None:
@@ -146,7 +165,7 @@ def unpack_slice(header: Any, frames: Sequence[Any]) -> torch.Tensor | None:
         raise ProtocolError("bulk", f"a slice message carries exactly one frame, this one {len(frames)}")
     dtype = check_slice(header)
     buf = frames[0].buffer if hasattr(frames[0], "buffer") else memoryview(frames[0])
-    want = header.count * torch.empty(0, dtype=dtype).element_size()
+    want = frame_bytes(header.dtypes[header.bucket], header.count)
     if buf.nbytes != want:
         raise ProtocolError("bulk", f"slice of {buf.nbytes} bytes, header says {header.count} x {header.dtypes[header.bucket]} = {want}")
     with warnings.catch_warnings():

@@ -371,7 +371,7 @@ class WindowDone:
     dropped: int
     """a window whose end-of-window background average this rank gave up while training this one, because a peer died mid-average (-1: none); when every survivor gave it up, the dead rank's work of that window is in no replica and its samples are granted again"""
     res: dict[str, Any]
-    """the rank's machine gauges over the window (gpu_util, gpu_util_max, vram_alloc, vram_alloc_max, vram_total, cpu_util, rss_bytes; present ones only)"""
+    """the rank's machine gauges over the window (gpu_util, gpu_util_max, vram_alloc, vram_alloc_max, vram_total, cpu_util, rss_bytes; present ones only), and what its averages put on the network so far (sync_sent_bytes, sync_recv_bytes, sync_averages, sync_broadcast_bytes: running totals, once it averaged)"""
     data: dict[str, Any]
     """the rank's data plane over the window: hits per staging tier (vram_hits, ram_hits, disk_hits), source_fetches, bytes held per tier (vram_bytes, ram_bytes, disk_bytes); empty for in-memory datasets"""
 
