@@ -135,8 +135,8 @@ class Monitor:
 
     def window_done(self, report: m.WindowDone, *, started_s: float | None, arrived_s: float) -> None:
         """A rank's window report: its spans on the timeline, its resources kept."""
-        if report.res:
-            self.res[report.rank] = dict(report.res)
+        if report.res:  # each key's latest: a report may carry the wire tallies without a resource sample
+            self.res.setdefault(report.rank, {}).update(report.res)
         if report.data:
             acc = self.data.setdefault(report.rank, [0, 0, 0])
             hits, fetches, held = _tier_totals(report.data)

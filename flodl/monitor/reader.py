@@ -126,7 +126,8 @@ def _cell(value, fmt: str) -> str:
 def format_table(rows: list[dict]) -> str:
     """The epoch rows as an aligned text table."""
     ranks = sorted({r for row in rows for r in row["ranks"]}, key=natural_key)
-    head = ["epoch", "loss", "eval", "samples/s", "samples", "syncs", "goodput", *(f"{r} s/s" for r in ranks)]
+    goodput = any(row.get("goodput") is not None for row in rows)  # logs from before goodput have none: no empty column
+    head = ["epoch", "loss", "eval", "samples/s", "samples", "syncs", *(["goodput"] if goodput else []), *(f"{r} s/s" for r in ranks)]
     body = [
         [
             _cell(row["epoch"], "d") if row.get("first_epoch", row["epoch"]) == row["epoch"] else f"{row['first_epoch']}-{row['epoch']}",
@@ -135,7 +136,7 @@ def format_table(rows: list[dict]) -> str:
             _cell(row["throughput"], ".1f"),
             _cell(row["samples"], ".0f"),
             _cell(row["syncs"], "d"),
-            _cell(row.get("goodput"), ".3f"),
+            *([_cell(row.get("goodput"), ".3f")] if goodput else []),
             *(_cell(row["ranks"].get(r), ".1f") for r in ranks),
         ]
         for row in rows
