@@ -13,6 +13,7 @@ import torch
 from flodl.wire.quant import BLOCK, codec, compress
 
 from .conftest import task_spec
+from .helpers.gloo import gloo_ranks
 from .helpers.procs import Run
 
 pytestmark = pytest.mark.timeout(120)
@@ -107,24 +108,7 @@ def _compressed_rank(rank, world, port, kind, out):
 
 
 def _gloo_ranks(kind: str, world: int = 3) -> list:
-    import datetime
-    import multiprocessing as mp
-
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_compressed_rank, args=(r, world, store.port, kind, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        return sorted((out.get(timeout=90) for _ in procs), key=lambda got: got[0])
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    return gloo_ranks(_compressed_rank, world, kind, result_timeout=90, store_timeout=30)
 
 
 @pytest.fixture(scope="module")

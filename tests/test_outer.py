@@ -8,6 +8,8 @@ import torch
 
 from flodl.rank.outer import OuterConfig, OuterStep
 
+from .helpers.gloo import gloo_ranks
+
 pytestmark = pytest.mark.timeout(30)
 
 
@@ -87,20 +89,7 @@ def test_equal_weights_with_the_lr_factor_on_the_average_sum_the_ranks_updates(b
     """Three real gloo ranks, two that trained: ``--average-weights equal --lr-scale-on average``
     (ratio 1) lands anchor + the sum of the two ranks' updates, every sample's step counted once,
     whatever each rank's share; the rank that trained nothing lands the same."""
-    import datetime
-    import multiprocessing as mp
-
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=20))
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_outer_rank, args=(r, 3, store.port, block, out)) for r in range(3)]
-    for p in procs:
-        p.start()
-    got = sorted(out.get(timeout=50) for _ in procs)
-    for p in procs:
-        p.join(timeout=10)
+    got = gloo_ranks(_outer_rank, 3, block)
     anchor = torch.tensor(got[0][1], dtype=torch.float64)
     deltas = [torch.tensor(g[2], dtype=torch.float64) - anchor for g in got[:2]]
     want = anchor + deltas[0] + deltas[1]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import threading
 import time
 
@@ -19,6 +18,7 @@ from flodl.rank.flat import FlatModel
 from flodl.taskspec import load_task, spec_of
 
 from .conftest import task_spec
+from .helpers.gloo import gloo_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -185,16 +185,7 @@ def test_weighted_average_is_exact_against_float64_reference():
     """Three real gloo ranks, unequal weights (one zero): parameters the float64 weighted
     mean, floating buffers the plain mean of the ranks that trained."""
     weights = [3.0, 1.0, 0.0]
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=20))
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_averager_rank, args=(r, 3, store.port, weights, out)) for r in range(3)]
-    for p in procs:
-        p.start()
-    got = [out.get(timeout=50) for _ in procs]
-    for p in procs:
-        p.join(timeout=10)
-    got.sort()
+    got = gloo_ranks(_averager_rank, 3, weights)
     n_buffers = 2  # running_mean, running_var: averaged with equal weight among ranks that trained
     for i in range(len(got[0][1])):
         ws = weights if i < len(got[0][1]) - n_buffers else [1.0 if w > 0 else 0.0 for w in weights]
