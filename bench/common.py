@@ -215,6 +215,19 @@ def run_controller(
     return run.finish(timeout_s, check=check)
 
 
+def cuda_or_stop(bench: str, *, smoke: bool) -> bool:
+    """True where a CUDA device is there; else say so and return False (``--smoke``: exit non-zero,
+    since a smoke test that measured nothing must not pass)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    if smoke:
+        sys.exit(f"{bench} --smoke: needs a CUDA device (torch.cuda.is_available() is False here); nothing measured")
+    print(f"{bench} needs a CUDA device; none here, nothing measured")
+    return False
+
+
 def machine() -> str:
     """One line describing where the numbers came from."""
     cpu = platform.processor() or platform.machine()

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Row, report, run_controller, size_parser, smoke_results  # noqa: E402
+from bench.common import Row, cuda_or_stop, report, run_controller, size_parser, smoke_results  # noqa: E402
 
 TASK = f"{ROOT / 'bench' / 'tasks' / 'mlp.py'}:task"
 
@@ -43,12 +43,8 @@ def run(devices: str, mode: str | None, epochs: int, width: int, samples: int) -
 
 def main() -> None:
     args = size_parser(__doc__, "fewer samples and epochs", "cuda:0 alone and beside one CPU rank, 1 epoch of 2,048 samples").parse_args()
-    import torch
 
-    if not torch.cuda.is_available():
-        if args.smoke:
-            sys.exit("bench/mixed.py --smoke: needs a CUDA device (torch.cuda.is_available() is False here); nothing measured")
-        print("bench/mixed.py needs a CUDA device; none here, nothing measured")
+    if not cuda_or_stop("bench/mixed.py", smoke=args.smoke):
         return
     epochs, samples, width = (1, 2048, 256) if args.smoke else (3, 32768, 1024) if args.quick else (6, 65536, 1024)
     groups = ("cuda:0,cpu",) if args.smoke else ("cuda:0,cpu,cpu", "cuda:0,cpu,cpu,cpu,cpu")

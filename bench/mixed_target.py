@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Row, report, run_controller, size_parser, smoke_results  # noqa: E402
+from bench.common import Row, cuda_or_stop, report, run_controller, size_parser, smoke_results  # noqa: E402
 from bench.matrix.reach import Goal, first_reach  # noqa: E402
 
 TASK = f"{ROOT / 'bench' / 'tasks' / 'mlp.py'}:task_with_eval"
@@ -65,12 +65,8 @@ def main() -> None:
     parser = size_parser(__doc__, "fewer samples and epochs, 1 seed", "2 epochs of 4,096 samples, one CPU rank")
     parser.add_argument("--seeds", type=int, default=None, help="runs per case (default 2; 1 with --quick or --smoke)")
     args = parser.parse_args()
-    import torch
 
-    if not torch.cuda.is_available():
-        if args.smoke:
-            sys.exit("bench/mixed_target.py --smoke: needs a CUDA device (torch.cuda.is_available() is False here); nothing measured")
-        print("bench/mixed_target.py needs a CUDA device; none here, nothing measured")
+    if not cuda_or_stop("bench/mixed_target.py", smoke=args.smoke):
         return
     epochs, samples, width = (2, 4096, 256) if args.smoke else (6, 32768, 1024) if args.quick else (8, 65536, 1024)
     seeds = args.seeds or (1 if args.quick or args.smoke else 2)
