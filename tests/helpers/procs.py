@@ -66,12 +66,12 @@ class Proc:
         later epoch ("epochs 3-5/8": one average closed them, docs/cadence.md)."""
         deadline = time.monotonic() + timeout
         epoch = _EPOCH_NEEDLE.fullmatch(needle)
-        while not (any(needle in line for line in self.lines) or (epoch is not None and self._closed(int(epoch.group(1))))):
+        while not (any(needle in line for line in self.lines) or (epoch is not None and self.closed(int(epoch.group(1))))):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"never saw {needle!r}; output:\n{self.output}")
             time.sleep(0.05)
 
-    def _closed(self, epoch: int) -> bool:
+    def closed(self, epoch: int) -> bool:
         """Has the run printed the line of epoch ``epoch`` (1-based), or of a later one?"""
         return any(int(m.group(2) or m.group(1)) >= epoch for line in self.lines if (m := _EPOCH_LINE.search(line)))
 
