@@ -295,3 +295,14 @@ def test_a_controller_killed_outright_leaves_no_shared_memory(proc_env, tmp_path
     assert_all_gone(tree + ranks, timeout=30)
     left = [p.name for p in shm_dir.iterdir()]
     assert left == []
+
+
+@pytest.mark.parametrize("mode", ["cpu-cadence", "cpu-async"])
+def test_a_cpu_backend_run_ends_on_one_consensus(proc_env, tmp_path, mode):
+    """Cadence and Async send the last window's snapshot and train on; at the Shutdown the round in
+    flight lands before the rank leaves, so every replica ends on the same values, as on the
+    collective backend (before, a CPU rank left without waiting for it: one digest per rank)."""
+    run, path = run_tiny(proc_env, tmp_path, mode, nproc=3, epochs=3, env={"FLODL_TEST_OPTIMIZER": "adam"})
+    summary = finished(run, path, 3)
+    digests = summary["final_digests"]
+    assert set(digests) == {"0", "1", "2"} and len(set(digests.values())) == 1, digests

@@ -334,6 +334,21 @@ class Group:
         finally:
             self.link.doing(busy)
 
+    def settle_last(self) -> None:
+        """A clean end: the last average still in flight lands on either backend, so the replicas end
+        equal (on the CPU backend a Cadence or Async round sent with the last window was never waited
+        for: each replica ended on its own values). Bounded; a round that never comes is said, not fatal."""
+        self.settle_background()
+        if isinstance(self.averager, CpuAverager) and self.averager.pending:
+            try:
+                self.averager.settle()
+            except DeadlineExceeded as exc:
+                log.warning("the last average did not come back before the end (%s): this replica ends on its own values", exc)
+            # it changed the model after the listeners last heard (a CPU round lands after its
+            # launch): the BatchNorm statistics re-estimated since then are stale again
+            for listener in self.listeners:
+                listener(self.at)
+
     def _background_failed(self, exc: RuntimeError) -> None:
         if not isinstance(self.averager, CollectiveAverager) or not is_collective_error(exc):
             raise exc

@@ -271,7 +271,7 @@ class RankRunner:
         joined = self.joined
         if not cmd.abort and joined is not None:
             joined.saves.finish_accumulation()
-            self.group.settle_background()  # the last average lands: replicas end equal
+            self.group.settle_last()  # the last average lands, on either backend: replicas end equal
             self.ctx.seams.settled()
         self._save_on_shutdown(cmd)
         digest = "" if cmd.abort else model_digest(self.model)
