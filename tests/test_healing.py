@@ -52,11 +52,13 @@ def healed_run(proc_env, tmp_path, mode, *, optimizer, epochs=8, extra=()):
     return summary, probes
 
 
+@pytest.mark.parametrize("compression", ["none", "int8"])
 @pytest.mark.parametrize("mode", ["nccl-cadence", "cpu-cadence"])
-def test_a_healed_rank_takes_its_donors_optimizer_state_bit_for_bit(proc_env, tmp_path, mode):
+def test_a_healed_rank_takes_its_donors_optimizer_state_bit_for_bit(proc_env, tmp_path, mode, compression):
     """Adam's moments and step counts: the restarted rank holds, right after it joined, exactly
-    the state its donor (rank 0, the lowest survivor) handed it; before, it started from zero."""
-    _, probes = healed_run(proc_env, tmp_path, mode, optimizer="adam")
+    the state its donor (rank 0, the lowest survivor) handed it; before, it started from zero.
+    Compressed averages (int8 deltas from an anchor) change nothing of it: the state goes whole."""
+    _, probes = healed_run(proc_env, tmp_path, mode, optimizer="adam", extra=("--sync-compression", compression))
     sent, taken = observed(probes, "handoff.sent"), observed(probes, "handoff.taken")
     assert set(sent) == {0} and set(taken) == {3}, (sent.keys(), taken.keys())
     assert_same_state(taken[3][0], sent[0][0])
