@@ -225,10 +225,9 @@ def test_a_joiner_takes_the_consensus_under_int8_and_trains(proc_env, tmp_path, 
     per_rank = {row["rank"]: row for row in summary["per_rank"]}
     assert all(per_rank[r]["samples"] > 0 and per_rank[r]["sync_averages"] > 0 for r in joined)
     assert summary["final_eval"] > 0.7 and summary["sync_bytes"]["compression"] == "int8"
-    if mode.startswith("nccl"):
-        digests = summary["final_digests"]
-        assert len(set(digests.values())) == 1 and len(digests) == (2 if fault else 3)
-    else:
+    digests = summary["final_digests"]  # one consensus on either backend (the CPU one lands its last round)
+    assert len(set(digests.values())) == 1 and len(digests) == (4 if mode.startswith("cpu") else 2 if fault else 3)
+    if not mode.startswith("nccl"):
         assert summary["averaging"]["aborted"] == 0
 
 
@@ -247,6 +246,5 @@ def test_a_rank_killed_mid_compressed_average_loses_nothing(proc_env, tmp_path, 
     run, path = start(proc_env | {"FLODL_INJECT_FAULT": f"1:{fault}"}, tmp_path, mode, extra=["--sync-compression", "int8"])
     summary = finish(run, path)
     assert [d["rank"] for d in summary["deaths"]] == [1] and summary["recoveries"][0]["survivors"] == [0, 2]
-    if mode.startswith("nccl"):
-        assert summary["final_digests"]["0"] == summary["final_digests"]["2"]
+    assert summary["final_digests"]["0"] == summary["final_digests"]["2"]  # one consensus, either backend
     assert summary["final_eval"] > 0.7

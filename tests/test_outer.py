@@ -128,5 +128,4 @@ def test_a_run_with_an_outer_optimizer_trains_and_ends_with_equal_replicas(proc_
     assert summary["exit_reason"] == "completed" and accuracy > 0.7, history
     kind = outer[1]
     assert summary["config"]["outer_optimizer"] == kind and f"outer optimizer {kind}" in run.output
-    if mode.startswith("nccl"):
-        assert len(set(summary["final_digests"].values())) == 1
+    assert len(set(summary["final_digests"].values())) == 1  # one consensus, either backend
