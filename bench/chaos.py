@@ -1,6 +1,6 @@
 """Chaos: one fault per real run, at a uniformly random moment, across the six modes.
 
-    python bench/chaos.py [--quick | --smoke] [--faults N] [--seed S] [--parallel P] [--kinds K,...]
+    python bench/chaos.py [--quick | --smoke] [--faults N] [--seed S] [--parallel P] [--kinds K,...] [--flodl-args '...']
 
 Every run is ``python -m flodl.controller --task tests/tasks/tiny.py:task``
 with 3 local ranks and ``--heartbeat-timeout-secs 3``. Fault kinds (run ``i``
@@ -63,6 +63,7 @@ import math
 import os
 import random
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -79,6 +80,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import Row, RunFailed, report, run_controller, size_parser, smoke_results, start_controller  # noqa: E402
+from flodl.controller.history import epoch_samples  # noqa: E402
 
 TASK = f"{ROOT / 'tests' / 'tasks' / 'tiny.py'}:task"
 NPROC = 3
@@ -443,8 +445,9 @@ def resume_check(plan: Plan, stem: Path, epochs: int, step_s: float, tmp: Path, 
     return failures
 
 
-def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
-    """Start a run, inject the plan's fault at its moment, wait, and check everything."""
+def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path, flodl_args: tuple[str, ...] = ()) -> Result:
+    """Start a run, inject the plan's fault at its moment, wait, and check everything.
+    ``flodl_args``: options every run takes too (``--flodl-args``: a compressed exchange, say)."""
     res = Result(plan)
     tag = f"{plan.index:03d}-{plan.kind}{'-heal' if plan.heal else ''}-{plan.mode}"
     log_path, stem = tmp / f"{tag}.log", tmp / tag / "ckpt"  # the controller's output: start_controller's log of ``tag``
@@ -462,6 +465,7 @@ def run_one(plan: Plan, epochs: int, step_s: float, tmp: Path) -> Result:
         "--heartbeat-timeout-secs",
         str(HEARTBEAT_S),
         "--no-progress",
+        *flodl_args,
     ]
     if plan.heal:
         args += ["--max-restarts", "1"]
@@ -634,10 +638,10 @@ def checked_summary(run, dataset: int, epochs: int, failures: list[str]) -> dict
         failures.append("no summary")
         return None
     summary: dict = run.summary()
-    samples = [h["samples"] for h in summary["history"]]
+    samples = epoch_samples(summary["history"])  # a row may be a group of epochs one average closed
     if samples != [dataset] * epochs:
-        wrong = [f"epoch {h['epoch'] + 1}: {h['samples']}" for h in summary["history"] if h["samples"] != dataset]
-        failures.append(f"samples per epoch: {', '.join(wrong[:10]) or 'none wrong'} of {len(samples)} rows, want {dataset} x {epochs}")
+        wrong = [f"epoch {e + 1}: {n}" for e, n in enumerate(samples) if n != dataset]
+        failures.append(f"samples per epoch: {', '.join(wrong[:10]) or 'none wrong'} of {len(samples)} epochs, want {dataset} x {epochs}")
     return summary
 
 
@@ -711,9 +715,18 @@ def main() -> None:
         "--mtbf", type=float, default=None, metavar="SECONDS", help="--soak: the mean time between faults (default 30; quick 10)"
     )
     parser.add_argument("--soak-mode", default="nccl-cadence", help="--soak: the run's --mode (default nccl-cadence)")
+    parser.add_argument(
+        "--flodl-args",
+        default="",
+        help="controller options every fault's run takes too, one shell-quoted string (e.g. '--sync-compression int8'): "
+        "the faults then strike mid-compressed exchange",
+    )
     a = parser.parse_args()
     if a.soak is not None or a.mtbf is not None:
+        if a.flodl_args:
+            parser.error("--flodl-args: only for the fault runs, not --soak")
         return _soak(parser, a)
+    flodl_args = tuple(shlex.split(a.flodl_args))
     kinds = KINDS if a.kinds is None else tuple(k for k in a.kinds.split(",") if k)
     if unknown := sorted(set(kinds) - set(KINDS)):
         parser.error(f"--kinds: no fault kind {', '.join(unknown)} (the kinds: {', '.join(KINDS)})")
@@ -742,7 +755,7 @@ def main() -> None:
         if time.monotonic() > stop_at:
             return None
         try:
-            r = run_one(plan, epochs, step_s, tmp)
+            r = run_one(plan, epochs, step_s, tmp, flodl_args)
         except Exception as exc:  # noqa: BLE001 - a bench bug must not hide the other runs
             r = Result(plan, failures=[f"bench error: {type(exc).__name__}: {exc}"])
         with lock:
@@ -773,12 +786,14 @@ def main() -> None:
     note = (
         f"{'smoke' if a.smoke else 'quick' if a.quick else 'full'}: {len(results)} faults{cut}, seed {a.seed}, {NPROC} CPU ranks, tiny task "
         f"{DATASET} samples x {epochs} epochs, {step_s * 1000:.0f} ms/step, heartbeat {HEARTBEAT_S} s, "
-        f"{a.parallel} runs at a time; {time.monotonic() - t0:.0f} s"
+        f"{a.parallel} runs at a time; {time.monotonic() - t0:.0f} s" + (f"; every run with {' '.join(flodl_args)}" if flodl_args else "")
     )
     if lost:
         note += "\nlost runs:\n" + "\n".join(lost)
     # a quick check or a few kinds never replaces the committed full run
-    name = "chaos" + ("" if kinds == KINDS else "_" + "_".join(k.replace("-", "_") for k in kinds)) + ("_quick" if a.quick else "")
+    name = "chaos" + ("" if kinds == KINDS else "_" + "_".join(k.replace("-", "_") for k in kinds))
+    name += "_" + re.sub(r"[^a-z0-9]+", "_", " ".join(flodl_args).lower()).strip("_") if flodl_args else ""
+    name += "_quick" if a.quick else ""
     report(a.name or name, rows, note=note, results=out_dir)
     print(f"logs in {tmp}")
 

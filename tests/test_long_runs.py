@@ -98,6 +98,18 @@ def test_a_merged_row_sums_counts_weighs_the_loss_and_keeps_the_last_eval():
     assert merge([row, merge(rows)])["merged_rows"] == 8
 
 
+def test_each_epochs_samples_are_read_from_a_groups_row_and_a_merged_row_is_refused():
+    """A row of epochs one average closed keeps each one's samples: a reader checking coverage gets one
+    entry an epoch (bench/chaos.py read a group's total as one epoch's and called the run lost)."""
+    rows = [
+        {"epoch": 0, "samples": 512, "epoch_samples": {"0": 512}},
+        {"epoch": 2, "first_epoch": 1, "samples": 1024, "epoch_samples": {"1": 512, "2": 512}},
+    ]
+    assert epoch_samples(rows) == [512, 512, 512]
+    with pytest.raises(ValueError, match="epochs 1-2 are merged"):
+        epoch_samples([{**rows[1], "merged_rows": 2}])
+
+
 def test_compact_refuses_nonsense_bounds():
     with pytest.raises(ValueError, match="middle_rows"):
         compact([], keep_whole=1, middle_rows=0)

@@ -129,3 +129,23 @@ def _merge_ranks(rows: Sequence[dict[str, Any]], samples: int) -> dict[str, dict
             "sync_ms": acc["sync_ms"],
         }
     return out
+
+
+def epochs_of(row: dict[str, Any]) -> list[int]:
+    """The epochs a history row covers (a group's row: ``first_epoch`` to ``epoch``)."""
+    return list(range(row.get("first_epoch", row["epoch"]), row["epoch"] + 1))
+
+
+def epoch_samples(rows: Sequence[dict[str, Any]]) -> list[int]:
+    """Each epoch's own samples, in epoch order, across a summary's rows (a group's row keeps each
+    one's in ``epoch_samples``): what a reader checks coverage by, one entry an epoch.
+
+    Raises:
+        ValueError: a merged row (a long run's summary): each epoch's samples are in the record stream.
+    """
+    merged = [row for row in rows if "merged_rows" in row]
+    if merged:
+        raise ValueError(
+            f"rows of epochs {merged[0]['first_epoch']}-{merged[0]['epoch']} are merged: each epoch's samples are in the record stream"
+        )
+    return [row.get("epoch_samples", {}).get(str(e), row["samples"]) for row in rows for e in epochs_of(row)]

@@ -4,24 +4,9 @@ are merged (``merged_rows``: flodl/controller/history.py) and keep no epoch's ow
 
 from __future__ import annotations
 
+from flodl.controller.history import epoch_samples, epochs_of
 
-def epochs_of(row: dict) -> list[int]:
-    """The epochs a history row covers."""
-    return list(range(row.get("first_epoch", row["epoch"]), row["epoch"] + 1))
-
-
-def epoch_samples(history: list[dict]) -> list[int]:
-    """Each epoch's own samples, in epoch order, across the rows (a group's row keeps each one's).
-
-    Raises:
-        ValueError: a merged row (a long run's summary): read the record stream for every epoch.
-    """
-    merged = [row for row in history if "merged_rows" in row]
-    if merged:
-        raise ValueError(
-            f"rows of epochs {merged[0]['first_epoch']}-{merged[0]['epoch']} are merged: each epoch's samples are in the record stream"
-        )
-    return [row["epoch_samples"][str(e)] for row in history for e in epochs_of(row)]
+__all__ = ["epoch_samples", "epochs", "epochs_of"]
 
 
 def epochs(history: list[dict]) -> list[int]:
