@@ -494,6 +494,7 @@ def link_probe(src: NsHost, dst: NsHost, nbytes: int = 4 << 20, *, timeout: floa
         stderr=subprocess.PIPE,
         text=True,
     )
+    assert server.stdout is not None and server.stderr is not None
     try:
         if server.stdout.readline().strip() != "listening":
             raise RuntimeError(f"the probe server did not start: {server.stderr.read() if server.poll() is not None else ''}")
