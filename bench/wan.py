@@ -218,6 +218,7 @@ class Outcome:
     stopped: bool
     epochs: int
     pace_probe_ms: list[float]  # bench.pace_probe before and after the run (a healthy core: ~0.3 ms)
+    peak_bytes_per_average: float | None = None  # the most one average sent (summaries that count it: fragments)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "cell": asdict(self.cell), "case": self.cell.case, "reach": self.reach.to_dict()}
@@ -235,6 +236,7 @@ def outcome(cell: Cell, summary: dict, goal: Goal) -> Outcome:
         summary["wan"]["stopped"],
         summary.get("epochs_completed", 0),
         summary["wan"].get("pace_probe_ms", []),
+        (summary.get("sync_bytes") or {}).get("peak_per_average"),
     )
 
 
@@ -273,6 +275,11 @@ def rows_for(o: Outcome, done: dict[Cell, Outcome]) -> list[Row]:
                     fewer >= GOAL_FEWER if int8 else None,
                 )
             )
+    if o.peak_bytes_per_average:  # with --sync-fragments F an average sends one fragment: about 1/F of F=1's
+        rows.append(Row(c.case, "peak bytes per average", o.peak_bytes_per_average, "B"))
+        whole = done.get(c.like(fragments=1))
+        if c.fragments > 1 and whole is not None and whole.peak_bytes_per_average:
+            rows.append(Row(c.case, "peak bytes, F=1 / this", whole.peak_bytes_per_average / o.peak_bytes_per_average, "x"))
     rows.append(Row(c.case, "averages", o.averages, "rounds"))
     if o.pace_probe_ms:  # how loaded the shared machine was: a slow probe marks a slowed run
         rows.append(Row(c.case, "pace probe, slower of before/after", max(o.pace_probe_ms), "ms"))
@@ -297,17 +304,20 @@ def rebuild(path: Path) -> None:
     rows: list[Row] = []
     names = {f.name for f in fields(Outcome)} - {"cell", "reach"}
     for d in data["cells"]:
-        o = Outcome(cell=Cell(**d["cell"]), reach=Reach(**d["reach"]), **{k: d[k] for k in names})
+        o = Outcome(cell=Cell(**d["cell"]), reach=Reach(**d["reach"]), **{k: d[k] for k in names if k in d})
         done[o.cell] = o
         rows += rows_for(o, done)
     kept = {k: data[k] for k in ("links", "targets", "cells", "skipped", "when")}
-    report(
+    written = report(
         data["bench"],
         link_rows(data["links"]) + rows,
         note=data.get("note", ""),
         results=path.parent,
         extra={**kept, "rebuilt": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
     )
+    if written.resolve() != path.resolve():  # report names the file after the bench: put it back where it was read
+        os.replace(written, path)
+        print(f"moved to {path}")
 
 
 def link_rows(probes: dict[str, dict]) -> list[Row]:
