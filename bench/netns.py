@@ -10,16 +10,23 @@ share the filesystem, so every host runs this interpreter from this checkout.
 Everything here needs root and iproute2; nothing imports pytest or flodl, and
 the tests import it from here.
 
-``Shaper`` adds delay, jitter and loss to the hosts' links, like ``tc netem``,
-and undoes it on exit (errors and Ctrl-C included). It uses ``tc netem`` when
-the kernel has it. Kernels built without ``CONFIG_NET_SCH_NETEM`` (small VM
+``Shaper`` adds delay, jitter, loss and a bandwidth cap to the hosts' links,
+like ``tc netem``, and undoes it on exit (errors and Ctrl-C included). It uses
+``tc netem`` when the kernel has it. Kernels built without ``CONFIG_NET_SCH_NETEM`` (small VM
 kernels, e.g. Firecracker's) get the same effect from a userspace relay: each
 host's outer veth end is moved into a relay namespace, and a process there
 copies every frame between it and a second veth pair whose other end sits in
 the bridge, holding each frame for its delay (plus a uniform jitter, order
 kept) or dropping it with the loss probability. The relay reads and writes
 with ``PACKET_VNET_HDR``, so the kernel's segmentation and checksum offloads
-pass through untouched (a TSO super-frame is delayed, or lost, as one).
+pass through untouched (a TSO super-frame is delayed, or lost, as one). The
+bandwidth cap there is the kernel's token bucket (``tc tbf``, which such
+kernels keep): on the host's ``eth0`` for what it sends, ahead of the relay,
+and on the bridge's end of the relay pair for what it receives, so a frame
+waits its turn on the wire first, then travels its delay, as on a real link.
+
+``link_probe`` measures what a link does (a TCP round trip, a bulk transfer's
+rate) with a small client and server run in two hosts' namespaces.
 """
 
 from __future__ import annotations
@@ -179,23 +186,45 @@ def add_host(h: NsHost, bridge: str) -> None:
 # ------------------------------------------------------------ link shaping
 
 
+#: how long a frame may wait in a rate-capped link's queue before it is dropped (``tc tbf latency``): about
+#: a WAN router's buffer; a host's own TCP seldom fills it (TCP small queues hold a socket back first)
+TBF_QUEUE_MS = 100
+#: the token bucket's depth: at least this many bytes (several full frames), else a millisecond at the rate
+TBF_MIN_BURST = 16 * 1024
+
+
 @dataclass(frozen=True)
 class Netem:
-    """What a link does to each frame in one direction, as ``tc netem delay D J loss L%``."""
+    """What a link does to each frame in one direction, as ``tc netem delay D J loss L% rate R``
+    (``rate_mbit`` 0: no cap)."""
 
     delay_ms: float = 0.0
     jitter_ms: float = 0.0
     loss_pct: float = 0.0
+    rate_mbit: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("delay_ms", "jitter_ms", "loss_pct", "rate_mbit"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Netem.{name} must be >= 0, got {getattr(self, name)!r}")
 
     @property
     def idle(self) -> bool:
-        return not (self.delay_ms or self.jitter_ms or self.loss_pct)
+        return not (self.delay_ms or self.jitter_ms or self.loss_pct or self.rate_mbit)
 
     def tc_args(self) -> list[str]:
-        args = ["delay", f"{self.delay_ms:g}ms"] + ([f"{self.jitter_ms:g}ms"] if self.jitter_ms else [])
-        return args + (["loss", f"{self.loss_pct:g}%"] if self.loss_pct else [])
+        args = ["delay", f"{self.delay_ms:g}ms"] if self.delay_ms or self.jitter_ms or not self.rate_mbit else []
+        args += [f"{self.jitter_ms:g}ms"] if self.jitter_ms else []
+        args += ["loss", f"{self.loss_pct:g}%"] if self.loss_pct else []
+        return args + (["rate", f"{self.rate_mbit:g}mbit"] if self.rate_mbit else [])
+
+    def tbf_args(self) -> list[str]:
+        """``tc qdisc ... tbf`` arguments for the rate cap (the relay backend's; ``rate_mbit`` must be set)."""
+        burst = max(TBF_MIN_BURST, int(self.rate_mbit * 1e6 / 8 / 1000))  # a millisecond's bytes at the rate
+        return ["tbf", "rate", f"{self.rate_mbit:g}mbit", "burst", str(burst), "latency", f"{TBF_QUEUE_MS}ms"]
 
     def spec(self) -> str:
+        """The relay's part of it (delay, jitter, loss: the rate cap is not the relay's)."""
         return f"{self.delay_ms:g},{self.jitter_ms:g},{self.loss_pct:g}"
 
     @classmethod
@@ -260,7 +289,12 @@ class Shaper:
         self._moved: list[NsHost] = []
 
     def __str__(self) -> str:
-        return f"egress {self.egress}, ingress {self.ingress} ({'tc netem' if self.backend == 'tc' else 'userspace relay'})"
+        how = (
+            "tc netem"
+            if self.backend == "tc"
+            else "userspace relay" + (", tc tbf" if self.egress.rate_mbit or self.ingress.rate_mbit else "")
+        )
+        return f"egress {self.egress}, ingress {self.ingress} ({how})"
 
     def __enter__(self) -> Shaper:
         try:
@@ -281,6 +315,9 @@ class Shaper:
                 if not self.ingress.idle:
                     must("tc", "qdisc", "replace", "dev", h.veth, "root", "netem", *self.ingress.tc_args())
             return
+        for h in self.hosts:  # rate caps in the kernel: the host's sends queue before the relay delays them
+            if self.egress.rate_mbit:
+                must("tc", "-n", h.name, "qdisc", "replace", "dev", "eth0", "root", *self.egress.tbf_args())
         ns = relay_namespace(self.bridge)
         must("ip", "netns", "add", ns)
         for key in ("all", "default"):  # no addresses, no chatter of its own: the relay namespace only carries frames
@@ -294,6 +331,8 @@ class Shaper:
             must("ip", "-n", ns, "link", "set", h.veth, "up")
             must("ip", "-n", ns, "link", "set", r, "up")
             must("ip", "link", "set", b, "master", self.bridge, "up")
+            if self.ingress.rate_mbit:  # what the bridge sends the host queues here, before the relay delays it
+                must("tc", "qdisc", "replace", "dev", b, "root", *self.ingress.tbf_args())
             links += ["--link", f"{h.veth}:{r}:{self.egress.spec()}:{self.ingress.spec()}"]
         self.relay = subprocess.Popen(
             [
@@ -324,6 +363,9 @@ class Shaper:
                 run("tc", "-n", h.name, "qdisc", "del", "dev", "eth0", "root")
                 run("tc", "qdisc", "del", "dev", h.veth, "root")
             return
+        for h in self.hosts:
+            if self.egress.rate_mbit:
+                run("tc", "-n", h.name, "qdisc", "del", "dev", "eth0", "root")
         if self.relay is not None:
             if self.relay.poll() is None:
                 self.relay.terminate()
@@ -425,7 +467,96 @@ def _send(out: socket.socket, frame: bytes) -> None:
         pass
 
 
+# ------------------------------------------------------- measuring a link
+
+PROBE_PORT = 29999
+PROBE_PINGS = 5
+
+
+@dataclass(frozen=True)
+class LinkProbe:
+    """What ``link_probe`` measured: the fastest TCP round trip of a byte, and a bulk transfer's rate."""
+
+    rtt_ms: float
+    mbit: float
+
+    def __str__(self) -> str:
+        return f"round trip {self.rtt_ms:.1f} ms, {self.mbit:.1f} Mbit/s"
+
+
+def link_probe(src: NsHost, dst: NsHost, nbytes: int = 4 << 20, *, timeout: float = 60) -> LinkProbe:
+    """Measure the path ``src`` -> ``dst``: ``PROBE_PINGS`` one-byte TCP round trips (the fastest kept), then
+    ``nbytes`` sent in bulk, its rate timed by the receiver from the first quarter on (TCP's slow start
+    left out), so a capped link reads its cap."""
+    server = subprocess.Popen(
+        [*dst.netns_exec(), PY, str(Path(__file__).resolve()), "probe-server", dst.addr, str(PROBE_PORT), str(nbytes)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert server.stdout is not None and server.stderr is not None
+    try:
+        if server.stdout.readline().strip() != "listening":
+            raise RuntimeError(f"the probe server did not start: {server.stderr.read() if server.poll() is not None else ''}")
+        client = run(
+            *src.netns_exec(), PY, str(Path(__file__).resolve()), "probe-client", dst.addr, str(PROBE_PORT), str(nbytes), timeout=timeout
+        )
+        if client.returncode:
+            raise RuntimeError(f"the probe client failed: {client.stderr.strip()}")
+        out, err = server.communicate(timeout=timeout)
+        if server.returncode:
+            raise RuntimeError(f"the probe server failed: {err.strip()}")
+        return LinkProbe(rtt_ms=float(client.stdout.split()[0]), mbit=float(out.split()[0]))
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(5)
+
+
+def probe_server(addr: str, port: int, nbytes: int) -> int:
+    """Echo ``PROBE_PINGS`` bytes, then read ``nbytes`` and print their rate (Mbit/s) past the first quarter."""
+    with socket.create_server((addr, port)) as srv:
+        print("listening", flush=True)
+        conn, _ = srv.accept()
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for _ in range(PROBE_PINGS):
+                conn.sendall(conn.recv(1))
+            got, mark, t0 = 0, nbytes // 4, 0.0
+            while got < nbytes:
+                chunk = conn.recv(1 << 20)
+                if not chunk:
+                    raise SystemExit(f"probe: the sender stopped at {got} of {nbytes} bytes")
+                got += len(chunk)
+                if not t0 and got >= mark:
+                    t0, mark = time.perf_counter(), got
+            took = time.perf_counter() - t0
+            conn.sendall(b"k")
+    print(f"{(got - mark) * 8 / 1e6 / max(took, 1e-9):.3f}", flush=True)
+    return 0
+
+
+def probe_client(addr: str, port: int, nbytes: int) -> int:
+    """The other end of ``probe_server``: prints the fastest round trip (ms)."""
+    with socket.create_connection((addr, port), timeout=30) as conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        best = float("inf")
+        for _ in range(PROBE_PINGS):
+            start = time.perf_counter()
+            conn.sendall(b"p")
+            if conn.recv(1) != b"p":
+                raise SystemExit("probe: the echo went wrong")
+            best = min(best, (time.perf_counter() - start) * 1000)
+        conn.sendall(bytes(nbytes))
+        conn.recv(1)  # the receiver has it all
+    print(f"{best:.3f}", flush=True)
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["relay"]:
         sys.exit(relay_main(sys.argv[2:]))
-    sys.exit("usage: bench/netns.py relay --link HOSTIF:NETIF:EGRESS:INGRESS ...")
+    if sys.argv[1:2] in (["probe-server"], ["probe-client"]) and len(sys.argv) == 5:
+        probe = probe_server if sys.argv[1] == "probe-server" else probe_client
+        sys.exit(probe(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
+    sys.exit("usage: bench/netns.py relay --link HOSTIF:NETIF:EGRESS:INGRESS ... | probe-server|probe-client ADDR PORT BYTES")

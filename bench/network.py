@@ -54,12 +54,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Row, RunFailed, output_tail, report, size_parser, smoke_results, start_controller  # noqa: E402
+from bench.common import ControllerRun, Row, RunFailed, output_tail, report, size_parser, smoke_results, start_controller  # noqa: E402
 from bench.netns import Netem, NsHost, Shaper, make_hosts, netem_in_kernel, teardown_hosts, unusable_reason  # noqa: E402
 
 TASK = "bench.tasks.latency:task"
@@ -86,19 +87,30 @@ def one_run(mode: str, epochs: int, samples: int, port: int, log_dir: Path, *, d
     args = ["--task", TASK, "--workers", "3", "--bind", CONTROLLER.addr, "--port", str(port), "--epochs", str(epochs)]
     args += ["--mode", mode, "--dashboard-port", "-1", "--no-progress"]
     ctl = start_controller(args, workdir=log_dir, name=run_id, env=_env(**creds, FLODL_BULK_RELAY=relay), prefix=CONTROLLER.netns_exec())
-    worker = f"{sys.executable} -m flodl.worker --controller tcp://{CONTROLLER.addr}:{port} --devices {devices}"
-    workers_log = log_dir / f"{run_id}.workers.log"
+    env = _env(**creds, GLOO_SOCKET_IFNAME="eth0", FLODL_BENCH_STEP_SLEEP=str(STEP_S), FLODL_BENCH_SAMPLES=str(samples))
+    return with_workers(ctl, HOSTS, devices, env, log_dir / f"{run_id}.workers.log", mode, lambda: ctl.finish(RUN_TIMEOUT_S))
+
+
+def with_workers(
+    ctl: ControllerRun, hosts: list[NsHost], devices: str, env: dict[str, str], workers_log: Path, what: str, finish: Callable[[], dict]
+) -> dict:
+    """Start a worker with ``devices`` on each of ``hosts`` for the controller ``ctl`` (the address and port of its
+    ``--bind``/``--port``, from its command line), their output into ``workers_log``, then ``finish()``: waits for the
+    controller and returns its summary. The workers are waited for, and whatever is left killed, the controller
+    too; a ``RunFailed`` names ``what`` and ends with the workers' output."""
+    argv = ctl.proc.args if isinstance(ctl.proc.args, list) else []
+    addr, port = argv[argv.index("--bind") + 1], argv[argv.index("--port") + 1]
+    worker = f"{sys.executable} -m flodl.worker --controller tcp://{addr}:{port} --devices {devices}"
     workers = []
-    with open(workers_log, "w") as log:  # each keeps its own copy of the descriptor
-        for h in HOSTS:
-            env = _env(**creds, GLOO_SOCKET_IFNAME="eth0", FLODL_BENCH_STEP_SLEEP=str(STEP_S), FLODL_BENCH_SAMPLES=str(samples))
-            workers.append(subprocess.Popen(h.as_machine(worker), env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
     try:
-        summary = ctl.finish(RUN_TIMEOUT_S)
+        with open(workers_log, "w") as log:  # each keeps its own copy of the descriptor
+            for h in hosts:
+                workers.append(subprocess.Popen(h.as_machine(worker), env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+        summary = finish()
         for p in workers:
-            p.wait(30)
+            p.wait(60)
     except RunFailed as exc:
-        raise RunFailed(f"{mode}: {exc}\nthe workers' output tail:\n{output_tail(workers_log)}", exc.why) from None
+        raise RunFailed(f"{what}: {exc}\nthe workers' output tail:\n{output_tail(workers_log)}", exc.why) from None
     finally:
         for p in workers:
             if p.poll() is None:

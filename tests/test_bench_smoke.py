@@ -14,7 +14,8 @@ kill fault in a 2-epoch run, about 10 s; faults: one kill -9 of a rank, about
 8 s; data: the RAM cache on 256 samples, about 8 s; loader: 128 samples read by the rank's
 threads and by 2 loader workers, about 5 s; network: nccl-cadence at
 20 ms in network namespaces, about 17 s, skipped where namespace hosts cannot
-be built; mixed: a CUDA rank alone and beside a CPU rank, skipped without CUDA,
+be built; wan: GPT-nano unshaped and on a 100 Mbit/50 ms link, about 70 s,
+skipped likewise; mixed: a CUDA rank alone and beside a CPU rank, skipped without CUDA,
 where ``--smoke`` must fail saying so) and writes its JSON under
 ``$FLODL_BENCH_RESULTS`` (here a temporary folder), so the committed
 ``bench/results`` are never touched. The numbers mean nothing at these sizes;
@@ -219,6 +220,20 @@ def test_network_bench_runs(tmp_path, proc_env):
     out = run_smoke("-m bench.network", "network", tmp_path, proc_env, timeout_s=110)
     values = {(r["case"], r["metric"]): r["value"] for r in out["rows"]}
     assert values[("20 ms nccl-cadence", "throughput")] > 0
+
+
+@pytest.mark.timeout(180)  # three namespaces and a relay, then two runs of a controller and two workers (start-up mostly)
+@pytest.mark.skipif(unusable_reason(sshd=False) is not None, reason=f"namespace hosts unavailable: {unusable_reason(sshd=False)}")
+def test_wan_bench_runs(tmp_path, proc_env):
+    out = run_smoke("-m bench.wan", "wan", tmp_path, proc_env, timeout_s=170)
+    rows = {(r["case"], r["metric"]): r for r in out["rows"]}
+    assert rows[("link 100 Mbit/50 ms", "measured round trip")]["value"] >= 100  # 50 ms each way: the link was shaped
+    assert rows[("link 100 Mbit/50 ms", "measured bulk rate")]["value"] <= 110  # and capped
+    shaped = "gpt_nano nccl-cadence 100 Mbit/50 ms none"
+    assert rows[(shaped, "throughput")]["value"] > 0 and rows[(shaped, "bytes per average")]["value"] > 0
+    of_ideal = rows[(shaped, "of ideal")]
+    assert of_ideal["goal"] == ">= 0.95 of unshaped" and of_ideal["met"] in (True, False)
+    assert (shaped, "to target / unshaped none's") in rows and out["targets"] and out["links"]
 
 
 @pytest.mark.timeout(120)  # a CUDA run and a mixed CUDA + CPU run
