@@ -61,7 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,7 +122,7 @@ FULL_MODES = {"gpt_nano": MODES, "resnet20": ("nccl-cadence",)}
 COMPRESSIONS = ("none", "int8")
 #: size -> model -> budget (the matrix's full budgets for the full run)
 BUDGETS = {
-    "full": {"gpt_nano": Budget(4096, 3), "resnet20": Budget(4096, 2)},
+    "full": {"gpt_nano": Budget(4096, 8), "resnet20": Budget(4096, 2)},
     "quick": {"gpt_nano": Budget(1024, 2)},
     "smoke": {"gpt_nano": Budget(512, 1)},
 }
@@ -219,6 +219,7 @@ class Outcome:
     epochs: int
     pace_probe_ms: list[float]  # bench.pace_probe before and after the run (a healthy core: ~0.3 ms)
     peak_bytes_per_average: float | None = None  # the most one average sent (summaries that count it: fragments)
+    anchors: list[int] = field(default_factory=list)  # ElChe's anchor as it changed (the last 50): windows a slow link grew
 
     def to_dict(self) -> dict:
         return {**asdict(self), "cell": asdict(self.cell), "case": self.cell.case, "reach": self.reach.to_dict()}
@@ -237,6 +238,7 @@ def outcome(cell: Cell, summary: dict, goal: Goal) -> Outcome:
         summary.get("epochs_completed", 0),
         summary["wan"].get("pace_probe_ms", []),
         (summary.get("sync_bytes") or {}).get("peak_per_average"),
+        list((summary.get("cadence") or {}).get("anchor_history") or []),
     )
 
 
@@ -444,7 +446,7 @@ class Grid:
         print(
             f"{cell.case}: {o.samples_per_s:.0f} samples/s, {o.averages} averages, {(o.bytes_per_average or 0) / 1e3:.0f} kB/average, "
             f"target {'reached' if o.reach.reached else 'NOT reached'} at {o.reach.train_s:.1f} s train; "
-            f"pace probe {o.pace_probe_ms[0]:.2f}/{o.pace_probe_ms[1]:.2f} ms",
+            f"pace probe {o.pace_probe_ms[0]:.2f}/{o.pace_probe_ms[1]:.2f} ms; anchor {' '.join(map(str, o.anchors[-8:])) or '-'}",
             flush=True,
         )
         write_results(self.name, self.all_rows(), note=self.note, results=self.results, extra=self.extra())

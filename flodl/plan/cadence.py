@@ -29,6 +29,9 @@ from .signals import Verdict
 
 #: Windows whose fixed cost (``CadenceLoop.note_fixed``) ElChe reads the median of.
 FIXED_COST_WINDOWS = 9
+#: Windows after an eval whose background averaging cost ElChe leaves unread: the eval rank's peer
+#: waits for its late average at its next average, in the eval's window or the one after.
+PAUSE_SHADOW_WINDOWS = 2
 
 log = logging.getLogger("flodl.cadence")
 
@@ -139,6 +142,7 @@ class CadenceLoop:
         self.plans: dict[int, dict[int, WindowPlan]] = {}  # window -> rank -> plan, while outstanding
         self.started: dict[int, float] = {}
         self.paused_ms = 0.0  # user callbacks (eval) run inside this window: not averaging overhead
+        self.pause_shadow = 0  # windows after an eval whose averaging cost ElChe does not read (``note_pause``)
         self.cpu_round_ms: float | None = None  # CPU backend: the last averaging round's own time
         self.fixed_costs: deque[float] = deque(maxlen=FIXED_COST_WINDOWS)  # the controller's ms per window, latest
         self.epochs: dict[int, _EpochAcc] = {}
@@ -332,6 +336,9 @@ class CadenceLoop:
         """A rank spent ``ms`` in a user callback (eval) this window; ElChe must not
         read it as averaging cost (the reference's callback time exclusion)."""
         self.paused_ms += max(0.0, ms)
+        # a peer of the eval rank waits for its late average in this window or the next, and
+        # counts the wait as averaging (flodl/rank/regroup.py Group._waited): not read as such
+        self.pause_shadow = PAUSE_SHADOW_WINDOWS
 
     def open_ended(self, window: int) -> bool:
         """``window`` has no quota: the controller must end it (calibration)."""
@@ -535,6 +542,9 @@ class CadenceLoop:
                 # the window: with two in flight a window waits queued behind the one before,
                 # which read as ~50% idle and sent the anchor from 10 to 100+ at once.
                 sync_ms = max(reports[r].sync_ms for r in self.ranks)
+                if self.pause_shadow > 0:  # the wait may be a peer's for the eval rank: not measured
+                    self.pause_shadow -= 1
+                    sync_ms = 0.0
             elif full and window_ms > 0:
                 # Sync: everything a rank spends not training (the collectives, waiting for the
                 # slowest rank's last batch, the round trip between windows), from the

@@ -86,6 +86,7 @@ class Group:
         self.listeners: list[Callable[[GroupPosition], object]] = []  # told of every average (``on_average``)
         # this rank's state as a donor hands it and a joiner takes it (handoff.py): set once the replica exists
         self.handoff: StateHandoff | None = None
+        self._evals_at_launch = 0  # the evals asked when the last average was launched (``_waited``)
 
     # ---------------------------------------------------------------- joining
 
@@ -257,9 +258,7 @@ class Group:
                 return Averaged(0.0)
             t0 = time.perf_counter()
             landed = self._previous_landed()
-            # waiting here is waiting for a late peer (its eval, a pause), not this rank's pace
-            # (window_stats.py RoundStats.finish)
-            stats.paused_ms += (time.perf_counter() - t0) * 1000.0
+            self._waited((time.perf_counter() - t0) * 1000.0, stats)
             if not landed:
                 continue  # it was dropped: the survivors' group (above, next turn) repeats it first
             try:
@@ -282,12 +281,25 @@ class Group:
                 continue
             return self._took(averaged)
 
+    def _waited(self, ms: float, stats: RoundStats) -> None:
+        """This rank waited ``ms`` for the previous average to land. With an eval asked since that
+        average was launched, the wait is for a late peer (its eval, a pause): not this rank's
+        pace, nor averaging cost (window_stats.py RoundStats.finish). Otherwise it is the average
+        itself, slower than a window (a slow link): averaging cost, which ElChe's overhead tune must
+        see to lengthen the windows (as a pause it saw none, and shortened them: a 100 Mbit/50 ms
+        link made 123 averages of a run that made 50 unshaped)."""
+        if self.link.evals_asked != self._evals_at_launch:
+            stats.paused_ms += ms
+        else:
+            stats.sync_ms += ms
+
     def _took(self, averaged: Averaged) -> Averaged:
         """An average completed (a background one: launched): the rank moves on past it. The one
         place an average is applied to the rank: its position, the redo, the listeners (the
         evaluator; an outer optimizer would be one), and progress for the controller's liveness
         (the first average in a new generation is reported at once: the recovery is timed by it)."""
         self._move(redoing=False, position=self.at.position + 1)
+        self._evals_at_launch = self.link.evals_asked
         for listener in self.listeners:
             listener(self.at)
         self.link.doing("step")
