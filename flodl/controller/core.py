@@ -102,6 +102,8 @@ def averaging_line(config: DdpRunConfig) -> str | None:
         parts.append(f"outer optimizer {outer.kind} (rate {outer.lr:g}, momentum {outer.momentum:g})")
     if config.sync_compression != "none":
         parts.append(f"{config.sync_compression}-compressed averages (parameter deltas, error feedback; docs/compression.md)")
+    if config.sync_fragments > 1:
+        parts.append(f"averages in {config.sync_fragments} fragments, in rotation (the last takes all; docs/fragments.md)")
     return "; ".join(parts) or None
 
 
