@@ -163,14 +163,25 @@ def _first_loss(summary: dict) -> float:
 def test_a_fragmented_run_trains_ends_on_one_consensus_and_sends_a_fragment_per_average(proc_env, tmp_path, mode, env):
     """The tiny task, two real ranks, F=2 against F=1: the run completes, its loss drops, its
     eval is the F=1 run's within 3 points, every replica ends on the same values (the last
-    average takes every fragment), and an average's peak bytes are about half of F=1's."""
-    runs = {f: _run(proc_env, tmp_path, mode, f, env=env) for f in (1, 2)}
+    average takes every fragment) and the final bundle holds exactly them (written on the way
+    out, after that average), and an average's peak bytes are about half of F=1's."""
+    from flodl.checkpoint.bundle import load_model
+    from flodl.rank.flat import model_digest
+
+    from .tasks.tiny import make_model
+
+    stem = tmp_path / "ck"
+    runs = {f: _run(proc_env, tmp_path, mode, f, env=env, extra=["--save-path", str(stem)] if f == 2 else []) for f in (1, 2)}
     two = runs[2]
     assert two["exit_reason"] == "completed" and two["config"]["sync_fragments"] == 2
     assert "averages in 2 fragments" in two["output"]  # the banner says so
     assert two["final_loss"] < 0.6 * _first_loss(two), (two["final_loss"], _first_loss(two))
     assert two["final_eval"] >= runs[1]["final_eval"] - 0.03
     assert len(set(two["final_digests"].values())) == 1 and len(two["final_digests"]) == 2
+    model = make_model()
+    load_model(model, stem)
+    assert model_digest(model) == two["final_digests"]["0"]
+    assert "checkpoint (final)" in two["output"]
     peak = {f: s["sync_bytes"]["peak_per_average"] for f, s in runs.items()}
     assert 0 < peak[2] <= 0.6 * peak[1], peak
 

@@ -212,8 +212,8 @@ class Group:
         averager = self.averager
         if self.rotation() is None or averager is None or self.at.world_size <= 1:
             return
-        if isinstance(averager, CollectiveAverager) and averager.group is None:
-            return
+        if isinstance(averager, CollectiveAverager) and (averager.group is None or self.announced_after(self.at.generation)):
+            return  # no group, or a Regroup crossed the Shutdown: the members are not one group to average in
         self.link.doing("average")
         try:
             if isinstance(averager, CpuAverager):
