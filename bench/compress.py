@@ -43,10 +43,11 @@ BACKENDS: dict[str, tuple[list[str], dict[str, str]]] = {
 }
 
 
-def run(backend: str, kind: str, seed: int, *, epochs: int, width: int, samples: int) -> dict:
+def run(backend: str, kind: str, seed: int, *, epochs: int, width: int, samples: int, extra: tuple[str, ...] = ()) -> dict:
+    """One run of ``backend`` with compression ``kind`` (``extra``: more flags, bench/fragments.py's)."""
     flags, env = BACKENDS[backend]
     args = ["--task", TASK, "--nproc-per-node", "2", "--epochs", str(epochs), "--seed", str(seed), "--dashboard-port", "-1"]
-    args += ["--no-progress", "--sync-compression", kind, *flags]
+    args += ["--no-progress", "--sync-compression", kind, *flags, *extra]
     env = {
         **os.environ,
         **env,
@@ -116,13 +117,15 @@ def main() -> None:
                     f"{summary['sync_bytes']['per_average']:,.0f} B per average"
                 )
         rows += rows_for(backend, runs)
-    report(
-        "compress",
-        rows,
-        note=f"bench/tasks/mlp.py task_with_eval, width {width}, {samples} samples, {epochs} epochs, 2 ranks, "
+    report("compress", rows, note=note(width, samples, epochs, seeds), results=smoke_results() if args.smoke else None)
+
+
+def note(width: int, samples: int, epochs: int, seeds: int) -> str:
+    """The table's note: the task, its size, how the backends ran (bench/fragments.py's too)."""
+    return (
+        f"bench/tasks/mlp.py task_with_eval, width {width}, {samples} samples, {epochs} epochs, 2 ranks, "
         f"means over {seeds} seed(s); collective: nccl-cadence --deterministic (gloo); cpu: cpu-sync, FLODL_SHM=off; "
-        f"load average {os.getloadavg()[0]:.1f} at the end",
-        results=smoke_results() if args.smoke else None,
+        f"load average {os.getloadavg()[0]:.1f} at the end"
     )
 
 
