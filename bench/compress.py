@@ -27,7 +27,9 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -36,6 +38,7 @@ from bench.common import Row, report, run_controller, size_parser, smoke_results
 
 TASK = f"{ROOT / 'bench' / 'tasks' / 'mlp.py'}:task_with_eval"
 KINDS = ("none", "bf16", "int8")
+C = TypeVar("C")  # a bench's case (a compression, a fragment count)
 #: backend -> (its flags, its environment)
 BACKENDS: dict[str, tuple[list[str], dict[str, str]]] = {
     "collective": (["--mode", "nccl-cadence", "--deterministic"], {}),
@@ -105,19 +108,35 @@ def main() -> None:
     seeds = args.seeds or (1 if args.smoke else 3)
     kinds = ("none", "int8") if args.smoke else KINDS
     backends = ("collective",) if args.smoke else tuple(BACKENDS)
+
+    def one(backend: str, kind: str, seed: int) -> dict:
+        return run(backend, kind, seed, epochs=epochs, width=width, samples=samples)
+
+    rows = sweep(backends, kinds, seeds, one, rows_for, lambda s: f"{s['sync_bytes']['per_average']:,.0f} B per average")
+    report("compress", rows, note=note(width, samples, epochs, seeds), results=smoke_results() if args.smoke else None)
+
+
+def sweep(
+    backends: Sequence[str],
+    cases: Sequence[C],
+    seeds: int,
+    one: Callable[[str, C, int], dict],
+    rows_for: Callable[[str, dict], list[Row]],
+    said: Callable[[dict], str],
+) -> list[Row]:
+    """Every case of every backend, each seed in turn (``one(backend, case, seed)``: a run's
+    summary, printed as its loss, eval and ``said(summary)``), into each backend's rows
+    (``rows_for(backend, {case: summaries})``)."""
     rows: list[Row] = []
     for backend in backends:
-        runs: dict[str, list[dict]] = {k: [] for k in kinds}
+        runs: dict[C, list[dict]] = {case: [] for case in cases}
         for seed in range(seeds):
-            for kind in kinds:
-                summary = run(backend, kind, seed, epochs=epochs, width=width, samples=samples)
-                runs[kind].append(summary)
-                print(
-                    f"  {backend} {kind} seed {seed}: loss {summary['final_loss']:.4f} eval {summary['final_eval']:.4f} "
-                    f"{summary['sync_bytes']['per_average']:,.0f} B per average"
-                )
+            for case in cases:
+                summary = one(backend, case, seed)
+                runs[case].append(summary)
+                print(f"  {backend} {case} seed {seed}: loss {summary['final_loss']:.4f} eval {summary['final_eval']:.4f} {said(summary)}")
         rows += rows_for(backend, runs)
-    report("compress", rows, note=note(width, samples, epochs, seeds), results=smoke_results() if args.smoke else None)
+    return rows
 
 
 def note(width: int, samples: int, epochs: int, seeds: int) -> str:

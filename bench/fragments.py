@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import Row, report, size_parser, smoke_results  # noqa: E402
-from bench.compress import BACKENDS, note, run  # noqa: E402
+from bench.compress import BACKENDS, note, run, sweep  # noqa: E402
 
 COUNTS = (1, 2, 4)
 
@@ -110,20 +110,13 @@ def main() -> None:
     seeds = args.seeds or (1 if args.smoke or args.quick else 3)
     counts = (1, 2) if args.smoke else COUNTS
     backends = ("collective",) if args.smoke else tuple(BACKENDS)
-    rows: list[Row] = []
-    for backend in backends:
-        runs: dict[int, list[dict]] = {f: [] for f in counts}
-        for seed in range(seeds):
-            for f in counts:
-                summary = fragmented(backend, f, seed, epochs=epochs, width=width, samples=samples)
-                runs[f].append(summary)
-                wire = summary["sync_bytes"]
-                print(
-                    f"  {backend} F={f} seed {seed}: loss {summary['final_loss']:.4f} eval {summary['final_eval']:.4f} "
-                    f"model's eval {summary['model_eval']:.4f} "
-                    f"peak {wire['peak_per_average']:,.0f} B, {wire['per_average']:,.0f} B per average"
-                )
-        rows += rows_for(backend, runs)
+
+    def said(summary: dict) -> str:
+        return f"model's eval {summary['model_eval']:.4f}, peak {summary['sync_bytes']['peak_per_average']:,.0f} B per average"
+
+    rows = sweep(
+        backends, counts, seeds, lambda b, f, seed: fragmented(b, f, seed, epochs=epochs, width=width, samples=samples), rows_for, said
+    )
     report("fragments", rows, note=note(width, samples, epochs, seeds), results=smoke_results() if args.smoke else None)
 
 
