@@ -51,6 +51,29 @@ def test_the_parameters_are_cut_in_equal_runs_and_the_model_is_unchanged():
     assert moved.min().item() == params[0].numel and moved.max().item() + 1 == params[0].numel + params[1].numel
 
 
+def test_the_rotation_goes_on_from_a_bundle_for_the_resumed_ranks_and_a_joiner_alike():
+    """Fragment k = (n + base) mod F. A resumed run's first average (n = 0) takes the fragment the
+    bundle's run would have averaged next; a rank joining it later reads the same stem: the
+    earlier run's bundle gives it the same base, and so does one this run saved over it since
+    (which names this run and holds its base, not its next fragment)."""
+    from flodl.rank.fragments import Rotation, position_counter
+
+    first = Rotation(3)
+    assert [first.of(n) for n in range(5)] == [0, 1, 2, 0, 1] and first.of(-1) is None
+    saved = first.state("run-a")
+    assert saved["sync_fragment_next"] == 2
+    resumed, joiner = Rotation(3), Rotation(3)
+    resumed.take(saved, "run-b")
+    joiner.take(saved, "run-b")  # joined before run-b saved: the stem still holds run-a's bundle
+    assert resumed.of(0) == joiner.of(0) == 2
+    assert resumed.of(7) == joiner.of(7) == 0
+    later = Rotation(3)
+    later.take(resumed.state("run-b"), "run-b")  # joined after run-b saved over the stem
+    assert later.of(7) == resumed.of(7) and later.of(8) == resumed.of(8)
+    assert Rotation(1).of(5) is None and Rotation(1).state("x") == {}
+    assert position_counter(3 << 16 | 2) == 5 and position_counter(-1) == -1
+
+
 # ------------------------------------------------------------------ real gloo ranks
 
 
