@@ -317,7 +317,7 @@ class DdpRunConfig:
         check=_count(1, optional=False),
         kind="int",
         help="Streamed fragments, both backends: each average exchanges 1/F of the parameters, the fragments in "
-        "rotation (contiguous groups of about equal bytes); the run ends on a full average (docs/fragments.md).",
+        "rotation (contiguous runs of equal length); the run ends on a full average (docs/fragments.md).",
     )
     save_path: str | None = _option(
         None,
