@@ -27,7 +27,9 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -36,6 +38,7 @@ from bench.common import Row, report, run_controller, size_parser, smoke_results
 
 TASK = f"{ROOT / 'bench' / 'tasks' / 'mlp.py'}:task_with_eval"
 KINDS = ("none", "bf16", "int8")
+C = TypeVar("C")  # a bench's case (a compression, a fragment count)
 #: backend -> (its flags, its environment)
 BACKENDS: dict[str, tuple[list[str], dict[str, str]]] = {
     "collective": (["--mode", "nccl-cadence", "--deterministic"], {}),
@@ -43,10 +46,11 @@ BACKENDS: dict[str, tuple[list[str], dict[str, str]]] = {
 }
 
 
-def run(backend: str, kind: str, seed: int, *, epochs: int, width: int, samples: int) -> dict:
+def run(backend: str, kind: str, seed: int, *, epochs: int, width: int, samples: int, extra: tuple[str, ...] = ()) -> dict:
+    """One run of ``backend`` with compression ``kind`` (``extra``: more flags, bench/fragments.py's)."""
     flags, env = BACKENDS[backend]
     args = ["--task", TASK, "--nproc-per-node", "2", "--epochs", str(epochs), "--seed", str(seed), "--dashboard-port", "-1"]
-    args += ["--no-progress", "--sync-compression", kind, *flags]
+    args += ["--no-progress", "--sync-compression", kind, *flags, *extra]
     env = {
         **os.environ,
         **env,
@@ -104,25 +108,43 @@ def main() -> None:
     seeds = args.seeds or (1 if args.smoke else 3)
     kinds = ("none", "int8") if args.smoke else KINDS
     backends = ("collective",) if args.smoke else tuple(BACKENDS)
+
+    def one(backend: str, kind: str, seed: int) -> dict:
+        return run(backend, kind, seed, epochs=epochs, width=width, samples=samples)
+
+    rows = sweep(backends, kinds, seeds, one, rows_for, lambda s: f"{s['sync_bytes']['per_average']:,.0f} B per average")
+    report("compress", rows, note=note(width, samples, epochs, seeds), results=smoke_results() if args.smoke else None)
+
+
+def sweep(
+    backends: Sequence[str],
+    cases: Sequence[C],
+    seeds: int,
+    one: Callable[[str, C, int], dict],
+    rows_for: Callable[[str, dict], list[Row]],
+    said: Callable[[dict], str],
+) -> list[Row]:
+    """Every case of every backend, each seed in turn (``one(backend, case, seed)``: a run's
+    summary, printed as its loss, eval and ``said(summary)``), into each backend's rows
+    (``rows_for(backend, {case: summaries})``)."""
     rows: list[Row] = []
     for backend in backends:
-        runs: dict[str, list[dict]] = {k: [] for k in kinds}
+        runs: dict[C, list[dict]] = {case: [] for case in cases}
         for seed in range(seeds):
-            for kind in kinds:
-                summary = run(backend, kind, seed, epochs=epochs, width=width, samples=samples)
-                runs[kind].append(summary)
-                print(
-                    f"  {backend} {kind} seed {seed}: loss {summary['final_loss']:.4f} eval {summary['final_eval']:.4f} "
-                    f"{summary['sync_bytes']['per_average']:,.0f} B per average"
-                )
+            for case in cases:
+                summary = one(backend, case, seed)
+                runs[case].append(summary)
+                print(f"  {backend} {case} seed {seed}: loss {summary['final_loss']:.4f} eval {summary['final_eval']:.4f} {said(summary)}")
         rows += rows_for(backend, runs)
-    report(
-        "compress",
-        rows,
-        note=f"bench/tasks/mlp.py task_with_eval, width {width}, {samples} samples, {epochs} epochs, 2 ranks, "
+    return rows
+
+
+def note(width: int, samples: int, epochs: int, seeds: int) -> str:
+    """The table's note: the task, its size, how the backends ran (bench/fragments.py's too)."""
+    return (
+        f"bench/tasks/mlp.py task_with_eval, width {width}, {samples} samples, {epochs} epochs, 2 ranks, "
         f"means over {seeds} seed(s); collective: nccl-cadence --deterministic (gloo); cpu: cpu-sync, FLODL_SHM=off; "
-        f"load average {os.getloadavg()[0]:.1f} at the end",
-        results=smoke_results() if args.smoke else None,
+        f"load average {os.getloadavg()[0]:.1f} at the end"
     )
 
 

@@ -216,6 +216,12 @@ def test_compress_bench_runs(tmp_path, proc_env):
     assert rows[("collective int8", "fewer bytes than none")]["value"] >= 3.5  # the bytes, whatever a toy run learns
 
 
+def test_fragments_bench_runs(tmp_path, proc_env):
+    out = run_smoke("fragments.py", "fragments", tmp_path, proc_env, timeout_s=110)
+    rows = {(r["case"], r["metric"]): r for r in out["rows"]}
+    assert rows[("collective F=2", "peak vs F=1")]["met"]  # the bytes, whatever a toy run learns
+
+
 def test_network_bench_runs(tmp_path, proc_env):
     out = run_smoke("-m bench.network", "network", tmp_path, proc_env, timeout_s=110)
     values = {(r["case"], r["metric"]): r["value"] for r in out["rows"]}

@@ -209,21 +209,9 @@ def test_a_joiner_takes_the_consensus_under_int8_and_trains(proc_env, tmp_path, 
     """A worker joins a running int8 run: it holds no anchor, so its first consensus must come
     whole (a broadcast, a collective average whose anchors disagree, a CPU round with a fresh
     source); it then trains, the run covers every sample, and the collective's replicas end equal."""
-    from .helpers.history import epoch_samples
-    from .test_growing import EPOCHS, Cluster
+    from .test_growing import grown
 
-    cluster = Cluster(
-        proc_env | env | ({"FLODL_INJECT_FAULT": fault} if fault else {}), tmp_path, mode, extra=["--sync-compression", "int8"]
-    )
-    cluster.worker("cpu", "cpu")
-    cluster.run.wait_for_line(f"epoch 1/{EPOCHS}", timeout=90)
-    cluster.worker("cpu", "cpu") if mode.startswith("cpu") else cluster.worker("cpu")
-    cluster.release_after(f"training with {4 if mode.startswith('cpu') else 3} rank(s)")
-    summary = cluster.finish()
-    assert epoch_samples(summary["history"]) == [512] * EPOCHS
-    joined = summary["joins"][0]["ranks"]
-    per_rank = {row["rank"]: row for row in summary["per_rank"]}
-    assert all(per_rank[r]["samples"] > 0 and per_rank[r]["sync_averages"] > 0 for r in joined)
+    summary = grown(proc_env, tmp_path, mode, env, fault, ["--sync-compression", "int8"])
     assert summary["final_eval"] > 0.7 and summary["sync_bytes"]["compression"] == "int8"
     digests = summary["final_digests"]  # one consensus on either backend (the CPU one lands its last round)
     assert len(set(digests.values())) == 1 and len(digests) == (4 if mode.startswith("cpu") else 2 if fault else 3)

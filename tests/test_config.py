@@ -113,6 +113,7 @@ SEED_DEFAULTS = {
     "outer_lr": None,
     "outer_momentum": None,
     "sync_compression": "none",
+    "sync_fragments": 1,
 }
 
 
@@ -196,6 +197,7 @@ BUILDERS = [
     ("with_outer_lr", (0.5,), "outer_lr", 0.5),
     ("with_outer_momentum", (0.9,), "outer_momentum", 0.9),
     ("with_sync_compression", ("int8",), "sync_compression", "int8"),
+    ("with_sync_fragments", (4,), "sync_fragments", 4),
     ("with_csv_log", ("run/metrics.csv",), "csv_log", "run/metrics.csv"),
     ("with_wandb_project", ("proj",), "wandb_project", "proj"),
     ("with_log_dir", ("run/logs",), "log_dir", "run/logs"),
@@ -365,6 +367,8 @@ BAD_VALUES = [
     ("relax_up", 0),
     ("sync_compression", "fp8"),
     ("sync_compression", 8),
+    ("sync_fragments", 0),
+    ("sync_fragments", 1.5),
 ]
 
 
@@ -608,6 +612,7 @@ def everything_set() -> DdpRunConfig:
         .with_average_weights("equal")
         .with_outer_optimizer("nesterov", lr=0.5, momentum=0.8)
         .with_sync_compression("int8")
+        .with_sync_fragments(2)
     )
 
 

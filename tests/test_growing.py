@@ -150,6 +150,22 @@ class Cluster:
                     proc.kill()
 
 
+def grown(proc_env, tmp_path, mode: str, env: dict, fault: str, extra: list[str]) -> dict:
+    """A run of one worker that a second worker joins after the first epoch (``fault``: injected
+    into the run's ranks; ``extra``: run options): its summary, once every sample was trained
+    exactly once and every joined rank trained and averaged."""
+    cluster = Cluster(proc_env | env | ({"FLODL_INJECT_FAULT": fault} if fault else {}), tmp_path, mode, extra=extra)
+    cluster.worker("cpu", "cpu")
+    cluster.run.wait_for_line(f"epoch 1/{EPOCHS}", timeout=90)
+    cluster.worker("cpu", "cpu") if mode.startswith("cpu") else cluster.worker("cpu")
+    cluster.release_after(f"training with {4 if mode.startswith('cpu') else 3} rank(s)")
+    summary = cluster.finish()
+    assert epoch_samples(summary["history"]) == [512] * EPOCHS
+    per_rank = {row["rank"]: row for row in summary["per_rank"]}
+    assert all(per_rank[r]["samples"] > 0 and per_rank[r]["sync_averages"] > 0 for r in summary["joins"][0]["ranks"])
+    return summary
+
+
 def test_relayed_hosts_train_and_a_relayed_joiner_takes_the_consensus(proc_env, tmp_path):
     """cpu-cadence with host relays (forced on this one machine): a 2-rank worker pre-averages
     its ranks; a second 2-rank worker joins mid-run through its own relay."""

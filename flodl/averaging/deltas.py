@@ -40,18 +40,21 @@ class Downlink:
     def __init__(self) -> None:
         self.consensus: dict[int, torch.Tensor] = {}  # bucket -> float32 values every rank holds as its anchor
         self.residual: dict[int, torch.Tensor] = {}
-        self.fresh: set[int] = set()  # sources admitted that no completed average has reached yet
+        # sources admitted that not every compressed bucket reached whole yet, and the buckets that
+        # did (``--sync-fragments``: a round carries one fragment's, so a joiner's take several)
+        self.fresh: dict[int, set[int]] = {}
 
     def admitted(self, source: int) -> None:
-        """``source`` joins: the first average it takes part in hands out the values whole."""
-        self.fresh.add(source)
+        """``source`` joins: the averages it takes part in hand out the values whole, until every
+        compressed bucket went out whole to it once."""
+        self.fresh[source] = set()
 
     def dtypes(self, rnd: Round) -> list[str]:
         """The layout round ``rnd``'s averages go out in (decided once, at its first slice): its own,
         or, with a fresh source among the expected ones, every compressed bucket whole."""
         out = rnd.out_dtypes
         if out is None:
-            whole = bool(rnd.expected & self.fresh)
+            whole = bool(rnd.expected & self.fresh.keys())
             encoded = [i for i, d in enumerate(rnd.dtypes) if d in BY_WIRE_NAME]
             if whole and any(i not in self.consensus for i in encoded):
                 log.error("round %d: a rank joined, but no whole average was seen to take its values from; it gets deltas", rnd.number)
@@ -60,8 +63,14 @@ class Downlink:
         return out
 
     def done(self, rnd: Round) -> None:
-        """Round ``rnd``'s average went out: its sources hold the consensus now."""
-        self.fresh -= rnd.expected
+        """Round ``rnd``'s average went out: its sources hold the consensus of its buckets now (a
+        source holds the whole consensus once every compressed bucket came to it)."""
+        encoded = {i for i, d in enumerate(rnd.dtypes) if d in BY_WIRE_NAME}
+        carried = {i for i in encoded if rnd.numels[i] > 0}
+        for source in rnd.expected & self.fresh.keys():
+            self.fresh[source] |= carried
+            if self.fresh[source] >= encoded:
+                del self.fresh[source]
 
     def seen(self, rnd: Round, bucket: int, start: int, out: torch.Tensor) -> None:
         """A slice of parameter values went out (a round of values: the first broadcast): as the

@@ -219,6 +219,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         *("divergence_threshold", "no_divergence_guard", "convergence_guard", "partition_ratios", "easgd_alpha"),
         *("meta_controller", "relax_up", "progressive_dispatch", "max_grad_norm", "lr_scale_ratio", "lr_scale_on"),
         *("average_weights", "outer_optimizer", "outer_lr", "outer_momentum", "sync_compression"),
+        *("sync_fragments",),
         *("eval_every_epochs", "epoch_callback_policy", "deterministic"),
     ),
     "fault tolerance and checkpoints": (

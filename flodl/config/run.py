@@ -312,6 +312,13 @@ class DdpRunConfig:
         "the last average in bfloat16 (bf16) or in int8 with a scale per block of 256 (int8), each rank keeping what "
         "compression left out for its next average (docs/compression.md).",
     )
+    sync_fragments: int = _option(
+        1,
+        check=_count(1, optional=False),
+        kind="int",
+        help="Streamed fragments, both backends: each average exchanges 1/F of the parameters, the fragments in "
+        "rotation (contiguous runs of equal length); the run ends on a full average (docs/fragments.md).",
+    )
     save_path: str | None = _option(
         None,
         check=_text,
@@ -653,6 +660,10 @@ class DdpRunConfig:
         """``none``, ``bf16`` or ``int8``: how an average's parameters travel (docs/compression.md)."""
         return self._replace(sync_compression=kind)
 
+    def with_sync_fragments(self, fragments: int) -> DdpRunConfig:
+        """How many fragments an average rotates through (1: the whole model each time; docs/fragments.md)."""
+        return self._replace(sync_fragments=fragments)
+
     def with_tensorboard_dir(self, directory: str | os.PathLike[str] | None) -> DdpRunConfig:
         return self._replace(tensorboard_dir=directory)
 
@@ -884,6 +895,7 @@ AVAILABLE_FIELDS: frozenset[str] = frozenset(
         "outer_momentum",
         # compressed syncs (docs/compression.md)
         "sync_compression",
+        "sync_fragments",
         # the data plane
         "augment",
         "epoch_splits",

@@ -102,6 +102,8 @@ def averaging_line(config: DdpRunConfig) -> str | None:
         parts.append(f"outer optimizer {outer.kind} (rate {outer.lr:g}, momentum {outer.momentum:g})")
     if config.sync_compression != "none":
         parts.append(f"{config.sync_compression}-compressed averages (parameter deltas, error feedback; docs/compression.md)")
+    if config.sync_fragments > 1:
+        parts.append(f"averages in {config.sync_fragments} fragments, in rotation (the last takes all; docs/fragments.md)")
     return "; ".join(parts) or None
 
 
@@ -385,11 +387,16 @@ class Controller:
             training.request_eval(total_epochs - 1)
         if training.evals_on:
             await run.until(lambda: total_epochs - 1 in training.evals, self.ctx.launch.eval_timeout_secs, "the final eval")
-        if self.ctx.checkpoints.stem:
+        final_save = None
+        if self.ctx.checkpoints.stem and self.ctx.config.sync_fragments > 1:
+            # fragments: the replicas are one consensus only after the Shutdown's full average, so
+            # the final bundle is written on the way out, after it (docs/fragments.md)
+            final_save = self.saving.final_on_shutdown()
+        elif self.ctx.checkpoints.stem:
             await self.saving.checkpoint("final", call_fn=False, wait=True)
         run.mark_finished()
         training.flush_epoch_lines()
-        await self.teardown.shutdown_peers()
+        await self.teardown.shutdown_peers(final_save)
         training.flush_epoch_lines(over=True)  # script mode: the last epoch's ends came before the scripts' Exiting
         if self.ctx.checkpoints.stem and not self.ctx.checkpoints.saved("final"):
             # trained, but the bundle on disk is not what it trained: not a success (docs/fault-tolerance.md)

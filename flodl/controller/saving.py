@@ -85,6 +85,14 @@ class Saving:
         self.shutdown_save = (self.ctx.checkpoints.stem, rank, tag)
         self.ctx.run.fail(message, code)
 
+    def final_on_shutdown(self) -> tuple[str, int, str]:
+        """The final bundle, written by the elected rank on its way out, after the clean end's full
+        average (``--sync-fragments``: docs/fragments.md); ``(stem, rank, tag)`` for the Shutdown."""
+        self._remind_shared_storage()
+        rank = self.training.eval_rank()
+        tag = self.ctx.checkpoints.request_shutdown_save(rank=rank, reason="final", meta=self._trajectory())
+        return self.ctx.checkpoints.stem, rank, tag
+
     def on_signal(self, sig: int) -> None:
         """Ctrl-C / SIGTERM: stop, keeping the work where there is some; the message says which
         (an interrupt is the user's choice, told as information, not an error)."""

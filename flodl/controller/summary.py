@@ -38,7 +38,8 @@ def sync_bytes(config_kind: str, per_rank: dict[int, dict[str, int]]) -> dict:
     """What the run's averages put on the network (docs/compression.md): each rank's bytes sent and
     received and its averages, as its last report counted them (a collective's by a ring's count),
     the consensus broadcasts apart (``broadcast``: the start, joins), and ``per_average``: the
-    bytes every rank sends for one average, summed over the ranks."""
+    bytes every rank sends for one average, summed over the ranks; ``peak_per_average``: the most
+    one average sent, summed likewise."""
     ranks = {r: row for r, row in per_rank.items() if row.get("sync_averages")}
     return {
         "compression": config_kind,
@@ -46,6 +47,8 @@ def sync_bytes(config_kind: str, per_rank: dict[int, dict[str, int]]) -> dict:
         "received": sum(row.get("sync_recv_bytes", 0) for row in ranks.values()),
         "broadcast": sum(row.get("sync_broadcast_bytes", 0) for row in ranks.values()),
         "per_average": sum(row.get("sync_sent_bytes", 0) / row["sync_averages"] for row in ranks.values()) if ranks else None,
+        # the most one average sent, summed over the ranks (``--sync-fragments``: a fragment's; docs/fragments.md)
+        "peak_per_average": sum(row.get("sync_peak_bytes", 0) for row in ranks.values()) if ranks else None,
     }
 
 

@@ -113,14 +113,17 @@ class Teardown:
                 if info is not None and not info.identity and info.exit_code is None:
                     self.ctx.plane.send(m.Fence(rank=rank, reason="the run stopped before it joined"), worker.identity)
 
-    async def shutdown_peers(self) -> None:
-        """Clean end: Shutdown to everyone, then wait (bounded) for them to leave."""
+    async def shutdown_peers(self, save: tuple[str, int, str] | None = None) -> None:
+        """Clean end: Shutdown to everyone, then wait (bounded) for them to leave; ``save``: the
+        final bundle's ``(stem, rank, tag)``, written by that rank on its way out (a ShutdownWithSave
+        of a run that did not fail: ``--sync-fragments``, whose last average is the Shutdown's)."""
         self.ctx.run.to(Phase.SHUTTING_DOWN)
         # a rank still starting (a late worker's, a healing restart) would not hear the Shutdown
         # until it said hello: its worker would wait out its whole grace period for it
         self.admission.drop_all_joiners("the run ended before it joined")
-        self._broadcast_shutdown(m.Shutdown(reason="run complete", abort=False))
-        await self._wait_peers_gone(SHUTDOWN_WAIT_S)
+        reason = "run complete"
+        self._broadcast_shutdown(m.ShutdownWithSave(reason, False, *save) if save else m.Shutdown(reason=reason, abort=False))
+        await self._wait_peers_gone(SHUTDOWN_WAIT_S + (CHECKPOINT_WAIT_S if save else 0.0))
         self.ctx.run.to(Phase.DONE)
 
     async def abort(self, exc: RunAborted) -> None:

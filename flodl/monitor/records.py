@@ -42,6 +42,7 @@ RES_REDUCTIONS: Mapping[str, Reduction] = {
     "sync_recv_bytes": Reduction.SUM,
     "sync_averages": Reduction.MAX,
     "sync_broadcast_bytes": Reduction.SUM,
+    "sync_peak_bytes": Reduction.SUM,  # each rank's most for one average, summed: what one average can put on the links
 }
 
 #: Alert classes and the severity every record of the class carries.

@@ -26,8 +26,9 @@ class Averager(Protocol):
         """What its averages put on the network (bytes sent and received, averages)."""
         ...
 
-    def average(self, weight: float, *, measure: bool = False, block: bool = True, tag: int = -1) -> Averaged:
-        """Average this replica with the others (``weight``: batches trained since the last)."""
+    def average(self, weight: float, *, measure: bool = False, block: bool = True, tag: int = -1, final: bool = False) -> Averaged:
+        """Average this replica with the others (``weight``: batches trained since the last;
+        ``final``: the run's last, of every fragment, with ``--sync-fragments``)."""
         ...
 
     def broadcast_from(self, root: int = 0) -> None:

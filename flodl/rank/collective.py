@@ -28,7 +28,11 @@ rank trains on, and when it completes the result lands at a batch boundary as
     local ← (local − snapshot) + average
 
 so a fast rank never waits at the barrier for a slow one, and the progress made
-meanwhile is kept. With no step in between this is exactly ``local ← average``
+meanwhile is kept.
+
+With ``--sync-fragments F`` an average takes only its fragment's buckets
+(fragments.py: which one, from the average's position); the others are
+neither sent nor touched, and keep each rank's own values until their turn. With no step in between this is exactly ``local ← average``
 (the subtraction gives exact zeros), so replicas that stop training together
 end bit-identical. A background average that fails (a peer died) is dropped:
 the live values were never touched, so there is nothing to restore.
@@ -51,6 +55,7 @@ import torch.distributed as dist
 from ..wire.quant import Codec
 from .compressed import Deltas, Exchange
 from .flat import PARAMS, Averaged, FlatModel, WireTally, drift
+from .fragments import Rotation, position_counter
 from .outer import OuterStep
 
 log = logging.getLogger(__name__)
@@ -209,8 +214,13 @@ class _Background:
 
     @property
     def works(self) -> list[Any]:
-        """The collectives in flight, every job's."""
-        return [w for job in self.jobs for w in job.works]
+        """The collectives in flight, every job's (None: a bucket outside the average's fragment)."""
+        return [w for job in self.jobs if job is not None for w in job.works]
+
+    @property
+    def extra(self) -> int:
+        """Bytes of the broadcasts its exchanges needed."""
+        return sum(job.extra for job in self.jobs if job is not None)
 
 
 class CollectiveAverager:
@@ -240,6 +250,7 @@ class CollectiveAverager:
         *,
         adopting: bool = False,
         compression: Codec | None = None,
+        fragments: int = 1,
     ) -> None:
         self.flat = flat
         self._group = group
@@ -272,6 +283,10 @@ class CollectiveAverager:
         self.equal_weights = False
         # ``--sync-compression``: parameter buckets travel as compressed deltas from an anchor (compressed.py)
         self.deltas = Deltas(compression) if compression is not None else None
+        # ``--sync-fragments``: which fragment each average takes (fragments.py); a joiner adopting
+        # takes the consensus fragment by fragment, and holds it once every parameter bucket came
+        self.rotation = Rotation(fragments)
+        self._adopted: set[int] = set()
         self.wire = WireTally()  # bytes this rank's averages sent (a ring's count) and received
 
     @property
@@ -399,6 +414,7 @@ class CollectiveAverager:
         if self.deltas is not None and self.flat is not None:
             self.deltas.rebase(self.flat.buckets)  # every replica holds these values: the anchor
         self.adopting = False
+        self._adopted.clear()
 
     # ------------------------------------------------------- a donor's state (handoff.py)
 
@@ -485,13 +501,19 @@ class CollectiveAverager:
 
     def adopt_next(self) -> None:
         """Take the next average whole, adding nothing to it: the others completed an average
-        this rank lost, and their consensus is the next one's result."""
+        this rank lost, and their consensus is the next one's result (with fragments: the next
+        averages, until every fragment came)."""
         self.adopting = True
+        self._adopted.clear()
+
+    def _adopted_all(self) -> bool:
+        """Every parameter bucket came in an average since adopting began (one average without fragments)."""
+        return all(i in self._adopted for i, b in enumerate(self._model.buckets) if b.group == PARAMS)
 
     def flatten(self, model: torch.nn.Module) -> None:
         """Average ``model`` from now on (a run that started alone and just grew: not flat yet)."""
         if self.flat is None:
-            self.flat = FlatModel(model)
+            self.flat = FlatModel(model, self.rotation.fragments)
 
     # ------------------------------------------------------- background averages
 
@@ -535,7 +557,7 @@ class CollectiveAverager:
         try:
             while bg.done < len(bg.jobs):
                 job = bg.jobs[bg.done]
-                for work in list(job.works):
+                for work in list(job.works) if job is not None else []:
                     if not work.is_completed():
                         done = threading.Event()
                         work.get_future().add_done_callback(lambda _, done=done: done.set())
@@ -545,7 +567,7 @@ class CollectiveAverager:
                 with bg.lock:
                     if bg.cancelled:
                         return
-                    if job.advance():
+                    if job is None or job.advance():
                         bg.done += 1
         except BaseException as exc:  # handed to the training thread at its next poll or settle
             bg.error = exc
@@ -559,6 +581,9 @@ class CollectiveAverager:
         still running). True once every job is done."""
         while bg.done < len(bg.jobs):
             job = bg.jobs[bg.done]
+            if job is None:  # outside the average's fragment
+                bg.done += 1
+                continue
             if wait is not None:
                 for work in job.works:
                     wait(work)
@@ -598,10 +623,13 @@ class CollectiveAverager:
         self._background = None
         pre_all, post_all = [], []
         kept = []
-        self.wire.add(sum(job.extra for job in bg.jobs))  # a broadcast the exchange needed (its phases: at launch)
+        self.wire.add(bg.extra)  # a broadcast the exchange needed (its phases: at launch)
         try:
             with torch.no_grad():
                 for index, (bucket, pre, send, job) in enumerate(zip(self._model.buckets, bg.snapshot, bg.sends, bg.jobs, strict=False)):
+                    if job is None:  # another fragment's: this rank's own values stay
+                        kept.append(False)
+                        continue
                     compressed = isinstance(job, Exchange)
                     total = job.total if compressed else float(send[bucket.numel :].item())
                     if self.aborted:
@@ -639,13 +667,16 @@ class CollectiveAverager:
         with bg.lock:  # its progress thread launches nothing more: what runs now is all that will
             bg.cancelled = True
             running = [w for w in bg.works if not w.is_completed()]
-        self.wire.add(sum(job.extra for job in bg.jobs))
+        self.wire.add(bg.extra)
         if running:
             self._graveyard.extend((self._group, w) for w in running)
             self._sends = None
 
-    def _launch(self, group: dist.ProcessGroup, backup: list[torch.Tensor], weight: float, measure: bool, tag: int) -> Averaged:
-        """Start the average in the background on ``group`` from a snapshot of the values (into ``backup``)."""
+    def _launch(
+        self, group: dist.ProcessGroup, backup: list[torch.Tensor], weight: float, measure: bool, tag: int, chosen: list[bool]
+    ) -> Averaged:
+        """Start the average in the background on ``group`` from a snapshot of the values (into
+        ``backup``), of the buckets ``chosen`` (its fragment's)."""
         start = time.perf_counter()
         buckets = self._model.buckets
         if self._sends is None:
@@ -658,14 +689,17 @@ class CollectiveAverager:
                 bucket.copy_in()
                 w = weight if bucket.group == PARAMS else (1.0 if weight > 0 else 0.0)
                 pre.copy_(bucket.values)
+                if not chosen[index]:
+                    jobs.append(None)
+                    continue
                 if self.deltas is not None and self.deltas.compressed(bucket):
                     jobs.append(Exchange(group, self.deltas, index, bucket.values, w, out=send[: bucket.numel]))
                     continue
                 torch.mul(bucket.values, w, out=send[: bucket.numel])
                 send[bucket.numel :].fill_(w)
                 jobs.append(_Reduce(group.allreduce([send]), ring_bytes(send, world)))
-        self.wire.averages += 1
-        self.wire.add(sum(job.sent for job in jobs))  # a background average's bytes are counted as it starts
+        self.wire.begin()
+        self.wire.add(sum(job.sent for job in jobs if job is not None))  # a background average's bytes are counted as it starts
         bg = self._background = _Background(jobs, self._sends, backup, measure, weight, tag)
         if any(isinstance(job, Exchange) for job in jobs):
             bg.finished = threading.Event()
@@ -710,8 +744,12 @@ class CollectiveAverager:
 
     # ------------------------------------------------------------------ average
 
-    def average(self, weight: float, *, measure: bool = False, block: bool = True, tag: int = -1) -> Averaged:
-        """Replace every replica's tensors by the weighted average (``tag``: the caller's name for it).
+    def average(self, weight: float, *, measure: bool = False, block: bool = True, tag: int = -1, final: bool = False) -> Averaged:
+        """Replace every replica's tensors by the weighted average (``tag``: the caller's name for
+        it, and with ``--sync-fragments`` the place that picks its fragment: fragments.py).
+
+        ``final``: the run's last average (a clean end with fragments): every fragment, a plain
+        mean of the replicas (no outer step), so the run ends on one consensus.
 
         ``block=False`` (a window's end in Cadence and Async) starts it in the
         background and returns at once; it lands at a later ``poll``/``settle``
@@ -734,13 +772,14 @@ class CollectiveAverager:
         self._kept = None  # the buffers the landed result lies in are reused from here
         if self.backup is None:  # allocated once: an average must not allocate a model each time
             self.backup = [torch.empty_like(b.values) for b in self._model.buckets]
+        chosen = self._model.chosen(None if final else self.rotation.of(position_counter(tag)))
         if not block and not self.adopting:
-            return self._launch(self.group, self.backup, weight, measure, tag)
+            return self._launch(self.group, self.backup, weight, measure, tag, chosen)
         collective_ms = 0.0  # what ElChe weighs against compute: the collective, not our bookkeeping
         pre_all, post_all = [], []
         landed = True  # every parameter bucket came back as the others' weighted average
         stepped = False  # the outer step took this average
-        self.wire.averages += 1
+        self.wire.begin()
         world = self.group.size()
         with torch.no_grad():
             for index, (bucket, pre) in enumerate(zip(self._model.buckets, self.backup, strict=False)):
@@ -751,6 +790,8 @@ class CollectiveAverager:
                 # dies mid-collective, and for a zero-weight rank if nobody trained
                 pre.copy_(values)
                 self._backed_up += 1
+                if not chosen[index]:
+                    continue  # another fragment's: this rank's own values stay
                 start = time.perf_counter()
                 exchange = None
                 if self.deltas is not None and self.deltas.compressed(bucket):
@@ -778,7 +819,9 @@ class CollectiveAverager:
                 if total > 0:
                     if exchange is None:
                         values.div_(total)
-                    if not self.adopting:  # a joiner's adoption is the others' consensus, their step in it
+                    if self.adopting:
+                        self._adopted.add(index)
+                    elif not final:  # a joiner's adoption is the others' consensus, their step in it
                         stepped = self._outer_step(index, values, total) or stepped
                     if exchange is not None and self.deltas is not None:
                         self.deltas.landed(index, values, exchange)
@@ -791,7 +834,7 @@ class CollectiveAverager:
                     post_all.append(values)
         if stepped and self.outer is not None:
             self.outer.round_done()
-        if self.adopting and landed and weight == 0:
+        if self.adopting and landed and weight == 0 and self._adopted_all():
             self.adopting = False  # we added nothing, so what came back is the others' consensus
             if self.outer is not None:
                 self.outer.rebase(self._values())

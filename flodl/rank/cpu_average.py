@@ -26,6 +26,12 @@ same number of averages per window), so round ``n`` of one rank meets round
 With ``--sync-compression`` parameter buckets travel as compressed deltas from
 an anchor (cpu_deltas.py), always as frames (the lane saves no bytes of a
 wire), one round in flight.
+
+With ``--sync-fragments F`` a round carries only its fragment's buckets
+(fragments.py: which one, from the round number): the layout names every
+bucket, the others with no elements, so the controller and relays average the
+round as they do any other; snapshots go as frames (the lane's in-place rounds
+read whole models, and saves no network bytes anyway).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from ..wire.codec import FrameReader, FrameWriter
 from ..wire.quant import Codec
 from .cpu_deltas import SnapshotDeltas
 from .flat import PARAMS, Averaged, FlatModel, WireTally
+from .fragments import Rotation
 from .outer import OuterStep
 from .state_lane import StateIn, StateOut
 
@@ -174,6 +181,11 @@ class _Pending:
     sq: list[float]  # running ‖pre‖², ‖post‖², ‖pre − post‖² over parameter slices
     tag: int = -1  # the caller's name for this average (the rank's window << 16 | round)
     overwrite: bool = False  # its result replaces the values whole (a broadcast, an adoption): no outer step
+    chosen: list[bool] | None = None  # the buckets the round carries (its fragment's; None: all)
+    total: int = 0  # elements of the whole average (``left`` when none was applied yet)
+
+    def __post_init__(self) -> None:
+        self.total = self.left
 
 
 class CpuAverager:
@@ -231,7 +243,11 @@ class CpuAverager:
         self.adopted_ranks = 0  # ``Update.ranks`` of the average this joiner adopted
         # ``--sync-compression``: parameter buckets travel as compressed deltas, as frames (cpu_deltas.py)
         self.deltas = SnapshotDeltas(compression, flat.buckets) if compression is not None else None
-        if self.deltas is not None:
+        # ``--sync-fragments``: which fragment each round carries (fragments.py); a joiner adopting
+        # takes the consensus fragment by fragment, and holds it once every parameter bucket came
+        self.rotation = Rotation(flat.fragments)
+        self._adopted: set[int] = set()
+        if self.deltas is not None or self.rotation.active:
             bulk.use_frames()
         if bulk.lane:
             self._take_lane()
@@ -262,14 +278,23 @@ class CpuAverager:
         """A joiner: its donor's state comes with round ``round_``, the one it adopts."""
         self.state_in.expect(round_)
 
-    def average(self, weight: float, *, measure: bool = False, block: bool = True, overwrite: bool = False, tag: int = -1) -> Averaged:
+    def average(
+        self, weight: float, *, measure: bool = False, block: bool = True, overwrite: bool = False, tag: int = -1, final: bool = False
+    ) -> Averaged:
         """Send this replica's snapshot; with ``block`` wait until the average is applied.
+
+        With ``--sync-fragments`` the round carries its fragment's buckets (a broadcast, and the
+        ``final`` average of a clean end, every one: the latter a plain mean, no outer step).
 
         Raises:
             DeadlineExceeded: no complete update for this round within the timeout.
         """
         start = time.perf_counter()
+        # chosen before an adopting joiner's overwrite below: its round's layout is the members'
+        chosen = self.flat.chosen(None if overwrite or final else self.rotation.of(self.round - 1))  # round 0: the first broadcast
         adopt = self.adopting
+        if final:
+            measure, block, overwrite = False, True, True
         if adopt:
             weight, measure, block, overwrite = 0.0, False, True, True
         buckets = self.flat.buckets
@@ -277,8 +302,9 @@ class CpuAverager:
         if self.deltas is not None:
             self.settle()  # one round in flight: every rank's anchor is the consensus of the last one
             dtypes = self.deltas.dtypes(buckets, whole=overwrite and not adopt)  # a broadcast goes whole
-        layout = dict(groups=[b.group for b in buckets], dtypes=dtypes, numels=[b.numel for b in buckets])
-        self.wire.averages += 1
+        numels = [b.numel if c else 0 for b, c in zip(buckets, chosen, strict=True)]
+        layout = dict(groups=[b.group for b in buckets], dtypes=dtypes, numels=numels)
+        self.wire.begin()
         handing, passed = self.state_out.take(self.round)
         for round_ in passed:
             self.state_out.send(round_, None)
@@ -290,7 +316,7 @@ class CpuAverager:
             state = self.state_out.capture()
         seg = self.segment
         if seg is None or not self._send_on_lane(seg, weight, layout, measure=measure, block=block, overwrite=overwrite):
-            self._send_frames(weight, layout, measure=measure, block=block, overwrite=overwrite)
+            self._send_frames(weight, layout, measure=measure, block=block, overwrite=overwrite, chosen=chosen)
         mine = self.round - 1
         if handing:
             self.state_out.send(mine, state)  # after the snapshot: the round is not held up by it
@@ -396,7 +422,7 @@ class CpuAverager:
         self.poll()
         return True
 
-    def _send_frames(self, weight: float, layout: dict, *, measure: bool, block: bool, overwrite: bool) -> None:
+    def _send_frames(self, weight: float, layout: dict, *, measure: bool, block: bool, overwrite: bool, chosen: list[bool]) -> None:
         """The snapshot as frames on the socket (the controller is on another host)."""
         buckets = self.flat.buckets
         if block and not measure:
@@ -414,7 +440,7 @@ class CpuAverager:
         encoded = [d != dtype_name(b.flat.dtype) for d, b in zip(layout["dtypes"], buckets, strict=True)]
         host = [t if t.device.type == "cpu" or enc else t.to("cpu") for t, enc in zip(src, encoded, strict=True)]
         mine = self.round
-        self.pending[mine] = _Pending(snap, sum(b.numel for b in buckets), measure, [0.0, 0.0, 0.0], overwrite=overwrite)
+        self.pending[mine] = _Pending(snap, sum(layout["numels"]), measure, [0.0, 0.0, 0.0], overwrite=overwrite, chosen=chosen)
         self.round += 1
         for bucket, first, count in slices(layout["numels"], [itemsize(d) for d in layout["dtypes"]]):
             header = m.Snapshot(
@@ -446,12 +472,17 @@ class CpuAverager:
         self.aborted += 1
         del self.pending[update.round]
 
-    def _keep(self, bucket: int, seg: slice, avg: torch.Tensor, *, first: bool) -> None:
-        """Keep a blended round's slice of the average as it came (``scoring`` puts it back)."""
-        if first:
-            self.kept_tag = -1  # being written over: no longer the last round's whole average
+    def _keep(self, bucket: int, seg: slice, avg: torch.Tensor, pending: _Pending) -> None:
+        """Keep a blended round's slice of the average as it came (``scoring`` puts it back); the
+        buckets of other fragments as the snapshot held them (the model that average left)."""
         if self._kept is None:
             self._kept = [torch.empty_like(b.values) for b in self.flat.buckets]
+        if pending.left == pending.total:  # its first slice
+            self.kept_tag = -1  # being written over: no longer the last round's whole average
+            if pending.chosen is not None and pending.snap is not None:
+                for index, taken in enumerate(pending.chosen):
+                    if not taken:
+                        self._kept[index].copy_(pending.snap[index])
         self._kept[bucket][seg].copy_(avg)
 
     def wait_for_tag(self, tag: int) -> None:
@@ -524,6 +555,10 @@ class CpuAverager:
                         bucket.copy_out()
             self.outer.round_done()
 
+    def _adopted_all(self) -> bool:
+        """Not adopting, or every parameter bucket came whole since (one round without fragments)."""
+        return not self.adopting or all(i in self._adopted for i, b in enumerate(self.flat.buckets) if b.group == PARAMS)
+
     def settle(self) -> None:
         """Wait (bounded) until every round sent has its average applied."""
         for round_ in sorted(self.pending):
@@ -583,8 +618,9 @@ class CpuAverager:
                 values.copy_(avg)
                 if self.adopting:
                     self.adopted_ranks = update.ranks
+                    self._adopted.add(update.bucket)
             else:
-                self._keep(update.bucket, seg, avg, first=pending.left == sum(b.numel for b in self.flat.buckets))
+                self._keep(update.bucket, seg, avg, pending)
                 s = pending.snap[update.bucket][seg]
                 if pending.measure and bucket.group == PARAMS:
                     pending.sq[0] += float(s.norm()) ** 2
@@ -606,9 +642,11 @@ class CpuAverager:
             if self.outer is not None and not pending.overwrite and not self.adopting:
                 self.outer.round_done()
             if pending.snap is None and pending.overwrite and self.outer is not None:
-                self.outer.rebase([b.values for b in self.flat.buckets])  # the consensus, set whole: the next anchor
-            if pending.snap is None:
-                self.adopting = False  # a whole average landed: this replica holds the consensus
+                # the consensus, set whole (of the round's buckets): the next anchor
+                self.outer.rebase([b.values for b in self.flat.buckets], only=pending.chosen)
+            if pending.snap is None and self._adopted_all():
+                self.adopting = False  # a whole average landed (every fragment's): this replica holds the consensus
+                self._adopted.clear()
             pre_sq, post_sq, diff_sq = pending.sq
             post = post_sq**0.5
             self.last_drift = ((diff_sq**0.5) / post if post > 1e-10 else None, pre_sq**0.5, post)

@@ -77,11 +77,12 @@ class OuterStep:
         """A whole average was stepped (every bucket, every slice)."""
         self.steps += 1
 
-    def rebase(self, values: Sequence[torch.Tensor]) -> None:
-        """The consensus was set from outside the step (a broadcast, a joiner's adoption): it is the anchor now."""
+    def rebase(self, values: Sequence[torch.Tensor], only: Sequence[bool] | None = None) -> None:
+        """The consensus was set from outside the step (a broadcast, a joiner's adoption): it is the
+        anchor now (``only``: of these buckets, an average of one fragment's; None: all)."""
         with torch.no_grad():
-            for anchor, v, p in zip(self.anchor, values, self.params, strict=True):
-                if p:
+            for i, (anchor, v, p) in enumerate(zip(self.anchor, values, self.params, strict=True)):
+                if p and (only is None or only[i]):
                     anchor.copy_(v.detach())
 
     # ------------------------------------------------------------ state

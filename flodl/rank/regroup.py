@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +40,7 @@ from ..wire.quant import codec
 from .collective import CollectiveAverager, Superseded, build_group
 from .cpu_average import CpuAverager
 from .flat import PARAMS, Averaged, FlatModel
+from .fragments import Rotation
 from .joining import cpu_averager, first_group
 from .outcomes import Stop, is_collective_error
 from .outer import OuterConfig, OuterStep
@@ -114,6 +115,7 @@ class Group:
                 superseded=self.group_broken,
                 adopting=welcome.late,
                 compression=codec(run.config.sync_compression),
+                fragments=run.config.sync_fragments,
             )
             self.at = dataclasses.replace(self.at, peers=frozenset(range(welcome.world_size)) if group is not None else frozenset())
             # NCCL: break a hang on a dead peer (a regroup that only adds ranks leaves every collective able to finish)
@@ -185,6 +187,44 @@ class Group:
             raise CheckpointError(f"the bundle's outer optimizer state: {exc}") from None
         step.steps = steps
         self.ctx.probes.observe("resumed", lambda: dict(step.tensors()))
+
+    def rotation(self) -> Rotation | None:
+        """Where ``--sync-fragments``' rotation stands (fragments.py); None without fragments."""
+        averager = self.averager
+        rotation = averager.rotation if isinstance(averager, (CollectiveAverager, CpuAverager)) else None
+        return rotation if rotation is not None and rotation.active else None
+
+    def fragment_state(self) -> dict[str, Any]:
+        """What a bundle keeps of the rotation (fragments.py ``Rotation.state``; empty without fragments)."""
+        rotation = self.rotation()
+        return rotation.state(self.ctx.env.run_id) if rotation is not None else {}
+
+    def resume_fragments(self, train_state: dict[str, Any]) -> None:
+        """A resumed run (or a rank joining one): go on with the bundle's rotation, so this rank's
+        averages take the fragments the other members' take (fragments.py ``Rotation.take``)."""
+        rotation = self.rotation()
+        if rotation is not None:
+            rotation.take(train_state, self.ctx.env.run_id)
+
+    def final_average(self) -> None:
+        """A clean end with ``--sync-fragments``: one more average, of every fragment (a plain mean
+        of the replicas, each weighing 1; an adopting joiner 0), so the run ends on one consensus.
+        A failure (a peer lost at the very end) keeps this replica, as a failed average does."""
+        averager = self.averager
+        if self.rotation() is None or averager is None or self.at.world_size <= 1:
+            return
+        if isinstance(averager, CollectiveAverager) and (averager.group is None or self.announced_after(self.at.generation)):
+            return  # no group, or a Regroup crossed the Shutdown: the members are not one group to average in
+        self.link.doing("average")
+        try:
+            if isinstance(averager, CpuAverager):
+                averager.settle()  # the rounds in flight land first: the last one's values are in the mean
+            averager.average(0.0 if averager.adopting else 1.0, block=True, final=True)
+        except (RuntimeError, DeadlineExceeded) as exc:
+            log.warning("rank %d: the final full average failed (%s); this replica ends as it is", self.rank, exc)
+            return
+        for listener in self.listeners:  # it changed the model: the BatchNorm statistics are stale again
+            listener(self.at)
 
     def _take_first_consensus(self, welcome: m.RankWelcome) -> None:
         """Take rank 0's parameters, unless the first group never formed or a rank died during
@@ -502,7 +542,7 @@ class Group:
                 # (one collective each, in the same order): with weight 0, which also hands it their
                 # consensus. A failure leaves it adopting, like any failed first average.
                 try:
-                    averager.average(0.0, block=True)
+                    averager.average(0.0, block=True, tag=top)  # the redone average's place: its fragment
                 except RuntimeError:
                     averager.restore()
                     raise

@@ -209,7 +209,7 @@ class RankRunner:
             load_model(self.model, config.resume_from)  # before the broadcast: every replica starts from the bundle
         # flatten before the optimizer exists, so it holds the views, not stale tensors;
         # a joiner always averages (it takes the consensus from its peers)
-        flat = FlatModel(self.model) if welcome.world_size > 1 or welcome.late else None
+        flat = FlatModel(self.model, config.sync_fragments) if welcome.world_size > 1 or welcome.late else None
         self.group.join(run, self.model, flat)
         enter_training_phase(welcome.seed, self.rank)  # each rank its own stream (dropout), the same every run
         replica = Replica(self.ctx, run, self.task, self.model)
@@ -217,6 +217,11 @@ class RankRunner:
             saved = SavedOptimizer.read(config.resume_from)
             self.ctx.seams.resume_optimizer(replica, saved, 0)  # no window yet: global step 0
             self.group.resume_outer(saved.outer, int(saved.train_state.get(OUTER_STEPS, 0)))
+            self.group.resume_fragments(saved.train_state)
+        elif config.resume_from and welcome.late and config.sync_fragments > 1 and not config.resume_weights_only:
+            # a rank joining a resumed run: the rotation the members go on with is in the bundle
+            # they resumed (or in this run's own saves over it): fragments.py ``Rotation.take``
+            self.group.resume_fragments(SavedOptimizer.read(config.resume_from).train_state)
         data = DataPath(self.ctx, run, self.task)
         evaluator = Evaluator(self.ctx, run, replica, self.group, data.source)
         windows = Windows(self.ctx, run, replica, self.group, data, evaluator)
@@ -272,6 +277,7 @@ class RankRunner:
         if not cmd.abort and joined is not None:
             joined.saves.finish_accumulation()
             self.group.settle_last()  # the last average lands, on either backend: replicas end equal
+            self.group.final_average()  # with fragments: every fragment's, one consensus
             self.ctx.seams.settled()
         self._save_on_shutdown(cmd)
         digest = "" if cmd.abort else model_digest(self.model)

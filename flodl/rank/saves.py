@@ -95,6 +95,10 @@ class Saves:
 
     def _kept(self) -> dict[str, Any]:
         """What the ``.optim`` file keeps beside the optimizer's state: ``train_state`` (schedulers,
-        scaler, the script's registered objects) and the outer optimizer's state (``outer``)."""
+        scaler, the script's registered objects; where ``--sync-fragments``' rotation stands) and the
+        outer optimizer's state (``outer``)."""
         train_state, outer = kept_beside(self.ctx, self.replica, self.group.outer())
+        fragments = self.group.fragment_state()  # where the rotation stands: a resume goes on from there
+        if fragments:
+            train_state = {**(train_state or {}), **fragments}
         return {"train_state": train_state, "outer": outer}
