@@ -6,7 +6,7 @@ replacement holding its donor's optimizer state, for a model of about 100 MB.
 Two CPU ranks train an MLP of 25.2 M parameters (100.7 MB; Adam, whose state is
 twice that: ``bench/tasks/heal.py``) with ``--max-restarts 1``. Rank 1 kills
 itself at its 6th batch (``FLODL_INJECT_FAULT``); its worker starts a new rank
-in its place after the 1 s back-off, which builds the task, says it is ready,
+in its place at once (a first fault has no back-off), which builds the task, says it is ready,
 is admitted at the next window boundary and takes the survivor's parameters
 and optimizer state (docs/fault-tolerance.md, *A joiner takes its donor's
 state*): through the process group in ``nccl-cadence`` (gloo here), through the
@@ -161,7 +161,7 @@ def _note(size: str, width: int, params: int, load: float, started: float) -> st
     """What the results were measured on, and how loaded the machine was."""
     return (
         f"{size}: 2 CPU ranks, MLP 2048-{width}-{width}-2 ({params / 1e6:.1f} M parameters), Adam, batch 8, rank 1 killed "
-        f"at its 6th batch, --max-restarts 1 (back-off 1 s), heartbeat 30 s, snapshot timeout 120 s; load average "
+        f"at its 6th batch, --max-restarts 1 (no back-off), heartbeat 30 s, snapshot timeout 120 s; load average "
         f"{load:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other work on the machine slows every step); "
         f"{time.monotonic() - started:.0f} s"
     )

@@ -192,6 +192,8 @@ def test_healing_restarts_a_dead_rank_and_the_world_returns_to_full_size(proc_en
     summary = finished(run, path, 8)
     [restart] = summary["restarts"]
     assert (restart["rank"], restart["replaces"], restart["attempt"]) == (3, 1, 1)
+    assert restart["delay_s"] == 0.0  # a first fault is no crash loop: restarted at once (it waited 1 s)
+    assert "restarting rank 1 as rank 3 on host" in run.output and "at once (restart 1 of 2)" in run.output
     assert [j["ranks"] for j in summary["joins"]] == [[3]]
     assert set(summary["final_digests"]) == {"0", "2", "3"}
     if mode != "cpu-cadence":

@@ -322,8 +322,9 @@ class Liveness:
             }
         )
         self.ctx.plane.send(m.Respawn(rank=new, device=info.device, replaces=rank, attempt=used + 1, delay_s=delay), worker.identity)
+        when = "at once" if delay == 0 else f"in {delay:g} s"  # a crash loop waits: restart_delay
         self.ctx.console.line(
-            f"restarting rank {rank} as rank {new} on host {worker.host} ({info.device}) in {delay:g} s "
+            f"restarting rank {rank} as rank {new} on host {worker.host} ({info.device}) {when} "
             f"(restart {used + 1} of {self.ctx.launch.max_restarts}); it joins at a window boundary"
         )
 

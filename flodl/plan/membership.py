@@ -392,10 +392,11 @@ def unrecoverable(config: DdpRunConfig, world_size: int, dead: int, survivors: i
     return None
 
 
-#: Healing's back-off: a slot's restart waits BASE × 2^k seconds, at most MAX, where k counts the
-#: restarts in a row whose rank died within QUICK of its start (a crash loop: a task that cannot build,
-#: a device that fails its first steps); a rank that lived longer than that is a new fault, restarted
-#: after BASE again.
+#: Healing's back-off: a slot's restart waits BASE × 2^(k-1) seconds (none for k = 0), at most MAX,
+#: where k counts the restarts in a row whose rank died within QUICK of its start (a crash loop: a task
+#: that cannot build, a device that fails its first steps); a rank that lived longer than that is a new
+#: fault, restarted at once (a second of back-off there was a second of the world short of a rank, for
+#: nothing: most of a healed kill's time back at full size).
 RESTART_BACKOFF_BASE_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0
 RESTART_QUICK_S = 10.0
@@ -408,8 +409,10 @@ def restart_delay(used: int, max_restarts: int, quick: int | None = None) -> flo
     of every restart before)."""
     if used >= max_restarts:
         return None
-    backoff: float = RESTART_BACKOFF_BASE_S * 2 ** (used if quick is None else min(used, quick))
-    return min(RESTART_BACKOFF_MAX_S, backoff)
+    loop = used if quick is None else min(used, quick)
+    if loop == 0:
+        return 0.0  # a new fault, not a crash loop: nothing to wait for
+    return min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_BASE_S * 2 ** (loop - 1))
 
 
 def quick_deaths(streak: int, lived_s: float) -> int:
