@@ -412,7 +412,8 @@ def restart_delay(used: int, max_restarts: int, quick: int | None = None) -> flo
     loop = used if quick is None else min(used, quick)
     if loop == 0:
         return 0.0  # a new fault, not a crash loop: nothing to wait for
-    return min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_BASE_S * 2 ** (loop - 1))
+    backoff: float = RESTART_BACKOFF_BASE_S * 2 ** (loop - 1)
+    return min(RESTART_BACKOFF_MAX_S, backoff)
 
 
 def quick_deaths(streak: int, lived_s: float) -> int:
