@@ -227,3 +227,28 @@ def test_a_joiner_maps_its_donors_state_from_the_segment_the_controller_names(tm
     finally:
         shm.unlink(donor)
         shm.unlink(link)
+
+
+def test_a_window_ended_before_its_first_batch_ends_empty_unless_it_carries_the_state_for_joiners():
+    """CPU backend: a window the controller ended for a joiner before the rank began it (sent ahead)
+    ends with no batch (its round goes with weight 0) instead of one: a batch less between the
+    joiner's ready and its state. The donor's window whose snapshot carries the state trains its
+    batch (the average the joiners adopt is its values); the collective backend's windows too."""
+    from types import SimpleNamespace
+
+    from flodl.rank.cpu_average import BulkLink, CpuAverager
+    from flodl.rank.flat import FlatModel
+    from flodl.rank.windows import Windows
+
+    bulk = BulkLink("tcp://127.0.0.1:9", rank=0, secret=b"s" * 32, run_id="ends-empty", sender="rank0.t/bulk")  # never reached
+    try:
+        averager = CpuAverager(FlatModel(torch.nn.Linear(2, 2)), bulk, rank=0, timeout_s=1.0, must_stop=lambda: False)
+        averager.start_at_round(7)
+        assert Windows._ends_empty(SimpleNamespace(averager=averager))
+        averager.hand_state_at(7)  # the Regroup named it the donor of the joiners of round 7
+        assert not Windows._ends_empty(SimpleNamespace(averager=averager))
+        averager.start_at_round(8)
+        assert Windows._ends_empty(SimpleNamespace(averager=averager))
+        assert not Windows._ends_empty(SimpleNamespace(averager=object()))  # a collective averager
+    finally:
+        bulk.close()

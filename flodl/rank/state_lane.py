@@ -56,6 +56,11 @@ class StateOut:
         with self._lock:
             self._due.add(round_)
 
+    def due(self, round_: int) -> bool:
+        """Is this rank's state asked for with its snapshot of round ``round_``?"""
+        with self._lock:
+            return round_ in self._due
+
     def take(self, next_round: int) -> tuple[bool, list[int]]:
         """Before this rank sends its snapshot of ``next_round``: whether the state goes with it, and
         the rounds asked for that it has passed already (answered "none")."""

@@ -378,7 +378,7 @@ class WindowDone:
 
 @dataclass(slots=True)
 class EndWindow:
-    """Finish the current batch, then end the window and average (ends an open-ended calibration window; since version 15 also any window ended early for a joining rank, and a window not started yet when this arrives ends after its first batch). (controller -> rank)"""
+    """Finish the current batch, then end the window and average (ends an open-ended calibration window; since version 15 also any window ended early for a joining rank, and a window not started yet when this arrives ends after its first batch; since version 16 on the CPU backend with no batch, its round averaged with weight 0, unless the rank hands joiners its state with that round's snapshot). (controller -> rank)"""
 
     KIND: ClassVar[int] = 21
     window: int
