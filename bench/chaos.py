@@ -80,7 +80,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import Row, RunFailed, report, run_controller, size_parser, smoke_results, start_controller  # noqa: E402
-from flodl.controller.history import epoch_samples  # noqa: E402
 
 TASK = f"{ROOT / 'tests' / 'tasks' / 'tiny.py'}:task"
 NPROC = 3
@@ -236,6 +235,7 @@ def _env(extra: dict) -> dict:
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
+    env["FLODL_SUMMARY_HISTORY_BYTES"] = "0"  # every epoch's row whole (a long soak's would be merged): each is checked
     env.pop("FLODL_INJECT_FAULT", None)
     env.update(extra)
     return env
@@ -638,11 +638,22 @@ def checked_summary(run, dataset: int, epochs: int, failures: list[str]) -> dict
         failures.append("no summary")
         return None
     summary: dict = run.summary()
-    samples = epoch_samples(summary["history"])  # a row may be a group of epochs one average closed
+    samples = epoch_samples(summary["history"])
     if samples != [dataset] * epochs:
         wrong = [f"epoch {e + 1}: {n}" for e, n in enumerate(samples) if n != dataset]
         failures.append(f"samples per epoch: {', '.join(wrong[:10]) or 'none wrong'} of {len(samples)} epochs, want {dataset} x {epochs}")
     return summary
+
+
+def epoch_samples(history: list[dict]) -> list[int | None]:
+    """Each epoch's own samples, in order, from the summary's rows: a row of epochs one average closed
+    keeps each one's (``epoch_samples``); a long run's merged rows keep none (None: the runs set
+    ``FLODL_SUMMARY_HISTORY_BYTES=0`` so that every row stays whole)."""
+    out: list[int | None] = []
+    for row in history:
+        own = row.get("epoch_samples")
+        out += [own.get(str(e)) if own else None for e in range(row.get("first_epoch", row["epoch"]), row["epoch"] + 1)]
+    return out
 
 
 def _check_heal(res: Result, s: dict, rec: dict) -> None:

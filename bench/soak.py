@@ -46,9 +46,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.chaos import HEARTBEAT_S, TASK, Tree, _env, _rank_of, _shm_names, checked_summary, lose_host, percentile, traceback_in  # noqa: E402
+from bench.chaos import (  # noqa: E402
+    HEARTBEAT_S,
+    TASK,
+    Tree,
+    _env,
+    _rank_of,
+    _shm_names,
+    checked_summary,
+    epoch_samples,
+    lose_host,
+    percentile,
+    traceback_in,
+)
 from bench.common import Row, RunFailed, report, start_controller  # noqa: E402
-from flodl.controller.history import epoch_samples  # noqa: E402
 
 SOAK_KINDS = ("kill", "stop", "stuck", "host")
 SAMPLES = 4800  # an epoch: 100 batches of 16, about 33 steps a rank
@@ -160,8 +171,8 @@ def soak_rows(hits: list[Hit], summary: dict | None, failures: list[str], epochs
         Row("soak", "runs lost", 1 if failures else 0, "runs", "0", not failures),
     ]
     if summary:
-        counted = epoch_samples(summary["history"])  # a row may be a group of epochs one average closed
-        off = sum(abs(n - SAMPLES) for n in counted) + SAMPLES * max(0, epochs - len(counted))
+        counted = epoch_samples(summary["history"])  # None: an epoch whose own count is not known (a merged row)
+        off = sum(SAMPLES if n is None else abs(n - SAMPLES) for n in counted) + SAMPLES * max(0, epochs - len(counted))
         detail = summary.get("goodput_detail") or {}
         rows += [
             Row("soak", "training time", detail.get("training_s") or summary["wall_s"], "s"),

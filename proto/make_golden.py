@@ -163,8 +163,9 @@ SAMPLES = [
         generation=3, members=[0, 2, 3], store_prefix="golden-run/gen3", reason="rank 3 on host node-c joined", sync_from=0, first_round=-1
     ),
     m.Regroup(generation=4, members=[0, 2, 3, 4], store_prefix="", reason="rank 4 on host node-d joined", sync_from=0, first_round=17),
-    m.StateSlice(rank=0, round=17, total=20_971_520, start=8_388_608, count=8_388_608),
-    m.StateSlice(rank=0, round=18, total=-1, start=0, count=0),
+    m.StateSlice(rank=0, round=17, total=20_971_520, start=8_388_608, count=8_388_608, shm=""),
+    m.StateSlice(rank=0, round=18, total=-1, start=0, count=0, shm=""),
+    m.StateSlice(rank=0, round=19, total=20_971_520, start=0, count=20_971_520, shm="/dev/shm/flodl-0a1b2c3d-4242.3-state"),
     m.SaveCheckpoint(version=2, stem="/shared/run/ckpt", tag="0a1b2c3d4e5f", reason="checkpoint", epoch=4, call_fn=True),
     m.CheckpointDone(rank=0, version=2, model_sha256="ab" * 32, optim_sha256="cd" * 32, elapsed_ms=41.5, error=None),
     m.Fence(rank=3, reason="sent nothing for 10.2 s (heartbeat timeout 10 s)"),

@@ -150,7 +150,10 @@ def test_soak_rows_hold_goodput_to_the_goal_and_count_every_unrecovered_fault():
     hits = [Hit(0, "kill", [1], 0.0, detect_s=0.05, recovered_s=0.5, full_s=3.0, lost=32), Hit(1, "stop", [2], 0.0, detect_s=3.1)]
     summary = {
         "goodput": 0.985,
-        "history": [{"samples": SAMPLES}, {"samples": SAMPLES - 16}],
+        "history": [
+            {"epoch": 0, "samples": SAMPLES, "epoch_samples": {"0": SAMPLES}},
+            {"epoch": 1, "samples": SAMPLES - 16, "epoch_samples": {"1": SAMPLES - 16}},
+        ],
         "goodput_detail": {"training_s": 60.0, "lost_samples": 32},
         "wall_s": 61.0,
         "final_eval": 0.99,
@@ -161,3 +164,20 @@ def test_soak_rows_hold_goodput_to_the_goal_and_count_every_unrecovered_fault():
     assert _row(rows, "soak", "faults without a recovery").value == 1  # the stop: the run ended before its survivors averaged
     assert _row(rows, "kill", "lost work").value == 32 and _row(rows, "stop", "detection max").value == 3.1
     assert _row(soak_rows(hits, {**summary, "goodput": 0.9}, ["exit code 1"], epochs=2), "soak", "runs lost").met is False
+
+
+def test_a_soak_checks_each_epoch_of_a_row_that_one_average_closed_and_no_merged_row_passes():
+    """A row of epochs one average closed (``first_epoch`` to ``epoch``) keeps each epoch's samples; a
+    long run's merged middle rows keep none: the soak reads the first and counts the second as wrong
+    (before, a 5-minute soak's merged rows of 9,600 samples read as two epochs' worth in one: run lost)."""
+    from bench.chaos import epoch_samples
+    from bench.soak import SAMPLES, soak_rows
+
+    grouped = {"epoch": 2, "first_epoch": 1, "samples": 2 * SAMPLES, "epoch_samples": {"1": SAMPLES, "2": SAMPLES}}
+    history = [{"epoch": 0, "samples": SAMPLES, "epoch_samples": {"0": SAMPLES}}, grouped]
+    assert epoch_samples(history) == [SAMPLES] * 3
+    summary = {"goodput": 0.99, "history": history, "goodput_detail": {"training_s": 60.0}, "wall_s": 61.0, "final_eval": 0.99}
+    assert _row(soak_rows([], summary, [], epochs=3), "soak", "samples lost or repeated").value == 0
+    merged = {**grouped, "merged_rows": 2}
+    del merged["epoch_samples"]
+    assert epoch_samples([history[0], merged]) == [SAMPLES, None, None]

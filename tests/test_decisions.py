@@ -110,7 +110,7 @@ def test_after_rank_error(stage, joiner, outcome, code):
 
 @pytest.mark.parametrize(
     ("used", "max_restarts", "delay"),
-    [(0, 0, None), (0, 3, 1.0), (1, 3, 2.0), (2, 3, 4.0), (3, 3, None), (7, 10, 30.0)],
+    [(0, 0, None), (0, 3, 0.0), (1, 3, 1.0), (2, 3, 2.0), (3, 3, None), (7, 10, 30.0)],
 )
 def test_restart_backoff(used, max_restarts, delay):
     assert restart_delay(used, max_restarts) == delay
@@ -119,15 +119,16 @@ def test_restart_backoff(used, max_restarts, delay):
 def test_the_backoff_grows_in_a_crash_loop_and_starts_again_after_a_rank_that_trained_a_while():
     """A slot restarted 6 times waited 30 s before its 7th restart however long each rank had trained:
     in a long run with a fault now and then, every fault soon cost a slot 30 s. The back-off now
-    doubles only while restarts die soon after their start."""
+    doubles only while restarts die soon after their start, and a rank that trained a while is
+    restarted at once (it waited 1 s: most of a healed kill's time back at full size)."""
     streak = 0
     delays = []
     for used, lived_s in enumerate([600.0, 2.0, 3.0, 5.0, 400.0, 12.0, 1.0]):  # each dead rank's life before its restart
         streak = quick_deaths(streak, lived_s) if used else 0  # the first death is of a rank the run started with
         delays.append(restart_delay(used, 10, streak))
-    assert delays == [1.0, 2.0, 4.0, 8.0, 1.0, 1.0, 2.0]
+    assert delays == [0.0, 1.0, 2.0, 4.0, 0.0, 0.0, 1.0]
     assert quick_deaths(0, RESTART_QUICK_S - 0.1) == 1 and quick_deaths(3, RESTART_QUICK_S) == 0
-    assert restart_delay(9, 10, 0) == 1.0 and restart_delay(10, 10, 0) is None  # the budget still counts every restart
+    assert restart_delay(9, 10, 0) == 0.0 and restart_delay(10, 10, 0) is None  # the budget still counts every restart
 
 
 def test_the_generation_has_one_writer():

@@ -10,6 +10,7 @@ The outer optimizer's state reaches a joiner too, and is kept in bundles for a r
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -58,10 +59,13 @@ def test_a_healed_rank_takes_its_donors_optimizer_state_bit_for_bit(proc_env, tm
     """Adam's moments and step counts: the restarted rank holds, right after it joined, exactly
     the state its donor (rank 0, the lowest survivor) handed it; before, it started from zero.
     Compressed averages (int8 deltas from an anchor) change nothing of it: the state goes whole."""
-    _, probes = healed_run(proc_env, tmp_path, mode, optimizer="adam", extra=("--sync-compression", compression))
+    summary, probes = healed_run(proc_env, tmp_path, mode, optimizer="adam", extra=("--sync-compression", compression))
     sent, taken = observed(probes, "handoff.sent"), observed(probes, "handoff.taken")
     assert set(sent) == {0} and set(taken) == {3}, (sent.keys(), taken.keys())
     assert_same_state(taken[3][0], sent[0][0])
+    if mode == "cpu-cadence":  # one host: the state went through shared memory, no byte of it through a socket
+        averaging = summary["averaging"]
+        assert averaging["state_lane_bytes"] > 0 and averaging["state_wire_bytes"] == 0, averaging
     state = sent[0][0]
     assert {"state.0.exp_avg", "state.0.exp_avg_sq", "state.0.step"} <= set(state)
     assert float(state["state.0.step"]) >= 30 and state["state.0.exp_avg"].abs().sum() > 0  # a trained state, not a fresh one
@@ -174,15 +178,79 @@ def test_a_joiner_gathers_its_donors_state_slice_by_slice():
     lane.expect(5)
     for start in (512, 0, 256):
         assert not lane.ended
-        lane.take(m.StateSlice(rank=0, round=5, total=len(state), start=start, count=256), [state[start : start + 256]])
+        lane.take(m.StateSlice(rank=0, round=5, total=len(state), start=start, count=256, shm=""), [state[start : start + 256]])
     assert lane.ended and lane.wait(lambda ms: None, 1.0, lambda: False) == bytearray(state)
     assert not lane.awaited
     lane.expect(6)
-    lane.take(m.StateSlice(rank=0, round=5, total=4, start=0, count=4), [b"abcd"])  # another round's: stale
+    lane.take(m.StateSlice(rank=0, round=5, total=4, start=0, count=4, shm=""), [b"abcd"])  # another round's: stale
     assert not lane.ended
-    lane.take(m.StateSlice(rank=0, round=6, total=-1, start=0, count=0), [])
+    lane.take(m.StateSlice(rank=0, round=6, total=-1, start=0, count=0, shm=""), [])
     assert lane.ended and lane.wait(lambda ms: None, 1.0, lambda: False) is None
     with pytest.raises(ProtocolError, match="state slice of 3 bytes, header says 4"):
-        lane.take(m.StateSlice(rank=0, round=6, total=8, start=0, count=4), [b"abc"])
+        lane.take(m.StateSlice(rank=0, round=6, total=8, start=0, count=4, shm=""), [b"abc"])
     with pytest.raises(ProtocolError, match="outside a state of 8 bytes"):
-        lane.take(m.StateSlice(rank=0, round=6, total=8, start=6, count=4), [b"abcd"])
+        lane.take(m.StateSlice(rank=0, round=6, total=8, start=6, count=4, shm=""), [b"abcd"])
+
+
+def test_a_joiner_maps_its_donors_state_from_the_segment_the_controller_names(tmp_path):
+    """On the controller's host the donor writes its state into a segment and the controller names a
+    link of its own to it to each joiner there: the joiner maps it copy-on-write (its optimizer's
+    steps never write the segment) and unlinks it; a header that names part of a state, carries a
+    frame or names a foreign file is refused, naming why."""
+    from flodl.errors import ProtocolError
+    from flodl.rank.state_lane import StateIn
+    from flodl.wire import messages as m
+    from flodl.wire import shm
+
+    run_id = "test-state-segment"
+    state = bytes(range(256)) * 4
+    donor = shm.write_state(run_id, state)
+    link = shm.path_for(run_id, shm.STATE_ROLE)  # the controller's link for this joiner
+    os.link(donor, link)
+    try:
+        lane = StateIn(run_id)
+        lane.expect(7)
+        lane.take(m.StateSlice(rank=0, round=7, total=len(state), start=0, count=len(state), shm=str(link)), [])
+        assert lane.ended and not link.exists()  # mapped, and the name is gone
+        got = lane.wait(lambda ms: None, 1.0, lambda: False)
+        assert got is not None and bytes(got) == state
+        got[0] = 255  # writable (an optimizer's state lives in it), and private: the donor's bytes stay
+        assert donor.read_bytes() == state
+        header = dict(rank=0, round=8, total=len(state), start=0, count=len(state))
+        lane.expect(8)
+        with pytest.raises(ProtocolError, match="names the whole state"):
+            lane.take(m.StateSlice(**{**header, "count": 8}, shm=str(donor)), [])
+        with pytest.raises(ProtocolError, match="carries no frame"):
+            lane.take(m.StateSlice(**header, shm=str(donor)), [b"x"])
+        with pytest.raises(ProtocolError, match="not a state segment of this run"):
+            lane.take(m.StateSlice(**header, shm=str(tmp_path / "elsewhere")), [])
+        with pytest.raises(ProtocolError, match="not a state segment of this run"):
+            lane.take(m.StateSlice(**header, shm=str(shm.path_for("another-run", shm.STATE_ROLE))), [])
+    finally:
+        shm.unlink(donor)
+        shm.unlink(link)
+
+
+def test_a_window_ended_before_its_first_batch_ends_empty_unless_it_carries_the_state_for_joiners():
+    """CPU backend: a window the controller ended for a joiner before the rank began it (sent ahead)
+    ends with no batch (its round goes with weight 0) instead of one: a batch less between the
+    joiner's ready and its state. The donor's window whose snapshot carries the state trains its
+    batch (the average the joiners adopt is its values); the collective backend's windows too."""
+    from types import SimpleNamespace
+
+    from flodl.rank.cpu_average import BulkLink, CpuAverager
+    from flodl.rank.flat import FlatModel
+    from flodl.rank.windows import Windows
+
+    bulk = BulkLink("tcp://127.0.0.1:9", rank=0, secret=b"s" * 32, run_id="ends-empty", sender="rank0.t/bulk")  # never reached
+    try:
+        averager = CpuAverager(FlatModel(torch.nn.Linear(2, 2)), bulk, rank=0, timeout_s=1.0, must_stop=lambda: False)
+        averager.start_at_round(7)
+        assert Windows._ends_empty(SimpleNamespace(averager=averager))
+        averager.hand_state_at(7)  # the Regroup named it the donor of the joiners of round 7
+        assert not Windows._ends_empty(SimpleNamespace(averager=averager))
+        averager.start_at_round(8)
+        assert Windows._ends_empty(SimpleNamespace(averager=averager))
+        assert not Windows._ends_empty(SimpleNamespace(averager=object()))  # a collective averager
+    finally:
+        bulk.close()

@@ -86,12 +86,32 @@ def test_a_training_thread_stuck_in_user_code_is_declared_hung_and_fenced(hung_r
     assert_all_gone(hung.tree)  # the hung rank was fenced (SIGKILL), not left behind
 
 
-def test_a_stuck_thread_is_detected_within_the_heartbeat_timeout(hung_run):
-    """Detection of a stuck training thread: heartbeat timeout + 3 steps, not a collective
-    timeout or more (the stall is measured from the moment the fault fired, read off the log)."""
+def test_a_stuck_thread_is_detected_within_half_the_heartbeat_timeout_when_its_peers_wait(hung_run):
+    """Detection of a stuck training thread its peers wait for (they finished their window and sit
+    idle): half the heartbeat timeout + 3 steps, not the whole of it or a collective timeout (the stall
+    is measured from the moment the fault fired, read off the log)."""
     [death] = hung_run("nccl-cadence").summary["deaths"]
     stuck = float(death["reason"].split("for ")[1].split(" s")[0])
-    assert 3.0 <= stuck < 4.5, death["reason"]  # the deadline (3 s heartbeat + 3 steps), printed to 0.1 s
+    assert "its peers waiting for it" in death["reason"], death["reason"]
+    assert 1.5 <= stuck < 2.8, death["reason"]  # the deadline (1.5 s: half of the 3 s heartbeat, + 3 steps), printed to 0.1 s
+
+
+def test_a_stopped_rank_its_peers_wait_for_is_dropped_at_half_the_heartbeat_timeout(proc_env, tmp_path):
+    """SIGSTOP: alive but silent. Its peers finish their windows and wait for its report; it is
+    declared dead after half the heartbeat timeout (3 s of 6), not the whole of it, and the rest finish."""
+    hold = tmp_path / "stopped"
+    env = {"FLODL_TEST_HOLD_FILE": str(hold), "FLODL_TEST_HOLD_SLEEP": "0.05"}  # 50 ms steps until the stop landed
+    run, path = run_tiny(proc_env, tmp_path, "nccl-cadence", heartbeat=6, env=env)
+    ranks = run.ranks(3)
+    run.wait_for_line("epoch 2/")
+    os.kill(ranks[2].pid, signal.SIGSTOP)
+    hold.touch()
+    tree = run.tree()
+    summary = finished(run, path, 10)
+    [fault] = summary["faults"]
+    assert fault["rank"] == 2 and "while its peers waited for it (deadline 3 s; heartbeat timeout 6 s)" in fault["reason"], fault
+    assert 3.0 <= fault["detect_s"] < 4.5, fault  # from its last frame: 3 s, not 6
+    assert_all_gone(tree)  # fenced: the stopped rank is killed
 
 
 def test_a_task_slower_to_build_than_the_heartbeat_timeout_starts(proc_env, tmp_path):
@@ -172,6 +192,8 @@ def test_healing_restarts_a_dead_rank_and_the_world_returns_to_full_size(proc_en
     summary = finished(run, path, 8)
     [restart] = summary["restarts"]
     assert (restart["rank"], restart["replaces"], restart["attempt"]) == (3, 1, 1)
+    assert restart["delay_s"] == 0.0  # a first fault is no crash loop: restarted at once (it waited 1 s)
+    assert "restarting rank 1 as rank 3 on host" in run.output and "at once (restart 1 of 2)" in run.output
     assert [j["ranks"] for j in summary["joins"]] == [[3]]
     assert set(summary["final_digests"]) == {"0", "2", "3"}
     assert len(set(summary["final_digests"].values())) == 1  # one consensus, either backend

@@ -83,3 +83,69 @@ def test_the_newest_average_generation_is_kept():
     members.heard_progress(info, "step", 0.0, 1.0, 2, now=1.0)
     members.heard_progress(info, "step", 0.0, 1.0, 1, now=2.0)  # a late, reordered beat
     assert info.averaged == 2
+
+
+def _world(heartbeat_s: float, words: dict[int, tuple[str, float]], now: float) -> Membership:
+    """Ranks in the collective, each having beat at ``now`` with the word ``words[rank]`` (busy, busy_s)."""
+    members = Membership(heartbeat_timeout_s=heartbeat_s)
+    for rank, (busy, busy_s) in words.items():
+        info = members.expect_rank(rank, host="h", device="cpu", now=0.0)
+        info.state, info.pid = PeerState.READY, 40 + rank
+        members.heard_progress(info, busy, busy_s, 50.0, 0, now=now)
+        members.seen_rank(rank, now)
+    return members
+
+
+def test_a_silent_rank_its_peers_wait_for_is_dead_at_half_the_heartbeat_timeout():
+    """Rank 2 went silent mid-step (SIGSTOP, a lost host) while ranks 0 and 1 sit idle, waiting for its
+    report: dead after half the heartbeat timeout (they stalled for the whole of it before)."""
+    members = _world(10.0, {0: ("idle", 0.0), 1: ("idle", 0.0), 2: ("step", 0.1)}, now=100.0)
+    for rank in (0, 1):
+        members.heard_progress(members.ranks[rank], "idle", 0.0, 50.0, 0, now=104.9)
+        members.seen_rank(rank, 104.9)
+    assert members.assess(104.9, LIMITS).healthy
+    verdict = members.assess(105.1, LIMITS)
+    assert verdict.dead == (2,)
+    assert "sent nothing for 5.1 s while its peers waited for it (deadline 5 s; heartbeat timeout 10 s)" in verdict.reason
+    # a judge that cannot trust its own last moments (its loop was held up) waits the whole timeout
+    assert members.assess(105.1, LIMITS, waited=False).healthy
+
+
+@pytest.mark.parametrize(
+    ("peers", "silent_word", "dead"),
+    [
+        ("step", "step", False),  # nobody waits: every rank trains (a slow link, a busy host)
+        ("idle", "eval", False),  # an eval keeps its own deadline, and may hold up its beats
+        ("idle", "save", False),
+        ("idle", "build", False),
+        ("average", "step", True),  # blocked in an average with it (Sync)
+        ("idle", "idle", True),  # everyone waits for the controller, and it stopped beating
+    ],
+)
+def test_who_waits_and_for_what(peers, silent_word, dead):
+    members = _world(10.0, {0: (peers, 0.0), 1: (silent_word, 0.1)}, now=100.0)
+    members.heard_progress(members.ranks[0], peers, 0.0, 50.0, 0, now=106.0)
+    members.seen_rank(0, 106.0)
+    assert (members.assess(106.0, LIMITS).dead == (1,)) is dead
+
+
+def test_a_peer_waiting_never_makes_silence_shorter_than_three_missed_beats():
+    members = _world(2.0, {0: ("idle", 0.0), 1: ("step", 0.0)}, now=0.0)
+    members.seen_rank(0, 1.4)
+    members.heard_progress(members.ranks[0], "idle", 0.0, 50.0, 0, now=1.4)
+    assert members.assess(1.4, LIMITS).healthy  # 1.4 s of silence: under WAITED_MIN_S (1.5 s), not half of 2 s
+    assert members.assess(1.6, LIMITS).dead == (1,)
+
+
+def test_a_stuck_step_its_peers_wait_for_has_half_the_heartbeat_slack():
+    """A training thread stuck in a step while its link beats on (``stuck``): heartbeat timeout + 3 steps
+    alone, half the timeout + 3 steps with its peers idle; the reason names the basis."""
+    members = _world(30.0, {0: ("step", 0.0), 1: ("step", 16.0)}, now=10.0)
+    assert members.assess(10.0, LIMITS).healthy  # 16 s stuck: under 30 s + 3 × 50 ms
+    members.heard_progress(members.ranks[0], "idle", 0.0, 50.0, 0, now=10.0)
+    verdict = members.assess(10.0, LIMITS)
+    assert verdict.dead == (1,)
+    assert (
+        "made no progress in a training step for 16.0 s (deadline 15.2 s: 15 s (its peers waiting for it) + 3 × its 0.05 s step"
+        in verdict.reason
+    )

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,7 +44,16 @@ import zmq
 from ..errors import ProtocolError
 from ..wire import curve, shm
 from ..wire import messages as m
-from ..wire.bulk import MAX_MSG_BYTES, as_frame, check_slice, check_state_slice, is_announcement, unpack_slice
+from ..wire.bulk import (
+    MAX_MSG_BYTES,
+    as_frame,
+    check_slice,
+    check_state_segment,
+    check_state_slice,
+    is_announcement,
+    state_slices,
+    unpack_slice,
+)
 from ..wire.codec import FrameReader, FrameWriter
 from ..wire.quant import BY_WIRE_NAME
 from ..wire.transport import AsyncSocket, Routes, peer_name
@@ -95,6 +106,9 @@ class CpuAveraging:
         self.relayed: dict[int, int] = {}  # rank -> the relay source that carries it
         self.first_round: dict[int, int] = {}  # source -> the first round it takes part in (joiners start later)
         self.handoffs: dict[int, tuple[int, int]] = {}  # joiner -> (its first round, its donor): the state it awaits
+        self.state_links: dict[int, Path] = {}  # joiner -> the link to its donor's state segment it was named
+        self.state_lane_bytes = 0  # donors' state handed to joiners through shared memory
+        self.state_wire_bytes = 0  # ... and through the socket (each joiner's copy counted)
         self.live: Callable[[], set[int]] = lambda: set().union(*self.members.values())  # the controller plugs in its membership
         self.ending: set[int] = set()  # dead ranks still counted until what they sent before is taken (rank_ended)
         self.drops: Counter[str] = Counter()
@@ -173,29 +187,92 @@ class CpuAveraging:
 
     def _pass_state(self, donor: int, msg: m.StateSlice, frames: list) -> None:
         """A donor's state slice, passed on as it came (re-signed) to the joiners awaiting it; once
-        all of it (or its "none") is out, they await nothing more."""
+        all of it (or its "none") is out, they await nothing more. A state in a segment goes on as
+        ``_pass_segment`` says."""
         joiners = [rank for rank, (round_, by) in self.handoffs.items() if by == donor and round_ == msg.round]
+        if msg.shm:
+            self._pass_segment(donor, msg, frames, joiners)
+            return
         try:
             check_state_slice(msg, frames)
         except ProtocolError as exc:
             self.drops["bulk"] += 1
             log.error("rejected a state slice from rank %d: %s", donor, exc.detail)
             return
+        self._send_state(joiners, msg, frames)
+        if msg.total == -1 or msg.start + msg.count >= msg.total:
+            for rank in joiners:
+                del self.handoffs[rank]
+
+    def _send_state(self, joiners: list[int], msg: m.StateSlice, frames: list) -> None:
+        """``msg`` (re-signed) and its frames to each of ``joiners``."""
         encoded = self.writer.encode(msg)
         identities = {rank: identity for identity, rank in self.ranks.items()}
         for rank in joiners:
             route = self.routes.get(identities[rank].decode()) if rank in identities else None
             if route is None or not self.io.send([route, encoded, *frames], copy=False):
                 self.drops["unreachable"] += 1
-        if msg.total == -1 or msg.start + msg.count >= msg.total:
-            for rank in joiners:
-                del self.handoffs[rank]
+            elif frames:
+                self.state_wire_bytes += sum(len(f) for f in frames)
+
+    def _pass_segment(self, donor: int, msg: m.StateSlice, frames: list, joiners: list[int]) -> None:
+        """A donor's state in a segment of its own (this host): each joiner on the lane gets a link
+        of its own to it (it maps and unlinks it), the others its bytes as slices; then the donor's
+        name goes. A segment that cannot be read is a "none" to its joiners (a fresh optimizer)."""
+        try:
+            path = check_state_segment(msg, frames, self.run_id) if self.probe_path else None
+            if path is None:
+                raise ProtocolError("shm", "a state segment, but no same-host lane here")
+        except ProtocolError as exc:
+            self.drops["bulk"] += 1
+            log.error("rejected a state segment from rank %d: %s", donor, exc.detail)
+            self._pass_state(donor, m.StateSlice(rank=donor, round=msg.round, total=-1, start=0, count=0, shm=""), [])
+            return
+        try:
+            identities = {rank: identity for identity, rank in self.ranks.items()}
+            wire = [rank for rank in joiners if identities.get(rank) not in self.shm_identities or not self._link_state(rank, path, msg)]
+            if wire:
+                seg = shm.Segment.open(path, min_bytes=msg.total)
+                view = memoryview(seg.mm)[: msg.total]
+                for start, count in state_slices(msg.total):
+                    piece = m.StateSlice(rank=donor, round=msg.round, total=msg.total, start=start, count=count, shm="")
+                    self._send_state(wire, piece, [view[start : start + count]])  # ZeroMQ keeps the mapping alive until sent
+        except ProtocolError as exc:  # the donor's segment is not there or too short: nothing to pass
+            self.drops["bulk"] += 1
+            log.error("could not read the state segment of rank %d: %s", donor, exc.detail)
+            none = m.StateSlice(rank=donor, round=msg.round, total=-1, start=0, count=0, shm="")
+            self._send_state([r for r in joiners if r not in self.state_links], none, [])
+        finally:
+            shm.unlink(path)
+        for rank in joiners:
+            del self.handoffs[rank]
+
+    def _link_state(self, rank: int, path: Path, msg: m.StateSlice) -> bool:
+        """Give joiner ``rank`` a link of its own to the state segment ``path`` and name it to it;
+        False when the link cannot be made (the joiner then gets slices)."""
+        link = shm.path_for(self.run_id, shm.STATE_ROLE)
+        try:
+            os.link(path, link)
+        except OSError as exc:
+            log.warning("no link to rank %d's state segment for rank %d (%s): it goes as slices", msg.rank, rank, exc)
+            return False
+        self.drop_state_link(rank)
+        self.state_links[rank] = link
+        self._send_state([rank], m.StateSlice(rank=msg.rank, round=msg.round, total=msg.total, start=0, count=msg.total, shm=str(link)), [])
+        self.state_lane_bytes += msg.total
+        return True
+
+    def drop_state_link(self, rank: int) -> None:
+        """Unlink the state segment link joiner ``rank`` was given, if it has not (it died first)."""
+        link = self.state_links.pop(rank, None)
+        if link is not None:
+            shm.unlink(link)
 
     def _donor_ended(self, donor: int) -> None:
         """A donor died with state still owed: its joiners are told none comes (they train afresh)."""
         owed = {round_ for round_, by in self.handoffs.values() if by == donor}
         for round_ in sorted(owed):
-            self._pass_state(donor, m.StateSlice(rank=donor, round=round_, total=-1, start=0, count=0), [])
+            self._pass_state(donor, m.StateSlice(rank=donor, round=round_, total=-1, start=0, count=0, shm=""), [])
 
     def rank_ended(self, rank: int) -> None:
         """``rank``'s process is gone: rounds stop waiting for it once the actor has taken every
@@ -203,6 +280,7 @@ class CpuAveraging:
         died is then folded, not raced by the news of its death (its window would be given back and
         trained again for nothing)."""
         self.ending.add(rank)
+        self.drop_state_link(rank)  # a joiner that died before it took its state leaves no segment
         self._queue_end(rank)
 
     def _queue_end(self, rank: int) -> None:
@@ -235,6 +313,8 @@ class CpuAveraging:
 
     def close(self) -> None:
         self.io.close()
+        for rank in list(self.state_links):
+            self.drop_state_link(rank)
         if self.probe_path:
             shm.unlink(self.probe_path)
         if self.update_seg is not None:
@@ -414,6 +494,9 @@ class CpuAveraging:
             "round_ms_p50": ms[len(ms) // 2] if ms else None,
             "round_ms_max": ms[-1] if ms else None,
             "lane_mb": round(self.lane_bytes / 2**20, 1),
+            # donors' optimizer state handed to joiners: through shared memory, through the socket
+            "state_lane_bytes": self.state_lane_bytes,
+            "state_wire_bytes": self.state_wire_bytes,
             "ingress_mb": round(self.ingress_bytes / 2**20, 1),
             "ingress_bytes": self.ingress_bytes,  # snapshot bytes that came through the socket (exact)
             "egress_bytes": self.egress_bytes,  # averages sent back through the socket, every recipient's copy

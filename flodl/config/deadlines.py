@@ -42,7 +42,8 @@ class Deadlines:
     heartbeat_timeout_s: float
     """Silence after which a peer is dead: the controller's verdict on a worker or rank
     (``Membership``), a worker's and a rank's verdict on the controller. The user's
-    ``heartbeat_timeout_secs``; peers beat every second, so it forgives that many lost beats."""
+    ``heartbeat_timeout_secs``; workers and the controller beat every second, ranks every half second, so it
+    forgives that many lost beats (a rank its peers wait for: half of it, plan/progress.py ``silence_limit``)."""
 
     collective_s: float | None = None
     """How long one collective (and a process group's rendezvous) may block before it raises.

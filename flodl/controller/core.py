@@ -467,8 +467,9 @@ class Controller:
         in_flight: list[int] = []
         plan_s = 0.0  # the last window's planning (and sending), in seconds
         while True:
-            # a collective joiner on its way: plan one window at a time, so it waits for one boundary, not two
-            while len(in_flight) < (1 if averaging is None and admission.joiners else depth):
+            # a joiner on its way: plan one window at a time, so it waits for one boundary, not two (and on
+            # the CPU backend the window it adopts is the next one, not the one after a window in flight)
+            while len(in_flight) < (1 if admission.joiners else depth):
                 if admission.admit_joiners(loop, in_flight):
                     break  # ready joiners wait for an empty pipeline
                 if in_flight and loop.dispatcher.must_settle_first(loop.elche):

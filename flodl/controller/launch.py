@@ -120,7 +120,7 @@ _HELP = {
     "summary_json": "write the run summary (the dict run() returns) to this JSON file",
     "join_timeout_secs": "seconds to wait for every worker and rank to join",
     "eval_timeout_secs": "seconds an eval, a user callback or a checkpoint write may go without finishing before its rank is declared hung",
-    "max_restarts": "healing: restart a rank that died up to this many times (per rank, back-off 1, 2, 4 ... 30 s); "
+    "max_restarts": "healing: restart a rank that died up to this many times (per rank; at once, then in a crash loop back-off 1, 2, 4 ... 30 s); "
     "the new rank joins the running world at a window boundary (0: go on without it)",
     "step_timeout_secs": "seconds a training step may take before its rank is declared hung (default: heartbeat timeout + 3x the rank's slowest recent step; its first step: join_timeout_secs)",
     "progress": "live progress line (default: on when stdout is a terminal)",

@@ -32,6 +32,11 @@ from .training import Training
 
 HEARTBEAT_INTERVAL_S = 1.0
 LIVENESS_TICK_S = 0.2
+#: A liveness tick this late means the controller's own loop was held up (a pause, a long GC): the frames
+#: that came meanwhile may not be read yet, so for ``JUDGE_SETTLE_S`` after it (and while ticks are late)
+#: ranks are judged by the full heartbeat timeout only (no peer's wait shortens it: progress.py).
+JUDGE_LATE_S = 0.5
+JUDGE_SETTLE_S = 1.0
 #: A collective error on one rank usually means a peer died; wait this long for
 #: the death report so the message names the dead rank, not the witness.
 COLLECTIVE_ERROR_GRACE_S = 1.0
@@ -64,12 +69,17 @@ class Liveness:
         self._back: tuple[float, set[int]] | None = None  # a recovery waiting for every survivor's first average in it
         self._drops_seen = 0  # dropped control frames already alerted
         self.before_init = BeforeInit()  # script ranks that failed before flodl.init(): the run stops, once told
+        self._ticked: float | None = None  # the last liveness tick (``watch``)
+        self._trusted_from = 0.0  # short deadlines are trusted from then on (a late tick pushes it back)
 
     async def watch(self) -> None:
         """Beat to every peer every second; judge silence and deaths several times a second."""
         next_beat = 0.0
         while True:
             now = self.ctx.clock()
+            if self._ticked is not None and now - self._ticked > LIVENESS_TICK_S + JUDGE_LATE_S:
+                self._trusted_from = now + JUDGE_SETTLE_S
+            self._ticked = now
             if now >= next_beat:
                 beat = m.Heartbeat(step=self.training.global_step, sent_at=time.time(), busy="", busy_s=0.0, step_ms=0.0, averaged=-1)
                 self.ctx.plane.send_all(beat, self._peer_identities())
@@ -77,6 +87,10 @@ class Liveness:
                 self._report_drops()
             self.judge()
             await asyncio.sleep(LIVENESS_TICK_S)
+
+    def _keeps_time(self, now: float) -> bool:
+        """Has the liveness tick run on time lately (so every frame that came is read)?"""
+        return self._ticked is not None and now - self._ticked <= LIVENESS_TICK_S + JUDGE_LATE_S and now >= self._trusted_from
 
     def _report_drops(self) -> None:
         """Frames dropped (forged, malformed, unauthorized) since the last beat: a control_drop alert."""
@@ -105,7 +119,9 @@ class Liveness:
             self.ctx.run.fail(message, EXIT_CONFIG)
             return
         self.ctx.members.excuse_silence_before_hello(now)
-        verdict = self.ctx.members.assess(now, self.limits)  # the limits: a training thread stuck in user code is hung
+        # the limits: a training thread stuck in user code is hung; a peer's wait shortens them only while
+        # this loop keeps time (after it was held up, what came meanwhile may not be read yet)
+        verdict = self.ctx.members.assess(now, self.limits, waited=self._keeps_time(now))
         self.ctx.members.apply(verdict)
         if not verdict.healthy:
             self._on_deaths(set(verdict.dead), verdict.reason)
@@ -306,8 +322,9 @@ class Liveness:
             }
         )
         self.ctx.plane.send(m.Respawn(rank=new, device=info.device, replaces=rank, attempt=used + 1, delay_s=delay), worker.identity)
+        when = "at once" if delay == 0 else f"in {delay:g} s"  # a crash loop waits: restart_delay
         self.ctx.console.line(
-            f"restarting rank {rank} as rank {new} on host {worker.host} ({info.device}) in {delay:g} s "
+            f"restarting rank {rank} as rank {new} on host {worker.host} ({info.device}) {when} "
             f"(restart {used + 1} of {self.ctx.launch.max_restarts}); it joins at a window boundary"
         )
 

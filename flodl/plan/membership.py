@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from .progress import Progress, ProgressLimits, stalled
+from .progress import WAITED_BUSY, Progress, ProgressLimits, silence_limit, stalled, waits
 
 if TYPE_CHECKING:
     from ..config import DdpRunConfig
@@ -257,38 +257,50 @@ class Membership:
 
     # -------------------------------------------------------------- verdict
 
-    def assess(self, now: float, limits: ProgressLimits | None = None) -> Verdict:
+    def assess(self, now: float, limits: ProgressLimits | None = None, *, waited: bool = True) -> Verdict:
         """Who is to be declared dead, and why; which silent workers to give up. Pure: changes nothing.
 
         A live rank is dead when it exited uncleanly, when its training thread is past its
         progress deadline (given ``limits``), or when it sent nothing for the heartbeat
-        timeout. The reason names each, e.g. ``rank 1 on host h (pid 42) was killed by
+        timeout; a rank its peers wait for, sooner (progress.py ``silence_limit``; ``waited``
+        False: never sooner, for a judge that cannot trust its own clock's last moments). The reason names each, e.g. ``rank 1 on host h (pid 42) was killed by
         SIGKILL``; without deaths it counts the ranks ready. Workers are given up only in a
         verdict without deaths: the controller handles its ranks' deaths first (fencing and
         restarting them through that worker).
         """
+        live = sorted(self.live_ranks(), key=lambda r: r.rank)
+        waiting = {info.rank for info in live if waited and info.state is PeerState.READY and waits(info.progress, now)}
         deaths = tuple(
-            (info.rank, why)
-            for info in sorted(self.live_ranks(), key=lambda r: r.rank)
-            if (why := self._death_of(info, now, limits)) is not None
+            (info.rank, why) for info in live if (why := self._death_of(info, now, limits, waited=self._waited(info, waiting))) is not None
         )
         if deaths:
             return Verdict(deaths, "; ".join(f"{self.ranks[rank].where()} {why}" for rank, why in deaths))
         alive = sum(1 for r in self.ranks.values() if r.state is PeerState.READY)
         return Verdict((), f"[{alive}/{len(self.ranks)} ranks ready]", self._workers_to_retire(now))
 
-    def _death_of(self, info: RankInfo, now: float, limits: ProgressLimits | None) -> str | None:
+    @staticmethod
+    def _waited(info: RankInfo, waiting: set[int]) -> bool:
+        """Do ``info``'s peers wait for it: another rank in the collective idle or in an average
+        (``waiting``), while it is in the collective too and its last word was training or averaging
+        (progress.py: an eval, a save, a callback or a build keeps its own deadline)?"""
+        return info.state is PeerState.READY and info.progress.busy in WAITED_BUSY and bool(waiting - {info.rank})
+
+    def _death_of(self, info: RankInfo, now: float, limits: ProgressLimits | None, *, waited: bool = False) -> str | None:
         """Why the live rank ``info`` is dead, or None: a reported death first, then a stall, then silence
-        (before its hello: its worker's, which starts it; its own is excused)."""
+        (before its hello: its worker's, which starts it; its own is excused). ``waited``: its peers wait
+        for it, so a shorter stall or silence will do (progress.py ``silence_limit``)."""
         if info.death is not None:
             return info.death
         if info.restart and info.state is PeerState.JOINING and not info.identity:
             return self._unstarted_death(info, now)
-        why = stalled(info.progress, now, limits) if limits is not None else None
+        why = stalled(info.progress, now, limits, waited=waited) if limits is not None else None
         if why is not None:
             return why
         silent_s = now - info.last_seen
-        if silent_s > self.heartbeat_timeout_s:
+        limit = silence_limit(self.heartbeat_timeout_s, waited=waited)
+        if silent_s > limit:
+            if limit < self.heartbeat_timeout_s:
+                return f"sent nothing for {silent_s:.1f} s while its peers waited for it (deadline {limit:g} s; heartbeat timeout {self.heartbeat_timeout_s:g} s)"
             return f"sent nothing for {silent_s:.1f} s (heartbeat timeout {self.heartbeat_timeout_s:g} s)"
         return None
 
@@ -380,10 +392,11 @@ def unrecoverable(config: DdpRunConfig, world_size: int, dead: int, survivors: i
     return None
 
 
-#: Healing's back-off: a slot's restart waits BASE × 2^k seconds, at most MAX, where k counts the
-#: restarts in a row whose rank died within QUICK of its start (a crash loop: a task that cannot build,
-#: a device that fails its first steps); a rank that lived longer than that is a new fault, restarted
-#: after BASE again.
+#: Healing's back-off: a slot's restart waits BASE × 2^(k-1) seconds (none for k = 0), at most MAX,
+#: where k counts the restarts in a row whose rank died within QUICK of its start (a crash loop: a task
+#: that cannot build, a device that fails its first steps); a rank that lived longer than that is a new
+#: fault, restarted at once (a second of back-off there was a second of the world short of a rank, for
+#: nothing: most of a healed kill's time back at full size).
 RESTART_BACKOFF_BASE_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0
 RESTART_QUICK_S = 10.0
@@ -396,7 +409,10 @@ def restart_delay(used: int, max_restarts: int, quick: int | None = None) -> flo
     of every restart before)."""
     if used >= max_restarts:
         return None
-    backoff: float = RESTART_BACKOFF_BASE_S * 2 ** (used if quick is None else min(used, quick))
+    loop = used if quick is None else min(used, quick)
+    if loop == 0:
+        return 0.0  # a new fault, not a crash loop: nothing to wait for
+    backoff: float = RESTART_BACKOFF_BASE_S * 2 ** (loop - 1)
     return min(RESTART_BACKOFF_MAX_S, backoff)
 
 

@@ -22,6 +22,15 @@ activity      deadline
 ``build``     ``first_step_s`` (building the task, joining the first group)
 ``idle``      none: waiting for the controller's next command is not a hang
 ============  ======================================================================
+
+A rank its peers are **waiting for** (another live rank sits idle or in an
+average, while this one's last word was a step or an average) has less
+slack: the ``step`` deadline's heartbeat part and the silence that makes it
+dead (membership.py) shrink to ``WAITED_SHARE`` of the heartbeat timeout, never
+below ``WAITED_MIN_S`` (docs/fault-tolerance.md, *Liveness*). A stopped or
+stuck rank then stalls the world for half as long; a slow rank still beats
+(its link thread is not its training thread), and evals, saves, callbacks and
+builds keep their own deadlines.
 """
 
 from __future__ import annotations
@@ -32,6 +41,13 @@ from dataclasses import dataclass
 BUSY = ("build", "step", "average", "eval", "callback", "save", "idle")
 #: A step deadline is this many of the rank's slowest recent steps past the heartbeat timeout.
 STEP_FACTOR = 3.0
+#: A rank its peers wait for: the share of the heartbeat timeout its silence (or its step's slack) may last ...
+WAITED_SHARE = 0.5
+#: ... and never less than this: three of its beats missed in a row (ranks beat every 0.5 s: rank/link.py).
+WAITED_MIN_S = 1.5
+#: What a rank's last word may be for its peers' wait to shorten its deadlines: training or averaging
+#: (an eval, a save, a callback or a build has deadlines of its own, and may hold its beats up).
+WAITED_BUSY = ("step", "average", "idle")
 
 _WHAT = {
     "build": "building its task",
@@ -43,6 +59,19 @@ _WHAT = {
 }
 
 
+def silence_limit(heartbeat_timeout_s: float, *, waited: bool) -> float:
+    """Seconds of silence after which a rank is dead: the heartbeat timeout, or (``waited``: its peers
+    wait for it) ``WAITED_SHARE`` of it, at least ``WAITED_MIN_S`` (never more than the timeout)."""
+    if not waited:
+        return heartbeat_timeout_s
+    return min(heartbeat_timeout_s, max(WAITED_MIN_S, WAITED_SHARE * heartbeat_timeout_s))
+
+
+def waits(progress: Progress, now: float) -> bool:
+    """Does a rank's last heartbeat (a fresh one) say it waits: idle for the next command, or in an average?"""
+    return progress.busy in ("idle", "average") and now - progress.at <= SILENT_AFTER_S
+
+
 @dataclass(frozen=True)
 class ProgressLimits:
     """The numbers the deadlines derive from (seconds)."""
@@ -52,14 +81,19 @@ class ProgressLimits:
     eval_s: float  # evals, user callbacks, checkpoint writes
     step_s: float | None = None  # the user's override for every step (long steps)
 
-    def deadline(self, busy: str, step_ms: float) -> float | None:
-        """Seconds without progress after which a rank doing ``busy`` is hung (None: never)."""
+    def silence_s(self, *, waited: bool = False) -> float:
+        """``silence_limit`` of this run's heartbeat timeout."""
+        return silence_limit(self.heartbeat_timeout_s, waited=waited)
+
+    def deadline(self, busy: str, step_ms: float, *, waited: bool = False) -> float | None:
+        """Seconds without progress after which a rank doing ``busy`` is hung (None: never);
+        ``waited``: its peers wait for it (a step's heartbeat part shrinks as ``silence_s``)."""
         if busy == "step":
             if self.step_s is not None:
                 return self.step_s
             if step_ms <= 0:
                 return self.first_step_s
-            return self.heartbeat_timeout_s + STEP_FACTOR * step_ms / 1000.0
+            return self.silence_s(waited=waited) + STEP_FACTOR * step_ms / 1000.0
         if busy == "average":
             return self.heartbeat_timeout_s + self.first_step_s
         if busy in ("eval", "callback", "save"):
@@ -79,17 +113,18 @@ class Progress:
     at: float = 0.0  # controller clock when the heartbeat arrived
 
 
-#: A heartbeat comes every second (rank/link.py); after this long without one a rank is silent, not stuck.
+#: A rank's heartbeat comes every half second (rank/link.py); after this long without one it is silent, not stuck.
 SILENT_AFTER_S = 2.0
 
 
-def stalled(progress: Progress, now: float, limits: ProgressLimits) -> str | None:
-    """Why the rank is hung (for the log and the summary), or None while it makes progress.
+def stalled(progress: Progress, now: float, limits: ProgressLimits, *, waited: bool = False) -> str | None:
+    """Why the rank is hung (for the log and the summary), or None while it makes progress;
+    ``waited``: its peers wait for it.
 
     The stall is what the heartbeat reported plus the time since it arrived:
     a rank whose heartbeats stop altogether is the silence check's.
     """
-    limit = limits.deadline(progress.busy, progress.step_ms)
+    limit = limits.deadline(progress.busy, progress.step_ms, waited=waited)
     if limit is None:
         return None
     # extrapolated only while heartbeats are due: a rank silent for longer (SIGSTOP, a cut link)
@@ -97,18 +132,23 @@ def stalled(progress: Progress, now: float, limits: ProgressLimits) -> str | Non
     stuck = progress.busy_s + min(max(0.0, now - progress.at), SILENT_AFTER_S)
     if stuck <= limit:
         return None
-    basis = _basis(progress, limits)
+    basis = _basis(progress, limits, waited=waited)
     return f"made no progress in {_WHAT[progress.busy]} for {stuck:.1f} s (deadline {limit:.1f} s: {basis})"
 
 
-def _basis(progress: Progress, limits: ProgressLimits) -> str:
+def _basis(progress: Progress, limits: ProgressLimits, *, waited: bool = False) -> str:
     """How the deadline was derived, so the user knows which option to raise."""
     if progress.busy == "step":
         if limits.step_s is not None:
             return "step_timeout_secs"
         if progress.step_ms <= 0:
             return "its first step, join_timeout_secs"
-        return f"heartbeat timeout {limits.heartbeat_timeout_s:g} s + {STEP_FACTOR:g} × its {progress.step_ms / 1000.0:.2f} s step; raise with --step-timeout-secs"
+        slack = (
+            f"{limits.silence_s(waited=True):g} s (its peers waiting for it)"
+            if waited
+            else f"heartbeat timeout {limits.heartbeat_timeout_s:g} s"
+        )
+        return f"{slack} + {STEP_FACTOR:g} × its {progress.step_ms / 1000.0:.2f} s step; raise with --step-timeout-secs"
     if progress.busy == "average":
         return "heartbeat timeout + join_timeout_secs"
     if progress.busy == "build":

@@ -238,8 +238,8 @@ class CpuAverager:
         # ``took_state(state)`` loads what came (None: nothing did) and says whether it held the outer
         # optimizer's state, which then steps the adopted average as the members stepped it
         self.state_out = StateOut(bulk, rank)
-        self.state_in = StateIn()
-        self.took_state: Callable[[bytearray | None], bool] = lambda state: False
+        self.state_in = StateIn(bulk.run_id)
+        self.took_state: Callable[[bytearray | memoryview | None], bool] = lambda state: False
         self.adopted_ranks = 0  # ``Update.ranks`` of the average this joiner adopted
         # ``--sync-compression``: parameter buckets travel as compressed deltas, as frames (cpu_deltas.py)
         self.deltas = SnapshotDeltas(compression, flat.buckets) if compression is not None else None
@@ -517,9 +517,10 @@ class CpuAverager:
                     bucket.copy_out()
 
     def close(self) -> None:
-        """Drop our segment's name (the controller normally already has)."""
+        """Drop our segments' names (the controller normally already has)."""
         if self.segment is not None:
             self.segment.unlink()
+        self.state_out.close()
 
     def poll(self) -> None:
         """Apply every update slice that has arrived (never blocks)."""

@@ -36,7 +36,9 @@ from .window_inbox import WindowInbox
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_INTERVAL_S = 1.0
+#: A rank beats twice a second (the controller and workers once): the controller judges a rank its peers
+#: wait for by three missed beats (plan/progress.py ``WAITED_MIN_S``), so they must come this often.
+HEARTBEAT_INTERVAL_S = 0.5
 #: Lazy frames (per-batch reports) leave at least this often.
 FLUSH_INTERVAL_S = 0.05
 #: How long the training thread gets to wind down after an abort or a lost controller.

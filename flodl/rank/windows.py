@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from .. import scalars
 from ..plan.metrics import epoch_rows
 from ..wire import messages as m
+from .cpu_average import CpuAverager
 from .handle import WorkerHandle
 from .outcomes import Stop, UserError
 from .round_loop import Due, RoundLoop
@@ -247,9 +248,9 @@ class Windows:
                     # per-step work outside compute and data (hundreds of steps' worth) must not
                     # make it arrive late at the average its slow partner is already waiting in
                     or (loop.target_ms and self._past_quota(loop.start, stats, loop.target_ms, loop.quota_ms))
-                    # the controller ends it (a window that had not started yet ends a batch in: its
-                    # average must hold something, a joiner adopts it: controller/training.py hurry_adoption)
-                    or (loop.window is not None and self.link.end_window >= loop.window and done > 0)
+                    # the controller ends it (a window that had not started yet ends a batch in where its
+                    # average must hold something: a joiner adopts it, controller/training.py hurry_adoption)
+                    or (loop.window is not None and self.link.end_window >= loop.window and (done > 0 or self._ends_empty(loop)))
                 )
             ):
                 loop.exhausted = True
@@ -283,6 +284,17 @@ class Windows:
             records = yield Due(epoch, batch, idx if type(idx) is int else len(idx), data_ms)
             loop.stepped += 1
             loop.last = self.report(records, stats, loop.last)
+
+    @staticmethod
+    def _ends_empty(loop: RoundLoop) -> bool:
+        """May a window the controller ended before its first batch end with none? On the CPU
+        backend, yes (its round goes with weight 0), unless this rank hands joiners its state with
+        that round's snapshot: the average they adopt is then its values. Before, such a window (sent
+        ahead, ended for a joiner that became ready) trained a batch first: a batch more between the
+        joiner's ready and its state. The collective backend's windows keep theirs (a group rebuilt
+        wants no empty average)."""
+        averager = loop.averager
+        return isinstance(averager, CpuAverager) and not averager.state_out.due(averager.round)
 
     def _past_quota(self, start: float, stats: RoundStats, target_ms: float, quota_ms: float) -> bool:
         """The window's time quota is used up (its wall less its averages): True, and what it ran

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ import torch
 from ..config.env import bulk_slice_bytes
 from ..errors import ProtocolError
 from .quant import BY_WIRE_NAME
+from .shm import STATE_ROLE, checked_path
 
 #: Floating dtypes a bulk frame may carry.
 DTYPES: dict[str, torch.dtype] = {
@@ -181,6 +183,22 @@ def state_slices(total: int) -> list[tuple[int, int]]:
     return [(start, min(SLICE_BYTES, total - start)) for start in range(0, total, SLICE_BYTES)]
 
 
+def check_state_segment(header: Any, frames: Sequence[Any], run_id: str) -> Path:
+    """The shared-memory segment a ``StateSlice`` names (``shm``): the whole state, no frame, a
+    state segment of this run (shm.py ``STATE_ROLE``).
+
+    Raises:
+        ProtocolError: ``bulk`` for a frame or a header that names part of the state, ``shm`` for
+            a path that is not a state segment of this run.
+    """
+    if frames or header.start != 0 or header.total < 1 or header.count != header.total:
+        raise ProtocolError("bulk", "a state segment's header names the whole state (start 0, count = total > 0) and carries no frame")
+    path = checked_path(header.shm, run_id, STATE_ROLE)
+    if path is None:
+        raise ProtocolError("shm", f"{header.shm!r} is not a state segment of this run")
+    return path
+
+
 def check_state_slice(header: Any, frames: Sequence[Any]) -> memoryview | None:
     """Check one ``StateSlice`` message against its header; its frame's bytes (no copy), or None
     for the message that says no state comes (``total`` -1, no frame).
@@ -188,6 +206,8 @@ def check_state_slice(header: Any, frames: Sequence[Any]) -> memoryview | None:
     Raises:
         ProtocolError: ``bulk`` naming what disagrees (frame count, byte length, bounds).
     """
+    if header.shm:
+        raise ProtocolError("bulk", "a state segment's header read as a slice")  # check_state_segment's
     if header.total == -1:
         if frames or header.count:
             raise ProtocolError("bulk", "a state message that says no state comes carries data")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
 
 
 @dataclass(slots=True)
@@ -378,7 +378,7 @@ class WindowDone:
 
 @dataclass(slots=True)
 class EndWindow:
-    """Finish the current batch, then end the window and average (ends an open-ended calibration window; since version 15 also any window ended early for a joining rank, and a window not started yet when this arrives ends after its first batch). (controller -> rank)"""
+    """Finish the current batch, then end the window and average (ends an open-ended calibration window; since version 15 also any window ended early for a joining rank, and a window not started yet when this arrives ends after its first batch; since version 16 on the CPU backend with no batch, its round averaged with weight 0, unless the rank hands joiners its state with that round's snapshot). (controller -> rank)"""
 
     KIND: ClassVar[int] = 21
     window: int
@@ -564,7 +564,7 @@ class EpochEnd:
 
 @dataclass(slots=True)
 class StateSlice:
-    """CPU backend, growing (since version 15): one slice of a donor's optimizer state for the ranks that join at an averaging round, its raw bytes following as one frame; the controller passes each slice on to those joiners as it comes. The state is the bytes of a bundle's .optim file (safetensors: the optimizer's state tensors, its parameter groups and what a bundle keeps beside them as JSON metadata, and the outer optimizer's anchor and momentum), sent as slices of at most 8 MiB. (rank|controller (bulk plane) -> controller (bulk plane)|rank)"""
+    """CPU backend, growing (since version 15): one slice of a donor's optimizer state for the ranks that join at an averaging round, its raw bytes following as one frame; the controller passes each slice on to those joiners as it comes. The state is the bytes of a bundle's .optim file (safetensors: the optimizer's state tensors, its parameter groups and what a bundle keeps beside them as JSON metadata, and the outer optimizer's anchor and momentum), sent as slices of at most 8 MiB; since version 16, from a donor on the controller's host, as one shared-memory segment instead (shm), which the controller names to each joiner on that host (its own link to it, which the joiner maps and unlinks) and sends as slices to the others. (rank|controller (bulk plane) -> controller (bulk plane)|rank)"""
 
     KIND: ClassVar[int] = 31
     rank: int
@@ -576,7 +576,9 @@ class StateSlice:
     start: int
     """byte offset of this slice in the state"""
     count: int
-    """bytes in this slice; the single frame holds exactly that many (0 and no frame when total is -1)"""
+    """bytes in this slice; the single frame holds exactly that many (0 and no frame when total is -1; total and no frame when shm names a segment)"""
+    shm: str
+    """since version 16: the path of a shared-memory segment of this run holding the whole state (start 0, count total, no frame): the donor's to the controller, the joiner's own link to it from the controller; empty: the bytes follow as a frame"""
 
 
 SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
@@ -608,5 +610,5 @@ SCHEMA: dict[int, tuple[str, type, tuple[tuple[str, str], ...]]] = {
     28: ('Respawn', Respawn, (('rank', 'int'), ('device', 'str'), ('replaces', 'int'), ('attempt', 'int'), ('delay_s', 'float'),)),
     29: ('ShutdownWithSave', ShutdownWithSave, (('reason', 'str'), ('abort', 'bool'), ('save_stem', 'str'), ('save_rank', 'int'), ('save_tag', 'str'),)),
     30: ('EpochEnd', EpochEnd, (('rank', 'int'), ('epoch', 'int'), ('scalars', 'map<str,list<float>>'),)),
-    31: ('StateSlice', StateSlice, (('rank', 'int'), ('round', 'int'), ('total', 'int'), ('start', 'int'), ('count', 'int'),)),
+    31: ('StateSlice', StateSlice, (('rank', 'int'), ('round', 'int'), ('total', 'int'), ('start', 'int'), ('count', 'int'), ('shm', 'str'),)),
 }

@@ -164,20 +164,7 @@ class Segment:
         Raises:
             ProtocolError: ``shm`` when it is not a regular file of this uid of at least ``min_bytes``.
         """
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise ProtocolError("shm", f"cannot open segment {path}: {exc.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                raise ProtocolError("shm", f"segment {path} is not a regular file of this user")
-            if st.st_size < max(min_bytes, 1):
-                raise ProtocolError("shm", f"segment {path} holds {st.st_size} bytes, at least {min_bytes} needed")
-            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        return cls(path, mm)
+        return cls(path, _map(path, min_bytes, private=False))
 
     def view(self, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
         """``count`` elements of ``dtype`` at byte ``offset`` (no copy).
@@ -288,6 +275,66 @@ def unlink(path: str | Path) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+#: The role of a donor's state segment (a joiner's optimizer state: rank/state_lane.py), and of the
+#: controller's link to it for one joiner (averaging/server.py).
+STATE_ROLE = "state"
+
+
+def write_state(run_id: str, data: bytes | bytearray | memoryview) -> Path:
+    """A new segment of this process holding ``data`` (mode 0600): a donor's state for its joiners.
+
+    Raises:
+        OSError: no room (ENOSPC) or no /dev/shm; nothing is left behind.
+    """
+    path = path_for(run_id, STATE_ROLE)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        view = memoryview(data).cast("B")
+        while view:  # tmpfs takes it in one write; a short write goes on where it stopped
+            view = view[os.write(fd, view) :]
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return path
+
+
+def map_private(path: Path, nbytes: int) -> memoryview:
+    """A peer's segment of at least ``nbytes`` mapped copy-on-write, writable (a joiner's optimizer
+    state lives in it: its steps write its own pages, never the segment), its first ``nbytes``.
+
+    Raises:
+        ProtocolError: ``shm`` when it is not a regular file of this uid of at least ``nbytes``.
+    """
+    if nbytes < 1:
+        raise ProtocolError("shm", f"segment {path}: {nbytes} bytes named")
+    return memoryview(_map(path, nbytes, private=True))[:nbytes]
+
+
+def _map(path: Path, min_bytes: int, *, private: bool) -> mmap.mmap:
+    """Map a peer's segment whole: read-only and shared, or (``private``) writable copy-on-write.
+
+    Raises:
+        ProtocolError: ``shm`` when it is not a regular file of this uid of at least ``min_bytes``.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise ProtocolError("shm", f"cannot open segment {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise ProtocolError("shm", f"segment {path} is not a regular file of this user")
+        if st.st_size < max(min_bytes, 1):
+            raise ProtocolError("shm", f"segment {path} holds {st.st_size} bytes, at least {min_bytes} needed")
+        if private:
+            return mmap.mmap(fd, st.st_size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        return mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
 
 
 def create_probe(run_id: str) -> tuple[Path, str]:
