@@ -63,7 +63,8 @@ def test_a_healed_rank_takes_its_donors_optimizer_state_bit_for_bit(proc_env, tm
     sent, taken = observed(probes, "handoff.sent"), observed(probes, "handoff.taken")
     assert set(sent) == {0} and set(taken) == {3}, (sent.keys(), taken.keys())
     assert_same_state(taken[3][0], sent[0][0])
-    if mode == "cpu-cadence":  # one host: the state went through shared memory, no byte of it through a socket
+    if mode == "cpu-cadence" and compression == "none":  # one host: the state through shared memory, no byte of it through a socket
+        # (compressed, a CPU rank's payloads all take the socket, its state too: it still arrives whole)
         averaging = summary["averaging"]
         assert averaging["state_lane_bytes"] > 0 and averaging["state_wire_bytes"] == 0, averaging
     state = sent[0][0]
