@@ -129,3 +129,75 @@ def test_a_run_with_an_outer_optimizer_trains_and_ends_with_equal_replicas(proc_
     kind = outer[1]
     assert summary["config"]["outer_optimizer"] == kind and f"outer optimizer {kind}" in run.output
     assert len(set(summary["final_digests"].values())) == 1  # one consensus, either backend
+
+
+def _drift_rank(rank, world, port, block, out):
+    import datetime
+
+    import torch.distributed as dist
+
+    from flodl.rank.collective import CollectiveAverager
+    from flodl.rank.flat import FlatModel
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=20))
+    group = dist.ProcessGroupGloo(dist.PrefixStore("d", store), rank, world, datetime.timedelta(seconds=20))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    flat = FlatModel(model)
+    avg = CollectiveAverager(flat, group)
+    avg.outer = OuterStep(OuterConfig("nesterov", 0.7, 0.9), [b.values for b in flat.buckets], [True])
+    readings = []
+    for _ in range(3):  # the momentum warms up: the outer step moves further past the average each round
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * (rank + 1))  # each rank's own progress, the same every round
+        mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+        divergence = avg.average(1.0, measure=True, block=block).divergence
+        if not block:  # a background average's drift is read when it lands (the next call reports it)
+            avg.settle()
+            divergence = avg.last_drift[0]
+        readings.append((mine.tolist(), divergence))
+    out.put((rank, readings))
+
+
+@pytest.mark.parametrize("block", [True, False], ids=["blocking", "background"])
+def test_the_drift_reads_the_replicas_disagreement_not_the_outer_step(block):
+    """Two real gloo ranks, outer Nesterov (0.7, 0.9): the drift the guard reads is each replica's
+    distance from the plain average, ‖mine − average‖ / ‖average‖, the same every round when
+    the replicas disagree alike. Read against the outer step's result it grew with the momentum
+    (1.33x, then 2.5x the update past the average) and the guard shrank the windows."""
+    got = gloo_ranks(_drift_rank, 2, block)
+    for k in range(3):
+        mine = [torch.tensor(g[1][k][0], dtype=torch.float64) for g in got]
+        average = (mine[0] + mine[1]) / 2
+        for rank, g in enumerate(got):
+            want = float((mine[rank] - average).norm() / average.norm())
+            assert g[1][k][1] == pytest.approx(want, rel=1e-4), (rank, k)
+
+
+async def test_the_cpu_backend_drift_reads_the_plain_average_too():
+    """The same on the CPU backend (the controller's rounds over real bulk sockets): each round's
+    drift is the replica's distance from the plain average, not from the outer step's result."""
+    import asyncio
+
+    from .helpers.cpu_plane import controller, rank_side, stop
+
+    ctl, task = await controller()
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(torch.nn.Linear(4, 3))  # one anchor for both
+    avgs = [rank_side(ctl, r, mo) for r, mo in enumerate(models)]
+    for a in avgs:
+        a.outer = OuterStep(OuterConfig("nesterov", 0.7, 0.9), [b.values for b in a.flat.buckets], [True])
+    for k in range(3):
+        with torch.no_grad():
+            for rank, mo in enumerate(models):
+                for p in mo.parameters():
+                    p.add_(0.1 * (rank + 1))
+        mine = [torch.cat([p.detach().reshape(-1) for p in mo.parameters()]) for mo in models]
+        results = await asyncio.gather(*(asyncio.to_thread(a.average, 1.0, measure=True) for a in avgs))
+        average = (mine[0] + mine[1]) / 2
+        for rank, r in enumerate(results):
+            assert r.divergence == pytest.approx(float((mine[rank] - average).norm() / average.norm()), rel=1e-4), (rank, k)
+    await stop(ctl, task, avgs)

@@ -179,6 +179,14 @@ def ring_bytes(tensor: torch.Tensor, world: int) -> int:
     return 2 * (world - 1) * tensor.numel() * tensor.element_size() // max(world, 1)
 
 
+def _plain(average: torch.Tensor, outer: OuterStep | None, *, measured: bool) -> torch.Tensor:
+    """The plain average, as the drift must read it: a copy where the outer step is about to change
+    ``average`` in place. The drift is the replicas' disagreement (‖snapshot − average‖), not the
+    outer step's move past the average: that grows as its momentum warms up, and the guard read
+    the rising readings as diverging replicas and shrank the window below ``--min-anchor``."""
+    return average.clone() if measured and outer is not None else average
+
+
 class _Reduce:
     """A bucket's plain background average: one all-reduce of its weighted values and weight slot."""
 
@@ -639,15 +647,17 @@ class CollectiveAverager:
                         continue  # nobody trained since the last average: nothing to take
                     # a compressed bucket's exchange left the average itself in the send buffer
                     average = send[: bucket.numel] if compressed else send[: bucket.numel].div_(total)
+                    measured = bg.measure and bucket.group == PARAMS
+                    plain = _plain(average, self.outer, measured=measured)
                     self._outer_step(index, average, total)
                     bucket.copy_in()
                     bucket.values.sub_(pre).add_(average)
                     bucket.copy_out()
                     if compressed and self.deltas is not None:
                         self.deltas.landed(index, average, job)
-                    if bg.measure and bucket.group == PARAMS:
+                    if measured:
                         pre_all.append(pre)
-                        post_all.append(average)
+                        post_all.append(plain)
         except BaseException:
             self._drop(bg)
             raise
@@ -785,6 +795,7 @@ class CollectiveAverager:
             for index, (bucket, pre) in enumerate(zip(self._model.buckets, self.backup, strict=False)):
                 bucket.copy_in()
                 values, slot = bucket.values, bucket.flat[bucket.numel :]
+                plain = values  # what the drift reads: the plain average (_plain), else the values that land
                 w = weight if bucket.group == PARAMS else (1.0 if weight > 0 else 0.0)
                 # the values before the average: to measure drift, to recover if a peer
                 # dies mid-collective, and for a zero-weight rank if nobody trained
@@ -819,6 +830,8 @@ class CollectiveAverager:
                 if total > 0:
                     if exchange is None:
                         values.div_(total)
+                    if measure and bucket.group == PARAMS:
+                        plain = _plain(values, self.outer, measured=True)
                     if self.adopting:
                         self._adopted.add(index)
                     elif not final:  # a joiner's adoption is the others' consensus, their step in it
@@ -831,7 +844,7 @@ class CollectiveAverager:
                 bucket.copy_out()
                 if measure and bucket.group == PARAMS:
                     pre_all.append(pre)
-                    post_all.append(values)
+                    post_all.append(plain)
         if stepped and self.outer is not None:
             self.outer.round_done()
         if self.adopting and landed and weight == 0 and self._adopted_all():

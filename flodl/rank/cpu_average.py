@@ -608,6 +608,12 @@ class CpuAverager:
                 avg = consensus  # a tensor of its own: the outer step may change it
             else:
                 avg = piece.to(bucket.flat.device)
+            if pending.snap is not None and pending.measure and bucket.group == PARAMS:
+                # the drift reads the plain average, before the outer step moves past it (collective.py ``_plain``)
+                s = pending.snap[update.bucket][seg]
+                pending.sq[0] += float(s.norm()) ** 2
+                pending.sq[1] += float(avg.norm()) ** 2
+                pending.sq[2] += float(torch.dist(s, avg)) ** 2
             if self.outer is not None and not pending.overwrite and not self.adopting:
                 if avg.data_ptr() == piece.data_ptr():
                     avg = avg.clone()  # the piece may be the controller's shared segment, or a frame's buffer
@@ -623,10 +629,6 @@ class CpuAverager:
             else:
                 self._keep(update.bucket, seg, avg, pending)
                 s = pending.snap[update.bucket][seg]
-                if pending.measure and bucket.group == PARAMS:
-                    pending.sq[0] += float(s.norm()) ** 2
-                    pending.sq[1] += float(avg.norm()) ** 2
-                    pending.sq[2] += float(torch.dist(s, avg)) ** 2
                 # local + α·(avg − snapshot), in place: two passes, no temporary; the snapshot off
                 # first, so a replica that trained nothing since lands on the average exactly
                 values.sub_(s, alpha=self.alpha).add_(avg, alpha=self.alpha)
