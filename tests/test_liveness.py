@@ -86,14 +86,14 @@ def test_a_training_thread_stuck_in_user_code_is_declared_hung_and_fenced(hung_r
     assert_all_gone(hung.tree)  # the hung rank was fenced (SIGKILL), not left behind
 
 
-def test_a_stuck_thread_is_detected_within_half_the_heartbeat_timeout_when_its_peers_wait(hung_run):
-    """Detection of a stuck training thread its peers wait for (they finished their window and sit
-    idle): half the heartbeat timeout + 3 steps, not the whole of it or a collective timeout (the stall
-    is measured from the moment the fault fired, read off the log)."""
+def test_a_stuck_thread_is_detected_within_the_heartbeat_timeout(hung_run):
+    """Detection of a stuck training thread: heartbeat timeout + 3 steps, not a collective
+    timeout or more (the stall is measured from the moment the fault fired, read off the log).
+    Its peers' wait does not shorten it: a rank that beats on may be a survivor blocked in a
+    collective with a lost host (at half the timeout such survivors were judged hung first)."""
     [death] = hung_run("nccl-cadence").summary["deaths"]
     stuck = float(death["reason"].split("for ")[1].split(" s")[0])
-    assert "its peers waiting for it" in death["reason"], death["reason"]
-    assert 1.5 <= stuck < 2.8, death["reason"]  # the deadline (1.5 s: half of the 3 s heartbeat, + 3 steps), printed to 0.1 s
+    assert 3.0 <= stuck < 4.5, death["reason"]  # the deadline (3 s heartbeat + 3 steps), printed to 0.1 s
 
 
 def test_a_stopped_rank_its_peers_wait_for_is_dropped_at_half_the_heartbeat_timeout(proc_env, tmp_path):

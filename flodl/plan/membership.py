@@ -293,7 +293,7 @@ class Membership:
             return info.death
         if info.restart and info.state is PeerState.JOINING and not info.identity:
             return self._unstarted_death(info, now)
-        why = stalled(info.progress, now, limits, waited=waited) if limits is not None else None
+        why = stalled(info.progress, now, limits) if limits is not None else None
         if why is not None:
             return why
         silent_s = now - info.last_seen

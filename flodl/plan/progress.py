@@ -25,12 +25,13 @@ activity      deadline
 
 A rank its peers are **waiting for** (another live rank sits idle or in an
 average, while this one's last word was a step or an average) has less
-slack: the ``step`` deadline's heartbeat part and the silence that makes it
-dead (membership.py) shrink to ``WAITED_SHARE`` of the heartbeat timeout, never
-below ``WAITED_MIN_S`` (docs/fault-tolerance.md, *Liveness*). A stopped or
-stuck rank then stalls the world for half as long; a slow rank still beats
-(its link thread is not its training thread), and evals, saves, callbacks and
-builds keep their own deadlines.
+slack: the silence that makes it dead (membership.py) shrinks to
+``WAITED_SHARE`` of the heartbeat timeout, never below ``WAITED_MIN_S``
+(docs/fault-tolerance.md, *Liveness*): a stopped rank or a lost host then
+stalls the world for half as long. A rank that beats on keeps its
+deadlines whole (a stuck step too): it may be a survivor blocked in a collective
+with a lost host, and a slow rank still beats (its link thread is not its
+training thread).
 """
 
 from __future__ import annotations
@@ -85,15 +86,16 @@ class ProgressLimits:
         """``silence_limit`` of this run's heartbeat timeout."""
         return silence_limit(self.heartbeat_timeout_s, waited=waited)
 
-    def deadline(self, busy: str, step_ms: float, *, waited: bool = False) -> float | None:
-        """Seconds without progress after which a rank doing ``busy`` is hung (None: never);
-        ``waited``: its peers wait for it (a step's heartbeat part shrinks as ``silence_s``)."""
+    def deadline(self, busy: str, step_ms: float) -> float | None:
+        """Seconds without progress after which a rank doing ``busy`` is hung (None: never). A step's
+        keeps the whole heartbeat timeout, its peers waiting or not: a rank that beats on but makes
+        no progress may be a survivor blocked in a collective with a lost host."""
         if busy == "step":
             if self.step_s is not None:
                 return self.step_s
             if step_ms <= 0:
                 return self.first_step_s
-            return self.silence_s(waited=waited) + STEP_FACTOR * step_ms / 1000.0
+            return self.heartbeat_timeout_s + STEP_FACTOR * step_ms / 1000.0
         if busy == "average":
             return self.heartbeat_timeout_s + self.first_step_s
         if busy in ("eval", "callback", "save"):
@@ -117,14 +119,13 @@ class Progress:
 SILENT_AFTER_S = 2.0
 
 
-def stalled(progress: Progress, now: float, limits: ProgressLimits, *, waited: bool = False) -> str | None:
-    """Why the rank is hung (for the log and the summary), or None while it makes progress;
-    ``waited``: its peers wait for it.
+def stalled(progress: Progress, now: float, limits: ProgressLimits) -> str | None:
+    """Why the rank is hung (for the log and the summary), or None while it makes progress.
 
     The stall is what the heartbeat reported plus the time since it arrived:
     a rank whose heartbeats stop altogether is the silence check's.
     """
-    limit = limits.deadline(progress.busy, progress.step_ms, waited=waited)
+    limit = limits.deadline(progress.busy, progress.step_ms)
     if limit is None:
         return None
     # extrapolated only while heartbeats are due: a rank silent for longer (SIGSTOP, a cut link)
@@ -132,23 +133,18 @@ def stalled(progress: Progress, now: float, limits: ProgressLimits, *, waited: b
     stuck = progress.busy_s + min(max(0.0, now - progress.at), SILENT_AFTER_S)
     if stuck <= limit:
         return None
-    basis = _basis(progress, limits, waited=waited)
+    basis = _basis(progress, limits)
     return f"made no progress in {_WHAT[progress.busy]} for {stuck:.1f} s (deadline {limit:.1f} s: {basis})"
 
 
-def _basis(progress: Progress, limits: ProgressLimits, *, waited: bool = False) -> str:
+def _basis(progress: Progress, limits: ProgressLimits) -> str:
     """How the deadline was derived, so the user knows which option to raise."""
     if progress.busy == "step":
         if limits.step_s is not None:
             return "step_timeout_secs"
         if progress.step_ms <= 0:
             return "its first step, join_timeout_secs"
-        slack = (
-            f"{limits.silence_s(waited=True):g} s (its peers waiting for it)"
-            if waited
-            else f"heartbeat timeout {limits.heartbeat_timeout_s:g} s"
-        )
-        return f"{slack} + {STEP_FACTOR:g} × its {progress.step_ms / 1000.0:.2f} s step; raise with --step-timeout-secs"
+        return f"heartbeat timeout {limits.heartbeat_timeout_s:g} s + {STEP_FACTOR:g} × its {progress.step_ms / 1000.0:.2f} s step; raise with --step-timeout-secs"
     if progress.busy == "average":
         return "heartbeat timeout + join_timeout_secs"
     if progress.busy == "build":
