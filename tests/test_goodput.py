@@ -194,7 +194,9 @@ def test_a_run_with_a_killed_rank_reports_goodput_below_one_and_that_faults_lost
     assert fault["rank"] == 1 and fault["slot"] == 1 and fault["replaced_by"] == summary["restarts"][0]["rank"]
     assert fault["lost_samples"] > 0 and fault["lost_samples"] == summary["goodput_detail"]["lost_samples"]
     assert 0 <= fault["detect_s"] < 1.0  # an exit: its worker says so at once
-    assert fault["detect_s"] <= fault["recovered_s"] < fault["full_size_s"]
+    # a first fault is restarted at once: the world may be whole again before the survivors' first
+    # average in the new generation (a CI run read 0.1775 against 0.1750), so the two are not ordered
+    assert fault["detect_s"] <= fault["recovered_s"] and fault["detect_s"] < fault["full_size_s"]
 
     records = load(logs)
     root = [r for r in records["root"] if r.get("kind") == "node" and r.get("epoch_complete")]
