@@ -82,10 +82,6 @@ class ProgressLimits:
     eval_s: float  # evals, user callbacks, checkpoint writes
     step_s: float | None = None  # the user's override for every step (long steps)
 
-    def silence_s(self, *, waited: bool = False) -> float:
-        """``silence_limit`` of this run's heartbeat timeout."""
-        return silence_limit(self.heartbeat_timeout_s, waited=waited)
-
     def deadline(self, busy: str, step_ms: float) -> float | None:
         """Seconds without progress after which a rank doing ``busy`` is hung (None: never). A step's
         keeps the whole heartbeat timeout, its peers waiting or not: a rank that beats on but makes
